@@ -1,0 +1,1 @@
+"""The ablate stage."""

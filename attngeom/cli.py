@@ -1,0 +1,98 @@
+"""The ``attngeom`` command line (SPEC §7). Thin: each command parses, calls a stage, reports."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from attngeom import __version__
+from attngeom.errors import AttngeomError
+
+
+class _Group(click.Group):
+    """Turns :class:`AttngeomError` into one line on stderr and exit code 2."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except AttngeomError as exc:
+            click.echo(f"attngeom: error: {exc}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="attngeom")
+def main() -> None:
+    """Geometric analysis of token selection in multi-head attention.
+
+    \b
+    extract  runs the model once and writes attention rows, values and
+             per-query summaries into a Zarr store (GPU where there is one)
+    validate checks a store against the schema
+    demo     the whole pipeline on the offline default model and corpus
+    """
+
+
+STORE = click.option("--store", required=True, help="Store: a local path or an fsspec URL (s3://, memory://, file://).")
+
+
+@main.command()
+@click.option("--model", required=True, help="Offline name (gemma3-270m, smollm2-135m), hub id, local folder or .gguf file.")
+@click.option("--dataset", required=True, help="wiki-summaries, python-docs, wikitext-103, openwebtext, a datasets name, or a local .txt/.jsonl/.parquet file or folder.")
+@click.option("--context-length", "-L", type=click.IntRange(2), required=True, help="L: BOS plus L-1 tokens of one document.")
+@click.option("--num-sequences", "-S", type=click.IntRange(1), required=True, help="Sequences wanted in the run; a larger number later appends.")
+@STORE
+@click.option("--run", "run_id", help="Run id inside the store [default: <model>__<dataset>__L<L>].")
+@click.option("--split", help="Dataset split, for hub datasets.")
+@click.option("--text-field", default="text", show_default=True, help="Text field of .jsonl/.parquet/hub rows.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype; auto is float32 on CPU, bfloat16 on CUDA.")
+@click.option("--batch-size", type=click.IntRange(1), default=1, show_default=True, help="Sequences per forward pass.")
+@click.option("--store-rows", type=click.Choice(["last", "all"]), default="last", show_default=True, help="'all' also keeps every full attention row (float16), for small studies.")
+@click.option("--values-dtype", type=click.Choice(["float16", "float32"]), default="float16", show_default=True, help="Storage dtype of the value vectors.")
+@click.option("--window", "window_rule", type=click.Choice(["first", "random"]), default="first", show_default=True, help="Which window of each document: the first, or a seeded random offset.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random window rule.")
+@click.option("--bos-token", help="Token to use as BOS instead of the tokenizer's.")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+def extract(**kwargs) -> None:
+    """Run the model once over equalized single-document windows into the store.
+
+    Resumable: a run killed at any point and started again with the same command
+    finishes with every sequence exactly once. Sequences become visible to readers
+    only when all of their arrays are written.
+    """
+    from attngeom.extract.pipeline import ExtractRequest, extract as run_extract
+
+    progress = not kwargs.pop("no_progress")
+    result = run_extract(ExtractRequest(**kwargs, progress=progress))
+    click.echo(
+        f"run {result.run_id}: wrote {result.written} sequences ({result.total} in the run) "
+        f"in {result.seconds:.1f} s"
+    )
+
+
+@main.command()
+@STORE
+def validate(store: str) -> None:
+    """Check the store against schema version 1; one line per problem, exit 1 if any."""
+    from attngeom.store_schema import validate_store
+
+    problems = validate_store(store)
+    for line in problems:
+        click.echo(line)
+    if problems:
+        sys.exit(1)
+    click.echo(f"{store}: valid")
+
+
+@main.command()
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"), show_default=True, help="Folder for the demo store and its outputs.")
+@click.option("--num-sequences", "-S", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--context-length", "-L", type=click.IntRange(2), default=128, show_default=True)
+def demo(out: Path, num_sequences: int, context_length: int) -> None:
+    """The whole pipeline on the offline default model (gemma3-270m) and corpus (wiki-summaries)."""
+    from attngeom.demo import run_demo
+
+    run_demo(out, num_sequences=num_sequences, context_length=context_length)

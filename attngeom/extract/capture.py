@@ -1,0 +1,200 @@
+"""Capture of attention rows, values and per-query summaries during the model's own forward.
+
+The model runs its SDPA attention for the output. A function registered through
+transformers' ``AttentionInterface`` receives, in every supported architecture, the post-RoPE
+queries and keys and the un-repeated values of each layer; from them
+:func:`attention_summaries` recomputes the probability rows in query blocks (memory bounded
+at any L) and reduces each row to the quantities the store keeps (SPEC §3, §4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTN_IMPLEMENTATION = "attngeom_capture"
+
+# Bytes one block of float32 scores may take; a handful of block-sized temporaries live at once.
+BLOCK_BYTES = 64 * 2**20
+
+
+@dataclass
+class LayerCapture:
+    """What one layer yields for a batch of B sequences of length L.
+
+    values (B, KV, L, Dh) in the model dtype; attn_last (B, H, L) float32, the final query's
+    row; winner (B, H, L) int64, j* of SPEC §4 per query; sink_attn, diag_attn, top1_attn,
+    entropy (B, H, L) float32 per query (entropy in nats); attendable (L,) bool, keys the
+    final query may attend; rows (B, H, L, L) float16 when full rows are kept.
+    """
+
+    values: torch.Tensor
+    attn_last: torch.Tensor
+    winner: torch.Tensor
+    sink_attn: torch.Tensor
+    diag_attn: torch.Tensor
+    top1_attn: torch.Tensor
+    entropy: torch.Tensor
+    attendable: torch.Tensor
+    rows: torch.Tensor | None = None
+
+
+def allowed_keys(
+    attention_mask: torch.Tensor | None, q0: int, q1: int, length: int, device: torch.device
+) -> torch.Tensor:
+    """Boolean (B|1, 1, q1-q0, L) mask of the keys each query in [q0, q1) may attend.
+
+    ``attention_mask`` is what transformers passes to the attention function: None when plain
+    causal attention lets SDPA use ``is_causal``, a boolean mask (True = attend), or an additive
+    float mask (0 = attend).
+    """
+    if attention_mask is None:
+        q = torch.arange(q0, q1, device=device)[:, None]
+        k = torch.arange(length, device=device)[None, :]
+        return (k <= q)[None, None]
+    block = attention_mask[:, :, q0:q1, :length]
+    if block.dtype == torch.bool:
+        return block
+    return block == 0
+
+
+def attention_summaries(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    *,
+    softcap: float | None = None,
+    keep_rows: bool = False,
+    need_output: bool = False,
+    block_bytes: int = BLOCK_BYTES,
+) -> tuple[LayerCapture, torch.Tensor | None]:
+    """Per-query summaries of ``softmax(scaling * q k^T + mask)`` for one layer.
+
+    query (B, H, L, Dh), key and value (B, KV, L, Dh) with query head h reading kv head
+    h // (H/KV). Scores are computed in float32. ``winner`` is argmax_j A_ij ||v_j|| with ties
+    to the smaller j (``argmax`` returns the first maximum). With ``need_output`` (a softcapped
+    model SDPA cannot run) the attention output (B, L, H, Dh) is returned too.
+    """
+    bsz, n_heads, length, head_dim = query.shape
+    n_kv = key.shape[1]
+    group = n_heads // n_kv
+    q = query.float().reshape(bsz, n_kv, group, length, head_dim)
+    k = key.float()
+    v = value.float()
+    v_norm = v.norm(dim=-1)[:, :, None, None, :]
+    block = max(1, min(length, block_bytes // max(1, bsz * n_heads * length * 4)))
+    out = {
+        name: torch.empty(bsz, n_kv, group, length, device=query.device, dtype=torch.float32)
+        for name in ("sink_attn", "diag_attn", "top1_attn", "entropy")
+    }
+    winner = torch.empty(bsz, n_kv, group, length, device=query.device, dtype=torch.int64)
+    rows = (
+        torch.empty(bsz, n_kv, group, length, length, device=query.device, dtype=torch.float16)
+        if keep_rows
+        else None
+    )
+    output = torch.empty(bsz, n_kv, group, length, head_dim, device=query.device) if need_output else None
+    for q0 in range(0, length, block):
+        q1 = min(length, q0 + block)
+        scores = torch.einsum("bkgqd,bkld->bkgql", q[:, :, :, q0:q1], k) * scaling
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        allowed = allowed_keys(attention_mask, q0, q1, length, query.device)
+        scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        idx = torch.arange(q0, q1, device=query.device)
+        out["sink_attn"][..., q0:q1] = probs[..., 0]
+        out["diag_attn"][..., q0:q1] = probs[..., torch.arange(q1 - q0, device=query.device), idx]
+        out["top1_attn"][..., q0:q1] = probs.amax(dim=-1)
+        out["entropy"][..., q0:q1] = -torch.special.xlogy(probs, probs).sum(dim=-1)
+        winner[..., q0:q1] = (probs * v_norm).argmax(dim=-1)
+        if rows is not None:
+            rows[..., q0:q1, :] = probs.half()
+        if output is not None:
+            output[..., q0:q1, :] = torch.einsum("bkgql,bkld->bkgqd", probs, v)
+        if q1 == length:
+            attn_last = probs[..., -1, :].reshape(bsz, n_heads, length)
+            last_allowed = allowed[0, 0, -1]
+
+    def heads(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(bsz, n_heads, *t.shape[4:]) if t.dim() > 4 else t.reshape(bsz, n_heads, length)
+
+    capture = LayerCapture(
+        values=value,
+        attn_last=attn_last,
+        winner=heads(winner),
+        sink_attn=heads(out["sink_attn"]),
+        diag_attn=heads(out["diag_attn"]),
+        top1_attn=heads(out["top1_attn"]),
+        entropy=heads(out["entropy"]),
+        attendable=last_allowed,
+        rows=rows.reshape(bsz, n_heads, length, length) if rows is not None else None,
+    )
+    attn_output = (
+        output.reshape(bsz, n_heads, length, head_dim).transpose(1, 2).to(query.dtype)
+        if output is not None
+        else None
+    )
+    return capture, attn_output
+
+
+@dataclass
+class Recorder:
+    """Collects the :class:`LayerCapture` of every layer during one forward pass."""
+
+    keep_rows: bool = False
+    layers: dict[int, LayerCapture] = field(default_factory=dict)
+
+
+_ACTIVE: list[Recorder] = []
+
+
+def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    softcap = kwargs.get("softcap")
+    recorder = _ACTIVE[-1] if _ACTIVE else None
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if recorder is None and softcap is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    capture, output = attention_summaries(
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling,
+        softcap=softcap,
+        keep_rows=recorder.keep_rows if recorder else False,
+        need_output=softcap is not None,
+    )
+    if recorder is not None:
+        recorder.layers[module.layer_idx] = capture
+    if output is None:
+        output, _ = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    return output, None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _capture_attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def recording(keep_rows: bool = False) -> Iterator[Recorder]:
+    """Within the block, every forward of a model set to the capture implementation records."""
+    recorder = Recorder(keep_rows=keep_rows)
+    _ACTIVE.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _ACTIVE.remove(recorder)

