@@ -26,7 +26,7 @@ def store_summary(store: str, run_id: str) -> str:
     stored = sum(run[n].nbytes_stored() for n in store_schema.SEQUENCE_ARRAYS if n in run)
     raw = sum(run[n].nbytes * len(done) // max(1, run[n].shape[0]) for n in store_schema.SEQUENCE_ARRAYS if n in run)
     winner = ds["winner"].isel(query=slice(1, None)).values
-    query = np.arange(1, winner.shape[-1])
+    query = np.arange(1, winner.shape[-1] + 1)
     diag = (winner == query).mean()
     sink = (winner == 0).mean()
     sink_last = float(ds["attn_last"].isel(key=0).mean())

@@ -19,10 +19,13 @@ Layout decisions, made for what reads and writes the store:
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -118,7 +121,7 @@ class RunLayout:
     head_kv: tuple[int, ...]
     window: tuple[int, ...]
     attendable: tuple[tuple[bool, ...], ...] = field(repr=False)
-    values_dtype: str = "float16"
+    values_dtype: str = "float32"
     store_rows: str = "last"
 
     @property
@@ -201,24 +204,29 @@ def open_or_create_root(url: str) -> zarr.Group:
 
 
 def check_writable(url: str) -> None:
-    """Refuse a local store path that cannot be written, before anything is created."""
+    """Refuse a local store path that cannot be written, before anything is created.
+
+    Probes by creating and removing a temporary file in the store folder, or in its nearest
+    existing parent: permission bits do not tell (root, read-only mounts).
+    """
     if "://" in url and not url.startswith("file://"):
         return
-    import os
-
-    path = os.path.abspath(url[len("file://") :] if url.startswith("file://") else url)
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise AttngeomError(f"store path {path} exists and is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise AttngeomError(f"store path {path} is not writable ({probe} does not allow writing)")
-    if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, "zarr.json")):
+    path = Path(url.removeprefix("file://")).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise AttngeomError(f"store path {path} exists and is not a folder")
+    if path.is_dir() and any(path.iterdir()) and not (path / "zarr.json").exists():
         raise AttngeomError(f"{path} is a non-empty folder that is not a Zarr store")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise AttngeomError(f"cannot create store {path}: {probe} is a file, not a folder")
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".attngeom-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        raise AttngeomError(f"store path {path} is not writable ({exc.strerror} in {probe})") from exc
 
 
 def run_ids(root: zarr.Group) -> list[str]:

@@ -57,7 +57,7 @@ class ExtractRequest:
     dtype: str = "auto"
     batch_size: int = 1
     store_rows: str = "last"
-    values_dtype: str = "float16"
+    values_dtype: str = "float32"
     window_rule: str = "first"
     seed: int = 0
     bos_token: str | None = None

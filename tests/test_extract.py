@@ -1,0 +1,182 @@
+"""extract end to end on tiny models: store contents equal eager attention, resume, append, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+import zarr
+from click.testing import CliRunner
+
+from attngeom import store_schema
+from attngeom.cli import main
+from attngeom.extract.pipeline import ExtractRequest, extract
+
+from test_capture import eager_reference
+
+
+def run_extract(model_dir, corpus, store, **kw) -> str:
+    args = dict(model=str(model_dir), dataset=str(corpus), context_length=16, num_sequences=4,
+                store=str(store), run_id="r", progress=False)
+    args.update(kw)
+    return extract(ExtractRequest(**args)).run_id
+
+
+def open_run(store, run_id="r") -> xr.Dataset:
+    return xr.open_zarr(str(store), group=f"runs/{run_id}", consolidated=False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_store_equals_eager_for_stored_tokens(arch, tiny_model_dir, word_corpus, tmp_path):
+    folder = tiny_model_dir(arch)
+    run_extract(folder, word_corpus, tmp_path / "s.zarr", batch_size=3, store_rows="all", num_sequences=5)
+    ds = open_run(tmp_path / "s.zarr")
+    assert dict(ds.sizes) | {} == dict(ds.sizes)
+    assert ds["values"].dims == ("seq", "layer", "kv_head", "pos", "head_dim")
+    assert ds["attn_last"].dims == ("seq", "layer", "head", "key")
+    assert list(ds["head_kv"].values) == [0, 0, 1, 1]
+    tokens = torch.from_numpy(ds["tokens"].values.astype("int64"))
+    assert (tokens[:, 0] == 1).all()  # BOS
+    rows, values, _ = eager_reference(folder, tokens)
+    length = tokens.shape[1]
+    for layer in range(ds.sizes["layer"]):
+        a = rows[layer].numpy()
+        v = values[layer].numpy()
+        np.testing.assert_allclose(ds["values"].isel(layer=layer).values, v, atol=1e-6)
+        np.testing.assert_allclose(ds["attn_last"].isel(layer=layer).values, a[:, :, -1], atol=1e-5)
+        np.testing.assert_allclose(ds["attn"].isel(layer=layer).values, a, atol=1e-3)
+        np.testing.assert_allclose(ds["sink_attn"].isel(layer=layer).values, a[..., 0], atol=1e-5)
+        score = a * np.repeat(np.linalg.norm(v, axis=-1), 2, axis=1)[:, :, None, :]
+        np.testing.assert_array_equal(ds["winner"].isel(layer=layer).values, score.argmax(-1))
+        allowed = ds["attendable"].isel(layer=layer).values
+        assert allowed.sum() == (length if ds["window"].values[layer] == 0 else ds["window"].values[layer])
+    if arch == "gemma3":
+        assert list(ds["window"].values) == [6, 0, 6]
+
+
+def test_resume_and_append_write_each_sequence_once(tiny_model_dir, word_corpus, tmp_path):
+    folder = tiny_model_dir("llama")
+    reference = tmp_path / "ref.zarr"
+    run_extract(folder, word_corpus, reference, num_sequences=6)
+    store = tmp_path / "s.zarr"
+    run_extract(folder, word_corpus, store, num_sequences=3)
+    run_extract(folder, word_corpus, store, num_sequences=3)  # nothing left to do
+    run_extract(folder, word_corpus, store, num_sequences=6)  # appends 3
+    assert store_schema.validate_store(str(store)) == []
+    a, b = open_run(reference), open_run(store)
+    for name in ("tokens", "values", "attn_last", "winner", "entropy", "doc_index", "window_start"):
+        np.testing.assert_array_equal(a[name].values, b[name].values)
+    assert list(b["doc_index"].values) == sorted(set(b["doc_index"].values))
+
+
+def test_sigkill_at_any_point_then_resume(tiny_model_dir, word_corpus, tmp_path):
+    """Kill extract with SIGKILL at several moments; the same command then finishes the run."""
+    folder = tiny_model_dir("gemma3")
+    reference = tmp_path / "ref.zarr"
+    run_extract(folder, word_corpus, reference, num_sequences=11)
+    store = tmp_path / "s.zarr"
+    cmd = [sys.executable, "-m", "attngeom.cli", "extract", "--model", str(folder), "--dataset",
+           str(word_corpus), "-L", "16", "-S", "11", "--store", str(store), "--run", "r", "--no-progress"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    complete = store / "runs" / "r" / "complete" / "c"
+    for wait_for_commits in (0, 2, 5):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            done = len(list(complete.iterdir())) if complete.exists() else 0
+            if (wait_for_commits == 0 and (store / "zarr.json").exists()) or (wait_for_commits and done >= wait_for_commits):
+                break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
+    assert store_schema.validate_store(str(store)) == []
+    a, b = open_run(reference), open_run(store)
+    assert int(b["complete"].sum()) == 11
+    for name in ("tokens", "values", "attn_last", "winner", "sink_attn", "doc_index"):
+        np.testing.assert_array_equal(a[name].values, b[name].values)
+
+
+def test_interrupted_creation_is_replaced(tiny_model_dir, word_corpus, tmp_path):
+    store = tmp_path / "s.zarr"
+    root = store_schema.open_or_create_root(str(store))
+    root.require_group("runs/r").create_array("tokens", shape=(1, 3), dtype="int32")
+    assert "creation was interrupted" in store_schema.validate_store(str(store))[0]
+    run_extract(tiny_model_dir("llama"), word_corpus, store, num_sequences=2)
+    assert store_schema.validate_store(str(store)) == []
+
+
+def tree(path: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}
+
+
+def test_bad_input_exits_2_with_one_line_and_store_untouched(tiny_model_dir, word_corpus, tmp_path):
+    folder = tiny_model_dir("llama")
+    store = tmp_path / "s.zarr"
+    run_extract(folder, word_corpus, store, num_sequences=2)
+    before = tree(store)
+    base = ["extract", "--model", str(folder), "--dataset", str(word_corpus), "-L", "16", "-S", "2",
+            "--store", str(store), "--run", "r", "--no-progress"]
+
+    def with_(**kw):
+        args = list(base)
+        for key, value in kw.items():
+            flag = "--" + key.replace("_", "-")
+            if flag in args:
+                args[args.index(flag) + 1] = value
+            else:
+                args += [flag, value]
+        return args
+
+    cases = {
+        "unknown model": with_(model="no-such-model-xyz"),
+        "unknown dataset": with_(dataset="no-such-dataset-xyz"),
+        "too few documents": with_(num_sequences="500"),
+        "another L for the run": with_(context_length="12"),
+        "bad BOS token": with_(bos_token="<not-a-token>"),
+    }
+    runner = CliRunner()
+    messages = {}
+    for case, args in cases.items():
+        result = runner.invoke(main, args)
+        assert result.exit_code == 2, (case, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("attngeom: error: "), (case, result.stderr)
+        messages[case] = lines[0]
+        assert tree(store) == before, case
+    assert "only 12 documents of at least 15 tokens" in messages["too few documents"]
+    assert "context_length 16 (asked 12)" in messages["another L for the run"]
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    result = runner.invoke(main, with_(store=str(afile / "s.zarr")))
+    assert result.exit_code == 2 and "not a folder" in result.stderr
+
+    other = tmp_path / "other.zarr"
+    zarr.open_group(str(other), mode="w").attrs["attngeom"] = {"schema_version": 99}
+    result = runner.invoke(main, with_(store=str(other)))
+    assert result.exit_code == 2 and "schema version 99" in result.stderr
+
+
+def test_no_bos_token_is_refused(tiny_model_dir, word_corpus, tmp_path):
+    folder = tmp_path / "nobos"
+    src = tiny_model_dir("llama")
+    folder.mkdir()
+    for f in src.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg.pop("bos_token", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    result = CliRunner().invoke(main, ["extract", "--model", str(folder), "--dataset", str(word_corpus),
+                                       "-L", "16", "-S", "1", "--store", str(tmp_path / "s.zarr")])
+    assert result.exit_code == 2 and "no BOS token" in result.stderr
+    assert not (tmp_path / "s.zarr").exists()

@@ -1,0 +1,52 @@
+"""Smoke tests on the two offline real models: concrete shapes, BOS, GQA mapping, eager agreement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+from attngeom import store_schema
+from attngeom.extract.models import resolve_model, _converted_folder
+from attngeom.extract.pipeline import ExtractRequest, extract
+
+from test_capture import eager_reference
+
+EXPECTED = {
+    # name: (layers, heads, kv heads, head_dim, BOS id, head_kv)
+    "gemma3-270m": (18, 4, 1, 256, 2, [0, 0, 0, 0]),
+    "smollm2-135m": (30, 9, 3, 64, 1, [0, 0, 0, 1, 1, 1, 2, 2, 2]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_real_model_extract(name, tmp_path):
+    layers, heads, kv_heads, head_dim, bos, head_kv = EXPECTED[name]
+    store = tmp_path / "s.zarr"
+    run_id = extract(ExtractRequest(model=name, dataset="wiki-summaries", context_length=48, num_sequences=2,
+                                    store=str(store), progress=False)).run_id
+    assert run_id == f"{name}__wiki-summaries__L48"
+    assert store_schema.validate_store(str(store)) == []
+    ds = xr.open_zarr(str(store), group=f"runs/{run_id}")
+    assert (ds.sizes["layer"], ds.sizes["head"], ds.sizes["kv_head"], ds.sizes["head_dim"]) == (layers, heads, kv_heads, head_dim)
+    assert list(ds["head_kv"].values) == head_kv
+    assert (ds["tokens"].values[:, 0] == bos).all()
+    assert (ds["window"].values == 0).all()  # Gemma 3's 512-token window is longer than L
+    attn_last = ds["attn_last"].values
+    np.testing.assert_allclose(attn_last.sum(-1), 1.0, atol=1e-5)
+    # Attention sinks: averaged over heads and layers the final query puts a large share on BOS.
+    assert attn_last[..., 0].mean() > 0.2
+    assert (ds["winner"].values <= np.arange(48)).all()
+    assert ds.attrs["attngeom"]["model"]["file_sha256"] == resolve_model(name).file_sha256
+
+    # The stored rows, values and winners are those of the converted model's eager attention.
+    rows, values, _ = eager_reference(_converted_folder(resolve_model(name)), torch.from_numpy(ds["tokens"].values.astype("int64")))
+    for layer in (0, layers - 1):
+        a, v = rows[layer].numpy(), values[layer].numpy()
+        np.testing.assert_allclose(ds["attn_last"].isel(layer=layer).values, a[:, :, -1], atol=1e-5)
+        # SDPA and eager round differently; 17 layers of residual stream carry it to ~1e-5.
+        np.testing.assert_allclose(ds["values"].isel(layer=layer).values, v, atol=1e-4, rtol=1e-3)
+        score = a * np.linalg.norm(v, axis=-1)[:, head_kv][:, :, None, :]
+        agree = ds["winner"].isel(layer=layer).values == score.argmax(-1)
+        assert agree.mean() > 0.999
