@@ -30,6 +30,7 @@ def main() -> None:
     \b
     extract  runs the model once and writes attention rows, values and
              per-query summaries into a Zarr store (GPU where there is one)
+    analyze  computes the paper's geometry from the store, out of core (Dask)
     validate checks a store against the schema
     demo     the whole pipeline on the offline default model and corpus
     """
@@ -71,6 +72,35 @@ def extract(**kwargs) -> None:
         f"run {result.run_id}: wrote {result.written} sequences ({result.total} in the run) "
         f"in {result.seconds:.1f} s"
     )
+
+
+def _n_grid(ctx, param, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter("a comma-separated list of integers, e.g. 1,2,4,8") from None
+
+
+@main.command()
+@STORE
+@click.option("--run", "run_id", help="Analyze only this run [default: every run].")
+@click.option("--scheduler", help="Address of an existing Dask scheduler (tcp://host:8786) [default: a LocalCluster sized to this machine].")
+@click.option("--n-grid", callback=_n_grid, help="Selection sizes N [default: 1,2,4,... < L].")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Also write the tidy tables here (Parquet and CSV).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random-N control.")
+@click.option("--no-progress", is_flag=True, help="Hide progress bars.")
+def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: Path | None, seed: int, no_progress: bool) -> None:
+    """Compute every quantity of SPEC §3 from the store, out of core, without the model.
+
+    Writes runs/<id>/analysis/{topn,values,heads,summary,table} into the store; only
+    committed sequences are read, and re-running overwrites the same results.
+    """
+    from attngeom.analyze.stage import analyze as run_analyze
+
+    for r in run_analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed, progress=not no_progress):
+        click.echo(f"run {r.run_id}: {r.sequences} sequences, {r.instances} head instances in {r.seconds:.1f} s")
 
 
 @main.command()

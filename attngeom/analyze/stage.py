@@ -1,0 +1,320 @@
+"""The analyze stage: the kernels of SPEC §3 mapped over a store, out of core, with Dask.
+
+Each task reads one (sequence, layer) chunk of ``attn_last`` and ``values`` (the store's inner
+chunks), evaluates every head of it, and returns a few kilobytes; memory per worker is bounded
+by one such chunk whatever the store's size. Results are written back to the store under
+``runs/<id>/analysis/``:
+
+- ``topn``    (seq, layer, head, n): the per-instance quantities of SPEC §3;
+- ``values``  (seq, layer, head): norm and coherence statistics per sequence;
+- ``heads``   (layer, head): those statistics' means and coefficients of variation across
+  sequences, and the robust coherence constants at ``N = 64``;
+- ``summary`` (layer, head, n, stat): mean, median, 5% and 95% quantiles and count of every
+  ``topn`` variable across sequences, plus F conditioned on the sink's selection;
+- ``table``   (row): the same as a tidy table (also Parquet and CSV with ``--out``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import dask
+import dask.array as da
+import numpy as np
+import pandas as pd
+import xarray as xr
+
+from attngeom import store_schema
+from attngeom.analyze.kernels import topn_metrics, value_statistics
+from attngeom.errors import AttngeomError
+
+TOPN_INTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact")
+TOPN_VARS = (
+    "precision", "recall", "f_score", "inversions", "sink_selected",
+    "k_sink", "precision_bound", "recall_bound",
+    "k_sink_q95", "precision_bound_q95", "recall_bound_q95", "k_sink_exact",
+    "mu", "mu_q95",
+    "random_precision", "random_recall", "random_f_score",
+    "nosink_precision", "nosink_recall", "nosink_f_score",
+    "sink_norm_share", "sink_direction_change", "sink_intrusion", "sink_pair_inversion_frac",
+    "sink_alignment",
+    "loo_cos", "loo_margin", "loo_positive_frac", "loo_distance_margin",
+    "s_norm", "s_norm_nosink", "s_norm_nocurrent", "cos_s_v0", "cos_s_vlast",
+)
+VALUE_VARS = (
+    "C", "sink_norm_ratio", "norm_cv", "median_cos",
+    "sink_cos_median", "sink_cos_neg_frac", "nu_minus_q95", "nu_plus_q95",
+)
+RANDOM_DRAWS = 8
+# The paper's appendix reports the coherence constants at N = 64.
+COHERENCE_N = 64
+SEQ_CHUNK = 64
+
+
+def default_n_grid(length: int) -> list[int]:
+    """N in {1, 2, 4, ...} with N < L."""
+    return [2**k for k in range(int(np.log2(max(length - 1, 1))) + 1) if 2**k < length]
+
+
+def _instance_seed(seed: int, seq: int, layer: int) -> int:
+    """A seed per (sequence, layer): the random control does not depend on chunking or order."""
+    return int(np.random.SeedSequence([seed, seq, layer]).generate_state(1)[0])
+
+
+def _head_values(values: np.ndarray, head_kv: np.ndarray) -> np.ndarray:
+    """(KV, K, D) kv-head values -> (H, K, D): query head h reads kv head head_kv[h]."""
+    return values[head_kv].astype(np.float64)
+
+
+def _topn_block(attn, values, attendable, seq_ids, layer_ids, *, head_kv, n_grid, seed):
+    """One (sequence, layer) block: attn (1,1,H,K), values (1,1,KV,K,D), attendable (1,K)
+    -> (1, 1, H, n, var) float64 in TOPN_VARS order."""
+    n_heads = attn.shape[2]
+    out = topn_metrics(
+        attn[0, 0].astype(np.float64),
+        _head_values(values[0, 0], head_kv),
+        np.broadcast_to(attendable[0], attn.shape[2:]),
+        n_grid,
+        seed=_instance_seed(seed, int(seq_ids[0]), int(layer_ids[0])),
+        random_draws=RANDOM_DRAWS,
+    )
+    stacked = np.stack([out[name].astype(np.float64) for name in TOPN_VARS], axis=-1)
+    return stacked.reshape(1, 1, n_heads, len(n_grid), len(TOPN_VARS))
+
+
+def _values_block(values, attendable, *, head_kv):
+    """values (1,1,KV,K,D), attendable (1,K) -> (1, 1, H, var) float64 in VALUE_VARS order."""
+    head_values = _head_values(values[0, 0], head_kv)
+    out = value_statistics(head_values, np.broadcast_to(attendable[0], head_values.shape[:2]))
+    return np.stack([out[name] for name in VALUE_VARS], axis=-1)[None, None]
+
+
+@dataclass(frozen=True)
+class AnalyzeResult:
+    run_id: str
+    sequences: int
+    instances: int
+    seconds: float
+
+
+def open_completed(store: str, run_id: str) -> xr.Dataset:
+    """The run as a lazy Dataset restricted to committed sequences, with a ``seq`` coordinate."""
+    root = store_schema.open_root(store)
+    run = store_schema.open_run_group(root, run_id)
+    done = store_schema.completed(run)
+    ds = xr.open_zarr(run.store, group=run.path, consolidated=False)
+    return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
+
+
+def topn_dataset(ds: xr.Dataset, n_grid: Sequence[int], seed: int = 0) -> xr.Dataset:
+    """Lazy (seq, layer, head, n) Dataset of every SPEC §3 quantity for the run ``ds``."""
+    n_seq, n_layers = ds.sizes["seq"], ds.sizes["layer"]
+    head_kv = ds["head_kv"].values
+    attn = ds["attn_last"].data
+    values = ds["values"].data
+    attendable = da.from_array(ds["attendable"].values, chunks=(1, -1))
+    seq_ids = da.from_array(ds["seq"].values, chunks=1)
+    layer_ids = da.from_array(np.arange(n_layers), chunks=1)
+    grid = np.asarray(n_grid, dtype=np.int64)
+    stacked = da.blockwise(
+        _topn_block, "slhnv",
+        attn, "slhk", values, "slgkd", attendable, "lk", seq_ids, "s", layer_ids, "l",
+        new_axes={"n": len(grid), "v": len(TOPN_VARS)},
+        concatenate=True, dtype=np.float64,
+        head_kv=head_kv, n_grid=grid, seed=seed,
+    ).rechunk({0: min(SEQ_CHUNK, max(n_seq, 1)), 1: -1})
+    dims = ("seq", "layer", "head", "n")
+    data = {}
+    for i, name in enumerate(TOPN_VARS):
+        x = stacked[..., i]
+        if name in TOPN_INTS:
+            x = x.astype(np.int64)
+        elif name == "sink_selected":
+            x = x.astype(np.int8)
+        data[name] = (dims, x)
+    return xr.Dataset(
+        data, coords={"seq": ds["seq"].values, "layer": ds["layer"].values, "head": ds["head"].values, "n": grid}
+    )
+
+
+def values_dataset(ds: xr.Dataset) -> xr.Dataset:
+    """Lazy (seq, layer, head) Dataset of the per-sequence norm and coherence statistics."""
+    attendable = da.from_array(ds["attendable"].values, chunks=(1, -1))
+    stacked = da.blockwise(
+        _values_block, "slhv",
+        ds["values"].data, "slgkd", attendable, "lk",
+        new_axes={"h": ds.sizes["head"], "v": len(VALUE_VARS)},
+        concatenate=True, dtype=np.float64, head_kv=ds["head_kv"].values,
+    ).rechunk({0: min(SEQ_CHUNK, max(ds.sizes["seq"], 1)), 1: -1})
+    dims = ("seq", "layer", "head")
+    return xr.Dataset(
+        {name: (dims, stacked[..., i]) for i, name in enumerate(VALUE_VARS)},
+        coords={"seq": ds["seq"].values, "layer": ds["layer"].values, "head": ds["head"].values},
+    )
+
+
+def _cv(x: xr.DataArray, dim: str) -> xr.DataArray:
+    """Coefficient of variation std/mean across ``dim``."""
+    return x.std(dim) / x.mean(dim)
+
+
+def heads_dataset(values: xr.Dataset, topn: xr.Dataset) -> xr.Dataset:
+    """(layer, head): per-sequence statistics' means and CVs, and coherence at N = 64."""
+    out = {}
+    for name in VALUE_VARS:
+        out[name] = values[name].mean("seq")
+        out[f"{name}_cv"] = _cv(values[name], "seq")
+    n = topn["n"].values
+    at = n[n <= COHERENCE_N].max() if (n <= COHERENCE_N).any() else n.min()
+    coherence = topn.sel(n=at).drop_vars("n")
+    for name in ("mu_q95", "mu"):
+        out[name] = coherence[name].mean("seq")
+        out[f"{name}_cv"] = _cv(coherence[name], "seq")
+    heads = xr.Dataset(out)
+    heads.attrs["coherence_n"] = int(at)
+    return heads
+
+
+STATS = ("mean", "median", "q05", "q95", "count")
+
+
+def summary_dataset(topn: xr.Dataset) -> xr.Dataset:
+    """(layer, head, n, stat) statistics across sequences of every topn variable.
+
+    Count variables use -1 for "N not valid here"; they are masked before reducing. Also
+    ``f_score_sink_selected`` / ``f_score_sink_unselected``: F conditioned on 0 in I_N.
+    """
+    masked = {
+        name: topn[name].where(topn[name] >= 0) if name in TOPN_INTS or name == "sink_selected" else topn[name]
+        for name in TOPN_VARS
+    }
+    selected = topn["sink_selected"] == 1
+    masked["f_score_sink_selected"] = topn["f_score"].where(selected)
+    masked["f_score_sink_unselected"] = topn["f_score"].where(topn["sink_selected"] == 0)
+    masked["bound_violation"] = (topn["inversions"] > topn["k_sink"]).where(topn["k_sink"] >= 0)
+    masked["certificate_violation"] = (topn["inversions"] > topn["k_sink_exact"]).where(topn["k_sink_exact"] >= 0)
+    out = {}
+    for name, x in masked.items():
+        x = x.astype(np.float64)
+        out[name] = xr.concat(
+            [x.mean("seq"), x.median("seq"), x.quantile(0.05, "seq").drop_vars("quantile"),
+             x.quantile(0.95, "seq").drop_vars("quantile"), x.count("seq").astype(np.float64)],
+            dim=xr.DataArray(np.array(STATS, dtype=object), dims="stat", name="stat"),
+        )
+    return xr.Dataset(out)
+
+
+def tidy_table(summary: xr.Dataset, provenance: dict, run_id: str) -> pd.DataFrame:
+    """Long table: run, model, dataset, L, layer, head, n, variable, mean, median, q05, q95, count."""
+    frame = summary.to_array("variable").to_dataset("stat").to_dataframe().reset_index()
+    frame.insert(0, "run", run_id)
+    frame.insert(1, "model", provenance.get("model", {}).get("id"))
+    frame.insert(2, "dataset", provenance.get("dataset", {}).get("id"))
+    frame.insert(3, "context_length", provenance.get("context_length"))
+    frame = frame[["run", "model", "dataset", "context_length", "layer", "head", "n", "variable", *STATS]]
+    text = ["run", "model", "dataset", "variable"]
+    frame[text] = frame[text].astype(object)
+    return frame
+
+
+@contextlib.contextmanager
+def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
+    """An existing cluster by address, else a LocalCluster sized to the machine.
+
+    A ``memory://`` store lives in this process only, so it is analyzed with threads.
+    """
+    if store.startswith("memory://") and scheduler is None:
+        with dask.config.set(scheduler="threads"):
+            yield None
+        return
+    from distributed import Client, LocalCluster
+
+    if scheduler is not None:
+        try:
+            client = Client(scheduler, timeout="10s")
+        except OSError as exc:
+            raise AttngeomError(f"cannot reach the Dask scheduler at {scheduler} ({exc})") from exc
+        with client:
+            yield client
+        return
+    with LocalCluster(threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, Client(cluster) as client:
+        yield client
+
+
+def _write(dataset: xr.Dataset, store: str, group: str, client: object | None, label: str, progress: bool) -> None:
+    target = store_schema.store_from_url(store, read_only=False)
+    delayed = dataset.to_zarr(target, group=group, mode="w", consolidated=False, zarr_format=3, compute=False)
+    if client is None:
+        from dask.diagnostics import ProgressBar
+
+        with ProgressBar() if progress else contextlib.nullcontext():
+            dask.compute(delayed)
+        return
+    future = client.compute(delayed)
+    if progress:
+        from distributed import progress as show
+
+        print(label, flush=True)
+        show(future)
+        print(flush=True)
+    future.result()
+
+
+def analyze(
+    store: str,
+    *,
+    run_id: str | None = None,
+    scheduler: str | None = None,
+    n_grid: Sequence[int] | None = None,
+    out: Path | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[AnalyzeResult]:
+    """Analyze every run of the store (or ``run_id``); results go to ``runs/<id>/analysis``."""
+    root = store_schema.open_root(store)
+    runs = store_schema.run_ids(root)
+    if run_id is not None and run_id not in runs:
+        raise AttngeomError(f"no run '{run_id}' in {store} (runs: {', '.join(runs) or 'none'})")
+    todo = [run_id] if run_id else runs
+    if not todo:
+        raise AttngeomError(f"{store} holds no run; run extract first")
+    results = []
+    with dask_client(scheduler, store) as client:
+        for rid in todo:
+            start = time.perf_counter()
+            ds = open_completed(store, rid)
+            if ds.sizes["seq"] == 0:
+                raise AttngeomError(f"run '{rid}' has no complete sequence yet")
+            length = ds.sizes["key"]
+            grid = sorted(set(n_grid)) if n_grid else default_n_grid(length)
+            if grid[0] < 1 or grid[-1] >= length:
+                raise AttngeomError(f"--n-grid must hold sizes 1 <= N < L = {length}")
+            base = f"{store_schema.RUNS}/{rid}/analysis"
+            topn = topn_dataset(ds, grid, seed)
+            topn.attrs["attngeom"] = {"n_grid": grid, "random_draws": RANDOM_DRAWS, "seed": seed}
+            _write(topn, store, f"{base}/topn", client, f"analyze {rid}: top-N geometry", progress)
+            _write(values_dataset(ds), store, f"{base}/values", client, f"analyze {rid}: value statistics", progress)
+            stored_topn = xr.open_zarr(store_schema.store_from_url(store, read_only=True), group=f"{base}/topn", consolidated=False)
+            stored_values = xr.open_zarr(store_schema.store_from_url(store, read_only=True), group=f"{base}/values", consolidated=False)
+            # Small reductions of what was just written: local threads, whose warnings we can
+            # silence (NaN marks "not defined here": no sink, N too large; all-NaN is expected).
+            with dask.config.set(scheduler="threads"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                heads = heads_dataset(stored_values, stored_topn).compute()
+                summary = summary_dataset(stored_topn).compute()
+            _write(heads, store, f"{base}/heads", None, "", False)
+            _write(summary, store, f"{base}/summary", None, "", False)
+            table = tidy_table(summary, ds.attrs.get("attngeom", {}), rid)
+            _write(xr.Dataset.from_dataframe(table.rename_axis("row")), store, f"{base}/table", None, "", False)
+            if out is not None:
+                out.mkdir(parents=True, exist_ok=True)
+                table.to_parquet(out / f"{rid}.topn.parquet", index=False)
+                table.to_csv(out / f"{rid}.topn.csv", index=False)
+            results.append(AnalyzeResult(rid, ds.sizes["seq"], ds.sizes["seq"] * ds.sizes["layer"] * ds.sizes["head"], time.perf_counter() - start))
+    store_schema.consolidate(store_schema.open_root(store, mode="a"))
+    return results

@@ -1,0 +1,465 @@
+"""Tests of attngeom.analyze.kernels against a brute-force twin written from the definitions."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attngeom.analyze import kernels
+from attngeom.analyze.kernels import topn_metrics, value_statistics
+
+RTOL, ATOL = 1e-9, 1e-12
+COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact", "sink_selected")
+
+
+# ---------------------------------------------------------------- brute-force twin
+
+
+def _unit(v):
+    n = np.linalg.norm(v)
+    return v / n if n > 0 else np.zeros_like(v)
+
+
+def _cos(a, b):
+    n = np.linalg.norm(a) * np.linalg.norm(b)
+    return float(a @ b / n) if n > 0 else math.nan
+
+
+def _scores(I, U, candidates, y, s):
+    """P(r_max), R(r_min), F from explicit balls around s."""
+    D = {k: float(np.sum((y[k] - s) ** 2)) for k in candidates}
+    r_max2 = max(D[i] for i in I)
+    r_min2 = min(D[j] for j in U)
+    in_closed_ball = [k for k in candidates if D[k] <= r_max2]
+    in_open_ball = [i for i in I if D[i] < r_min2]
+    P = len(I) / len(in_closed_ball)
+    R = len(in_open_ball) / len(I)
+    F = 2 * P * R / (P + R) if P + R > 0 else 0.0
+    return P, R, F
+
+
+def _brute_k_sink(beta, I, U, has_sink, mu, nu_plus, nu_minus):
+    """K_N^sink by evaluating L for every selected-unselected pair (appendix proof)."""
+    mu = 0.0 if math.isnan(mu) else mu
+    S_plus = [i for i in I if i != 0]
+    U_plus = [j for j in U if j != 0]
+    sigma = has_sink and 0 in I
+    b0 = beta[0] if has_sink else 0.0
+    A_plus = sum(beta[i] for i in S_plus)
+    A = A_plus + b0
+
+    def tol(bi, bj):
+        return kernels._L_RTOL * ((bi + A) ** 2 + (bj + A) ** 2)
+
+    count = 0
+    for i in S_plus:
+        for j in U_plus:
+            L = (beta[i] ** 2 + beta[j] ** 2
+                 - 2 * mu * (beta[i] * (A_plus - beta[i]) + beta[j] * A_plus))
+            if sigma:
+                L += 2 * b0 * (nu_minus * beta[j] - nu_plus * beta[i])
+            count += L <= tol(beta[i], beta[j])
+    if has_sink and not sigma:
+        for i in S_plus:
+            L = beta[i] ** 2 + b0**2 - 2 * mu * beta[i] * (A_plus - beta[i]) + 2 * b0 * nu_minus * A_plus
+            count += L <= tol(beta[i], b0)
+    if sigma:
+        for j in U_plus:
+            L = (b0**2 + beta[j] ** 2 - 2 * b0 * nu_plus * A_plus
+                 + 2 * beta[j] * b0 * nu_minus - 2 * mu * beta[j] * A_plus)
+            count += L <= tol(b0, beta[j])
+    return count
+
+
+def _brute_instance(alpha, v, att, grid, keys):
+    Kn = len(alpha)
+    Kset = [k for k in range(Kn) if att[k]]
+    has_sink = bool(att[0])
+    nonsink = [k for k in Kset if k != 0]
+    y = {k: alpha[k] * v[k] for k in range(Kn)}
+    u = {k: _unit(v[k]) for k in range(Kn)}
+    C = float(np.median([np.linalg.norm(v[k]) for k in nonsink])) if nonsink else math.nan
+    o = sum(y[k] for k in Kset)
+    sink_cos = [float(u[0] @ u[k]) for k in nonsink]
+    rows = []
+    for N in grid:
+        r = {}
+        if N < len(Kset):
+            order = sorted(Kset, key=lambda k: (-alpha[k], k))
+            I = order[:N]
+            U = [k for k in Kset if k not in I]
+            s = sum(y[i] for i in I)
+            D = {k: float(np.sum((y[k] - s) ** 2)) for k in Kset}
+            r["precision"], r["recall"], r["f_score"] = _scores(I, U, Kset, y, s)
+            r["inversions"] = sum(1 for i in I for j in U if D[j] <= D[i])
+            r["sink_selected"] = int(0 in I and has_sink)
+
+            pairs = {frozenset((p, q)) for p in I if p != 0 for q in nonsink if q != p}
+            cosines = [abs(float(u[p] @ u[q])) for p, q in map(tuple, pairs)]
+            r["mu"] = max(cosines) if cosines else math.nan
+            r["mu_q95"] = float(np.quantile(cosines, 0.95)) if cosines else math.nan
+            if has_sink:
+                c_lo, c_hi = min(sink_cos), max(sink_cos)
+                q05, q95 = np.quantile(sink_cos, [0.05, 0.95])
+            else:
+                c_lo = c_hi = q05 = q95 = math.nan
+            beta = {k: alpha[k] for k in Kset}
+            if has_sink and C > 0:
+                beta[0] = np.linalg.norm(v[0]) / C * alpha[0]
+            # C > 0 only rescales L; with C = 0 (all-zero values) keep the unscaled weights.
+            scale = C if C > 0 else 1.0
+            beta_exact = {k: alpha[k] * np.linalg.norm(v[k]) / scale for k in Kset}
+            r["k_sink_exact"] = _brute_k_sink(beta_exact, I, U, has_sink, r["mu"], -c_lo, -c_hi)
+            if not has_sink or C > 0:  # lambda = ||v_0|| / C
+                r["k_sink"] = _brute_k_sink(beta, I, U, has_sink, r["mu"], max(0, -c_lo), max(0, -c_hi))
+                r["k_sink_q95"] = _brute_k_sink(beta, I, U, has_sink, r["mu_q95"], max(0, -q05), max(0, -q95))
+                for suffix in ("", "_q95"):
+                    k = r["k_sink" + suffix]
+                    r["precision_bound" + suffix] = 1 / (1 + k / N)
+                    r["recall_bound" + suffix] = max(0.0, 1 - k / N)
+
+            draws = []
+            for d in range(len(keys)):
+                random_I = sorted(Kset, key=lambda k: (keys[d][k], k))[:N]
+                random_U = [k for k in Kset if k not in random_I]
+                draws.append(_scores(random_I, random_U, Kset, y, sum(y[i] for i in random_I)))
+            if draws:
+                r["random_precision"], r["random_recall"], r["random_f_score"] = np.mean(draws, axis=0)
+
+            sigma = 0 in I and has_sink
+            s_plus = sum((y[i] for i in I if i != 0), np.zeros_like(s))
+            if sigma:
+                r["sink_norm_share"] = np.linalg.norm(y[0]) / np.linalg.norm(s)
+                r["sink_direction_change"] = 1 - _cos(s, s - y[0])
+            if has_sink and not sigma:
+                r["sink_intrusion"] = float(D[0] <= max(D[i] for i in I))
+                r["sink_pair_inversion_frac"] = sum(D[0] <= D[i] for i in I) / N
+            if has_sink:
+                r["sink_alignment"] = _cos(y[0], s_plus)
+
+            loo = [_cos(y[i], sum((y[k] for k in I if k != i), np.zeros_like(s))) for i in I]
+            loo = [c for c in loo if not math.isnan(c)]
+            uns = [c for c in (_cos(y[j], s) for j in U) if not math.isnan(c)]
+            if loo:
+                r["loo_cos"] = float(np.mean(loo))
+                r["loo_positive_frac"] = sum(c > 0 for c in loo) / len(loo)
+                if uns:
+                    r["loo_margin"] = r["loo_cos"] - float(np.mean(uns))
+            r["loo_distance_margin"] = (
+                min(np.linalg.norm(y[j] - s) for j in U)
+                - max(np.linalg.norm(y[i] - sum((y[k] for k in I if k != i), np.zeros_like(s))) for i in I))
+
+            o_norm = np.linalg.norm(o)
+            r["s_norm"] = np.linalg.norm(s) / o_norm
+            r["s_norm_nosink"] = np.linalg.norm(s - (y[0] if sigma else 0)) / o_norm
+            r["s_norm_nocurrent"] = np.linalg.norm(s - (y[Kn - 1] if Kn - 1 in I else 0)) / o_norm
+            if has_sink:
+                r["cos_s_v0"] = _cos(s, v[0])
+            r["cos_s_vlast"] = _cos(s, v[Kn - 1])
+        if N < len(nonsink):
+            order = sorted(nonsink, key=lambda k: (-alpha[k], k))
+            I, U = order[:N], order[N:]
+            r["nosink_precision"], r["nosink_recall"], r["nosink_f_score"] = _scores(
+                I, U, nonsink, y, sum(y[i] for i in I))
+        rows.append(r)
+    return rows
+
+
+def brute_topn(attn, values, attendable, grid, seed=0, random_draws=8):
+    B, K, _ = values.shape
+    keys = np.random.default_rng(seed).random((random_draws, B, K))
+    out = {name: np.full((B, len(grid)), np.nan) for name in kernels._TOPN_FLOATS}
+    out.update({name: np.full((B, len(grid)), -1) for name in COUNTS})
+    for b in range(B):
+        for g, r in enumerate(_brute_instance(attn[b], values[b], attendable[b], grid, keys[:, b])):
+            for name, x in r.items():
+                out[name][b, g] = x
+    return out
+
+
+def brute_value_statistics(values, attendable):
+    rows = []
+    for v, att in zip(values, attendable):
+        nonsink = [k for k in range(len(att)) if att[k] and k != 0]
+        norms = np.array([np.linalg.norm(v[k]) for k in nonsink])
+        u = {k: _unit(v[k]) for k in range(len(att))}
+        pair_cos = [u[p] @ u[q] for p in nonsink for q in nonsink if p != q]
+        r = dict(C=np.median(norms), norm_cv=norms.std() / norms.mean(),
+                 median_cos=np.median(pair_cos) if pair_cos else np.nan)
+        if att[0]:
+            sink_cos = np.array([u[0] @ u[k] for k in nonsink])
+            r.update(sink_norm_ratio=np.linalg.norm(v[0]) / r["C"],
+                     sink_cos_median=np.median(sink_cos), sink_cos_neg_frac=np.mean(sink_cos < 0),
+                     nu_minus_q95=max(0, -np.quantile(sink_cos, 0.95)),
+                     nu_plus_q95=max(0, -np.quantile(sink_cos, 0.05)))
+        rows.append(r)
+    names = rows[0].keys() | {"sink_norm_ratio", "sink_cos_median", "sink_cos_neg_frac",
+                              "nu_minus_q95", "nu_plus_q95"}
+    return {name: np.array([r.get(name, np.nan) for r in rows]) for name in names}
+
+
+# ---------------------------------------------------------------- synthetic batches
+
+
+def make_batch(rng, B, K, D, *, window=None, tie_decimals=None, zero_frac=0.0, drop_sink_frac=0.0):
+    """Attention rows with a boosted sink, values of unequal norms, the sink small and opposed."""
+    attendable = np.ones((B, K), dtype=bool)
+    if window is not None:
+        attendable[: B // 2, : K - window] = False  # sliding-window rows: no sink
+    attendable[rng.random(B) < drop_sink_frac, 0] = False
+    logits = rng.normal(size=(B, K)) * 1.5
+    logits[:, 0] += rng.uniform(0, 4, size=B)
+    logits[:, -1] += rng.uniform(0, 3, size=B)
+    alpha = np.where(attendable, np.exp(logits), 0.0)
+    alpha /= alpha.sum(axis=1, keepdims=True)
+    if tie_decimals is not None:
+        alpha = np.round(alpha, tie_decimals)
+    alpha[(rng.random((B, K)) < zero_frac) & attendable] = 0.0
+    values = rng.normal(size=(B, K, D)) * rng.lognormal(0, 0.4, size=(B, K, 1))
+    values[:, 0] = -0.3 * values[:, 1:].mean(axis=1) + 0.1 * rng.normal(size=(B, D))
+    return alpha, values, attendable
+
+
+CASES = {
+    "plain": dict(B=6, K=12, D=4),
+    "ties": dict(B=6, K=10, D=3, tie_decimals=1),
+    "ties_and_zeros": dict(B=6, K=11, D=3, tie_decimals=2, zero_frac=0.3),
+    "window": dict(B=6, K=14, D=4, window=6),
+    "no_sink": dict(B=6, K=9, D=5, drop_sink_frac=0.5),
+    "zeros": dict(B=5, K=12, D=2, zero_frac=0.4),
+    "tiny": dict(B=4, K=2, D=2),
+    "three": dict(B=4, K=3, D=1),
+    "scalar_values": dict(B=5, K=10, D=1, tie_decimals=1),
+}
+
+
+def _assert_same(got, want, names):
+    for name in names:
+        if name in COUNTS:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        else:
+            np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_topn_matches_brute_force(case):
+    rng = np.random.default_rng(sorted(CASES).index(case))
+    params = dict(CASES[case])
+    B, K, D = params.pop("B"), params.pop("K"), params.pop("D")
+    alpha, values, attendable = make_batch(rng, B, K, D, **params)
+    grid = list(range(1, K + 1))  # every N, up to |K|-1 and beyond
+    got = topn_metrics(alpha, values, attendable, grid, seed=5, random_draws=3)
+    want = brute_topn(alpha, values, attendable, grid, seed=5, random_draws=3)
+    assert set(got) == set(want)
+    for name in COUNTS:
+        assert got[name].shape == (B, K)
+        assert got[name].dtype.kind == "i"
+    _assert_same(got, want, want)
+
+
+@pytest.mark.parametrize("case", ["plain", "window", "no_sink", "tiny"])
+def test_value_statistics_match_brute_force(case):
+    rng = np.random.default_rng(1)
+    params = dict(CASES[case])
+    B, K, D = params.pop("B"), params.pop("K"), params.pop("D")
+    _, values, attendable = make_batch(rng, B, K, D, **params)
+    got = value_statistics(values, attendable)
+    want = brute_value_statistics(values, attendable)
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].shape == (B,)
+        np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_results_do_not_depend_on_batch_slicing(monkeypatch):
+    rng = np.random.default_rng(7)
+    alpha, values, attendable = make_batch(rng, 7, 16, 4, window=10)
+    grid = [1, 2, 4, 8, 15]
+    whole = topn_metrics(alpha, values, attendable, grid, seed=3)
+    stats = value_statistics(values, attendable)
+    monkeypatch.setattr(kernels, "_GRAM_BUDGET", 2 * 16 * 16)  # slices of 2 instances
+    _assert_same(topn_metrics(alpha, values, attendable, grid, seed=3), whole, whole)
+    _assert_same(value_statistics(values, attendable), stats, stats)
+
+
+def test_empty_batch_and_invalid_n():
+    out = topn_metrics(np.zeros((0, 5)), np.zeros((0, 5, 3)), np.ones((0, 5), bool), [1, 2])
+    assert out["precision"].shape == (0, 2)
+    rng = np.random.default_rng(0)
+    alpha, values, attendable = make_batch(rng, 2, 4, 2)
+    out = topn_metrics(alpha, values, attendable, [4, 9])
+    assert np.isnan(out["precision"]).all() and (out["inversions"] == -1).all()
+    assert (out["sink_selected"] == -1).all()
+    with pytest.raises(ValueError):
+        topn_metrics(alpha, values, attendable, [0])
+    with pytest.raises(ValueError):
+        topn_metrics(alpha[:, :3], values, attendable, [1])
+
+
+# ---------------------------------------------------------------- properties
+
+
+@st.composite
+def instances(draw):
+    """Small batches on a coarse lattice: exact ties in alpha, in D and in L are common."""
+    B = draw(st.integers(1, 3))
+    K = draw(st.integers(2, 9))
+    D = draw(st.integers(1, 3))
+    lattice = st.sampled_from([0.0, 0.125, 0.25, 0.5, 1.0])
+    alpha = np.array(draw(st.lists(lattice, min_size=B * K, max_size=B * K))).reshape(B, K)
+    # A few lattice directions scaled by powers of 2: parallel values whose contributions
+    # coincide exactly, the case where the certificate's L is 0 up to rounding.
+    coords = st.integers(-3, 3).map(float)
+    directions = np.array(draw(st.lists(st.lists(coords, min_size=D, max_size=D), min_size=1, max_size=3)))
+    which = draw(st.lists(st.integers(0, len(directions) - 1), min_size=B * K, max_size=B * K))
+    scale = draw(st.lists(st.sampled_from([0.5, 1.0, 2.0, 4.0]), min_size=B * K, max_size=B * K))
+    values = (directions[which] * np.array(scale)[:, None]).reshape(B, K, D)
+    window = draw(st.integers(2, K))
+    attendable = np.zeros((B, K), dtype=bool)
+    attendable[:, K - window:] = True
+    attendable[:, 0] |= draw(st.booleans())
+    alpha[~attendable] = 0.0
+    return alpha, values, attendable
+
+
+PROPERTY = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(instances())
+def test_inversions_bound_precision_recall_and_certificate(batch):
+    alpha, values, attendable = batch
+    K = alpha.shape[1]
+    grid = np.arange(1, K)
+    out = topn_metrics(alpha, values, attendable, grid, random_draws=1)
+    valid = out["inversions"] >= 0
+    A = out["inversions"][valid]
+    N = np.broadcast_to(grid, valid.shape)[valid]
+    assert np.all(A <= out["k_sink_exact"][valid])
+    assert np.all(out["precision"][valid] >= N / (N + A) - 1e-12)
+    assert np.all(out["recall"][valid] >= 1 - A / N - 1e-12)
+    paper = out["k_sink"] >= 0
+    N = np.broadcast_to(grid, valid.shape)[paper]
+    assert np.all(out["precision_bound"][paper] == 1 / (1 + out["k_sink"][paper] / N))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_lattice_instances_match_brute_force(batch):
+    alpha, values, attendable = batch
+    grid = list(range(1, alpha.shape[1] + 1))
+    got = topn_metrics(alpha, values, attendable, grid, seed=1, random_draws=2)
+    _assert_same(got, brute_topn(alpha, values, attendable, grid, seed=1, random_draws=2), got)
+
+
+@PROPERTY
+@given(instances())
+def test_extremal_balls_are_trivial(batch):
+    """R(r_max, N) = 1 and P(r_min, N) = 1 with the closed/open ball convention, at the
+    kernel's selection and distances."""
+    alpha, values, attendable = batch
+    B, K, _ = values.shape
+    y = alpha[:, :, None] * values
+    _, rank = kernels._ranked(-alpha, attendable)
+    for b in range(B):
+        Kset = [k for k in range(K) if attendable[b, k]]
+        for N in range(1, len(Kset)):
+            I = [k for k in Kset if rank[b, k] < N]
+            U = [k for k in Kset if k not in I]
+            s = y[b, I].sum(axis=0)
+            D = kernels._squared_distances(y[b:b + 1], s[None])[0]
+            r_max2, r_min2 = max(D[I]), min(D[U])
+            assert sum(D[i] <= r_max2 for i in I) / N == 1  # R(r_max, N)
+            ball = [k for k in Kset if D[k] < r_min2]
+            assert all(k in I for k in ball)  # P(r_min, N) = 1 (or the ball is empty)
+
+
+@PROPERTY
+@given(instances(), st.integers(0, 2**32 - 1))
+def test_paper_bound_holds_under_its_assumptions(batch, seed):
+    """Equal non-sink norms and a sink opposed to every non-sink direction (nu^- >= 0)
+    are the paper's assumptions; then inversions <= k_sink."""
+    alpha, _, attendable = batch
+    B, K = alpha.shape
+    rng = np.random.default_rng(seed)
+    values = np.abs(rng.normal(size=(B, K, 3)))
+    values /= np.linalg.norm(values, axis=-1, keepdims=True)
+    values[:, 0] *= -rng.uniform(0.1, 2.0, size=(B, 1))
+    out = topn_metrics(alpha, values, attendable, np.arange(1, K), random_draws=0)
+    valid = out["inversions"] >= 0
+    assert np.all(out["inversions"][valid] <= out["k_sink"][valid])
+
+
+# ---------------------------------------------------------------- known answers
+
+
+def test_orthogonal_unit_values_are_perfectly_separable():
+    # D_i = ||s||^2 - alpha_i^2 for i in I_N and D_j = ||s||^2 + alpha_j^2 otherwise.
+    alpha = np.array([[0.3, 0.25, 0.2, 0.15, 0.1]])
+    values = np.eye(5)[None]
+    attendable = np.ones((1, 5), bool)
+    grid = [1, 2, 3, 4]
+    out = topn_metrics(alpha, values, attendable, grid)
+    for name in ("precision", "recall", "f_score", "precision_bound", "recall_bound"):
+        np.testing.assert_array_equal(out[name], 1.0, err_msg=name)
+    for name in ("inversions", "k_sink", "k_sink_exact", "mu", "loo_cos", "loo_margin",
+                 "loo_positive_frac"):
+        np.testing.assert_array_equal(out[name][0, 1:], 0, err_msg=name)
+    assert np.isnan(out["loo_cos"][0, 0])  # N = 1: s_N - y_i = 0
+    s2 = np.cumsum(alpha[0] ** 2)[:4]
+    np.testing.assert_allclose(out["s_norm"][0], np.sqrt(s2 / np.sum(alpha**2)))
+    # ||y_i - s_{N,-i}||^2 = ||s_N||^2; the nearest unselected key has the smallest alpha, 0.1.
+    np.testing.assert_allclose(out["loo_distance_margin"][0], np.sqrt(s2 + 0.1**2) - np.sqrt(s2))
+    np.testing.assert_array_equal(out["sink_selected"][0], 1)
+    np.testing.assert_allclose(out["sink_norm_share"][0], 0.3 / np.sqrt(s2))
+
+
+def test_unequal_norms_violate_the_paper_bound_but_not_the_certificate():
+    # Key 2 has twice the norm of key 1 and half its attention: y_2 = y_1 = s_1, so the
+    # unselected key 2 ties the selected key 1 at distance 0 (one inversion, P = 1/2, R = 0).
+    # With beta = alpha the paper's L^{++}_{12} = 0.6^2 + 0.3^2 - 2 * 0.3 * 0.6 = 0.09 > 0
+    # misses it; the certificate's L^{++}_{12} = 0.6^2 + 0.6^2 - 2 * 0.6 * 0.6 = 0 exactly.
+    alpha = np.array([[0.1, 0.6, 0.3]])
+    values = np.array([[[0.0, 1.0], [1.0, 0.0], [2.0, 0.0]]])
+    out = topn_metrics(alpha, values, np.ones((1, 3), bool), [1, 2])
+    assert out["inversions"][0, 0] == 1
+    assert out["k_sink"][0, 0] == 0
+    assert out["k_sink_exact"][0, 0] == 1
+    assert np.sum(out["inversions"] > out["k_sink"]) == 1
+    assert (out["precision"][0, 0], out["recall"][0, 0], out["f_score"][0, 0]) == (0.5, 0.0, 0.0)
+    assert out["precision_bound"][0, 0] == 1.0  # the violated "bound"
+    # N = 2: s = 1.2 e_1, D = (1.45, 0.36, 0.36): separable again.
+    assert (out["precision"][0, 1], out["recall"][0, 1], out["inversions"][0, 1]) == (1.0, 1.0, 0)
+
+
+def test_certificate_survives_rounding_at_an_exact_tie():
+    # As above with v_1 = w, v_2 = 2 w: y_1 = y_2 exactly, an inversion at N = 1 whose
+    # certificate L = 0 in exact arithmetic; for w = (1, 3, 3) the computed <u_1, u_2> is
+    # 1 - 4e-16, so L rounds to +1e-16 and only the tie tolerance keeps the pair counted.
+    w = np.array([1.0, 3.0, 3.0])
+    alpha = np.array([[0.1, 0.6, 0.3]])
+    values = np.array([[[3.0, -1.0, 0.0], w, 2 * w]])
+    out = topn_metrics(alpha, values, np.ones((1, 3), bool), [1])
+    assert out["inversions"][0, 0] == 1
+    assert out["k_sink_exact"][0, 0] == 1
+
+
+def test_unselected_sink_intrusion():
+    # 1-D contributions y = (0.05, 0.5, 0.3, -0.2): at N = 2, s = 0.8 and
+    # D = (0.5625, 0.09, 0.25, 1.0); at N = 1, s = 0.5, D = (0.2025, 0, 0.04, 0.49): the
+    # unselected sink lies outside the r_max ball. At N = 3, s = 0.6, D = (0.3025, 0.01, 0.09,
+    # 0.64): it intrudes, beats key 3, and bounds the open r_min ball, which loses key 3.
+    alpha = np.array([[0.05, 0.5, 0.3, 0.2]])
+    values = np.array([[[1.0], [1.0], [1.0], [-1.0]]])
+    out = topn_metrics(alpha, values, np.ones((1, 4), bool), [1, 2, 3])
+    np.testing.assert_array_equal(out["sink_selected"][0], [0, 0, 0])
+    np.testing.assert_array_equal(out["sink_intrusion"][0], [0.0, 0.0, 1.0])
+    np.testing.assert_allclose(out["recall"][0], [1.0, 1.0, 2 / 3])
+    np.testing.assert_allclose(out["precision"][0], [1.0, 1.0, 3 / 4])
+    np.testing.assert_array_equal(out["inversions"][0], [0, 0, 1])
+    np.testing.assert_allclose(out["sink_alignment"][0], [1.0, 1.0, 1.0])
+    np.testing.assert_allclose(out["sink_pair_inversion_frac"][0], [0.0, 0.0, 1 / 3])
