@@ -86,7 +86,7 @@ def _n_grid(ctx, param, value: str | None) -> list[int] | None:
 @main.command()
 @STORE
 @click.option("--run", "run_id", help="Analyze only this run [default: every run].")
-@click.option("--scheduler", help="Address of an existing Dask scheduler (tcp://host:8786) [default: a LocalCluster sized to this machine].")
+@click.option("--scheduler", help="Address of an existing Dask scheduler (tcp://host:8786), or 'threads' for this process alone [default: a LocalCluster of processes sized to this machine].")
 @click.option("--n-grid", callback=_n_grid, help="Selection sizes N [default: 1,2,4,... < L].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Also write the tidy tables here (Parquet and CSV).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random-N control.")

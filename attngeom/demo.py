@@ -9,6 +9,7 @@ import numpy as np
 import xarray as xr
 
 from attngeom import store_schema
+from attngeom.analyze.stage import analyze
 from attngeom.errors import AttngeomError
 from attngeom.extract.pipeline import ExtractRequest, extract
 
@@ -41,6 +42,27 @@ def store_summary(store: str, run_id: str) -> str:
     return "\n".join(lines)
 
 
+def analysis_table(store: str, run_id: str) -> str:
+    """F_N of top-N against random-N, median lambda, and violation counts of the two bounds."""
+    base = f"runs/{run_id}/analysis"
+    topn = xr.open_zarr(store, group=f"{base}/topn", consolidated=False).load()
+    values = xr.open_zarr(store, group=f"{base}/values", consolidated=False).load()
+    defined = topn["k_sink"] >= 0
+    lines = [f"{'N':>5} {'F_N top-N':>10} {'F_N random':>11} {'bound viol.':>12} {'certif. viol.':>14}"]
+    for n in topn["n"].values:
+        t = topn.sel(n=n)
+        paper = int(((t["inversions"] > t["k_sink"]) & defined.sel(n=n)).sum())
+        exact = int(((t["inversions"] > t["k_sink_exact"]) & (t["k_sink_exact"] >= 0)).sum())
+        instances = int(defined.sel(n=n).sum())
+        lines.append(
+            f"{n:>5} {float(t['f_score'].mean()):>10.3f} {float(t['random_f_score'].mean()):>11.3f} "
+            f"{paper:>6}/{instances:<5} {exact:>8}/{instances:<5}"
+        )
+    lam = float(values["sink_norm_ratio"].median())
+    lines.append(f"median sink norm ratio lambda = ||v_0||/C: {lam:.3f}")
+    return "\n".join(lines)
+
+
 def run_demo(out: Path, *, num_sequences: int, context_length: int) -> None:
     """Extract a few sequences of gemma3-270m on wiki-summaries, validate, and summarize."""
     out.mkdir(parents=True, exist_ok=True)
@@ -61,3 +83,6 @@ def run_demo(out: Path, *, num_sequences: int, context_length: int) -> None:
         raise AttngeomError("the demo store is invalid: " + "; ".join(problems))
     click.echo(f"validate: {store} is valid")
     click.echo(store_summary(store, result.run_id))
+    click.echo("analyze: out of core with Dask, every head at the final query")
+    analyze(store, run_id=result.run_id, out=out / "tables")
+    click.echo(analysis_table(store, result.run_id))

@@ -65,7 +65,8 @@ def _brute_k_sink(beta, I, U, has_sink, mu, nu_plus, nu_minus):
             count += L <= tol(beta[i], beta[j])
     if has_sink and not sigma:
         for i in S_plus:
-            L = beta[i] ** 2 + b0**2 - 2 * mu * beta[i] * (A_plus - beta[i]) + 2 * b0 * nu_minus * A_plus
+            L = (beta[i] ** 2 + b0**2 - 2 * mu * beta[i] * (A_plus - beta[i])
+                 + 2 * b0 * nu_minus * A_plus)
             count += L <= tol(beta[i], b0)
     if sigma:
         for j in U_plus:
@@ -115,8 +116,10 @@ def _brute_instance(alpha, v, att, grid, keys):
             beta_exact = {k: alpha[k] * np.linalg.norm(v[k]) / scale for k in Kset}
             r["k_sink_exact"] = _brute_k_sink(beta_exact, I, U, has_sink, r["mu"], -c_lo, -c_hi)
             if not has_sink or C > 0:  # lambda = ||v_0|| / C
-                r["k_sink"] = _brute_k_sink(beta, I, U, has_sink, r["mu"], max(0, -c_lo), max(0, -c_hi))
-                r["k_sink_q95"] = _brute_k_sink(beta, I, U, has_sink, r["mu_q95"], max(0, -q05), max(0, -q95))
+                r["k_sink"] = _brute_k_sink(beta, I, U, has_sink, r["mu"],
+                                            max(0, -c_lo), max(0, -c_hi))
+                r["k_sink_q95"] = _brute_k_sink(beta, I, U, has_sink, r["mu_q95"],
+                                                max(0, -q05), max(0, -q95))
                 for suffix in ("", "_q95"):
                     k = r["k_sink" + suffix]
                     r["precision_bound" + suffix] = 1 / (1 + k / N)
@@ -128,7 +131,8 @@ def _brute_instance(alpha, v, att, grid, keys):
                 random_U = [k for k in Kset if k not in random_I]
                 draws.append(_scores(random_I, random_U, Kset, y, sum(y[i] for i in random_I)))
             if draws:
-                r["random_precision"], r["random_recall"], r["random_f_score"] = np.mean(draws, axis=0)
+                mean = np.mean(draws, axis=0)
+                r["random_precision"], r["random_recall"], r["random_f_score"] = mean
 
             sigma = 0 in I and has_sink
             s_plus = sum((y[i] for i in I if i != 0), np.zeros_like(s))
@@ -141,7 +145,8 @@ def _brute_instance(alpha, v, att, grid, keys):
             if has_sink:
                 r["sink_alignment"] = _cos(y[0], s_plus)
 
-            loo = [_cos(y[i], sum((y[k] for k in I if k != i), np.zeros_like(s))) for i in I]
+            s_minus = {i: sum((y[k] for k in I if k != i), np.zeros_like(s)) for i in I}
+            loo = [_cos(y[i], s_minus[i]) for i in I]
             loo = [c for c in loo if not math.isnan(c)]
             uns = [c for c in (_cos(y[j], s) for j in U) if not math.isnan(c)]
             if loo:
@@ -149,9 +154,8 @@ def _brute_instance(alpha, v, att, grid, keys):
                 r["loo_positive_frac"] = sum(c > 0 for c in loo) / len(loo)
                 if uns:
                     r["loo_margin"] = r["loo_cos"] - float(np.mean(uns))
-            r["loo_distance_margin"] = (
-                min(np.linalg.norm(y[j] - s) for j in U)
-                - max(np.linalg.norm(y[i] - sum((y[k] for k in I if k != i), np.zeros_like(s))) for i in I))
+            r["loo_distance_margin"] = (min(np.linalg.norm(y[j] - s) for j in U)
+                                        - max(np.linalg.norm(y[i] - s_minus[i]) for i in I))
 
             o_norm = np.linalg.norm(o)
             r["s_norm"] = np.linalg.norm(s) / o_norm
@@ -175,7 +179,9 @@ def brute_topn(attn, values, attendable, grid, seed=0, random_draws=8):
     out = {name: np.full((B, len(grid)), np.nan) for name in kernels._TOPN_FLOATS}
     out.update({name: np.full((B, len(grid)), -1) for name in COUNTS})
     for b in range(B):
-        for g, r in enumerate(_brute_instance(attn[b], values[b], attendable[b], grid, keys[:, b])):
+        with np.errstate(divide="ignore", invalid="ignore"):  # 0/0 norms: NaN by definition
+            rows = _brute_instance(attn[b], values[b], attendable[b], grid, keys[:, b])
+        for g, r in enumerate(rows):
             for name, x in r.items():
                 out[name][b, g] = x
     return out
@@ -261,6 +267,14 @@ def test_topn_matches_brute_force(case):
     _assert_same(got, want, want)
 
 
+def test_topn_matches_brute_force_at_a_longer_context():
+    rng = np.random.default_rng(11)
+    alpha, values, attendable = make_batch(rng, 4, 96, 8, window=64)
+    grid = [1, 2, 4, 8, 16, 32, 48, 63, 95]
+    got = topn_metrics(alpha, values, attendable, grid, seed=2, random_draws=2)
+    _assert_same(got, brute_topn(alpha, values, attendable, grid, seed=2, random_draws=2), got)
+
+
 @pytest.mark.parametrize("case", ["plain", "window", "no_sink", "tiny"])
 def test_value_statistics_match_brute_force(case):
     rng = np.random.default_rng(1)
@@ -314,7 +328,8 @@ def instances(draw):
     # A few lattice directions scaled by powers of 2: parallel values whose contributions
     # coincide exactly, the case where the certificate's L is 0 up to rounding.
     coords = st.integers(-3, 3).map(float)
-    directions = np.array(draw(st.lists(st.lists(coords, min_size=D, max_size=D), min_size=1, max_size=3)))
+    vectors = st.lists(coords, min_size=D, max_size=D)
+    directions = np.array(draw(st.lists(vectors, min_size=1, max_size=3)))
     which = draw(st.lists(st.integers(0, len(directions) - 1), min_size=B * K, max_size=B * K))
     scale = draw(st.lists(st.sampled_from([0.5, 1.0, 2.0, 4.0]), min_size=B * K, max_size=B * K))
     values = (directions[which] * np.array(scale)[:, None]).reshape(B, K, D)
@@ -463,3 +478,17 @@ def test_unselected_sink_intrusion():
     np.testing.assert_array_equal(out["inversions"][0], [0, 0, 1])
     np.testing.assert_allclose(out["sink_alignment"][0], [1.0, 1.0, 1.0])
     np.testing.assert_allclose(out["sink_pair_inversion_frac"][0], [0.0, 0.0, 1 / 3])
+
+
+def test_unselected_sink_tying_the_selected_keys():
+    # Dyadic, so exact: y = ((.5, 0), (0, .5), (.5, 0), (0, -.0625)). At N = 2, s = (.5, .5)
+    # and D_0 = D_1 = D_2 = 0.25: the unselected sink ties both selected keys (closed ball:
+    # it intrudes, two inversions, P = 2/3; open ball: R = 0).
+    alpha = np.array([[0.125, 0.5, 0.25, 0.0625]])
+    values = np.array([[[4.0, 0.0], [0.0, 1.0], [2.0, 0.0], [0.0, -1.0]]])
+    out = topn_metrics(alpha, values, np.ones((1, 4), bool), [2])
+    assert out["sink_selected"][0, 0] == 0
+    assert out["sink_intrusion"][0, 0] == 1.0
+    assert out["sink_pair_inversion_frac"][0, 0] == 1.0
+    assert out["inversions"][0, 0] == 2 <= out["k_sink_exact"][0, 0]
+    assert (out["precision"][0, 0], out["recall"][0, 0]) == (2 / 3, 0.0)

@@ -60,7 +60,8 @@ def topn_metrics(
     and the int8 ``sink_selected``.
 
     Selection ``I_N``: the N attendable keys of largest alpha, ties to the smaller position;
-    ``U_N = K \\ I_N``, ``s_N = sum_{I_N} y_i`` with ``y_k = alpha_k v_k``, ``D_k = ||y_k - s_N||^2``.
+    ``U_N = K \\ I_N``, ``s_N = sum_{I_N} y_i`` with ``y_k = alpha_k v_k``,
+    ``D_k = ||y_k - s_N||^2``.
 
     - ``precision`` = N / |{k: D_k <= r_max^2}|, ``recall`` = |{i in I_N: D_i < r_min^2}| / N,
       ``f_score`` = 2PR/(P+R); ``inversions`` A_N = #{(i, j) in I_N x U_N: D_j <= D_i}.
@@ -82,7 +83,8 @@ def topn_metrics(
       ``sink_alignment`` cos(y_0, s_{N,+}), s_{N,+} the selected non-sink part of s_N.
     - leave-one-out (s_{N,-i} = s_N - y_i): ``loo_cos`` mean_{I_N} cos(y_i, s_{N,-i}),
       ``loo_margin`` loo_cos - mean_{U_N} cos(y_j, s_N), ``loo_positive_frac`` the fraction of
-      those cosines > 0, ``loo_distance_margin`` min_{U_N} ||y_j - s_N|| - max_{I_N} ||y_i - s_{N,-i}||.
+      those cosines > 0, ``loo_distance_margin``
+      min_{U_N} ||y_j - s_N|| - max_{I_N} ||y_i - s_{N,-i}||.
       Means and fractions run over the defined cosines (NaN if none, e.g. N = 1).
     - mechanistic signatures, o = sum_K y_k: ``s_norm`` ||s_N||/||o||, ``s_norm_nosink`` and
       ``s_norm_nocurrent`` the same without y_0 / y_{K-1} when selected, ``cos_s_v0``
@@ -178,7 +180,9 @@ def _topn_slice(alpha, values, att, grid, draw_keys, out):
         # no cancellation error when the sink dominates the aggregate.
         s_plus_by_n=_cumulative(np.where(nonsink[:, :, None], y, 0.0), order),
     )
-    bounds = _SinkBounds(alpha, values, v_norm, nonsink, has_sink, order)
+    # Only selections up to the largest valid N need coherence rows (typically K/2 of K).
+    rows = int(min(grid.max(initial=1), max(n_att.max(initial=1) - 1, 1)))
+    bounds = _SinkBounds(alpha, values, v_norm, nonsink, has_sink, order, rows)
 
     for g, n in enumerate(grid):
         valid = n < n_att
@@ -214,9 +218,10 @@ def _select(inst, n):
 
 
 class _SinkBounds:
-    """Constants of the sink-aware bounds of one slice (SPEC §3) and their counts at each N."""
+    """Constants of the sink-aware bounds of one slice (SPEC §3) and their counts at each
+    N <= rows."""
 
-    def __init__(self, alpha, values, v_norm, nonsink, has_sink, order):
+    def __init__(self, alpha, values, v_norm, nonsink, has_sink, order, rows):
         self.nonsink, self.has_sink = nonsink, has_sink
         n_ns = nonsink.sum(axis=1)
         C = _padded_quantile(np.where(nonsink, v_norm, -np.inf), n_ns, 0.5)
@@ -226,14 +231,15 @@ class _SinkBounds:
         c_hi = np.max(sink_cos, axis=1, where=nonsink, initial=-np.inf)
         q05 = _padded_quantile(np.where(nonsink, sink_cos, -np.inf), n_ns, 0.05)
         q95 = _padded_quantile(np.where(nonsink, sink_cos, -np.inf), n_ns, 0.95)
-        self.pair_cos, self.pairs_by_n = _ranked_pairs(unit, nonsink, order)
+        self.pair_cos, self.pairs_by_n = _ranked_pairs(unit, nonsink, order, rows)
         self.mu_by_n = np.maximum.accumulate(self.pair_cos.max(axis=2), axis=1)
 
         # Without a sink the nu's multiply only zero terms; 0 keeps NaN out of that arithmetic.
         def sink_constant(x):
             return np.where(has_sink, x, 0.0)
 
-        self.nu_paper = (sink_constant(np.maximum(0.0, -c_lo)), sink_constant(np.maximum(0.0, -c_hi)))
+        self.nu_paper = (sink_constant(np.maximum(0.0, -c_lo)),
+                         sink_constant(np.maximum(0.0, -c_hi)))
         self.nu_q95 = (sink_constant(np.maximum(0.0, -q05)), sink_constant(np.maximum(0.0, -q95)))
         self.nu_exact = (sink_constant(-c_lo), sink_constant(-c_hi))
         # lambda = ||v_0||/C needs C > 0: with a sink and C = 0 the paper variant is undefined.
@@ -249,10 +255,11 @@ class _SinkBounds:
         """Outputs at selection top: those defined everywhere (mu's and the certificate),
         and the paper variant's, defined where paper_defined."""
         n, B = top.n, top.selected.shape[0]
-        K = self.pair_cos.shape[1]
+        K = self.pair_cos.shape[2]
         mu = self.mu_by_n[:, n - 1]
         mu = np.where(np.isfinite(mu), mu, np.nan)  # no pair yet: I_N = {sink}
-        mu_q95 = _padded_quantile(self.pair_cos[:, :n].reshape(B, n * K), self.pairs_by_n[:, n - 1], 0.95)
+        mu_q95 = _padded_quantile(self.pair_cos[:, :n].reshape(B, n * K),
+                                  self.pairs_by_n[:, n - 1], 0.95)
         masks = (top.selected, top.unselected, self.nonsink, self.has_sink)
         k_sink = _k_sink(self.beta_paper, *masks, np.nan_to_num(mu), *self.nu_paper)
         k_sink_q95 = _k_sink(self.beta_paper, *masks, np.nan_to_num(mu_q95), *self.nu_q95)
@@ -273,7 +280,8 @@ def _sink_diagnostics(inst, top, r_max2):
     sink_out = inst.has_sink & ~top.sigma
     sink_beats = np.sum(top.selected & (top.D[:, :1] <= top.D), axis=1) / top.n
     return dict(
-        sink_norm_share=np.where(top.sigma, inst.y_norm[:, 0] / np.linalg.norm(top.s, axis=-1), np.nan),
+        sink_norm_share=np.where(top.sigma, inst.y_norm[:, 0] / np.linalg.norm(top.s, axis=-1),
+                                 np.nan),
         sink_direction_change=np.where(top.sigma, 1.0 - _cos(top.s, top.s_plus), np.nan),
         sink_intrusion=np.where(sink_out, top.D[:, 0] <= r_max2, np.nan),
         sink_pair_inversion_frac=np.where(sink_out, sink_beats, np.nan),
@@ -316,6 +324,8 @@ def _random_control(y, att, n_att, grid, draw_keys, out):
     """random_precision/recall/f_score: P, R, F of random size-N subsets, mean over draws."""
     totals = np.zeros((3, *out["random_precision"].shape))
     for keys in draw_keys:
+        # One random ranking per draw: its first N keys are a uniform size-N subset for every
+        # N at once (nested across N within a draw, independent across draws).
         order, rank = _ranked(keys, att)
         s_by_n = _cumulative(y, order)
         for g, n in enumerate(grid):
@@ -342,7 +352,8 @@ def _sink_excluded(alpha, y, nonsink, grid, out):
         selected = (rank < n) & nonsink
         D = _squared_distances(y, s_by_n[:, n - 1])
         scores = _ball_scores(D, selected, nonsink, n)[:3]
-        _store(out, g, dict(zip(("nosink_precision", "nosink_recall", "nosink_f_score"), scores)), valid)
+        names = ("nosink_precision", "nosink_recall", "nosink_f_score")
+        _store(out, g, dict(zip(names, scores)), valid)
 
 
 def _store(out, g, results, valid):
@@ -444,17 +455,19 @@ def _ball_scores(D, selected, candidates, n):
     return precision, recall, f_score, r_max2
 
 
-def _ranked_pairs(unit, nonsink, order):
+def _ranked_pairs(unit, nonsink, order, rows):
     """|<u_p, u_q>| of the non-sink pairs, rows and columns in selection order, each unordered
-    pair once (row rank < column rank), other entries -inf; and the pair counts by N.
+    pair once (row rank < column rank), other entries -inf, for the first `rows` ranks:
+    (B, rows, K); and the pair counts by N (B, rows).
 
     The pairs with at least one key in I_N are then exactly rows < N: the coherence
     constants of every N are prefixes of one array.
     """
     K = unit.shape[1]
-    ranked = np.abs(_gram(np.take_along_axis(unit, order[:, :, None], axis=1)))
+    ranked_unit = np.take_along_axis(unit, order[:, :, None], axis=1)
+    ranked = np.abs(ranked_unit[:, :rows] @ np.ascontiguousarray(ranked_unit.transpose(0, 2, 1)))
     ok = np.take_along_axis(nonsink, order, axis=1)
-    pairs = ok[:, :, None] & ok[:, None, :] & np.triu(np.ones((K, K), dtype=bool), 1)
+    pairs = ok[:, :rows, None] & ok[:, None, :] & np.triu(np.ones((rows, K), dtype=bool), 1)
     np.copyto(ranked, -np.inf, where=~pairs)
     return ranked, np.cumsum(pairs.sum(axis=2), axis=1)
 

@@ -29,6 +29,8 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
+from tqdm.auto import tqdm
+
 from attngeom import store_schema
 from attngeom.analyze.kernels import topn_metrics, value_statistics
 from attngeom.errors import AttngeomError
@@ -184,7 +186,7 @@ STATS = ("mean", "median", "q05", "q95", "count")
 
 
 def summary_dataset(topn: xr.Dataset) -> xr.Dataset:
-    """(layer, head, n, stat) statistics across sequences of every topn variable.
+    """(stat, layer, head, n) statistics across sequences of every topn variable (in memory).
 
     Count variables use -1 for "N not valid here"; they are masked before reducing. Also
     ``f_score_sink_selected`` / ``f_score_sink_unselected``: F conditioned on 0 in I_N.
@@ -198,15 +200,18 @@ def summary_dataset(topn: xr.Dataset) -> xr.Dataset:
     masked["f_score_sink_unselected"] = topn["f_score"].where(topn["sink_selected"] == 0)
     masked["bound_violation"] = (topn["inversions"] > topn["k_sink"]).where(topn["k_sink"] >= 0)
     masked["certificate_violation"] = (topn["inversions"] > topn["k_sink_exact"]).where(topn["k_sink_exact"] >= 0)
-    out = {}
-    for name, x in masked.items():
-        x = x.astype(np.float64)
-        out[name] = xr.concat(
-            [x.mean("seq"), x.median("seq"), x.quantile(0.05, "seq").drop_vars("quantile"),
-             x.quantile(0.95, "seq").drop_vars("quantile"), x.count("seq").astype(np.float64)],
-            dim=xr.DataArray(np.array(STATS, dtype=object), dims="stat", name="stat"),
-        )
-    return xr.Dataset(out)
+    names = list(masked)
+    dims = ("seq", "layer", "head", "n")
+    x = np.stack([masked[name].transpose(*dims).values.astype(np.float64) for name in names], axis=-1)
+    q05, q95 = np.nanquantile(x, [0.05, 0.95], axis=0)
+    stats = np.stack(
+        [np.nanmean(x, axis=0), np.nanmedian(x, axis=0), q05, q95, np.sum(~np.isnan(x), axis=0).astype(np.float64)]
+    )
+    coords = {d: topn[d].values for d in dims[1:]}
+    coords["stat"] = np.array(STATS, dtype=object)
+    return xr.Dataset(
+        {name: (("stat", *dims[1:]), stats[..., i]) for i, name in enumerate(names)}, coords=coords
+    )
 
 
 def tidy_table(summary: xr.Dataset, provenance: dict, run_id: str) -> pd.DataFrame:
@@ -222,13 +227,20 @@ def tidy_table(summary: xr.Dataset, provenance: dict, run_id: str) -> pd.DataFra
     return frame
 
 
+def _per_layer(reduce, *datasets: xr.Dataset) -> xr.Dataset:
+    """``reduce`` applied to each layer of ``datasets`` loaded in memory, concatenated."""
+    n_layers = datasets[0].sizes["layer"]
+    parts = [reduce(*(d.isel(layer=[i]).load() for d in datasets)) for i in range(n_layers)]
+    return xr.concat(parts, dim="layer", combine_attrs="override")
+
+
 @contextlib.contextmanager
 def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
-    """An existing cluster by address, else a LocalCluster sized to the machine.
-
-    A ``memory://`` store lives in this process only, so it is analyzed with threads.
+    """An existing cluster by address, ``"threads"`` for this process alone, else a
+    LocalCluster of processes sized to the machine. A ``memory://`` store lives in this
+    process only, so it is analyzed with threads.
     """
-    if store.startswith("memory://") and scheduler is None:
+    if scheduler == "threads" or (store.startswith("memory://") and scheduler is None):
         with dask.config.set(scheduler="threads"):
             yield None
         return
@@ -246,23 +258,29 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
         yield client
 
 
-def _write(dataset: xr.Dataset, store: str, group: str, client: object | None, label: str, progress: bool) -> None:
+def _write(dataset: xr.Dataset, store: str, group: str) -> None:
+    """Write a small, already computed Dataset to ``group`` (replacing it)."""
     target = store_schema.store_from_url(store, read_only=False)
-    delayed = dataset.to_zarr(target, group=group, mode="w", consolidated=False, zarr_format=3, compute=False)
-    if client is None:
-        from dask.diagnostics import ProgressBar
+    dataset.to_zarr(target, group=group, mode="w", consolidated=False, zarr_format=3)
 
-        with ProgressBar() if progress else contextlib.nullcontext():
-            dask.compute(delayed)
-        return
-    future = client.compute(delayed)
-    if progress:
-        from distributed import progress as show
 
-        print(label, flush=True)
-        show(future)
-        print(flush=True)
-    future.result()
+def _write_by_sequence(dataset: xr.Dataset, store: str, group: str, label: str, progress: bool) -> None:
+    """Compute and write a lazy (seq, ...) Dataset, SEQ_CHUNK sequences at a time.
+
+    The group's metadata is written first; each batch is then a region write covering whole
+    output chunks. Batching keeps the task graph, and so the client's memory, the size of one
+    batch whatever the store's size.
+    """
+    target = store_schema.store_from_url(store, read_only=False)
+    dataset.to_zarr(target, group=group, mode="w", consolidated=False, zarr_format=3, compute=False)
+    fixed = [name for name, v in dataset.variables.items() if "seq" not in v.dims]
+    n_seq = dataset.sizes["seq"]
+    with tqdm(total=n_seq, unit="seq", desc=label, disable=not progress) as bar:
+        for a in range(0, n_seq, SEQ_CHUNK):
+            b = min(n_seq, a + SEQ_CHUNK)
+            part = dataset.isel(seq=slice(a, b)).drop_vars(fixed)
+            part.to_zarr(target, group=group, region={"seq": slice(a, b)}, consolidated=False)
+            bar.update(b - a)
 
 
 def analyze(
@@ -284,7 +302,7 @@ def analyze(
     if not todo:
         raise AttngeomError(f"{store} holds no run; run extract first")
     results = []
-    with dask_client(scheduler, store) as client:
+    with dask_client(scheduler, store):
         for rid in todo:
             start = time.perf_counter()
             ds = open_completed(store, rid)
@@ -297,20 +315,21 @@ def analyze(
             base = f"{store_schema.RUNS}/{rid}/analysis"
             topn = topn_dataset(ds, grid, seed)
             topn.attrs["attngeom"] = {"n_grid": grid, "random_draws": RANDOM_DRAWS, "seed": seed}
-            _write(topn, store, f"{base}/topn", client, f"analyze {rid}: top-N geometry", progress)
-            _write(values_dataset(ds), store, f"{base}/values", client, f"analyze {rid}: value statistics", progress)
+            _write_by_sequence(topn, store, f"{base}/topn", f"{rid}: top-N geometry", progress)
+            _write_by_sequence(values_dataset(ds), store, f"{base}/values", f"{rid}: value statistics", progress)
             stored_topn = xr.open_zarr(store_schema.store_from_url(store, read_only=True), group=f"{base}/topn", consolidated=False)
             stored_values = xr.open_zarr(store_schema.store_from_url(store, read_only=True), group=f"{base}/values", consolidated=False)
-            # Small reductions of what was just written: local threads, whose warnings we can
-            # silence (NaN marks "not defined here": no sink, N too large; all-NaN is expected).
-            with dask.config.set(scheduler="threads"), warnings.catch_warnings():
+            # Reductions across sequences, one layer at a time in memory: a layer of results
+            # is small, and numpy is faster here than a graph. NaN marks "not defined here"
+            # (no sink, N too large), so all-NaN reductions are expected.
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                heads = heads_dataset(stored_values, stored_topn).compute()
-                summary = summary_dataset(stored_topn).compute()
-            _write(heads, store, f"{base}/heads", None, "", False)
-            _write(summary, store, f"{base}/summary", None, "", False)
+                heads = _per_layer(heads_dataset, stored_values, stored_topn)
+                summary = _per_layer(summary_dataset, stored_topn)
+            _write(heads, store, f"{base}/heads")
+            _write(summary, store, f"{base}/summary")
             table = tidy_table(summary, ds.attrs.get("attngeom", {}), rid)
-            _write(xr.Dataset.from_dataframe(table.rename_axis("row")), store, f"{base}/table", None, "", False)
+            _write(xr.Dataset.from_dataframe(table.rename_axis("row")), store, f"{base}/table")
             if out is not None:
                 out.mkdir(parents=True, exist_ok=True)
                 table.to_parquet(out / f"{rid}.topn.parquet", index=False)
