@@ -31,6 +31,7 @@ def main() -> None:
     extract  runs the model once and writes attention rows, values and
              per-query summaries into a Zarr store (GPU where there is one)
     analyze  computes the paper's geometry from the store, out of core (Dask)
+    taxonomy prints the Retriever / Mixer / Reset distribution of the heads
     validate checks a store against the schema
     demo     the whole pipeline on the offline default model and corpus
     """
@@ -101,6 +102,20 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
 
     for r in run_analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed, progress=not no_progress):
         click.echo(f"run {r.run_id}: {r.sequences} sequences, {r.instances} head instances in {r.seconds:.1f} s")
+
+
+@main.command()
+@STORE
+def taxonomy(store: str) -> None:
+    """Print the head-regime distribution (Retriever / Mixer / Reset) of every analyzed run,
+    and for runs of one model on two corpora the per-regime difference and label agreement."""
+    from attngeom.analyze.stage import run_regimes
+    from attngeom.analyze.taxonomy import format_tables
+
+    labels = run_regimes(store)
+    if not labels:
+        raise AttngeomError(f"no analyzed run in {store}: run 'attngeom analyze --store {store}' first")
+    click.echo(format_tables(labels))
 
 
 @main.command()

@@ -7,8 +7,12 @@ by one such chunk whatever the store's size. Results are written back to the sto
 
 - ``topn``    (seq, layer, head, n): the per-instance quantities of SPEC §3;
 - ``values``  (seq, layer, head): norm and coherence statistics per sequence;
-- ``heads``   (layer, head): those statistics' means and coefficients of variation across
-  sequences, and the robust coherence constants at ``N = 64``;
+- ``taxonomy`` (seq, layer, head, vote): Diagonal/Sink/Other query votes of SPEC §4 and each
+  sequence's plurality label;
+- ``heads``   (layer, head): the regime (Retriever/Mixer/Reset) and vote fractions, the
+  statistics' means and coefficients of variation across sequences, and the robust
+  coherence constants at ``N = 64``;
+- ``signatures`` (regime, n): mechanistic signatures, mean and median across a regime's heads;
 - ``summary`` (layer, head, n, stat): mean, median, 5% and 95% quantiles and count of every
   ``topn`` variable across sequences, plus F conditioned on the sink's selection;
 - ``table``   (row): the same as a tidy table (also Parquet and CSV with ``--out``).
@@ -32,6 +36,7 @@ import xarray as xr
 from tqdm.auto import tqdm
 
 from attngeom import store_schema
+from attngeom.analyze import taxonomy
 from attngeom.analyze.kernels import topn_metrics, value_statistics
 from attngeom.errors import AttngeomError
 
@@ -94,6 +99,12 @@ def _values_block(values, attendable, *, head_kv):
     head_values = _head_values(values[0, 0], head_kv)
     out = value_statistics(head_values, np.broadcast_to(attendable[0], head_values.shape[:2]))
     return np.stack([out[name] for name in VALUE_VARS], axis=-1)[None, None]
+
+
+def _votes_from_rows_block(rows, values, *, head_kv):
+    """Full rows (1,1,H,Q,K) and values (1,1,KV,K,D) -> vote counts (1,1,H,3)."""
+    winner = taxonomy.winners_from_rows(rows[0, 0], values[0, 0], head_kv)
+    return taxonomy.query_votes(winner)[None, None]
 
 
 @dataclass(frozen=True)
@@ -160,14 +171,45 @@ def values_dataset(ds: xr.Dataset) -> xr.Dataset:
     )
 
 
+def votes_dataset(ds: xr.Dataset) -> xr.Dataset:
+    """Lazy (seq, layer, head, vote) query-vote counts of SPEC §4 and each sequence's label.
+
+    From the full rows and values when the run kept them (``--store-rows all``), else from
+    the stored winners.
+    """
+    if "attn" in ds:
+        votes = da.blockwise(
+            _votes_from_rows_block, "slhv",
+            ds["attn"].data, "slhqk", ds["values"].data, "slgkd",
+            new_axes={"v": 3}, concatenate=True, dtype=np.int64, head_kv=ds["head_kv"].values,
+        )
+    else:
+        winner = ds["winner"].data
+        votes = da.map_blocks(taxonomy.query_votes, winner, chunks=winner.chunks[:3] + ((3,),), dtype=np.int64)
+    votes = votes.rechunk({0: min(SEQ_CHUNK, max(ds.sizes["seq"], 1)), 1: -1})
+    labels = da.map_blocks(taxonomy.plurality, votes, drop_axis=3, dtype=np.int8)
+    return xr.Dataset(
+        {"votes": (("seq", "layer", "head", "vote"), votes), "sequence_label": (("seq", "layer", "head"), labels)},
+        coords={"seq": ds["seq"].values, "layer": ds["layer"].values, "head": ds["head"].values,
+                "vote": np.asarray(taxonomy.VOTES, dtype=object)},
+        attrs={"source": "attn rows and values" if "attn" in ds else "winner", "labels": list(taxonomy.VOTES)},
+    )
+
+
 def _cv(x: xr.DataArray, dim: str) -> xr.DataArray:
     """Coefficient of variation std/mean across ``dim``."""
     return x.std(dim) / x.mean(dim)
 
 
-def heads_dataset(values: xr.Dataset, topn: xr.Dataset) -> xr.Dataset:
-    """(layer, head): per-sequence statistics' means and CVs, and coherence at N = 64."""
-    out = {}
+def heads_dataset(values: xr.Dataset, topn: xr.Dataset, votes: xr.Dataset) -> xr.Dataset:
+    """(layer, head): the regime and its vote fractions, the per-sequence statistics' means
+    and CVs, and the coherence constants at N = 64."""
+    label = taxonomy.head_regimes(votes["sequence_label"].transpose("seq", "layer", "head").values)
+    total = votes["votes"].sum("seq")
+    out = {"regime": (("layer", "head"), taxonomy.regime_names(label))}
+    for k, name in enumerate(taxonomy.VOTES):
+        out[f"vote_{name}"] = (total.isel(vote=k) / total.sum("vote")).drop_vars("vote")
+        out[f"sequences_{name}"] = (votes["sequence_label"] == k).sum("seq")
     for name in VALUE_VARS:
         out[name] = values[name].mean("seq")
         out[f"{name}_cv"] = _cv(values[name], "seq")
@@ -232,6 +274,25 @@ def _per_layer(reduce, *datasets: xr.Dataset) -> xr.Dataset:
     n_layers = datasets[0].sizes["layer"]
     parts = [reduce(*(d.isel(layer=[i]).load() for d in datasets)) for i in range(n_layers)]
     return xr.concat(parts, dim="layer", combine_attrs="override")
+
+
+def run_regimes(store: str) -> dict[str, tuple[str, str, np.ndarray]]:
+    """Run id -> (model, dataset, regime names (layer, head)) for every analyzed run."""
+    root = store_schema.open_root(store)
+    out = {}
+    for rid in store_schema.run_ids(root):
+        try:
+            heads = xr.open_zarr(
+                store_schema.store_from_url(store, read_only=True),
+                group=f"{store_schema.RUNS}/{rid}/analysis/heads", consolidated=False,
+            )
+        except (FileNotFoundError, KeyError):
+            continue
+        if "regime" not in heads:
+            continue
+        prov = store_schema.run_provenance(root, rid)
+        out[rid] = (prov["model"]["id"], prov["dataset"]["id"], np.asarray(heads["regime"].values, dtype=object))
+    return out
 
 
 @contextlib.contextmanager
@@ -317,17 +378,22 @@ def analyze(
             topn.attrs["attngeom"] = {"n_grid": grid, "random_draws": RANDOM_DRAWS, "seed": seed}
             _write_by_sequence(topn, store, f"{base}/topn", f"{rid}: top-N geometry", progress)
             _write_by_sequence(values_dataset(ds), store, f"{base}/values", f"{rid}: value statistics", progress)
+            _write_by_sequence(votes_dataset(ds), store, f"{base}/taxonomy", f"{rid}: source winners", progress)
             stored_topn = xr.open_zarr(store_schema.store_from_url(store, read_only=True), group=f"{base}/topn", consolidated=False)
             stored_values = xr.open_zarr(store_schema.store_from_url(store, read_only=True), group=f"{base}/values", consolidated=False)
+            stored_votes = xr.open_zarr(store_schema.store_from_url(store, read_only=True), group=f"{base}/taxonomy", consolidated=False)
             # Reductions across sequences, one layer at a time in memory: a layer of results
             # is small, and numpy is faster here than a graph. NaN marks "not defined here"
             # (no sink, N too large), so all-NaN reductions are expected.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                heads = _per_layer(heads_dataset, stored_values, stored_topn)
+                heads = _per_layer(heads_dataset, stored_values, stored_topn, stored_votes)
                 summary = _per_layer(summary_dataset, stored_topn)
+                per_head = _per_layer(lambda t: t[list(taxonomy.SIGNATURES)].mean("seq"), stored_topn)
+            signatures = taxonomy.signatures_dataset(per_head, heads["regime"])
             _write(heads, store, f"{base}/heads")
             _write(summary, store, f"{base}/summary")
+            _write(signatures, store, f"{base}/signatures")
             table = tidy_table(summary, ds.attrs.get("attngeom", {}), rid)
             _write(xr.Dataset.from_dataframe(table.rename_axis("row")), store, f"{base}/table")
             if out is not None:
