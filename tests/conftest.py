@@ -14,8 +14,10 @@ WORDS = [f"w{i}" for i in range(90)]
 
 
 def tiny_config(arch: str):
-    """A two-to-three-layer config of the family; Mistral and Gemma 3 slide a window of 6."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+    """A three-layer config of the family; Mistral and Gemma 2/3 slide a window of 6."""
+    from transformers import (
+        Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config,
+    )
 
     common = dict(
         vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -28,6 +30,13 @@ def tiny_config(arch: str):
         return MistralConfig(**common, sliding_window=6)
     if arch == "qwen2":
         return Qwen2Config(**common)
+    if arch == "gemma":
+        return GemmaConfig(**common)
+    if arch == "gemma2":  # softcapped attention logits: SDPA cannot run it, the capture does
+        return Gemma2Config(
+            **common, sliding_window=6, attn_logit_softcapping=5.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        )
     if arch == "gemma3":
         return Gemma3TextConfig(
             **common, sliding_window=6,

@@ -32,7 +32,7 @@ def eager_reference(folder, ids):
     return out.attentions, values, out.last_hidden_state
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma", "gemma2", "gemma3", "qwen2"])
 def test_capture_equals_eager(arch, tiny_model_dir):
     folder = tiny_model_dir(arch)
     ids = torch.randint(4, 100, (2, L))
@@ -71,7 +71,7 @@ def test_capture_equals_eager(arch, tiny_model_dir):
         masked = torch.arange(L) <= (L - 1 - window) if window else torch.zeros(L, dtype=torch.bool)
         assert torch.equal(cap.attendable, ~masked)
         assert bool((cap.attn_last[..., masked] == 0).all())
-    if arch in ("mistral", "gemma3"):
+    if arch in ("mistral", "gemma2", "gemma3"):
         assert any(not cap.attendable.all() for cap in rec.layers.values())
 
 
