@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import BloscCodec
+from zarr.codecs import BloscCodec, Crc32cCodec
 from zarr.core.sync import sync
 
 from attngeom import __version__
@@ -191,14 +191,22 @@ def open_root(url: str, *, mode: str = "r") -> zarr.Group:
 
 
 def open_or_create_root(url: str) -> zarr.Group:
-    """Open the store at ``url`` for writing, creating it (schema version 1) if absent."""
+    """Open the store at ``url`` for writing, creating it (schema version 1) if absent.
+
+    The root's metadata and attributes are one object, written at once; an empty group
+    without them (a store created by hand, or by older code killed mid-way) is adopted.
+    """
     store = store_from_url(url, read_only=False)
+    meta = {ATTR_KEY: {"schema_version": SCHEMA_VERSION, "created_by": __version__}}
     try:
         root = zarr.open_group(store, mode="r+", use_consolidated=False)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError):
-        root = zarr.open_group(store, mode="a", zarr_format=3, use_consolidated=False)
-        if not list(root.keys()) and ATTR_KEY not in root.attrs:
-            root.attrs[ATTR_KEY] = {"schema_version": SCHEMA_VERSION, "created_by": __version__}
+        try:
+            root = zarr.create_group(store, zarr_format=3, attributes=meta)
+        except zarr.errors.ContainsGroupError:  # a concurrent writer created it
+            root = zarr.open_group(store, mode="r+", use_consolidated=False)
+    if ATTR_KEY not in root.attrs and not list(root.keys()):
+        root.attrs.update(meta)
     _read_root_attrs(root)
     return root
 
@@ -247,7 +255,7 @@ def run_provenance(root: zarr.Group, run_id: str) -> dict[str, Any]:
     return dict(open_run_group(root, run_id).attrs.get(ATTR_KEY, {}))
 
 
-def _create_array(group: zarr.Group, name: str, layout: RunLayout, n_seq: int) -> zarr.Array:
+def _create_array(group: zarr.Group, name: str, layout: RunLayout, n_seq: int, *, overwrite: bool) -> zarr.Array:
     var = RUN_VARIABLES[name]
     shape = layout.shape(name, n_seq)
     dtype = np.dtype(layout.dtype(name))
@@ -267,11 +275,11 @@ def _create_array(group: zarr.Group, name: str, layout: RunLayout, n_seq: int) -
         name,
         shape=shape,
         dtype=dtype,
-        compressors=compressor(dtype.itemsize),
+        compressors=[compressor(dtype.itemsize), Crc32cCodec()],
         dimension_names=var.dims,
         fill_value=fill,
         attributes=attrs,
-        overwrite=True,
+        overwrite=overwrite,
         **kwargs,
     )
 
@@ -279,14 +287,28 @@ def _create_array(group: zarr.Group, name: str, layout: RunLayout, n_seq: int) -
 def create_run(
     root: zarr.Group, run_id: str, layout: RunLayout, provenance: Mapping[str, Any], n_seq: int
 ) -> zarr.Group:
-    """Create ``runs/<run_id>`` with every array sized for ``n_seq`` sequences.
+    """Create, or finish creating, ``runs/<run_id>`` with arrays sized for ``n_seq`` sequences.
 
-    Provenance is written last, with ``initialized: true``; a run group lacking it is the
-    remains of an interrupted creation and is replaced.
+    Several writers may create the same run at once (``extract --shard``): an array that
+    already has this layout's shape and dtype is kept, never overwritten, so a peer's
+    committed sequences survive; one left with another layout by an interrupted creation is
+    replaced. Provenance is written last, with ``initialized: true``.
     """
     run = root.require_group(f"{RUNS}/{run_id}")
+    existing = dict(run.arrays())
     for name in layout.names():
-        _create_array(run, name, layout, n_seq)
+        arr = existing.get(name)
+        shape = layout.shape(name, n_seq)
+        per_sequence = RUN_VARIABLES[name].per_sequence
+        if arr is not None and str(arr.dtype) == layout.dtype(name) and (
+            arr.shape[1:] == shape[1:] if per_sequence else arr.shape == shape
+        ):
+            continue
+        try:
+            _create_array(run, name, layout, n_seq, overwrite=arr is not None)
+        except zarr.errors.ContainsArrayError:
+            pass  # a concurrent writer created it a moment ago
+    resize_run(run, n_seq)
     run["layer"][:] = np.arange(layout.n_layers, dtype="int32")
     run["head"][:] = np.arange(layout.n_heads, dtype="int32")
     run["kv_head"][:] = np.arange(layout.n_kv_heads, dtype="int32")

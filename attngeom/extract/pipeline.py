@@ -264,12 +264,9 @@ def extract(request: ExtractRequest) -> ExtractResult:
 
 
 def _open_run(root: zarr.Group, run_id: str) -> zarr.Group | None:
-    """The run if its creation finished; the remains of an interrupted creation are removed."""
-    path = f"{store_schema.RUNS}/{run_id}"
+    """The run if its creation finished; None if absent or its creation was interrupted
+    (``create_run`` then finishes it, keeping what is already right)."""
     if run_id not in store_schema.run_ids(root):
         return None
     run = store_schema.open_run_group(root, run_id)
-    if not run.attrs.get(store_schema.ATTR_KEY, {}).get("initialized"):
-        del root[path]
-        return None
-    return run
+    return run if run.attrs.get(store_schema.ATTR_KEY, {}).get("initialized") else None
