@@ -37,6 +37,18 @@ def main() -> None:
     """
 
 
+def _shard(ctx, param, value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    try:
+        index, count = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise click.BadParameter("i/n, e.g. 0/2") from None
+    if not 0 <= index < count:
+        raise click.BadParameter(f"the index must be in 0..{count - 1}")
+    return index, count
+
+
 STORE = click.option("--store", required=True, help="Store: a local path or an fsspec URL (s3://, memory://, file://).")
 
 
@@ -57,6 +69,7 @@ STORE = click.option("--store", required=True, help="Store: a local path or an f
 @click.option("--window", "window_rule", type=click.Choice(["first", "random"]), default="first", show_default=True, help="Which window of each document: the first, or a seeded random offset.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random window rule.")
 @click.option("--bos-token", help="Token to use as BOS instead of the tokenizer's.")
+@click.option("--shard", callback=_shard, help="i/n: write only sequences s with s %% n == i, so n processes fill one run together [default: RANK/WORLD_SIZE under torchrun or accelerate].")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def extract(**kwargs) -> None:
     """Run the model once over equalized single-document windows into the store.
@@ -120,11 +133,12 @@ def taxonomy(store: str) -> None:
 
 @main.command()
 @STORE
-def validate(store: str) -> None:
+@click.option("--deep", is_flag=True, help="Also read every chunk and name any corrupt one (checksums).")
+def validate(store: str, deep: bool) -> None:
     """Check the store against schema version 1; one line per problem, exit 1 if any."""
     from attngeom.store_schema import validate_store
 
-    problems = validate_store(store)
+    problems = validate_store(store, deep=deep)
     for line in problems:
         click.echo(line)
     if problems:

@@ -442,8 +442,28 @@ def validate_run(run: zarr.Group, run_id: str) -> list[str]:
     return problems
 
 
-def validate_store(url: str) -> list[str]:
-    """Every problem of the store at ``url``, one line each; empty when valid."""
+def corrupt_chunks(arr: zarr.Array, where: str) -> list[str]:
+    """Read every stored chunk (every shard) of ``arr``; one line per chunk that fails to
+    decode, its checksum included."""
+    grid = arr.shards or arr.chunks
+    counts = [max(1, -(-n // c)) for n, c in zip(arr.shape, grid)]
+    problems = []
+    for index in np.ndindex(*counts):
+        region = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, grid, arr.shape))
+        try:
+            arr[region]
+        except Exception as exc:  # a corrupt chunk surfaces as any codec's error
+            key = "/".join(str(i) for i in index)
+            problems.append(f"{where}: array '{arr.path}' chunk c/{key} is corrupt ({type(exc).__name__}: {exc})")
+    return problems
+
+
+def validate_store(url: str, *, deep: bool = False) -> list[str]:
+    """Every problem of the store at ``url``, one line each; empty when valid.
+
+    ``deep`` also reads every chunk of every array, so that a corrupt chunk (its crc32c
+    checksum, or its compression) is named by array and chunk key.
+    """
     try:
         root = zarr.open_group(store_from_url(url, read_only=True), mode="r", use_consolidated=False)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError):
@@ -454,7 +474,11 @@ def validate_store(url: str) -> list[str]:
         return [str(exc)]
     problems: list[str] = []
     for run_id in run_ids(root):
-        problems += validate_run(open_run_group(root, run_id), run_id)
+        run = open_run_group(root, run_id)
+        problems += validate_run(run, run_id)
+        if deep:
+            for _, arr in sorted(run.arrays()):
+                problems += corrupt_chunks(arr, f"run {run_id}")
     return problems
 
 

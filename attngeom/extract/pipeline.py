@@ -10,6 +10,7 @@ larger ``--num-sequences`` appends.
 from __future__ import annotations
 
 import errno
+import os
 import platform
 import shlex
 import sys
@@ -61,6 +62,7 @@ class ExtractRequest:
     window_rule: str = "first"
     seed: int = 0
     bos_token: str | None = None
+    shard: tuple[int, int] | None = None
     command_line: Sequence[str] = field(default_factory=lambda: list(sys.argv))
     progress: bool = True
 
@@ -167,14 +169,30 @@ def _sequence_arrays(
     return arrays
 
 
+def launcher_shard() -> tuple[int, int] | None:
+    """(rank, world size) when started by torchrun or accelerate (``RANK``/``WORLD_SIZE``)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return (int(os.environ.get("RANK", "0")), world) if world > 1 else None
+
+
 def extract(request: ExtractRequest) -> ExtractResult:
-    """Run ``extract``; raises :class:`AttngeomError` on bad input with the store untouched."""
+    """Run ``extract``; raises :class:`AttngeomError` on bad input with the store untouched.
+
+    With ``shard = (i, n)`` this process writes sequences s with s % n == i, so n processes
+    (by hand, or ranks of torchrun) fill one run without touching each other's shards.
+    """
     if request.context_length < 2:
         raise AttngeomError("--context-length must be at least 2 (BOS and one token)")
     if request.num_sequences < 1:
         raise AttngeomError("--num-sequences must be at least 1")
+    shard = request.shard or launcher_shard()
+    if shard is not None and not 0 <= shard[0] < shard[1]:
+        raise AttngeomError(f"--shard {shard[0]}/{shard[1]}: the index must be in 0..{shard[1] - 1}")
     store_schema.check_writable(request.store)
     device = resolve_device(request.device)
+    if shard is not None and device == "cuda":
+        # One GPU per local rank under a launcher; all ranks share one GPU if there is one.
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', shard[0])) % torch.cuda.device_count()}"
     dtype = resolve_dtype(request.dtype, device)
     source = resolve_model(request.model)
     config = load_config(source)
@@ -207,10 +225,11 @@ def extract(request: ExtractRequest) -> ExtractResult:
 
     root = store_schema.open_or_create_root(request.store)
     run = _open_run(root, run_id)
+    mine = [i for i in range(request.num_sequences) if shard is None or i % shard[1] == shard[0]]
     todo = (
-        list(range(request.num_sequences))
+        mine
         if run is None
-        else [i for i in range(request.num_sequences) if i >= store_schema.n_sequences(run) or run["complete"][i] != 1]
+        else [i for i in mine if i >= store_schema.n_sequences(run) or run["complete"][i] != 1]
     )
     if run is not None and store_schema.n_sequences(run) < request.num_sequences:
         store_schema.resize_run(run, request.num_sequences)
@@ -233,6 +252,7 @@ def extract(request: ExtractRequest) -> ExtractResult:
         "library_versions": _library_versions(),
         "attngeom_version": __version__,
         "command_line": shlex.join(request.command_line),
+        "shard": list(shard) if shard else None,
     }
     bar = tqdm(total=len(todo), unit="seq", desc=f"extract {run_id}", disable=not request.progress)
     try:

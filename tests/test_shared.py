@@ -1,0 +1,160 @@
+"""Shared stores: several writers, torchrun ranks, checksums, memory:// and s3:// (moto)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+import xarray as xr
+from click.testing import CliRunner
+
+from attngeom import store_schema
+from attngeom.analyze.stage import analyze
+from attngeom.cli import main
+from attngeom.extract.pipeline import ExtractRequest, extract
+
+S = 10
+
+
+def extract_cmd(model, corpus, store, *extra):
+    return [sys.executable, "-m", "attngeom.cli", "extract", "--model", str(model), "--dataset", str(corpus),
+            "-L", "16", "-S", str(S), "--store", str(store), "--run", "r", "--no-progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, word_corpus, tmp_path_factory):
+    store = tmp_path_factory.mktemp("ref") / "ref.zarr"
+    extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
+                           num_sequences=S, store=str(store), run_id="r", progress=False))
+    return xr.open_zarr(str(store), group="runs/r", consolidated=False).load()
+
+
+def assert_same_run(store, reference, run_id="r"):
+    assert store_schema.validate_store(str(store), deep=True) == []
+    ds = xr.open_zarr(str(store), group=f"runs/{run_id}", consolidated=False)
+    assert int(ds["complete"].sum()) == S
+    for name in ("tokens", "values", "attn_last", "winner", "entropy", "doc_index"):
+        np.testing.assert_array_equal(ds[name].values, reference[name].values)
+
+
+def test_two_writers_then_a_killed_one_resumes(tiny_model_dir, word_corpus, tmp_path, reference):
+    model = tiny_model_dir("llama")
+    store = tmp_path / "s.zarr"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    writers = [subprocess.Popen(extract_cmd(model, word_corpus, store, "--shard", f"{i}/2"), env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(2)]
+    complete = store / "runs/r/complete/c"
+    deadline = time.time() + 120
+    while time.time() < deadline and writers[1].poll() is None:
+        if complete.exists() and len(list(complete.iterdir())) >= 3:
+            break
+        time.sleep(0.005)
+    writers[1].send_signal(signal.SIGKILL)
+    assert writers[0].wait(timeout=180) == 0, writers[0].stderr.read()
+    writers[1].wait()
+    done = xr.open_zarr(str(store), group="runs/r", consolidated=False)["complete"].values
+    assert done[0::2].all()  # shard 0 finished all of its sequences
+    resumed = subprocess.run(extract_cmd(model, word_corpus, store, "--shard", "1/2"), env=env, capture_output=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_run(store, reference)
+
+
+def test_torchrun_ranks_share_one_run(tiny_model_dir, word_corpus, tmp_path, reference):
+    store = tmp_path / "s.zarr"
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    args = extract_cmd(tiny_model_dir("llama"), word_corpus, store)[3:]
+    del args[args.index("--run") : args.index("--run") + 2]  # torchrun's parser takes --run for --run-path
+    result = subprocess.run([torchrun, "--nproc-per-node", "2", "--standalone", "-m", "attngeom.cli", *args],
+                            capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (run_id,) = store_schema.run_ids(store_schema.open_root(str(store)))
+    assert_same_run(store, reference, run_id)
+    prov = xr.open_zarr(str(store), group=f"runs/{run_id}", consolidated=False).attrs["attngeom"]
+    assert prov["shard"][1] == 2
+
+
+def test_deep_validate_names_a_corrupt_chunk(tiny_model_dir, word_corpus, tmp_path):
+    store = tmp_path / "s.zarr"
+    extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
+                           num_sequences=2, store=str(store), run_id="r", progress=False))
+    shard = store / "runs/r/attn_last/c/1/0/0/0"
+    data = bytearray(shard.read_bytes())
+    data[40] ^= 0xFF
+    shard.write_bytes(data)
+    runner = CliRunner()
+    assert runner.invoke(main, ["validate", "--store", str(store)]).exit_code == 0  # metadata is fine
+    deep = runner.invoke(main, ["validate", "--deep", "--store", str(store)])
+    assert deep.exit_code == 1
+    (line,) = deep.output.strip().splitlines()
+    assert line.startswith("run r: array 'runs/r/attn_last' chunk c/1/0/0/0 is corrupt")
+    assert "checksum" in line
+
+
+def test_memory_store_pipeline(tiny_model_dir, word_corpus):
+    url = f"memory://attngeom-{uuid.uuid4().hex}/store.zarr"
+    extract(ExtractRequest(model=str(tiny_model_dir("gemma3")), dataset=str(word_corpus), context_length=16,
+                           num_sequences=2, store=url, run_id="r", progress=False))
+    assert store_schema.validate_store(url, deep=True) == []
+    analyze(url, n_grid=[1, 4], progress=False)
+    topn = xr.open_zarr(store_schema.store_from_url(url, read_only=True), group="runs/r/analysis/topn")
+    assert dict(topn.sizes) == {"seq": 2, "layer": 3, "head": 4, "n": 2}
+
+
+@pytest.fixture(scope="module")
+def s3_url(monkeypatch_module):
+    """A bucket on moto's S3 server on loopback, as s3fs's own tests use it."""
+    moto_server = pytest.importorskip("moto.server")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
+                       "FSSPEC_S3_ENDPOINT_URL": endpoint}.items():
+        monkeypatch_module.setenv(key, value)
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="attngeom")
+    yield "s3://attngeom/store.zarr"
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_s3_store_extract_validate_analyze_taxonomy(tiny_model_dir, word_corpus, s3_url, reference):
+    extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
+                           num_sequences=S, store=s3_url, run_id="r", progress=False))
+    assert store_schema.validate_store(s3_url, deep=True) == []
+    ds = xr.open_zarr(store_schema.store_from_url(s3_url, read_only=True), group="runs/r")
+    np.testing.assert_array_equal(ds["values"].values, reference["values"].values)
+    analyze(s3_url, scheduler="threads", n_grid=[1, 4], progress=False)
+    result = CliRunner().invoke(main, ["taxonomy", "--store", s3_url])
+    assert result.exit_code == 0, result.output
+    assert "Reset" in result.output
+
+
+def test_multiprocess_cluster_matches_threads(tiny_model_dir, word_corpus, tmp_path):
+    from distributed import LocalCluster
+
+    store = tmp_path / "s.zarr"
+    extract(ExtractRequest(model=str(tiny_model_dir("mistral")), dataset=str(word_corpus), context_length=16,
+                           num_sequences=3, store=str(store), run_id="r", progress=False))
+    analyze(str(store), scheduler="threads", n_grid=[1, 2, 8], progress=False)
+    single = {g: xr.open_zarr(str(store), group=f"runs/r/analysis/{g}", consolidated=False).load()
+              for g in ("topn", "values", "heads", "summary")}
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+        analyze(str(store), scheduler=cluster.scheduler_address, n_grid=[1, 2, 8], progress=False)
+    for g, expected in single.items():
+        got = xr.open_zarr(str(store), group=f"runs/r/analysis/{g}", consolidated=False).load()
+        xr.testing.assert_identical(got, expected)
