@@ -32,6 +32,8 @@ def main() -> None:
              per-query summaries into a Zarr store (GPU where there is one)
     analyze  computes the paper's geometry from the store, out of core (Dask)
     taxonomy prints the Retriever / Mixer / Reset distribution of the heads
+    ablate   measures single-head ablation and head sparsification (needs the model)
+    report   draws the paper's figures and tables from a store
     validate checks a store against the schema
     demo     the whole pipeline on the offline default model and corpus
     """
@@ -129,6 +131,20 @@ def taxonomy(store: str) -> None:
     if not labels:
         raise AttngeomError(f"no analyzed run in {store}: run 'attngeom analyze --store {store}' first")
     click.echo(format_tables(labels))
+
+
+@main.command()
+@STORE
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder for index.html, the figures (PNG) and the tables (Markdown and CSV).")
+def report(store: str, out: Path) -> None:
+    """Draw every figure and table of the paper from the store, no model needed.
+
+    Writes DIR/index.html (works offline) with the PNG figures and the tables beside it;
+    inputs a run lacks (no analysis, no ablation) become notes in the report.
+    """
+    from attngeom.report import build_report
+
+    click.echo(f"report: {build_report(store, out)}")
 
 
 @main.command()

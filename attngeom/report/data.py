@@ -1,0 +1,185 @@
+"""What the report reads from a store: one ``RunData`` per run, with every group it may use.
+
+Groups written by later or optional stages (taxonomy, signatures, ablation) may be absent; a
+missing group is ``None`` here, and ``Requirement``s turn absence into a readable note.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+import zarr
+
+from attngeom import store_schema
+
+ANALYSIS = "analysis"
+ABLATION = "ablation"
+ABLATION_GROUPS = ("single", "sweep", "correlations", "critical")
+# Small (layer, head[, n]) groups, loaded in memory; ``topn`` stays lazy (it is per sequence).
+SMALL_GROUPS = ("summary", "heads", "signatures")
+REGIMES = ("Retriever", "Mixer", "Reset")
+
+
+@dataclass
+class RunData:
+    """One run: its identity, shape, and the opened analysis and ablation datasets."""
+
+    run_id: str
+    model_id: str
+    dataset_id: str
+    context_length: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    sequences: int
+    color: str = "C0"
+    summary: xr.Dataset | None = None
+    heads: xr.Dataset | None = None
+    signatures: xr.Dataset | None = None
+    topn: xr.Dataset | None = None
+    ablation: dict[str, xr.Dataset] = field(default_factory=dict)
+
+    @property
+    def model(self) -> str:
+        """Short model name: hub ids and paths read better without their prefix."""
+        return _short(self.model_id)
+
+    @property
+    def dataset(self) -> str:
+        return _short(self.dataset_id)
+
+    @property
+    def label(self) -> str:
+        """Legend label: model, dataset and context length."""
+        return f"{self.model} · {self.dataset} · L={self.context_length}"
+
+    def group(self, name: str) -> xr.Dataset | None:
+        """An analysis group (``summary``, ``heads``, ``signatures``, ``topn``) or an ablation one."""
+        if name in ABLATION_GROUPS:
+            return self.ablation.get(name)
+        return getattr(self, name)
+
+
+Requirement = Callable[[RunData], "str | None"]
+
+
+def requires(group: str, *variables: str) -> Requirement:
+    """A check that ``group`` exists and holds ``variables``; returns why not, or None."""
+    stage = "ablate" if group in ABLATION_GROUPS else "analyze"
+    where = f"{ABLATION}/{group}" if group in ABLATION_GROUPS else f"{ANALYSIS}/{group}"
+
+    def check(run: RunData) -> str | None:
+        ds = run.group(group)
+        if ds is None:
+            return f"no {where} (run `attngeom {stage}`)"
+        lacking = [v for v in variables if v not in ds.variables]
+        if lacking:
+            return f"{where} lacks {', '.join(lacking)}"
+        return None
+
+    return check
+
+
+def all_of(*checks: Requirement) -> Requirement:
+    """A check passing when every one of ``checks`` passes (the first failure's reason)."""
+
+    def check(run: RunData) -> str | None:
+        return next((reason for c in checks if (reason := c(run)) is not None), None)
+
+    return check
+
+
+def _open(store: str, path: str) -> xr.Dataset | None:
+    try:
+        return xr.open_zarr(store_schema.store_from_url(store, read_only=True), group=path, consolidated=False)
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
+        return None
+
+
+def _short(identifier: str) -> str:
+    return identifier.rstrip("/").split("/")[-1] or identifier
+
+
+def load_run(store: str, root: zarr.Group, run_id: str) -> RunData:
+    """Open every group of ``run_id`` that exists; small ones are loaded in memory."""
+    meta = store_schema.run_provenance(root, run_id)
+    layout = meta.get("layout", {})
+    run = store_schema.open_run_group(root, run_id)
+    base = f"{store_schema.RUNS}/{run_id}"
+    data = RunData(
+        run_id=run_id,
+        model_id=str(meta.get("model", {}).get("id") or "?"),
+        dataset_id=str(meta.get("dataset", {}).get("id") or "?"),
+        context_length=int(meta.get("context_length", layout.get("length", 0)) or 0),
+        n_layers=int(layout.get("n_layers", 0)),
+        n_heads=int(layout.get("n_heads", 0)),
+        n_kv_heads=int(layout.get("n_kv_heads", 0)),
+        sequences=int(store_schema.completed(run).size) if "complete" in run else 0,
+    )
+    for name in SMALL_GROUPS:
+        ds = _open(store, f"{base}/{ANALYSIS}/{name}")
+        setattr(data, name, ds.load() if ds is not None else None)
+    data.topn = _open(store, f"{base}/{ANALYSIS}/topn")
+    for name in ABLATION_GROUPS:
+        ds = _open(store, f"{base}/{ABLATION}/{name}")
+        if ds is not None:
+            data.ablation[name] = ds
+    return data
+
+
+def load_runs(store: str) -> list[RunData]:
+    """Every run of the store, in run-id order."""
+    root = store_schema.open_root(store)
+    runs = [load_run(store, root, rid) for rid in store_schema.run_ids(root)]
+    # One colour per run, fixed here so that a run keeps it in every figure.
+    for i, run in enumerate(runs):
+        run.color = f"C{i % 10}"
+    return runs
+
+
+def table_frame(ds: xr.Dataset) -> pd.DataFrame:
+    """A one-dimensional dataset (a stored table) as a DataFrame; its index becomes a column
+    when it is a coordinate (``diagnostic``), not when it only numbers rows. Text columns hold
+    plain ``str``."""
+    labelled = all(dim in ds.coords for dim in ds.dims)
+    frame = ds.to_dataframe().reset_index(drop=not labelled)
+    for column in frame.columns:
+        if frame[column].dtype.kind not in "biufcmM":
+            frame[column] = frame[column].map(str).astype(object)
+    return frame
+
+
+def critical_heads(run: RunData) -> list[tuple[int, int]]:
+    """The (layer, head) pairs of ``ablation/critical``: its ``layer`` and ``head`` columns."""
+    ds = run.ablation.get("critical")
+    if ds is None:
+        return []
+    frame = table_frame(ds)
+    if not {"layer", "head"} <= set(frame.columns) or frame.empty:
+        return []
+    pairs = frame[["layer", "head"]].dropna().astype(int)
+    return [(int(layer), int(head)) for layer, head in pairs.itertuples(index=False)]
+
+
+def finite(x: xr.DataArray | np.ndarray) -> np.ndarray:
+    """The finite entries of ``x`` as a flat float array."""
+    values = np.asarray(x, dtype=np.float64).ravel()
+    return values[np.isfinite(values)]
+
+
+def labels(x: xr.DataArray) -> np.ndarray:
+    """String values (a label variable or coordinate) as a flat object array of ``str``.
+
+    Zarr v3 strings come back as NumPy's StringDType, which does not cast to ``<U``."""
+    return np.asarray([str(v) for v in np.asarray(x.values).ravel()], dtype=object)
+
+
+def regime_counts(run: RunData) -> dict[str, int]:
+    """Heads per regime of a run (``analysis/heads`` ``regime``), in REGIMES order."""
+    assert run.heads is not None
+    regimes = labels(run.heads["regime"])
+    return {name: int(np.sum(regimes == name)) for name in REGIMES}

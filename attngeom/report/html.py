@@ -1,0 +1,100 @@
+"""index.html: every figure and table with its caption, self-contained and offline.
+
+No script, no stylesheet or font from elsewhere: the page references only the PNG, CSV and
+Markdown files written beside it, so it opens from a folder, an archive or a CI artifact.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+from html import escape
+
+import pandas as pd
+
+from attngeom import __version__
+from attngeom.report.spec import SECTIONS
+
+STYLE = """
+body { font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em; color: #222; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: 0.2em; margin-top: 2em; }
+figure { margin: 1.5em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figcaption, .caption { font-size: 0.92em; color: #444; margin: 0.3em 0; }
+.note { background: #fff6e0; border-left: 4px solid #e0a000; padding: 0.4em 0.8em; font-size: 0.9em; }
+.scroll { overflow-x: auto; max-height: 32em; overflow-y: auto; }
+table.data { border-collapse: collapse; font-size: 0.85em; }
+table.data th, table.data td { border-bottom: 1px solid #ddd; padding: 0.2em 0.6em; text-align: left; }
+table.data th { background: #f4f4f4; position: sticky; top: 0; }
+.meta { color: #666; font-size: 0.9em; } nav ul { columns: 2; }
+"""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One item of the page: a figure (``image``) or a table (``table``), or neither when its
+    inputs are missing; ``notes`` say what is missing."""
+
+    name: str
+    section: str
+    caption: str
+    image: str | None = None
+    table: pd.DataFrame | None = None
+    files: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def _notes(notes: Sequence[str]) -> str:
+    return "".join(f'<p class="note">{escape(n)}</p>' for n in notes)
+
+
+def _entry(entry: Entry) -> str:
+    caption = escape(entry.caption)
+    links = " ".join(f'<a href="{escape(f)}">{escape(f)}</a>' for f in entry.files)
+    if entry.image is not None:
+        body = (f'<figure><img src="{escape(entry.image)}" alt="{caption}">'
+                f"<figcaption><b>{escape(entry.name)}.</b> {caption}</figcaption></figure>")
+    elif entry.table is not None:
+        table = entry.table.to_html(index=False, border=0, classes="data", na_rep="",
+                                    float_format=lambda x: f"{x:.4g}")
+        body = (f'<p class="caption"><b>{escape(entry.name)}.</b> {caption} {links}</p>'
+                f'<div class="scroll">{table}</div>')
+    else:
+        body = f'<p class="caption"><b>{escape(entry.name)}.</b> {caption}</p>'
+    return f'<section id="{escape(entry.name)}">{body}{_notes(entry.notes)}</section>'
+
+
+def render(store: str, n_runs: int, entries: Sequence[Entry], notes: Sequence[str]) -> str:
+    """The page: header, missing-input notes, then the entries section by section."""
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    order = {name: i for i, name in enumerate(SECTIONS)}
+    ordered = sorted(entries, key=lambda e: order.get(e.section, len(order)))
+    sections: dict[str, list[Entry]] = {}
+    for entry in ordered:
+        sections.setdefault(entry.section, []).append(entry)
+    nav = "".join(
+        f'<li><a href="#{escape(e.name)}">{escape(e.name)}</a>{" (missing)" if e.image is None and e.table is None else ""}</li>'
+        for e in ordered
+    )
+    body = "".join(
+        f"<h2>{escape(title)}</h2>" + "".join(_entry(e) for e in items) for title, items in sections.items()
+    )
+    missing = f"<h2>Missing inputs</h2>{_notes(notes)}" if notes else ""
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
+<title>attngeom report</title>
+<style>{STYLE}</style>
+</head>
+<body>
+<h1>attngeom report</h1>
+<p class="meta">store <code>{escape(store)}</code> · {n_runs} run(s) · attngeom {escape(__version__)} · {now}</p>
+<nav><ul>{nav}</ul></nav>
+{missing}
+{body}
+</body>
+</html>
+"""

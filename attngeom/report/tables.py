@@ -1,0 +1,162 @@
+"""The report's tables as DataFrames, and their Markdown and CSV forms."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import dask
+import numpy as np
+import pandas as pd
+import xarray as xr
+
+from attngeom.report.data import REGIMES, RunData, all_of, labels, regime_counts, requires, table_frame
+from attngeom.report.spec import TableSpec
+
+COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact")
+
+
+def _identity(run: RunData) -> dict[str, object]:
+    return {"run": run.run_id, "model": run.model_id, "dataset": run.dataset_id}
+
+
+MODEL_COLUMNS = ("run", "model", "dataset", "L", "layers", "heads", "kv heads", "sequences", "analysis", "ablation")
+
+
+def models(runs: Sequence[RunData]) -> pd.DataFrame:
+    """One row per run: model, dataset, context length, geometry, sequences, stages present."""
+    rows = [
+        {**_identity(r), "L": r.context_length, "layers": r.n_layers, "heads": r.n_heads,
+         "kv heads": r.n_kv_heads, "sequences": r.sequences,
+         "analysis": "yes" if r.summary is not None else "no",
+         "ablation": ", ".join(sorted(r.ablation)) or "no"}
+        for r in runs
+    ]
+    return pd.DataFrame(rows, columns=list(MODEL_COLUMNS))
+
+
+def taxonomy_distribution(runs: Sequence[RunData]) -> pd.DataFrame:
+    """Heads per regime and their share, per run (the paper's taxonomy table)."""
+    rows = []
+    for run in runs:
+        counts = regime_counts(run)
+        total = sum(counts.values())
+        row: dict[str, object] = {**_identity(run), "L": run.context_length, "total": total}
+        for regime in REGIMES:
+            row[regime] = counts[regime]
+            row[f"{regime} %"] = round(100.0 * counts[regime] / total, 1) if total else math.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _with_identity(run: RunData, frame: pd.DataFrame, first: Sequence[str]) -> pd.DataFrame:
+    """``frame`` behind the run's identity columns, the columns ``first`` leading."""
+    leading = [c for c in first if c in frame.columns]
+    frame = frame[leading + [c for c in frame.columns if c not in leading]].reset_index(drop=True)
+    return pd.concat([pd.DataFrame([_identity(run)] * len(frame)), frame], axis=1)
+
+
+def ablation_correlations(runs: Sequence[RunData]) -> pd.DataFrame:
+    """Head diagnostics against single-head Delta NLL, strongest Spearman first within a run."""
+    parts = []
+    for run in runs:
+        frame = table_frame(run.ablation["correlations"]).drop(columns=["row"], errors="ignore")
+        if "spearman_r" in frame:
+            frame = frame.iloc[np.argsort(-frame["spearman_r"].abs().to_numpy(), kind="stable")]
+        parts.append(_with_identity(run, frame, ("diagnostic", "spearman_r", "spearman_p", "pearson_r", "pearson_p")))
+    return pd.concat(parts, ignore_index=True)
+
+
+def regime_impact(runs: Sequence[RunData]) -> pd.DataFrame:
+    """Mean and median single-head Delta NLL of each regime's heads."""
+    rows = []
+    for run in runs:
+        assert run.heads is not None
+        impact, regime = xr.align(run.ablation["single"]["delta_nll_mean"], run.heads["regime"])
+        regimes = labels(regime)
+        values = impact.transpose(*regime.dims).to_numpy().ravel()
+        for name in REGIMES:
+            chosen = values[(regimes == name) & np.isfinite(values)]
+            rows.append({**_identity(run), "regime": name, "heads": int(np.sum(regimes == name)),
+                         "mean ΔNLL": float(chosen.mean()) if chosen.size else math.nan,
+                         "median ΔNLL": float(np.median(chosen)) if chosen.size else math.nan})
+    return pd.DataFrame(rows)
+
+
+def critical_heads(runs: Sequence[RunData]) -> pd.DataFrame:
+    """The ablation stage's critical heads, as it lists them."""
+    parts = []
+    for run in runs:
+        parts.append(_with_identity(run, table_frame(run.ablation["critical"]), ("layer", "head", "delta_nll_mean")))
+    return pd.concat(parts, ignore_index=True)
+
+
+def certificate(runs: Sequence[RunData]) -> pd.DataFrame:
+    """Per run and N: violations of the paper's bound (worst-case and q95 constants) and of the
+    exact certificate (always 0), and the mean counts they compare.
+
+    Reduced out of core from ``analysis/topn`` (Dask, threads); -1 marks an undefined count.
+    """
+    rows = []
+    for run in runs:
+        topn = run.topn
+        assert topn is not None
+        dims = ["seq", "layer", "head"]
+        inv, exact = topn["inversions"], topn["k_sink_exact"]
+        bounds = {"K_sink": topn["k_sink"], "K_sink (q95)": topn["k_sink_q95"], "K_exact": exact}
+        reduced: dict[str, xr.DataArray] = {"instances": (exact >= 0).sum(dims)}
+        for name, k in bounds.items():
+            reduced[f"A_N > {name}"] = ((inv > k) & (k >= 0)).sum(dims)
+        reduced["mean A_N"] = inv.where(inv >= 0).mean(dims)
+        for name, k in bounds.items():
+            reduced[f"mean {name}"] = k.where(k >= 0).mean(dims)
+        reduced["mean A_N / K_exact"] = (inv / exact.where(exact > 0)).mean(dims)
+        with dask.config.set(scheduler="threads"):
+            (computed,) = dask.compute(xr.Dataset(reduced))
+        rows.append(_with_identity(run, computed.to_dataframe().reset_index().rename(columns={"n": "N"}), ()))
+    return pd.concat(rows, ignore_index=True)
+
+
+def _cell(x: object) -> str:
+    if isinstance(x, (float, np.floating)):
+        return "" if math.isnan(x) else f"{x:.4g}"
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(frame: pd.DataFrame) -> str:
+    """A GitHub-flavoured Markdown table, numbers right-aligned."""
+    numeric = [frame[c].dtype.kind in "iuf" for c in frame.columns]
+    header = "| " + " | ".join(_cell(c) for c in frame.columns) + " |"
+    rule = "| " + " | ".join("---:" if n else "---" for n in numeric) + " |"
+    body = ["| " + " | ".join(_cell(x) for x in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join([header, rule, *body]) + "\n"
+
+
+def write(frame: pd.DataFrame, out: Path, name: str) -> list[str]:
+    """``name``.md and ``name``.csv in ``out``; returns their file names."""
+    (out / f"{name}.md").write_text(to_markdown(frame), encoding="utf-8")
+    frame.to_csv(out / f"{name}.csv", index=False)
+    return [f"{name}.md", f"{name}.csv"]
+
+
+TABLES = (
+    TableSpec("models", "Models", "Runs of the store: model, dataset, context length L, attention geometry, "
+              "completed sequences, and which later stages have written results.", models),
+    TableSpec("certificate_violations", "Exact certificate",
+              "Per N: instances where the inversions A_N exceed the paper's K_N^sink (worst-case and q95 "
+              "constants) or the exact certificate K_N^exact (never), and mean counts.",
+              certificate, requires("topn", *COUNTS)),
+    TableSpec("taxonomy_distribution", "Head taxonomy",
+              "Distribution of the parameter-free head regimes per model and corpus.",
+              taxonomy_distribution, requires("heads", "regime")),
+    TableSpec("ablation_correlations", "Ablation and sparsification",
+              "Correlations (Spearman, Pearson) between head diagnostics and single-head ablation ΔNLL.",
+              ablation_correlations, requires("correlations")),
+    TableSpec("regime_impact", "Ablation and sparsification",
+              "Mean and median single-head ablation ΔNLL per regime.",
+              regime_impact, all_of(requires("heads", "regime"), requires("single", "delta_nll_mean"))),
+    TableSpec("critical_heads", "Ablation and sparsification",
+              "Critical heads found by the ablation stage (single-head impact an outlier).",
+              critical_heads, requires("critical")),
+)

@@ -1,0 +1,236 @@
+"""report: every figure and table from a tiny synthetic store, notes for missing inputs, and an
+index.html that renders offline in headless Chromium."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+from matplotlib.figure import Figure
+
+from attngeom import store_schema
+from attngeom.analyze.stage import analyze
+from attngeom.report import build_report
+from attngeom.report.build import FIGURES, TABLES, draw_figure, select_runs
+from attngeom.report.data import REGIMES, RunData, load_runs
+from attngeom.report.plots import N_LABEL
+from attngeom.report.spec import FigureSpec
+from attngeom.synthetic import write_synthetic_run
+
+GRID = [1, 2, 4, 8, 16]
+SHAPE = dict(n_seq=3, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8)
+
+
+def _write(ds: xr.Dataset, store: str, group: str) -> None:
+    ds.to_zarr(store_schema.store_from_url(store, read_only=False), group=group, mode="w",
+               consolidated=False, zarr_format=3)
+
+
+def _set_identity(store: str, run_id: str, model: str, dataset: str) -> None:
+    run = store_schema.open_run_group(store_schema.open_root(store, mode="a"), run_id)
+    meta = dict(run.attrs[store_schema.ATTR_KEY])
+    meta.update(model={"id": model}, dataset={"id": dataset})
+    run.attrs[store_schema.ATTR_KEY] = meta
+
+
+def _add_ablation(store: str, run_id: str) -> None:
+    """What ``attngeom ablate`` writes (it needs a model), in its layout: head (0, 1) critical."""
+    base = f"runs/{run_id}/ablation"
+    rng = np.random.default_rng(1)
+    heads = xr.open_zarr(store, group=f"runs/{run_id}/analysis/heads", consolidated=False)
+    coords = {"layer": heads["layer"].values, "head": heads["head"].values}
+    shape = (heads.sizes["layer"], heads.sizes["head"])
+    delta = rng.exponential(0.05, size=(*shape, 2))
+    delta[0, 1] = 5.0
+    _write(xr.Dataset({"delta_nll": (("layer", "head", "seq"), delta),
+                       "delta_nll_mean": (("layer", "head"), delta.mean(-1)),
+                       "delta_nll_median": (("layer", "head"), np.median(delta, -1))},
+                      coords={**coords, "seq": [0, 2]}),
+           store, f"{base}/single")
+    methods = np.asarray(["type_guided", "single_impact", "weight_o", "weight_v", "entropy_low", "entropy_high",
+                          "sink_attention", "current_attention", "random"], dtype=object)
+    retention = np.array([0.25, 0.5, 0.75, 1.0])
+    std = np.full((methods.size, retention.size), np.nan)  # one mask: no spread
+    std[-1] = 0.1
+    _write(xr.Dataset({"delta_nll_mean": (("method", "retention"), rng.random(std.shape) * (1 - retention)),
+                       "delta_nll_std": (("method", "retention"), std)},
+                      coords={"method": methods, "retention": retention}),
+           store, f"{base}/sweep")
+    diagnostics = np.asarray(["mean_last_attention", "mean_sink_attention", "mean_topN_attention_mass",
+                              "mean_attention_entropy", "mean_top1_attention"], dtype=object)
+    _write(xr.Dataset({name: ("diagnostic", rng.uniform(-1, 1, diagnostics.size))
+                       for name in ("spearman_r", "spearman_p", "pearson_r", "pearson_p")},
+                      coords={"diagnostic": diagnostics}),
+           store, f"{base}/correlations")
+    _write(xr.Dataset({"layer": ("critical", [0]), "head": ("critical", [1]), "delta_nll_mean": ("critical", [5.0]),
+                       "robust_z": ("critical", [40.0])}),
+           store, f"{base}/critical")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """Three runs: "full" (analysis and ablation), "plain" (analysis only, another model and L)
+    and "raw" (extracted, never analyzed)."""
+    url = str(tmp_path_factory.mktemp("report") / "store.zarr")
+    for run_id, length, seed, model, dataset in (("full", 32, 0, "org/model-a", "corpus-a"),
+                                                  ("plain", 24, 1, "model-b", "corpus-b"),
+                                                  ("raw", 32, 2, "model-b", "corpus-a")):
+        write_synthetic_run(url, run_id, length=length, seed=seed, **SHAPE)
+        _set_identity(url, run_id, model, dataset)
+    for run_id in ("full", "plain"):
+        analyze(url, run_id=run_id, scheduler="threads", n_grid=GRID, progress=False)
+    _add_ablation(url, "full")
+    return url
+
+
+@pytest.fixture(scope="module")
+def report(store, tmp_path_factory) -> Path:
+    return build_report(store, tmp_path_factory.mktemp("out") / "report")
+
+
+def test_report_writes_every_expected_file(report):
+    out = report.parent
+    assert report == out / "index.html" and report.stat().st_size > 0
+    for spec in FIGURES:
+        assert (out / f"{spec.name}.png").stat().st_size > 1000, spec.name
+    for spec in TABLES:
+        for ext in ("md", "csv"):
+            assert (out / f"{spec.name}.{ext}").stat().st_size > 0, (spec.name, ext)
+
+
+def test_index_references_every_output_and_nothing_online(report):
+    page = report.read_text()
+    for spec in FIGURES:
+        assert f'src="{spec.name}.png"' in page
+    for spec in TABLES:
+        assert f'href="{spec.name}.csv"' in page and f'href="{spec.name}.md"' in page
+    assert "<script" not in page
+    assert not re.search(r"(src|href)=\"(https?:)?//", page), "index.html must work offline"
+    for ref in re.findall(r'(?:src|href)="([^"#][^"]*)"', page):
+        assert ref.startswith("data:") or (report.parent / ref).exists(), ref
+
+
+def test_missing_inputs_are_notes_not_crashes(report):
+    page = report.read_text()
+    assert "Missing inputs" in page
+    assert "run raw: no analysis/summary (run `attngeom analyze`)" in page
+    assert "run plain: no ablation/sweep (run `attngeom ablate`)" in page
+    assert "could not be made" not in page
+
+
+@pytest.fixture(scope="module")
+def runs(store) -> list[RunData]:
+    return load_runs(store)
+
+
+@pytest.mark.parametrize("spec", FIGURES, ids=lambda s: s.name)
+def test_figures_have_axes_labels_and_data(runs, spec):
+    fig = spec.draw(select_runs(spec.needs, runs)[0])
+    assert isinstance(fig, Figure)
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert axes
+    for ax in axes:
+        assert ax.get_ylabel(), (spec.name, ax.get_title())
+        # Data, or the statement that there is none (e.g. a CV of constants is undefined).
+        drawn = ax.lines or ax.patches or ax.collections
+        assert drawn or [t.get_text() for t in ax.texts] == ["no defined values"], (spec.name, ax.get_title())
+
+
+def test_figures_show_what_the_paper_describes(runs):
+    by_name = {s.name: s for s in FIGURES}
+
+    def draw(name: str) -> Figure:
+        spec = by_name[name]
+        return spec.draw(select_runs(spec.needs, runs)[0])
+
+    precision, recall = draw("precision_recall").axes[:2]
+    assert precision.get_ylabel() == r"$P(r_{\max}, N)$" and recall.get_ylabel() == r"$R(r_{\min}, N)$"
+    assert precision.get_xlabel() == N_LABEL
+    # Two analyzed runs, each drawn solid (top-N), dashed (random) and dotted (bound).
+    assert sorted(line.get_linestyle() for line in precision.lines) == ["-", "-", "--", "--", ":", ":"]
+    assert [t.get_text() for t in draw("taxonomy").axes[0].get_xticklabels()] == [
+        "model-a\ncorpus-a\nL=32", "model-b\ncorpus-b\nL=24"]
+    sparsification = draw("sparsification").axes[0]
+    assert sparsification.get_xlabel() == "retained fraction of heads per layer"
+    assert len(sparsification.lines) == 9 and len(sparsification.collections) == 1  # random's std band
+    critical = draw("critical_head_diagnostic").axes[0]
+    assert [t.get_text() for t in critical.texts] == ["critical heads (ΔNLL)\nL0 H1: 5.00"]
+
+
+def test_tables_content(report):
+    out = report.parent
+    models = pd.read_csv(out / "models.csv")
+    assert models["run"].tolist() == ["full", "plain", "raw"]
+    assert models.loc[0, ["model", "dataset", "L", "layers", "heads", "kv heads", "sequences"]].tolist() == [
+        "org/model-a", "corpus-a", 32, 2, 4, 2, 3]
+    assert models["analysis"].tolist() == ["yes", "yes", "no"]
+    taxonomy = pd.read_csv(out / "taxonomy_distribution.csv")
+    assert taxonomy["run"].tolist() == ["full", "plain"]
+    assert (taxonomy[list(REGIMES)].sum(axis=1) == taxonomy["total"]).all() and (taxonomy["total"] == 8).all()
+    certificate = pd.read_csv(out / "certificate_violations.csv")
+    assert set(certificate["run"]) == {"full", "plain"}
+    assert (certificate["A_N > K_exact"] == 0).all()
+    assert (certificate["instances"] > 0).all()
+    impact = pd.read_csv(out / "regime_impact.csv")
+    assert impact["regime"].tolist() == list(REGIMES) and impact["heads"].sum() == 8
+    correlations = pd.read_csv(out / "ablation_correlations.csv")
+    assert correlations["spearman_r"].abs().is_monotonic_decreasing
+    assert (out / "models.md").read_text().splitlines()[1].startswith("| --- |")
+
+
+def test_store_without_analysis_gives_notes_only(tmp_path):
+    url = str(tmp_path / "s.zarr")
+    write_synthetic_run(url, "raw", length=16, **SHAPE)
+    index = build_report(url, tmp_path / "out")
+    page = index.read_text()
+    assert "run raw: no analysis/summary" in page
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["illustration.png"]
+    assert (tmp_path / "out" / "models.csv").exists()
+
+
+def test_empty_store_gives_a_page(tmp_path):
+    url = str(tmp_path / "s.zarr")
+    store_schema.open_or_create_root(url)
+    page = build_report(url, tmp_path / "out").read_text()
+    assert "the store holds no run yet" in page and "could not be made" not in page
+    assert pd.read_csv(tmp_path / "out" / "models.csv").empty
+
+
+def test_a_figure_that_fails_becomes_a_note(runs, tmp_path):
+    def broken(_runs):
+        raise ValueError("unexpected layout")
+
+    entry = draw_figure(FigureSpec("broken", "Models", "never drawn", broken), runs, tmp_path)
+    assert entry.image is None
+    assert entry.notes == ("this figure could not be made from the store's data (ValueError: unexpected layout)",)
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_index_renders_in_headless_chromium(report, tmp_path):
+    binary = _chromium()
+    if binary is None:
+        pytest.skip("Chromium is not installed (Debian package `chromium`)")
+    screenshot = tmp_path / "index.png"
+    common = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+              f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0"]
+    url = report.resolve().as_uri()
+    shot = subprocess.run([*common, f"--screenshot={screenshot}", "--window-size=1280,2000", url],
+                          capture_output=True, text=True, timeout=120)
+    assert shot.returncode == 0, shot.stderr[-2000:]
+    assert screenshot.stat().st_size > 10_000
+    console = [line for line in shot.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not console, console
+    dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    for spec in FIGURES:
+        assert f'src="{spec.name}.png"' in dom.stdout
