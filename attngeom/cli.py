@@ -133,6 +133,47 @@ def taxonomy(store: str) -> None:
     click.echo(format_tables(labels))
 
 
+def _fractions(ctx, param, value: str | None) -> list[float] | None:
+    if value is None:
+        return None
+    try:
+        return [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter("comma-separated fractions, e.g. 1.0,0.75,0.5") from None
+
+
+@main.command()
+@STORE
+@click.option("--run", "run_id", required=True, help="The run whose model and tokens to use.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype; auto is float32 on CPU, bfloat16 on CUDA.")
+@click.option("--protect", default="", help="LAYER.HEAD pairs always kept and outside every ranking, e.g. 0.12,3.4.")
+@click.option("--protect-critical", is_flag=True, help="Also hold the automatically found critical heads fixed.")
+@click.option("--retention", callback=_fractions, help="Fractions of heads kept per layer [default: 1.0,0.9,0.75,0.5,0.25].")
+@click.option("--random-masks", type=click.IntRange(0), default=10, show_default=True, help="Seeded random masks per retention.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--max-sequences", type=click.IntRange(2), help="Use only the first completed sequences.")
+@click.option("--batch-size", type=click.IntRange(1), default=64, show_default=True, help="(sequence, mask) rows per forward pass.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Also write the tables here (CSV).")
+@click.option("--no-progress", is_flag=True, help="Hide progress bars.")
+def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, **kwargs) -> None:
+    """Single-head ablation and head sparsification of a run (SPEC §5); needs the model.
+
+    Prefills L-1 tokens of each stored sequence and scores the next one; heads are zeroed
+    at the input of the output projection, many masks per batched forward. Writes
+    runs/<id>/ablation/{single,sweep,correlations,critical,regimes}.
+    """
+    from attngeom.ablate import DEFAULT_RETENTION, ablate as run_ablate, parse_heads
+
+    result = run_ablate(store, run_id, protect=parse_heads(protect), retention=retention or DEFAULT_RETENTION,
+                        progress=not no_progress, **kwargs)
+    critical = result.critical
+    click.echo(f"run {result.run_id}: ablation written in {result.seconds:.1f} s; "
+               f"{critical.sizes.get('critical', 0)} critical head(s)")
+    for what, why in result.skipped.items():
+        click.echo(f"skipped {what}: {why}")
+
+
 @main.command()
 @STORE
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder for index.html, the figures (PNG) and the tables (Markdown and CSV).")

@@ -9,7 +9,9 @@ import numpy as np
 import xarray as xr
 
 from attngeom import store_schema
+from attngeom.ablate import ablate
 from attngeom.analyze.stage import analyze
+from attngeom.report import build_report
 from attngeom.errors import AttngeomError
 from attngeom.extract.pipeline import ExtractRequest, extract
 
@@ -64,7 +66,8 @@ def analysis_table(store: str, run_id: str) -> str:
 
 
 def run_demo(out: Path, *, num_sequences: int, context_length: int) -> None:
-    """Extract a few sequences of gemma3-270m on wiki-summaries, validate, and summarize."""
+    """Extract a few sequences of gemma3-270m on wiki-summaries, validate, analyze, ablate
+    and write the report."""
     out.mkdir(parents=True, exist_ok=True)
     store = str(out / "store.zarr")
     click.echo(f"extract: {DEMO_MODEL} on {DEMO_DATASET}, L={context_length}, {num_sequences} sequences -> {store}")
@@ -86,3 +89,13 @@ def run_demo(out: Path, *, num_sequences: int, context_length: int) -> None:
     click.echo("analyze: out of core with Dask, every head at the final query")
     analyze(store, run_id=result.run_id, out=out / "tables")
     click.echo(analysis_table(store, result.run_id))
+    click.echo("ablate: single-head ablation and sparsification, decode NLL on CPU")
+    ablation = ablate(store, result.run_id, device="cpu", out=out / "tables")
+    impact = ablation.single["delta_nll_mean"]
+    top = impact.argmax(...)
+    click.echo(
+        f"largest single-head impact: layer {int(top['layer'])} head {int(top['head'])}, "
+        f"delta NLL {float(impact.max()):+.3f} nats (mean over heads {float(impact.mean()):+.4f})"
+    )
+    index = build_report(store, out / "report")
+    click.echo(f"report: {index}")
