@@ -132,7 +132,7 @@ def monkeypatch_module():
         yield mp
 
 
-def test_s3_store_extract_validate_analyze_taxonomy(tiny_model_dir, word_corpus, s3_url, reference):
+def test_s3_store_every_stage(tiny_model_dir, word_corpus, s3_url, reference, tmp_path):
     extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
                            num_sequences=S, store=s3_url, run_id="r", progress=False))
     assert store_schema.validate_store(s3_url, deep=True) == []
@@ -142,6 +142,14 @@ def test_s3_store_extract_validate_analyze_taxonomy(tiny_model_dir, word_corpus,
     result = CliRunner().invoke(main, ["taxonomy", "--store", s3_url])
     assert result.exit_code == 0, result.output
     assert "Reset" in result.output
+    result = CliRunner().invoke(main, ["ablate", "--store", s3_url, "--run", "r", "--device", "cpu",
+                                       "--retention", "1.0,0.5", "--random-masks", "2", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    single = xr.open_zarr(store_schema.store_from_url(s3_url, read_only=True), group="runs/r/ablation/single")
+    assert dict(single.sizes)["layer"] == 3
+    result = CliRunner().invoke(main, ["report", "--store", s3_url, "--out", str(tmp_path / "report")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "report" / "index.html").exists()
 
 
 def test_multiprocess_cluster_matches_threads(tiny_model_dir, word_corpus, tmp_path):
