@@ -393,7 +393,7 @@ def analyze(
                 heads = _per_layer(heads_dataset, stored_values, stored_topn, stored_votes)
                 summary = _per_layer(summary_dataset, stored_topn)
                 per_head = _per_layer(lambda t: t[list(taxonomy.SIGNATURES)].mean("seq"), stored_topn)
-            signatures = taxonomy.signatures_dataset(per_head, heads["regime"])
+                signatures = taxonomy.signatures_dataset(per_head, heads["regime"])
             _write(heads, store, f"{base}/heads")
             _write(summary, store, f"{base}/summary")
             _write(signatures, store, f"{base}/signatures")
