@@ -176,7 +176,7 @@ def _brute_instance(alpha, v, att, grid, keys):
 def brute_topn(attn, values, attendable, grid, seed=0, random_draws=8):
     B, K, _ = values.shape
     keys = np.random.default_rng(seed).random((random_draws, B, K))
-    out = {name: np.full((B, len(grid)), np.nan) for name in kernels._TOPN_FLOATS}
+    out = {name: np.full((B, len(grid)), np.nan) for name in kernels.TOPN_FLOATS}
     out.update({name: np.full((B, len(grid)), -1) for name in COUNTS})
     for b in range(B):
         with np.errstate(divide="ignore", invalid="ignore"):  # 0/0 norms: NaN by definition

@@ -29,8 +29,13 @@ _GRAM_BUDGET = 1 << 23
 # Relative margin of the "L <= 0" test of the sink-aware bounds, see `_k_sink`.
 _L_RTOL = 1e-10
 
-_TOPN_COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact")
-_TOPN_FLOATS = (
+VALUE_STATISTICS = (
+    "C", "sink_norm_ratio", "norm_cv", "median_cos",
+    "sink_cos_median", "sink_cos_neg_frac", "nu_minus_q95", "nu_plus_q95",
+)
+# Outputs of topn_metrics: int64 counts (-1 = N not valid), the int8 sink flag, floats.
+TOPN_COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact")
+TOPN_FLOATS = (
     "precision", "recall", "f_score",
     "mu", "mu_q95",
     "precision_bound", "recall_bound", "precision_bound_q95", "recall_bound_q95",
@@ -101,8 +106,8 @@ def topn_metrics(
     draw_keys = np.random.default_rng(seed).random((random_draws, B, K))
 
     shape = (B, grid.size)
-    out = {name: np.full(shape, np.nan) for name in _TOPN_FLOATS}
-    out.update({name: np.full(shape, -1, dtype=np.int64) for name in _TOPN_COUNTS})
+    out = {name: np.full(shape, np.nan) for name in TOPN_FLOATS}
+    out.update({name: np.full(shape, -1, dtype=np.int64) for name in TOPN_COUNTS})
     out["sink_selected"] = np.full(shape, -1, dtype=np.int8)
     # Degenerate instances (zero vectors, zero norms) give NaN by design, not warnings.
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -128,9 +133,7 @@ def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np
     """
     _, values, attendable = _check_batch(None, values, attendable)
     B, K, _ = values.shape
-    names = ("C", "sink_norm_ratio", "norm_cv", "median_cos",
-             "sink_cos_median", "sink_cos_neg_frac", "nu_minus_q95", "nu_plus_q95")
-    out = {name: np.full(B, np.nan) for name in names}
+    out = {name: np.full(B, np.nan) for name in VALUE_STATISTICS}
     with np.errstate(divide="ignore", invalid="ignore"):
         for part in _batch_slices(B, K):
             _value_statistics_slice(values[part], attendable[part],

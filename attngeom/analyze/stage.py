@@ -38,26 +38,14 @@ from tqdm.auto import tqdm
 
 from attngeom import store_schema
 from attngeom.analyze import taxonomy
-from attngeom.analyze.kernels import topn_metrics, value_statistics
+from attngeom.analyze.kernels import (
+    TOPN_COUNTS, TOPN_FLOATS, VALUE_STATISTICS, topn_metrics, value_statistics,
+)
 from attngeom.errors import AttngeomError
 
-TOPN_INTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact")
-TOPN_VARS = (
-    "precision", "recall", "f_score", "inversions", "sink_selected",
-    "k_sink", "precision_bound", "recall_bound",
-    "k_sink_q95", "precision_bound_q95", "recall_bound_q95", "k_sink_exact",
-    "mu", "mu_q95",
-    "random_precision", "random_recall", "random_f_score",
-    "nosink_precision", "nosink_recall", "nosink_f_score",
-    "sink_norm_share", "sink_direction_change", "sink_intrusion", "sink_pair_inversion_frac",
-    "sink_alignment",
-    "loo_cos", "loo_margin", "loo_positive_frac", "loo_distance_margin",
-    "s_norm", "s_norm_nosink", "s_norm_nocurrent", "cos_s_v0", "cos_s_vlast",
-)
-VALUE_VARS = (
-    "C", "sink_norm_ratio", "norm_cv", "median_cos",
-    "sink_cos_median", "sink_cos_neg_frac", "nu_minus_q95", "nu_plus_q95",
-)
+TOPN_INTS = TOPN_COUNTS
+TOPN_VARS = (*TOPN_FLOATS, *TOPN_COUNTS, "sink_selected")
+VALUE_VARS = VALUE_STATISTICS
 RANDOM_DRAWS = 8
 # The paper's appendix reports the coherence constants at N = 64.
 COHERENCE_N = 64
