@@ -23,7 +23,7 @@ GRID = [1, 2, 4, 8, 15]
 def cluster():
     from distributed import LocalCluster
 
-    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as c:
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as c:
         yield c
 
 
