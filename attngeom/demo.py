@@ -47,8 +47,8 @@ def store_summary(store: str, run_id: str) -> str:
 def analysis_table(store: str, run_id: str) -> str:
     """F_N of top-N against random-N, median lambda, and violation counts of the two bounds."""
     base = f"runs/{run_id}/analysis"
-    topn = xr.open_zarr(store, group=f"{base}/topn", consolidated=False).load()
-    values = xr.open_zarr(store, group=f"{base}/values", consolidated=False).load()
+    topn = store_schema.open_dataset(store, f"{base}/topn").load()
+    values = store_schema.open_dataset(store, f"{base}/values").load()
     defined = topn["k_sink"] >= 0
     lines = [f"{'N':>5} {'F_N top-N':>10} {'F_N random':>11} {'bound viol.':>12} {'certif. viol.':>14}"]
     for n in topn["n"].values:

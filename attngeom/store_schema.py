@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xarray as xr
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
 from zarr.core.sync import sync
@@ -236,6 +237,12 @@ def check_writable(url: str) -> None:
         os.unlink(name)
     except OSError as exc:
         raise AttngeomError(f"store path {path} is not writable ({exc.strerror} in {probe})") from exc
+
+
+def open_dataset(url: str, group: str) -> xr.Dataset:
+    """The group ``group`` of the store at ``url`` as a lazy Dataset, read from its own
+    metadata (never the consolidated copy, which lags behind writers)."""
+    return xr.open_zarr(store_from_url(url, read_only=True), group=group, consolidated=False)
 
 
 def run_ids(root: zarr.Group) -> list[str]:

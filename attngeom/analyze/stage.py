@@ -271,10 +271,7 @@ def run_regimes(store: str) -> dict[str, tuple[str, str, np.ndarray]]:
     out = {}
     for rid in store_schema.run_ids(root):
         try:
-            heads = xr.open_zarr(
-                store_schema.store_from_url(store, read_only=True),
-                group=f"{store_schema.RUNS}/{rid}/analysis/heads", consolidated=False,
-            )
+            heads = store_schema.open_dataset(store, f"{store_schema.RUNS}/{rid}/analysis/heads")
         except (FileNotFoundError, KeyError):
             continue
         if "regime" not in heads:
@@ -370,9 +367,9 @@ def analyze(
             _write_by_sequence(topn, store, f"{base}/topn", f"{rid}: top-N geometry", progress)
             _write_by_sequence(values_dataset(ds), store, f"{base}/values", f"{rid}: value statistics", progress)
             _write_by_sequence(votes_dataset(ds), store, f"{base}/taxonomy", f"{rid}: source winners", progress)
-            stored_topn = xr.open_zarr(store_schema.store_from_url(store, read_only=True), group=f"{base}/topn", consolidated=False)
-            stored_values = xr.open_zarr(store_schema.store_from_url(store, read_only=True), group=f"{base}/values", consolidated=False)
-            stored_votes = xr.open_zarr(store_schema.store_from_url(store, read_only=True), group=f"{base}/taxonomy", consolidated=False)
+            stored_topn = store_schema.open_dataset(store, f"{base}/topn")
+            stored_values = store_schema.open_dataset(store, f"{base}/values")
+            stored_votes = store_schema.open_dataset(store, f"{base}/taxonomy")
             # Reductions across sequences, one layer at a time in memory: a layer of results
             # is small, and numpy is faster here than a graph. NaN marks "not defined here"
             # (no sink, N too large), so all-NaN reductions are expected.

@@ -38,35 +38,41 @@ def _failure(kind: str, exc: Exception) -> str:
     return f"this {kind} could not be made from the store's data ({type(exc).__name__}: {exc})"
 
 
+def _entry(spec: FigureSpec | TableSpec, runs: Sequence[RunData], kind: str, make) -> html.Entry:
+    """The page entry of ``spec``: ``make(chosen runs)`` gives its content (Entry fields).
+
+    Later stages' groups are read as they are found; an unexpected layout must cost this
+    figure or table only, with the reason on the page, not the whole report.
+    """
+    chosen, notes = select_runs(spec.needs, runs)
+    if spec.needs is not None and not chosen:
+        return html.Entry(spec.name, spec.section, spec.caption, notes=tuple(notes))
+    try:
+        content = make(chosen)
+    except Exception as exc:  # noqa: BLE001
+        return html.Entry(spec.name, spec.section, spec.caption, notes=(*notes, _failure(kind, exc)))
+    return html.Entry(spec.name, spec.section, spec.caption, notes=tuple(notes), **content)
+
+
 def draw_figure(spec: FigureSpec, runs: Sequence[RunData], out: Path) -> html.Entry:
     """Draw ``spec`` from the runs that have its inputs and save ``<name>.png`` in ``out``."""
-    chosen, notes = select_runs(spec.needs, runs)
-    entry = html.Entry(spec.name, spec.section, spec.caption, notes=tuple(notes))
-    if spec.needs is not None and not chosen:
-        return entry
-    try:
+
+    def make(chosen: Sequence[RunData]) -> dict:
         with matplotlib.rc_context(RC):
-            figure = spec.draw(chosen)
-            figure.savefig(out / f"{spec.name}.png")
-    # Later stages' groups are read as they are found; an unexpected layout must cost this
-    # figure only, with the reason on the page, not the whole report.
-    except Exception as exc:  # noqa: BLE001
-        return html.Entry(spec.name, spec.section, spec.caption, notes=(*notes, _failure("figure", exc)))
-    return html.Entry(spec.name, spec.section, spec.caption, image=f"{spec.name}.png", notes=tuple(notes))
+            spec.draw(chosen).savefig(out / f"{spec.name}.png")
+        return {"image": f"{spec.name}.png"}
+
+    return _entry(spec, runs, "figure", make)
 
 
 def make_table(spec: TableSpec, runs: Sequence[RunData], out: Path) -> html.Entry:
     """Make ``spec`` from the runs that have its inputs; write ``<name>.md`` and ``<name>.csv``."""
-    chosen, notes = select_runs(spec.needs, runs)
-    entry = html.Entry(spec.name, spec.section, spec.caption, notes=tuple(notes))
-    if spec.needs is not None and not chosen:
-        return entry
-    try:
+
+    def make(chosen: Sequence[RunData]) -> dict:
         frame = spec.make(chosen)
-        files = tables.write(frame, out, spec.name)
-    except Exception as exc:  # noqa: BLE001  (as in draw_figure)
-        return html.Entry(spec.name, spec.section, spec.caption, notes=(*notes, _failure("table", exc)))
-    return html.Entry(spec.name, spec.section, spec.caption, table=frame, files=tuple(files), notes=tuple(notes))
+        return {"table": frame, "files": tuple(tables.write(frame, out, spec.name))}
+
+    return _entry(spec, runs, "table", make)
 
 
 def build_report(store: str, out: Path) -> Path:

@@ -95,7 +95,7 @@ def all_of(*checks: Requirement) -> Requirement:
 
 def _open(store: str, path: str) -> xr.Dataset | None:
     try:
-        return xr.open_zarr(store_schema.store_from_url(store, read_only=True), group=path, consolidated=False)
+        return store_schema.open_dataset(store, path)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
         return None
 
