@@ -35,6 +35,7 @@ def main() -> None:
     ablate   measures single-head ablation and head sparsification (needs the model)
     report   draws the paper's figures and tables from a store
     validate checks a store against the schema
+    migrate  brings a store of an older format up to date
     demo     the whole pipeline on the offline default model and corpus
     """
 
@@ -192,7 +193,7 @@ def report(store: str, out: Path) -> None:
 @STORE
 @click.option("--deep", is_flag=True, help="Also read every chunk and name any corrupt one (checksums).")
 def validate(store: str, deep: bool) -> None:
-    """Check the store against schema version 1; one line per problem, exit 1 if any."""
+    """Check the store against schema version 1 and its format; one line per problem, exit 1 if any."""
     from attngeom.store_schema import validate_store
 
     problems = validate_store(store, deep=deep)
@@ -201,6 +202,27 @@ def validate(store: str, deep: bool) -> None:
     if problems:
         sys.exit(1)
     click.echo(f"{store}: valid")
+
+
+@main.command()
+@STORE
+@click.option("--no-progress", is_flag=True, help="Hide progress bars.")
+def migrate(store: str, no_progress: bool) -> None:
+    """Bring a store of an older format up to the one this attngeom writes.
+
+    Format 1 stores (attngeom 0.1.0 before chunk checksums) get a crc32c checksum on every
+    chunk; data are re-encoded, never changed. Each array is rewritten through a temporary
+    copy: a migration that is interrupted is finished by running it again. No other
+    command may use the store meanwhile.
+    """
+    from attngeom.store_migrate import migrate as run_migrate
+
+    result = run_migrate(store, progress=not no_progress)
+    if result.arrays == 0 and result.source == result.target:
+        click.echo(f"{store}: already format {result.target}, nothing to do")
+        return
+    click.echo(f"{store}: format {result.source} -> {result.target}: rewrote {result.arrays} arrays "
+               f"({result.chunks} chunk objects, {result.bytes_written / 2**20:.1f} MiB) in {result.seconds:.1f} s")
 
 
 @main.command()

@@ -14,6 +14,16 @@ Layout decisions, made for what reads and writes the store:
   once its flag is 1, so a killed run never exposes half a sequence.
 * The run's provenance is written after its arrays; ``initialized`` in it marks a run
   whose creation finished.
+
+Two numbers in the root's attributes say what a store is:
+
+* ``schema_version`` is the contract of SPEC §6 (names, dimensions, dtypes), which readers
+  rely on. A store of a later version is refused.
+* ``format`` is how this implementation encodes that contract. Format 1 (attngeom 0.1.0's
+  first stores, which carry no ``format`` attribute) has no chunk checksums; format 2 ends
+  every chunk of every array, derived groups included, with a crc32c checksum. Every format
+  of schema 1 is read; only the current format is written, and ``attngeom migrate``
+  (:mod:`attngeom.store_migrate`) brings an older store to it.
 """
 
 from __future__ import annotations
@@ -32,12 +42,14 @@ import numpy as np
 import xarray as xr
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
+from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from attngeom import __version__
 from attngeom.errors import AttngeomError
 
 SCHEMA_VERSION = 1
+FORMAT = 2
 ATTR_KEY = "attngeom"
 RUNS = "runs"
 
@@ -50,6 +62,35 @@ BLOSC_LEVEL = 3
 def compressor(typesize: int) -> BloscCodec:
     """Blosc zstd with bitshuffle, the codec of every array of the store."""
     return BloscCodec(cname="zstd", clevel=BLOSC_LEVEL, shuffle="bitshuffle", typesize=typesize)
+
+
+def compressors(dtype: np.dtype) -> tuple[BloscCodec, Crc32cCodec]:
+    """The bytes-to-bytes codecs of every array written in format 2: Blosc, then a crc32c
+    checksum of the compressed chunk."""
+    typesize = dtype.itemsize if dtype.kind not in "OUS" else 1
+    return compressor(typesize), Crc32cCodec()
+
+
+def _codec_chain(metadata: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The codecs applied to each stored chunk: a shard's inner chunks for a sharded array
+    (its index carries its own checksum)."""
+    codecs = metadata["codecs"]
+    if codecs and codecs[0]["name"] == "sharding_indexed":
+        return codecs[0]["configuration"]["codecs"]
+    return codecs
+
+
+def has_checksum(metadata: Mapping[str, Any]) -> bool:
+    """Whether the array of this ``zarr.json`` ends every chunk with a crc32c checksum."""
+    return any(c["name"] == "crc32c" for c in _codec_chain(metadata))
+
+
+def with_checksum(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """This ``zarr.json`` with a crc32c checksum appended to each chunk's codecs."""
+    out = json.loads(json.dumps(metadata))
+    if not has_checksum(out):
+        _codec_chain(out).append({"name": "crc32c"})
+    return out
 
 
 @dataclass(frozen=True)
@@ -160,14 +201,20 @@ class RunLayout:
 
 def store_from_url(url: str, *, read_only: bool) -> Any:
     """A zarr store for a local path or any fsspec URL (``s3://``, ``memory://``, ``file://``)."""
-    if url.startswith("file://"):
-        url = url[len("file://") :]
+    url = url.removeprefix("file://")
     if "://" in url:
         return zarr.storage.FsspecStore.from_url(url, read_only=read_only)
     return zarr.storage.LocalStore(url, read_only=read_only)
 
 
-def _read_root_attrs(root: zarr.Group) -> dict[str, Any]:
+def store_format(meta: Mapping[str, Any]) -> int:
+    """The format of a store from its root attributes (1 when absent: the first stores)."""
+    return int(meta.get("format", 1))
+
+
+def read_root_attrs(root: zarr.Group, url: str, *, writing: bool, migrating_ok: bool = False) -> dict[str, Any]:
+    """The root's attngeom attributes, refusing a store this attngeom must not read (another
+    schema, a migration under way) or, when ``writing``, must not write (another format)."""
     meta = root.attrs.get(ATTR_KEY)
     if not isinstance(meta, Mapping) or "schema_version" not in meta:
         raise AttngeomError("not an attngeom store (no attngeom schema version in its root attributes)")
@@ -179,16 +226,30 @@ def _read_root_attrs(root: zarr.Group) -> dict[str, Any]:
         )
     if version < SCHEMA_VERSION:
         raise AttngeomError(f"store has schema version {version}; this attngeom reads {SCHEMA_VERSION}")
+    if "migrating" in meta and not migrating_ok:
+        raise AttngeomError(
+            f"{url} is being migrated, or its migration was interrupted; finish it with "
+            f"`attngeom migrate --store {url}`"
+        )
+    fmt = store_format(meta)
+    if writing and fmt > FORMAT:
+        raise AttngeomError(f"store format {fmt} is newer than this attngeom writes ({FORMAT}); upgrade attngeom")
+    if writing and fmt < FORMAT:
+        raise AttngeomError(
+            f"store format {fmt} predates chunk checksums (this attngeom writes format {FORMAT}); "
+            f"bring it up to date first with `attngeom migrate --store {url}`"
+        )
     return dict(meta)
 
 
 def open_root(url: str, *, mode: str = "r") -> zarr.Group:
-    """Open an existing attngeom store; ``mode`` is "r" or "a". Raises if it is not one."""
+    """Open an existing attngeom store; ``mode`` is "r" or "a" (which also refuses a store
+    of another format). Raises if it is not one."""
     try:
         root = zarr.open_group(store_from_url(url, read_only=mode == "r"), mode="r" if mode == "r" else "r+", use_consolidated=False)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
         raise AttngeomError(f"no attngeom store at {url}") from exc
-    _read_root_attrs(root)
+    read_root_attrs(root, url, writing=mode != "r")
     return root
 
 
@@ -199,7 +260,7 @@ def open_or_create_root(url: str) -> zarr.Group:
     without them (a store created by hand, or by older code killed mid-way) is adopted.
     """
     store = store_from_url(url, read_only=False)
-    meta = {ATTR_KEY: {"schema_version": SCHEMA_VERSION, "created_by": __version__}}
+    meta = {ATTR_KEY: {"schema_version": SCHEMA_VERSION, "format": FORMAT, "created_by": __version__}}
     try:
         root = zarr.open_group(store, mode="r+", use_consolidated=False)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError):
@@ -209,7 +270,7 @@ def open_or_create_root(url: str) -> zarr.Group:
             root = zarr.open_group(store, mode="r+", use_consolidated=False)
     if ATTR_KEY not in root.attrs and not list(root.keys()):
         root.attrs.update(meta)
-    _read_root_attrs(root)
+    read_root_attrs(root, url, writing=True)
     return root
 
 
@@ -237,6 +298,16 @@ def check_writable(url: str) -> None:
         os.unlink(name)
     except OSError as exc:
         raise AttngeomError(f"store path {path} is not writable ({exc.strerror} in {probe})") from exc
+
+
+def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = True) -> None:
+    """Write a derived Dataset to ``group``, replacing it, in the store's format (checksums).
+
+    With ``compute=False`` only the metadata is written, for later region writes.
+    """
+    encoding = {name: {"compressors": compressors(var.dtype)} for name, var in dataset.variables.items()}
+    target = store_from_url(url, read_only=False)
+    dataset.to_zarr(target, group=group, mode="w", consolidated=False, zarr_format=3, encoding=encoding, compute=compute)
 
 
 def open_dataset(url: str, group: str) -> xr.Dataset:
@@ -283,7 +354,7 @@ def _create_array(group: zarr.Group, name: str, layout: RunLayout, n_seq: int, *
         name,
         shape=shape,
         dtype=dtype,
-        compressors=[compressor(dtype.itemsize), Crc32cCodec()],
+        compressors=compressors(dtype),
         dimension_names=var.dims,
         fill_value=fill,
         attributes=attrs,
@@ -450,7 +521,7 @@ def validate_run(run: zarr.Group, run_id: str) -> list[str]:
     return problems
 
 
-def corrupt_chunks(arr: zarr.Array, where: str) -> list[str]:
+def corrupt_chunks(arr: zarr.Array) -> list[str]:
     """Read every stored chunk (every shard) of ``arr``; one line per chunk that fails to
     decode, its checksum included."""
     grid = arr.shards or arr.chunks
@@ -462,8 +533,20 @@ def corrupt_chunks(arr: zarr.Array, where: str) -> list[str]:
             arr[region]
         except Exception as exc:  # a corrupt chunk surfaces as any codec's error
             key = "/".join(str(i) for i in index)
-            problems.append(f"{where}: array '{arr.path}' chunk c/{key} is corrupt ({type(exc).__name__}: {exc})")
+            problems.append(f"array '{arr.path}' chunk c/{key} is corrupt ({type(exc).__name__}: {exc})")
     return problems
+
+
+def array_metadata(arr: zarr.Array) -> dict[str, Any]:
+    """The array's ``zarr.json``, as stored."""
+    raw = sync(arr.store.get(f"{arr.path}/zarr.json", prototype=default_buffer_prototype()))
+    return json.loads(raw.to_bytes())
+
+
+def arrays_of(root: zarr.Group) -> list[zarr.Array]:
+    """Every array of the store, run and derived, in path order."""
+    members = root.members(max_depth=None, use_consolidated_for_children=False)
+    return sorted((node for _, node in members if isinstance(node, zarr.Array)), key=lambda a: a.path)
 
 
 def validate_store(url: str, *, deep: bool = False) -> list[str]:
@@ -477,16 +560,22 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
     except (FileNotFoundError, zarr.errors.GroupNotFoundError):
         return [f"no Zarr store at {url}"]
     try:
-        _read_root_attrs(root)
+        meta = read_root_attrs(root, url, writing=False)
     except AttngeomError as exc:
         return [str(exc)]
     problems: list[str] = []
+    if store_format(meta) < FORMAT:
+        problems.append(
+            f"store format {store_format(meta)} has no chunk checksums (corruption can go unseen); "
+            f"run `attngeom migrate --store {url}`"
+        )
     for run_id in run_ids(root):
-        run = open_run_group(root, run_id)
-        problems += validate_run(run, run_id)
-        if deep:
-            for _, arr in sorted(run.arrays()):
-                problems += corrupt_chunks(arr, f"run {run_id}")
+        problems += validate_run(open_run_group(root, run_id), run_id)
+    if deep:
+        for arr in arrays_of(root):
+            if not has_checksum(array_metadata(arr)):
+                problems.append(f"array '{arr.path}' has no chunk checksums")
+            problems += corrupt_chunks(arr)
     return problems
 
 

@@ -94,3 +94,17 @@ def word_corpus(tmp_path_factory) -> Path:
         n = 20 + 5 * i
         (folder / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS, size=n)))
     return folder
+
+
+FORMAT1_STORE = Path(__file__).parent / "data" / "store-format1.tar.gz"
+
+
+@pytest.fixture
+def format1_store(tmp_path) -> Path:
+    """A store as attngeom 0.1.0 wrote it before chunk checksums (format 1): commit 3f0ab0c's
+    ``extract`` (tiny random Llama, L=16, 3 sequences, run ``tiny-llama``) and ``analyze``."""
+    import tarfile
+
+    with tarfile.open(FORMAT1_STORE) as archive:
+        archive.extractall(tmp_path, filter="data")
+    return tmp_path / "store"

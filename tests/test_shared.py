@@ -93,7 +93,7 @@ def test_deep_validate_names_a_corrupt_chunk(tiny_model_dir, word_corpus, tmp_pa
     deep = runner.invoke(main, ["validate", "--deep", "--store", str(store)])
     assert deep.exit_code == 1
     (line,) = deep.output.strip().splitlines()
-    assert line.startswith("run r: array 'runs/r/attn_last' chunk c/1/0/0/0 is corrupt")
+    assert line.startswith("array 'runs/r/attn_last' chunk c/1/0/0/0 is corrupt")
     assert "checksum" in line
 
 
@@ -150,6 +150,20 @@ def test_s3_store_every_stage(tiny_model_dir, word_corpus, s3_url, reference, tm
     result = CliRunner().invoke(main, ["report", "--store", s3_url, "--out", str(tmp_path / "report")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "report" / "index.html").exists()
+
+
+def test_s3_store_migrates(format1_store, s3_url):
+    import fsspec
+
+    url = s3_url.replace("store.zarr", "format1.zarr")
+    fsspec.filesystem("s3").put(str(format1_store), url.removeprefix("s3://"), recursive=True)
+    assert store_schema.validate_store(url)[0].startswith("store format 1 has no chunk checksums")
+    result = CliRunner().invoke(main, ["migrate", "--store", url, "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "format 1 -> 2: rewrote 145 arrays" in result.output
+    assert store_schema.validate_store(url, deep=True) == []
+    values = xr.open_zarr(store_schema.store_from_url(url, read_only=True), group="runs/tiny-llama")["values"]
+    np.testing.assert_array_equal(values.values, xr.open_zarr(str(format1_store), group="runs/tiny-llama")["values"].values)
 
 
 def test_multiprocess_cluster_matches_threads(tiny_model_dir, word_corpus, tmp_path):

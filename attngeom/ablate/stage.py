@@ -311,11 +311,6 @@ def _regimes_dataset(regime: np.ndarray, impact: np.ndarray, protected: np.ndarr
     )
 
 
-def _write(dataset: xr.Dataset, store: str, group: str) -> None:
-    target = store_schema.store_from_url(store, read_only=False)
-    dataset.to_zarr(target, group=group, mode="w", consolidated=False, zarr_format=3)
-
-
 def ablate(
     store: str,
     run_id: str,
@@ -349,7 +344,7 @@ def ablate(
         raise AttngeomError("--retention takes fractions between 0 and 1")
     if random_masks < 0 or batch_size < 1 or top_n < 1:
         raise AttngeomError("--random-masks must be >= 0, --batch-size and top-N >= 1")
-    root = store_schema.open_root(store)
+    root = store_schema.open_root(store, mode="a")
     runs = store_schema.run_ids(root)
     if run_id not in runs:
         raise AttngeomError(f"no run '{run_id}' in {store} (runs: {', '.join(runs) or 'none'})")
@@ -490,7 +485,7 @@ def ablate(
     if regimes is not None:
         groups["regimes"] = regimes
     for name, dataset in groups.items():
-        _write(dataset, store, f"{base}/{name}")
+        store_schema.write_dataset(dataset, store, f"{base}/{name}")
     store_schema.consolidate(store_schema.open_root(store, mode="a"))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

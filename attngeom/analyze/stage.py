@@ -307,12 +307,6 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
         yield client
 
 
-def _write(dataset: xr.Dataset, store: str, group: str) -> None:
-    """Write a small, already computed Dataset to ``group`` (replacing it)."""
-    target = store_schema.store_from_url(store, read_only=False)
-    dataset.to_zarr(target, group=group, mode="w", consolidated=False, zarr_format=3)
-
-
 def _write_by_sequence(dataset: xr.Dataset, store: str, group: str, label: str, progress: bool) -> None:
     """Compute and write a lazy (seq, ...) Dataset, SEQ_CHUNK sequences at a time.
 
@@ -320,8 +314,8 @@ def _write_by_sequence(dataset: xr.Dataset, store: str, group: str, label: str, 
     output chunks. Batching keeps the task graph, and so the client's memory, the size of one
     batch whatever the store's size.
     """
+    store_schema.write_dataset(dataset, store, group, compute=False)
     target = store_schema.store_from_url(store, read_only=False)
-    dataset.to_zarr(target, group=group, mode="w", consolidated=False, zarr_format=3, compute=False)
     fixed = [name for name, v in dataset.variables.items() if "seq" not in v.dims]
     n_seq = dataset.sizes["seq"]
     with tqdm(total=n_seq, unit="seq", desc=label, disable=not progress) as bar:
@@ -343,7 +337,7 @@ def analyze(
     progress: bool = True,
 ) -> list[AnalyzeResult]:
     """Analyze every run of the store (or ``run_id``); results go to ``runs/<id>/analysis``."""
-    root = store_schema.open_root(store)
+    root = store_schema.open_root(store, mode="a")
     runs = store_schema.run_ids(root)
     if run_id is not None and run_id not in runs:
         raise AttngeomError(f"no run '{run_id}' in {store} (runs: {', '.join(runs) or 'none'})")
@@ -379,11 +373,11 @@ def analyze(
                 summary = _per_layer(summary_dataset, stored_topn)
                 per_head = _per_layer(lambda t: t[list(taxonomy.SIGNATURES)].mean("seq"), stored_topn)
                 signatures = taxonomy.signatures_dataset(per_head, heads["regime"])
-            _write(heads, store, f"{base}/heads")
-            _write(summary, store, f"{base}/summary")
-            _write(signatures, store, f"{base}/signatures")
+            store_schema.write_dataset(heads, store, f"{base}/heads")
+            store_schema.write_dataset(summary, store, f"{base}/summary")
+            store_schema.write_dataset(signatures, store, f"{base}/signatures")
             table = tidy_table(summary, ds.attrs.get("attngeom", {}), rid)
-            _write(xr.Dataset.from_dataframe(table.rename_axis("row")), store, f"{base}/table")
+            store_schema.write_dataset(xr.Dataset.from_dataframe(table.rename_axis("row")), store, f"{base}/table")
             if out is not None:
                 out.mkdir(parents=True, exist_ok=True)
                 table.to_parquet(out / f"{rid}.topn.parquet", index=False)

@@ -99,9 +99,10 @@ def _bos_token_id(tokenizer: Any, bos_token: str | None) -> int:
 
 
 def _check_existing_run(request: ExtractRequest, run_id: str, identity: dict[str, Any]) -> None:
-    """Refuse to resume a run that holds another model, corpus or L (store untouched)."""
+    """Refuse to resume a run that holds another model, corpus or L, and a store this
+    attngeom does not write (store untouched)."""
     try:
-        root = store_schema.open_root(request.store, mode="r")
+        root = store_schema.open_root(request.store, mode="a")
     except AttngeomError as exc:
         if str(exc).startswith("no attngeom store"):
             return

@@ -1,0 +1,198 @@
+"""Bring a store of an older format up to the one this attngeom writes (``attngeom migrate``).
+
+A migration rewrites arrays one at a time, each through a temporary copy, so that a
+migration killed at any moment loses nothing and is finished by running it again:
+
+1. the root's attributes record ``migrating`` (readers and writers refuse the store until
+   it is gone, as its arrays are half old and half new);
+2. each array is decoded chunk by chunk with its old metadata and re-encoded into a
+   temporary array under ``_migrating/`` with its new metadata; its path then joins
+   ``migrating.copied``;
+3. the copy's objects replace the array's own, its ``zarr.json`` last, and the copy goes;
+4. once every array is done, ``format`` is raised and ``migrating`` removed.
+
+An array in ``copied`` is resumed at step 3 (its own objects may be partly replaced); any
+other is decoded again from its untouched objects. Migrations chain, one format at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zarr
+from tqdm.auto import tqdm
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+
+from attngeom import store_schema
+from attngeom.errors import AttngeomError
+
+TEMPORARY = "_migrating"
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One step from format ``source`` to ``source + 1``: which arrays it rewrites, and how
+    an array's ``zarr.json`` changes. Data are re-encoded, never changed."""
+
+    source: int
+    doc: str
+    needs: Callable[[Mapping[str, Any]], bool]
+    rewrite: Callable[[Mapping[str, Any]], dict[str, Any]]
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "a crc32c checksum at the end of every chunk",
+        needs=lambda meta: not store_schema.has_checksum(meta),
+        rewrite=store_schema.with_checksum,
+    ),
+)
+
+
+@dataclass
+class MigrationReport:
+    """What ``migrate`` did: formats, arrays rewritten, chunk objects and their bytes."""
+
+    source: int
+    target: int
+    arrays: int = 0
+    chunks: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+
+
+def migrate(url: str, *, progress: bool = True) -> MigrationReport:
+    """Migrate the store at ``url`` to format ``store_schema.FORMAT``, or finish an
+    interrupted migration. Needs the store to itself: no extract or analyze may run on it."""
+    start = time.perf_counter()
+    store = store_schema.store_from_url(url, read_only=False)
+    try:
+        root = zarr.open_group(store, mode="r+", use_consolidated=False)
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
+        raise AttngeomError(f"no attngeom store at {url}") from exc
+    meta = store_schema.read_root_attrs(root, url, writing=False, migrating_ok=True)
+    report = MigrationReport(store_schema.store_format(meta), store_schema.FORMAT)
+    if report.source > store_schema.FORMAT:
+        raise AttngeomError(f"store format {report.source} is newer than this attngeom knows ({store_schema.FORMAT}); upgrade attngeom")
+    if report.source == store_schema.FORMAT and "migrating" not in meta:
+        return report
+    for step in MIGRATIONS:
+        if step.source != store_schema.store_format(meta):
+            continue
+        state = meta.setdefault("migrating", {"source": step.source, "target": step.source + 1, "copied": []})
+        # The root's consolidated copy of the metadata would describe arrays by their old
+        # codecs once they are rewritten; it goes first and is rebuilt at the end.
+        _set_root_attrs(root, meta)
+        root = _without_consolidated(store)
+        zarr.open_group(store, path=TEMPORARY, mode="a")
+        arrays = [a for a in store_schema.arrays_of(root) if not a.path.startswith(f"{TEMPORARY}/")]
+        todo = [a for a in arrays if a.path in state["copied"] or step.needs(store_schema.array_metadata(a))]
+        for arr in tqdm(todo, unit="array", desc=f"format {step.source} -> {step.source + 1}", disable=not progress):
+            if arr.path not in state["copied"]:
+                _copy(arr, step.rewrite(store_schema.array_metadata(arr)))
+                state["copied"].append(arr.path)
+                _set_root_attrs(root, meta)
+            chunks, size = _replace(store, arr.path)
+            state["copied"].remove(arr.path)
+            _set_root_attrs(root, meta)
+            report.arrays += 1
+            report.chunks += chunks
+            report.bytes_written += size
+        del meta["migrating"]
+        meta["format"] = step.source + 1
+        _set_root_attrs(root, meta)
+    sync(store.delete_dir(TEMPORARY))
+    store_schema.consolidate(root)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _without_consolidated(store: Any) -> zarr.Group:
+    """Drop the root's consolidated metadata; the root reopened."""
+    metadata = json.loads(_get(store, "zarr.json"))
+    if metadata.pop("consolidated_metadata", None) is not None:
+        _put(store, "zarr.json", json.dumps(metadata, indent=2).encode())
+    return zarr.open_group(store, mode="r+", use_consolidated=False)
+
+
+def _set_root_attrs(root: zarr.Group, meta: Mapping[str, Any]) -> None:
+    root.attrs[store_schema.ATTR_KEY] = json.loads(json.dumps(meta))
+
+
+def _temporary(path: str) -> str:
+    """The temporary copy of the array ``path``: flat, so that ``_migrating`` is one group."""
+    return f"{TEMPORARY}/{hashlib.sha1(path.encode()).hexdigest()[:16]}"
+
+
+def _chunk_keys(store: Any, path: str) -> list[str]:
+    """Keys of the stored chunk objects (shards for a sharded array) of the array ``path``,
+    relative to it."""
+
+    async def collect() -> list[str]:
+        return [key async for key in store.list_prefix(f"{path}/")]
+
+    return sorted(k[len(path) + 1 :] for k in sync(collect()) if k != f"{path}/zarr.json")
+
+
+def _grid_index(key: str, metadata: Mapping[str, Any]) -> tuple[int, ...]:
+    encoding = metadata["chunk_key_encoding"]
+    separator = encoding.get("configuration", {}).get("separator", "/" if encoding["name"] == "default" else ".")
+    if encoding["name"] == "default":
+        key = key.removeprefix("c").removeprefix(separator)
+    return tuple(int(i) for i in key.split(separator)) if key else (0,) * len(metadata["shape"])
+
+
+def _copy(arr: zarr.Array, metadata: dict[str, Any]) -> None:
+    """Re-encode every stored chunk of ``arr`` into its temporary copy under ``metadata``.
+
+    Only chunks that exist are written, and each is written even when it equals the fill
+    value, so the copy holds the same objects (validate tells written from unwritten
+    sequences by them).
+    """
+    store = arr.store
+    temp = _temporary(arr.path)
+    sync(store.delete_dir(temp))
+    _put(store, f"{temp}/zarr.json", json.dumps(metadata, indent=2).encode())
+    old = store_schema.array_metadata(arr)
+    grid = arr.shards or arr.chunks
+    keys = _chunk_keys(store, arr.path)
+    # The setting is read when an array is opened.
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        target = zarr.open_array(store, path=temp, mode="r+")
+        for key in keys:
+            index = _grid_index(key, old)
+            region = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, grid, arr.shape))
+            target[region] = np.asarray(arr[region])
+    if _chunk_keys(store, temp) != keys:
+        raise AttngeomError(f"migrating '{arr.path}': its copy does not hold the same chunks; nothing was replaced, run migrate again")
+
+
+def _replace(store: Any, path: str) -> tuple[int, int]:
+    """Move the temporary copy of ``path`` over it: chunk objects first, ``zarr.json`` last.
+    Returns the count and bytes of the chunk objects."""
+    temp = _temporary(path)
+    keys = _chunk_keys(store, temp)
+    size = 0
+    for key in keys:
+        data = _get(store, f"{temp}/{key}")
+        size += len(data)
+        _put(store, f"{path}/{key}", data)
+    _put(store, f"{path}/zarr.json", _get(store, f"{temp}/zarr.json"))
+    sync(store.delete_dir(temp))
+    return len(keys), size
+
+
+def _get(store: Any, key: str) -> bytes:
+    return sync(store.get(key, prototype=default_buffer_prototype())).to_bytes()
+
+
+def _put(store: Any, key: str, data: bytes) -> None:
+    sync(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))

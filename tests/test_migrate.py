@@ -1,0 +1,176 @@
+"""``attngeom migrate``: a format-1 store (written by attngeom 0.1.0) brought to format 2,
+data unchanged, checksums working, and an interrupted migration finished by a rerun."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+
+import fsspec
+import numpy as np
+import pytest
+import xarray as xr
+from click.testing import CliRunner
+
+from attngeom import store_migrate, store_schema
+from attngeom.analyze.stage import analyze
+from attngeom.cli import main
+from attngeom.errors import AttngeomError
+from attngeom.extract.pipeline import ExtractRequest, extract
+
+RUN = "tiny-llama"
+
+
+def contents(url: str) -> dict[str, np.ndarray]:
+    """Every array of the store, decoded."""
+    root = store_schema.open_root(url)
+    return {a.path: np.asarray(a[...]) for a in store_schema.arrays_of(root)}
+
+
+def stored_keys(path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "zarr.json")
+
+
+def assert_same_contents(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for path in a:
+        np.testing.assert_array_equal(a[path], b[path], err_msg=path)
+
+
+def test_format1_store_is_read_and_refused_for_writing(format1_store, word_corpus, tiny_model_dir):
+    url = str(format1_store)
+    ds = xr.open_zarr(url, group=f"runs/{RUN}")
+    assert ds.sizes["seq"] == 3 and int(ds["complete"].sum()) == 3
+    lines = CliRunner().invoke(main, ["validate", "--store", url]).output.strip().splitlines()
+    assert lines == [f"store format 1 has no chunk checksums (corruption can go unseen); run `attngeom migrate --store {url}`"]
+    deep = CliRunner().invoke(main, ["validate", "--deep", "--store", url]).output
+    assert f"array 'runs/{RUN}/values' has no chunk checksums" in deep
+    for command in (["analyze", "--store", url, "--scheduler", "threads"],
+                    ["extract", "--model", str(tiny_model_dir("llama")), "--dataset", str(word_corpus),
+                     "-L", "16", "-S", "4", "--store", url, "--run", RUN]):
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 2, result.output
+        assert f"bring it up to date first with `attngeom migrate --store {url}`" in result.output
+
+
+def test_migrate_format1_keeps_every_value_and_checks_every_chunk(format1_store):
+    url = str(format1_store)
+    before, keys_before = contents(url), stored_keys(format1_store)
+    assert len(before) == 145
+    result = CliRunner().invoke(main, ["migrate", "--store", url, "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"{url}: format 1 -> 2: rewrote 145 arrays (165 chunk objects")
+    assert_same_contents(before, contents(url))
+    assert stored_keys(format1_store) == keys_before  # no chunk gained or lost
+    assert not (format1_store / store_migrate.TEMPORARY).exists()
+    assert store_schema.validate_store(url, deep=True) == []
+    root = store_schema.open_root(url, mode="a")
+    assert root.attrs["attngeom"] == {"schema_version": 1, "created_by": "0.1.0", "format": 2}
+    assert all(store_schema.has_checksum(store_schema.array_metadata(a)) for a in store_schema.arrays_of(root))
+    # The consolidated metadata was rebuilt: xarray's default open reads it.
+    xr.testing.assert_identical(xr.open_zarr(url, group=f"runs/{RUN}").load(),
+                                xr.open_zarr(url, group=f"runs/{RUN}", consolidated=False).load())
+
+    # What the migration is for: a flipped byte is now caught, and named.
+    shard = format1_store / f"runs/{RUN}/values/c/2/0/0/0/0"
+    data = bytearray(shard.read_bytes())
+    data[30] ^= 0xFF
+    shard.write_bytes(data)
+    (line,) = store_schema.validate_store(url, deep=True)
+    assert line.startswith(f"array 'runs/{RUN}/values' chunk c/2/0/0/0/0 is corrupt") and "checksum" in line
+
+    again = CliRunner().invoke(main, ["migrate", "--store", url])
+    assert again.output.strip() == f"{url}: already format 2, nothing to do"
+
+
+def test_migrated_store_takes_new_work(format1_store, tiny_model_dir, word_corpus):
+    """After migration the store takes a new run, and analyze rewrites the old run's analysis."""
+    url = str(format1_store)
+    store_migrate.migrate(url, progress=False)
+    extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
+                           num_sequences=2, store=url, run_id="new", progress=False))
+    results = analyze(url, scheduler="threads", n_grid=[1, 4], progress=False)
+    assert [(r.run_id, r.sequences) for r in results] == [("new", 2), (RUN, 3)]
+    assert store_schema.validate_store(url, deep=True) == []
+
+
+class Crash(Exception):
+    pass
+
+
+def test_interrupted_migration_is_finished_by_a_rerun(format1_store, tmp_path, monkeypatch):
+    """Kill the migration at object writes spread over copying and replacing arrays (and the
+    root's bookkeeping); the store is refused meanwhile, and a rerun ends where an
+    uninterrupted migration does."""
+    url = str(format1_store)
+    reference = contents(url)
+    pristine = tmp_path / "pristine"
+    shutil.copytree(format1_store, pristine)
+    put = store_migrate._put
+    writes = 0
+
+    def counting(store, key, data):
+        nonlocal writes
+        writes += 1
+        put(store, key, data)
+
+    monkeypatch.setattr(store_migrate, "_put", counting)
+    store_migrate.migrate(url, progress=False)
+    total = writes
+    keys = stored_keys(format1_store)
+
+    for crash_at in (1, 2, total // 3, total // 2, total - 3):
+        shutil.rmtree(format1_store)
+        shutil.copytree(pristine, format1_store)
+        writes = 0
+
+        def crashing(store, key, data):
+            nonlocal writes
+            writes += 1
+            if writes == crash_at:
+                raise Crash(key)
+            put(store, key, data)
+
+        monkeypatch.setattr(store_migrate, "_put", crashing)
+        with pytest.raises(Crash):
+            store_migrate.migrate(url, progress=False)
+        if crash_at > 1:  # the first write is the one that marks the migration
+            with pytest.raises(AttngeomError, match="is being migrated, or its migration was interrupted"):
+                store_schema.open_root(url)
+            assert store_schema.validate_store(url)[0].endswith(f"finish it with `attngeom migrate --store {url}`")
+        monkeypatch.setattr(store_migrate, "_put", put)
+        store_migrate.migrate(url, progress=False)
+        assert_same_contents(reference, contents(url))
+        assert stored_keys(format1_store) == keys, crash_at
+        assert store_schema.validate_store(url, deep=True) == [], crash_at
+
+
+def test_migrate_memory_store(format1_store):
+    """The same migration through fsspec (memory://), as on s3://."""
+    url = f"memory://attngeom-{uuid.uuid4().hex}/store.zarr"
+    fsspec.filesystem("memory").put(str(format1_store), url.removeprefix("memory://"), recursive=True)
+    before = contents(url)
+    report = store_migrate.migrate(url, progress=False)
+    assert (report.source, report.target, report.arrays) == (1, 2, 145)
+    assert_same_contents(before, contents(url))
+    assert store_schema.validate_store(url, deep=True) == []
+
+
+def test_current_store_needs_nothing_and_future_format_is_refused(tiny_model_dir, word_corpus, tmp_path):
+    url = str(tmp_path / "s.zarr")
+    extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
+                           num_sequences=2, store=url, run_id="r", progress=False))
+    root_json = tmp_path / "s.zarr/zarr.json"
+    meta = json.loads(root_json.read_text())
+    assert meta["attributes"]["attngeom"]["format"] == store_schema.FORMAT
+    report = store_migrate.migrate(url, progress=False)
+    assert report.arrays == 0 and json.loads(root_json.read_text()) == meta
+
+    meta["attributes"]["attngeom"]["format"] = store_schema.FORMAT + 1
+    root_json.write_text(json.dumps(meta))
+    store_schema.open_root(url)  # the contract is the same schema: still read
+    with pytest.raises(AttngeomError, match=f"store format {store_schema.FORMAT + 1} is newer than this attngeom writes"):
+        store_schema.open_root(url, mode="a")
+    with pytest.raises(AttngeomError, match="newer than this attngeom knows"):
+        store_migrate.migrate(url, progress=False)
