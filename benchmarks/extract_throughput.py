@@ -314,6 +314,41 @@ def run_extract(
     }
 
 
+def run_alone(
+    bundle: Bundle, args: argparse.Namespace, length: int, count: int, batches: list[torch.Tensor], store: str, rep: int
+) -> dict[str, float]:
+    """Whole runs, nothing hooked in: extract() into ``store`` and the SDPA forward over the
+    same batches, one after the other (order alternating by rep): the plain figure a user
+    sees, with no reference forward or timing wrapper inside extract()."""
+    request = ExtractRequest(
+        model=bundle.name, dataset=args.dataset, context_length=length, num_sequences=count, store=store,
+        device=bundle.device, dtype=args.dtype, batch_size=args.batch_size, progress=False,
+        command_line=["benchmarks/extract_throughput.py"],
+    )
+
+    def extract_run() -> float:
+        with preloaded(bundle):
+            synchronize(bundle.device)
+            t0 = time.perf_counter()
+            extract(request)
+            synchronize(bundle.device)
+            return time.perf_counter() - t0
+
+    def sdpa_run() -> float:
+        synchronize(bundle.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for ids in batches:
+                forward_sdpa(bundle, ids)
+        synchronize(bundle.device)
+        return time.perf_counter() - t0
+
+    runs = {"extract": extract_run, "sdpa": sdpa_run}
+    out = {name: runs[name]() for name in rotate(list(runs), rep)}
+    shutil.rmtree(store)
+    return out
+
+
 def throughput(bundle: Bundle, args: argparse.Namespace, length: int, count: int, workdir: Path) -> dict[str, Any]:
     """Repetitions of extract() with the references interleaved batch by batch."""
     windows = windows_for(bundle, args.dataset, length, count)
@@ -331,6 +366,7 @@ def throughput(bundle: Bundle, args: argparse.Namespace, length: int, count: int
         store = next(stores)
         load0 = os.getloadavg()[0]
         r = run_extract(bundle, args, length, count, store, rep)
+        r["alone"] = run_alone(bundle, args, length, count, batches, next(stores), rep)
         r["loadavg_1min"] = (load0 + os.getloadavg()[0]) / 2
         reps.append(r)
         if last_store is not None:
@@ -362,6 +398,7 @@ def throughput(bundle: Bundle, args: argparse.Namespace, length: int, count: int
         "times_s": times,
         "median_s": {k: median(v) for k, v in times.items()},
         "ratio_per_rep": {"extract": per_rep("extract"), "loop": per_rep("loop"), "eager": per_rep("eager")},
+        "ratio_alone": [r["alone"]["extract"] / r["alone"]["sdpa"] for r in reps],
         "ratio_per_batch": {"extract": per_batch("extract"), "eager": per_batch("eager")},
         "ratio_per_batch_cpu": {"extract": per_batch("extract", True), "eager": per_batch("eager", True)},
         "median_ratio": {
@@ -374,6 +411,7 @@ def throughput(bundle: Bundle, args: argparse.Namespace, length: int, count: int
             "eager_cpu_per_batch": median(per_batch("eager", True)),
         },
         "min_ratio": {k: min(times[k]) / min(times["sdpa"]) for k in ("extract", "eager")},
+        "alone_ratio": median([r["alone"]["extract"] / r["alone"]["sdpa"] for r in reps]),
         "phases_s_per_seq": phases,
         "loadavg_1min": [r["loadavg_1min"] for r in reps],
         "extract_tokens_per_s": count * length / median(times["extract"]),
@@ -532,17 +570,19 @@ def report(results: dict[str, Any]) -> str:
     )
     out.append(table(
         ["model", "L", "seqs", "SDPA fwd s", "extract() s", "loop s", "eager+attn s",
-         "extract()/SDPA per rep [min/min]", "extract/SDPA per batch", "extract/SDPA CPU-time",
+         "extract()/SDPA whole runs alone", "extract()/SDPA per rep [min/min]", "extract/SDPA per batch", "extract/SDPA CPU-time",
          "eager+attn/SDPA per rep", "eager+attn/SDPA per batch", "extract tok/s", "load avg"],
         [[r["model"], r["length"], r["sequences"], r["median_s"]["sdpa"], r["median_s"]["extract"],
-          r["median_s"]["loop"], r["median_s"]["eager"],
+          r["median_s"]["loop"], r["median_s"]["eager"], r["alone_ratio"],
           f"{r['median_ratio']['extract']:.2f} [{r['min_ratio']['extract']:.2f}]",
           r["median_ratio"]["extract_per_batch"], r["median_ratio"]["extract_cpu_per_batch"],
           r["median_ratio"]["eager"], r["median_ratio"]["eager_per_batch"],
           r["extract_tokens_per_s"], "/".join(f"{x:.1f}" for x in r["loadavg_1min"])] for r in thr],
     ))
     out.append(
-        "\nTimes: medians over reps of whole-run seconds. Ratios: medians of ratios taken side by side; "
+        "\nWhole runs alone: per rep, extract() and the SDPA forward over the same batches run one after "
+        "the other with nothing hooked in. "
+        "Times: medians over reps of whole-run seconds. Ratios: medians of ratios taken side by side; "
         "[min/min] = ratio of the fastest reps. Each batch runs SDPA fwd and eager+attn on its ids right "
         "before extract's own forward (hooked in; their time is subtracted from extract's), so \"per batch\" "
         "ratios compare runs seconds apart. extract() = the whole call minus model load (windows, store "

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from attngeom.extract.capture import attention_summaries, recording
+from attngeom.extract.capture import attention_output, attention_summaries, recording
 from attngeom.extract.models import ModelSource, load_model
 
 L = 16  # longer than the sliding window (6) of the Mistral and Gemma 3 fixtures
@@ -121,3 +121,20 @@ def test_softcap_output_matches_eager_formula():
     p = torch.softmax(scores, -1)
     torch.testing.assert_close(out, (p @ v).transpose(1, 2), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(cap.attn_last, p[:, :, -1], atol=1e-6, rtol=0)
+
+
+def test_lower_precision_keeps_the_models_own_sdpa_output(tiny_model_dir):
+    """In bfloat16 the capture changes nothing the model computes: its hidden states are the
+    stock SDPA model's, bit for bit, while the summaries are still float32 recomputations."""
+    folder = tiny_model_dir("llama")
+    ids = torch.randint(4, 100, (2, L))
+    ids[:, 0] = 1
+    stock = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    model = load_model(ModelSource(str(folder), str(folder)), device="cpu", dtype=torch.bfloat16)
+    with torch.no_grad(), recording() as rec:
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        expected = stock.model(input_ids=ids, use_cache=False).last_hidden_state
+    assert attention_output(torch.bfloat16) == "sdpa output"
+    assert attention_output(torch.float32) == "output = float32 rows @ v"
+    assert torch.equal(hidden, expected)
+    assert all(cap.entropy.dtype == torch.float32 for cap in rec.layers.values())

@@ -1,10 +1,12 @@
 """Capture of attention rows, values and per-query summaries during the model's own forward.
 
-The model runs its SDPA attention for the output. A function registered through
-transformers' ``AttentionInterface`` receives, in every supported architecture, the post-RoPE
-queries and keys and the un-repeated values of each layer; from them
-:func:`attention_summaries` recomputes the probability rows in query blocks (memory bounded
-at any L) and reduces each row to the quantities the store keeps (SPEC §3, §4).
+A function registered through transformers' ``AttentionInterface`` receives, in every
+supported architecture, the post-RoPE queries and keys and the un-repeated values of each
+layer; from them :func:`attention_summaries` recomputes the probability rows in float32, in
+query blocks (memory bounded at any L), and reduces each row to the quantities the store
+keeps (SPEC §3, §4). The layer's output is the model's own SDPA when it computes in a lower
+precision; in float32 those rows are the eager attention itself, so ``rows @ v`` is the
+output and SDPA is not run a second time.
 """
 
 from __future__ import annotations
@@ -157,6 +159,11 @@ class Recorder:
 _ACTIVE: list[Recorder] = []
 
 
+def attention_output(dtype: torch.dtype) -> str:
+    """How a capturing layer's output is computed for a model of this compute dtype."""
+    return "output = float32 rows @ v" if dtype == torch.float32 else "sdpa output"
+
+
 def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     softcap = kwargs.get("softcap")
     recorder = _ACTIVE[-1] if _ACTIVE else None
@@ -174,7 +181,7 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
         scaling,
         softcap=softcap,
         keep_rows=recorder.keep_rows if recorder else False,
-        need_output=softcap is not None,
+        need_output=softcap is not None or query.dtype == torch.float32,
     )
     if recorder is not None:
         recorder.layers[module.layer_idx] = capture

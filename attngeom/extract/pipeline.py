@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from attngeom import __version__, store_schema
 from attngeom.errors import AttngeomError
-from attngeom.extract.capture import ATTN_IMPLEMENTATION, LayerCapture, recording
+from attngeom.extract.capture import ATTN_IMPLEMENTATION, LayerCapture, attention_output, recording
 from attngeom.extract.corpora import Window, open_corpus, select_windows
 from attngeom.extract.models import (
     load_config,
@@ -249,7 +249,7 @@ def extract(request: ExtractRequest) -> ExtractResult:
         "model_type": config.model_type,
         "compute_dtype": str(dtype).removeprefix("torch."),
         "device": device,
-        "attention_implementation": f"{ATTN_IMPLEMENTATION} (sdpa output; float32 rows recomputed from post-RoPE q/k)",
+        "attention_implementation": f"{ATTN_IMPLEMENTATION} ({attention_output(dtype)}; float32 rows recomputed from post-RoPE q/k)",
         "library_versions": _library_versions(),
         "attngeom_version": __version__,
         "command_line": shlex.join(request.command_line),
