@@ -179,6 +179,10 @@ def _replace(store: Any, path: str) -> tuple[int, int]:
     """Move the temporary copy of ``path`` over it: chunk objects first, ``zarr.json`` last.
     Returns the count and bytes of the chunk objects."""
     temp = _temporary(path)
+    if not sync(store.exists(f"{temp}/zarr.json")):
+        # Replaced already: the copy's zarr.json goes only once the array's own is in place.
+        sync(store.delete_dir(temp))
+        return 0, 0
     keys = _chunk_keys(store, temp)
     size = 0
     for key in keys:
@@ -186,6 +190,7 @@ def _replace(store: Any, path: str) -> tuple[int, int]:
         size += len(data)
         _put(store, f"{path}/{key}", data)
     _put(store, f"{path}/zarr.json", _get(store, f"{temp}/zarr.json"))
+    sync(store.delete(f"{temp}/zarr.json"))
     sync(store.delete_dir(temp))
     return len(keys), size
 

@@ -11,6 +11,7 @@ import fsspec
 import numpy as np
 import pytest
 import xarray as xr
+import zarr
 from click.testing import CliRunner
 
 from attngeom import store_migrate, store_schema
@@ -100,50 +101,47 @@ class Crash(Exception):
 
 
 def test_interrupted_migration_is_finished_by_a_rerun(format1_store, tmp_path, monkeypatch):
-    """Kill the migration at object writes spread over copying and replacing arrays (and the
-    root's bookkeeping); the store is refused meanwhile, and a rerun ends where an
-    uninterrupted migration does."""
+    """Kill the migration at object writes spread over all of it (temporary copies, the
+    replacements, the root's bookkeeping); the store is refused meanwhile, and a rerun ends
+    where an uninterrupted migration does. A crash is an exception out of the store's
+    ``set``: nothing after it runs, as after SIGKILL."""
     url = str(format1_store)
     reference = contents(url)
     pristine = tmp_path / "pristine"
     shutil.copytree(format1_store, pristine)
-    put = store_migrate._put
-    writes = 0
+    set_ = zarr.storage.LocalStore.set
+    writes, crash_at = 0, None
 
-    def counting(store, key, data):
+    async def crashing(self, key, value):
         nonlocal writes
         writes += 1
-        put(store, key, data)
+        if writes == crash_at:
+            raise Crash(key)
+        await set_(self, key, value)
 
-    monkeypatch.setattr(store_migrate, "_put", counting)
+    monkeypatch.setattr(zarr.storage.LocalStore, "set", crashing)
     store_migrate.migrate(url, progress=False)
     total = writes
     keys = stored_keys(format1_store)
 
-    for crash_at in (1, 2, total // 3, total // 2, total - 3):
+    for crash_at in (1, 2, 3, 4, total // 7, total // 3, total // 2, 2 * total // 3, total - 2, total - 1, total):
         shutil.rmtree(format1_store)
         shutil.copytree(pristine, format1_store)
         writes = 0
-
-        def crashing(store, key, data):
-            nonlocal writes
-            writes += 1
-            if writes == crash_at:
-                raise Crash(key)
-            put(store, key, data)
-
-        monkeypatch.setattr(store_migrate, "_put", crashing)
         with pytest.raises(Crash):
             store_migrate.migrate(url, progress=False)
-        if crash_at > 1:  # the first write is the one that marks the migration
+        # The first write marks the migration; the last one, after the mark is gone, rebuilds
+        # the consolidated metadata.
+        if 1 < crash_at < total:
             with pytest.raises(AttngeomError, match="is being migrated, or its migration was interrupted"):
                 store_schema.open_root(url)
             assert store_schema.validate_store(url)[0].endswith(f"finish it with `attngeom migrate --store {url}`")
-        monkeypatch.setattr(store_migrate, "_put", put)
+        writes, limit = 0, crash_at
+        crash_at = None
         store_migrate.migrate(url, progress=False)
         assert_same_contents(reference, contents(url))
-        assert stored_keys(format1_store) == keys, crash_at
-        assert store_schema.validate_store(url, deep=True) == [], crash_at
+        assert stored_keys(format1_store) == keys, limit
+        assert store_schema.validate_store(url, deep=True) == [], limit
 
 
 def test_migrate_memory_store(format1_store):
@@ -166,6 +164,15 @@ def test_current_store_needs_nothing_and_future_format_is_refused(tiny_model_dir
     assert meta["attributes"]["attngeom"]["format"] == store_schema.FORMAT
     report = store_migrate.migrate(url, progress=False)
     assert report.arrays == 0 and json.loads(root_json.read_text()) == meta
+
+    # A store whose arrays all carry checksums but whose root predates the attribute (as the
+    # runs of attngeom 0.1.0 after checksums went in): only the attribute changes.
+    del meta["attributes"]["attngeom"]["format"]
+    root_json.write_text(json.dumps(meta))
+    report = store_migrate.migrate(url, progress=False)
+    assert (report.source, report.arrays) == (1, 0)
+    assert store_schema.open_root(url, mode="a").attrs["attngeom"]["format"] == store_schema.FORMAT
+    meta = json.loads(root_json.read_text())
 
     meta["attributes"]["attngeom"]["format"] = store_schema.FORMAT + 1
     root_json.write_text(json.dumps(meta))
