@@ -86,17 +86,21 @@ def brute_force_row(q, k, v, scaling, allowed):
 
 
 @pytest.mark.parametrize("block_bytes", [1, 4096, 2**26])
-def test_summaries_match_brute_force_any_block(block_bytes):
+@pytest.mark.parametrize("kind", ["causal", "sliding", "prefix"])
+def test_summaries_match_brute_force_any_block(block_bytes, kind):
+    """Every block size and mask: plain causal (None), a sliding window, and a bidirectional
+    prefix, where early queries see keys after their block (no causal truncation allowed)."""
     torch.manual_seed(1)
     bsz, n_heads, n_kv, length, dim = 2, 4, 2, 9, 5
     q = torch.randn(bsz, n_heads, length, dim)
     k = torch.randn(bsz, n_kv, length, dim)
     v = torch.randn(bsz, n_kv, length, dim)
-    window = 4
     i = torch.arange(length)[:, None]
     j = torch.arange(length)[None, :]
-    mask = ((j <= i) & (i - j < window))[None, None].expand(bsz, 1, length, length)
-    cap, _ = attention_summaries(q, k, v, mask, 0.5, block_bytes=block_bytes)
+    allowed = {"causal": j <= i, "sliding": (j <= i) & (i - j < 4), "prefix": (j <= i) | (j < 4)}[kind]
+    mask = allowed[None, None].expand(bsz, 1, length, length)
+    cap, out = attention_summaries(q, k, v, None if kind == "causal" else mask, 0.5, keep_rows=True,
+                                   need_output=True, block_bytes=block_bytes)
     for b in range(bsz):
         for h in range(n_heads):
             for qi in range(length):
@@ -106,6 +110,8 @@ def test_summaries_match_brute_force_any_block(block_bytes):
                 assert abs(float(cap.sink_attn[b, h, qi]) - float(p[0])) < 1e-6
                 assert abs(float(cap.diag_attn[b, h, qi]) - float(p[qi])) < 1e-6
                 assert abs(float(cap.top1_attn[b, h, qi]) - float(p.max())) < 1e-6
+                torch.testing.assert_close(cap.rows[b, h, qi].double(), p, atol=1e-3, rtol=0)
+                torch.testing.assert_close(out[b, qi, h].double(), p @ v[b, h // 2].double(), atol=1e-5, rtol=0)
                 if qi == length - 1:
                     torch.testing.assert_close(cap.attn_last[b, h].double(), p, atol=1e-6, rtol=0)
 
