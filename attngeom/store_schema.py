@@ -435,8 +435,11 @@ def completed(run: zarr.Group) -> np.ndarray:
 def write_sequence(run: zarr.Group, seq: int, arrays: Mapping[str, np.ndarray]) -> None:
     """Write one sequence's shards, then its ``complete`` flag (the commit)."""
     # Store every chunk, also one equal to the fill value (a window at offset 0): validate
-    # tells a written sequence from an unwritten one by its chunk objects.
-    with zarr.config.set({"array.write_empty_chunks": True}):
+    # tells a written sequence from an unwritten one by its chunk objects. Encoding a shard's
+    # inner chunks (one per layer) as one batch ran 0.9-1.5x as fast (median 1.3x) as one at
+    # a time, on smollm2-135m and gemma3-270m shapes.
+    config = {"array.write_empty_chunks": True, "codec_pipeline.batch_size": max(1, run["layer"].shape[0])}
+    with zarr.config.set(config):
         for name in SEQUENCE_ARRAYS:
             if name in run:
                 run[name][seq] = arrays[name]
