@@ -35,8 +35,8 @@ def stored_keys(path) -> list[str]:
 
 def assert_same_contents(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
     assert a.keys() == b.keys()
-    for path in a:
-        np.testing.assert_array_equal(a[path], b[path], err_msg=path)
+    for path, values in a.items():
+        np.testing.assert_array_equal(values, b[path], err_msg=path)
 
 
 def test_format1_store_is_read_and_refused_for_writing(format1_store, word_corpus, tiny_model_dir):

@@ -27,7 +27,12 @@ from tqdm.auto import tqdm
 
 from attngeom import __version__, store_schema
 from attngeom.errors import AttngeomError
-from attngeom.extract.capture import ATTN_IMPLEMENTATION, LayerCapture, attention_output, recording
+from attngeom.extract.capture import (
+    ATTN_IMPLEMENTATION,
+    LayerCapture,
+    attention_output,
+    recording,
+)
 from attngeom.extract.corpora import Window, open_corpus, select_windows
 from attngeom.extract.models import (
     load_config,
