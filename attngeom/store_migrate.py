@@ -94,10 +94,12 @@ def migrate(url: str, *, progress: bool = True) -> MigrationReport:
         root = _without_consolidated(store)
         zarr.open_group(store, path=TEMPORARY, mode="a")
         arrays = [a for a in store_schema.arrays_of(root) if not a.path.startswith(f"{TEMPORARY}/")]
-        todo = [a for a in arrays if a.path in state["copied"] or step.needs(store_schema.array_metadata(a))]
-        for arr in tqdm(todo, unit="array", desc=f"format {step.source} -> {step.source + 1}", disable=not progress):
+        metadata = {a.path: store_schema.array_metadata(a) for a in arrays}
+        todo = [a for a in arrays if a.path in state["copied"] or step.needs(metadata[a.path])]
+        desc = f"format {step.source} -> {step.source + 1}: {step.doc}"
+        for arr in tqdm(todo, unit="array", desc=desc, disable=not progress):
             if arr.path not in state["copied"]:
-                _copy(arr, step.rewrite(store_schema.array_metadata(arr)))
+                _copy(arr, metadata[arr.path], step.rewrite(metadata[arr.path]))
                 state["copied"].append(arr.path)
                 _set_root_attrs(root, meta)
             chunks, size = _replace(store, arr.path)
@@ -150,8 +152,9 @@ def _grid_index(key: str, metadata: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(int(i) for i in key.split(separator)) if key else (0,) * len(metadata["shape"])
 
 
-def _copy(arr: zarr.Array, metadata: dict[str, Any]) -> None:
-    """Re-encode every stored chunk of ``arr`` into its temporary copy under ``metadata``.
+def _copy(arr: zarr.Array, old: Mapping[str, Any], new: dict[str, Any]) -> None:
+    """Re-encode every stored chunk of ``arr`` (``zarr.json`` ``old``) into its temporary
+    copy under ``new``.
 
     Only chunks that exist are written, and each is written even when it equals the fill
     value, so the copy holds the same objects (validate tells written from unwritten
@@ -160,8 +163,7 @@ def _copy(arr: zarr.Array, metadata: dict[str, Any]) -> None:
     store = arr.store
     temp = _temporary(arr.path)
     sync(store.delete_dir(temp))
-    _put(store, f"{temp}/zarr.json", json.dumps(metadata, indent=2).encode())
-    old = store_schema.array_metadata(arr)
+    _put(store, f"{temp}/zarr.json", json.dumps(new, indent=2).encode())
     grid = arr.shards or arr.chunks
     keys = _chunk_keys(store, arr.path)
     # The setting is read when an array is opened.
