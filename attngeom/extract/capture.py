@@ -177,9 +177,15 @@ class Recorder:
 _ACTIVE: list[Recorder] = []
 
 
+def own_output(dtype: torch.dtype) -> bool:
+    """Whether a capturing layer returns its float32 rows @ v (the eager attention of a
+    float32 model) instead of running the model's SDPA for its output."""
+    return dtype == torch.float32
+
+
 def attention_output(dtype: torch.dtype) -> str:
     """How a capturing layer's output is computed for a model of this compute dtype."""
-    return "output = float32 rows @ v" if dtype == torch.float32 else "sdpa output"
+    return "output = float32 rows @ v" if own_output(dtype) else "sdpa output"
 
 
 def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -199,7 +205,7 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
         scaling,
         softcap=softcap,
         keep_rows=recorder.keep_rows if recorder else False,
-        need_output=softcap is not None or query.dtype == torch.float32,
+        need_output=softcap is not None or own_output(query.dtype),
     )
     if recorder is not None:
         recorder.layers[module.layer_idx] = capture
