@@ -52,6 +52,20 @@ def _shard(ctx, param, value: str | None) -> tuple[int, int] | None:
     return index, count
 
 
+def _comma_list(convert, expected: str):
+    """A click callback parsing "a,b,c" with ``convert``; ``expected`` is said on error."""
+
+    def parse(ctx, param, value: str | None) -> list | None:
+        if value is None:
+            return None
+        try:
+            return [convert(x) for x in value.split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter(expected) from None
+
+    return parse
+
+
 STORE = click.option("--store", required=True, help="Store: a local path or an fsspec URL (s3://, memory://, file://).")
 
 
@@ -91,20 +105,11 @@ def extract(**kwargs) -> None:
     )
 
 
-def _n_grid(ctx, param, value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        return [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter("a comma-separated list of integers, e.g. 1,2,4,8") from None
-
-
 @main.command()
 @STORE
 @click.option("--run", "run_id", help="Analyze only this run [default: every run].")
 @click.option("--scheduler", help="Address of an existing Dask scheduler (tcp://host:8786), or 'threads' for this process alone [default: a LocalCluster of processes sized to this machine].")
-@click.option("--n-grid", callback=_n_grid, help="Selection sizes N [default: 1,2,4,... < L].")
+@click.option("--n-grid", callback=_comma_list(int, "a comma-separated list of integers, e.g. 1,2,4,8"), help="Selection sizes N [default: 1,2,4,... < L].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Also write the tidy tables here (Parquet and CSV).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random-N control.")
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
@@ -134,15 +139,6 @@ def taxonomy(store: str) -> None:
     click.echo(format_tables(labels))
 
 
-def _fractions(ctx, param, value: str | None) -> list[float] | None:
-    if value is None:
-        return None
-    try:
-        return [float(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter("comma-separated fractions, e.g. 1.0,0.75,0.5") from None
-
-
 @main.command()
 @STORE
 @click.option("--run", "run_id", required=True, help="The run whose model and tokens to use.")
@@ -150,7 +146,7 @@ def _fractions(ctx, param, value: str | None) -> list[float] | None:
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype; auto is float32 on CPU, bfloat16 on CUDA.")
 @click.option("--protect", default="", help="LAYER.HEAD pairs always kept and outside every ranking, e.g. 0.12,3.4.")
 @click.option("--protect-critical", is_flag=True, help="Also hold the automatically found critical heads fixed.")
-@click.option("--retention", callback=_fractions, help="Fractions of heads kept per layer [default: 1.0,0.9,0.75,0.5,0.25].")
+@click.option("--retention", callback=_comma_list(float, "comma-separated fractions, e.g. 1.0,0.75,0.5"), help="Fractions of heads kept per layer [default: 1.0,0.9,0.75,0.5,0.25].")
 @click.option("--random-masks", type=click.IntRange(0), default=10, show_default=True, help="Seeded random masks per retention.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--max-sequences", type=click.IntRange(2), help="Use only the first completed sequences.")
