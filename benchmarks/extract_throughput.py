@@ -279,14 +279,19 @@ class Probe:
         return [(e[0] - b[2], e[1] - b[3]) for b, e in zip(self.bounds, ends)]
 
 
-def run_extract(
-    bundle: Bundle, args: argparse.Namespace, length: int, count: int, store: str, rep: int = 0
-) -> dict[str, Any]:
-    request = ExtractRequest(
+def extract_request(bundle: Bundle, args: argparse.Namespace, length: int, count: int, store: str) -> ExtractRequest:
+    """The extract() call every timed run makes: ``count`` sequences of length ``length`` into ``store``."""
+    return ExtractRequest(
         model=bundle.name, dataset=args.dataset, context_length=length, num_sequences=count, store=store,
         device=bundle.device, dtype=args.dtype, batch_size=args.batch_size, progress=False,
         command_line=["benchmarks/extract_throughput.py"],
     )
+
+
+def run_extract(
+    bundle: Bundle, args: argparse.Namespace, length: int, count: int, store: str, rep: int = 0
+) -> dict[str, Any]:
+    request = extract_request(bundle, args, length, count, store)
     probe = Probe(bundle, rep)
     with preloaded(bundle), probe.installed():
         synchronize(bundle.device)
@@ -320,11 +325,7 @@ def run_alone(
     """Whole runs, nothing hooked in: extract() into ``store`` and the SDPA forward over the
     same batches, one after the other (order alternating by rep): the plain figure a user
     sees, with no reference forward or timing wrapper inside extract()."""
-    request = ExtractRequest(
-        model=bundle.name, dataset=args.dataset, context_length=length, num_sequences=count, store=store,
-        device=bundle.device, dtype=args.dtype, batch_size=args.batch_size, progress=False,
-        command_line=["benchmarks/extract_throughput.py"],
-    )
+    request = extract_request(bundle, args, length, count, store)
 
     def extract_run() -> float:
         with preloaded(bundle):
