@@ -190,7 +190,7 @@ def report(store: str, out: Path) -> None:
 @click.option("--deep", is_flag=True, help="Also read every chunk and name any corrupt one (checksums).")
 def validate(store: str, deep: bool) -> None:
     """Check the store against schema version 1 and its format; one line per problem, exit 1 if any."""
-    from attngeom.store_schema import validate_store
+    from attngeom.store import validate_store
 
     problems = validate_store(store, deep=deep)
     for line in problems:
@@ -211,7 +211,7 @@ def migrate(store: str, no_progress: bool) -> None:
     copy: a migration that is interrupted is finished by running it again. No other
     command may use the store meanwhile.
     """
-    from attngeom.store_migrate import migrate as run_migrate
+    from attngeom.store.migrate import migrate as run_migrate
 
     result = run_migrate(store, progress=not no_progress)
     if result.arrays == 0 and result.source == result.target:

@@ -8,12 +8,20 @@ import click
 import numpy as np
 import xarray as xr
 
-from attngeom import store_schema
 from attngeom.ablate import ablate
 from attngeom.analyze.stage import analyze
-from attngeom.report import build_report
 from attngeom.errors import AttngeomError
 from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.report import build_report
+from attngeom.store import (
+    SEQUENCE_ARRAYS,
+    analysis_path,
+    completed,
+    open_dataset,
+    open_root,
+    open_run_group,
+    validate_store,
+)
 
 DEMO_MODEL = "gemma3-270m"
 DEMO_DATASET = "wiki-summaries"
@@ -21,13 +29,13 @@ DEMO_DATASET = "wiki-summaries"
 
 def store_summary(store: str, run_id: str) -> str:
     """A few lines describing a run: shape, bytes, and where the final query looks."""
-    root = store_schema.open_root(store)
-    run = store_schema.open_run_group(root, run_id)
+    root = open_root(store)
+    run = open_run_group(root, run_id)
     ds = xr.open_zarr(run.store, group=run.path, consolidated=False)
-    done = store_schema.completed(run)
+    done = completed(run)
     ds = ds.isel(seq=done)
-    stored = sum(run[n].nbytes_stored() for n in store_schema.SEQUENCE_ARRAYS if n in run)
-    raw = sum(run[n].nbytes * len(done) // max(1, run[n].shape[0]) for n in store_schema.SEQUENCE_ARRAYS if n in run)
+    stored = sum(run[n].nbytes_stored() for n in SEQUENCE_ARRAYS if n in run)
+    raw = sum(run[n].nbytes * len(done) // max(1, run[n].shape[0]) for n in SEQUENCE_ARRAYS if n in run)
     winner = ds["winner"].isel(query=slice(1, None)).values
     query = np.arange(1, winner.shape[-1] + 1)
     diag = (winner == query).mean()
@@ -46,9 +54,8 @@ def store_summary(store: str, run_id: str) -> str:
 
 def analysis_table(store: str, run_id: str) -> str:
     """F_N of top-N against random-N, median lambda, and violation counts of the two bounds."""
-    base = f"runs/{run_id}/analysis"
-    topn = store_schema.open_dataset(store, f"{base}/topn").load()
-    values = store_schema.open_dataset(store, f"{base}/values").load()
+    topn = open_dataset(store, analysis_path(run_id, "topn")).load()
+    values = open_dataset(store, analysis_path(run_id, "values")).load()
     defined = topn["k_sink"] >= 0
     lines = [f"{'N':>5} {'F_N top-N':>10} {'F_N random':>11} {'bound viol.':>12} {'certif. viol.':>14}"]
     for n in topn["n"].values:
@@ -81,7 +88,7 @@ def run_demo(out: Path, *, num_sequences: int, context_length: int) -> None:
             command_line=["attngeom", "demo", "--out", str(out)],
         )
     )
-    problems = store_schema.validate_store(store)
+    problems = validate_store(store)
     if problems:
         raise AttngeomError("the demo store is invalid: " + "; ".join(problems))
     click.echo(f"validate: {store} is valid")

@@ -1,5 +1,66 @@
-"""Errors a user can act on: the CLI prints them as one line and exits 2."""
+"""Errors a user can act on, by kind. The CLI prints any of them as one line and exits 2;
+Python callers catch the kind they can handle (never the message text).
+
+::
+
+    AttngeomError
+    ├── InputError            bad arguments, model, tokenizer or corpus
+    └── StoreError            the store cannot be used as asked
+        ├── StoreNotFoundError    nothing (or no attngeom store) at the URL
+        ├── SchemaError           not attngeom's, another schema version or format, a migration under way
+        ├── RunNotFoundError      no such run (or no completed sequence in it)
+        ├── StoreWriteError       the store cannot be written (full, read-only)
+        └── DamagedStoreError     unreadable metadata, a missing or corrupt chunk
+            └── CorruptChunkError     a chunk that fails to decode (checksum, compression)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AttngeomError",
+    "CorruptChunkError",
+    "DamagedStoreError",
+    "InputError",
+    "RunNotFoundError",
+    "SchemaError",
+    "StoreError",
+    "StoreNotFoundError",
+    "StoreWriteError",
+]
 
 
 class AttngeomError(Exception):
     """Bad input or an unusable store; the message says what to change."""
+
+
+class InputError(AttngeomError):
+    """An argument, model, tokenizer or corpus that cannot be used as given."""
+
+
+class StoreError(AttngeomError):
+    """The store cannot be used as asked."""
+
+
+class StoreNotFoundError(StoreError):
+    """Nothing at the store's URL, or no attngeom store there."""
+
+
+class SchemaError(StoreError):
+    """A Zarr store that is not attngeom's, of another schema version or format, or one whose
+    migration is under way."""
+
+
+class RunNotFoundError(StoreError):
+    """No run of that id in the store, or none with a completed sequence."""
+
+
+class StoreWriteError(StoreError):
+    """The store cannot be written: out of space, read-only, or not a folder."""
+
+
+class DamagedStoreError(StoreError):
+    """Part of the store is missing or unreadable: metadata, a chunk, a group."""
+
+
+class CorruptChunkError(DamagedStoreError):
+    """A chunk that fails to decode (its checksum, or its compression)."""

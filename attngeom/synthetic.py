@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from attngeom import store_schema
+from attngeom.store import (
+    RunLayout,
+    consolidate,
+    create_run,
+    open_or_create_root,
+    write_sequence,
+)
 
 
-def synthetic_sequence(rng: np.random.Generator, layout: store_schema.RunLayout) -> dict[str, np.ndarray]:
+def synthetic_sequence(rng: np.random.Generator, layout: RunLayout) -> dict[str, np.ndarray]:
     """The arrays of one sequence, shaped as ``write_sequence`` expects."""
     n_layers, n_heads, n_kv, length, dim = (
         layout.n_layers, layout.n_heads, layout.n_kv_heads, layout.length, layout.head_dim
@@ -50,21 +56,21 @@ def write_synthetic_run(
     head_dim: int,
     length: int,
     seed: int = 0,
-) -> store_schema.RunLayout:
+) -> RunLayout:
     """Create ``runs/<run_id>`` in ``store`` holding ``n_seq`` synthetic sequences."""
-    layout = store_schema.RunLayout(
+    layout = RunLayout(
         n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, length=length,
         head_kv=tuple(h // (n_heads // n_kv_heads) for h in range(n_heads)),
         window=(0,) * n_layers, attendable=((True,) * length,) * n_layers,
     )
-    root = store_schema.open_or_create_root(store)
+    root = open_or_create_root(store)
     provenance = {
         "model": {"id": "synthetic"}, "dataset": {"id": "synthetic"}, "context_length": length,
         "library_versions": {}, "command_line": "attngeom.synthetic.write_synthetic_run",
     }
-    run = store_schema.create_run(root, run_id, layout, provenance, n_seq)
+    run = create_run(root, run_id, layout, provenance, n_seq)
     rng = np.random.default_rng(seed)
     for s in range(n_seq):
-        store_schema.write_sequence(run, s, synthetic_sequence(rng, layout))
-    store_schema.consolidate(root)
+        write_sequence(run, s, synthetic_sequence(rng, layout))
+    consolidate(root)
     return layout

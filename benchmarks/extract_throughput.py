@@ -62,7 +62,6 @@ import numpy as np
 import torch
 import zarr
 
-from attngeom import store_schema
 from attngeom.extract import capture, pipeline
 from attngeom.extract.capture import recording
 from attngeom.extract.corpora import Window, open_corpus, select_windows
@@ -76,6 +75,14 @@ from attngeom.extract.models import (
     resolve_model,
 )
 from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.store import (
+    BLOSC_LEVEL,
+    compressor,
+    n_sequences,
+    open_root,
+    open_run_group,
+    run_ids,
+)
 
 SUMMARIES = ("winner", "sink_attn", "diag_attn", "top1_attn", "entropy")
 LEVEL_ARRAYS = ("values", "attn_last", *SUMMARIES)
@@ -259,9 +266,9 @@ class Probe:
             (capture, "attention_summaries", "summaries"),
             (capture, "sdpa_attention_forward", "sdpa_in_capture"),
             (pipeline, "_sequence_arrays", "host_arrays"),
-            (store_schema, "write_sequence", "zarr_writes"),
-            (store_schema, "create_run", "create_run"),
-            (store_schema, "consolidate", "consolidate"),
+            (pipeline, "write_sequence", "zarr_writes"),
+            (pipeline, "create_run", "create_run"),
+            (pipeline, "consolidate", "consolidate"),
         ]
         try:
             with contextlib.ExitStack() as stack:
@@ -436,14 +443,14 @@ def torch_profile(bundle: Bundle, ids: torch.Tensor, top: int = 15) -> str:
 
 
 def open_run(store: str) -> zarr.Group:
-    root = store_schema.open_root(store, mode="r")
-    (run_id,) = store_schema.run_ids(root)
-    return store_schema.open_run_group(root, run_id)
+    root = open_root(store, mode="r")
+    (run_id,) = run_ids(root)
+    return open_run_group(root, run_id)
 
 
 def store_sizes(store: str) -> dict[str, Any]:
     run = open_run(store)
-    n_seq = store_schema.n_sequences(run)
+    n_seq = n_sequences(run)
     per_array = {}
     total = 0
     for name, arr in run.arrays():
@@ -467,7 +474,7 @@ def inner_chunks(run: zarr.Group, name: str) -> list[np.ndarray]:
 def compression_levels(store: str, levels: list[int], reps: int) -> dict[str, Any]:
     """Blosc zstd + bitshuffle per (sequence, layer) chunk, levels interleaved per repetition."""
     run = open_run(store)
-    n_seq = store_schema.n_sequences(run)
+    n_seq = n_sequences(run)
     chunks = {name: inner_chunks(run, name) for name in LEVEL_ARRAYS}
     codecs = {c: numcodecs.Blosc(cname="zstd", clevel=c, shuffle=numcodecs.Blosc.BITSHUFFLE) for c in levels}
     sizes: dict[str, dict[int, int]] = defaultdict(dict)
@@ -525,7 +532,7 @@ def chunk_reads(store: str, reps: int, workdir: Path) -> dict[str, Any]:
     """One (sequence, layer) inner chunk vs the whole sequence shard, and vs a layout whose
     chunk is the whole sequence (no inner chunks), read through zarr."""
     run = open_run(store)
-    n_seq = store_schema.n_sequences(run)
+    n_seq = n_sequences(run)
     out: dict[str, Any] = {}
     for name in READ_ARRAYS:
         arr = run[name]
@@ -533,7 +540,7 @@ def chunk_reads(store: str, reps: int, workdir: Path) -> dict[str, Any]:
         alt_path = workdir / f"alt-{name}.zarr"
         alt = zarr.create_array(
             str(alt_path), shape=arr.shape, dtype=arr.dtype, chunks=(1, *arr.shape[1:]),
-            compressors=store_schema.compressor(arr.dtype.itemsize), fill_value=0,
+            compressors=compressor(arr.dtype.itemsize), fill_value=0,
         )
         alt[:] = arr[:]
         timings: dict[str, list[float]] = defaultdict(list)
@@ -705,7 +712,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {
         "device": device, "dtype": str(dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(), "platform": platform.platform(), "reps": args.reps,
-        "dataset": args.dataset, "batch_size": args.batch_size, "blosc_level_in_store": store_schema.BLOSC_LEVEL,
+        "dataset": args.dataset, "batch_size": args.batch_size, "blosc_level_in_store": BLOSC_LEVEL,
         "versions": pipeline._library_versions(),
         "throughput": [], "store": [], "levels": [], "reads": [], "profiles": [], "loads": {},
     }

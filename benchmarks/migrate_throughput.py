@@ -25,13 +25,13 @@ from unittest import mock
 
 import numpy as np
 
-from attngeom import store_migrate, store_schema
+from attngeom.store import compressor, migrate as store_migrate, runs as store_runs, validate_store
 from attngeom.synthetic import write_synthetic_run
 
 
 def format1_store(path: Path, args: argparse.Namespace) -> None:
     """A synthetic run encoded as format 1: Blosc alone, no format attribute."""
-    with mock.patch.object(store_schema, "compressors", lambda dtype: (store_schema.compressor(dtype.itemsize),)):
+    with mock.patch.object(store_runs, "compressors", lambda dtype: (compressor(dtype.itemsize),)):
         write_synthetic_run(str(path), "r", n_seq=args.num_sequences, n_layers=args.layers, n_heads=args.heads,
                             n_kv_heads=args.kv_heads, head_dim=args.head_dim, length=args.length)
     meta = json.loads((path / "zarr.json").read_text())
@@ -65,13 +65,13 @@ def main() -> None:
             shutil.copytree(original, copy)
             t_copy = time.perf_counter() - t0
             t0 = time.perf_counter()
-            problems = store_schema.validate_store(str(copy), deep=True)
+            problems = validate_store(str(copy), deep=True)
             t_deep = time.perf_counter() - t0
             assert problems and all("checksum" in line for line in problems), problems[:3]
             t0 = time.perf_counter()
             report = store_migrate.migrate(str(copy), progress=False)
             t_migrate = time.perf_counter() - t0
-            assert store_schema.validate_store(str(copy), deep=True) == []
+            assert validate_store(str(copy), deep=True) == []
             rows.append((t_copy, t_deep, t_migrate, report))
             shutil.rmtree(copy)
 

@@ -11,7 +11,6 @@ import torch
 import xarray as xr
 from scipy import stats
 
-from attngeom import store_schema
 from attngeom.ablate import ablate, parse_heads
 from attngeom.ablate.kernels import (
     correlation_table,
@@ -22,10 +21,16 @@ from attngeom.ablate.kernels import (
     robust_z,
     type_guided_keys,
 )
-from attngeom.ablate.masking import apply_head_mask, head_geometry, head_weight_norms, masked_nll
+from attngeom.ablate.masking import (
+    apply_head_mask,
+    head_geometry,
+    head_weight_norms,
+    masked_nll,
+)
 from attngeom.errors import AttngeomError
 from attngeom.extract.models import load_model, resolve_model
 from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.store import open_root, open_run_group, zarr_store
 
 REGIMES = np.array(
     [["Mixer", "Retriever", "Reset", "Mixer"], ["Reset", "Reset", "Mixer", "Retriever"], ["Mixer", "Reset", "Reset", "Mixer"]],
@@ -75,7 +80,7 @@ def store(tiny_model_dir, word_corpus, tmp_path_factory) -> str:
         {"regime": (("layer", "head"), REGIMES), "C": (("layer", "head"), np.arange(12.0).reshape(3, 4) ** 0.5)},
         coords={"layer": np.arange(3, dtype="int32"), "head": np.arange(4, dtype="int32")},
     )
-    heads.to_zarr(store_schema.store_from_url(path, read_only=False), group="runs/r/analysis/heads",
+    heads.to_zarr(zarr_store(path, read_only=False), group="runs/r/analysis/heads",
                   mode="w", consolidated=False, zarr_format=3)
     return path
 
@@ -294,8 +299,8 @@ def test_type_guided_skipped_without_regimes(tiny_model_dir, word_corpus, tmp_pa
     assert "type_guided" not in out.sweep["method"].values
     assert "type_guided" in out.skipped and out.regimes is None
     assert out.sweep.sizes["seq"] == 1 and out.single.sizes["seq"] == 2
-    root = store_schema.open_root(path)
-    assert sorted(store_schema.open_run_group(root, "q")["ablation"].group_keys()) == [
+    root = open_root(path)
+    assert sorted(open_run_group(root, "q")["ablation"].group_keys()) == [
         "correlations", "critical", "single", "sweep", "table"]
 
 

@@ -8,13 +8,12 @@ import pytest
 import xarray as xr
 import zarr
 from click.testing import CliRunner
+from test_kernels import brute_topn, brute_value_statistics
 
-from attngeom import store_schema
 from attngeom.analyze.stage import TOPN_VARS, VALUE_VARS, _instance_seed, analyze
 from attngeom.cli import main
 from attngeom.extract.pipeline import ExtractRequest, extract
-
-from test_kernels import brute_topn, brute_value_statistics
+from attngeom.store import resize_run
 
 GRID = [1, 2, 4, 8, 15]
 
@@ -91,7 +90,7 @@ def test_rerun_is_idempotent_and_reads_only_completed(analyzed, cluster, tmp_pat
     store, _ = analyzed
     before = group(store, "llama", "topn").load()
     run = zarr.open_group(str(store), path="runs/llama", mode="r+", use_consolidated=False)
-    store_schema.resize_run(run, 5)
+    resize_run(run, 5)
     run["tokens"][3] = run["tokens"][0]  # sequence 3 is being written: no commit flag yet
     analyze(str(store), run_id="llama", scheduler=cluster.scheduler_address, n_grid=GRID, progress=False)
     after = group(store, "llama", "topn").load()

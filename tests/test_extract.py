@@ -16,12 +16,11 @@ import torch
 import xarray as xr
 import zarr
 from click.testing import CliRunner
+from test_capture import eager_reference
 
-from attngeom import store_schema
 from attngeom.cli import main
 from attngeom.extract.pipeline import ExtractRequest, extract
-
-from test_capture import eager_reference
+from attngeom.store import open_or_create_root, validate_store
 
 
 def run_extract(model_dir, corpus, store, **kw) -> str:
@@ -71,7 +70,7 @@ def test_resume_and_append_write_each_sequence_once(tiny_model_dir, word_corpus,
     run_extract(folder, word_corpus, store, num_sequences=3)
     run_extract(folder, word_corpus, store, num_sequences=3)  # nothing left to do
     run_extract(folder, word_corpus, store, num_sequences=6)  # appends 3
-    assert store_schema.validate_store(str(store)) == []
+    assert validate_store(str(store)) == []
     a, b = open_run(reference), open_run(store)
     for name in ("tokens", "values", "attn_last", "winner", "entropy", "doc_index", "window_start"):
         np.testing.assert_array_equal(a[name].values, b[name].values)
@@ -99,7 +98,7 @@ def test_sigkill_at_any_point_then_resume(tiny_model_dir, word_corpus, tmp_path)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
-    assert store_schema.validate_store(str(store)) == []
+    assert validate_store(str(store)) == []
     a, b = open_run(reference), open_run(store)
     assert int(b["complete"].sum()) == 11
     for name in ("tokens", "values", "attn_last", "winner", "sink_attn", "doc_index"):
@@ -108,11 +107,11 @@ def test_sigkill_at_any_point_then_resume(tiny_model_dir, word_corpus, tmp_path)
 
 def test_interrupted_creation_is_replaced(tiny_model_dir, word_corpus, tmp_path):
     store = tmp_path / "s.zarr"
-    root = store_schema.open_or_create_root(str(store))
+    root = open_or_create_root(str(store))
     root.require_group("runs/r").create_array("tokens", shape=(1, 3), dtype="int32")
-    assert "creation was interrupted" in store_schema.validate_store(str(store))[0]
+    assert "creation was interrupted" in validate_store(str(store))[0]
     run_extract(tiny_model_dir("llama"), word_corpus, store, num_sequences=2)
-    assert store_schema.validate_store(str(store)) == []
+    assert validate_store(str(store)) == []
 
 
 def tree(path: Path) -> dict[str, tuple[int, int]]:

@@ -14,19 +14,27 @@ import xarray as xr
 import zarr
 from click.testing import CliRunner
 
-from attngeom import store_migrate, store_schema
 from attngeom.analyze.stage import analyze
 from attngeom.cli import main
 from attngeom.errors import AttngeomError
 from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.store import (
+    FORMAT,
+    array_metadata,
+    arrays_of,
+    has_checksum,
+    migrate as store_migrate,
+    open_root,
+    validate_store,
+)
 
 RUN = "tiny-llama"
 
 
 def contents(url: str) -> dict[str, np.ndarray]:
     """Every array of the store, decoded."""
-    root = store_schema.open_root(url)
-    return {a.path: np.asarray(a[...]) for a in store_schema.arrays_of(root)}
+    root = open_root(url)
+    return {a.path: np.asarray(a[...]) for a in arrays_of(root)}
 
 
 def stored_keys(path) -> list[str]:
@@ -65,10 +73,10 @@ def test_migrate_format1_keeps_every_value_and_checks_every_chunk(format1_store)
     assert_same_contents(before, contents(url))
     assert stored_keys(format1_store) == keys_before  # no chunk gained or lost
     assert not (format1_store / store_migrate.TEMPORARY).exists()
-    assert store_schema.validate_store(url, deep=True) == []
-    root = store_schema.open_root(url, mode="a")
+    assert validate_store(url, deep=True) == []
+    root = open_root(url, mode="a")
     assert root.attrs["attngeom"] == {"schema_version": 1, "created_by": "0.1.0", "format": 2}
-    assert all(store_schema.has_checksum(store_schema.array_metadata(a)) for a in store_schema.arrays_of(root))
+    assert all(has_checksum(array_metadata(a)) for a in arrays_of(root))
     # The consolidated metadata was rebuilt: xarray's default open reads it.
     xr.testing.assert_identical(xr.open_zarr(url, group=f"runs/{RUN}").load(),
                                 xr.open_zarr(url, group=f"runs/{RUN}", consolidated=False).load())
@@ -78,7 +86,7 @@ def test_migrate_format1_keeps_every_value_and_checks_every_chunk(format1_store)
     data = bytearray(shard.read_bytes())
     data[30] ^= 0xFF
     shard.write_bytes(data)
-    (line,) = store_schema.validate_store(url, deep=True)
+    (line,) = validate_store(url, deep=True)
     assert line.startswith(f"array 'runs/{RUN}/values' chunk c/2/0/0/0/0 is corrupt") and "checksum" in line
 
     again = CliRunner().invoke(main, ["migrate", "--store", url])
@@ -93,7 +101,7 @@ def test_migrated_store_takes_new_work(format1_store, tiny_model_dir, word_corpu
                            num_sequences=2, store=url, run_id="new", progress=False))
     results = analyze(url, scheduler="threads", n_grid=[1, 4], progress=False)
     assert [(r.run_id, r.sequences) for r in results] == [("new", 2), (RUN, 3)]
-    assert store_schema.validate_store(url, deep=True) == []
+    assert validate_store(url, deep=True) == []
 
 
 class Crash(Exception):
@@ -134,14 +142,14 @@ def test_interrupted_migration_is_finished_by_a_rerun(format1_store, tmp_path, m
         # the consolidated metadata.
         if 1 < crash_at < total:
             with pytest.raises(AttngeomError, match="is being migrated, or its migration was interrupted"):
-                store_schema.open_root(url)
-            assert store_schema.validate_store(url)[0].endswith(f"finish it with `attngeom migrate --store {url}`")
+                open_root(url)
+            assert validate_store(url)[0].endswith(f"finish it with `attngeom migrate --store {url}`")
         writes, limit = 0, crash_at
         crash_at = None
         store_migrate.migrate(url, progress=False)
         assert_same_contents(reference, contents(url))
         assert stored_keys(format1_store) == keys, limit
-        assert store_schema.validate_store(url, deep=True) == [], limit
+        assert validate_store(url, deep=True) == [], limit
 
 
 def test_migrate_memory_store(format1_store):
@@ -152,7 +160,7 @@ def test_migrate_memory_store(format1_store):
     report = store_migrate.migrate(url, progress=False)
     assert (report.source, report.target, report.arrays) == (1, 2, 145)
     assert_same_contents(before, contents(url))
-    assert store_schema.validate_store(url, deep=True) == []
+    assert validate_store(url, deep=True) == []
 
 
 def test_current_store_needs_nothing_and_future_format_is_refused(tiny_model_dir, word_corpus, tmp_path):
@@ -161,7 +169,7 @@ def test_current_store_needs_nothing_and_future_format_is_refused(tiny_model_dir
                            num_sequences=2, store=url, run_id="r", progress=False))
     root_json = tmp_path / "s.zarr/zarr.json"
     meta = json.loads(root_json.read_text())
-    assert meta["attributes"]["attngeom"]["format"] == store_schema.FORMAT
+    assert meta["attributes"]["attngeom"]["format"] == FORMAT
     report = store_migrate.migrate(url, progress=False)
     assert report.arrays == 0 and json.loads(root_json.read_text()) == meta
 
@@ -171,13 +179,13 @@ def test_current_store_needs_nothing_and_future_format_is_refused(tiny_model_dir
     root_json.write_text(json.dumps(meta))
     report = store_migrate.migrate(url, progress=False)
     assert (report.source, report.arrays) == (1, 0)
-    assert store_schema.open_root(url, mode="a").attrs["attngeom"]["format"] == store_schema.FORMAT
+    assert open_root(url, mode="a").attrs["attngeom"]["format"] == FORMAT
     meta = json.loads(root_json.read_text())
 
-    meta["attributes"]["attngeom"]["format"] = store_schema.FORMAT + 1
+    meta["attributes"]["attngeom"]["format"] = FORMAT + 1
     root_json.write_text(json.dumps(meta))
-    store_schema.open_root(url)  # the contract is the same schema: still read
-    with pytest.raises(AttngeomError, match=f"store format {store_schema.FORMAT + 1} is newer than this attngeom writes"):
-        store_schema.open_root(url, mode="a")
+    open_root(url)  # the contract is the same schema: still read
+    with pytest.raises(AttngeomError, match=f"store format {FORMAT + 1} is newer than this attngeom writes"):
+        open_root(url, mode="a")
     with pytest.raises(AttngeomError, match="newer than this attngeom knows"):
         store_migrate.migrate(url, progress=False)

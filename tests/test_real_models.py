@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 import torch
 import xarray as xr
-
-from attngeom import store_schema
-from attngeom.extract.models import resolve_model, _converted_folder
-from attngeom.extract.pipeline import ExtractRequest, extract
-
 from test_capture import eager_reference
+
+from attngeom.extract.models import _converted_folder, resolve_model
+from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.store import validate_store
 
 EXPECTED = {
     # name: (layers, heads, kv heads, head_dim, BOS id, head_kv)
@@ -27,7 +26,7 @@ def test_real_model_extract(name, tmp_path):
     run_id = extract(ExtractRequest(model=name, dataset="wiki-summaries", context_length=48, num_sequences=2,
                                     store=str(store), progress=False)).run_id
     assert run_id == f"{name}__wiki-summaries__L48"
-    assert store_schema.validate_store(str(store)) == []
+    assert validate_store(str(store)) == []
     ds = xr.open_zarr(str(store), group=f"runs/{run_id}")
     assert (ds.sizes["layer"], ds.sizes["head"], ds.sizes["kv_head"], ds.sizes["head_dim"]) == (layers, heads, kv_heads, head_dim)
     assert list(ds["head_kv"].values) == head_kv

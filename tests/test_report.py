@@ -14,13 +14,20 @@ import pytest
 import xarray as xr
 from matplotlib.figure import Figure
 
-from attngeom import store_schema
 from attngeom.analyze.stage import analyze
 from attngeom.report import build_report
 from attngeom.report.build import FIGURES, TABLES, draw_figure, select_runs
-from attngeom.report.data import REGIMES, RunData, load_runs
+from attngeom.report.data import RunData, load_runs
 from attngeom.report.plots import N_LABEL
 from attngeom.report.spec import FigureSpec
+from attngeom.store import (
+    ATTR_KEY,
+    REGIMES,
+    open_or_create_root,
+    open_root,
+    open_run_group,
+    zarr_store,
+)
 from attngeom.synthetic import write_synthetic_run
 
 GRID = [1, 2, 4, 8, 16]
@@ -28,15 +35,15 @@ SHAPE = dict(n_seq=3, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8)
 
 
 def _write(ds: xr.Dataset, store: str, group: str) -> None:
-    ds.to_zarr(store_schema.store_from_url(store, read_only=False), group=group, mode="w",
+    ds.to_zarr(zarr_store(store, read_only=False), group=group, mode="w",
                consolidated=False, zarr_format=3)
 
 
 def _set_identity(store: str, run_id: str, model: str, dataset: str) -> None:
-    run = store_schema.open_run_group(store_schema.open_root(store, mode="a"), run_id)
-    meta = dict(run.attrs[store_schema.ATTR_KEY])
+    run = open_run_group(open_root(store, mode="a"), run_id)
+    meta = dict(run.attrs[ATTR_KEY])
     meta.update(model={"id": model}, dataset={"id": dataset})
-    run.attrs[store_schema.ATTR_KEY] = meta
+    run.attrs[ATTR_KEY] = meta
 
 
 def _add_ablation(store: str, run_id: str) -> None:
@@ -196,7 +203,7 @@ def test_store_without_analysis_gives_notes_only(tmp_path):
 
 def test_empty_store_gives_a_page(tmp_path):
     url = str(tmp_path / "s.zarr")
-    store_schema.open_or_create_root(url)
+    open_or_create_root(url)
     page = build_report(url, tmp_path / "out").read_text()
     assert "the store holds no run yet" in page and "could not be made" not in page
     assert pd.read_csv(tmp_path / "out" / "models.csv").empty

@@ -15,10 +15,10 @@ import pytest
 import xarray as xr
 from click.testing import CliRunner
 
-from attngeom import store_schema
 from attngeom.analyze.stage import analyze
 from attngeom.cli import main
 from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.store import open_root, run_ids, validate_store, zarr_store
 
 S = 10
 
@@ -37,7 +37,7 @@ def reference(tiny_model_dir, word_corpus, tmp_path_factory):
 
 
 def assert_same_run(store, reference, run_id="r"):
-    assert store_schema.validate_store(str(store), deep=True) == []
+    assert validate_store(str(store), deep=True) == []
     ds = xr.open_zarr(str(store), group=f"runs/{run_id}", consolidated=False)
     assert int(ds["complete"].sum()) == S
     for name in ("tokens", "values", "attn_last", "winner", "entropy", "doc_index"):
@@ -74,7 +74,7 @@ def test_torchrun_ranks_share_one_run(tiny_model_dir, word_corpus, tmp_path, ref
     result = subprocess.run([torchrun, "--nproc-per-node", "2", "--standalone", "-m", "attngeom.cli", *args],
                             capture_output=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    (run_id,) = store_schema.run_ids(store_schema.open_root(str(store)))
+    (run_id,) = run_ids(open_root(str(store)))
     assert_same_run(store, reference, run_id)
     prov = xr.open_zarr(str(store), group=f"runs/{run_id}", consolidated=False).attrs["attngeom"]
     assert prov["shard"][1] == 2
@@ -101,9 +101,9 @@ def test_memory_store_pipeline(tiny_model_dir, word_corpus):
     url = f"memory://attngeom-{uuid.uuid4().hex}/store.zarr"
     extract(ExtractRequest(model=str(tiny_model_dir("gemma3")), dataset=str(word_corpus), context_length=16,
                            num_sequences=2, store=url, run_id="r", progress=False))
-    assert store_schema.validate_store(url, deep=True) == []
+    assert validate_store(url, deep=True) == []
     analyze(url, n_grid=[1, 4], progress=False)
-    topn = xr.open_zarr(store_schema.store_from_url(url, read_only=True), group="runs/r/analysis/topn")
+    topn = xr.open_zarr(zarr_store(url, read_only=True), group="runs/r/analysis/topn")
     assert dict(topn.sizes) == {"seq": 2, "layer": 3, "head": 4, "n": 2}
 
 
@@ -135,8 +135,8 @@ def monkeypatch_module():
 def test_s3_store_every_stage(tiny_model_dir, word_corpus, s3_url, reference, tmp_path):
     extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
                            num_sequences=S, store=s3_url, run_id="r", progress=False))
-    assert store_schema.validate_store(s3_url, deep=True) == []
-    ds = xr.open_zarr(store_schema.store_from_url(s3_url, read_only=True), group="runs/r")
+    assert validate_store(s3_url, deep=True) == []
+    ds = xr.open_zarr(zarr_store(s3_url, read_only=True), group="runs/r")
     np.testing.assert_array_equal(ds["values"].values, reference["values"].values)
     analyze(s3_url, scheduler="threads", n_grid=[1, 4], progress=False)
     result = CliRunner().invoke(main, ["taxonomy", "--store", s3_url])
@@ -145,7 +145,7 @@ def test_s3_store_every_stage(tiny_model_dir, word_corpus, s3_url, reference, tm
     result = CliRunner().invoke(main, ["ablate", "--store", s3_url, "--run", "r", "--device", "cpu",
                                        "--retention", "1.0,0.5", "--random-masks", "2", "--no-progress"])
     assert result.exit_code == 0, result.output
-    single = xr.open_zarr(store_schema.store_from_url(s3_url, read_only=True), group="runs/r/ablation/single")
+    single = xr.open_zarr(zarr_store(s3_url, read_only=True), group="runs/r/ablation/single")
     assert dict(single.sizes)["layer"] == 3
     result = CliRunner().invoke(main, ["report", "--store", s3_url, "--out", str(tmp_path / "report")])
     assert result.exit_code == 0, result.output
@@ -157,12 +157,12 @@ def test_s3_store_migrates(format1_store, s3_url):
 
     url = s3_url.replace("store.zarr", "format1.zarr")
     fsspec.filesystem("s3").put(str(format1_store), url.removeprefix("s3://"), recursive=True)
-    assert store_schema.validate_store(url)[0].startswith("store format 1 has no chunk checksums")
+    assert validate_store(url)[0].startswith("store format 1 has no chunk checksums")
     result = CliRunner().invoke(main, ["migrate", "--store", url, "--no-progress"])
     assert result.exit_code == 0, result.output
     assert "format 1 -> 2: rewrote 145 arrays" in result.output
-    assert store_schema.validate_store(url, deep=True) == []
-    values = xr.open_zarr(store_schema.store_from_url(url, read_only=True), group="runs/tiny-llama")["values"]
+    assert validate_store(url, deep=True) == []
+    values = xr.open_zarr(zarr_store(url, read_only=True), group="runs/tiny-llama")["values"]
     np.testing.assert_array_equal(values.values, xr.open_zarr(str(format1_store), group="runs/tiny-llama")["values"].values)
 
 

@@ -10,6 +10,7 @@ from attngeom.analyze import taxonomy
 from attngeom.analyze.stage import analyze, votes_dataset
 from attngeom.cli import main
 from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.store import SIGNATURE_VARIABLES
 
 
 def brute_label(winner_rows: np.ndarray) -> int:
@@ -105,7 +106,7 @@ def test_rows_and_winners_agree_and_sliding_window_hides_the_sink(tiny_model_dir
 
 def test_signatures_average_heads_of_each_regime():
     per_head = xr.Dataset(
-        {name: (("layer", "head", "n"), np.arange(8.0).reshape(1, 4, 2) + i) for i, name in enumerate(taxonomy.SIGNATURES)},
+        {name: (("layer", "head", "n"), np.arange(8.0).reshape(1, 4, 2) + i) for i, name in enumerate(SIGNATURE_VARIABLES)},
         coords={"n": [1, 2]},
     )
     regime = xr.DataArray(np.array([["Mixer", "Mixer", "Reset", "Mixer"]], dtype=object), dims=("layer", "head"))

@@ -10,9 +10,9 @@ import xarray as xr
 import zarr
 from click.testing import CliRunner
 
-from attngeom import store_schema
 from attngeom.cli import main
 from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.store import resize_run
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_schema_version_from_the_future(store):
 
 def test_partly_written_and_unwritten_sequences(store):
     run = zarr.open_group(str(store), path="runs/r", mode="r+", use_consolidated=False)
-    store_schema.resize_run(run, 6)
+    resize_run(run, 6)
     run["tokens"][3] = run["tokens"][0]  # an interrupted write of sequence 3: no commit flag
     shutil.rmtree(store / "runs/r/values/c/1")  # a committed sequence that lost a shard
     lines = problems_of(store)

@@ -43,7 +43,7 @@ import torch
 import xarray as xr
 import zarr
 
-from attngeom import __version__, store_schema
+from attngeom import __version__
 from attngeom.ablate.kernels import (
     MAD_SCALE,
     attention_diagnostics,
@@ -58,10 +58,30 @@ from attngeom.ablate.kernels import (
 )
 from attngeom.ablate.masking import head_geometry, head_weight_norms, masked_nll
 from attngeom.errors import AttngeomError
-from attngeom.extract.models import ModelSource, load_model, resolve_device, resolve_dtype, resolve_model
+from attngeom.extract.models import (
+    ModelSource,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
+from attngeom.store import (
+    ABLATION,
+    ANALYSIS,
+    REGIMES,
+    ablation_path,
+    analysis_path,
+    completed,
+    consolidate,
+    open_dataset,
+    open_root,
+    open_run_group,
+    run_ids,
+    run_provenance,
+    write_dataset,
+)
 
 DEFAULT_RETENTION = (1.0, 0.9, 0.75, 0.5, 0.25)
-REGIMES = ("Retriever", "Mixer", "Reset")
 # How each method orders the heads of a layer, first kept first.
 METHODS = {
     "type_guided": "regimes by mean single-head impact (unprotected heads), then heads by own impact; largest first",
@@ -151,11 +171,11 @@ def _store_diagnostics(run: zarr.Group, seqs: np.ndarray, top_n: int) -> dict[st
     return {name: total / len(seqs) for name, total in sums.items()}
 
 
-def _analysis_heads(run: zarr.Group) -> xr.Dataset | None:
+def _analysis_heads(url: str, run: zarr.Group, run_id: str) -> xr.Dataset | None:
     """analyze's (layer, head) table, or None when the run has not been analyzed."""
-    if "analysis" not in run or "heads" not in run["analysis"]:
+    if ANALYSIS not in run or "heads" not in run[ANALYSIS]:
         return None
-    heads = xr.open_zarr(run.store, group=f"{run.path}/analysis/heads", consolidated=False)
+    heads = open_dataset(url, analysis_path(run_id, "heads"))
     return heads.transpose("layer", "head", ...).load()
 
 
@@ -344,13 +364,13 @@ def ablate(
         raise AttngeomError("--retention takes fractions between 0 and 1")
     if random_masks < 0 or batch_size < 1 or top_n < 1:
         raise AttngeomError("--random-masks must be >= 0, --batch-size and top-N >= 1")
-    root = store_schema.open_root(store, mode="a")
-    runs = store_schema.run_ids(root)
+    root = open_root(store, mode="a")
+    runs = run_ids(root)
     if run_id not in runs:
         raise AttngeomError(f"no run '{run_id}' in {store} (runs: {', '.join(runs) or 'none'})")
-    run = store_schema.open_run_group(root, run_id)
-    provenance = store_schema.run_provenance(root, run_id)
-    seqs = store_schema.completed(run)[:max_sequences]
+    run = open_run_group(root, run_id)
+    provenance = run_provenance(root, run_id)
+    seqs = completed(run)[:max_sequences]
     if len(seqs) < 2:
         raise AttngeomError(f"run '{run_id}' needs at least 2 complete sequences (an importance and an evaluation split); it has {len(seqs)}")
     importance, evaluation = split_sequences(seqs)
@@ -362,7 +382,7 @@ def ablate(
         protected[layer, head] = True
 
     diagnostics = _store_diagnostics(run, importance, top_n)
-    heads = _analysis_heads(run)
+    heads = _analysis_heads(store, run, run_id)
     skipped: dict[str, str] = {}
     regime = None
     if heads is not None and "regime" in heads:
@@ -476,17 +496,16 @@ def ablate(
     table = _sweep_table(sweep, run_id, model_id)
 
     # Replace the previous results as a whole: no group of an older ablation survives.
-    writable = store_schema.open_run_group(store_schema.open_root(store, mode="a"), run_id)
-    if "ablation" in writable:
-        del writable["ablation"]
-    base = f"{store_schema.RUNS}/{run_id}/ablation"
+    writable = open_run_group(open_root(store, mode="a"), run_id)
+    if ABLATION in writable:
+        del writable[ABLATION]
     groups = {"single": single, "sweep": sweep, "correlations": correlations, "critical": critical_ds,
               "table": xr.Dataset.from_dataframe(table.rename_axis("row")).assign_attrs(attrs)}
     if regimes is not None:
         groups["regimes"] = regimes
     for name, dataset in groups.items():
-        store_schema.write_dataset(dataset, store, f"{base}/{name}")
-    store_schema.consolidate(store_schema.open_root(store, mode="a"))
+        write_dataset(dataset, store, ablation_path(run_id, name))
+    consolidate(open_root(store, mode="a"))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         table.to_csv(out / f"{run_id}.sweep.csv", index=False)

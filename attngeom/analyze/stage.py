@@ -33,15 +33,33 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 from threadpoolctl import threadpool_limits
-
 from tqdm.auto import tqdm
 
-from attngeom import store_schema
 from attngeom.analyze import taxonomy
 from attngeom.analyze.kernels import (
-    TOPN_COUNTS, TOPN_FLOATS, VALUE_STATISTICS, topn_metrics, value_statistics,
+    TOPN_COUNTS,
+    TOPN_FLOATS,
+    VALUE_STATISTICS,
+    topn_metrics,
+    value_statistics,
 )
 from attngeom.errors import AttngeomError
+from attngeom.store import (
+    SIGNATURE_VARIABLES,
+    STATS,
+    VOTES,
+    analysis_path,
+    completed,
+    consolidate,
+    open_dataset,
+    open_root,
+    open_run_group,
+    run_ids,
+    run_path,
+    run_provenance,
+    write_dataset,
+    zarr_store,
+)
 
 TOPN_INTS = TOPN_COUNTS
 TOPN_VARS = (*TOPN_FLOATS, *TOPN_COUNTS, "sink_selected")
@@ -106,10 +124,10 @@ class AnalyzeResult:
 
 def open_completed(store: str, run_id: str) -> xr.Dataset:
     """The run as a lazy Dataset restricted to committed sequences, with a ``seq`` coordinate."""
-    root = store_schema.open_root(store)
-    run = store_schema.open_run_group(root, run_id)
-    done = store_schema.completed(run)
-    ds = xr.open_zarr(run.store, group=run.path, consolidated=False)
+    root = open_root(store)
+    run = open_run_group(root, run_id)
+    done = completed(run)
+    ds = open_dataset(store, run_path(run_id))
     return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
 
 
@@ -180,8 +198,8 @@ def votes_dataset(ds: xr.Dataset) -> xr.Dataset:
     return xr.Dataset(
         {"votes": (("seq", "layer", "head", "vote"), votes), "sequence_label": (("seq", "layer", "head"), labels)},
         coords={"seq": ds["seq"].values, "layer": ds["layer"].values, "head": ds["head"].values,
-                "vote": np.asarray(taxonomy.VOTES, dtype=object)},
-        attrs={"source": "attn rows and values" if "attn" in ds else "winner", "labels": list(taxonomy.VOTES)},
+                "vote": np.asarray(VOTES, dtype=object)},
+        attrs={"source": "attn rows and values" if "attn" in ds else "winner", "labels": list(VOTES)},
     )
 
 
@@ -196,7 +214,7 @@ def heads_dataset(values: xr.Dataset, topn: xr.Dataset, votes: xr.Dataset) -> xr
     label = taxonomy.head_regimes(votes["sequence_label"].transpose("seq", "layer", "head").values)
     total = votes["votes"].sum("seq")
     out = {"regime": (("layer", "head"), taxonomy.regime_names(label))}
-    for k, name in enumerate(taxonomy.VOTES):
+    for k, name in enumerate(VOTES):
         out[f"vote_{name}"] = (total.isel(vote=k) / total.sum("vote")).drop_vars("vote")
         out[f"sequences_{name}"] = (votes["sequence_label"] == k).sum("seq")
     for name in VALUE_VARS:
@@ -211,9 +229,6 @@ def heads_dataset(values: xr.Dataset, topn: xr.Dataset, votes: xr.Dataset) -> xr
     heads = xr.Dataset(out)
     heads.attrs["coherence_n"] = int(at)
     return heads
-
-
-STATS = ("mean", "median", "q05", "q95", "count")
 
 
 def summary_dataset(topn: xr.Dataset) -> xr.Dataset:
@@ -267,16 +282,16 @@ def _per_layer(reduce, *datasets: xr.Dataset) -> xr.Dataset:
 
 def run_regimes(store: str) -> dict[str, tuple[str, str, np.ndarray]]:
     """Run id -> (model, dataset, regime names (layer, head)) for every analyzed run."""
-    root = store_schema.open_root(store)
+    root = open_root(store)
     out = {}
-    for rid in store_schema.run_ids(root):
+    for rid in run_ids(root):
         try:
-            heads = store_schema.open_dataset(store, f"{store_schema.RUNS}/{rid}/analysis/heads")
+            heads = open_dataset(store, analysis_path(rid, "heads"))
         except (FileNotFoundError, KeyError):
             continue
         if "regime" not in heads:
             continue
-        prov = store_schema.run_provenance(root, rid)
+        prov = run_provenance(root, rid)
         out[rid] = (prov["model"]["id"], prov["dataset"]["id"], np.asarray(heads["regime"].values, dtype=object))
     return out
 
@@ -314,8 +329,8 @@ def _write_by_sequence(dataset: xr.Dataset, store: str, group: str, label: str, 
     output chunks. Batching keeps the task graph, and so the client's memory, the size of one
     batch whatever the store's size.
     """
-    store_schema.write_dataset(dataset, store, group, compute=False)
-    target = store_schema.store_from_url(store, read_only=False)
+    write_dataset(dataset, store, group, compute=False)
+    target = zarr_store(store, read_only=False)
     fixed = [name for name, v in dataset.variables.items() if "seq" not in v.dims]
     n_seq = dataset.sizes["seq"]
     with tqdm(total=n_seq, unit="seq", desc=label, disable=not progress) as bar:
@@ -337,8 +352,8 @@ def analyze(
     progress: bool = True,
 ) -> list[AnalyzeResult]:
     """Analyze every run of the store (or ``run_id``); results go to ``runs/<id>/analysis``."""
-    root = store_schema.open_root(store, mode="a")
-    runs = store_schema.run_ids(root)
+    root = open_root(store, mode="a")
+    runs = run_ids(root)
     if run_id is not None and run_id not in runs:
         raise AttngeomError(f"no run '{run_id}' in {store} (runs: {', '.join(runs) or 'none'})")
     todo = [run_id] if run_id else runs
@@ -355,15 +370,14 @@ def analyze(
             grid = sorted(set(n_grid)) if n_grid else default_n_grid(length)
             if grid[0] < 1 or grid[-1] >= length:
                 raise AttngeomError(f"--n-grid must hold sizes 1 <= N < L = {length}")
-            base = f"{store_schema.RUNS}/{rid}/analysis"
             topn = topn_dataset(ds, grid, seed)
             topn.attrs["attngeom"] = {"n_grid": grid, "random_draws": RANDOM_DRAWS, "seed": seed}
-            _write_by_sequence(topn, store, f"{base}/topn", f"{rid}: top-N geometry", progress)
-            _write_by_sequence(values_dataset(ds), store, f"{base}/values", f"{rid}: value statistics", progress)
-            _write_by_sequence(votes_dataset(ds), store, f"{base}/taxonomy", f"{rid}: source winners", progress)
-            stored_topn = store_schema.open_dataset(store, f"{base}/topn")
-            stored_values = store_schema.open_dataset(store, f"{base}/values")
-            stored_votes = store_schema.open_dataset(store, f"{base}/taxonomy")
+            _write_by_sequence(topn, store, analysis_path(rid, "topn"), f"{rid}: top-N geometry", progress)
+            _write_by_sequence(values_dataset(ds), store, analysis_path(rid, "values"), f"{rid}: value statistics", progress)
+            _write_by_sequence(votes_dataset(ds), store, analysis_path(rid, "taxonomy"), f"{rid}: source winners", progress)
+            stored_topn = open_dataset(store, analysis_path(rid, "topn"))
+            stored_values = open_dataset(store, analysis_path(rid, "values"))
+            stored_votes = open_dataset(store, analysis_path(rid, "taxonomy"))
             # Reductions across sequences, one layer at a time in memory: a layer of results
             # is small, and numpy is faster here than a graph. NaN marks "not defined here"
             # (no sink, N too large), so all-NaN reductions are expected.
@@ -371,17 +385,17 @@ def analyze(
                 warnings.simplefilter("ignore", RuntimeWarning)
                 heads = _per_layer(heads_dataset, stored_values, stored_topn, stored_votes)
                 summary = _per_layer(summary_dataset, stored_topn)
-                per_head = _per_layer(lambda t: t[list(taxonomy.SIGNATURES)].mean("seq"), stored_topn)
+                per_head = _per_layer(lambda t: t[list(SIGNATURE_VARIABLES)].mean("seq"), stored_topn)
                 signatures = taxonomy.signatures_dataset(per_head, heads["regime"])
-            store_schema.write_dataset(heads, store, f"{base}/heads")
-            store_schema.write_dataset(summary, store, f"{base}/summary")
-            store_schema.write_dataset(signatures, store, f"{base}/signatures")
+            write_dataset(heads, store, analysis_path(rid, "heads"))
+            write_dataset(summary, store, analysis_path(rid, "summary"))
+            write_dataset(signatures, store, analysis_path(rid, "signatures"))
             table = tidy_table(summary, ds.attrs.get("attngeom", {}), rid)
-            store_schema.write_dataset(xr.Dataset.from_dataframe(table.rename_axis("row")), store, f"{base}/table")
+            write_dataset(xr.Dataset.from_dataframe(table.rename_axis("row")), store, analysis_path(rid, "table"))
             if out is not None:
                 out.mkdir(parents=True, exist_ok=True)
                 table.to_parquet(out / f"{rid}.topn.parquet", index=False)
                 table.to_csv(out / f"{rid}.topn.csv", index=False)
             results.append(AnalyzeResult(rid, ds.sizes["seq"], ds.sizes["seq"] * ds.sizes["layer"] * ds.sizes["head"], time.perf_counter() - start))
-    store_schema.consolidate(store_schema.open_root(store, mode="a"))
+    consolidate(open_root(store, mode="a"))
     return results

@@ -13,10 +13,9 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-VOTES = ("diagonal", "sink", "other")
-DIAGONAL, SINK, OTHER = range(3)
-REGIMES = ("Retriever", "Mixer", "Reset")  # indexed like VOTES
-SIGNATURES = ("s_norm", "s_norm_nosink", "s_norm_nocurrent", "cos_s_v0", "cos_s_vlast")
+from attngeom.store import REGIMES, SIGNATURE_VARIABLES, VOTES
+
+DIAGONAL, SINK, OTHER = range(len(VOTES))
 
 
 def query_votes(winner: np.ndarray) -> np.ndarray:
@@ -65,7 +64,7 @@ def regime_names(labels: np.ndarray) -> np.ndarray:
 def signatures_dataset(per_head: xr.Dataset, regime: xr.DataArray) -> xr.Dataset:
     """Mechanistic signatures per regime over N: mean and median across heads.
 
-    per_head (layer, head, n): each head's SIGNATURES averaged over sequences; regime
+    per_head (layer, head, n): each head's SIGNATURE_VARIABLES averaged over sequences; regime
     (layer, head) names. Returns dims (regime, n) with ``<name>`` (mean across heads),
     ``<name>_median`` and ``heads`` (how many heads the regime has).
     """
@@ -74,7 +73,7 @@ def signatures_dataset(per_head: xr.Dataset, regime: xr.DataArray) -> xr.Dataset
     out: dict[str, list[np.ndarray]] = {}
     for name in REGIMES:
         chosen = flat.isel(instance=np.flatnonzero(labels == name))
-        for var in SIGNATURES:
+        for var in SIGNATURE_VARIABLES:
             x = chosen[var].transpose("instance", "n").values
             out.setdefault(var, []).append(np.nanmean(x, axis=0) if x.size else np.full(flat.sizes["n"], np.nan))
             out.setdefault(f"{var}_median", []).append(

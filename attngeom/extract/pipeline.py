@@ -25,8 +25,8 @@ import torch
 import zarr
 from tqdm.auto import tqdm
 
-from attngeom import __version__, store_schema
-from attngeom.errors import AttngeomError
+from attngeom import __version__
+from attngeom.errors import AttngeomError, StoreNotFoundError
 from attngeom.extract.capture import (
     ATTN_IMPLEMENTATION,
     LayerCapture,
@@ -41,6 +41,25 @@ from attngeom.extract.models import (
     resolve_device,
     resolve_dtype,
     resolve_model,
+)
+from attngeom.store import (
+    ATTR_KEY,
+    RUN_ID_PATTERN,
+    RunLayout,
+    check_writable,
+    consolidate,
+    create_run,
+    default_run_id,
+    jsonable,
+    n_sequences,
+    open_or_create_root,
+    open_root,
+    open_run_group,
+    resize_run,
+    run_ids,
+    run_layout,
+    run_provenance,
+    write_sequence,
 )
 
 # Provenance keys that must agree before a run may be resumed or appended.
@@ -107,20 +126,18 @@ def _check_existing_run(request: ExtractRequest, run_id: str, identity: dict[str
     """Refuse to resume a run that holds another model, corpus or L, and a store this
     attngeom does not write (store untouched)."""
     try:
-        root = store_schema.open_root(request.store, mode="a")
-    except AttngeomError as exc:
-        if str(exc).startswith("no attngeom store"):
-            return
-        raise
-    if run_id not in store_schema.run_ids(root):
+        root = open_root(request.store, mode="a")
+    except StoreNotFoundError:
         return
-    prov = store_schema.run_provenance(root, run_id)
+    if run_id not in run_ids(root):
+        return
+    prov = run_provenance(root, run_id)
     if not prov.get("initialized"):
         return
     diffs = [
         f"{key} {prov.get(key)!r} (asked {identity[key]!r})"
         for key in IDENTITY
-        if store_schema._jsonable(identity[key]) != prov.get(key)
+        if jsonable(identity[key]) != prov.get(key)
     ]
     if diffs:
         raise AttngeomError(
@@ -128,7 +145,7 @@ def _check_existing_run(request: ExtractRequest, run_id: str, identity: dict[str
         )
 
 
-def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequest) -> store_schema.RunLayout:
+def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequest) -> RunLayout:
     n_layers = config.num_hidden_layers
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
@@ -136,7 +153,7 @@ def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequ
     attendable = [captures[layer].attendable.cpu().numpy().astype(bool) for layer in range(n_layers)]
     length = request.context_length
     window = [int(a.sum()) if a.sum() < length else 0 for a in attendable]
-    return store_schema.RunLayout(
+    return RunLayout(
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv,
@@ -151,7 +168,7 @@ def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequ
 
 
 def _sequence_arrays(
-    captures: dict[int, LayerCapture], b: int, window: Window, layout: store_schema.RunLayout
+    captures: dict[int, LayerCapture], b: int, window: Window, layout: RunLayout
 ) -> dict[str, np.ndarray]:
     layers = range(layout.n_layers)
 
@@ -194,7 +211,7 @@ def extract(request: ExtractRequest) -> ExtractResult:
     shard = request.shard or launcher_shard()
     if shard is not None and not 0 <= shard[0] < shard[1]:
         raise AttngeomError(f"--shard {shard[0]}/{shard[1]}: the index must be in 0..{shard[1] - 1}")
-    store_schema.check_writable(request.store)
+    check_writable(request.store)
     device = resolve_device(request.device)
     if shard is not None and device == "cuda":
         # One GPU per local rank under a launcher; all ranks share one GPU if there is one.
@@ -205,8 +222,8 @@ def extract(request: ExtractRequest) -> ExtractResult:
     tokenizer = load_tokenizer(source)
     bos_id = _bos_token_id(tokenizer, request.bos_token)
     corpus = open_corpus(request.dataset, split=request.split, text_field=request.text_field)
-    run_id = request.run_id or store_schema.default_run_id(source.name, corpus.id, request.context_length)
-    if not store_schema.RUN_ID_PATTERN.match(run_id):
+    run_id = request.run_id or default_run_id(source.name, corpus.id, request.context_length)
+    if not RUN_ID_PATTERN.match(run_id):
         raise AttngeomError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-'")
     model_prov = source.provenance()
     dataset_prov = {"id": corpus.id, "split": corpus.split, "fingerprint": corpus.fingerprint, "text_field": request.text_field}
@@ -229,16 +246,16 @@ def extract(request: ExtractRequest) -> ExtractResult:
         rule=request.window_rule, seed=request.seed,
     )
 
-    root = store_schema.open_or_create_root(request.store)
+    root = open_or_create_root(request.store)
     run = _open_run(root, run_id)
     mine = [i for i in range(request.num_sequences) if shard is None or i % shard[1] == shard[0]]
     todo = (
         mine
         if run is None
-        else [i for i in mine if i >= store_schema.n_sequences(run) or run["complete"][i] != 1]
+        else [i for i in mine if i >= n_sequences(run) or run["complete"][i] != 1]
     )
-    if run is not None and store_schema.n_sequences(run) < request.num_sequences:
-        store_schema.resize_run(run, request.num_sequences)
+    if run is not None and n_sequences(run) < request.num_sequences:
+        resize_run(run, request.num_sequences)
     start = time.perf_counter()
     if not todo:
         return ExtractResult(run_id, 0, request.num_sequences, 0.0)
@@ -269,10 +286,10 @@ def extract(request: ExtractRequest) -> ExtractResult:
                 model.model(input_ids=ids, use_cache=False)
             if run is None:
                 layout = _layout(config, rec.layers, request)
-                run = store_schema.create_run(root, run_id, layout, provenance, request.num_sequences)
-            layout = store_schema.run_layout(run)
+                run = create_run(root, run_id, layout, provenance, request.num_sequences)
+            layout = run_layout(run)
             for b, seq in enumerate(batch):
-                store_schema.write_sequence(run, seq, _sequence_arrays(rec.layers, b, windows[seq], layout))
+                write_sequence(run, seq, _sequence_arrays(rec.layers, b, windows[seq], layout))
             bar.update(len(batch))
             elapsed = time.perf_counter() - start
             bar.set_postfix(tok_s=f"{bar.n * request.context_length / max(elapsed, 1e-9):.0f}")
@@ -285,14 +302,14 @@ def extract(request: ExtractRequest) -> ExtractResult:
         raise
     finally:
         bar.close()
-    store_schema.consolidate(root)
+    consolidate(root)
     return ExtractResult(run_id, len(todo), request.num_sequences, time.perf_counter() - start)
 
 
 def _open_run(root: zarr.Group, run_id: str) -> zarr.Group | None:
     """The run if its creation finished; None if absent or its creation was interrupted
     (``create_run`` then finishes it, keeping what is already right)."""
-    if run_id not in store_schema.run_ids(root):
+    if run_id not in run_ids(root):
         return None
-    run = store_schema.open_run_group(root, run_id)
-    return run if run.attrs.get(store_schema.ATTR_KEY, {}).get("initialized") else None
+    run = open_run_group(root, run_id)
+    return run if run.attrs.get(ATTR_KEY, {}).get("initialized") else None

@@ -14,14 +14,23 @@ import pandas as pd
 import xarray as xr
 import zarr
 
-from attngeom import store_schema
+from attngeom.store import (
+    ABLATION,
+    ABLATION_GROUPS,
+    ANALYSIS,
+    REGIMES,
+    ablation_path,
+    analysis_path,
+    completed,
+    open_dataset,
+    open_root,
+    open_run_group,
+    run_ids,
+    run_provenance,
+)
 
-ANALYSIS = "analysis"
-ABLATION = "ablation"
-ABLATION_GROUPS = ("single", "sweep", "correlations", "critical")
 # Small (layer, head[, n]) groups, loaded in memory; ``topn`` stays lazy (it is per sequence).
 SMALL_GROUPS = ("summary", "heads", "signatures")
-REGIMES = ("Retriever", "Mixer", "Reset")
 
 
 @dataclass
@@ -95,7 +104,7 @@ def all_of(*checks: Requirement) -> Requirement:
 
 def _open(store: str, path: str) -> xr.Dataset | None:
     try:
-        return store_schema.open_dataset(store, path)
+        return open_dataset(store, path)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
         return None
 
@@ -106,10 +115,9 @@ def _short(identifier: str) -> str:
 
 def load_run(store: str, root: zarr.Group, run_id: str) -> RunData:
     """Open every group of ``run_id`` that exists; small ones are loaded in memory."""
-    meta = store_schema.run_provenance(root, run_id)
+    meta = run_provenance(root, run_id)
     layout = meta.get("layout", {})
-    run = store_schema.open_run_group(root, run_id)
-    base = f"{store_schema.RUNS}/{run_id}"
+    run = open_run_group(root, run_id)
     data = RunData(
         run_id=run_id,
         model_id=str(meta.get("model", {}).get("id") or "?"),
@@ -118,14 +126,14 @@ def load_run(store: str, root: zarr.Group, run_id: str) -> RunData:
         n_layers=int(layout.get("n_layers", 0)),
         n_heads=int(layout.get("n_heads", 0)),
         n_kv_heads=int(layout.get("n_kv_heads", 0)),
-        sequences=int(store_schema.completed(run).size) if "complete" in run else 0,
+        sequences=int(completed(run).size) if "complete" in run else 0,
     )
     for name in SMALL_GROUPS:
-        ds = _open(store, f"{base}/{ANALYSIS}/{name}")
+        ds = _open(store, analysis_path(run_id, name))
         setattr(data, name, ds.load() if ds is not None else None)
-    data.topn = _open(store, f"{base}/{ANALYSIS}/topn")
+    data.topn = _open(store, analysis_path(run_id, "topn"))
     for name in ABLATION_GROUPS:
-        ds = _open(store, f"{base}/{ABLATION}/{name}")
+        ds = _open(store, ablation_path(run_id, name))
         if ds is not None:
             data.ablation[name] = ds
     return data
@@ -133,8 +141,8 @@ def load_run(store: str, root: zarr.Group, run_id: str) -> RunData:
 
 def load_runs(store: str) -> list[RunData]:
     """Every run of the store, in run-id order."""
-    root = store_schema.open_root(store)
-    runs = [load_run(store, root, rid) for rid in store_schema.run_ids(root)]
+    root = open_root(store)
+    runs = [load_run(store, root, rid) for rid in run_ids(root)]
     # One colour per run, fixed here so that a run keeps it in every figure.
     for i, run in enumerate(runs):
         run.color = f"C{i % 10}"

@@ -9,9 +9,23 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from attngeom.report.data import REGIMES, RunData, all_of, critical_heads, labels, regime_counts, requires
-from attngeom.report.plots import REGIME_COLORS, color_legend, n_axis, new_figure, short_label
+from attngeom.report.data import (
+    RunData,
+    all_of,
+    critical_heads,
+    labels,
+    regime_counts,
+    requires,
+)
+from attngeom.report.plots import (
+    REGIME_COLORS,
+    color_legend,
+    n_axis,
+    new_figure,
+    short_label,
+)
 from attngeom.report.spec import FigureSpec
+from attngeom.store import REGIMES
 
 TAXONOMY = "Head taxonomy"
 ABLATION = "Ablation and sparsification"

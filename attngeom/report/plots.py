@@ -10,14 +10,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from matplotlib.figure import Figure
 from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
 from attngeom.report.curves import curve
-from attngeom.report.data import REGIMES, RunData, finite
+from attngeom.report.data import RunData, finite
+from attngeom.store import REGIMES
 
 RC = {
     "font.size": 9,

@@ -11,8 +11,16 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from attngeom.report.data import REGIMES, RunData, all_of, labels, regime_counts, requires, table_frame
+from attngeom.report.data import (
+    RunData,
+    all_of,
+    labels,
+    regime_counts,
+    requires,
+    table_frame,
+)
 from attngeom.report.spec import TableSpec
+from attngeom.store import REGIMES
 
 COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact")
 

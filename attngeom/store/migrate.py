@@ -30,8 +30,19 @@ from tqdm.auto import tqdm
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
-from attngeom import store_schema
 from attngeom.errors import AttngeomError
+from attngeom.store import (
+    ATTR_KEY,
+    FORMAT,
+    array_metadata,
+    arrays_of,
+    consolidate,
+    has_checksum,
+    read_root_attrs,
+    store_format,
+    with_checksum,
+    zarr_store,
+)
 
 TEMPORARY = "_migrating"
 
@@ -51,8 +62,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
         "a crc32c checksum at the end of every chunk",
-        needs=lambda meta: not store_schema.has_checksum(meta),
-        rewrite=store_schema.with_checksum,
+        needs=lambda meta: not has_checksum(meta),
+        rewrite=with_checksum,
     ),
 )
 
@@ -70,22 +81,22 @@ class MigrationReport:
 
 
 def migrate(url: str, *, progress: bool = True) -> MigrationReport:
-    """Migrate the store at ``url`` to format ``store_schema.FORMAT``, or finish an
+    """Migrate the store at ``url`` to format ``FORMAT``, or finish an
     interrupted migration. Needs the store to itself: no extract or analyze may run on it."""
     start = time.perf_counter()
-    store = store_schema.store_from_url(url, read_only=False)
+    store = zarr_store(url, read_only=False)
     try:
         root = zarr.open_group(store, mode="r+", use_consolidated=False)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
         raise AttngeomError(f"no attngeom store at {url}") from exc
-    meta = store_schema.read_root_attrs(root, url, writing=False, migrating_ok=True)
-    report = MigrationReport(store_schema.store_format(meta), store_schema.FORMAT)
-    if report.source > store_schema.FORMAT:
-        raise AttngeomError(f"store format {report.source} is newer than this attngeom knows ({store_schema.FORMAT}); upgrade attngeom")
-    if report.source == store_schema.FORMAT and "migrating" not in meta:
+    meta = read_root_attrs(root, url, writing=False, migrating_ok=True)
+    report = MigrationReport(store_format(meta), FORMAT)
+    if report.source > FORMAT:
+        raise AttngeomError(f"store format {report.source} is newer than this attngeom knows ({FORMAT}); upgrade attngeom")
+    if report.source == FORMAT and "migrating" not in meta:
         return report
     for step in MIGRATIONS:
-        if step.source != store_schema.store_format(meta):
+        if step.source != store_format(meta):
             continue
         state = meta.setdefault("migrating", {"source": step.source, "target": step.source + 1, "copied": []})
         # The root's consolidated copy of the metadata would describe arrays by their old
@@ -93,8 +104,8 @@ def migrate(url: str, *, progress: bool = True) -> MigrationReport:
         _set_root_attrs(root, meta)
         root = _without_consolidated(store)
         zarr.open_group(store, path=TEMPORARY, mode="a")
-        arrays = [a for a in store_schema.arrays_of(root) if not a.path.startswith(f"{TEMPORARY}/")]
-        metadata = {a.path: store_schema.array_metadata(a) for a in arrays}
+        arrays = [a for a in arrays_of(root) if not a.path.startswith(f"{TEMPORARY}/")]
+        metadata = {a.path: array_metadata(a) for a in arrays}
         todo = [a for a in arrays if a.path in state["copied"] or step.needs(metadata[a.path])]
         desc = f"format {step.source} -> {step.source + 1}: {step.doc}"
         for arr in tqdm(todo, unit="array", desc=desc, disable=not progress):
@@ -112,7 +123,7 @@ def migrate(url: str, *, progress: bool = True) -> MigrationReport:
         meta["format"] = step.source + 1
         _set_root_attrs(root, meta)
     sync(store.delete_dir(TEMPORARY))
-    store_schema.consolidate(root)
+    consolidate(root)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -126,7 +137,7 @@ def _without_consolidated(store: Any) -> zarr.Group:
 
 
 def _set_root_attrs(root: zarr.Group, meta: Mapping[str, Any]) -> None:
-    root.attrs[store_schema.ATTR_KEY] = json.loads(json.dumps(meta))
+    root.attrs[ATTR_KEY] = json.loads(json.dumps(meta))
 
 
 def _temporary(path: str) -> str:

@@ -1,0 +1,79 @@
+"""The store: its contract (SPEC §6), opening and writing, validation and migration.
+
+Modules, by concern: :mod:`~attngeom.store.schema` (layout, names, versions),
+:mod:`~attngeom.store.codecs` (chunk encoding), :mod:`~attngeom.store.access` (URLs, the
+root, groups as Datasets), :mod:`~attngeom.store.runs` (runs and the per-sequence commit),
+:mod:`~attngeom.store.validate` and :mod:`~attngeom.store.migrate`. Stages import what they
+use from here.
+"""
+
+from attngeom.store.access import (
+    check_writable,
+    consolidate,
+    jsonable,
+    open_dataset,
+    open_or_create_root,
+    open_root,
+    read_root_attrs,
+    store_format,
+    write_dataset,
+    zarr_store,
+)
+from attngeom.store.codecs import compressor, compressors, has_checksum, with_checksum
+from attngeom.store.runs import (
+    RUN_ID_PATTERN,
+    completed,
+    create_run,
+    default_run_id,
+    n_sequences,
+    open_run_group,
+    require_run,
+    resize_run,
+    run_ids,
+    run_layout,
+    run_provenance,
+    write_sequence,
+)
+from attngeom.store.schema import (
+    ABLATION,
+    ABLATION_GROUPS,
+    ANALYSIS,
+    ANALYSIS_GROUPS,
+    ANALYSIS_SEQUENCE_GROUPS,
+    ATTR_KEY,
+    COORDS,
+    FORMAT,
+    REGIMES,
+    RUN_VARIABLES,
+    RUNS,
+    SCHEMA_VERSION,
+    SEQUENCE_ARRAYS,
+    SIGNATURE_VARIABLES,
+    STATS,
+    SUMMARY_DIMS,
+    VOTES,
+    RunLayout,
+    Variable,
+    ablation_path,
+    analysis_path,
+    run_path,
+)
+from attngeom.store.validate import (
+    array_metadata,
+    arrays_of,
+    corrupt_chunks,
+    validate_run,
+    validate_store,
+)
+
+__all__ = [
+    "ABLATION", "ABLATION_GROUPS", "ANALYSIS", "ANALYSIS_GROUPS", "ANALYSIS_SEQUENCE_GROUPS", "ATTR_KEY",
+    "COORDS", "FORMAT", "REGIMES", "RUNS", "RUN_ID_PATTERN", "RUN_VARIABLES", "SCHEMA_VERSION",
+    "SEQUENCE_ARRAYS", "SIGNATURE_VARIABLES", "STATS", "SUMMARY_DIMS", "VOTES", "RunLayout", "Variable",
+    "ablation_path", "analysis_path", "array_metadata", "arrays_of", "check_writable", "completed",
+    "compressor", "compressors", "consolidate", "corrupt_chunks", "create_run", "default_run_id",
+    "has_checksum", "jsonable", "n_sequences", "open_dataset", "open_or_create_root", "open_root",
+    "open_run_group", "read_root_attrs", "require_run", "resize_run", "run_ids", "run_layout",
+    "run_path", "run_provenance", "store_format", "validate_run", "validate_store", "with_checksum",
+    "write_dataset", "write_sequence", "zarr_store",
+]

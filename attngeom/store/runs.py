@@ -1,0 +1,172 @@
+"""Runs: their ids, creation, growth and the per-sequence commit (SPEC §6)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import zarr
+
+from attngeom.errors import RunNotFoundError
+from attngeom.store.access import jsonable
+from attngeom.store.codecs import compressors
+from attngeom.store.schema import (
+    ATTR_KEY,
+    RUN_VARIABLES,
+    RUNS,
+    SEQUENCE_ARRAYS,
+    RunLayout,
+    run_path,
+)
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def default_run_id(model: str, dataset: str, length: int) -> str:
+    """A readable run id: model, dataset and context length."""
+
+    def slug(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", text.rstrip("/").split("/")[-1]).strip("-") or "x"
+
+    return f"{slug(model)}__{slug(dataset)}__L{length}"
+
+
+def run_ids(root: zarr.Group) -> list[str]:
+    """Ids of the store's runs, sorted."""
+    if RUNS not in root:
+        return []
+    return sorted(name for name, _ in root[RUNS].groups())
+
+
+def require_run(root: zarr.Group, run_id: str, url: str) -> None:
+    """Raise :class:`RunNotFoundError`, naming the runs there are, unless ``run_id`` is one."""
+    runs = run_ids(root)
+    if run_id not in runs:
+        raise RunNotFoundError(f"no run '{run_id}' in {url} (runs: {', '.join(runs) or 'none'})")
+
+
+def open_run_group(root: zarr.Group, run_id: str) -> zarr.Group:
+    """The group of a run, read from its own metadata: the consolidated copy a finished
+    extract leaves for readers goes stale as soon as a later extract appends."""
+    return zarr.open_group(
+        root.store, path=run_path(run_id), mode="r" if root.read_only else "r+", use_consolidated=False
+    )
+
+
+def run_provenance(root: zarr.Group, run_id: str) -> dict[str, Any]:
+    """The run's provenance (its attngeom attributes); empty for a run whose creation was
+    interrupted before them."""
+    return dict(open_run_group(root, run_id).attrs.get(ATTR_KEY, {}))
+
+
+def _create_array(group: zarr.Group, name: str, layout: RunLayout, n_seq: int, *, overwrite: bool) -> zarr.Array:
+    var = RUN_VARIABLES[name]
+    shape = layout.shape(name, n_seq)
+    dtype = np.dtype(layout.dtype(name))
+    attrs: dict[str, Any] = {"description": var.doc} if var.doc else {}
+    if "head" in var.dims and name not in ("head", "head_kv"):
+        attrs["coordinates"] = "head_kv"
+    if var.per_sequence and len(shape) > 1:
+        shards = (1, *shape[1:])
+        chunks = (1, 1, *shape[2:]) if var.dims[1] == "layer" else shards
+        kwargs: dict[str, Any] = {"chunks": chunks, "shards": shards if chunks != shards else None}
+    elif var.per_sequence:
+        kwargs = {"chunks": (1,)}
+    else:
+        kwargs = {"chunks": shape}
+    fill = -1 if name == "winner" else 0
+    return group.create_array(
+        name,
+        shape=shape,
+        dtype=dtype,
+        compressors=compressors(dtype),
+        dimension_names=var.dims,
+        fill_value=fill,
+        attributes=attrs,
+        overwrite=overwrite,
+        **kwargs,
+    )
+
+
+def create_run(
+    root: zarr.Group, run_id: str, layout: RunLayout, provenance: Mapping[str, Any], n_seq: int
+) -> zarr.Group:
+    """Create, or finish creating, ``runs/<run_id>`` with arrays sized for ``n_seq`` sequences.
+
+    Several writers may create the same run at once (``extract --shard``): an array that
+    already has this layout's shape and dtype is kept, never overwritten, so a peer's
+    committed sequences survive; one left with another layout by an interrupted creation is
+    replaced. Provenance is written last, with ``initialized: true``.
+    """
+    run = root.require_group(run_path(run_id))
+    existing = dict(run.arrays())
+    for name in layout.names():
+        arr = existing.get(name)
+        shape = layout.shape(name, n_seq)
+        per_sequence = RUN_VARIABLES[name].per_sequence
+        if arr is not None and str(arr.dtype) == layout.dtype(name) and (
+            arr.shape[1:] == shape[1:] if per_sequence else arr.shape == shape
+        ):
+            continue
+        try:
+            _create_array(run, name, layout, n_seq, overwrite=arr is not None)
+        except zarr.errors.ContainsArrayError:
+            pass  # a concurrent writer created it a moment ago
+    resize_run(run, n_seq)
+    run["layer"][:] = np.arange(layout.n_layers, dtype="int32")
+    run["head"][:] = np.arange(layout.n_heads, dtype="int32")
+    run["kv_head"][:] = np.arange(layout.n_kv_heads, dtype="int32")
+    run["pos"][:] = np.arange(layout.length, dtype="int32")
+    run["head_kv"][:] = np.asarray(layout.head_kv, dtype="int32")
+    run["window"][:] = np.asarray(layout.window, dtype="int32")
+    run["attendable"][:] = np.asarray(layout.attendable, dtype=bool)
+    meta = dict(provenance)
+    meta["layout"] = {k: v for k, v in asdict(layout).items() if k != "attendable"}
+    meta["initialized"] = True
+    run.attrs[ATTR_KEY] = jsonable(meta)
+    return run
+
+
+def run_layout(run: zarr.Group) -> RunLayout:
+    """The layout recorded in a run's provenance, with its ``attendable`` keys."""
+    meta = run.attrs[ATTR_KEY]["layout"]
+    attendable = tuple(tuple(bool(x) for x in row) for row in run["attendable"][:])
+    return RunLayout(
+        **{**meta, "head_kv": tuple(meta["head_kv"]), "window": tuple(meta["window"])},
+        attendable=attendable,
+    )
+
+
+def n_sequences(run: zarr.Group) -> int:
+    """Sequences the run's arrays are sized for, committed or not."""
+    return int(run["complete"].shape[0])
+
+
+def resize_run(run: zarr.Group, n_seq: int) -> None:
+    """Grow every per-sequence array to ``n_seq`` sequences (idempotent, never shrinks)."""
+    for name, var in RUN_VARIABLES.items():
+        if var.per_sequence and name in run and run[name].shape[0] < n_seq:
+            arr = run[name]
+            arr.resize((n_seq, *arr.shape[1:]))
+
+
+def completed(run: zarr.Group) -> np.ndarray:
+    """Indices of the sequences whose every array is written."""
+    return np.flatnonzero(run["complete"][:] == 1)
+
+
+def write_sequence(run: zarr.Group, seq: int, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write one sequence's shards, then its ``complete`` flag (the commit)."""
+    # Store every chunk, also one equal to the fill value (a window at offset 0): validate
+    # tells a written sequence from an unwritten one by its chunk objects. Encoding a shard's
+    # inner chunks (one per layer) as one batch ran 0.9-1.5x as fast (median 1.3x) as one at
+    # a time, on smollm2-135m and gemma3-270m shapes.
+    config = {"array.write_empty_chunks": True, "codec_pipeline.batch_size": max(1, run["layer"].shape[0])}
+    with zarr.config.set(config):
+        for name in SEQUENCE_ARRAYS:
+            if name in run:
+                run[name][seq] = arrays[name]
+        run["complete"][seq] = 1

@@ -1,0 +1,188 @@
+"""The store contract (SPEC §6, schema version 1): what a store holds and what it is called.
+
+A store is a Zarr v3 group. Each run lives in ``runs/<run_id>`` and holds one array per
+captured quantity, with named dimensions (``dimension_names``) so that
+``xr.open_zarr(url, group="runs/<run_id>")`` gives a Dataset. Derived groups live beside a
+run's arrays: ``runs/<run_id>/analysis/<name>`` (analyze) and ``runs/<run_id>/ablation/<name>``
+(ablate). Every name that more than one stage uses is defined here, once.
+
+Layout decisions, made for what reads and writes the store:
+
+* Every per-sequence array is sharded with one shard per sequence (all layers) and one
+  inner chunk per (sequence, layer). A writer always writes whole shards, so two processes
+  extracting different sequences never touch the same object, and a resumed run rewrites
+  whole shards. Analyze reads one inner chunk, i.e. one sequence x one layer, at a time.
+* ``complete`` (seq) is written last for each sequence: a sequence exists for readers only
+  once its flag is 1, so a killed run never exposes half a sequence.
+* The run's provenance is written after its arrays; ``initialized`` in it marks a run
+  whose creation finished.
+
+Two numbers in the root's attributes say what a store is:
+
+* ``schema_version`` is the contract of SPEC §6 (names, dimensions, dtypes), which readers
+  rely on. A store of a later version is refused.
+* ``format`` is how this implementation encodes that contract. Format 1 (attngeom 0.1.0's
+  first stores, which carry no ``format`` attribute) has no chunk checksums; format 2 ends
+  every chunk of every array, derived groups included, with a crc32c checksum. Every format
+  of schema 1 is read; only the current format is written, and ``attngeom migrate``
+  (:mod:`attngeom.store.migrate`) brings an older store to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+FORMAT = 2
+# The key of attngeom's attributes in the root's, a run's and a derived group's attributes.
+ATTR_KEY = "attngeom"
+
+# Group paths.
+RUNS = "runs"
+ANALYSIS = "analysis"
+ABLATION = "ablation"
+
+# The groups analyze writes under runs/<id>/analysis: per sequence (seq, ...), then across
+# sequences.
+ANALYSIS_SEQUENCE_GROUPS = ("topn", "values", "taxonomy")
+ANALYSIS_GROUPS = (*ANALYSIS_SEQUENCE_GROUPS, "heads", "summary", "signatures", "table")
+# The groups ablate writes under runs/<id>/ablation; ``regimes`` only when the run has regimes.
+ABLATION_GROUPS = ("single", "sweep", "correlations", "critical", "table", "regimes")
+
+# Labels (SPEC §4). A query votes for one of VOTES; a head's regime is indexed like VOTES.
+VOTES = ("diagonal", "sink", "other")
+REGIMES = ("Retriever", "Mixer", "Reset")
+# Mechanistic signatures (SPEC §4): variables of ``topn`` reduced per regime in ``signatures``.
+SIGNATURE_VARIABLES = ("s_norm", "s_norm_nosink", "s_norm_nocurrent", "cos_s_v0", "cos_s_vlast")
+# Statistics across sequences of the ``summary`` group.
+STATS = ("mean", "median", "q05", "q95", "count")
+
+
+def run_path(run_id: str) -> str:
+    """``runs/<run_id>``."""
+    return f"{RUNS}/{run_id}"
+
+
+def analysis_path(run_id: str, name: str | None = None) -> str:
+    """``runs/<run_id>/analysis``, or its group ``name`` (one of ANALYSIS_GROUPS)."""
+    return _derived_path(run_id, ANALYSIS, ANALYSIS_GROUPS, name)
+
+
+def ablation_path(run_id: str, name: str | None = None) -> str:
+    """``runs/<run_id>/ablation``, or its group ``name`` (one of ABLATION_GROUPS)."""
+    return _derived_path(run_id, ABLATION, ABLATION_GROUPS, name)
+
+
+def _derived_path(run_id: str, kind: str, groups: tuple[str, ...], name: str | None) -> str:
+    if name is not None and name not in groups:
+        raise ValueError(f"{kind} has no group {name!r} (groups: {', '.join(groups)})")
+    base = f"{run_path(run_id)}/{kind}"
+    return base if name is None else f"{base}/{name}"
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One array of a run: its dimensions and admissible dtypes."""
+
+    dims: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    per_sequence: bool = True
+    optional: bool = False
+    doc: str = ""
+
+
+SUMMARY_DIMS = ("seq", "layer", "head", "query")
+
+RUN_VARIABLES: dict[str, Variable] = {
+    "tokens": Variable(("seq", "pos"), ("int32",), doc="token ids, BOS at pos 0"),
+    "values": Variable(
+        ("seq", "layer", "kv_head", "pos", "head_dim"),
+        ("float16", "float32"),
+        doc="value vectors v_j of every kv head",
+    ),
+    "attn_last": Variable(
+        ("seq", "layer", "head", "key"), ("float32",), doc="final query's attention row alpha_j"
+    ),
+    "winner": Variable(
+        SUMMARY_DIMS, ("int16", "int32"), doc="j* = argmax_j A_ij ||v_j|| (SPEC §4), per query"
+    ),
+    "sink_attn": Variable(SUMMARY_DIMS, ("float32",), doc="A_i0, per query"),
+    "diag_attn": Variable(SUMMARY_DIMS, ("float32",), doc="A_ii, per query"),
+    "top1_attn": Variable(SUMMARY_DIMS, ("float32",), doc="max_j A_ij, per query"),
+    "entropy": Variable(SUMMARY_DIMS, ("float32",), doc="-sum_j A_ij log A_ij (nats), per query"),
+    "attn": Variable(
+        ("seq", "layer", "head", "query", "key"),
+        ("float16",),
+        optional=True,
+        doc="full attention rows (--store-rows all)",
+    ),
+    "doc_index": Variable(("seq",), ("int64",), doc="document of the window, in corpus order"),
+    "window_start": Variable(("seq",), ("int64",), doc="token offset of the window in its document"),
+    "complete": Variable(("seq",), ("uint8",), doc="1 once every array of the sequence is written"),
+    "layer": Variable(("layer",), ("int32",), per_sequence=False),
+    "head": Variable(("head",), ("int32",), per_sequence=False),
+    "kv_head": Variable(("kv_head",), ("int32",), per_sequence=False),
+    "pos": Variable(("pos",), ("int32",), per_sequence=False),
+    "head_kv": Variable(("head",), ("int32",), per_sequence=False, doc="kv head read by each head"),
+    "window": Variable(
+        ("layer",), ("int32",), per_sequence=False, doc="sliding window of the layer, 0 = full causal"
+    ),
+    "attendable": Variable(
+        ("layer", "key"), ("bool",), per_sequence=False, doc="keys the final query may attend"
+    ),
+}
+
+COORDS = ("layer", "head", "kv_head", "pos", "head_kv", "window")
+# Arrays carrying one shard per sequence; `complete` is the commit flag written after them.
+SEQUENCE_ARRAYS = tuple(
+    n for n, v in RUN_VARIABLES.items() if v.per_sequence and n != "complete"
+)
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Shape of one run: the model's attention geometry and the context length."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    length: int
+    head_kv: tuple[int, ...]
+    window: tuple[int, ...]
+    attendable: tuple[tuple[bool, ...], ...] = field(repr=False)
+    values_dtype: str = "float32"
+    store_rows: str = "last"
+
+    @property
+    def winner_dtype(self) -> str:
+        return "int16" if self.length <= np.iinfo(np.int16).max else "int32"
+
+    def shape(self, name: str, n_seq: int) -> tuple[int, ...]:
+        sizes = {
+            "seq": n_seq,
+            "layer": self.n_layers,
+            "head": self.n_heads,
+            "kv_head": self.n_kv_heads,
+            "pos": self.length,
+            "key": self.length,
+            "query": self.length,
+            "head_dim": self.head_dim,
+        }
+        return tuple(sizes[d] for d in RUN_VARIABLES[name].dims)
+
+    def dtype(self, name: str) -> str:
+        if name == "values":
+            return self.values_dtype
+        if name == "winner":
+            return self.winner_dtype
+        return RUN_VARIABLES[name].dtypes[0]
+
+    def names(self) -> list[str]:
+        return [
+            n
+            for n, v in RUN_VARIABLES.items()
+            if not v.optional or (n == "attn" and self.store_rows == "all")
+        ]
