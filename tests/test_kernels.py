@@ -295,7 +295,7 @@ def test_results_do_not_depend_on_batch_slicing(monkeypatch):
     grid = [1, 2, 4, 8, 15]
     whole = topn_metrics(alpha, values, attendable, grid, seed=3)
     stats = value_statistics(values, attendable)
-    monkeypatch.setattr(kernels, "_GRAM_BUDGET", 2 * 16 * 16)  # slices of 2 instances
+    monkeypatch.setattr(kernels, "_SLICE_BUDGET", 2 * 16 * 4)  # slices of 2 instances
     _assert_same(topn_metrics(alpha, values, attendable, grid, seed=3), whole, whole)
     _assert_same(value_statistics(values, attendable), stats, stats)
 

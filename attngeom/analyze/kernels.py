@@ -1,13 +1,19 @@
 """Numeric kernels of the analyze stage: top-N geometry at the final query (SPEC §3).
 
-One instance is one (sequence, layer, head) at the final query ``q = L-1``. Every public
-function takes a batch of ``B`` instances on a leading axis:
+One instance is one (sequence, layer, head) at the final query ``q = L-1``. The public
+functions take a batch on a leading axis:
 
-- ``attn`` (B, K): the final query's attention row ``alpha_k`` over key positions 0..K-1;
-- ``values`` (B, K, D): the head's value vectors ``v_k`` (kv head already mapped to the query head);
-- ``attendable`` (B, K) bool: the keys ``K_b`` the final query may attend to. Keys outside it
+- ``attn`` (B, K): the final query's attention row ``alpha_k`` over key positions 0..K-1, one
+  row per query head;
+- ``values`` (G, K, D): the value vectors ``v_k`` of each kv head; query head ``b`` reads kv head
+  ``head_kv[b]`` (grouped-query attention; by default ``head_kv[b] = b``);
+- ``attendable`` (G, K) bool: the keys ``K_b`` the final query may attend to, per kv head (the
+  query heads that share a kv head share the final query's mask). Keys outside it
   (sliding-window layers) take no part at all. Position 0 is the sink; an instance whose
   position 0 is not attendable has no sink: all of its keys are non-sink and the sink terms vanish.
+
+Whatever depends only on the values (norms, unit vectors, their Gram matrix, the coherence
+constants' raw material) is computed once per kv head and shared by the query heads reading it.
 
 Arithmetic is float64 throughout. A value vector of norm 0 has no direction: its unit vector is
 taken as 0 (cosine 0 with everything) in the coherence statistics, which keeps the exact
@@ -22,9 +28,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-# Float64 elements of one B x K x K Gram slice; larger batches are processed in slices of at
-# most this size, so peak memory stays a few hundred MiB whatever the batch.
-_GRAM_BUDGET = 1 << 23
+# Float64 elements of one B x K x D slice of per-N work; larger batches are processed in slices
+# of at most this size, so peak memory stays a few hundred MiB whatever the batch.
+_SLICE_BUDGET = 1 << 22
+
+# Share of a kv head's non-sink pairs kept, largest |cosine| first, as the candidates of the
+# 95% coherence quantile mu_q95 (which sits in the top 5% of its pairs). Any (head, N) whose
+# quantile falls outside them is computed from all of its pairs: the share trades speed only.
+_TOP_PAIR_SHARE = 0.08
+# Below this many pairs every pair is a candidate.
+_TOP_PAIR_MIN = 4096
 
 # Relative margin of the "L <= 0" test of the sink-aware bounds, see `_k_sink`.
 _L_RTOL = 1e-10
@@ -54,12 +67,14 @@ def topn_metrics(
     attendable: np.ndarray,
     n_grid: Sequence[int],
     *,
+    head_kv: np.ndarray | None = None,
     seed: int = 0,
     random_draws: int = 8,
 ) -> dict[str, np.ndarray]:
     """Top-N separability, bounds and diagnostics at the final query (SPEC §3).
 
-    attn (B, K), values (B, K, D), attendable (B, K) bool; n_grid: selection sizes N >= 1.
+    attn (B, K), values (G, K, D), attendable (G, K) bool, head_kv (B,) ints in [0, G)
+    (default: G = B, instance b reads values[b]); n_grid: selection sizes N >= 1.
     Returns arrays of shape (B, len(n_grid)). N is valid for an instance iff N < |K_b|
     (``nosink_*``: N < |K_b \\ {0}|); invalid entries are NaN, or -1 for the int64 counts
     and the int8 ``sink_selected``.
@@ -95,13 +110,13 @@ def topn_metrics(
       ``s_norm_nocurrent`` the same without y_0 / y_{K-1} when selected, ``cos_s_v0``
       cos(s_N, v_0), ``cos_s_vlast`` cos(s_N, v_{K-1}).
     """
-    alpha, values, attendable = _check_batch(attn, values, attendable)
+    alpha, values, attendable, head_kv = _check_batch(attn, values, attendable, head_kv)
     grid = np.asarray(n_grid, dtype=np.int64).reshape(-1)
     if np.any(grid < 1):
         raise ValueError(f"n_grid must hold sizes N >= 1, got {grid.tolist()}")
     if random_draws < 0:
         raise ValueError(f"random_draws must be >= 0, got {random_draws}")
-    B, K, _ = values.shape
+    B, K = alpha.shape
     # Drawn for the whole batch up front, so the draws do not depend on the slicing below.
     draw_keys = np.random.default_rng(seed).random((random_draws, B, K))
 
@@ -111,18 +126,23 @@ def topn_metrics(
     out["sink_selected"] = np.full(shape, -1, dtype=np.int8)
     # Degenerate instances (zero vectors, zero norms) give NaN by design, not warnings.
     with np.errstate(divide="ignore", invalid="ignore"):
-        for part in _batch_slices(B, K):
+        att = attendable[head_kv]
+        order, rank = _ranked(-alpha, att)
+        kv = _kv_heads(values, attendable)
+        mu, mu_q95 = _coherence(values, kv, head_kv, rank, att.sum(axis=1), grid)
+        for part in _batch_slices(B, K * values.shape[2]):
             _topn_slice(
-                alpha[part], values[part], attendable[part], grid, draw_keys[:, part],
-                {name: array[part] for name, array in out.items()},
+                alpha[part], values[head_kv[part]], att[part], order[part], rank[part],
+                _Constants.gather(kv, head_kv[part], mu[part], mu_q95[part]),
+                grid, draw_keys[:, part], {name: array[part] for name, array in out.items()},
             )
     return out
 
 
 def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np.ndarray]:
-    """Norm and coherence statistics of each instance (SPEC §3 "Norms and coherence").
+    """Norm and coherence statistics of each kv head (SPEC §3 "Norms and coherence").
 
-    values (B, K, D), attendable (B, K) bool; returns arrays of shape (B,), over the attendable
+    values (G, K, D), attendable (G, K) bool; returns arrays of shape (G,), over the attendable
     non-sink keys k (cosines of unit vectors u_k = v_k/||v_k||):
 
     - ``C``: median ||v_k||; ``norm_cv``: std/mean of ||v_k|| (population std);
@@ -130,15 +150,175 @@ def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np
     - sink (NaN without one): ``sink_norm_ratio`` lambda = ||v_0||/C, ``sink_cos_median`` and
       ``sink_cos_neg_frac`` (fraction < 0) of <u_0, u_k>, ``nu_minus_q95`` = max(0, -q95) and
       ``nu_plus_q95`` = max(0, -q05) of <u_0, u_k>.
+
+    They depend on the values only: a query head takes those of the kv head it reads.
     """
-    _, values, attendable = _check_batch(None, values, attendable)
-    B, K, _ = values.shape
-    out = {name: np.full(B, np.nan) for name in VALUE_STATISTICS}
+    _, values, attendable, _ = _check_batch(None, values, attendable, None)
+    G = values.shape[0]
+    out = {name: np.full(G, np.nan) for name in VALUE_STATISTICS}
     with np.errstate(divide="ignore", invalid="ignore"):
-        for part in _batch_slices(B, K):
-            _value_statistics_slice(values[part], attendable[part],
-                                    {name: array[part] for name, array in out.items()})
+        kv = _kv_heads(values, attendable)
+        n_ns = kv.nonsink.sum(axis=1)
+        mean = np.sum(kv.v_norm, axis=1, where=kv.nonsink) / n_ns
+        var = np.sum((kv.v_norm - mean[:, None]) ** 2, axis=1, where=kv.nonsink) / n_ns
+        for g in range(G):
+            # Each unordered pair once; the median of the ordered pairs is the same.
+            gram = _nonsink_gram(values[g], kv, g)
+            pairs = gram[np.triu(np.ones(gram.shape, dtype=bool), 1)]
+            out["median_cos"][g] = _quantile(pairs, 0.5)
+        out["C"][...] = kv.C
+        out["norm_cv"][...] = np.sqrt(var) / mean
+        sink = kv.has_sink & (n_ns > 0)
+        for name, x in dict(
+            sink_norm_ratio=kv.v_norm[:, 0] / kv.C,
+            sink_cos_median=_padded_quantile(kv.sink_cos, n_ns, 0.5),
+            sink_cos_neg_frac=np.sum(kv.sink_cos < 0, axis=1, where=kv.nonsink) / n_ns,
+            nu_minus_q95=np.maximum(0.0, -kv.q95),
+            nu_plus_q95=np.maximum(0.0, -kv.q05),
+        ).items():
+            out[name][...] = np.where(sink, x, np.nan)
     return out
+
+
+class _KvHeads(NamedTuple):
+    """What depends on a kv head's values and mask only: (G, ...) arrays."""
+
+    v_norm: np.ndarray      # (G, K) ||v_k||
+    unit: np.ndarray        # (G, K, D) u_k, 0 for v_k = 0
+    nonsink: np.ndarray     # (G, K) attendable non-sink keys
+    has_sink: np.ndarray    # (G,)
+    C: np.ndarray           # (G,) median non-sink norm
+    sink_cos: np.ndarray    # (G, K) <u_0, u_k> at non-sink k, -inf elsewhere
+    c_lo: np.ndarray        # (G,) min_k <u_0, u_k> (inf without non-sink keys)
+    c_hi: np.ndarray        # (G,) max_k <u_0, u_k>
+    q05: np.ndarray         # (G,) 5% quantile of <u_0, u_k>
+    q95: np.ndarray         # (G,) 95% quantile
+
+
+def _kv_heads(values, attendable):
+    nonsink = attendable.copy()
+    nonsink[:, 0] = False
+    n_ns = nonsink.sum(axis=1)
+    v_norm = np.linalg.norm(values, axis=-1)
+    unit = _unit(values, v_norm)
+    sink_cos = np.where(nonsink, np.einsum("gd,gkd->gk", unit[:, 0], unit), -np.inf)
+    return _KvHeads(
+        v_norm=v_norm, unit=unit, nonsink=nonsink, has_sink=attendable[:, 0],
+        C=_padded_quantile(np.where(nonsink, v_norm, -np.inf), n_ns, 0.5),
+        sink_cos=sink_cos,
+        c_lo=np.min(sink_cos, axis=1, where=nonsink, initial=np.inf),
+        c_hi=np.max(sink_cos, axis=1, initial=-np.inf),
+        q05=_padded_quantile(sink_cos, n_ns, 0.05),
+        q95=_padded_quantile(sink_cos, n_ns, 0.95),
+    )
+
+
+def _nonsink_gram(values, kv, g):
+    """(k, k) <u_p, u_q> of kv head g over its k non-sink keys, in position order."""
+    unit = kv.unit[g][kv.nonsink[g]]
+    return unit @ unit.T
+
+
+def _coherence(values, kv, head_kv, rank, n_att, grid):
+    """mu and mu_q95 (B, len(grid)): the maximum and the 95% quantile of |<u_p, u_q>| over
+    the unordered non-sink pairs with at least one key in I_N (NaN without such a pair).
+
+    One Gram matrix per kv head serves its query heads. mu_N is a running maximum of the
+    keys' row maxima in selection order. The quantile needs the pairs' order statistics just
+    below the top 5% of each pair set; they are read off one sorted list of each kv head's
+    largest pairs (`_TOP_PAIR_SHARE`), falling back to all pairs where that list is too short.
+    """
+    B, n_grid = rank.shape[0], grid.size
+    mu = np.full((B, n_grid), np.nan)
+    mu_q95 = np.full((B, n_grid), np.nan)
+    for g in np.unique(head_kv):
+        heads = np.flatnonzero(head_kv == g)
+        gram = np.abs(_nonsink_gram(values, kv, g))
+        k = gram.shape[0]
+        if k < 2:
+            continue
+        np.fill_diagonal(gram, -np.inf)
+        row_max = gram.max(axis=1)
+        top = _TopPairs.of(gram)
+        ranks = rank[heads][:, kv.nonsink[g]]  # (h, k) selection rank of each non-sink key
+        for h, r in zip(heads, ranks):
+            by_rank = np.argsort(r)
+            selected = np.searchsorted(r[by_rank], grid)  # non-sink keys in I_N, per N
+            running = np.maximum.accumulate(row_max[by_rank])
+            mu[h] = np.where(selected > 0, running[np.maximum(selected - 1, 0)], np.nan)
+            pairs = k * (k - 1) // 2 - (k - selected) * (k - selected - 1) // 2
+            first = np.minimum(r[top.p], r[top.q])  # the pair is in the set iff first < N
+            for i, (n, m) in enumerate(zip(grid, pairs)):
+                if m > 0 and n < n_att[h]:
+                    mu_q95[h, i] = top.quantile(first < n, m, 0.95, gram, r, n)
+    return mu, mu_q95
+
+
+class _TopPairs(NamedTuple):
+    """A kv head's non-sink pairs p < q with |<u_p, u_q>| >= a threshold, sorted descending."""
+
+    p: np.ndarray
+    q: np.ndarray
+    cos: np.ndarray
+
+    @classmethod
+    def of(cls, gram):
+        k = gram.shape[0]
+        total = k * (k - 1) // 2
+        threshold = -np.inf
+        if total > _TOP_PAIR_MIN:
+            # Any threshold is exact (see `quantile`); one from a 1/16 sample of the pairs
+            # keeps about _TOP_PAIR_SHARE of them.
+            sample = gram[::4, ::4]
+            sample = sample[np.triu(np.ones(sample.shape, dtype=bool), 1)]
+            threshold = np.partition(sample, int((1 - _TOP_PAIR_SHARE) * sample.size))[
+                int((1 - _TOP_PAIR_SHARE) * sample.size)]
+        p, q = np.nonzero(gram >= threshold)
+        upper = p < q
+        p, q = p[upper], q[upper]
+        cos = gram[p, q]
+        by_cos = np.argsort(-cos, kind="stable")
+        return cls(p[by_cos], q[by_cos], cos[by_cos])
+
+    def quantile(self, member, m, q, gram, rank, n):
+        """q-quantile ('linear') of the m pairs of the set marked by member (over this list)
+        whose members are the pairs with first rank < n.
+
+        Every pair off the list is below every pair on it, so the set's order statistics
+        counted from the top are those of its listed members while they last.
+        """
+        pos = q * (m - 1)
+        lo = int(np.floor(pos))
+        hi = min(lo + 1, m - 1)
+        listed = np.flatnonzero(member)
+        if listed.size > m - 1 - lo:
+            below, above = self.cos[listed[m - 1 - lo]], self.cos[listed[m - 1 - hi]]
+        else:
+            in_set = np.triu(np.minimum.outer(rank, rank) < n, 1)
+            part = np.partition(gram[in_set], (lo, hi))
+            below, above = part[lo], part[hi]
+        return below + (pos - lo) * (above - below)
+
+
+class _Constants(NamedTuple):
+    """The sink-aware bounds' constants per query head of a slice (SPEC §3)."""
+
+    v_norm: np.ndarray      # (B, K)
+    nonsink: np.ndarray     # (B, K)
+    has_sink: np.ndarray    # (B,)
+    C: np.ndarray           # (B,)
+    c_lo: np.ndarray
+    c_hi: np.ndarray
+    q05: np.ndarray
+    q95: np.ndarray
+    mu: np.ndarray          # (B, len(grid))
+    mu_q95: np.ndarray      # (B, len(grid))
+
+    @classmethod
+    def gather(cls, kv, head_kv, mu, mu_q95):
+        return cls(kv.v_norm[head_kv], kv.nonsink[head_kv], kv.has_sink[head_kv], kv.C[head_kv],
+                   kv.c_lo[head_kv], kv.c_hi[head_kv], kv.q05[head_kv], kv.q95[head_kv],
+                   mu, mu_q95)
 
 
 class _Instances(NamedTuple):
@@ -167,25 +347,20 @@ class _TopN(NamedTuple):
     D: np.ndarray           # (B, K) ||y_k - s_N||^2
 
 
-def _topn_slice(alpha, values, att, grid, draw_keys, out):
-    has_sink = att[:, 0]
-    nonsink = att.copy()
-    nonsink[:, 0] = False
+def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out):
+    nonsink = constants.nonsink
     n_att = att.sum(axis=1)
     y = alpha[:, :, None] * values
-    v_norm = np.linalg.norm(values, axis=-1)
-    order, rank = _ranked(-alpha, att)
     inst = _Instances(
         values=values, y=y, y_norm=np.linalg.norm(y, axis=-1), att=att,
-        has_sink=has_sink, o_norm=np.linalg.norm(np.sum(y, axis=1, where=att[:, :, None]), axis=-1),
+        has_sink=constants.has_sink,
+        o_norm=np.linalg.norm(np.sum(y, axis=1, where=att[:, :, None]), axis=-1),
         rank=rank,
         # s_N is kept as its non-sink part plus the sink, so that s_{N,+} and s_N - y_0 carry
         # no cancellation error when the sink dominates the aggregate.
         s_plus_by_n=_cumulative(np.where(nonsink[:, :, None], y, 0.0), order),
     )
-    # Only selections up to the largest valid N need coherence rows (typically K/2 of K).
-    rows = int(min(grid.max(initial=1), max(n_att.max(initial=1) - 1, 1)))
-    bounds = _SinkBounds(alpha, values, v_norm, nonsink, has_sink, order, rows)
+    bounds = _SinkBounds(alpha, constants)
 
     for g, n in enumerate(grid):
         valid = n < n_att
@@ -201,7 +376,7 @@ def _topn_slice(alpha, values, att, grid, draw_keys, out):
         results.update(_sink_diagnostics(inst, top, r_max2))
         results.update(_leave_one_out(inst, top))
         results.update(_signatures(inst, top))
-        certificate, paper = bounds.at(top)
+        certificate, paper = bounds.at(top, g)
         results.update(certificate)
         _store(out, g, results, valid)
         _store(out, g, paper, valid & bounds.paper_defined)
@@ -221,29 +396,22 @@ def _select(inst, n):
 
 
 class _SinkBounds:
-    """Constants of the sink-aware bounds of one slice (SPEC §3) and their counts at each
-    N <= rows."""
+    """The sink-aware bounds of one slice (SPEC §3): effective weights and sink constants,
+    and their counts at each N of the grid."""
 
-    def __init__(self, alpha, values, v_norm, nonsink, has_sink, order, rows):
-        self.nonsink, self.has_sink = nonsink, has_sink
-        n_ns = nonsink.sum(axis=1)
-        C = _padded_quantile(np.where(nonsink, v_norm, -np.inf), n_ns, 0.5)
-        unit = _unit(values, v_norm)
-        sink_cos = np.einsum("bd,bkd->bk", unit[:, 0], unit)
-        c_lo = np.min(sink_cos, axis=1, where=nonsink, initial=np.inf)
-        c_hi = np.max(sink_cos, axis=1, where=nonsink, initial=-np.inf)
-        q05 = _padded_quantile(np.where(nonsink, sink_cos, -np.inf), n_ns, 0.05)
-        q95 = _padded_quantile(np.where(nonsink, sink_cos, -np.inf), n_ns, 0.95)
-        self.pair_cos, self.pairs_by_n = _ranked_pairs(unit, nonsink, order, rows)
-        self.mu_by_n = np.maximum.accumulate(self.pair_cos.max(axis=2), axis=1)
+    def __init__(self, alpha, constants):
+        self.constants = constants
+        has_sink, C, v_norm = constants.has_sink, constants.C, constants.v_norm
 
         # Without a sink the nu's multiply only zero terms; 0 keeps NaN out of that arithmetic.
         def sink_constant(x):
             return np.where(has_sink, x, 0.0)
 
+        c_lo, c_hi = constants.c_lo, constants.c_hi
         self.nu_paper = (sink_constant(np.maximum(0.0, -c_lo)),
                          sink_constant(np.maximum(0.0, -c_hi)))
-        self.nu_q95 = (sink_constant(np.maximum(0.0, -q05)), sink_constant(np.maximum(0.0, -q95)))
+        self.nu_q95 = (sink_constant(np.maximum(0.0, -constants.q05)),
+                       sink_constant(np.maximum(0.0, -constants.q95)))
         self.nu_exact = (sink_constant(-c_lo), sink_constant(-c_hi))
         # lambda = ||v_0||/C needs C > 0: with a sink and C = 0 the paper variant is undefined.
         self.paper_defined = ~has_sink | (C > 0)
@@ -254,16 +422,12 @@ class _SinkBounds:
         # and the tolerance is relative, so it is left out (and C = 0 cannot poison it).
         self.beta_exact = alpha * v_norm
 
-    def at(self, top):
-        """Outputs at selection top: those defined everywhere (mu's and the certificate),
-        and the paper variant's, defined where paper_defined."""
-        n, B = top.n, top.selected.shape[0]
-        K = self.pair_cos.shape[2]
-        mu = self.mu_by_n[:, n - 1]
-        mu = np.where(np.isfinite(mu), mu, np.nan)  # no pair yet: I_N = {sink}
-        mu_q95 = _padded_quantile(self.pair_cos[:, :n].reshape(B, n * K),
-                                  self.pairs_by_n[:, n - 1], 0.95)
-        masks = (top.selected, top.unselected, self.nonsink, self.has_sink)
+    def at(self, top, g):
+        """Outputs at selection top (grid index g): those defined everywhere (mu's and the
+        certificate), and the paper variant's, defined where paper_defined."""
+        n = top.n
+        mu, mu_q95 = self.constants.mu[:, g], self.constants.mu_q95[:, g]
+        masks = (top.selected, top.unselected, self.constants.nonsink, self.constants.has_sink)
         k_sink = _k_sink(self.beta_paper, *masks, np.nan_to_num(mu), *self.nu_paper)
         k_sink_q95 = _k_sink(self.beta_paper, *masks, np.nan_to_num(mu_q95), *self.nu_q95)
         k_sink_exact = _k_sink(self.beta_exact, *masks, np.nan_to_num(mu), *self.nu_exact)
@@ -365,39 +529,6 @@ def _store(out, g, results, valid):
         out[name][:, g] = np.where(valid, x, np.nan if out[name].dtype.kind == "f" else -1)
 
 
-def _value_statistics_slice(values, att, out):
-    B, K, _ = values.shape
-    has_sink = att[:, 0]
-    nonsink = att.copy()
-    nonsink[:, 0] = False
-    n_ns = nonsink.sum(axis=1)
-    v_norm = np.linalg.norm(values, axis=-1)
-    C = _padded_quantile(np.where(nonsink, v_norm, -np.inf), n_ns, 0.5)
-    mean = np.sum(v_norm, axis=1, where=nonsink) / n_ns
-    var = np.sum((v_norm - mean[:, None]) ** 2, axis=1, where=nonsink) / n_ns
-
-    gram = _gram(_unit(values, v_norm))
-    # Each unordered pair once; the median of the ordered pairs is the same.
-    pairs = nonsink[:, :, None] & nonsink[:, None, :] & np.triu(np.ones((K, K), dtype=bool), 1)
-    median_cos = _padded_quantile(np.where(pairs, gram, -np.inf).reshape(B, K * K),
-                                  n_ns * (n_ns - 1) // 2, 0.5)
-    sink_cos = np.where(nonsink, gram[:, 0, :], -np.inf)
-    sink_quantiles = {q: _padded_quantile(sink_cos, n_ns, q) for q in (0.05, 0.5, 0.95)}
-    negative = np.sum(sink_cos < 0, axis=1, where=nonsink) / n_ns
-
-    out["C"][...] = C
-    out["norm_cv"][...] = np.sqrt(var) / mean
-    out["median_cos"][...] = median_cos
-    for name, x in dict(
-        sink_norm_ratio=v_norm[:, 0] / C,
-        sink_cos_median=sink_quantiles[0.5],
-        sink_cos_neg_frac=negative,
-        nu_minus_q95=np.maximum(0.0, -sink_quantiles[0.95]),
-        nu_plus_q95=np.maximum(0.0, -sink_quantiles[0.05]),
-    ).items():
-        out[name][...] = np.where(has_sink & (n_ns > 0), x, np.nan)
-
-
 def _k_sink(beta, selected, unselected, nonsink, has_sink, mu, nu_plus, nu_minus):
     """K_N^sink of the appendix proof: the selected-unselected pairs whose lower bound
     L <= (D_j - D_i)/C^2 is not positive (L^{++}, and L^{+0} or L^{0+} by sink membership).
@@ -458,23 +589,6 @@ def _ball_scores(D, selected, candidates, n):
     return precision, recall, f_score, r_max2
 
 
-def _ranked_pairs(unit, nonsink, order, rows):
-    """|<u_p, u_q>| of the non-sink pairs, rows and columns in selection order, each unordered
-    pair once (row rank < column rank), other entries -inf, for the first `rows` ranks:
-    (B, rows, K); and the pair counts by N (B, rows).
-
-    The pairs with at least one key in I_N are then exactly rows < N: the coherence
-    constants of every N are prefixes of one array.
-    """
-    K = unit.shape[1]
-    ranked_unit = np.take_along_axis(unit, order[:, :, None], axis=1)
-    ranked = np.abs(ranked_unit[:, :rows] @ np.ascontiguousarray(ranked_unit.transpose(0, 2, 1)))
-    ok = np.take_along_axis(nonsink, order, axis=1)
-    pairs = ok[:, :rows, None] & ok[:, None, :] & np.triu(np.ones((rows, K), dtype=bool), 1)
-    np.copyto(ranked, -np.inf, where=~pairs)
-    return ranked, np.cumsum(pairs.sum(axis=2), axis=1)
-
-
 def _padded_quantile(x, m, q):
     """q-quantile (numpy's default 'linear' method) of the m valid entries of each row of
     x (B, M), the other M - m entries being -inf; NaN where m = 0.
@@ -524,12 +638,6 @@ def _unit(values, v_norm):
     return values / np.where(v_norm > 0, v_norm, 1.0)[:, :, None]
 
 
-def _gram(x):
-    """(B, K, K) inner products of the rows of x (B, K, D)."""
-    # A contiguous right operand lets matmul use BLAS on every matrix (several times faster).
-    return x @ np.ascontiguousarray(x.transpose(0, 2, 1))
-
-
 def _cos(a, b):
     """Cosine of (B, D) vectors, NaN where either is 0."""
     norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
@@ -542,21 +650,43 @@ def _masked_mean(x, mask):
     return np.where(count > 0, np.sum(x, axis=1, where=mask) / count, np.nan)
 
 
-def _batch_slices(B, K):
-    step = max(1, _GRAM_BUDGET // (K * K))
+def _quantile(x, q):
+    """q-quantile (numpy's default 'linear' method) of the 1-D x, NaN if x is empty."""
+    m = x.size
+    if m == 0:
+        return np.nan
+    pos = q * (m - 1)
+    lo = int(np.floor(pos))
+    hi = min(lo + 1, m - 1)
+    part = np.partition(x, (lo, hi))
+    return part[lo] + (pos - lo) * (part[hi] - part[lo])
+
+
+def _batch_slices(B, size):
+    """Slices of the batch with at most _SLICE_BUDGET elements of per-instance size each."""
+    step = max(1, _SLICE_BUDGET // max(size, 1))
     return [slice(start, start + step) for start in range(0, B, step)] or [slice(0, 0)]
 
 
-def _check_batch(attn, values, attendable):
+def _check_batch(attn, values, attendable, head_kv):
     values = np.asarray(values, dtype=np.float64)
     attendable = np.asarray(attendable, dtype=bool)
     if values.ndim != 3 or values.shape[1] < 1:
-        raise ValueError(f"values must have shape (B, K, D) with K >= 1, got {values.shape}")
+        raise ValueError(f"values must have shape (G, K, D) with K >= 1, got {values.shape}")
     if attendable.shape != values.shape[:2]:
         raise ValueError(f"attendable has shape {attendable.shape}, expected {values.shape[:2]}")
     if attn is None:
-        return None, values, attendable
+        return None, values, attendable, None
     attn = np.asarray(attn, dtype=np.float64)
-    if attn.shape != values.shape[:2]:
-        raise ValueError(f"attn has shape {attn.shape}, expected {values.shape[:2]}")
-    return attn, values, attendable
+    if attn.ndim != 2 or attn.shape[1] != values.shape[1]:
+        raise ValueError(f"attn has shape {attn.shape}, expected (B, {values.shape[1]})")
+    if head_kv is None:
+        if attn.shape[0] != values.shape[0]:
+            raise ValueError(f"attn has {attn.shape[0]} rows for {values.shape[0]} value heads; "
+                             "pass head_kv")
+        head_kv = np.arange(attn.shape[0])
+    head_kv = np.asarray(head_kv, dtype=np.int64).reshape(-1)
+    if head_kv.shape != (attn.shape[0],) or np.any((head_kv < 0) | (head_kv >= values.shape[0])):
+        raise ValueError(f"head_kv must hold {attn.shape[0]} kv heads in [0, {values.shape[0]}), "
+                         f"got {head_kv.tolist()}")
+    return attn, values, attendable, head_kv
