@@ -171,7 +171,7 @@ def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np
         sink = kv.has_sink & (n_ns > 0)
         for name, x in dict(
             sink_norm_ratio=kv.v_norm[:, 0] / kv.C,
-            sink_cos_median=_padded_quantile(kv.sink_cos, n_ns, 0.5),
+            sink_cos_median=kv.sink_cos_median,
             sink_cos_neg_frac=np.sum(kv.sink_cos < 0, axis=1, where=kv.nonsink) / n_ns,
             nu_minus_q95=np.maximum(0.0, -kv.q95),
             nu_plus_q95=np.maximum(0.0, -kv.q05),
@@ -191,6 +191,7 @@ class _KvHeads(NamedTuple):
     sink_cos: np.ndarray    # (G, K) <u_0, u_k> at non-sink k, -inf elsewhere
     c_lo: np.ndarray        # (G,) min_k <u_0, u_k> (inf without non-sink keys)
     c_hi: np.ndarray        # (G,) max_k <u_0, u_k>
+    sink_cos_median: np.ndarray  # (G,) median of <u_0, u_k>
     q05: np.ndarray         # (G,) 5% quantile of <u_0, u_k>
     q95: np.ndarray         # (G,) 95% quantile
 
@@ -198,18 +199,22 @@ class _KvHeads(NamedTuple):
 def _kv_heads(values, attendable):
     nonsink = attendable.copy()
     nonsink[:, 0] = False
-    n_ns = nonsink.sum(axis=1)
     v_norm = np.linalg.norm(values, axis=-1)
     unit = _unit(values, v_norm)
     sink_cos = np.where(nonsink, np.einsum("gd,gkd->gk", unit[:, 0], unit), -np.inf)
+
+    def quantiles(x, q):
+        return np.array([_quantile(row[keep], q) for row, keep in zip(x, nonsink)])
+
     return _KvHeads(
         v_norm=v_norm, unit=unit, nonsink=nonsink, has_sink=attendable[:, 0],
-        C=_padded_quantile(np.where(nonsink, v_norm, -np.inf), n_ns, 0.5),
+        C=quantiles(v_norm, 0.5),
         sink_cos=sink_cos,
         c_lo=np.min(sink_cos, axis=1, where=nonsink, initial=np.inf),
         c_hi=np.max(sink_cos, axis=1, initial=-np.inf),
-        q05=_padded_quantile(sink_cos, n_ns, 0.05),
-        q95=_padded_quantile(sink_cos, n_ns, 0.95),
+        sink_cos_median=quantiles(sink_cos, 0.5),
+        q05=quantiles(sink_cos, 0.05),
+        q95=quantiles(sink_cos, 0.95),
     )
 
 
@@ -226,7 +231,7 @@ def _coherence(values, kv, head_kv, rank, n_att, grid):
     One Gram matrix per kv head serves its query heads. mu_N is a running maximum of the
     keys' row maxima in selection order. The quantile needs the pairs' order statistics just
     below the top 5% of each pair set; they are read off one sorted list of each kv head's
-    largest pairs (`_TOP_PAIR_SHARE`), falling back to all pairs where that list is too short.
+    largest pairs (`_TopPairs`).
     """
     B, n_grid = rank.shape[0], grid.size
     mu = np.full((B, n_grid), np.nan)
@@ -246,20 +251,22 @@ def _coherence(values, kv, head_kv, rank, n_att, grid):
             selected = np.searchsorted(r[by_rank], grid)  # non-sink keys in I_N, per N
             running = np.maximum.accumulate(row_max[by_rank])
             mu[h] = np.where(selected > 0, running[np.maximum(selected - 1, 0)], np.nan)
-            pairs = k * (k - 1) // 2 - (k - selected) * (k - selected - 1) // 2
-            first = np.minimum(r[top.p], r[top.q])  # the pair is in the set iff first < N
-            for i, (n, m) in enumerate(zip(grid, pairs)):
-                if m > 0 and n < n_att[h]:
-                    mu_q95[h, i] = top.quantile(first < n, m, 0.95, gram, r, n)
+            first = np.minimum(r[top.p], r[top.q])  # a pair is in the set of N iff first < N
+            for i, (n, s) in enumerate(zip(grid, selected)):
+                if s > 0 and n < n_att[h] and k > 1:
+                    mu_q95[h, i] = top.quantile(first, n, k * (k - 1) // 2 - (k - s) * (k - s - 1) // 2,
+                                                0.95, gram, r)
     return mu, mu_q95
 
 
 class _TopPairs(NamedTuple):
-    """A kv head's non-sink pairs p < q with |<u_p, u_q>| >= a threshold, sorted descending."""
+    """A kv head's non-sink pairs p < q with |<u_p, u_q>| at or above a threshold, sorted
+    descending: every pair off the list is below every pair on it."""
 
     p: np.ndarray
     q: np.ndarray
     cos: np.ndarray
+    total: int              # pairs of the kv head, listed or not
 
     @classmethod
     def of(cls, gram):
@@ -271,31 +278,39 @@ class _TopPairs(NamedTuple):
             # keeps about _TOP_PAIR_SHARE of them.
             sample = gram[::4, ::4]
             sample = sample[np.triu(np.ones(sample.shape, dtype=bool), 1)]
-            threshold = np.partition(sample, int((1 - _TOP_PAIR_SHARE) * sample.size))[
-                int((1 - _TOP_PAIR_SHARE) * sample.size)]
+            kth = int((1 - _TOP_PAIR_SHARE) * (sample.size - 1))
+            threshold = np.partition(sample, kth)[kth]
         p, q = np.nonzero(gram >= threshold)
         upper = p < q
         p, q = p[upper], q[upper]
         cos = gram[p, q]
         by_cos = np.argsort(-cos, kind="stable")
-        return cls(p[by_cos], q[by_cos], cos[by_cos])
+        return cls(p[by_cos], q[by_cos], cos[by_cos], total)
 
-    def quantile(self, member, m, q, gram, rank, n):
-        """q-quantile ('linear') of the m pairs of the set marked by member (over this list)
-        whose members are the pairs with first rank < n.
+    def quantile(self, first, n, m, q, gram, rank):
+        """q-quantile ('linear', as numpy) of the m pairs whose first rank (the smaller
+        selection rank of the two keys) is < n: `first` (listed pairs) and `rank` (keys).
 
-        Every pair off the list is below every pair on it, so the set's order statistics
-        counted from the top are those of its listed members while they last.
+        The set's order statistics counted from the top are those of its listed members
+        while they last; past them, of all its pairs.
         """
         pos = q * (m - 1)
         lo = int(np.floor(pos))
         hi = min(lo + 1, m - 1)
-        listed = np.flatnonzero(member)
-        if listed.size > m - 1 - lo:
+        need = m - lo  # the set's largest `need` pairs
+        # Members are spread over the list about as the set is over all pairs: scan a prefix
+        # twice the expected length first.
+        prefix = min(first.size, 2 * need * self.total // m + 64)
+        listed = np.flatnonzero(first[:prefix] < n)
+        if listed.size < need and prefix < first.size:
+            listed = np.flatnonzero(first < n)
+        if listed.size >= need:
             below, above = self.cos[listed[m - 1 - lo]], self.cos[listed[m - 1 - hi]]
         else:
-            in_set = np.triu(np.minimum.outer(rank, rank) < n, 1)
-            part = np.partition(gram[in_set], (lo, hi))
+            # Each pair once, from its key of smaller rank.
+            rows = np.flatnonzero(rank < n)
+            in_set = rank[None, :] > rank[rows, None]
+            part = np.partition(gram[rows][in_set], (lo, hi))
             below, above = part[lo], part[hi]
         return below + (pos - lo) * (above - below)
 
@@ -350,6 +365,8 @@ class _TopN(NamedTuple):
 def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out):
     nonsink = constants.nonsink
     n_att = att.sum(axis=1)
+    # Aggregates are needed up to the largest valid N only (typically K/2 of K keys).
+    upto = int(np.clip(grid.max(initial=1), 1, max(n_att.max(initial=1) - 1, 1)))
     y = alpha[:, :, None] * values
     inst = _Instances(
         values=values, y=y, y_norm=np.linalg.norm(y, axis=-1), att=att,
@@ -358,7 +375,7 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
         rank=rank,
         # s_N is kept as its non-sink part plus the sink, so that s_{N,+} and s_N - y_0 carry
         # no cancellation error when the sink dominates the aggregate.
-        s_plus_by_n=_cumulative(np.where(nonsink[:, :, None], y, 0.0), order),
+        s_plus_by_n=_cumulative(np.where(nonsink[:, :, None], y, 0.0), order, upto),
     )
     bounds = _SinkBounds(alpha, constants)
 
@@ -381,8 +398,8 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
         _store(out, g, results, valid)
         _store(out, g, paper, valid & bounds.paper_defined)
 
-    _random_control(y, att, n_att, grid, draw_keys, out)
-    _sink_excluded(alpha, y, nonsink, grid, out)
+    _random_control(y, att, n_att, grid, upto, draw_keys, out)
+    _sink_excluded(alpha, y, nonsink, grid, upto, out)
 
 
 def _select(inst, n):
@@ -487,14 +504,14 @@ def _signatures(inst, top):
     )
 
 
-def _random_control(y, att, n_att, grid, draw_keys, out):
+def _random_control(y, att, n_att, grid, upto, draw_keys, out):
     """random_precision/recall/f_score: P, R, F of random size-N subsets, mean over draws."""
     totals = np.zeros((3, *out["random_precision"].shape))
     for keys in draw_keys:
         # One random ranking per draw: its first N keys are a uniform size-N subset for every
         # N at once (nested across N within a draw, independent across draws).
         order, rank = _ranked(keys, att)
-        s_by_n = _cumulative(y, order)
+        s_by_n = _cumulative(y, order, upto)
         for g, n in enumerate(grid):
             if not np.any(n < n_att):
                 continue
@@ -507,11 +524,11 @@ def _random_control(y, att, n_att, grid, draw_keys, out):
             _store(out, g, dict(zip(names, totals[:, :, g] / len(draw_keys))), n < n_att)
 
 
-def _sink_excluded(alpha, y, nonsink, grid, out):
+def _sink_excluded(alpha, y, nonsink, grid, upto, out):
     """nosink_precision/recall/f_score: selection and balls over K \\ {0}."""
     n_ns = nonsink.sum(axis=1)
     order, rank = _ranked(-alpha, nonsink)
-    s_by_n = _cumulative(y, order)
+    s_by_n = _cumulative(y, order, upto)
     for g, n in enumerate(grid):
         valid = n < n_ns
         if not valid.any():
@@ -589,31 +606,6 @@ def _ball_scores(D, selected, candidates, n):
     return precision, recall, f_score, r_max2
 
 
-def _padded_quantile(x, m, q):
-    """q-quantile (numpy's default 'linear' method) of the m valid entries of each row of
-    x (B, M), the other M - m entries being -inf; NaN where m = 0.
-
-    The m valid entries are the top m of the row, so only the two order statistics around
-    position q (m - 1) are needed: a partition, not a sort.
-    """
-    M = x.shape[1]
-    m = np.asarray(m, dtype=np.int64)
-    has = m > 0
-    last = np.maximum(m - 1, 0)
-    pos = q * last
-    lo = np.floor(pos).astype(np.int64)
-    hi = np.minimum(lo + 1, last)
-    lo_idx = np.where(has, M - m + lo, 0)
-    hi_idx = np.where(has, M - m + hi, 0)
-    kth = np.unique(np.concatenate([lo_idx[has], hi_idx[has]]))
-    if kth.size == 0:
-        return np.full(x.shape[0], np.nan)
-    part = np.partition(x, kth, axis=1)
-    below = np.where(has, np.take_along_axis(part, lo_idx[:, None], axis=1)[:, 0], 0.0)
-    above = np.where(has, np.take_along_axis(part, hi_idx[:, None], axis=1)[:, 0], 0.0)
-    return np.where(has, below + (pos - lo) * (above - below), np.nan)
-
-
 def _ranked(key, candidates):
     """Order (B, K) of the candidates by ascending key, ties to the smaller position, other
     keys last; and each key's rank in it."""
@@ -623,9 +615,10 @@ def _ranked(key, candidates):
     return order, rank
 
 
-def _cumulative(y, order):
-    """(B, K, D): entry n-1 is the sum of y over the first n keys of order."""
-    return np.cumsum(np.take_along_axis(y, order[:, :, None], axis=1), axis=1)
+def _cumulative(y, order, upto):
+    """(B, upto, D): entry n-1 is the sum of y over the first n keys of order, summed in
+    that order."""
+    return np.cumsum(np.take_along_axis(y, order[:, :upto, None], axis=1), axis=1)
 
 
 def _squared_distances(y, s):
