@@ -39,6 +39,9 @@ _TOP_PAIR_SHARE = 0.08
 # Below this many pairs every pair is a candidate.
 _TOP_PAIR_MIN = 4096
 
+# An absolute floor under `_Distances`' error bound, far above subnormal rounding.
+_TINY = 1e-290
+
 # Relative margin of the "L <= 0" test of the sink-aware bounds, see `_k_sink`.
 _L_RTOL = 1e-10
 
@@ -507,17 +510,16 @@ def _signatures(inst, top):
 def _random_control(y, att, n_att, grid, upto, draw_keys, out):
     """random_precision/recall/f_score: P, R, F of random size-N subsets, mean over draws."""
     totals = np.zeros((3, *out["random_precision"].shape))
+    distances = _Distances(y)
+    todo = [(g, n) for g, n in enumerate(grid) if np.any(n < n_att)]
     for keys in draw_keys:
         # One random ranking per draw: its first N keys are a uniform size-N subset for every
         # N at once (nested across N within a draw, independent across draws).
         order, rank = _ranked(keys, att)
         s_by_n = _cumulative(y, order, upto)
-        for g, n in enumerate(grid):
-            if not np.any(n < n_att):
-                continue
+        for g, n in todo:
             selected = (rank < n) & att
-            D = _squared_distances(y, s_by_n[:, n - 1])
-            totals[:, :, g] += _ball_scores(D, selected, att, n)[:3]
+            totals[:, :, g] += distances.ball_scores(s_by_n[:, n - 1], selected, att, n)[:3]
     if len(draw_keys):
         names = ("random_precision", "random_recall", "random_f_score")
         for g, n in enumerate(grid):
@@ -529,15 +531,71 @@ def _sink_excluded(alpha, y, nonsink, grid, upto, out):
     n_ns = nonsink.sum(axis=1)
     order, rank = _ranked(-alpha, nonsink)
     s_by_n = _cumulative(y, order, upto)
+    distances = _Distances(y)
     for g, n in enumerate(grid):
         valid = n < n_ns
         if not valid.any():
             continue
         selected = (rank < n) & nonsink
-        D = _squared_distances(y, s_by_n[:, n - 1])
-        scores = _ball_scores(D, selected, nonsink, n)[:3]
+        scores = distances.ball_scores(s_by_n[:, n - 1], selected, nonsink, n)[:3]
         names = ("nosink_precision", "nosink_recall", "nosink_f_score")
         _store(out, g, dict(zip(names, scores)), valid)
+
+
+class _Distances:
+    """Ball scores around many aggregates s of the same contributions y (B, K, D), with
+    D_k = ||y_k - s||^2 exactly as `_squared_distances` computes it, evaluated only for the
+    keys whose comparison the cheap expansion ||y_k||^2 - 2 <y_k, s> + ||s||^2 cannot settle.
+
+    Both ways of computing D_k are within (D + 4) eps (||y_k|| + ||s||)^2 of the real value
+    (any summation order); `_EXPANSION_ERROR` doubles that twice for the rounding of the bound
+    itself, and a non-finite bound makes every key of the row exact.
+    """
+
+    def __init__(self, y):
+        self.y = y
+        self.yy = np.einsum("bkd,bkd->bk", y, y)
+        self.y_norm = np.sqrt(self.yy)
+        self.rel = 4 * (y.shape[2] + 4) * np.finfo(np.float64).eps
+
+    def ball_scores(self, s, selected, candidates, n):
+        """As `_ball_scores(_squared_distances(y, s), selected, candidates, n)`."""
+        expanded = self.yy - 2 * np.einsum("bkd,bd->bk", self.y, s) + np.einsum("bd,bd->b", s, s)[:, None]
+        error = self.rel * (self.y_norm + np.linalg.norm(s, axis=-1)[:, None]) ** 2 + _TINY
+        lo, hi = expanded - error, expanded + error
+        unsure_row = ~np.all(np.isfinite(lo) & np.isfinite(hi), axis=1)
+        lo[unsure_row], hi[unsure_row] = -np.inf, np.inf
+        exact = np.full(lo.shape, np.nan)
+
+        def D(mask):
+            """Exact D where mask (computed once per key), NaN elsewhere."""
+            todo = mask & np.isnan(exact)
+            b, k = np.nonzero(todo)
+            if b.size:
+                diff = self.y[b, k] - s[b]
+                exact[b, k] = np.einsum("md,md->m", diff, diff)
+            return exact
+
+        unselected = candidates & ~selected
+        # The extreme distance is among the keys whose bounds reach the other keys' best bound.
+        floor = np.max(lo, axis=1, where=selected, initial=-np.inf)[:, None]
+        r_max2 = np.max(D(selected & (hi >= floor)), axis=1, where=selected & (hi >= floor),
+                        initial=-np.inf)
+        ceiling = np.min(hi, axis=1, where=unselected, initial=np.inf)[:, None]
+        r_min2 = np.min(D(unselected & (lo <= ceiling)), axis=1,
+                        where=unselected & (lo <= ceiling), initial=np.inf)
+        r_max2, r_min2 = r_max2[:, None], r_min2[:, None]
+        unsure = (lo <= r_max2) & (hi > r_max2)
+        exact = D(candidates & unsure)
+        inside = np.where(unsure, exact <= r_max2, hi <= r_max2)
+        unsure = (lo < r_min2) & (hi >= r_min2)
+        exact = D(selected & unsure)
+        closer = np.where(unsure, exact < r_min2, hi < r_min2)
+        precision = n / np.sum(candidates & inside, axis=1)
+        recall = np.sum(selected & closer, axis=1) / n
+        f_score = np.where(precision + recall > 0,
+                           2 * precision * recall / (precision + recall), 0.0)
+        return precision, recall, f_score
 
 
 def _store(out, g, results, valid):
