@@ -349,7 +349,8 @@ class _Instances(NamedTuple):
     has_sink: np.ndarray    # (B,)
     o_norm: np.ndarray      # (B,) ||o||, o = sum_K y_k, the head's output
     rank: np.ndarray        # (B, K) rank of each key in the top-N selection order
-    s_plus_by_n: np.ndarray # (B, K, D) s_{N,+} at index N-1
+    points: np.ndarray      # (P,) the valid N, ascending
+    s_plus_by_n: np.ndarray # (B, P, D) s_{N,+} at each of points
 
 
 class _TopN(NamedTuple):
@@ -368,17 +369,17 @@ class _TopN(NamedTuple):
 def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out):
     nonsink = constants.nonsink
     n_att = att.sum(axis=1)
-    # Aggregates are needed up to the largest valid N only (typically K/2 of K keys).
-    upto = int(np.clip(grid.max(initial=1), 1, max(n_att.max(initial=1) - 1, 1)))
+    # Aggregates are needed at the valid N only (typically up to K/2 of K keys).
+    points = np.unique(grid[grid < max(n_att.max(initial=0), 2)])
     y = alpha[:, :, None] * values
     inst = _Instances(
         values=values, y=y, y_norm=np.linalg.norm(y, axis=-1), att=att,
         has_sink=constants.has_sink,
         o_norm=np.linalg.norm(np.sum(y, axis=1, where=att[:, :, None]), axis=-1),
-        rank=rank,
+        rank=rank, points=points,
         # s_N is kept as its non-sink part plus the sink, so that s_{N,+} and s_N - y_0 carry
         # no cancellation error when the sink dominates the aggregate.
-        s_plus_by_n=_cumulative(np.where(nonsink[:, :, None], y, 0.0), order, upto),
+        s_plus_by_n=_prefix_sums(np.where(nonsink[:, :, None], y, 0.0), order, points),
     )
     bounds = _SinkBounds(alpha, constants)
 
@@ -401,14 +402,14 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
         _store(out, g, results, valid)
         _store(out, g, paper, valid & bounds.paper_defined)
 
-    _random_control(y, att, n_att, grid, upto, draw_keys, out)
-    _sink_excluded(alpha, y, nonsink, grid, upto, out)
+    _random_control(y, att, n_att, grid, points, draw_keys, out)
+    _sink_excluded(alpha, y, nonsink, grid, points, out)
 
 
 def _select(inst, n):
     selected = (inst.rank < n) & inst.att
     sigma = selected[:, 0]
-    s_plus = inst.s_plus_by_n[:, n - 1]
+    s_plus = inst.s_plus_by_n[:, np.searchsorted(inst.points, n)]
     s = s_plus + np.where(sigma[:, None], inst.y[:, 0], 0.0)
     diff = inst.y - s[:, None, :]
     return _TopN(n=n, selected=selected, unselected=inst.att & ~selected, sigma=sigma,
@@ -507,7 +508,7 @@ def _signatures(inst, top):
     )
 
 
-def _random_control(y, att, n_att, grid, upto, draw_keys, out):
+def _random_control(y, att, n_att, grid, points, draw_keys, out):
     """random_precision/recall/f_score: P, R, F of random size-N subsets, mean over draws."""
     totals = np.zeros((3, *out["random_precision"].shape))
     distances = _Distances(y)
@@ -516,28 +517,27 @@ def _random_control(y, att, n_att, grid, upto, draw_keys, out):
         # One random ranking per draw: its first N keys are a uniform size-N subset for every
         # N at once (nested across N within a draw, independent across draws).
         order, rank = _ranked(keys, att)
-        s_by_n = _cumulative(y, order, upto)
+        at = distances.around(_prefix_sums(y, order, points))
         for g, n in todo:
             selected = (rank < n) & att
-            totals[:, :, g] += distances.ball_scores(s_by_n[:, n - 1], selected, att, n)[:3]
+            totals[:, :, g] += at.ball_scores(np.searchsorted(points, n), selected, att, n)[:3]
     if len(draw_keys):
         names = ("random_precision", "random_recall", "random_f_score")
         for g, n in enumerate(grid):
             _store(out, g, dict(zip(names, totals[:, :, g] / len(draw_keys))), n < n_att)
 
 
-def _sink_excluded(alpha, y, nonsink, grid, upto, out):
+def _sink_excluded(alpha, y, nonsink, grid, points, out):
     """nosink_precision/recall/f_score: selection and balls over K \\ {0}."""
     n_ns = nonsink.sum(axis=1)
     order, rank = _ranked(-alpha, nonsink)
-    s_by_n = _cumulative(y, order, upto)
-    distances = _Distances(y)
+    at = _Distances(y).around(_prefix_sums(y, order, points))
     for g, n in enumerate(grid):
         valid = n < n_ns
         if not valid.any():
             continue
         selected = (rank < n) & nonsink
-        scores = distances.ball_scores(s_by_n[:, n - 1], selected, nonsink, n)[:3]
+        scores = at.ball_scores(np.searchsorted(points, n), selected, nonsink, n)[:3]
         names = ("nosink_precision", "nosink_recall", "nosink_f_score")
         _store(out, g, dict(zip(names, scores)), valid)
 
@@ -558,10 +558,18 @@ class _Distances:
         self.y_norm = np.sqrt(self.yy)
         self.rel = 4 * (y.shape[2] + 4) * np.finfo(np.float64).eps
 
-    def ball_scores(self, s, selected, candidates, n):
-        """As `_ball_scores(_squared_distances(y, s), selected, candidates, n)`."""
-        expanded = self.yy - 2 * np.einsum("bkd,bd->bk", self.y, s) + np.einsum("bd,bd->b", s, s)[:, None]
-        error = self.rel * (self.y_norm + np.linalg.norm(s, axis=-1)[:, None]) ** 2 + _TINY
+    def around(self, s):
+        """This object with aggregates s (B, P, D) and their products <y_k, s_p> (B, K, P)."""
+        self.s = s
+        self.ys = self.y @ s.transpose(0, 2, 1)
+        self.ss = np.einsum("bpd,bpd->bp", s, s)
+        return self
+
+    def ball_scores(self, p, selected, candidates, n):
+        """As `_ball_scores(_squared_distances(y, s[:, p]), selected, candidates, n)`."""
+        s = self.s[:, p]
+        expanded = self.yy - 2 * self.ys[:, :, p] + self.ss[:, p, None]
+        error = self.rel * (self.y_norm + np.sqrt(self.ss[:, p, None])) ** 2 + _TINY
         lo, hi = expanded - error, expanded + error
         unsure_row = ~np.all(np.isfinite(lo) & np.isfinite(hi), axis=1)
         lo[unsure_row], hi[unsure_row] = -np.inf, np.inf
@@ -673,10 +681,22 @@ def _ranked(key, candidates):
     return order, rank
 
 
-def _cumulative(y, order, upto):
-    """(B, upto, D): entry n-1 is the sum of y over the first n keys of order, summed in
-    that order."""
-    return np.cumsum(np.take_along_axis(y, order[:, :upto, None], axis=1), axis=1)
+def _prefix_sums(y, order, points):
+    """(B, len(points), D): the sum of y over the first n keys of order for each n of points
+    (ascending, 1 <= n <= K), added one key at a time in that order (as np.cumsum does)."""
+    B, K, D = y.shape
+    if not len(points):
+        return np.empty((B, 0, D))
+    ranked = y.reshape(B * K, D)[(order[:, :points[-1]] + K * np.arange(B)[:, None]).ravel()]
+    ranked = ranked.reshape(B, points[-1], D)
+    out = np.empty((B, len(points), D))
+    start = 0
+    for i, n in enumerate(points):
+        # A reduction over a non-contiguous axis adds row after row: the running sum goes first.
+        block = ranked[:, start:n] if i == 0 else np.concatenate([out[:, i - 1, None], ranked[:, start:n]], axis=1)
+        out[:, i] = np.add.reduce(block, axis=1)
+        start = n
+    return out
 
 
 def _squared_distances(y, s):
