@@ -283,11 +283,12 @@ class _TopPairs(NamedTuple):
             sample = sample[np.triu(np.ones(sample.shape, dtype=bool), 1)]
             kth = int((1 - _TOP_PAIR_SHARE) * (sample.size - 1))
             threshold = np.partition(sample, kth)[kth]
-        p, q = np.nonzero(gram >= threshold)
+        flat = np.flatnonzero(gram >= threshold)
+        p, q = np.divmod(flat, k)
         upper = p < q
         p, q = p[upper], q[upper]
-        cos = gram[p, q]
-        by_cos = np.argsort(-cos, kind="stable")
+        cos = gram.ravel()[flat[upper]]
+        by_cos = np.argsort(-cos)  # equal cosines are interchangeable
         return cls(p[by_cos], q[by_cos], cos[by_cos], total)
 
     def quantile(self, first, n, m, q, gram, rank):
@@ -647,17 +648,13 @@ def _k_sink(beta, selected, unselected, nonsink, has_sink, mu, nu_plus, nu_minus
 
 
 def _count_pairs_le(b, b_mask, a, a_mask):
-    """#{(i, j): a_mask_i, b_mask_j, b_j <= a_i} per row of (B, K) arrays, in O(K log K).
-
-    One stable merge sort of the concatenation [b, a]: an equal b_j sorts before a_i, so
-    the b's preceding each a_i are exactly those with b_j <= a_i.
-    """
-    merged = np.concatenate([np.where(b_mask, b, 0.0), np.where(a_mask, a, 0.0)], axis=1)
-    order = np.argsort(merged, axis=1, kind="stable")
-    none = np.zeros_like(a_mask)
-    is_b = np.take_along_axis(np.concatenate([b_mask, none], axis=1), order, axis=1)
-    is_a = np.take_along_axis(np.concatenate([none, a_mask], axis=1), order, axis=1)
-    return np.sum(np.cumsum(is_b, axis=1), axis=1, where=is_a)
+    """#{(i, j): a_mask_i, b_mask_j, b_j <= a_i} per row of (B, K) arrays, in O(K log K):
+    a binary search of each a_i among the sorted b_j. (A NaN b_j is never <= a_i; a NaN a_i
+    counts every b_j, as NaN sorts last.)"""
+    sorted_b = np.sort(np.where(b_mask, b, np.nan), axis=1)
+    n_b = b_mask.sum(axis=1)
+    return np.array([np.searchsorted(row[:m], x[keep], side="right").sum()
+                     for row, m, x, keep in zip(sorted_b, n_b, a, a_mask)], dtype=np.int64)
 
 
 def _ball_scores(D, selected, candidates, n):
