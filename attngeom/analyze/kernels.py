@@ -352,6 +352,8 @@ class _Instances(NamedTuple):
     rank: np.ndarray        # (B, K) rank of each key in the top-N selection order
     points: np.ndarray      # (P,) the valid N, ascending
     s_plus_by_n: np.ndarray # (B, P, D) s_{N,+} at each of points
+    s_by_n: np.ndarray      # (B, P, D) s_N at each of points
+    ys_by_n: np.ndarray     # (B, K, P) <y_k, s_N>
 
 
 class _TopN(NamedTuple):
@@ -363,6 +365,7 @@ class _TopN(NamedTuple):
     sigma: np.ndarray       # (B,) 0 in I_N
     s_plus: np.ndarray      # (B, D) s_{N,+}
     s: np.ndarray           # (B, D) s_N
+    ys: np.ndarray          # (B, K) <y_k, s_N>
     diff: np.ndarray        # (B, K, D) y_k - s_N
     D: np.ndarray           # (B, K) ||y_k - s_N||^2
 
@@ -373,14 +376,17 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
     # Aggregates are needed at the valid N only (typically up to K/2 of K keys).
     points = np.unique(grid[grid < max(n_att.max(initial=0), 2)])
     y = alpha[:, :, None] * values
+    # s_N is kept as its non-sink part plus the sink, so that s_{N,+} and s_N - y_0 carry
+    # no cancellation error when the sink dominates the aggregate.
+    s_plus_by_n = _prefix_sums(np.where(nonsink[:, :, None], y, 0.0), order, points)
+    sink_in = (rank[:, :1] < points) & att[:, :1]  # (B, P): 0 in I_N
+    s_by_n = s_plus_by_n + np.where(sink_in[:, :, None], y[:, :1], 0.0)
     inst = _Instances(
         values=values, y=y, y_norm=np.linalg.norm(y, axis=-1), att=att,
         has_sink=constants.has_sink,
         o_norm=np.linalg.norm(np.sum(y, axis=1, where=att[:, :, None]), axis=-1),
-        rank=rank, points=points,
-        # s_N is kept as its non-sink part plus the sink, so that s_{N,+} and s_N - y_0 carry
-        # no cancellation error when the sink dominates the aggregate.
-        s_plus_by_n=_prefix_sums(np.where(nonsink[:, :, None], y, 0.0), order, points),
+        rank=rank, points=points, s_plus_by_n=s_plus_by_n, s_by_n=s_by_n,
+        ys_by_n=y @ s_by_n.transpose(0, 2, 1),
     )
     bounds = _SinkBounds(alpha, constants)
 
@@ -409,12 +415,12 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
 
 def _select(inst, n):
     selected = (inst.rank < n) & inst.att
-    sigma = selected[:, 0]
-    s_plus = inst.s_plus_by_n[:, np.searchsorted(inst.points, n)]
-    s = s_plus + np.where(sigma[:, None], inst.y[:, 0], 0.0)
+    p = np.searchsorted(inst.points, n)
+    s = inst.s_by_n[:, p]
     diff = inst.y - s[:, None, :]
-    return _TopN(n=n, selected=selected, unselected=inst.att & ~selected, sigma=sigma,
-                 s_plus=s_plus, s=s, diff=diff, D=np.einsum("bkd,bkd->bk", diff, diff))
+    return _TopN(n=n, selected=selected, unselected=inst.att & ~selected, sigma=selected[:, 0],
+                 s_plus=inst.s_plus_by_n[:, p], s=s, ys=inst.ys_by_n[:, :, p], diff=diff,
+                 D=np.einsum("bkd,bkd->bk", diff, diff))
 
 
 class _SinkBounds:
@@ -481,13 +487,18 @@ def _sink_diagnostics(inst, top, r_max2):
 def _leave_one_out(inst, top):
     """Appendix "Leave-one-out control": C_N^loo, M_N^loo, positive fraction, gamma_N^loo."""
     s_norm = np.linalg.norm(top.s, axis=-1)
+    b, k = np.nonzero(top.selected)
+    y_i, diff_i = inst.y[b, k], top.diff[b, k]
     # cos(y_i, s_{N,-i}) from <y_i, y_i - s_N> and D_i = ||y_i - s_N||^2, both computed from
     # the difference itself rather than expanded (no cancellation when y_i ~ s_N).
-    loo_cos_i = -np.einsum("bkd,bkd->bk", inst.y, top.diff) / (inst.y_norm * np.sqrt(top.D))
-    cos_js = np.einsum("bkd,bd->bk", inst.y, top.s) / (inst.y_norm * s_norm[:, None])
+    loo_cos_i = np.full(top.D.shape, np.nan)
+    loo_cos_i[b, k] = (-np.einsum("md,md->m", y_i, diff_i)
+                       / (inst.y_norm[b, k] * np.sqrt(top.D[b, k])))
+    loo_spread = np.full(top.D.shape, -np.inf)  # ||y_i - s_{N,-i}|| = ||2 y_i - s_N||
+    loo_spread[b, k] = np.linalg.norm(y_i + diff_i, axis=-1)
+    cos_js = top.ys / (inst.y_norm * s_norm[:, None])
     loo_defined = top.selected & np.isfinite(loo_cos_i)
     loo_cos = _masked_mean(loo_cos_i, loo_defined)
-    loo_spread = np.linalg.norm(inst.y + top.diff, axis=-1)  # ||y_i - s_{N,-i}|| = ||2 y_i - s_N||
     return dict(
         loo_cos=loo_cos,
         loo_margin=loo_cos - _masked_mean(cos_js, top.unselected & np.isfinite(cos_js)),
@@ -578,28 +589,25 @@ class _Distances:
 
         def D(mask):
             """Exact D where mask (computed once per key), NaN elsewhere."""
-            todo = mask & np.isnan(exact)
-            b, k = np.nonzero(todo)
-            if b.size:
+            flat = np.flatnonzero(mask & np.isnan(exact))
+            if flat.size:
+                b, k = np.divmod(flat, mask.shape[1])
                 diff = self.y[b, k] - s[b]
-                exact[b, k] = np.einsum("md,md->m", diff, diff)
+                exact.ravel()[flat] = np.einsum("md,md->m", diff, diff)
             return exact
 
         unselected = candidates & ~selected
         # The extreme distance is among the keys whose bounds reach the other keys' best bound.
-        floor = np.max(lo, axis=1, where=selected, initial=-np.inf)[:, None]
-        r_max2 = np.max(D(selected & (hi >= floor)), axis=1, where=selected & (hi >= floor),
-                        initial=-np.inf)
-        ceiling = np.min(hi, axis=1, where=unselected, initial=np.inf)[:, None]
-        r_min2 = np.min(D(unselected & (lo <= ceiling)), axis=1,
-                        where=unselected & (lo <= ceiling), initial=np.inf)
-        r_max2, r_min2 = r_max2[:, None], r_min2[:, None]
-        unsure = (lo <= r_max2) & (hi > r_max2)
-        exact = D(candidates & unsure)
-        inside = np.where(unsure, exact <= r_max2, hi <= r_max2)
-        unsure = (lo < r_min2) & (hi >= r_min2)
-        exact = D(selected & unsure)
-        closer = np.where(unsure, exact < r_min2, hi < r_min2)
+        near_max = selected & (hi >= np.max(lo, axis=1, where=selected, initial=-np.inf)[:, None])
+        near_min = unselected & (lo <= np.min(hi, axis=1, where=unselected, initial=np.inf)[:, None])
+        exact = D(near_max | near_min)
+        r_max2 = np.max(exact, axis=1, where=near_max, initial=-np.inf)[:, None]
+        r_min2 = np.min(exact, axis=1, where=near_min, initial=np.inf)[:, None]
+        unsure_max = candidates & (lo <= r_max2) & (hi > r_max2)
+        unsure_min = selected & (lo < r_min2) & (hi >= r_min2)
+        exact = D(unsure_max | unsure_min)
+        inside = np.where(unsure_max, exact <= r_max2, hi <= r_max2)
+        closer = np.where(unsure_min, exact < r_min2, hi < r_min2)
         precision = n / np.sum(candidates & inside, axis=1)
         recall = np.sum(selected & closer, axis=1) / n
         f_score = np.where(precision + recall > 0,
