@@ -522,68 +522,68 @@ def _signatures(inst, top):
 
 def _random_control(y, att, n_att, grid, points, draw_keys, out):
     """random_precision/recall/f_score: P, R, F of random size-N subsets, mean over draws."""
-    totals = np.zeros((3, *out["random_precision"].shape))
-    distances = _Distances(y)
-    todo = [(g, n) for g, n in enumerate(grid) if np.any(n < n_att)]
-    for keys in draw_keys:
-        # One random ranking per draw: its first N keys are a uniform size-N subset for every
-        # N at once (nested across N within a draw, independent across draws).
-        order, rank = _ranked(keys, att)
-        at = distances.around(_prefix_sums(y, order, points))
-        for g, n in todo:
-            selected = (rank < n) & att
-            totals[:, :, g] += at.ball_scores(np.searchsorted(points, n), selected, att, n)[:3]
-    if len(draw_keys):
-        names = ("random_precision", "random_recall", "random_f_score")
-        for g, n in enumerate(grid):
-            _store(out, g, dict(zip(names, totals[:, :, g] / len(draw_keys))), n < n_att)
+    if not len(draw_keys):
+        return
+    # One random ranking per draw: its first N keys are a uniform size-N subset for every
+    # N at once (nested across N within a draw, independent across draws).
+    ranked = [_ranked(keys, att) for keys in draw_keys]
+    at = _Distances(y, np.stack([_prefix_sums(y, order, points) for order, _ in ranked]))
+    rank = np.stack([rank for _, rank in ranked])
+    names = ("random_precision", "random_recall", "random_f_score")
+    for g, n in enumerate(grid):
+        valid = n < n_att
+        if not valid.any():
+            continue
+        scores = at.ball_scores(np.searchsorted(points, n), (rank < n) & att, att, n)
+        _store(out, g, dict(zip(names, (np.sum(x, axis=0) / len(draw_keys) for x in scores))),
+               valid)
 
 
 def _sink_excluded(alpha, y, nonsink, grid, points, out):
     """nosink_precision/recall/f_score: selection and balls over K \\ {0}."""
     n_ns = nonsink.sum(axis=1)
     order, rank = _ranked(-alpha, nonsink)
-    at = _Distances(y).around(_prefix_sums(y, order, points))
+    at = _Distances(y, _prefix_sums(y, order, points)[None])
     for g, n in enumerate(grid):
         valid = n < n_ns
         if not valid.any():
             continue
         selected = (rank < n) & nonsink
-        scores = at.ball_scores(np.searchsorted(points, n), selected, nonsink, n)[:3]
+        scores = at.ball_scores(np.searchsorted(points, n), selected[None], nonsink, n)
         names = ("nosink_precision", "nosink_recall", "nosink_f_score")
-        _store(out, g, dict(zip(names, scores)), valid)
+        _store(out, g, dict(zip(names, (x[0] for x in scores))), valid)
 
 
 class _Distances:
-    """Ball scores around many aggregates s of the same contributions y (B, K, D), with
-    D_k = ||y_k - s||^2 exactly as `_squared_distances` computes it, evaluated only for the
+    """Ball scores of the contributions y (B, K, D) around aggregates s (R, B, P, D), with
+    D_k = ||y_k - s||^2 exactly as `_squared_distances` computes it but evaluated only for the
     keys whose comparison the cheap expansion ||y_k||^2 - 2 <y_k, s> + ||s||^2 cannot settle.
 
     Both ways of computing D_k are within (D + 4) eps (||y_k|| + ||s||)^2 of the real value
-    (any summation order); `_EXPANSION_ERROR` doubles that twice for the rounding of the bound
-    itself, and a non-finite bound makes every key of the row exact.
+    (any summation order, any fused multiply-add); the bound used is 4 times that, plus an
+    absolute floor for subnormal rounding; a non-finite bound makes every key of its row exact.
     """
 
-    def __init__(self, y):
-        self.y = y
+    def __init__(self, y, s):
+        R, B, P, D = s.shape
+        self.y, self.s = y, s
         self.yy = np.einsum("bkd,bkd->bk", y, y)
         self.y_norm = np.sqrt(self.yy)
-        self.rel = 4 * (y.shape[2] + 4) * np.finfo(np.float64).eps
-
-    def around(self, s):
-        """This object with aggregates s (B, P, D) and their products <y_k, s_p> (B, K, P)."""
-        self.s = s
-        self.ys = self.y @ s.transpose(0, 2, 1)
-        self.ss = np.einsum("bpd,bpd->bp", s, s)
-        return self
+        # <y_k, s> for every draw and N by one product: (B, K, R, P).
+        products = y @ np.ascontiguousarray(s.transpose(1, 3, 0, 2)).reshape(B, D, R * P)
+        self.ys = products.reshape(B, y.shape[1], R, P)
+        self.ss = np.einsum("rbpd,rbpd->rbp", s, s)
+        self.rel = 4 * (D + 4) * np.finfo(np.float64).eps
 
     def ball_scores(self, p, selected, candidates, n):
-        """As `_ball_scores(_squared_distances(y, s[:, p]), selected, candidates, n)`."""
-        s = self.s[:, p]
-        expanded = self.yy - 2 * self.ys[:, :, p] + self.ss[:, p, None]
-        error = self.rel * (self.y_norm + np.sqrt(self.ss[:, p, None])) ** 2 + _TINY
+        """P, R, F (R, B) as `_ball_scores(_squared_distances(y, s[r, :, p]), selected[r],
+        candidates, n)` for every r; selected (R, B, K), candidates (B, K)."""
+        s = self.s[:, :, p]
+        ss = self.ss[:, :, p, None]
+        expanded = self.yy - 2 * self.ys[:, :, :, p].transpose(2, 0, 1) + ss
+        error = self.rel * (self.y_norm + np.sqrt(ss)) ** 2 + _TINY
         lo, hi = expanded - error, expanded + error
-        unsure_row = ~np.all(np.isfinite(lo) & np.isfinite(hi), axis=1)
+        unsure_row = ~np.all(np.isfinite(lo) & np.isfinite(hi), axis=-1)
         lo[unsure_row], hi[unsure_row] = -np.inf, np.inf
         exact = np.full(lo.shape, np.nan)
 
@@ -591,25 +591,27 @@ class _Distances:
             """Exact D where mask (computed once per key), NaN elsewhere."""
             flat = np.flatnonzero(mask & np.isnan(exact))
             if flat.size:
-                b, k = np.divmod(flat, mask.shape[1])
-                diff = self.y[b, k] - s[b]
+                r, b, k = np.unravel_index(flat, mask.shape)
+                diff = self.y[b, k] - s[r, b]
                 exact.ravel()[flat] = np.einsum("md,md->m", diff, diff)
             return exact
 
         unselected = candidates & ~selected
         # The extreme distance is among the keys whose bounds reach the other keys' best bound.
-        near_max = selected & (hi >= np.max(lo, axis=1, where=selected, initial=-np.inf)[:, None])
-        near_min = unselected & (lo <= np.min(hi, axis=1, where=unselected, initial=np.inf)[:, None])
+        floor = np.max(lo, axis=-1, where=selected, initial=-np.inf)[..., None]
+        ceiling = np.min(hi, axis=-1, where=unselected, initial=np.inf)[..., None]
+        near_max = selected & (hi >= floor)
+        near_min = unselected & (lo <= ceiling)
         exact = D(near_max | near_min)
-        r_max2 = np.max(exact, axis=1, where=near_max, initial=-np.inf)[:, None]
-        r_min2 = np.min(exact, axis=1, where=near_min, initial=np.inf)[:, None]
+        r_max2 = np.max(exact, axis=-1, where=near_max, initial=-np.inf)[..., None]
+        r_min2 = np.min(exact, axis=-1, where=near_min, initial=np.inf)[..., None]
         unsure_max = candidates & (lo <= r_max2) & (hi > r_max2)
         unsure_min = selected & (lo < r_min2) & (hi >= r_min2)
         exact = D(unsure_max | unsure_min)
         inside = np.where(unsure_max, exact <= r_max2, hi <= r_max2)
         closer = np.where(unsure_min, exact < r_min2, hi < r_min2)
-        precision = n / np.sum(candidates & inside, axis=1)
-        recall = np.sum(selected & closer, axis=1) / n
+        precision = n / np.sum(candidates & inside, axis=-1)
+        recall = np.sum(selected & closer, axis=-1) / n
         f_score = np.where(precision + recall > 0,
                            2 * precision * recall / (precision + recall), 0.0)
         return precision, recall, f_score
