@@ -458,10 +458,15 @@ class _SinkBounds:
         certificate), and the paper variant's, defined where paper_defined."""
         n = top.n
         mu, mu_q95 = self.constants.mu[:, g], self.constants.mu_q95[:, g]
+        # The three variants as one batch of 3B rows: paper, robust (q95), exact.
         masks = (top.selected, top.unselected, self.constants.nonsink, self.constants.has_sink)
-        k_sink = _k_sink(self.beta_paper, *masks, np.nan_to_num(mu), *self.nu_paper)
-        k_sink_q95 = _k_sink(self.beta_paper, *masks, np.nan_to_num(mu_q95), *self.nu_q95)
-        k_sink_exact = _k_sink(self.beta_exact, *masks, np.nan_to_num(mu), *self.nu_exact)
+        counts = _k_sink(
+            np.concatenate([self.beta_paper, self.beta_paper, self.beta_exact]),
+            *(np.concatenate([m] * 3) for m in masks),
+            np.nan_to_num(np.concatenate([mu, mu_q95, mu])),
+            *(np.concatenate(nus) for nus in zip(self.nu_paper, self.nu_q95, self.nu_exact)),
+        )
+        k_sink, k_sink_q95, k_sink_exact = np.split(counts, 3)
         paper = dict(
             k_sink=k_sink, k_sink_q95=k_sink_q95,
             precision_bound=1.0 / (1.0 + k_sink / n),
@@ -529,9 +534,10 @@ def _random_control(y, att, n_att, grid, points, draw_keys, out):
         return
     # One random ranking per draw: its first N keys are a uniform size-N subset for every
     # N at once (nested across N within a draw, independent across draws).
-    ranked = [_ranked(keys, att) for keys in draw_keys]
-    at = _Distances(y, np.stack([_prefix_sums(y, order, points) for order, _ in ranked]))
-    rank = np.stack([rank for _, rank in ranked])
+    R, B, K = draw_keys.shape
+    order, rank = _ranked(draw_keys.reshape(R * B, K), np.tile(att, (R, 1)))
+    order, rank = order.reshape(R, B, K), rank.reshape(R, B, K)
+    at = _Distances(y, np.stack([_prefix_sums(y, o, points) for o in order]))
     names = ("random_precision", "random_recall", "random_f_score")
     for g, n in enumerate(grid):
         valid = n < n_att
