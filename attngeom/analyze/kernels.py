@@ -758,7 +758,7 @@ def _order_statistics(x, lo, hi):
     """
     m = x.size
     if m > _BRACKET_MIN:
-        sample = np.sort(x[:: m // 2048])
+        sample = np.sort(x[:: max(m // 2048, 1)])
         margin = 0.02 * sample.size + 8
         t_lo = sample[max(int(lo / m * sample.size - margin), 0)]
         t_hi = sample[min(int(hi / m * sample.size + margin), sample.size - 1)]
