@@ -3,7 +3,7 @@
 
     python benchmarks/analyze_kernels.py                      # ~5 min on 2 busy cores
     python benchmarks/analyze_kernels.py --reps 5 --json kernels.json
-    python benchmarks/analyze_kernels.py --store /tmp/kern-real.zarr   # also a real store
+    python benchmarks/analyze_kernels.py --store a.zarr --store b.zarr   # also real stores
 
 One (sequence, layer) block of a model's shape is what an analyze task hands the kernels:
 H query heads reading KV kv heads of head_dim D at context length L, default N grid (powers
@@ -19,7 +19,7 @@ and new on the same block back to back (order alternating), BLAS pinned to one t
 
 Every comparison also checks the results: counts exact, floats equal to 1e-9 relative
 (absolute 1e-12), NaN where NaN. With ``--store`` every (sequence, layer) block of every run of
-a real store is compared the same way, and timed once each way.
+each real store is compared the same way, and timed once each way (CPU time).
 """
 
 from __future__ import annotations
@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=ints, default=[512, 1024])
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--store", help="also compare old and new on every block of this store")
+    p.add_argument("--store", action="append", default=[],
+                   help="also compare old and new on every block of this store (repeatable)")
     p.add_argument("--json", type=Path, help="also write every figure here")
     args = p.parse_args(argv)
 
@@ -218,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['ratio_min']:.1f}-{r['ratio_max']:.1f}", f"{r['cpu_ratio']:.1f}x",
                       "yes" if r["agree"] else f"NO {r['mismatched']}"] for r in results["synthetic"]]), ""]
         if args.store:
-            log(f"real store {args.store}, old vs new")
-            results["store"] = bench_store(args.store, log)
-            out += [f"## Real store {args.store}", "", table(
+            log(f"real stores {args.store}, old vs new")
+            results["store"] = [row for store in args.store for row in bench_store(store, log)]
+            out += [f"## Real stores {', '.join(args.store)}", "", table(
                 ["run", "L", "blocks", "instances", "windowed blocks", "results agree",
                  "max rel diff", "CPU-time ratio"],
                 [[r["run"], r["L"], r["blocks"], r["instances"], r["windowed_blocks"],
