@@ -386,7 +386,7 @@ def test_extremal_balls_are_trivial(batch):
             I = [k for k in Kset if rank[b, k] < N]
             U = [k for k in Kset if k not in I]
             s = y[b, I].sum(axis=0)
-            D = kernels._squared_distances(y[b:b + 1], s[None])[0]
+            D = kernels._squared_distances(y[b], s)
             r_max2, r_min2 = max(D[I]), min(D[U])
             assert sum(D[i] <= r_max2 for i in I) / N == 1  # R(r_max, N)
             ball = [k for k in Kset if D[k] < r_min2]

@@ -356,7 +356,7 @@ class _Instances(NamedTuple):
     points: np.ndarray      # (P,) the valid N, ascending
     s_plus_by_n: np.ndarray # (B, P, D) s_{N,+} at each of points
     s_by_n: np.ndarray      # (B, P, D) s_N at each of points
-    ys_by_n: np.ndarray     # (B, K, P) <y_k, s_N>
+    distances: _Distances   # of y to s_N at each of points
 
 
 class _TopN(NamedTuple):
@@ -369,8 +369,11 @@ class _TopN(NamedTuple):
     s_plus: np.ndarray      # (B, D) s_{N,+}
     s: np.ndarray           # (B, D) s_N
     ys: np.ndarray          # (B, K) <y_k, s_N>
-    diff: np.ndarray        # (B, K, D) y_k - s_N
-    D: np.ndarray           # (B, K) ||y_k - s_N||^2
+    D: np.ndarray           # (B, K) ||y_k - s_N||^2 where selected or the sink, elsewhere
+                            # a stand-in ordered as D against the other side (`_Around.ordered`)
+    scores: tuple           # P(r_max, N), R(r_min, N), F, each (B,)
+    r_max2: np.ndarray      # (B,)
+    r_min2: np.ndarray      # (B,)
 
 
 def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out):
@@ -389,7 +392,7 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
         has_sink=constants.has_sink,
         o_norm=np.linalg.norm(np.sum(y, axis=1, where=att[:, :, None]), axis=-1),
         rank=rank, points=points, s_plus_by_n=s_plus_by_n, s_by_n=s_by_n,
-        ys_by_n=y @ s_by_n.transpose(0, 2, 1),
+        distances=_Distances(y, s_by_n[None]),
     )
     bounds = _SinkBounds(alpha, constants)
 
@@ -398,13 +401,13 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
         if not valid.any():
             continue
         top = _select(inst, n)
-        precision, recall, f_score, r_max2 = _ball_scores(top.D, top.selected, att, n)
+        precision, recall, f_score = top.scores
         results = dict(
             precision=precision, recall=recall, f_score=f_score,
             inversions=_count_pairs_le(top.D, top.unselected, top.D, top.selected),
             sink_selected=top.sigma,
         )
-        results.update(_sink_diagnostics(inst, top, r_max2))
+        results.update(_sink_diagnostics(inst, top))
         results.update(_leave_one_out(inst, top))
         results.update(_signatures(inst, top))
         certificate, paper = bounds.at(top, g)
@@ -418,12 +421,20 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
 
 def _select(inst, n):
     selected = (inst.rank < n) & inst.att
+    unselected = inst.att & ~selected
     p = np.searchsorted(inst.points, n)
-    s = inst.s_by_n[:, p]
-    diff = inst.y - s[:, None, :]
-    return _TopN(n=n, selected=selected, unselected=inst.att & ~selected, sigma=selected[:, 0],
-                 s_plus=inst.s_plus_by_n[:, p], s=s, ys=inst.ys_by_n[:, :, p], diff=diff,
-                 D=np.einsum("bkd,bkd->bk", diff, diff))
+    around = inst.distances.at(p)
+    *scores, r_max2, r_min2 = (x[0] for x in around.ball_scores(selected[None], inst.att, n))
+    # Exact where a value is reported or compared with the sink's; stand-ins that order the
+    # selected and unselected keys exactly elsewhere.
+    sink = np.zeros_like(selected)
+    sink[:, 0] = inst.att[:, 0]
+    around.D((selected | sink)[None])
+    D = around.ordered(selected[None], unselected[None])[0]
+    return _TopN(n=n, selected=selected, unselected=unselected, sigma=selected[:, 0],
+                 s_plus=inst.s_plus_by_n[:, p], s=inst.s_by_n[:, p],
+                 ys=inst.distances.ys[:, :, 0, p], D=D, scores=tuple(scores),
+                 r_max2=r_max2, r_min2=r_min2)
 
 
 class _SinkBounds:
@@ -477,8 +488,9 @@ class _SinkBounds:
         return dict(mu=mu, mu_q95=mu_q95, k_sink_exact=k_sink_exact), paper
 
 
-def _sink_diagnostics(inst, top, r_max2):
+def _sink_diagnostics(inst, top):
     """Appendix "Additional attention sink diagnostics"; NaN where they do not apply."""
+    r_max2 = top.r_max2
     y0 = inst.y[:, 0]
     sink_out = inst.has_sink & ~top.sigma
     sink_beats = np.sum(top.selected & (top.D[:, :1] <= top.D), axis=1) / top.n
@@ -496,7 +508,8 @@ def _leave_one_out(inst, top):
     """Appendix "Leave-one-out control": C_N^loo, M_N^loo, positive fraction, gamma_N^loo."""
     s_norm = np.linalg.norm(top.s, axis=-1)
     b, k = np.nonzero(top.selected)
-    y_i, diff_i = inst.y[b, k], top.diff[b, k]
+    y_i = inst.y[b, k]
+    diff_i = y_i - top.s[b]
     # cos(y_i, s_{N,-i}) from <y_i, y_i - s_N> and D_i = ||y_i - s_N||^2, both computed from
     # the difference itself rather than expanded (no cancellation when y_i ~ s_N).
     loo_cos_i = np.full(top.D.shape, np.nan)
@@ -511,7 +524,7 @@ def _leave_one_out(inst, top):
         loo_cos=loo_cos,
         loo_margin=loo_cos - _masked_mean(cos_js, top.unselected & np.isfinite(cos_js)),
         loo_positive_frac=_masked_mean(loo_cos_i > 0, loo_defined),
-        loo_distance_margin=(np.sqrt(np.min(top.D, axis=1, where=top.unselected, initial=np.inf))
+        loo_distance_margin=(np.sqrt(top.r_min2)
                              - np.max(loo_spread, axis=1, where=top.selected, initial=-np.inf)),
     )
 
@@ -543,7 +556,7 @@ def _random_control(y, att, n_att, grid, points, draw_keys, out):
         valid = n < n_att
         if not valid.any():
             continue
-        scores = at.ball_scores(np.searchsorted(points, n), (rank < n) & att, att, n)
+        scores = at.at(np.searchsorted(points, n)).ball_scores((rank < n) & att, att, n)[:3]
         _store(out, g, dict(zip(names, (np.sum(x, axis=0) / len(draw_keys) for x in scores))),
                valid)
 
@@ -558,19 +571,20 @@ def _sink_excluded(alpha, y, nonsink, grid, points, out):
         if not valid.any():
             continue
         selected = (rank < n) & nonsink
-        scores = at.ball_scores(np.searchsorted(points, n), selected[None], nonsink, n)
+        scores = at.at(np.searchsorted(points, n)).ball_scores(selected[None], nonsink, n)[:3]
         names = ("nosink_precision", "nosink_recall", "nosink_f_score")
         _store(out, g, dict(zip(names, (x[0] for x in scores))), valid)
 
 
 class _Distances:
-    """Ball scores of the contributions y (B, K, D) around aggregates s (R, B, P, D), with
-    D_k = ||y_k - s||^2 exactly as `_squared_distances` computes it but evaluated only for the
-    keys whose comparison the cheap expansion ||y_k||^2 - 2 <y_k, s> + ||s||^2 cannot settle.
+    """Distances D_k = ||y_k - s||^2 of the contributions y (B, K, D) to aggregates s
+    (R, B, P, D): R selections (draws) at P sizes N. `at(p)` gives those at one N.
 
-    Both ways of computing D_k are within (D + 4) eps (||y_k|| + ||s||)^2 of the real value
-    (any summation order, any fused multiply-add); the bound used is 4 times that, plus an
-    absolute floor for subnormal rounding; a non-finite bound makes every key of its row exact.
+    D_k is evaluated exactly (as ``||y_k - s||^2`` from the difference, the same way for every
+    key) only where the cheap expansion ||y_k||^2 - 2 <y_k, s> + ||s||^2 cannot settle a
+    comparison. Both ways are within (D + 4) eps (||y_k|| + ||s||)^2 of the real value (any
+    summation order, any fused multiply-add); the bound used is 4 times that, plus an absolute
+    floor for subnormal rounding; a non-finite bound makes every key of its row exact.
     """
 
     def __init__(self, y, s):
@@ -578,52 +592,83 @@ class _Distances:
         self.y, self.s = y, s
         self.yy = np.einsum("bkd,bkd->bk", y, y)
         self.y_norm = np.sqrt(self.yy)
-        # <y_k, s> for every draw and N by one product: (B, K, R, P).
+        # <y_k, s> for every selection and N by one product: (B, K, R, P).
         products = y @ np.ascontiguousarray(s.transpose(1, 3, 0, 2)).reshape(B, D, R * P)
         self.ys = products.reshape(B, y.shape[1], R, P)
         self.ss = np.einsum("rbpd,rbpd->rbp", s, s)
         self.rel = 4 * (D + 4) * np.finfo(np.float64).eps
 
-    def ball_scores(self, p, selected, candidates, n):
-        """P, R, F (R, B) as `_ball_scores(_squared_distances(y, s[r, :, p]), selected[r],
-        candidates, n)` for every r; selected (R, B, K), candidates (B, K)."""
-        s = self.s[:, :, p]
-        ss = self.ss[:, :, p, None]
-        expanded = self.yy - 2 * self.ys[:, :, :, p].transpose(2, 0, 1) + ss
-        error = self.rel * (self.y_norm + np.sqrt(ss)) ** 2 + _TINY
-        lo, hi = expanded - error, expanded + error
-        unsure_row = ~np.all(np.isfinite(lo) & np.isfinite(hi), axis=-1)
-        lo[unsure_row], hi[unsure_row] = -np.inf, np.inf
-        exact = np.full(lo.shape, np.nan)
+    def at(self, p):
+        return _Around(self, p)
 
-        def D(mask):
-            """Exact D where mask (computed once per key), NaN elsewhere."""
-            flat = np.flatnonzero(mask & np.isnan(exact))
-            if flat.size:
-                r, b, k = np.unravel_index(flat, mask.shape)
-                diff = self.y[b, k] - s[r, b]
-                exact.ravel()[flat] = np.einsum("md,md->m", diff, diff)
-            return exact
 
+class _Around:
+    """The distances of every key to the aggregates at one N: (R, B, K) bounds lo <= D <= hi
+    around the expansion, and the exact values computed so far (NaN where not)."""
+
+    def __init__(self, distances, p):
+        self.y, self.s = distances.y, distances.s[:, :, p]
+        ss = distances.ss[:, :, p, None]
+        self.expanded = distances.yy - 2 * distances.ys[:, :, :, p].transpose(2, 0, 1) + ss
+        error = distances.rel * (distances.y_norm + np.sqrt(ss)) ** 2 + _TINY
+        self.lo, self.hi = self.expanded - error, self.expanded + error
+        unsure_row = ~np.all(np.isfinite(self.lo) & np.isfinite(self.hi), axis=-1)
+        self.lo[unsure_row], self.hi[unsure_row] = -np.inf, np.inf
+        self.exact = np.full(self.lo.shape, np.nan)
+
+    def D(self, mask):
+        """Exact D where mask (computed once per key), NaN elsewhere."""
+        flat = np.flatnonzero(mask & np.isnan(self.exact))
+        if flat.size:
+            r, b, k = np.unravel_index(flat, mask.shape)
+            self.exact.ravel()[flat] = _squared_distances(self.y[b, k], self.s[r, b])
+        return self.exact
+
+    def ball_scores(self, selected, candidates, n):
+        """Ball scores over the candidate keys (closed r_max ball, open r_min ball: SPEC §3
+        "Balls"): P(r_max, N) = N / |{k: D_k <= r_max^2}|, R(r_min, N) =
+        |{i in I_N: D_i < r_min^2}| / N, F = 2PR/(P+R) (0 if P + R = 0), r_max^2 and r_min^2,
+        each (R, B), of the exact distances; selected (R, B, K), candidates (B, K)."""
+        lo, hi = self.lo, self.hi
         unselected = candidates & ~selected
         # The extreme distance is among the keys whose bounds reach the other keys' best bound.
         floor = np.max(lo, axis=-1, where=selected, initial=-np.inf)[..., None]
         ceiling = np.min(hi, axis=-1, where=unselected, initial=np.inf)[..., None]
         near_max = selected & (hi >= floor)
         near_min = unselected & (lo <= ceiling)
-        exact = D(near_max | near_min)
-        r_max2 = np.max(exact, axis=-1, where=near_max, initial=-np.inf)[..., None]
-        r_min2 = np.min(exact, axis=-1, where=near_min, initial=np.inf)[..., None]
-        unsure_max = candidates & (lo <= r_max2) & (hi > r_max2)
-        unsure_min = selected & (lo < r_min2) & (hi >= r_min2)
-        exact = D(unsure_max | unsure_min)
-        inside = np.where(unsure_max, exact <= r_max2, hi <= r_max2)
-        closer = np.where(unsure_min, exact < r_min2, hi < r_min2)
+        exact = self.D(near_max | near_min)
+        r_max2 = np.max(exact, axis=-1, where=near_max, initial=-np.inf)
+        r_min2 = np.min(exact, axis=-1, where=near_min, initial=np.inf)
+        unsure_max = candidates & (lo <= r_max2[..., None]) & (hi > r_max2[..., None])
+        unsure_min = selected & (lo < r_min2[..., None]) & (hi >= r_min2[..., None])
+        exact = self.D(unsure_max | unsure_min)
+        inside = np.where(unsure_max, exact <= r_max2[..., None], hi <= r_max2[..., None])
+        closer = np.where(unsure_min, exact < r_min2[..., None], hi < r_min2[..., None])
         precision = n / np.sum(candidates & inside, axis=-1)
         recall = np.sum(selected & closer, axis=-1) / n
         f_score = np.where(precision + recall > 0,
                            2 * precision * recall / (precision + recall), 0.0)
-        return precision, recall, f_score
+        return precision, recall, f_score, r_max2, r_min2
+
+    def ordered(self, a_mask, b_mask):
+        """(R, B, K) stand-ins for D that compare between an a key and a b key exactly as the
+        exact distances do: exact where some key of the other side has an expansion within
+        4 half-widths (the row's widest), the expansion elsewhere."""
+        half = np.max(self.hi - self.expanded, axis=-1, where=a_mask | b_mask, initial=0.0)
+        near = np.zeros(a_mask.shape, dtype=bool)
+        for idx in np.ndindex(a_mask.shape[:-1]):
+            x, w = self.expanded[idx], 4 * half[idx]
+            if not np.isfinite(w):
+                near[idx] = a_mask[idx] | b_mask[idx]
+                continue
+            for mine, other in ((a_mask[idx], b_mask[idx]), (b_mask[idx], a_mask[idx])):
+                others = np.sort(x[other])
+                keys = np.flatnonzero(mine)
+                hits = (np.searchsorted(others, x[keys] + w, side="right")
+                        - np.searchsorted(others, x[keys] - w, side="left"))
+                near[idx][keys[hits > 0]] = True
+        exact = self.D(near)
+        return np.where(np.isnan(exact), self.expanded, exact)
 
 
 def _store(out, g, results, valid):
@@ -676,18 +721,6 @@ def _count_pairs_le(b, b_mask, a, a_mask):
                      for row, m, x, keep in zip(sorted_b, n_b, a, a_mask)], dtype=np.int64)
 
 
-def _ball_scores(D, selected, candidates, n):
-    """P(r_max, N), R(r_min, N), F and r_max^2 over the candidate keys (closed r_max ball,
-    open r_min ball: SPEC §3 "Balls")."""
-    r_max2 = np.max(D, axis=1, where=selected, initial=-np.inf)
-    r_min2 = np.min(D, axis=1, where=candidates & ~selected, initial=np.inf)
-    precision = n / np.sum(candidates & (D <= r_max2[:, None]), axis=1)
-    recall = np.sum(selected & (D < r_min2[:, None]), axis=1) / n
-    f_score = np.where(precision + recall > 0,
-                       2 * precision * recall / (precision + recall), 0.0)
-    return precision, recall, f_score, r_max2
-
-
 def _ranked(key, candidates):
     """Order (B, K) of the candidates by ascending key, ties to the smaller position, other
     keys last; and each key's rank in it."""
@@ -716,8 +749,9 @@ def _prefix_sums(y, order, points):
 
 
 def _squared_distances(y, s):
-    diff = y - s[:, None, :]
-    return np.einsum("bkd,bkd->bk", diff, diff)
+    """||y - s||^2 over the last axis (y and s broadcast), from the difference."""
+    diff = y - s
+    return np.einsum("...d,...d->...", diff, diff)
 
 
 def _unit(values, v_norm):
