@@ -433,7 +433,7 @@ def _select(inst, n):
     D = around.ordered(selected[None], unselected[None])[0]
     return _TopN(n=n, selected=selected, unselected=unselected, sigma=selected[:, 0],
                  s_plus=inst.s_plus_by_n[:, p], s=inst.s_by_n[:, p],
-                 ys=inst.distances.ys[:, :, 0, p], D=D, scores=tuple(scores),
+                 ys=inst.distances.ys[:, 0, p], D=D, scores=tuple(scores),
                  r_max2=r_max2, r_min2=r_min2)
 
 
@@ -592,9 +592,9 @@ class _Distances:
         self.y, self.s = y, s
         self.yy = np.einsum("bkd,bkd->bk", y, y)
         self.y_norm = np.sqrt(self.yy)
-        # <y_k, s> for every selection and N by one product: (B, K, R, P).
-        products = y @ np.ascontiguousarray(s.transpose(1, 3, 0, 2)).reshape(B, D, R * P)
-        self.ys = products.reshape(B, y.shape[1], R, P)
+        # <y_k, s> for every selection and N by one product: (B, R, P, K).
+        products = np.ascontiguousarray(s.transpose(1, 0, 2, 3)).reshape(B, R * P, D) @ y.transpose(0, 2, 1)
+        self.ys = products.reshape(B, R, P, y.shape[1])
         self.ss = np.einsum("rbpd,rbpd->rbp", s, s)
         self.rel = 4 * (D + 4) * np.finfo(np.float64).eps
 
@@ -609,7 +609,7 @@ class _Around:
     def __init__(self, distances, p):
         self.y, self.s = distances.y, distances.s[:, :, p]
         ss = distances.ss[:, :, p, None]
-        self.expanded = distances.yy - 2 * distances.ys[:, :, :, p].transpose(2, 0, 1) + ss
+        self.expanded = distances.yy - 2 * distances.ys[:, :, p].transpose(1, 0, 2) + ss
         error = distances.rel * (distances.y_norm + np.sqrt(ss)) ** 2 + _TINY
         self.lo, self.hi = self.expanded - error, self.expanded + error
         unsure_row = ~np.all(np.isfinite(self.lo) & np.isfinite(self.hi), axis=-1)
