@@ -168,10 +168,13 @@ def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np
         mean = np.sum(kv.v_norm, axis=1, where=kv.nonsink) / n_ns
         var = np.sum((kv.v_norm - mean[:, None]) ** 2, axis=1, where=kv.nonsink) / n_ns
         for g in range(G):
-            # Each unordered pair once; the median of the ordered pairs is the same.
+            # The median of the m unordered pairs is that of the 2m ordered ones (the two
+            # middle ranks of 2m fall on the middle ones of m), so the whole matrix is searched,
+            # its diagonal pushed above every cosine, without gathering a triangle.
             gram = _nonsink_gram(values[g], kv, g)
-            pairs = gram[np.triu(np.ones(gram.shape, dtype=bool), 1)]
-            out["median_cos"][g] = _quantile(pairs, 0.5)
+            k = gram.shape[0]
+            np.fill_diagonal(gram, np.inf)
+            out["median_cos"][g] = _quantile(gram.ravel(), 0.5, size=k * (k - 1))
         out["C"][...] = kv.C
         out["norm_cv"][...] = np.sqrt(var) / mean
         sink = kv.has_sink & (n_ns > 0)
@@ -771,9 +774,10 @@ def _masked_mean(x, mask):
     return np.where(count > 0, np.sum(x, axis=1, where=mask) / count, np.nan)
 
 
-def _quantile(x, q):
-    """q-quantile (numpy's default 'linear' method) of the 1-D x, NaN if x is empty."""
-    m = x.size
+def _quantile(x, q, size=None):
+    """q-quantile (numpy's 'linear' method: x_lo + (pos - lo) (x_hi - x_lo)) of the 1-D x, NaN
+    if x is empty; with size, of x's smallest `size` entries (the others being larger)."""
+    m = x.size if size is None else size
     if m == 0:
         return np.nan
     pos = q * (m - 1)
