@@ -135,7 +135,7 @@ def topn_metrics(
         att = attendable[head_kv]
         order, rank = _ranked(-alpha, att)
         kv = _kv_heads(values, attendable)
-        mu, mu_q95 = _coherence(values, kv, head_kv, rank, att.sum(axis=1), grid)
+        mu, mu_q95 = _coherence(kv, head_kv, rank, att.sum(axis=1), grid)
         for part in _batch_slices(B, K * values.shape[2]):
             _topn_slice(
                 alpha[part], values[head_kv[part]], att[part], order[part], rank[part],
@@ -171,7 +171,7 @@ def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np
             # The median of the m unordered pairs is that of the 2m ordered ones (the two
             # middle ranks of 2m fall on the middle ones of m), so the whole matrix is searched,
             # its diagonal pushed above every cosine, without gathering a triangle.
-            gram = _nonsink_gram(values[g], kv, g)
+            gram = _nonsink_gram(kv, g)
             k = gram.shape[0]
             np.fill_diagonal(gram, np.inf)
             out["median_cos"][g] = _quantile(gram.ravel(), 0.5, size=k * (k - 1))
@@ -227,15 +227,16 @@ def _kv_heads(values, attendable):
     )
 
 
-def _nonsink_gram(values, kv, g):
+def _nonsink_gram(kv, g):
     """(k, k) <u_p, u_q> of kv head g over its k non-sink keys, in position order."""
     unit = kv.unit[g][kv.nonsink[g]]
     return unit @ unit.T
 
 
-def _coherence(values, kv, head_kv, rank, n_att, grid):
-    """mu and mu_q95 (B, len(grid)): the maximum and the 95% quantile of |<u_p, u_q>| over
-    the unordered non-sink pairs with at least one key in I_N (NaN without such a pair).
+def _coherence(kv, head_kv, rank, n_att, grid):
+    """mu and mu_q95 (B, len(grid)) of SPEC §3: mu_N = max |<u_p, u_q>| over the unordered
+    non-sink pairs p != q with p in I_N (q anywhere in K), mu_q95 the 95% quantile ('linear')
+    of the same |<u_p, u_q>|; NaN without such a pair or where N >= |K|.
 
     One Gram matrix per kv head serves its query heads. mu_N is a running maximum of the
     keys' row maxima in selection order. The quantile needs the pairs' order statistics just
@@ -247,7 +248,7 @@ def _coherence(values, kv, head_kv, rank, n_att, grid):
     mu_q95 = np.full((B, n_grid), np.nan)
     for g in np.unique(head_kv):
         heads = np.flatnonzero(head_kv == g)
-        gram = np.abs(_nonsink_gram(values, kv, g))
+        gram = np.abs(_nonsink_gram(kv, g))
         k = gram.shape[0]
         if k < 2:
             continue
@@ -262,7 +263,7 @@ def _coherence(values, kv, head_kv, rank, n_att, grid):
             mu[h] = np.where(selected > 0, running[np.maximum(selected - 1, 0)], np.nan)
             first = np.minimum(r[top.p], r[top.q])  # a pair is in the set of N iff first < N
             for i, (n, s) in enumerate(zip(grid, selected)):
-                if s > 0 and n < n_att[h] and k > 1:
+                if s > 0 and n < n_att[h]:
                     mu_q95[h, i] = top.quantile(first, n, k * (k - 1) // 2 - (k - s) * (k - s - 1) // 2,
                                                 0.95, gram, r)
     return mu, mu_q95
@@ -308,8 +309,8 @@ class _TopPairs(NamedTuple):
         lo = int(np.floor(pos))
         hi = min(lo + 1, m - 1)
         need = m - lo  # the set's largest `need` pairs
-        # Members are spread over the list about as the set is over all pairs: scan a prefix
-        # twice the expected length first.
+        # Members are spread over the list about as the set is over all pairs: first scan a
+        # prefix of twice the length that should hold `need` of them.
         prefix = min(first.size, 2 * need * self.total // m + 64)
         listed = np.flatnonzero(first[:prefix] < n)
         if listed.size < need and prefix < first.size:
