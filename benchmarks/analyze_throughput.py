@@ -254,7 +254,7 @@ def kernel_table(rows) -> str:
 def phase_timers() -> Iterator[dict[str, float]]:
     """Time analyze's phases by wrapping stage-module functions for the duration."""
     times: dict[str, float] = {}
-    names = ("_write_by_sequence", "_per_layer", "_write")
+    names = ("_write_by_sequence", "_per_layer")
     saved = {name: getattr(stage, name) for name in names}
 
     def wrap(name, f):
@@ -277,15 +277,16 @@ def phase_timers() -> Iterator[dict[str, float]]:
 
 def kernel_block_seconds(store: str) -> float:
     """Single-thread topn_metrics + value_statistics on one (sequence, layer) block of the
-    store, as _topn_block/_values_block call them: seconds per head-instance."""
+    store, as _topn_block/_values_block call them (kv-head values and head_kv): seconds per
+    head-instance."""
     ds = stage.open_completed(store, "r")
     head_kv = ds["head_kv"].values
     attn = ds["attn_last"][0, 0].values.astype(np.float64)
-    values = ds["values"][0, 0].values[head_kv].astype(np.float64)
-    att = np.broadcast_to(ds["attendable"][0].values, attn.shape)
+    values = ds["values"][0, 0].values.astype(np.float64)
+    att = np.broadcast_to(ds["attendable"][0].values, values.shape[:2])
     grid = default_n_grid(ds.sizes["key"])
     t0 = time.perf_counter()
-    topn_metrics(attn, values, att, grid, seed=1, random_draws=stage.RANDOM_DRAWS)
+    topn_metrics(attn, values, att, grid, head_kv=head_kv, seed=1, random_draws=stage.RANDOM_DRAWS)
     value_statistics(values, att)
     return (time.perf_counter() - t0) / attn.shape[0]
 

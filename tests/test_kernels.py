@@ -295,7 +295,7 @@ def test_results_do_not_depend_on_batch_slicing(monkeypatch):
     grid = [1, 2, 4, 8, 15]
     whole = topn_metrics(alpha, values, attendable, grid, seed=3)
     stats = value_statistics(values, attendable)
-    monkeypatch.setattr(kernels, "_GRAM_BUDGET", 2 * 16 * 16)  # slices of 2 instances
+    monkeypatch.setattr(kernels, "_SLICE_BUDGET", 2 * 16 * 4)  # slices of 2 instances
     _assert_same(topn_metrics(alpha, values, attendable, grid, seed=3), whole, whole)
     _assert_same(value_statistics(values, attendable), stats, stats)
 
@@ -386,7 +386,7 @@ def test_extremal_balls_are_trivial(batch):
             I = [k for k in Kset if rank[b, k] < N]
             U = [k for k in Kset if k not in I]
             s = y[b, I].sum(axis=0)
-            D = kernels._squared_distances(y[b:b + 1], s[None])[0]
+            D = kernels._squared_distances(y[b], s)
             r_max2, r_min2 = max(D[I]), min(D[U])
             assert sum(D[i] <= r_max2 for i in I) / N == 1  # R(r_max, N)
             ball = [k for k in Kset if D[k] < r_min2]
@@ -492,3 +492,157 @@ def test_unselected_sink_tying_the_selected_keys():
     assert out["sink_pair_inversion_frac"][0, 0] == 1.0
     assert out["inversions"][0, 0] == 2 <= out["k_sink_exact"][0, 0]
     assert (out["precision"][0, 0], out["recall"][0, 0]) == (2 / 3, 0.0)
+
+
+# ---------------------------------------------------------------- grouped-query batches
+
+
+def make_gqa_batch(rng, H, G, K, D, *, window=None, tie_decimals=None, repeats=0.0, zeros=0.0,
+                   no_sink=False):
+    """H query heads over G kv heads (head_kv = h * G // H), adversarial on request: alpha
+    rounded to ties, repeated value vectors, zero vectors, a sliding window, no sink."""
+    head_kv = np.arange(H) * G // H
+    attendable = np.ones((G, K), dtype=bool)
+    if window is not None:
+        attendable[:, : K - window] = False
+    if no_sink:
+        attendable[:, 0] = False
+    att = attendable[head_kv]
+    logits = rng.normal(size=(H, K)) * 1.5
+    logits[:, 0] += rng.uniform(0, 4, size=H)
+    alpha = np.where(att, np.exp(logits), 0.0)
+    alpha /= alpha.sum(axis=1, keepdims=True)
+    if tie_decimals is not None:
+        alpha = np.round(alpha, tie_decimals)
+    values = rng.normal(size=(G, K, D)) * rng.lognormal(0, 0.4, size=(G, K, 1))
+    values[:, 0] = -0.3 * values[:, 1:].mean(axis=1)
+    for g in range(G):
+        copies = rng.random(K) < repeats
+        values[g, copies] = values[g, rng.integers(0, K, size=copies.sum())]
+        values[g, rng.random(K) < zeros] = 0.0
+    return alpha, values, attendable, head_kv
+
+
+GQA_CASES = {
+    "random": dict(H=6, G=2, K=14, D=3),
+    "ties": dict(H=4, G=2, K=12, D=2, tie_decimals=1),
+    "repeated_values": dict(H=6, G=3, K=12, D=2, repeats=0.5),
+    "zero_values": dict(H=4, G=2, K=12, D=3, zeros=0.3, tie_decimals=2),
+    "window": dict(H=4, G=1, K=16, D=4, window=7),
+    "window_ties_repeats": dict(H=4, G=2, K=14, D=2, window=9, tie_decimals=1, repeats=0.4),
+    "no_sink": dict(H=3, G=1, K=10, D=3, no_sink=True, repeats=0.3),
+}
+
+
+def _gqa_case(case):
+    rng = np.random.default_rng(100 + sorted(GQA_CASES).index(case))
+    params = dict(GQA_CASES[case])
+    return make_gqa_batch(rng, params.pop("H"), params.pop("G"), params.pop("K"), params.pop("D"),
+                          **params)
+
+
+def _no_shortcuts(monkeypatch):
+    """Take every exact fallback: the top-pair list holds almost nothing, every quantile comes
+    from a sampled bracket, and no distance is settled by its expansion."""
+    monkeypatch.setattr(kernels, "_TOP_PAIR_MIN", 0)
+    monkeypatch.setattr(kernels, "_TOP_PAIR_SHARE", 1e-3)
+    monkeypatch.setattr(kernels, "_BRACKET_MIN", 8)
+    monkeypatch.setattr(kernels, "_TINY", 1e300)
+
+
+@pytest.mark.parametrize("shortcuts", [True, False], ids=["default", "fallbacks"])
+@pytest.mark.parametrize("case", sorted(GQA_CASES))
+def test_grouped_query_heads_match_brute_force(case, shortcuts, monkeypatch):
+    """Query heads sharing a kv head against the brute-force twin run on each query head's
+    own copy of the values: counts exact, floats to 1e-9 relative."""
+    alpha, values, attendable, head_kv = _gqa_case(case)
+    K = alpha.shape[1]
+    if not shortcuts:
+        _no_shortcuts(monkeypatch)
+    grid = list(range(1, K + 1))
+    got = topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=4, random_draws=3)
+    want = brute_topn(alpha, values[head_kv], attendable[head_kv], grid, seed=4, random_draws=3)
+    _assert_same(got, want, want)
+    stats = value_statistics(values, attendable)
+    want_stats = brute_value_statistics(values, attendable)
+    for name in want_stats:
+        np.testing.assert_allclose(stats[name], want_stats[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_shortcuts_do_not_change_results_at_a_longer_context(monkeypatch):
+    """At K = 300 every shortcut is live by default (the top-pair list is a sample's share,
+    quantiles of the pairs are bracketed); taking every fallback instead changes nothing,
+    and both match the kernel run on per-query-head copies of the values."""
+    rng = np.random.default_rng(21)
+    alpha, values, attendable, head_kv = make_gqa_batch(rng, 6, 2, 300, 8, repeats=0.1,
+                                                        zeros=0.02, tie_decimals=4)
+    grid = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    fast = topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=9)
+    fast_stats = value_statistics(values, attendable)
+    per_head = topn_metrics(alpha, values[head_kv], attendable[head_kv], grid, seed=9)
+    _assert_same(fast, per_head, per_head)
+    _no_shortcuts(monkeypatch)
+    _assert_same(topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=9), fast, fast)
+    _assert_same(value_statistics(values, attendable), fast_stats, fast_stats)
+
+
+@PROPERTY
+@given(instances(), st.integers(1, 3))
+def test_lattice_instances_shared_by_query_heads_match_brute_force(batch, per_kv):
+    """Lattice values (exact ties in alpha, D and L) read by several query heads each."""
+    alpha, values, attendable = batch
+    B, K = alpha.shape
+    rng = np.random.default_rng(B * K)
+    head_kv = np.repeat(np.arange(B), per_kv)
+    heads_alpha = np.where(attendable[head_kv], rng.permutation(np.repeat(alpha, per_kv, axis=0), axis=1), 0.0)
+    grid = list(range(1, K + 1))
+    got = topn_metrics(heads_alpha, values, attendable, grid, head_kv=head_kv, seed=1, random_draws=2)
+    want = brute_topn(heads_alpha, values[head_kv], attendable[head_kv], grid, seed=1, random_draws=2)
+    _assert_same(got, want, want)
+
+
+def _sorted_quantile(x, q):
+    """The kernels' 'linear' quantile from a full sort: x_lo + (pos - lo) (x_hi - x_lo)."""
+    x = np.sort(x)
+    pos = q * (x.size - 1)
+    lo = int(np.floor(pos))
+    hi = min(lo + 1, x.size - 1)
+    return x[lo] + (pos - lo) * (x[hi] - x[lo])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([-1.0, -0.5, 0.0, 0.25, 0.5, 1.0, 2.0]), min_size=1, max_size=400),
+       st.floats(0, 1))
+def test_bracketed_quantile_is_the_sorted_quantile(x, q):
+    x = np.array(x)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "_BRACKET_MIN", 8)  # brackets even on short arrays
+        assert kernels._quantile(x.copy(), q) == _sorted_quantile(x, q)
+    np.testing.assert_allclose(kernels._quantile(x.copy(), q), np.quantile(x, q), rtol=1e-12, atol=1e-15)
+
+
+def test_bracketed_quantile_on_long_arrays():
+    rng = np.random.default_rng(3)
+    for x in (rng.normal(size=100_000), np.round(rng.normal(size=100_000), 1),
+              np.sort(rng.normal(size=70_000)), np.repeat(rng.normal(size=7), 20_000)):
+        for q in (0.0, 0.05, 0.5, 0.95, 1.0):
+            assert kernels._quantile(x.copy(), q) == _sorted_quantile(x, q)
+
+
+def test_prefix_sums_add_in_selection_order():
+    """The aggregates equal np.cumsum's sequential sums bit for bit."""
+    rng = np.random.default_rng(5)
+    y = rng.normal(size=(3, 200, 7)) * rng.lognormal(0, 3, size=(3, 200, 1))
+    order = np.argsort(rng.random((3, 200)), axis=1)
+    points = np.array([1, 2, 3, 8, 64, 150, 200])
+    want = np.cumsum(np.take_along_axis(y, order[:, :, None], axis=1), axis=1)[:, points - 1]
+    np.testing.assert_array_equal(kernels._prefix_sums(y, order, points), want)
+
+
+def test_head_kv_is_checked():
+    rng = np.random.default_rng(0)
+    alpha, values, attendable, head_kv = make_gqa_batch(rng, 4, 2, 6, 2)
+    with pytest.raises(ValueError):
+        topn_metrics(alpha, values, attendable, [1])  # 4 query heads, 2 kv heads, no head_kv
+    with pytest.raises(ValueError):
+        topn_metrics(alpha, values, attendable, [1], head_kv=[0, 1, 2, 0])

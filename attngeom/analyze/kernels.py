@@ -1,13 +1,19 @@
 """Numeric kernels of the analyze stage: top-N geometry at the final query (SPEC §3).
 
-One instance is one (sequence, layer, head) at the final query ``q = L-1``. Every public
-function takes a batch of ``B`` instances on a leading axis:
+One instance is one (sequence, layer, head) at the final query ``q = L-1``. The public
+functions take a batch on a leading axis:
 
-- ``attn`` (B, K): the final query's attention row ``alpha_k`` over key positions 0..K-1;
-- ``values`` (B, K, D): the head's value vectors ``v_k`` (kv head already mapped to the query head);
-- ``attendable`` (B, K) bool: the keys ``K_b`` the final query may attend to. Keys outside it
+- ``attn`` (B, K): the final query's attention row ``alpha_k`` over key positions 0..K-1, one
+  row per query head;
+- ``values`` (G, K, D): the value vectors ``v_k`` of each kv head; query head ``b`` reads kv head
+  ``head_kv[b]`` (grouped-query attention; by default ``head_kv[b] = b``);
+- ``attendable`` (G, K) bool: the keys ``K_b`` the final query may attend to, per kv head (the
+  query heads that share a kv head share the final query's mask). Keys outside it
   (sliding-window layers) take no part at all. Position 0 is the sink; an instance whose
   position 0 is not attendable has no sink: all of its keys are non-sink and the sink terms vanish.
+
+Whatever depends only on the values (norms, unit vectors, their Gram matrix, the coherence
+constants' raw material) is computed once per kv head and shared by the query heads reading it.
 
 Arithmetic is float64 throughout. A value vector of norm 0 has no direction: its unit vector is
 taken as 0 (cosine 0 with everything) in the coherence statistics, which keeps the exact
@@ -22,9 +28,22 @@ from typing import NamedTuple
 
 import numpy as np
 
-# Float64 elements of one B x K x K Gram slice; larger batches are processed in slices of at
-# most this size, so peak memory stays a few hundred MiB whatever the batch.
-_GRAM_BUDGET = 1 << 23
+# Float64 elements of one B x K x D slice of per-N work; larger batches are processed in slices
+# of at most this size, so peak memory stays a few hundred MiB whatever the batch.
+_SLICE_BUDGET = 1 << 22
+
+# Share of a kv head's non-sink pairs kept, largest |cosine| first, as the candidates of the
+# 95% coherence quantile mu_q95 (which sits in the top 5% of its pairs). Any (head, N) whose
+# quantile falls outside them is computed from all of its pairs: the share trades speed only.
+_TOP_PAIR_SHARE = 0.08
+# Below this many pairs every pair is a candidate.
+_TOP_PAIR_MIN = 4096
+
+# Quantiles of longer arrays are taken within a bracket from a sample (`_order_statistics`).
+_BRACKET_MIN = 1 << 16
+
+# An absolute floor under `_Distances`' error bound, far above subnormal rounding.
+_TINY = 1e-290
 
 # Relative margin of the "L <= 0" test of the sink-aware bounds, see `_k_sink`.
 _L_RTOL = 1e-10
@@ -54,12 +73,14 @@ def topn_metrics(
     attendable: np.ndarray,
     n_grid: Sequence[int],
     *,
+    head_kv: np.ndarray | None = None,
     seed: int = 0,
     random_draws: int = 8,
 ) -> dict[str, np.ndarray]:
     """Top-N separability, bounds and diagnostics at the final query (SPEC §3).
 
-    attn (B, K), values (B, K, D), attendable (B, K) bool; n_grid: selection sizes N >= 1.
+    attn (B, K), values (G, K, D), attendable (G, K) bool, head_kv (B,) ints in [0, G)
+    (default: G = B, instance b reads values[b]); n_grid: selection sizes N >= 1.
     Returns arrays of shape (B, len(n_grid)). N is valid for an instance iff N < |K_b|
     (``nosink_*``: N < |K_b \\ {0}|); invalid entries are NaN, or -1 for the int64 counts
     and the int8 ``sink_selected``.
@@ -95,13 +116,13 @@ def topn_metrics(
       ``s_norm_nocurrent`` the same without y_0 / y_{K-1} when selected, ``cos_s_v0``
       cos(s_N, v_0), ``cos_s_vlast`` cos(s_N, v_{K-1}).
     """
-    alpha, values, attendable = _check_batch(attn, values, attendable)
+    alpha, values, attendable, head_kv = _check_batch(attn, values, attendable, head_kv)
     grid = np.asarray(n_grid, dtype=np.int64).reshape(-1)
     if np.any(grid < 1):
         raise ValueError(f"n_grid must hold sizes N >= 1, got {grid.tolist()}")
     if random_draws < 0:
         raise ValueError(f"random_draws must be >= 0, got {random_draws}")
-    B, K, _ = values.shape
+    B, K = alpha.shape
     # Drawn for the whole batch up front, so the draws do not depend on the slicing below.
     draw_keys = np.random.default_rng(seed).random((random_draws, B, K))
 
@@ -111,18 +132,23 @@ def topn_metrics(
     out["sink_selected"] = np.full(shape, -1, dtype=np.int8)
     # Degenerate instances (zero vectors, zero norms) give NaN by design, not warnings.
     with np.errstate(divide="ignore", invalid="ignore"):
-        for part in _batch_slices(B, K):
+        att = attendable[head_kv]
+        order, rank = _ranked(-alpha, att)
+        kv = _kv_heads(values, attendable)
+        mu, mu_q95 = _coherence(kv, head_kv, rank, att.sum(axis=1), grid)
+        for part in _batch_slices(B, K * values.shape[2]):
             _topn_slice(
-                alpha[part], values[part], attendable[part], grid, draw_keys[:, part],
-                {name: array[part] for name, array in out.items()},
+                alpha[part], values[head_kv[part]], att[part], order[part], rank[part],
+                _Constants.gather(kv, head_kv[part], mu[part], mu_q95[part]),
+                grid, draw_keys[:, part], {name: array[part] for name, array in out.items()},
             )
     return out
 
 
 def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np.ndarray]:
-    """Norm and coherence statistics of each instance (SPEC §3 "Norms and coherence").
+    """Norm and coherence statistics of each kv head (SPEC §3 "Norms and coherence").
 
-    values (B, K, D), attendable (B, K) bool; returns arrays of shape (B,), over the attendable
+    values (G, K, D), attendable (G, K) bool; returns arrays of shape (G,), over the attendable
     non-sink keys k (cosines of unit vectors u_k = v_k/||v_k||):
 
     - ``C``: median ||v_k||; ``norm_cv``: std/mean of ||v_k|| (population std);
@@ -130,15 +156,195 @@ def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np
     - sink (NaN without one): ``sink_norm_ratio`` lambda = ||v_0||/C, ``sink_cos_median`` and
       ``sink_cos_neg_frac`` (fraction < 0) of <u_0, u_k>, ``nu_minus_q95`` = max(0, -q95) and
       ``nu_plus_q95`` = max(0, -q05) of <u_0, u_k>.
+
+    They depend on the values only: a query head takes those of the kv head it reads.
     """
-    _, values, attendable = _check_batch(None, values, attendable)
-    B, K, _ = values.shape
-    out = {name: np.full(B, np.nan) for name in VALUE_STATISTICS}
+    _, values, attendable, _ = _check_batch(None, values, attendable, None)
+    G = values.shape[0]
+    out = {name: np.full(G, np.nan) for name in VALUE_STATISTICS}
     with np.errstate(divide="ignore", invalid="ignore"):
-        for part in _batch_slices(B, K):
-            _value_statistics_slice(values[part], attendable[part],
-                                    {name: array[part] for name, array in out.items()})
+        kv = _kv_heads(values, attendable)
+        n_ns = kv.nonsink.sum(axis=1)
+        mean = np.sum(kv.v_norm, axis=1, where=kv.nonsink) / n_ns
+        var = np.sum((kv.v_norm - mean[:, None]) ** 2, axis=1, where=kv.nonsink) / n_ns
+        for g in range(G):
+            # The median of the m unordered pairs is that of the 2m ordered ones (the two
+            # middle ranks of 2m fall on the middle ones of m), so the whole matrix is searched,
+            # its diagonal pushed above every cosine, without gathering a triangle.
+            gram = _nonsink_gram(kv, g)
+            k = gram.shape[0]
+            np.fill_diagonal(gram, np.inf)
+            out["median_cos"][g] = _quantile(gram.ravel(), 0.5, size=k * (k - 1))
+        out["C"][...] = kv.C
+        out["norm_cv"][...] = np.sqrt(var) / mean
+        sink = kv.has_sink & (n_ns > 0)
+        for name, x in dict(
+            sink_norm_ratio=kv.v_norm[:, 0] / kv.C,
+            sink_cos_median=kv.sink_cos_median,
+            sink_cos_neg_frac=np.sum(kv.sink_cos < 0, axis=1, where=kv.nonsink) / n_ns,
+            nu_minus_q95=np.maximum(0.0, -kv.q95),
+            nu_plus_q95=np.maximum(0.0, -kv.q05),
+        ).items():
+            out[name][...] = np.where(sink, x, np.nan)
     return out
+
+
+class _KvHeads(NamedTuple):
+    """What depends on a kv head's values and mask only: (G, ...) arrays."""
+
+    v_norm: np.ndarray      # (G, K) ||v_k||
+    unit: np.ndarray        # (G, K, D) u_k, 0 for v_k = 0
+    nonsink: np.ndarray     # (G, K) attendable non-sink keys
+    has_sink: np.ndarray    # (G,)
+    C: np.ndarray           # (G,) median non-sink norm
+    sink_cos: np.ndarray    # (G, K) <u_0, u_k> at non-sink k, -inf elsewhere
+    c_lo: np.ndarray        # (G,) min_k <u_0, u_k> (inf without non-sink keys)
+    c_hi: np.ndarray        # (G,) max_k <u_0, u_k>
+    sink_cos_median: np.ndarray  # (G,) median of <u_0, u_k>
+    q05: np.ndarray         # (G,) 5% quantile of <u_0, u_k>
+    q95: np.ndarray         # (G,) 95% quantile
+
+
+def _kv_heads(values, attendable):
+    nonsink = attendable.copy()
+    nonsink[:, 0] = False
+    v_norm = np.linalg.norm(values, axis=-1)
+    unit = _unit(values, v_norm)
+    sink_cos = np.where(nonsink, np.einsum("gd,gkd->gk", unit[:, 0], unit), -np.inf)
+
+    def quantiles(x, q):
+        return np.array([_quantile(row[keep], q) for row, keep in zip(x, nonsink)])
+
+    return _KvHeads(
+        v_norm=v_norm, unit=unit, nonsink=nonsink, has_sink=attendable[:, 0],
+        C=quantiles(v_norm, 0.5),
+        sink_cos=sink_cos,
+        c_lo=np.min(sink_cos, axis=1, where=nonsink, initial=np.inf),
+        c_hi=np.max(sink_cos, axis=1, initial=-np.inf),
+        sink_cos_median=quantiles(sink_cos, 0.5),
+        q05=quantiles(sink_cos, 0.05),
+        q95=quantiles(sink_cos, 0.95),
+    )
+
+
+def _nonsink_gram(kv, g):
+    """(k, k) <u_p, u_q> of kv head g over its k non-sink keys, in position order."""
+    unit = kv.unit[g][kv.nonsink[g]]
+    return unit @ unit.T
+
+
+def _coherence(kv, head_kv, rank, n_att, grid):
+    """mu and mu_q95 (B, len(grid)) of SPEC §3: mu_N = max |<u_p, u_q>| over the unordered
+    non-sink pairs p != q with p in I_N (q anywhere in K), mu_q95 the 95% quantile ('linear')
+    of the same |<u_p, u_q>|; NaN without such a pair or where N >= |K|.
+
+    One Gram matrix per kv head serves its query heads. mu_N is a running maximum of the
+    keys' row maxima in selection order. The quantile needs the pairs' order statistics just
+    below the top 5% of each pair set; they are read off one sorted list of each kv head's
+    largest pairs (`_TopPairs`).
+    """
+    B, n_grid = rank.shape[0], grid.size
+    mu = np.full((B, n_grid), np.nan)
+    mu_q95 = np.full((B, n_grid), np.nan)
+    for g in np.unique(head_kv):
+        heads = np.flatnonzero(head_kv == g)
+        gram = np.abs(_nonsink_gram(kv, g))
+        k = gram.shape[0]
+        if k < 2:
+            continue
+        np.fill_diagonal(gram, -np.inf)
+        row_max = gram.max(axis=1)
+        top = _TopPairs.of(gram)
+        ranks = rank[heads][:, kv.nonsink[g]]  # (h, k) selection rank of each non-sink key
+        for h, r in zip(heads, ranks):
+            by_rank = np.argsort(r)
+            selected = np.searchsorted(r[by_rank], grid)  # non-sink keys in I_N, per N
+            running = np.maximum.accumulate(row_max[by_rank])
+            mu[h] = np.where(selected > 0, running[np.maximum(selected - 1, 0)], np.nan)
+            first = np.minimum(r[top.p], r[top.q])  # a pair is in the set of N iff first < N
+            for i, (n, s) in enumerate(zip(grid, selected)):
+                if s > 0 and n < n_att[h]:
+                    mu_q95[h, i] = top.quantile(first, n, k * (k - 1) // 2 - (k - s) * (k - s - 1) // 2,
+                                                0.95, gram, r)
+    return mu, mu_q95
+
+
+class _TopPairs(NamedTuple):
+    """A kv head's non-sink pairs p < q with |<u_p, u_q>| at or above a threshold, sorted
+    descending: every pair off the list is below every pair on it."""
+
+    p: np.ndarray
+    q: np.ndarray
+    cos: np.ndarray
+    total: int              # pairs of the kv head, listed or not
+
+    @classmethod
+    def of(cls, gram):
+        k = gram.shape[0]
+        total = k * (k - 1) // 2
+        threshold = -np.inf
+        if total > _TOP_PAIR_MIN:
+            # Any threshold is exact (see `quantile`); one from a 1/16 sample of the pairs
+            # keeps about _TOP_PAIR_SHARE of them.
+            sample = gram[::4, ::4]
+            sample = sample[np.triu(np.ones(sample.shape, dtype=bool), 1)]
+            kth = int((1 - _TOP_PAIR_SHARE) * (sample.size - 1))
+            threshold = np.partition(sample, kth)[kth]
+        flat = np.flatnonzero(gram >= threshold)
+        p, q = np.divmod(flat, k)
+        upper = p < q
+        p, q = p[upper], q[upper]
+        cos = gram.ravel()[flat[upper]]
+        by_cos = np.argsort(-cos)  # equal cosines are interchangeable
+        return cls(p[by_cos], q[by_cos], cos[by_cos], total)
+
+    def quantile(self, first, n, m, q, gram, rank):
+        """q-quantile ('linear', as numpy) of the m pairs whose first rank (the smaller
+        selection rank of the two keys) is < n: `first` (listed pairs) and `rank` (keys).
+
+        The set's order statistics counted from the top are those of its listed members
+        while they last; past them, of all its pairs.
+        """
+        pos = q * (m - 1)
+        lo = int(np.floor(pos))
+        hi = min(lo + 1, m - 1)
+        need = m - lo  # the set's largest `need` pairs
+        # Members are spread over the list about as the set is over all pairs: first scan a
+        # prefix of twice the length that should hold `need` of them.
+        prefix = min(first.size, 2 * need * self.total // m + 64)
+        listed = np.flatnonzero(first[:prefix] < n)
+        if listed.size < need and prefix < first.size:
+            listed = np.flatnonzero(first < n)
+        if listed.size >= need:
+            below, above = self.cos[listed[m - 1 - lo]], self.cos[listed[m - 1 - hi]]
+        else:
+            # Each pair once, from its key of smaller rank.
+            rows = np.flatnonzero(rank < n)
+            in_set = rank[None, :] > rank[rows, None]
+            part = np.partition(gram[rows][in_set], (lo, hi))
+            below, above = part[lo], part[hi]
+        return below + (pos - lo) * (above - below)
+
+
+class _Constants(NamedTuple):
+    """The sink-aware bounds' constants per query head of a slice (SPEC §3)."""
+
+    v_norm: np.ndarray      # (B, K)
+    nonsink: np.ndarray     # (B, K)
+    has_sink: np.ndarray    # (B,)
+    C: np.ndarray           # (B,)
+    c_lo: np.ndarray
+    c_hi: np.ndarray
+    q05: np.ndarray
+    q95: np.ndarray
+    mu: np.ndarray          # (B, len(grid))
+    mu_q95: np.ndarray      # (B, len(grid))
+
+    @classmethod
+    def gather(cls, kv, head_kv, mu, mu_q95):
+        return cls(kv.v_norm[head_kv], kv.nonsink[head_kv], kv.has_sink[head_kv], kv.C[head_kv],
+                   kv.c_lo[head_kv], kv.c_hi[head_kv], kv.q05[head_kv], kv.q95[head_kv],
+                   mu, mu_q95)
 
 
 class _Instances(NamedTuple):
@@ -151,7 +357,10 @@ class _Instances(NamedTuple):
     has_sink: np.ndarray    # (B,)
     o_norm: np.ndarray      # (B,) ||o||, o = sum_K y_k, the head's output
     rank: np.ndarray        # (B, K) rank of each key in the top-N selection order
-    s_plus_by_n: np.ndarray # (B, K, D) s_{N,+} at index N-1
+    points: np.ndarray      # (P,) the valid N, ascending
+    s_plus_by_n: np.ndarray # (B, P, D) s_{N,+} at each of points
+    s_by_n: np.ndarray      # (B, P, D) s_N at each of points
+    distances: _Distances   # of y to s_N at each of points
 
 
 class _TopN(NamedTuple):
@@ -163,87 +372,92 @@ class _TopN(NamedTuple):
     sigma: np.ndarray       # (B,) 0 in I_N
     s_plus: np.ndarray      # (B, D) s_{N,+}
     s: np.ndarray           # (B, D) s_N
-    diff: np.ndarray        # (B, K, D) y_k - s_N
-    D: np.ndarray           # (B, K) ||y_k - s_N||^2
+    ys: np.ndarray          # (B, K) <y_k, s_N>
+    D: np.ndarray           # (B, K) ||y_k - s_N||^2 where selected or the sink, elsewhere
+                            # a stand-in ordered as D against the other side (`_Around.ordered`)
+    scores: tuple           # P(r_max, N), R(r_min, N), F, each (B,)
+    r_max2: np.ndarray      # (B,)
+    r_min2: np.ndarray      # (B,)
 
 
-def _topn_slice(alpha, values, att, grid, draw_keys, out):
-    has_sink = att[:, 0]
-    nonsink = att.copy()
-    nonsink[:, 0] = False
+def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out):
+    nonsink = constants.nonsink
     n_att = att.sum(axis=1)
+    # Aggregates are needed at the valid N only (typically up to K/2 of K keys).
+    points = np.unique(grid[grid < max(n_att.max(initial=0), 2)])
     y = alpha[:, :, None] * values
-    v_norm = np.linalg.norm(values, axis=-1)
-    order, rank = _ranked(-alpha, att)
+    # s_N is kept as its non-sink part plus the sink, so that s_{N,+} and s_N - y_0 carry
+    # no cancellation error when the sink dominates the aggregate.
+    s_plus_by_n = _prefix_sums(np.where(nonsink[:, :, None], y, 0.0), order, points)
+    sink_in = (rank[:, :1] < points) & att[:, :1]  # (B, P): 0 in I_N
+    s_by_n = s_plus_by_n + np.where(sink_in[:, :, None], y[:, :1], 0.0)
     inst = _Instances(
         values=values, y=y, y_norm=np.linalg.norm(y, axis=-1), att=att,
-        has_sink=has_sink, o_norm=np.linalg.norm(np.sum(y, axis=1, where=att[:, :, None]), axis=-1),
-        rank=rank,
-        # s_N is kept as its non-sink part plus the sink, so that s_{N,+} and s_N - y_0 carry
-        # no cancellation error when the sink dominates the aggregate.
-        s_plus_by_n=_cumulative(np.where(nonsink[:, :, None], y, 0.0), order),
+        has_sink=constants.has_sink,
+        o_norm=np.linalg.norm(np.sum(y, axis=1, where=att[:, :, None]), axis=-1),
+        rank=rank, points=points, s_plus_by_n=s_plus_by_n, s_by_n=s_by_n,
+        distances=_Distances(y, s_by_n[None]),
     )
-    # Only selections up to the largest valid N need coherence rows (typically K/2 of K).
-    rows = int(min(grid.max(initial=1), max(n_att.max(initial=1) - 1, 1)))
-    bounds = _SinkBounds(alpha, values, v_norm, nonsink, has_sink, order, rows)
+    bounds = _SinkBounds(alpha, constants)
 
     for g, n in enumerate(grid):
         valid = n < n_att
         if not valid.any():
             continue
         top = _select(inst, n)
-        precision, recall, f_score, r_max2 = _ball_scores(top.D, top.selected, att, n)
+        precision, recall, f_score = top.scores
         results = dict(
             precision=precision, recall=recall, f_score=f_score,
             inversions=_count_pairs_le(top.D, top.unselected, top.D, top.selected),
             sink_selected=top.sigma,
         )
-        results.update(_sink_diagnostics(inst, top, r_max2))
+        results.update(_sink_diagnostics(inst, top))
         results.update(_leave_one_out(inst, top))
         results.update(_signatures(inst, top))
-        certificate, paper = bounds.at(top)
+        certificate, paper = bounds.at(top, g)
         results.update(certificate)
         _store(out, g, results, valid)
         _store(out, g, paper, valid & bounds.paper_defined)
 
-    _random_control(y, att, n_att, grid, draw_keys, out)
-    _sink_excluded(alpha, y, nonsink, grid, out)
+    _random_control(y, att, n_att, grid, points, draw_keys, out)
+    _sink_excluded(alpha, y, nonsink, grid, points, out)
 
 
 def _select(inst, n):
     selected = (inst.rank < n) & inst.att
-    sigma = selected[:, 0]
-    s_plus = inst.s_plus_by_n[:, n - 1]
-    s = s_plus + np.where(sigma[:, None], inst.y[:, 0], 0.0)
-    diff = inst.y - s[:, None, :]
-    return _TopN(n=n, selected=selected, unselected=inst.att & ~selected, sigma=sigma,
-                 s_plus=s_plus, s=s, diff=diff, D=np.einsum("bkd,bkd->bk", diff, diff))
+    unselected = inst.att & ~selected
+    p = np.searchsorted(inst.points, n)
+    around = inst.distances.at(p)
+    *scores, r_max2, r_min2 = (x[0] for x in around.ball_scores(selected[None], inst.att, n))
+    # Exact where a value is reported or compared with the sink's; stand-ins that order the
+    # selected and unselected keys exactly elsewhere.
+    sink = np.zeros_like(selected)
+    sink[:, 0] = inst.att[:, 0]
+    around.D((selected | sink)[None])
+    D = around.ordered(selected[None], unselected[None])[0]
+    return _TopN(n=n, selected=selected, unselected=unselected, sigma=selected[:, 0],
+                 s_plus=inst.s_plus_by_n[:, p], s=inst.s_by_n[:, p],
+                 ys=inst.distances.ys[:, 0, p], D=D, scores=tuple(scores),
+                 r_max2=r_max2, r_min2=r_min2)
 
 
 class _SinkBounds:
-    """Constants of the sink-aware bounds of one slice (SPEC §3) and their counts at each
-    N <= rows."""
+    """The sink-aware bounds of one slice (SPEC §3): effective weights and sink constants,
+    and their counts at each N of the grid."""
 
-    def __init__(self, alpha, values, v_norm, nonsink, has_sink, order, rows):
-        self.nonsink, self.has_sink = nonsink, has_sink
-        n_ns = nonsink.sum(axis=1)
-        C = _padded_quantile(np.where(nonsink, v_norm, -np.inf), n_ns, 0.5)
-        unit = _unit(values, v_norm)
-        sink_cos = np.einsum("bd,bkd->bk", unit[:, 0], unit)
-        c_lo = np.min(sink_cos, axis=1, where=nonsink, initial=np.inf)
-        c_hi = np.max(sink_cos, axis=1, where=nonsink, initial=-np.inf)
-        q05 = _padded_quantile(np.where(nonsink, sink_cos, -np.inf), n_ns, 0.05)
-        q95 = _padded_quantile(np.where(nonsink, sink_cos, -np.inf), n_ns, 0.95)
-        self.pair_cos, self.pairs_by_n = _ranked_pairs(unit, nonsink, order, rows)
-        self.mu_by_n = np.maximum.accumulate(self.pair_cos.max(axis=2), axis=1)
+    def __init__(self, alpha, constants):
+        self.constants = constants
+        has_sink, C, v_norm = constants.has_sink, constants.C, constants.v_norm
 
         # Without a sink the nu's multiply only zero terms; 0 keeps NaN out of that arithmetic.
         def sink_constant(x):
             return np.where(has_sink, x, 0.0)
 
+        c_lo, c_hi = constants.c_lo, constants.c_hi
         self.nu_paper = (sink_constant(np.maximum(0.0, -c_lo)),
                          sink_constant(np.maximum(0.0, -c_hi)))
-        self.nu_q95 = (sink_constant(np.maximum(0.0, -q05)), sink_constant(np.maximum(0.0, -q95)))
+        self.nu_q95 = (sink_constant(np.maximum(0.0, -constants.q05)),
+                       sink_constant(np.maximum(0.0, -constants.q95)))
         self.nu_exact = (sink_constant(-c_lo), sink_constant(-c_hi))
         # lambda = ||v_0||/C needs C > 0: with a sink and C = 0 the paper variant is undefined.
         self.paper_defined = ~has_sink | (C > 0)
@@ -254,19 +468,20 @@ class _SinkBounds:
         # and the tolerance is relative, so it is left out (and C = 0 cannot poison it).
         self.beta_exact = alpha * v_norm
 
-    def at(self, top):
-        """Outputs at selection top: those defined everywhere (mu's and the certificate),
-        and the paper variant's, defined where paper_defined."""
-        n, B = top.n, top.selected.shape[0]
-        K = self.pair_cos.shape[2]
-        mu = self.mu_by_n[:, n - 1]
-        mu = np.where(np.isfinite(mu), mu, np.nan)  # no pair yet: I_N = {sink}
-        mu_q95 = _padded_quantile(self.pair_cos[:, :n].reshape(B, n * K),
-                                  self.pairs_by_n[:, n - 1], 0.95)
-        masks = (top.selected, top.unselected, self.nonsink, self.has_sink)
-        k_sink = _k_sink(self.beta_paper, *masks, np.nan_to_num(mu), *self.nu_paper)
-        k_sink_q95 = _k_sink(self.beta_paper, *masks, np.nan_to_num(mu_q95), *self.nu_q95)
-        k_sink_exact = _k_sink(self.beta_exact, *masks, np.nan_to_num(mu), *self.nu_exact)
+    def at(self, top, g):
+        """Outputs at selection top (grid index g): those defined everywhere (mu's and the
+        certificate), and the paper variant's, defined where paper_defined."""
+        n = top.n
+        mu, mu_q95 = self.constants.mu[:, g], self.constants.mu_q95[:, g]
+        # The three variants as one batch of 3B rows: paper, robust (q95), exact.
+        masks = (top.selected, top.unselected, self.constants.nonsink, self.constants.has_sink)
+        counts = _k_sink(
+            np.concatenate([self.beta_paper, self.beta_paper, self.beta_exact]),
+            *(np.concatenate([m] * 3) for m in masks),
+            np.nan_to_num(np.concatenate([mu, mu_q95, mu])),
+            *(np.concatenate(nus) for nus in zip(self.nu_paper, self.nu_q95, self.nu_exact)),
+        )
+        k_sink, k_sink_q95, k_sink_exact = np.split(counts, 3)
         paper = dict(
             k_sink=k_sink, k_sink_q95=k_sink_q95,
             precision_bound=1.0 / (1.0 + k_sink / n),
@@ -277,8 +492,9 @@ class _SinkBounds:
         return dict(mu=mu, mu_q95=mu_q95, k_sink_exact=k_sink_exact), paper
 
 
-def _sink_diagnostics(inst, top, r_max2):
+def _sink_diagnostics(inst, top):
     """Appendix "Additional attention sink diagnostics"; NaN where they do not apply."""
+    r_max2 = top.r_max2
     y0 = inst.y[:, 0]
     sink_out = inst.has_sink & ~top.sigma
     sink_beats = np.sum(top.selected & (top.D[:, :1] <= top.D), axis=1) / top.n
@@ -295,18 +511,24 @@ def _sink_diagnostics(inst, top, r_max2):
 def _leave_one_out(inst, top):
     """Appendix "Leave-one-out control": C_N^loo, M_N^loo, positive fraction, gamma_N^loo."""
     s_norm = np.linalg.norm(top.s, axis=-1)
+    b, k = np.nonzero(top.selected)
+    y_i = inst.y[b, k]
+    diff_i = y_i - top.s[b]
     # cos(y_i, s_{N,-i}) from <y_i, y_i - s_N> and D_i = ||y_i - s_N||^2, both computed from
     # the difference itself rather than expanded (no cancellation when y_i ~ s_N).
-    loo_cos_i = -np.einsum("bkd,bkd->bk", inst.y, top.diff) / (inst.y_norm * np.sqrt(top.D))
-    cos_js = np.einsum("bkd,bd->bk", inst.y, top.s) / (inst.y_norm * s_norm[:, None])
+    loo_cos_i = np.full(top.D.shape, np.nan)
+    loo_cos_i[b, k] = (-np.einsum("md,md->m", y_i, diff_i)
+                       / (inst.y_norm[b, k] * np.sqrt(top.D[b, k])))
+    loo_spread = np.full(top.D.shape, -np.inf)  # ||y_i - s_{N,-i}|| = ||2 y_i - s_N||
+    loo_spread[b, k] = np.linalg.norm(y_i + diff_i, axis=-1)
+    cos_js = top.ys / (inst.y_norm * s_norm[:, None])
     loo_defined = top.selected & np.isfinite(loo_cos_i)
     loo_cos = _masked_mean(loo_cos_i, loo_defined)
-    loo_spread = np.linalg.norm(inst.y + top.diff, axis=-1)  # ||y_i - s_{N,-i}|| = ||2 y_i - s_N||
     return dict(
         loo_cos=loo_cos,
         loo_margin=loo_cos - _masked_mean(cos_js, top.unselected & np.isfinite(cos_js)),
         loo_positive_frac=_masked_mean(loo_cos_i > 0, loo_defined),
-        loo_distance_margin=(np.sqrt(np.min(top.D, axis=1, where=top.unselected, initial=np.inf))
+        loo_distance_margin=(np.sqrt(top.r_min2)
                              - np.max(loo_spread, axis=1, where=top.selected, initial=-np.inf)),
     )
 
@@ -323,79 +545,140 @@ def _signatures(inst, top):
     )
 
 
-def _random_control(y, att, n_att, grid, draw_keys, out):
+def _random_control(y, att, n_att, grid, points, draw_keys, out):
     """random_precision/recall/f_score: P, R, F of random size-N subsets, mean over draws."""
-    totals = np.zeros((3, *out["random_precision"].shape))
-    for keys in draw_keys:
-        # One random ranking per draw: its first N keys are a uniform size-N subset for every
-        # N at once (nested across N within a draw, independent across draws).
-        order, rank = _ranked(keys, att)
-        s_by_n = _cumulative(y, order)
-        for g, n in enumerate(grid):
-            if not np.any(n < n_att):
-                continue
-            selected = (rank < n) & att
-            D = _squared_distances(y, s_by_n[:, n - 1])
-            totals[:, :, g] += _ball_scores(D, selected, att, n)[:3]
-    if len(draw_keys):
-        names = ("random_precision", "random_recall", "random_f_score")
-        for g, n in enumerate(grid):
-            _store(out, g, dict(zip(names, totals[:, :, g] / len(draw_keys))), n < n_att)
+    if not len(draw_keys):
+        return
+    # One random ranking per draw: its first N keys are a uniform size-N subset for every
+    # N at once (nested across N within a draw, independent across draws).
+    R, B, K = draw_keys.shape
+    order, rank = _ranked(draw_keys.reshape(R * B, K), np.tile(att, (R, 1)))
+    order, rank = order.reshape(R, B, K), rank.reshape(R, B, K)
+    at = _Distances(y, np.stack([_prefix_sums(y, o, points) for o in order]))
+    names = ("random_precision", "random_recall", "random_f_score")
+    for g, n in enumerate(grid):
+        valid = n < n_att
+        if not valid.any():
+            continue
+        scores = at.at(np.searchsorted(points, n)).ball_scores((rank < n) & att, att, n)[:3]
+        _store(out, g, dict(zip(names, (np.sum(x, axis=0) / len(draw_keys) for x in scores))),
+               valid)
 
 
-def _sink_excluded(alpha, y, nonsink, grid, out):
+def _sink_excluded(alpha, y, nonsink, grid, points, out):
     """nosink_precision/recall/f_score: selection and balls over K \\ {0}."""
     n_ns = nonsink.sum(axis=1)
     order, rank = _ranked(-alpha, nonsink)
-    s_by_n = _cumulative(y, order)
+    at = _Distances(y, _prefix_sums(y, order, points)[None])
     for g, n in enumerate(grid):
         valid = n < n_ns
         if not valid.any():
             continue
         selected = (rank < n) & nonsink
-        D = _squared_distances(y, s_by_n[:, n - 1])
-        scores = _ball_scores(D, selected, nonsink, n)[:3]
+        scores = at.at(np.searchsorted(points, n)).ball_scores(selected[None], nonsink, n)[:3]
         names = ("nosink_precision", "nosink_recall", "nosink_f_score")
-        _store(out, g, dict(zip(names, scores)), valid)
+        _store(out, g, dict(zip(names, (x[0] for x in scores))), valid)
+
+
+class _Distances:
+    """Distances D_k = ||y_k - s||^2 of the contributions y (B, K, D) to aggregates s
+    (R, B, P, D): R selections (draws) at P sizes N. `at(p)` gives those at one N.
+
+    D_k is evaluated exactly (as ``||y_k - s||^2`` from the difference, the same way for every
+    key) only where the cheap expansion ||y_k||^2 - 2 <y_k, s> + ||s||^2 cannot settle a
+    comparison. Both ways are within (D + 4) eps (||y_k|| + ||s||)^2 of the real value (any
+    summation order, any fused multiply-add); the bound used is 4 times that, plus an absolute
+    floor for subnormal rounding; a non-finite bound makes every key of its row exact.
+    """
+
+    def __init__(self, y, s):
+        R, B, P, D = s.shape
+        self.y, self.s = y, s
+        self.yy = np.einsum("bkd,bkd->bk", y, y)
+        self.y_norm = np.sqrt(self.yy)
+        # <y_k, s> for every selection and N by one product: (B, R, P, K).
+        products = np.ascontiguousarray(s.transpose(1, 0, 2, 3)).reshape(B, R * P, D) @ y.transpose(0, 2, 1)
+        self.ys = products.reshape(B, R, P, y.shape[1])
+        self.ss = np.einsum("rbpd,rbpd->rbp", s, s)
+        self.rel = 4 * (D + 4) * np.finfo(np.float64).eps
+
+    def at(self, p):
+        return _Around(self, p)
+
+
+class _Around:
+    """The distances of every key to the aggregates at one N: (R, B, K) bounds lo <= D <= hi
+    around the expansion, and the exact values computed so far (NaN where not)."""
+
+    def __init__(self, distances, p):
+        self.y, self.s = distances.y, distances.s[:, :, p]
+        ss = distances.ss[:, :, p, None]
+        self.expanded = distances.yy - 2 * distances.ys[:, :, p].transpose(1, 0, 2) + ss
+        error = distances.rel * (distances.y_norm + np.sqrt(ss)) ** 2 + _TINY
+        self.lo, self.hi = self.expanded - error, self.expanded + error
+        unsure_row = ~np.all(np.isfinite(self.lo) & np.isfinite(self.hi), axis=-1)
+        self.lo[unsure_row], self.hi[unsure_row] = -np.inf, np.inf
+        self.exact = np.full(self.lo.shape, np.nan)
+
+    def D(self, mask):
+        """Exact D where mask (computed once per key), NaN elsewhere."""
+        flat = np.flatnonzero(mask & np.isnan(self.exact))
+        if flat.size:
+            r, b, k = np.unravel_index(flat, mask.shape)
+            self.exact.ravel()[flat] = _squared_distances(self.y[b, k], self.s[r, b])
+        return self.exact
+
+    def ball_scores(self, selected, candidates, n):
+        """Ball scores over the candidate keys (closed r_max ball, open r_min ball: SPEC §3
+        "Balls"): P(r_max, N) = N / |{k: D_k <= r_max^2}|, R(r_min, N) =
+        |{i in I_N: D_i < r_min^2}| / N, F = 2PR/(P+R) (0 if P + R = 0), r_max^2 and r_min^2,
+        each (R, B), of the exact distances; selected (R, B, K), candidates (B, K)."""
+        lo, hi = self.lo, self.hi
+        unselected = candidates & ~selected
+        # The extreme distance is among the keys whose bounds reach the other keys' best bound.
+        floor = np.max(lo, axis=-1, where=selected, initial=-np.inf)[..., None]
+        ceiling = np.min(hi, axis=-1, where=unselected, initial=np.inf)[..., None]
+        near_max = selected & (hi >= floor)
+        near_min = unselected & (lo <= ceiling)
+        exact = self.D(near_max | near_min)
+        r_max2 = np.max(exact, axis=-1, where=near_max, initial=-np.inf)
+        r_min2 = np.min(exact, axis=-1, where=near_min, initial=np.inf)
+        unsure_max = candidates & (lo <= r_max2[..., None]) & (hi > r_max2[..., None])
+        unsure_min = selected & (lo < r_min2[..., None]) & (hi >= r_min2[..., None])
+        exact = self.D(unsure_max | unsure_min)
+        inside = np.where(unsure_max, exact <= r_max2[..., None], hi <= r_max2[..., None])
+        closer = np.where(unsure_min, exact < r_min2[..., None], hi < r_min2[..., None])
+        precision = n / np.sum(candidates & inside, axis=-1)
+        recall = np.sum(selected & closer, axis=-1) / n
+        f_score = np.where(precision + recall > 0,
+                           2 * precision * recall / (precision + recall), 0.0)
+        return precision, recall, f_score, r_max2, r_min2
+
+    def ordered(self, a_mask, b_mask):
+        """(R, B, K) stand-ins for D that compare between an a key and a b key exactly as the
+        exact distances do: exact where some key of the other side has an expansion within
+        4 half-widths (the row's widest), the expansion elsewhere."""
+        half = np.max(self.hi - self.expanded, axis=-1, where=a_mask | b_mask, initial=0.0)
+        near = np.zeros(a_mask.shape, dtype=bool)
+        for idx in np.ndindex(a_mask.shape[:-1]):
+            x, w = self.expanded[idx], 4 * half[idx]
+            if not np.isfinite(w):
+                near[idx] = a_mask[idx] | b_mask[idx]
+                continue
+            for mine, other in ((a_mask[idx], b_mask[idx]), (b_mask[idx], a_mask[idx])):
+                others = np.sort(x[other])
+                keys = np.flatnonzero(mine)
+                hits = (np.searchsorted(others, x[keys] + w, side="right")
+                        - np.searchsorted(others, x[keys] - w, side="left"))
+                near[idx][keys[hits > 0]] = True
+        exact = self.D(near)
+        return np.where(np.isnan(exact), self.expanded, exact)
 
 
 def _store(out, g, results, valid):
     """Write results into column g of out: where not valid, NaN (floats) or -1 (counts)."""
     for name, x in results.items():
         out[name][:, g] = np.where(valid, x, np.nan if out[name].dtype.kind == "f" else -1)
-
-
-def _value_statistics_slice(values, att, out):
-    B, K, _ = values.shape
-    has_sink = att[:, 0]
-    nonsink = att.copy()
-    nonsink[:, 0] = False
-    n_ns = nonsink.sum(axis=1)
-    v_norm = np.linalg.norm(values, axis=-1)
-    C = _padded_quantile(np.where(nonsink, v_norm, -np.inf), n_ns, 0.5)
-    mean = np.sum(v_norm, axis=1, where=nonsink) / n_ns
-    var = np.sum((v_norm - mean[:, None]) ** 2, axis=1, where=nonsink) / n_ns
-
-    gram = _gram(_unit(values, v_norm))
-    # Each unordered pair once; the median of the ordered pairs is the same.
-    pairs = nonsink[:, :, None] & nonsink[:, None, :] & np.triu(np.ones((K, K), dtype=bool), 1)
-    median_cos = _padded_quantile(np.where(pairs, gram, -np.inf).reshape(B, K * K),
-                                  n_ns * (n_ns - 1) // 2, 0.5)
-    sink_cos = np.where(nonsink, gram[:, 0, :], -np.inf)
-    sink_quantiles = {q: _padded_quantile(sink_cos, n_ns, q) for q in (0.05, 0.5, 0.95)}
-    negative = np.sum(sink_cos < 0, axis=1, where=nonsink) / n_ns
-
-    out["C"][...] = C
-    out["norm_cv"][...] = np.sqrt(var) / mean
-    out["median_cos"][...] = median_cos
-    for name, x in dict(
-        sink_norm_ratio=v_norm[:, 0] / C,
-        sink_cos_median=sink_quantiles[0.5],
-        sink_cos_neg_frac=negative,
-        nu_minus_q95=np.maximum(0.0, -sink_quantiles[0.95]),
-        nu_plus_q95=np.maximum(0.0, -sink_quantiles[0.05]),
-    ).items():
-        out[name][...] = np.where(has_sink & (n_ns > 0), x, np.nan)
 
 
 def _k_sink(beta, selected, unselected, nonsink, has_sink, mu, nu_plus, nu_minus):
@@ -433,71 +716,13 @@ def _k_sink(beta, selected, unselected, nonsink, has_sink, mu, nu_plus, nu_minus
 
 
 def _count_pairs_le(b, b_mask, a, a_mask):
-    """#{(i, j): a_mask_i, b_mask_j, b_j <= a_i} per row of (B, K) arrays, in O(K log K).
-
-    One stable merge sort of the concatenation [b, a]: an equal b_j sorts before a_i, so
-    the b's preceding each a_i are exactly those with b_j <= a_i.
-    """
-    merged = np.concatenate([np.where(b_mask, b, 0.0), np.where(a_mask, a, 0.0)], axis=1)
-    order = np.argsort(merged, axis=1, kind="stable")
-    none = np.zeros_like(a_mask)
-    is_b = np.take_along_axis(np.concatenate([b_mask, none], axis=1), order, axis=1)
-    is_a = np.take_along_axis(np.concatenate([none, a_mask], axis=1), order, axis=1)
-    return np.sum(np.cumsum(is_b, axis=1), axis=1, where=is_a)
-
-
-def _ball_scores(D, selected, candidates, n):
-    """P(r_max, N), R(r_min, N), F and r_max^2 over the candidate keys (closed r_max ball,
-    open r_min ball: SPEC §3 "Balls")."""
-    r_max2 = np.max(D, axis=1, where=selected, initial=-np.inf)
-    r_min2 = np.min(D, axis=1, where=candidates & ~selected, initial=np.inf)
-    precision = n / np.sum(candidates & (D <= r_max2[:, None]), axis=1)
-    recall = np.sum(selected & (D < r_min2[:, None]), axis=1) / n
-    f_score = np.where(precision + recall > 0,
-                       2 * precision * recall / (precision + recall), 0.0)
-    return precision, recall, f_score, r_max2
-
-
-def _ranked_pairs(unit, nonsink, order, rows):
-    """|<u_p, u_q>| of the non-sink pairs, rows and columns in selection order, each unordered
-    pair once (row rank < column rank), other entries -inf, for the first `rows` ranks:
-    (B, rows, K); and the pair counts by N (B, rows).
-
-    The pairs with at least one key in I_N are then exactly rows < N: the coherence
-    constants of every N are prefixes of one array.
-    """
-    K = unit.shape[1]
-    ranked_unit = np.take_along_axis(unit, order[:, :, None], axis=1)
-    ranked = np.abs(ranked_unit[:, :rows] @ np.ascontiguousarray(ranked_unit.transpose(0, 2, 1)))
-    ok = np.take_along_axis(nonsink, order, axis=1)
-    pairs = ok[:, :rows, None] & ok[:, None, :] & np.triu(np.ones((rows, K), dtype=bool), 1)
-    np.copyto(ranked, -np.inf, where=~pairs)
-    return ranked, np.cumsum(pairs.sum(axis=2), axis=1)
-
-
-def _padded_quantile(x, m, q):
-    """q-quantile (numpy's default 'linear' method) of the m valid entries of each row of
-    x (B, M), the other M - m entries being -inf; NaN where m = 0.
-
-    The m valid entries are the top m of the row, so only the two order statistics around
-    position q (m - 1) are needed: a partition, not a sort.
-    """
-    M = x.shape[1]
-    m = np.asarray(m, dtype=np.int64)
-    has = m > 0
-    last = np.maximum(m - 1, 0)
-    pos = q * last
-    lo = np.floor(pos).astype(np.int64)
-    hi = np.minimum(lo + 1, last)
-    lo_idx = np.where(has, M - m + lo, 0)
-    hi_idx = np.where(has, M - m + hi, 0)
-    kth = np.unique(np.concatenate([lo_idx[has], hi_idx[has]]))
-    if kth.size == 0:
-        return np.full(x.shape[0], np.nan)
-    part = np.partition(x, kth, axis=1)
-    below = np.where(has, np.take_along_axis(part, lo_idx[:, None], axis=1)[:, 0], 0.0)
-    above = np.where(has, np.take_along_axis(part, hi_idx[:, None], axis=1)[:, 0], 0.0)
-    return np.where(has, below + (pos - lo) * (above - below), np.nan)
+    """#{(i, j): a_mask_i, b_mask_j, b_j <= a_i} per row of (B, K) arrays, in O(K log K):
+    a binary search of each a_i among the sorted b_j. (A NaN b_j is never <= a_i; a NaN a_i
+    counts every b_j, as NaN sorts last.)"""
+    sorted_b = np.sort(np.where(b_mask, b, np.nan), axis=1)
+    n_b = b_mask.sum(axis=1)
+    return np.array([np.searchsorted(row[:m], x[keep], side="right").sum()
+                     for row, m, x, keep in zip(sorted_b, n_b, a, a_mask)], dtype=np.int64)
 
 
 def _ranked(key, candidates):
@@ -509,25 +734,33 @@ def _ranked(key, candidates):
     return order, rank
 
 
-def _cumulative(y, order):
-    """(B, K, D): entry n-1 is the sum of y over the first n keys of order."""
-    return np.cumsum(np.take_along_axis(y, order[:, :, None], axis=1), axis=1)
+def _prefix_sums(y, order, points):
+    """(B, len(points), D): the sum of y over the first n keys of order for each n of points
+    (ascending, 1 <= n <= K), added one key at a time in that order (as np.cumsum does)."""
+    B, K, D = y.shape
+    if not len(points):
+        return np.empty((B, 0, D))
+    ranked = y.reshape(B * K, D)[(order[:, :points[-1]] + K * np.arange(B)[:, None]).ravel()]
+    ranked = ranked.reshape(B, points[-1], D)
+    out = np.empty((B, len(points), D))
+    start = 0
+    for i, n in enumerate(points):
+        # A reduction over a non-contiguous axis adds row after row: the running sum goes first.
+        block = ranked[:, start:n] if i == 0 else np.concatenate([out[:, i - 1, None], ranked[:, start:n]], axis=1)
+        out[:, i] = np.add.reduce(block, axis=1)
+        start = n
+    return out
 
 
 def _squared_distances(y, s):
-    diff = y - s[:, None, :]
-    return np.einsum("bkd,bkd->bk", diff, diff)
+    """||y - s||^2 over the last axis (y and s broadcast), from the difference."""
+    diff = y - s
+    return np.einsum("...d,...d->...", diff, diff)
 
 
 def _unit(values, v_norm):
     """u = v/||v||, and u = 0 for v = 0."""
     return values / np.where(v_norm > 0, v_norm, 1.0)[:, :, None]
-
-
-def _gram(x):
-    """(B, K, K) inner products of the rows of x (B, K, D)."""
-    # A contiguous right operand lets matmul use BLAS on every matrix (several times faster).
-    return x @ np.ascontiguousarray(x.transpose(0, 2, 1))
 
 
 def _cos(a, b):
@@ -542,21 +775,66 @@ def _masked_mean(x, mask):
     return np.where(count > 0, np.sum(x, axis=1, where=mask) / count, np.nan)
 
 
-def _batch_slices(B, K):
-    step = max(1, _GRAM_BUDGET // (K * K))
+def _quantile(x, q, size=None):
+    """q-quantile (numpy's 'linear' method: x_lo + (pos - lo) (x_hi - x_lo)) of the 1-D x, NaN
+    if x is empty; with size, of x's smallest `size` entries (the others being larger)."""
+    m = x.size if size is None else size
+    if m == 0:
+        return np.nan
+    pos = q * (m - 1)
+    lo = int(np.floor(pos))
+    hi = min(lo + 1, m - 1)
+    below, above = _order_statistics(x, lo, hi)
+    return below + (pos - lo) * (above - below)
+
+
+def _order_statistics(x, lo, hi):
+    """The lo-th and hi-th smallest entries of the 1-D x (lo <= hi).
+
+    For a long x, a bracket [t_lo, t_hi] around them is taken from a strided sample; counting
+    the entries below t_lo and partitioning the few inside is exact whenever the bracket
+    holds both ranks, and a partition of all of x answers otherwise.
+    """
+    m = x.size
+    if m > _BRACKET_MIN:
+        sample = np.sort(x[:: max(m // 2048, 1)])
+        margin = 0.02 * sample.size + 8
+        t_lo = sample[max(int(lo / m * sample.size - margin), 0)]
+        t_hi = sample[min(int(hi / m * sample.size + margin), sample.size - 1)]
+        below = np.count_nonzero(x < t_lo)
+        inside = x[(x >= t_lo) & (x <= t_hi)]
+        if below <= lo and hi < below + inside.size:
+            part = np.partition(inside, (lo - below, hi - below))
+            return part[lo - below], part[hi - below]
+    part = np.partition(x, (lo, hi))
+    return part[lo], part[hi]
+
+
+def _batch_slices(B, size):
+    """Slices of the batch with at most _SLICE_BUDGET elements of per-instance size each."""
+    step = max(1, _SLICE_BUDGET // max(size, 1))
     return [slice(start, start + step) for start in range(0, B, step)] or [slice(0, 0)]
 
 
-def _check_batch(attn, values, attendable):
+def _check_batch(attn, values, attendable, head_kv):
     values = np.asarray(values, dtype=np.float64)
     attendable = np.asarray(attendable, dtype=bool)
     if values.ndim != 3 or values.shape[1] < 1:
-        raise ValueError(f"values must have shape (B, K, D) with K >= 1, got {values.shape}")
+        raise ValueError(f"values must have shape (G, K, D) with K >= 1, got {values.shape}")
     if attendable.shape != values.shape[:2]:
         raise ValueError(f"attendable has shape {attendable.shape}, expected {values.shape[:2]}")
     if attn is None:
-        return None, values, attendable
+        return None, values, attendable, None
     attn = np.asarray(attn, dtype=np.float64)
-    if attn.shape != values.shape[:2]:
-        raise ValueError(f"attn has shape {attn.shape}, expected {values.shape[:2]}")
-    return attn, values, attendable
+    if attn.ndim != 2 or attn.shape[1] != values.shape[1]:
+        raise ValueError(f"attn has shape {attn.shape}, expected (B, {values.shape[1]})")
+    if head_kv is None:
+        if attn.shape[0] != values.shape[0]:
+            raise ValueError(f"attn has {attn.shape[0]} rows for {values.shape[0]} value heads; "
+                             "pass head_kv")
+        head_kv = np.arange(attn.shape[0])
+    head_kv = np.asarray(head_kv, dtype=np.int64).reshape(-1)
+    if head_kv.shape != (attn.shape[0],) or np.any((head_kv < 0) | (head_kv >= values.shape[0])):
+        raise ValueError(f"head_kv must hold {attn.shape[0]} kv heads in [0, {values.shape[0]}), "
+                         f"got {head_kv.tolist()}")
+    return attn, values, attendable, head_kv

@@ -80,20 +80,17 @@ def _instance_seed(seed: int, seq: int, layer: int) -> int:
     return int(np.random.SeedSequence([seed, seq, layer]).generate_state(1)[0])
 
 
-def _head_values(values: np.ndarray, head_kv: np.ndarray) -> np.ndarray:
-    """(KV, K, D) kv-head values -> (H, K, D): query head h reads kv head head_kv[h]."""
-    return values[head_kv].astype(np.float64)
-
-
 def _topn_block(attn, values, attendable, seq_ids, layer_ids, *, head_kv, n_grid, seed):
     """One (sequence, layer) block: attn (1,1,H,K), values (1,1,KV,K,D), attendable (1,K)
     -> (1, 1, H, n, var) float64 in TOPN_VARS order."""
     n_heads = attn.shape[2]
+    kv_values = values[0, 0].astype(np.float64)
     out = topn_metrics(
         attn[0, 0].astype(np.float64),
-        _head_values(values[0, 0], head_kv),
-        np.broadcast_to(attendable[0], attn.shape[2:]),
+        kv_values,
+        np.broadcast_to(attendable[0], kv_values.shape[:2]),
         n_grid,
+        head_kv=head_kv,
         seed=_instance_seed(seed, int(seq_ids[0]), int(layer_ids[0])),
         random_draws=RANDOM_DRAWS,
     )
@@ -102,10 +99,11 @@ def _topn_block(attn, values, attendable, seq_ids, layer_ids, *, head_kv, n_grid
 
 
 def _values_block(values, attendable, *, head_kv):
-    """values (1,1,KV,K,D), attendable (1,K) -> (1, 1, H, var) float64 in VALUE_VARS order."""
-    head_values = _head_values(values[0, 0], head_kv)
-    out = value_statistics(head_values, np.broadcast_to(attendable[0], head_values.shape[:2]))
-    return np.stack([out[name] for name in VALUE_VARS], axis=-1)[None, None]
+    """values (1,1,KV,K,D), attendable (1,K) -> (1, 1, H, var) float64 in VALUE_VARS order;
+    query head h takes the statistics of kv head head_kv[h]."""
+    kv_values = values[0, 0].astype(np.float64)
+    out = value_statistics(kv_values, np.broadcast_to(attendable[0], kv_values.shape[:2]))
+    return np.stack([out[name][head_kv] for name in VALUE_VARS], axis=-1)[None, None]
 
 
 def _votes_from_rows_block(rows, values, *, head_kv):
