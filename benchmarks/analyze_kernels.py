@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 import frozen_kernels_v1 as old  # noqa: E402
 
-from attngeom import store_schema  # noqa: E402
+from attngeom.store import open_root, run_ids  # noqa: E402
 from attngeom.analyze.kernels import topn_metrics, value_statistics  # noqa: E402
 from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed  # noqa: E402
 
@@ -148,8 +148,8 @@ def bench_synthetic(lengths, reps: int, log) -> list[dict]:
 
 def bench_store(store: str, log) -> list[dict]:
     rows = []
-    root = store_schema.open_root(store)
-    for run_id in store_schema.run_ids(root):
+    root = open_root(store)
+    for run_id in run_ids(root):
         ds = open_completed(store, run_id)
         head_kv = ds["head_kv"].values
         grid = default_n_grid(ds.sizes["key"])
