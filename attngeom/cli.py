@@ -34,6 +34,7 @@ def main() -> None:
     taxonomy prints the Retriever / Mixer / Reset distribution of the heads
     ablate   measures single-head ablation and head sparsification (needs the model)
     report   draws the paper's figures and tables from a store
+    explore  writes an offline, interactive page of every head's geometry
     validate checks a store against the schema
     migrate  brings a store of an older format up to date
     demo     the whole pipeline on the offline default model and corpus
@@ -183,6 +184,28 @@ def report(store: str, out: Path) -> None:
     from attngeom.report import build_report
 
     click.echo(f"report: {build_report(store, out)}")
+
+
+@main.command()
+@STORE
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder for index.html and its data; replaced if an earlier explore wrote it.")
+@click.option("--run", "run_id", help="Only this run [default: every run of the store].")
+@click.option("--sequences", type=click.IntRange(1), default=8, show_default=True, help="Sequences per head shown on the page (the first committed ones).")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+def explore(store: str, out: Path, run_id: str | None, sequences: int, no_progress: bool) -> None:
+    """Write an interactive page to look at every head's geometry, no model needed.
+
+    DIR/index.html opens from disk with no network (plotly.js is copied beside it). A grid
+    of heads coloured by regime, F at N, lambda or delta NLL; clicking a head loads only
+    that head's file and shows the final query's attention over the decoded tokens, P, R
+    and F against N with the random control and the bounds, and the value-space picture
+    (every y_i = alpha_i v_i, the top-N set, s_N, the r_min / r_max balls).
+    """
+    from attngeom.explore import explore as run_explore
+
+    result = run_explore(store, out, run_id=run_id, sequences=sequences, progress=not no_progress)
+    click.echo(f"explore: {result.index} ({result.runs} run(s), {result.heads} heads, "
+               f"{result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s)")
 
 
 @main.command()

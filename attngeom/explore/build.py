@@ -1,0 +1,230 @@
+"""``attngeom explore``: an offline, interactive page to look at every head's geometry.
+
+The folder written holds ``index.html``, the page's script and style, a vendored copy of
+plotly.js, ``data/index.js`` (every run's head table: a few values per head) and one
+``data/<run>/head_<layer>_<head>.js`` per head with that head's instances. A page opened from
+disk may not ``fetch()`` files, so each data file is a script calling a registration function,
+and a head's file is injected only when its cell is clicked: the page starts with the table
+alone whatever the number of heads and the context length.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from attngeom import __version__
+from attngeom.errors import AttngeomError
+from attngeom.explore import data
+from attngeom.explore.geometry import value_picture
+
+PAGE_FILES = ("explore.js", "explore.css")
+PLOTLY = "plotly.min.js"
+# What marks a folder as one this stage wrote, so that writing again may replace it.
+MARKER = ".attngeom-explore"
+
+
+@dataclass(frozen=True)
+class ExploreResult:
+    """What ``explore`` wrote: the page, how many runs and heads, and the folder's size."""
+
+    index: Path
+    runs: int
+    heads: int
+    bytes: int
+    seconds: float
+
+
+def explore(store: str, out: Path, *, run_id: str | None = None, sequences: int = 8,
+            progress: bool = True) -> ExploreResult:
+    """Write the explorer of ``store`` (every run, or ``run_id``) into the folder ``out``.
+
+    Each head's page shows its first ``sequences`` committed sequences. Needs no model (the
+    tokenizer, when it can be read from local files, decodes the tokens). Inputs are checked
+    before anything is written; on failure nothing is left behind. An existing ``out`` is
+    replaced only if an earlier ``explore`` wrote it.
+    """
+    start = time.perf_counter()
+    if sequences < 1:
+        raise AttngeomError(f"--sequences must be at least 1, got {sequences}")
+    out = Path(out)
+    _check_target(out)
+    runs = data.open_runs(store, run_id, sequences)
+    created = next((p for p in reversed(out.absolute().parents) if not p.exists()), None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written aside and moved in at the end: a failure leaves neither a half folder nor
+    # the parents made for it.
+    work = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        heads = _write(store, runs, work, progress)
+        if out.exists():
+            shutil.rmtree(out)
+        work.rename(out)
+    except BaseException:
+        shutil.rmtree(created or work, ignore_errors=True)
+        raise
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    return ExploreResult(out / "index.html", len(runs), heads, size, time.perf_counter() - start)
+
+
+def _check_target(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise AttngeomError(f"--out {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).exists():
+        raise AttngeomError(f"--out {out} is a non-empty folder that attngeom explore did not write")
+
+
+def _write(store: str, runs: list[data.ExploreRun], out: Path, progress: bool) -> int:
+    (out / MARKER).write_text(f"attngeom {__version__}\n")
+    for name in PAGE_FILES:
+        (out / name).write_bytes(resources.files(__package__).joinpath(name).read_bytes())
+    plotly_version = _vendor_plotly(out / PLOTLY)
+    (out / "data").mkdir()
+    entries = []
+    heads = 0
+    for run in runs:
+        folder = out / "data" / run.run_id
+        folder.mkdir()
+        heads += _write_heads(run, folder, progress)
+        entries.append(_run_entry(run))
+    _write_script(out / "data" / "index.js", "index", {"store": store, "runs": entries})
+    page = resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
+    page = page.replace("{{version}}", __version__).replace("{{plotly_version}}", plotly_version)
+    (out / "index.html").write_text(page, encoding="utf-8")
+    return heads
+
+
+def _vendor_plotly(target: Path) -> str:
+    """Copy plotly.js from the ``plotly`` package; return its version (from its banner)."""
+    source = resources.files("plotly").joinpath("package_data", PLOTLY)
+    text = source.read_bytes()
+    target.write_bytes(text)
+    found = re.search(rb"plotly\.js v([0-9][0-9A-Za-z.\-]*)", text[:400])
+    return found.group(1).decode() if found else "unknown"
+
+
+def _write_script(path: Path, register: str, payload: Any, *args: Any) -> None:
+    """A data file: one call ``attngeomExplore.<register>(*args, payload)``."""
+    call = ", ".join([*(json.dumps(a) for a in args), json.dumps(_jsonable(payload), separators=(",", ":"))])
+    path.write_text(f"attngeomExplore.{register}({call});\n", encoding="utf-8")
+
+
+def _jsonable(obj: Any) -> Any:
+    """Plain JSON: NumPy scalars and arrays as numbers and lists, NaN and inf as null."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _jsonable(obj.tolist())
+    if isinstance(obj, (np.integer, np.bool_)):
+        return obj.item()
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if np.isfinite(obj) else None
+    return obj
+
+
+def _float32(x: np.ndarray) -> str:
+    """Base64 of little-endian float32: a Float32Array on the page, at a third of JSON's size."""
+    return base64.b64encode(np.ascontiguousarray(x, dtype="<f4").tobytes()).decode("ascii")
+
+
+def _run_entry(run: data.ExploreRun) -> dict[str, Any]:
+    """The run's head table and what every head page shares (tokens, grid, notes)."""
+    layout = run.layout
+    decode, how = data.token_decoder(run.provenance)
+    ids = data.read_tokens(run)
+    tokens = [decode(row) if decode else [str(int(t)) for t in row] for row in ids]
+    stats: dict[str, Any] = {}
+    if run.heads is not None:
+        stats["regime"] = [[str(x) for x in row] for row in np.asarray(run.heads["regime"].values)]
+        for name in data.VOTES:
+            stats[f"vote_{name}"] = run.heads[f"vote_{name}"].values
+        if "sink_norm_ratio" in run.heads:
+            stats["lambda"] = run.heads["sink_norm_ratio"].values
+    if run.summary is not None and "f_score" in run.summary:
+        stats["f_score"] = run.summary["f_score"].sel(stat="mean").transpose("layer", "head", "n").values
+    if run.ablation is not None and "delta_nll_mean" in run.ablation:
+        stats["delta_nll"] = run.ablation["delta_nll_mean"].transpose("layer", "head").values
+    return {
+        "id": run.run_id, "model": run.model, "dataset": run.dataset, "length": layout.length,
+        "layers": layout.n_layers, "heads": layout.n_heads, "kv_heads": layout.n_kv_heads,
+        "head_dim": layout.head_dim, "head_kv": list(layout.head_kv), "window": list(layout.window),
+        "n_grid": run.n_grid, "sequences": run.sequences, "tokens": tokens, "token_ids": ids,
+        "tokens_note": how, "stats": stats, "notes": run.notes,
+    }
+
+
+def _write_heads(run: data.ExploreRun, folder: Path, progress: bool) -> int:
+    layout = run.layout
+    total = layout.n_layers * layout.n_heads
+    with tqdm(total=total, unit="head", desc=f"{run.run_id}: heads", disable=not progress) as bar:
+        for layer in range(layout.n_layers):
+            arrays = data.read_layer(run, layer)
+            for head in range(layout.n_heads):
+                payload = _head_payload(run, arrays, layer, head)
+                _write_script(folder / f"head_{layer}_{head}.js", "head", payload, run.run_id, layer, head)
+                bar.update()
+    return total
+
+
+def _head_payload(run: data.ExploreRun, arrays: data.LayerData, layer: int, head: int) -> dict[str, Any]:
+    """One head: per chosen sequence its attention row, the value picture and its curves."""
+    kv = run.layout.head_kv[head]
+    attn = arrays.attn[:, head]
+    attendable = np.broadcast_to(arrays.attendable, attn.shape)
+    picture = value_picture(attn, arrays.values[:, kv], attendable, run.n_grid)
+    top = max(run.n_grid)
+    instances = []
+    for b, seq in enumerate(run.sequences):
+        curves = _curves(arrays, int(seq), head)
+        per_n = []
+        for g, n in enumerate(run.n_grid):
+            # The store's P and R (analysis/topn) where it has them; else the picture's own.
+            exact = curves is not None and np.isfinite(curves["precision"][g])
+            per_n.append({
+                "n": n, "s": picture.s_xy[b, g], "r_min": picture.r_min[b, g], "r_max": picture.r_max[b, g],
+                "precision": curves["precision"][g] if exact else picture.precision[b, g],
+                "recall": curves["recall"][g] if exact else picture.recall[b, g],
+                "source": "analysis/topn" if exact else "distances",
+                "intruders": picture.intruders[b][g], "strays": picture.strays[b][g],
+            })
+        instances.append({
+            "seq": int(seq), "attn": _float32(attn[b]), "xy": _float32(picture.xy[b].reshape(-1)),
+            "order": picture.order[b, :top], "explained": picture.explained[b],
+            "per_n": per_n, "curves": curves, "votes": _votes(arrays, int(seq), head),
+        })
+    heads = run.heads
+    regime = None if heads is None else {
+        "regime": str(heads["regime"].values[layer, head]),
+        **{f"vote_{v}": heads[f"vote_{v}"].values[layer, head] for v in data.VOTES},
+        **{f"sequences_{v}": heads[f"sequences_{v}"].values[layer, head] for v in data.VOTES},
+    }
+    return {
+        "kv_head": kv, "shares_kv": [h for h, k in enumerate(run.layout.head_kv) if k == kv and h != head],
+        "window": run.layout.window[layer], "regime": regime, "instances": instances,
+    }
+
+
+def _curves(arrays: data.LayerData, seq: int, head: int) -> dict[str, np.ndarray] | None:
+    if arrays.curves is None or seq not in arrays.curves["seq"].values:
+        return None
+    row = arrays.curves.sel(seq=seq).isel(head=head)
+    return {name: row[name].values for name in data.CURVES}
+
+
+def _votes(arrays: data.LayerData, seq: int, head: int) -> list[int] | None:
+    if arrays.votes is None or seq not in arrays.votes["seq"].values:
+        return None
+    return arrays.votes.sel(seq=seq).isel(head=head).values.astype(int).tolist()

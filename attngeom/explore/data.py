@@ -1,0 +1,159 @@
+"""What the explorer reads from a store: one run's head table, its chosen sequences and their
+decoded tokens, and per layer the arrays a head's page needs.
+
+Analysis and ablation groups may be absent; they are ``None`` here and the page says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xarray as xr
+import zarr
+
+from attngeom import store_schema
+from attngeom.analyze.stage import default_n_grid
+from attngeom.errors import AttngeomError
+
+ANALYSIS = "analysis"
+ABLATION = "ablation"
+# Per-sequence top-N curves a head's page draws: the head's own, the random control, the bounds.
+CURVES = (
+    "precision", "recall", "f_score",
+    "random_precision", "random_recall", "random_f_score",
+    "precision_bound", "recall_bound", "precision_bound_q95", "recall_bound_q95",
+)
+VOTES = ("diagonal", "sink", "other")
+
+
+@dataclass
+class ExploreRun:
+    """One run as the explorer sees it: identity, shape, chosen sequences, optional groups."""
+
+    run_id: str
+    provenance: dict[str, Any]
+    group: zarr.Group
+    layout: store_schema.RunLayout
+    sequences: np.ndarray                   # chosen committed sequence ids
+    n_grid: list[int]
+    heads: xr.Dataset | None = None         # analysis/heads (layer, head)
+    summary: xr.Dataset | None = None       # analysis/summary (stat, layer, head, n)
+    topn: xr.Dataset | None = None          # analysis/topn (seq, layer, head, n), lazy
+    taxonomy: xr.Dataset | None = None      # analysis/taxonomy (seq, layer, head, vote), lazy
+    ablation: xr.Dataset | None = None      # ablation/single (layer, head[, seq])
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model(self) -> str:
+        return str(self.provenance.get("model", {}).get("id") or "?")
+
+    @property
+    def dataset(self) -> str:
+        return str(self.provenance.get("dataset", {}).get("id") or "?")
+
+
+def _open(store: str, path: str) -> xr.Dataset | None:
+    try:
+        return store_schema.open_dataset(store, path)
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
+        return None
+
+
+def open_runs(store: str, run_id: str | None, sequences: int) -> list[ExploreRun]:
+    """The run ``run_id`` (every run when None) with its first ``sequences`` committed
+    sequences. Raises AttngeomError for a missing store or run, or a run with no sequence."""
+    root = store_schema.open_root(store)
+    ids = store_schema.run_ids(root)
+    if run_id is not None and run_id not in ids:
+        raise AttngeomError(f"no run '{run_id}' in {store} (runs: {', '.join(ids) or 'none'})")
+    chosen = [run_id] if run_id is not None else ids
+    if not chosen:
+        raise AttngeomError(f"{store} holds no run; run `attngeom extract` first")
+    return [_open_run(store, root, rid, sequences) for rid in chosen]
+
+
+def _open_run(store: str, root: zarr.Group, run_id: str, sequences: int) -> ExploreRun:
+    group = store_schema.open_run_group(root, run_id)
+    done = store_schema.completed(group)
+    if done.size == 0:
+        raise AttngeomError(f"run '{run_id}' in {store} has no complete sequence yet")
+    base = f"{store_schema.RUNS}/{run_id}"
+    layout = store_schema.run_layout(group)
+    run = ExploreRun(run_id, store_schema.run_provenance(root, run_id), group, layout,
+                     done[:sequences], default_n_grid(layout.length))
+    for name in ("heads", "summary"):
+        ds = _open(store, f"{base}/{ANALYSIS}/{name}")
+        setattr(run, name, ds.load() if ds is not None else None)
+    run.topn = _open(store, f"{base}/{ANALYSIS}/topn")
+    run.taxonomy = _open(store, f"{base}/{ANALYSIS}/taxonomy")
+    run.ablation = _open(store, f"{base}/{ABLATION}/single")
+    if run.topn is not None:
+        run.n_grid = [int(n) for n in run.topn["n"].values]
+        analyzed = set(run.topn["seq"].values.tolist())
+        missing = [int(s) for s in run.sequences if int(s) not in analyzed]
+        if missing:
+            run.notes.append(f"sequences {missing} were committed after the analysis: their curves are "
+                             "missing (re-run `attngeom analyze`)")
+    else:
+        run.notes.append("no analysis (run `attngeom analyze`): no regimes, no curves; precision and "
+                         "recall are computed here from the picture's distances")
+    if run.ablation is None:
+        run.notes.append("no ablation (run `attngeom ablate`): no delta NLL")
+    return run
+
+
+@dataclass(frozen=True)
+class LayerData:
+    """One layer of the chosen sequences, in memory: attn (S, H, K), values (S, KV, K, D),
+    attendable (K,), and the analysis rows of those sequences (None without analysis)."""
+
+    attn: np.ndarray
+    values: np.ndarray
+    attendable: np.ndarray
+    curves: xr.Dataset | None
+    votes: xr.DataArray | None
+
+
+def read_layer(run: ExploreRun, layer: int) -> LayerData:
+    """The arrays of ``layer`` for the run's chosen sequences (one store chunk per sequence)."""
+    seqs = run.sequences
+    attn = np.stack([run.group["attn_last"][int(s), layer] for s in seqs])
+    values = np.stack([run.group["values"][int(s), layer] for s in seqs])
+    curves = votes = None
+    if run.topn is not None:
+        present = [int(s) for s in seqs if int(s) in set(run.topn["seq"].values.tolist())]
+        curves = run.topn[list(CURVES)].isel(layer=layer).sel(seq=present).load()
+    if run.taxonomy is not None and "votes" in run.taxonomy:
+        present = [int(s) for s in seqs if int(s) in set(run.taxonomy["seq"].values.tolist())]
+        votes = run.taxonomy["votes"].isel(layer=layer).sel(seq=present).load()
+    return LayerData(attn, values, run.group["attendable"][layer], curves, votes)
+
+
+def read_tokens(run: ExploreRun) -> np.ndarray:
+    """Token ids (S, L) of the chosen sequences."""
+    return np.stack([run.group["tokens"][int(s)] for s in run.sequences])
+
+
+def token_decoder(provenance: dict[str, Any]) -> tuple[Callable[[Sequence[int]], list[str]] | None, str]:
+    """A function decoding token ids one by one with the run's tokenizer, from local files
+    only (never the weights, never the network), and how it was found; None when the
+    tokenizer cannot be loaded here, with the reason."""
+    model = provenance.get("model", {})
+    path, gguf = model.get("path"), model.get("gguf_file")
+    if not path:
+        return None, "the run's provenance names no model path"
+    try:
+        from transformers import AutoTokenizer
+
+        kwargs = {"gguf_file": gguf} if gguf else {}
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+    except Exception as exc:  # noqa: BLE001 -- any failure means "show ids"
+        return None, f"tokenizer of {model.get('id', path)} not loadable here ({type(exc).__name__})"
+
+    def decode(ids: Sequence[int]) -> list[str]:
+        return [tokenizer.decode([int(i)]) for i in ids]
+
+    return decode, f"decoded with the tokenizer of {model.get('id', path)}"

@@ -1,0 +1,413 @@
+// attngeom explore: the head grid and, for a clicked head, its panels.
+// Data arrive as scripts calling attngeomExplore.index(...) (at load) and
+// attngeomExplore.head(...) (injected when a head is clicked): pages opened from disk
+// cannot fetch() files.
+(function () {
+  "use strict";
+
+  var REGIME_COLORS = { Retriever: "#1f77b4", Mixer: "#ff7f0e", Reset: "#2ca02c" };
+  var VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+  var VOTES = ["diagonal", "sink", "other"];
+  var VOTE_COLORS = { diagonal: "#1f77b4", sink: "#ff7f0e", other: "#2ca02c" };
+  var STATS = [
+    { key: "regime", label: "regime", needs: "regime" },
+    { key: "f_score", label: "mean F at N", needs: "f_score" },
+    { key: "lambda", label: "lambda = ||v0|| / C", needs: "lambda" },
+    { key: "delta_nll", label: "mean delta NLL (ablation)", needs: "delta_nll" },
+    { key: "vote_diagonal", label: "Diagonal vote fraction", needs: "vote_diagonal" },
+    { key: "vote_sink", label: "Sink vote fraction", needs: "vote_sink" },
+  ];
+
+  var state = { index: null, run: null, stat: null, n: 0, seq: 0, heads: {}, current: null, decoded: {} };
+
+  window.attngeomExplore = {
+    index: function (payload) { state.index = payload; },
+    head: function (runId, layer, head, payload) {
+      state.heads[key(runId, layer, head)] = payload;
+    },
+  };
+
+  function key(runId, layer, head) { return runId + "/" + layer + "/" + head; }
+  function $(id) { return document.getElementById(id); }
+  function el(tag, attrs, text) {
+    var node = document.createElement(tag);
+    Object.keys(attrs || {}).forEach(function (k) { node.setAttribute(k, attrs[k]); });
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+  function fmt(x, digits) {
+    if (x === null || x === undefined || Number.isNaN(x)) return "n/a";
+    return Number(x).toPrecision(digits || 3);
+  }
+  function option(select, value, label, disabled) {
+    var o = el("option", { value: String(value) }, label);
+    o.disabled = !!disabled;
+    select.appendChild(o);
+  }
+
+  function float32(b64) {
+    var bin = atob(b64), bytes = new Uint8Array(bin.length);
+    for (var i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+    return new Float32Array(bytes.buffer);
+  }
+
+  // ---- start ----
+
+  document.addEventListener("DOMContentLoaded", function () {
+    if (!state.index) {
+      $("notes").appendChild(el("li", { class: "error" }, "data/index.js did not load"));
+      return;
+    }
+    $("store").textContent = "Store: " + state.index.store;
+    var runSelect = $("run-select");
+    state.index.runs.forEach(function (run, i) {
+      option(runSelect, i, run.id + " (" + run.model + " · " + run.dataset + " · L=" + run.length + ")");
+    });
+    runSelect.addEventListener("change", function () { selectRun(Number(runSelect.value)); });
+    $("stat-select").addEventListener("change", function () { state.stat = this.value; paintGrid(); });
+    $("n-select").addEventListener("change", function () {
+      state.n = Number(this.value);
+      if (state.stat === "f_score") paintGrid();
+      renderHead();
+    });
+    $("seq-select").addEventListener("change", function () { state.seq = Number(this.value); renderHead(); });
+    selectRun(0);
+    document.body.setAttribute("data-ready", "1");
+  });
+
+  function selectRun(i) {
+    var run = state.index.runs[i];
+    state.run = run;
+    state.current = null;
+    $("head-body").hidden = true;
+    $("head-hint").hidden = false;
+
+    var statSelect = $("stat-select");
+    statSelect.innerHTML = "";
+    var available = STATS.filter(function (s) { return run.stats[s.needs] !== undefined; });
+    STATS.forEach(function (s) {
+      var has = run.stats[s.needs] !== undefined;
+      option(statSelect, s.key, s.label + (has ? "" : " (not in this store)"), !has);
+    });
+    state.stat = available.length ? available[0].key : null;
+    if (state.stat) statSelect.value = state.stat;
+
+    var nSelect = $("n-select");
+    nSelect.innerHTML = "";
+    run.n_grid.forEach(function (n, g) { option(nSelect, g, String(n)); });
+    state.n = Math.min(run.n_grid.length - 1, Math.max(0, run.n_grid.indexOf(8)));
+    if (run.n_grid.indexOf(8) < 0) state.n = Math.floor((run.n_grid.length - 1) / 2);
+    nSelect.value = String(state.n);
+
+    var seqSelect = $("seq-select");
+    seqSelect.innerHTML = "";
+    run.sequences.forEach(function (s, b) { option(seqSelect, b, "sequence " + s); });
+    state.seq = 0;
+
+    var notes = $("notes");
+    notes.innerHTML = "";
+    run.notes.concat(["tokens: " + run.tokens_note]).forEach(function (n) { notes.appendChild(el("li", {}, n)); });
+    buildGrid();
+  }
+
+  // ---- the head grid ----
+
+  function buildGrid() {
+    var run = state.run, grid = $("head-grid");
+    grid.innerHTML = "";
+    grid.style.gridTemplateColumns = "2.5em repeat(" + run.heads + ", 14px)";
+    $("grid-title").textContent = "Heads of " + run.id + ": " + run.layers + " layers × " + run.heads +
+      " heads (" + run.kv_heads + " kv heads)";
+    grid.appendChild(el("div", { class: "axis top" }, "L\\H"));
+    for (var h = 0; h < run.heads; h++) grid.appendChild(el("div", { class: "axis top" }, h % 5 === 0 ? String(h) : ""));
+    for (var l = 0; l < run.layers; l++) {
+      grid.appendChild(el("div", { class: "axis" }, String(l)));
+      for (h = 0; h < run.heads; h++) {
+        var cell = el("div", { class: "cell", "data-layer": String(l), "data-head": String(h), role: "gridcell" });
+        cell.addEventListener("click", onCellClick);
+        grid.appendChild(cell);
+      }
+    }
+    paintGrid();
+  }
+
+  function onCellClick(event) {
+    var cell = event.currentTarget;
+    selectHead(Number(cell.getAttribute("data-layer")), Number(cell.getAttribute("data-head")));
+  }
+
+  function statValue(l, h) {
+    var s = state.run.stats, stat = state.stat;
+    if (!stat || s[stat] === undefined) return null;
+    if (stat === "f_score") return s.f_score[l][h][state.n];
+    return s[stat][l][h];
+  }
+
+  function viridis(t) {
+    var x = Math.max(0, Math.min(1, t)) * (VIRIDIS.length - 1), i = Math.min(Math.floor(x), VIRIDIS.length - 2);
+    var f = x - i, a = VIRIDIS[i], b = VIRIDIS[i + 1];
+    return "rgb(" + [0, 1, 2].map(function (k) { return Math.round(a[k] + f * (b[k] - a[k])); }).join(",") + ")";
+  }
+
+  function paintGrid() {
+    var run = state.run, legend = $("legend"), cells = document.querySelectorAll("#head-grid .cell");
+    legend.innerHTML = "";
+    var lo = Infinity, hi = -Infinity;
+    if (state.stat && state.stat !== "regime") {
+      for (var l = 0; l < run.layers; l++) for (var h = 0; h < run.heads; h++) {
+        var v = statValue(l, h);
+        if (v !== null) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
+      }
+    }
+    cells.forEach(function (cell) {
+      var l = Number(cell.getAttribute("data-layer")), h = Number(cell.getAttribute("data-head"));
+      var v = statValue(l, h), color = "#ddd";
+      if (state.stat === "regime" && v !== null) color = REGIME_COLORS[v] || "#999";
+      else if (v !== null) color = viridis(hi > lo ? (v - lo) / (hi - lo) : 0.5);
+      cell.style.background = color;
+      cell.title = "layer " + l + ", head " + h + " (kv " + run.head_kv[h] + ")" +
+        (state.stat ? ": " + (typeof v === "number" ? fmt(v) : v === null ? "n/a" : v) : "");
+    });
+    if (!state.stat) {
+      legend.textContent = "No statistic to colour by: run `attngeom analyze`.";
+    } else if (state.stat === "regime") {
+      Object.keys(REGIME_COLORS).forEach(function (name) {
+        var item = el("span");
+        var sw = el("span", { class: "swatch" });
+        sw.style.background = REGIME_COLORS[name];
+        item.appendChild(sw);
+        item.appendChild(document.createTextNode(name));
+        legend.appendChild(item);
+      });
+    } else {
+      var label = STATS.filter(function (s) { return s.key === state.stat; })[0].label;
+      if (state.stat === "f_score") label = "mean F at N = " + run.n_grid[state.n];
+      var bar = el("span", { class: "bar" });
+      bar.style.background = "linear-gradient(to right," + [0, 0.25, 0.5, 0.75, 1].map(viridis).join(",") + ")";
+      legend.appendChild(el("span", {}, label + ": " + fmt(lo) ));
+      legend.appendChild(bar);
+      legend.appendChild(el("span", {}, fmt(hi)));
+    }
+  }
+
+  // ---- one head ----
+
+  function selectHead(layer, head) {
+    var run = state.run;
+    state.current = { layer: layer, head: head };
+    document.querySelectorAll("#head-grid .cell.selected").forEach(function (c) { c.classList.remove("selected"); });
+    var cell = document.querySelector('#head-grid .cell[data-layer="' + layer + '"][data-head="' + head + '"]');
+    if (cell) cell.classList.add("selected");
+    var k = key(run.id, layer, head);
+    if (state.heads[k]) { renderHead(); return; }
+    var script = el("script", { src: "data/" + encodeURIComponent(run.id) + "/head_" + layer + "_" + head + ".js" });
+    script.onload = function () { if (isCurrent(run, layer, head)) renderHead(); };
+    script.onerror = function () {
+      $("head-hint").hidden = false;
+      $("head-hint").textContent = "Could not load the data of layer " + layer + ", head " + head + ".";
+    };
+    document.head.appendChild(script);
+  }
+
+  function isCurrent(run, layer, head) {
+    return state.run === run && state.current && state.current.layer === layer && state.current.head === head;
+  }
+
+  function renderHead() {
+    var run = state.run, cur = state.current;
+    if (!cur) return;
+    var data = state.heads[key(run.id, cur.layer, cur.head)];
+    if (!data) return;
+    var inst = data.instances[state.seq];
+    var g = state.n, n = run.n_grid[g];
+    var dk = run.id + "/" + cur.layer + "/" + cur.head + "/" + state.seq;
+    if (!state.decoded[dk]) {
+      var xy = float32(inst.xy);
+      state.decoded = {};  // one instance decoded at a time: memory stays flat however many heads are viewed
+      state.decoded[dk] = { attn: float32(inst.attn), x: xy.filter(function (_, i) { return i % 2 === 0; }),
+                            y: xy.filter(function (_, i) { return i % 2 === 1; }) };
+    }
+    var arrays = state.decoded[dk];
+    $("head-hint").hidden = true;
+    $("head-body").hidden = false;
+    document.querySelectorAll(".n-label").forEach(function (s) { s.textContent = String(n); });
+    $("head-title").textContent = "Layer " + cur.layer + ", head " + cur.head +
+      (data.regime ? " — " + data.regime.regime : "") + " — sequence " + inst.seq;
+    var kv = "reads kv head " + data.kv_head;
+    if (run.kv_heads < run.heads) kv += " (GQA: shared with head" + (data.shares_kv.length === 1 ? " " : "s ") + data.shares_kv.join(", ") + ")";
+    $("head-meta").textContent = kv + " · " + (data.window ? "sliding window " + data.window : "full causal attention") +
+      " · head_dim " + run.head_dim + " · L = " + run.length;
+    renderGeometry(run, inst, arrays, g);
+    renderCurves(run, inst, g);
+    renderRegime(data, inst);
+    renderTokens(run, inst, arrays, g);
+    $("head-view").setAttribute("data-rendered", cur.layer + "_" + cur.head);
+  }
+
+  function renderGeometry(run, inst, arrays, g) {
+    var per = inst.per_n[g], n = per.n;
+    var top = new Set(inst.order.slice(0, n)), intruders = new Set(per.intruders), strays = new Set(per.strays);
+    var groups = { rest: [], selected: [], strays: [], intruders: [] };
+    for (var j = 0; j < arrays.x.length; j++) {
+      if (Number.isNaN(arrays.x[j])) continue;
+      var group = top.has(j) ? (strays.has(j) ? "strays" : "selected") : (intruders.has(j) ? "intruders" : "rest");
+      groups[group].push(j);
+    }
+    var tokens = run.tokens[state.seq];
+    function trace(idx, name, marker) {
+      return {
+        type: "scatter", mode: "markers", name: name + " (" + idx.length + ")", marker: marker,
+        x: idx.map(function (j) { return arrays.x[j]; }), y: idx.map(function (j) { return arrays.y[j]; }),
+        text: idx.map(function (j) { return "pos " + j + " " + JSON.stringify(tokens[j]) + "<br>α = " + fmt(arrays.attn[j]); }),
+        hoverinfo: "text",
+      };
+    }
+    var traces = [
+      trace(groups.rest, "not selected, outside r_max", { color: "#9a9a9a", size: 5, opacity: 0.6 }),
+      trace(groups.intruders, "not selected, inside r_max", { color: "#d62728", size: 9, symbol: "x" }),
+      trace(groups.selected, "top-N, inside r_min", { color: "#ff7f0e", size: 12, symbol: "star", line: { color: "#7a3a00", width: 0.5 } }),
+      trace(groups.strays, "top-N, outside r_min", { color: "#ffffff", size: 12, symbol: "star", line: { color: "#ff7f0e", width: 1.5 } }),
+    ];
+    if (!Number.isNaN(arrays.x[0])) {  // position 0 attendable: this instance has a sink
+      traces.push({ type: "scatter", mode: "markers+text", name: "sink y_0", x: [arrays.x[0]], y: [arrays.y[0]],
+        text: ["sink"], textposition: "top right", marker: { color: "#000", size: 10, symbol: "square-open", line: { width: 2 } },
+        hoverinfo: "skip" });
+    }
+    var shapes = [];
+    if (per.s && per.s[0] !== null) {
+      traces.push({ type: "scatter", mode: "markers+text", name: "s_N", x: [per.s[0]], y: [per.s[1]], text: ["s_N"],
+        textposition: "bottom right", marker: { color: "#000", size: 12, symbol: "diamond" }, hoverinfo: "skip" });
+      [["r_max", per.r_max, "#d62728"], ["r_min", per.r_min, "#2ca02c"]].forEach(function (c) {
+        if (c[1] === null || !Number.isFinite(c[1])) return;
+        shapes.push({ type: "circle", xref: "x", yref: "y", x0: per.s[0] - c[1], x1: per.s[0] + c[1],
+          y0: per.s[1] - c[1], y1: per.s[1] + c[1], line: { color: c[2], dash: "dash", width: 1.5 } });
+      });
+    }
+    var ex = inst.explained;
+    var layout = {
+      margin: { l: 50, r: 10, t: 10, b: 40 }, shapes: shapes, showlegend: true,
+      legend: { orientation: "h", y: -0.12, font: { size: 10 } }, hovermode: "closest",
+      xaxis: { title: { text: "PC1 (" + fmt(100 * ex[0], 2) + "% of variance)" }, zeroline: false },
+      yaxis: { title: { text: "PC2 (" + fmt(100 * ex[1], 2) + "%)" }, scaleanchor: "x", scaleratio: 1, zeroline: false },
+    };
+    Plotly.react("panel-geometry", traces, layout, { displaylogo: false, responsive: true });
+
+    var f = (per.precision + per.recall) > 0 ? 2 * per.precision * per.recall / (per.precision + per.recall) : 0;
+    var rows = [
+      ["N", n], ["precision P(r_max, N)", fmt(per.precision)], ["recall R(r_min, N)", fmt(per.recall)],
+      ["F", per.precision === null ? "n/a" : fmt(f)], ["r_min", fmt(per.r_min)], ["r_max", fmt(per.r_max)],
+      ["unselected inside r_max", per.intruders.length], ["selected outside r_min", per.strays.length],
+    ];
+    var box = $("geometry-numbers");
+    box.innerHTML = "";
+    var table = el("table");
+    rows.forEach(function (r) {
+      var tr = el("tr");
+      tr.appendChild(el("td", {}, r[0]));
+      tr.appendChild(el("td", {}, String(r[1])));
+      table.appendChild(tr);
+    });
+    box.appendChild(table);
+    box.appendChild(el("p", { class: "caption" }, per.precision === null ? "N is not valid here (N ≥ |K|)." :
+      "P and R from " + (per.source === "analysis/topn" ? "the store's analysis/topn" : "this picture's exact distances (no analysis)") +
+      "; distances in full dimension " + run.head_dim + "."));
+  }
+
+  function renderCurves(run, inst, g) {
+    var div = $("panel-curves");
+    if (!inst.curves) {
+      Plotly.purge(div);
+      div.innerHTML = "";
+      div.appendChild(el("p", { class: "note" }, "No analysis of this sequence in the store: run `attngeom analyze`."));
+      return;
+    }
+    if (div.firstChild && div.firstChild.className === "note") div.innerHTML = "";
+    var c = inst.curves, x = run.n_grid;
+    function line(name, y, color, dash, width) {
+      return { type: "scatter", mode: "lines+markers", name: name, x: x, y: y,
+        line: { color: color, dash: dash || "solid", width: width || 2 }, marker: { size: dash ? 3 : 5 } };
+    }
+    var traces = [
+      line("P", c.precision, "#d62728"), line("R", c.recall, "#2ca02c"), line("F", c.f_score, "#1f77b4"),
+      line("P random", c.random_precision, "#d62728", "dash", 1), line("R random", c.random_recall, "#2ca02c", "dash", 1),
+      line("F random", c.random_f_score, "#1f77b4", "dash", 1),
+      line("P bound", c.precision_bound, "#d62728", "dot", 1), line("R bound", c.recall_bound, "#2ca02c", "dot", 1),
+      line("P bound q95", c.precision_bound_q95, "#d62728", "dashdot", 1),
+      line("R bound q95", c.recall_bound_q95, "#2ca02c", "dashdot", 1),
+    ];
+    var layout = {
+      margin: { l: 45, r: 10, t: 10, b: 40 }, legend: { font: { size: 10 } },
+      xaxis: { type: "log", title: { text: "N" }, tickvals: x, ticktext: x.map(String) },
+      yaxis: { range: [0, 1.05], title: { text: "score" } },
+      shapes: [{ type: "line", xref: "x", yref: "paper", x0: x[g], x1: x[g], y0: 0, y1: 1, line: { color: "#888", dash: "dot" } }],
+    };
+    Plotly.react(div, traces, layout, { displaylogo: false, responsive: true });
+  }
+
+  function voteBar(fractions) {
+    var bar = el("div", { class: "votebar" });
+    VOTES.forEach(function (v, i) {
+      var part = el("span", { title: v + " " + fmt(100 * fractions[i], 3) + "%" });
+      part.style.width = (100 * fractions[i]) + "%";
+      part.style.background = VOTE_COLORS[v];
+      bar.appendChild(part);
+    });
+    return bar;
+  }
+
+  function renderRegime(data, inst) {
+    var box = $("panel-regime");
+    box.innerHTML = "";
+    if (!data.regime) {
+      box.appendChild(el("p", { class: "note" }, "No analysis/heads in the store: run `attngeom analyze`."));
+      return;
+    }
+    var r = data.regime;
+    box.appendChild(el("p", {}, "Regime: " + r.regime));
+    box.appendChild(el("p", { class: "caption" }, "Each query i ≥ 1 votes for its source j* = argmax_j A_ij ||v_j||: " +
+      "Diagonal (j* = i), Sink (j* = 0) or Other. A sequence takes the plurality of its queries' votes, the head " +
+      "the plurality of its sequences' labels (an exact tie is Other): Diagonal → Retriever, Sink → Mixer, Other → Reset."));
+    var table = el("table");
+    var head = el("tr");
+    ["", "Diagonal", "Sink", "Other"].forEach(function (t) { head.appendChild(el("td", {}, t)); });
+    table.appendChild(head);
+    function row(label, cells) {
+      var tr = el("tr");
+      tr.appendChild(el("td", {}, label));
+      cells.forEach(function (c) { tr.appendChild(el("td", {}, c)); });
+      table.appendChild(tr);
+    }
+    row("vote fraction, all sequences", VOTES.map(function (v) { return fmt(100 * r["vote_" + v], 3) + "%"; }));
+    row("sequences labelled", VOTES.map(function (v) { return String(r["sequences_" + v]); }));
+    var seqFractions = null;
+    if (inst.votes) {
+      var total = inst.votes.reduce(function (a, b) { return a + b; }, 0) || 1;
+      seqFractions = inst.votes.map(function (c) { return c / total; });
+      row("queries, sequence " + inst.seq, inst.votes.map(String));
+    }
+    box.appendChild(table);
+    box.appendChild(el("p", { class: "caption" }, "Vote fractions, all sequences:"));
+    box.appendChild(voteBar(VOTES.map(function (v) { return r["vote_" + v]; })));
+    if (seqFractions) {
+      box.appendChild(el("p", { class: "caption" }, "This sequence:"));
+      box.appendChild(voteBar(seqFractions));
+    }
+  }
+
+  function renderTokens(run, inst, arrays, g) {
+    var box = $("panel-tokens"), tokens = run.tokens[state.seq], ids = run.token_ids[state.seq];
+    var n = run.n_grid[g], top = new Set(inst.order.slice(0, n)), attn = arrays.attn;
+    var peak = 0;
+    for (var j = 1; j < attn.length; j++) peak = Math.max(peak, attn[j]);
+    var frag = document.createDocumentFragment();
+    if (!Number.isNaN(arrays.x[0])) frag.appendChild(el("span", { class: "sink-label" }, "sink α0 = " + fmt(attn[0])));
+    for (j = 0; j < tokens.length; j++) {
+      var span = el("span", { class: "tok" + (top.has(j) ? " top" : "") + (j === 0 ? " sink" : ""),
+        title: "pos " + j + " · id " + ids[j] + " · α = " + fmt(attn[j], 4) }, tokens[j]);
+      if (j > 0 && peak > 0) span.style.background = "rgba(214, 39, 40, " + Math.min(1, attn[j] / peak).toFixed(3) + ")";
+      frag.appendChild(span);
+    }
+    box.innerHTML = "";
+    box.appendChild(frag);
+  }
+})();

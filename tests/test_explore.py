@@ -1,0 +1,266 @@
+"""explore: the value picture against the analyze kernels, the folder written from a real
+(tiny-model) store, its failures, and the page driven in headless Chromium."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attngeom.analyze.kernels import topn_metrics
+from attngeom.analyze.stage import analyze
+from attngeom.cli import main
+from attngeom.errors import AttngeomError
+from attngeom.explore import explore
+from attngeom.explore.geometry import value_picture
+from attngeom.extract.pipeline import ExtractRequest, extract
+
+GRID = [1, 2, 4, 8]
+LENGTH = 16
+
+
+def _instances(seed: int, B: int = 5, K: int = 12, D: int = 4, window: int | None = None):
+    rng = np.random.default_rng(seed)
+    scores = rng.normal(scale=2.0, size=(B, K))
+    attendable = np.ones((B, K), dtype=bool)
+    if window is not None:  # a sliding window: the final query sees only the last keys
+        attendable[:, : K - window] = False
+    scores[:, 0] += 3.0
+    attn = np.where(attendable, np.exp(scores), 0.0)
+    attn /= attn.sum(axis=1, keepdims=True)
+    values = rng.normal(size=(B, K, D))
+    # Exact ties of alpha, resolved to the smaller position by both.
+    attn[:, 3] = attn[:, 4]
+    return attn, values, attendable
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), window=st.sampled_from([None, 5, 11]))
+def test_picture_precision_recall_match_the_analyze_kernel(seed, window):
+    attn, values, attendable = _instances(seed, window=window)
+    picture = value_picture(attn, values, attendable, GRID)
+    reference = topn_metrics(attn, values, attendable, GRID, random_draws=0)
+    np.testing.assert_allclose(picture.precision, reference["precision"], equal_nan=True)
+    np.testing.assert_allclose(picture.recall, reference["recall"], equal_nan=True)
+
+
+def test_picture_against_brute_force():
+    """Selection, s_N, radii, intruders and strays from plain loops over the keys."""
+    attn, values, attendable = _instances(3, B=3, K=10, D=3, window=7)
+    picture = value_picture(attn, values, attendable, GRID)
+    for b in range(3):
+        keys = [k for k in range(10) if attendable[b, k]]
+        ranked = sorted(keys, key=lambda k: (-attn[b, k], k))
+        assert picture.order[b, : len(keys)].tolist() == ranked
+        y = attn[b, :, None] * values[b]
+        for g, n in enumerate(GRID):
+            if n >= len(keys):
+                assert np.isnan(picture.precision[b, g]) and picture.intruders[b][g].size == 0
+                continue
+            chosen = ranked[:n]
+            s = y[chosen].sum(axis=0)
+            dist = {k: float(np.sum((y[k] - s) ** 2)) for k in keys}
+            r_max2 = max(dist[i] for i in chosen)
+            r_min2 = min(dist[j] for j in keys if j not in chosen)
+            assert picture.r_max[b, g] == pytest.approx(np.sqrt(r_max2))
+            assert picture.r_min[b, g] == pytest.approx(np.sqrt(r_min2))
+            intruders = [j for j in keys if j not in chosen and dist[j] <= r_max2]
+            strays = [i for i in chosen if dist[i] >= r_min2]
+            assert picture.intruders[b][g].tolist() == intruders
+            assert picture.strays[b][g].tolist() == sorted(strays)
+            assert picture.precision[b, g] == pytest.approx(n / (n + len(intruders)))
+            assert picture.recall[b, g] == pytest.approx(1 - len(strays) / n)
+
+
+def test_projection_is_a_contraction_with_s_n_in_place():
+    """The plane is orthonormal: drawn distances never exceed true ones, so a point inside a
+    ball is drawn inside its circle; s_N is the sum of the selected y, projected."""
+    attn, values, attendable = _instances(7, B=4, K=20, D=6)
+    picture = value_picture(attn, values, attendable, GRID)
+    y = attn[:, :, None] * values
+    for b in range(4):
+        for g, n in enumerate(GRID):
+            drawn = np.linalg.norm(picture.xy[b] - picture.s_xy[b, g], axis=1)
+            true = np.linalg.norm(y[b] - y[b, picture.order[b, :n]].sum(axis=0), axis=1)
+            assert np.all(drawn <= true + 1e-12)
+    assert np.allclose(np.nanmean(picture.xy, axis=1), 0, atol=1e-12)  # centred on the mean y
+    assert np.all(picture.explained >= 0) and np.all(picture.explained.sum(axis=1) <= 1 + 1e-12)
+
+
+# ---- the folder, from a real store of a tiny model ----
+
+
+@pytest.fixture(scope="module")
+def store(tiny_model_dir, word_corpus, tmp_path_factory) -> str:
+    """Run "a": tiny Llama (3 layers x 4 heads, 2 kv heads), analyzed; run "raw": never analyzed."""
+    url = str(tmp_path_factory.mktemp("explore") / "store.zarr")
+    for run_id, n in (("a", 3), ("raw", 2)):
+        extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=LENGTH,
+                               num_sequences=n, store=url, run_id=run_id, progress=False))
+    analyze(url, run_id="a", scheduler="threads", n_grid=GRID, progress=False)
+    return url
+
+
+@pytest.fixture(scope="module")
+def page(store, tmp_path_factory) -> Path:
+    result = explore(store, tmp_path_factory.mktemp("page") / "explore", sequences=2, progress=False)
+    assert result.runs == 2 and result.heads == 2 * 3 * 4
+    return result.index
+
+
+def _load(path: Path, register: str) -> list:
+    """The arguments of the registration call a data file makes."""
+    text = path.read_text()
+    assert text.startswith(f"attngeomExplore.{register}(") and text.rstrip().endswith(");")
+    return json.loads("[" + text.strip()[len(f"attngeomExplore.{register}("):-2] + "]")
+
+
+def test_folder_holds_the_page_plotly_and_one_file_per_head(page):
+    out = page.parent
+    html = page.read_text()
+    assert not re.search(r"(src|href)=\"(https?:)?//", html), "the page must work offline"
+    for ref in re.findall(r'(?:src|href)="([^"]+)"', html):
+        assert (out / ref).is_file(), ref
+    assert (out / "plotly.min.js").stat().st_size > 1_000_000
+    assert re.search(r"plotly\.js \d+\.\d+", html)
+    for run in ("a", "raw"):
+        files = sorted(p.name for p in (out / "data" / run).iterdir())
+        assert files == sorted(f"head_{layer}_{head}.js" for layer in range(3) for head in range(4))
+
+
+def test_index_carries_the_head_table_and_decoded_tokens(page):
+    (index,) = _load(page.parent / "data" / "index.js", "index")
+    runs = {r["id"]: r for r in index["runs"]}
+    a, raw = runs["a"], runs["raw"]
+    assert (a["layers"], a["heads"], a["kv_heads"], a["head_kv"]) == (3, 4, 2, [0, 0, 1, 1])
+    assert a["n_grid"] == GRID and a["sequences"] == [0, 1]
+    assert set(a["stats"]) == {"regime", "vote_diagonal", "vote_sink", "vote_other", "lambda", "f_score"}
+    assert np.asarray(a["stats"]["f_score"], dtype=float).shape == (3, 4, len(GRID))
+    # The tiny model's word-level tokenizer decodes the corpus words.
+    assert a["tokens"][0][0] == "<bos>" and all(t.startswith("w") for t in a["tokens"][0][1:])
+    assert raw["stats"] == {} and any("no analysis" in n for n in raw["notes"])
+    assert any("no ablation" in n for n in a["notes"])
+
+
+def test_head_file_matches_the_store(page, store):
+    layer, head = 1, 3
+    run_id, l, h, payload = _load(page.parent / "data" / "a" / f"head_{layer}_{head}.js", "head")
+    assert (run_id, l, h, payload["kv_head"], payload["shares_kv"]) == ("a", layer, head, 1, [2])
+    ds = xr.open_zarr(store, group="runs/a", consolidated=False)
+    topn = xr.open_zarr(store, group="runs/a/analysis/topn", consolidated=False)
+    heads = xr.open_zarr(store, group="runs/a/analysis/heads", consolidated=False)
+    assert payload["regime"]["regime"] == str(heads["regime"].values[layer, head])
+    for inst in payload["instances"]:
+        seq = inst["seq"]
+        attn = np.frombuffer(base64.b64decode(inst["attn"]), dtype="<f4")
+        np.testing.assert_array_equal(attn, ds["attn_last"].values[seq, layer, head])
+        xy = np.frombuffer(base64.b64decode(inst["xy"]), dtype="<f4").reshape(LENGTH, 2)
+        assert np.isfinite(xy).all()
+        row = topn.sel(seq=seq).isel(layer=layer, head=head)
+        for g, per in enumerate(inst["per_n"]):
+            assert per["source"] == "analysis/topn"
+            assert per["precision"] == pytest.approx(float(row["precision"][g]))
+            assert per["recall"] == pytest.approx(float(row["recall"][g]))
+        assert inst["curves"]["f_score"] == pytest.approx(row["f_score"].values.tolist())
+        assert sum(inst["votes"]) == LENGTH - 1
+
+
+def test_run_without_analysis_uses_the_pictures_own_scores(page):
+    *_, payload = _load(page.parent / "data" / "raw" / "head_0_0.js", "head")
+    assert payload["regime"] is None
+    inst = payload["instances"][0]
+    assert inst["curves"] is None and inst["votes"] is None
+    assert {per["source"] for per in inst["per_n"]} == {"distances"}
+    assert all(0 < per["precision"] <= 1 for per in inst["per_n"])
+
+
+def test_bad_inputs_leave_nothing_behind(store, tmp_path):
+    out = tmp_path / "new" / "explore"
+    with pytest.raises(AttngeomError, match="no attngeom store"):
+        explore(str(tmp_path / "missing.zarr"), out, progress=False)
+    with pytest.raises(AttngeomError, match="no run 'nope'"):
+        explore(store, out, run_id="nope", progress=False)
+    assert not (tmp_path / "new").exists()
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("x")
+    with pytest.raises(AttngeomError, match="did not write"):
+        explore(store, foreign, progress=False)
+    assert [p.name for p in foreign.iterdir()] == ["thesis.tex"]
+    result = CliRunner().invoke(main, ["explore", "--store", store, "--out", str(out), "--run", "nope"])
+    assert result.exit_code == 2 and result.output.count("\n") == 1 and "no run 'nope'" in result.output
+    assert not (tmp_path / "new").exists()
+
+
+def test_cli_writes_one_run_and_rewrites_its_own_folder(store, tmp_path):
+    out = tmp_path / "explore"
+    for _ in range(2):  # the second run replaces the folder the first one wrote
+        result = CliRunner().invoke(main, ["explore", "--store", store, "--out", str(out), "--run", "a",
+                                           "--sequences", "1", "--no-progress"])
+        assert result.exit_code == 0, result.output
+        assert "1 run(s), 12 heads" in result.output
+    assert sorted(p.name for p in (out / "data").iterdir()) == ["a", "index.js"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# ---- the page in a real browser ----
+
+
+def _browser():
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Chromium is not installed (Debian package `chromium`)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install -e '.[test]')")
+    return chromium, sync_playwright
+
+
+def test_page_in_headless_chromium(page, tmp_path):
+    chromium, sync_playwright = _browser()
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+        tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        tab.on("pageerror", lambda e: errors.append(str(e)))
+        tab.goto(page.resolve().as_uri())
+        tab.wait_for_selector("body[data-ready='1']")
+        assert tab.locator("#head-grid [data-layer]").count() == 3 * 4
+        assert tab.locator("#head-grid [data-layer='2'][data-head='3']").count() == 1
+        loaded = tab.evaluate("() => [...document.scripts].map(s => s.src).filter(s => s.includes('head_'))")
+        assert loaded == [], "no head's data may load before a click"
+
+        tab.click("#head-grid [data-layer='1'][data-head='3']")
+        tab.wait_for_selector("#head-view[data-rendered='1_3']")
+        assert "Layer 1, head 3" in tab.inner_text("#head-title")
+        assert "reads kv head 1" in tab.inner_text("#head-meta")
+        for plot in ("#panel-geometry", "#panel-curves"):
+            assert tab.locator(f"{plot} svg.main-svg").count() > 0, plot
+        assert tab.locator("#panel-geometry path.point").count() >= LENGTH
+        assert tab.locator("#panel-geometry .shapelayer path").count() == 2  # r_min and r_max
+        assert tab.locator("#panel-tokens .tok").count() == LENGTH
+        assert tab.locator("#panel-tokens .tok.sink").count() == 1
+        assert "precision" in tab.inner_text("#geometry-numbers")
+        assert "Regime:" in tab.inner_text("#panel-regime")
+
+        tab.select_option("#n-select", label="2")
+        assert tab.locator("#panel-tokens .tok.top").count() == 2
+        tab.select_option("#run-select", index=1)  # "raw": no analysis, the page still works
+        tab.click("#head-grid [data-layer='0'][data-head='0']")
+        tab.wait_for_selector("#head-view[data-rendered='0_0']")
+        assert "analyze" in tab.inner_text("#panel-curves")
+        tab.screenshot(path=str(tmp_path / "explore.png"), full_page=True)
+        browser.close()
+    assert not errors, errors
+    assert (tmp_path / "explore.png").stat().st_size > 10_000
