@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 from tqdm.auto import tqdm
 
 from attngeom import __version__
@@ -140,12 +141,18 @@ def _float32(x: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(x, dtype="<f4").tobytes()).decode("ascii")
 
 
+def _bits(mask: np.ndarray) -> str:
+    """Base64 of a boolean mask packed 8 keys a byte, key k at bit k % 8 of byte k // 8."""
+    return base64.b64encode(np.packbits(mask, bitorder="little").tobytes()).decode("ascii")
+
+
 def _run_entry(run: data.ExploreRun) -> dict[str, Any]:
     """The run's head table and what every head page shares (tokens, grid, notes)."""
     layout = run.layout
     decode, how = data.token_decoder(run.provenance)
     ids = data.read_tokens(run)
-    tokens = [decode(row) if decode else [str(int(t)) for t in row] for row in ids]
+    # Undecoded ids are kept apart by a space in the running text.
+    tokens = [decode(row) if decode else [f"{int(t)} " for t in row] for row in ids]
     stats: dict[str, Any] = {}
     if run.heads is not None:
         stats["regime"] = [[str(x) for x in row] for row in np.asarray(run.heads["regime"].values)]
@@ -169,7 +176,10 @@ def _run_entry(run: data.ExploreRun) -> dict[str, Any]:
 def _write_heads(run: data.ExploreRun, folder: Path, progress: bool) -> int:
     layout = run.layout
     total = layout.n_layers * layout.n_heads
-    with tqdm(total=total, unit="head", desc=f"{run.run_id}: heads", disable=not progress) as bar:
+    # Single-threaded BLAS: each call is small (a D x D eigenproblem per instance), and a
+    # multi-threaded BLAS spent 7-10x longer on them (smollm2-135m, L=1024, 2 busy cores).
+    with threadpool_limits(limits=1), \
+            tqdm(total=total, unit="head", desc=f"{run.run_id}: heads", disable=not progress) as bar:
         for layer in range(layout.n_layers):
             arrays = data.read_layer(run, layer)
             for head in range(layout.n_heads):
@@ -198,7 +208,7 @@ def _head_payload(run: data.ExploreRun, arrays: data.LayerData, layer: int, head
                 "precision": curves["precision"][g] if exact else picture.precision[b, g],
                 "recall": curves["recall"][g] if exact else picture.recall[b, g],
                 "source": "analysis/topn" if exact else "distances",
-                "intruders": picture.intruders[b][g], "strays": picture.strays[b][g],
+                "in_r_max": _bits(picture.in_r_max[b, g]), "in_r_min": _bits(picture.in_r_min[b, g]),
             })
         instances.append({
             "seq": int(seq), "attn": _float32(attn[b]), "xy": _float32(picture.xy[b].reshape(-1)),

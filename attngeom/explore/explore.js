@@ -51,6 +51,14 @@
     return new Float32Array(bytes.buffer);
   }
 
+  // A boolean mask over keys, packed 8 a byte (key k at bit k % 8 of byte k >> 3).
+  function bits(b64) {
+    var bin = atob(b64), bytes = new Uint8Array(bin.length);
+    for (var i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+    return bytes;
+  }
+  function has(mask, k) { return (mask[k >> 3] >> (k & 7)) & 1; }
+
   // ---- start ----
 
   document.addEventListener("DOMContentLoaded", function () {
@@ -246,11 +254,11 @@
 
   function renderGeometry(run, inst, arrays, g) {
     var per = inst.per_n[g], n = per.n;
-    var top = new Set(inst.order.slice(0, n)), intruders = new Set(per.intruders), strays = new Set(per.strays);
+    var top = new Set(inst.order.slice(0, n)), inMax = bits(per.in_r_max), inMin = bits(per.in_r_min);
     var groups = { rest: [], selected: [], strays: [], intruders: [] };
     for (var j = 0; j < arrays.x.length; j++) {
       if (Number.isNaN(arrays.x[j])) continue;
-      var group = top.has(j) ? (strays.has(j) ? "strays" : "selected") : (intruders.has(j) ? "intruders" : "rest");
+      var group = top.has(j) ? (has(inMin, j) ? "selected" : "strays") : (has(inMax, j) ? "intruders" : "rest");
       groups[group].push(j);
     }
     var tokens = run.tokens[state.seq];
@@ -296,7 +304,7 @@
     var rows = [
       ["N", n], ["precision P(r_max, N)", fmt(per.precision)], ["recall R(r_min, N)", fmt(per.recall)],
       ["F", per.precision === null ? "n/a" : fmt(f)], ["r_min", fmt(per.r_min)], ["r_max", fmt(per.r_max)],
-      ["unselected inside r_max", per.intruders.length], ["selected outside r_min", per.strays.length],
+      ["unselected inside r_max", groups.intruders.length], ["selected outside r_min", groups.strays.length],
     ];
     var box = $("geometry-numbers");
     box.innerHTML = "";
