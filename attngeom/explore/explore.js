@@ -18,7 +18,8 @@
     { key: "vote_sink", label: "Sink vote fraction", needs: "vote_sink" },
   ];
 
-  var state = { index: null, run: null, stat: null, n: 0, seq: 0, heads: {}, current: null, decoded: {} };
+  var state = { index: null, run: null, stat: null, n: 0, seq: 0, heads: {}, current: null, decoded: {},
+                plotly: "absent" };
 
   window.attngeomExplore = {
     index: function (payload) { state.index = payload; },
@@ -39,6 +40,7 @@
     if (x === null || x === undefined || Number.isNaN(x)) return "n/a";
     return Number(x).toPrecision(digits || 3);
   }
+  function pct(x) { return x === null || x === undefined ? "n/a" : (100 * x).toFixed(1) + "%"; }
   function option(select, value, label, disabled) {
     var o = el("option", { value: String(value) }, label);
     o.disabled = !!disabled;
@@ -81,7 +83,20 @@
     $("seq-select").addEventListener("change", function () { state.seq = Number(this.value); renderHead(); });
     selectRun(0);
     document.body.setAttribute("data-ready", "1");
+    loadPlotly();
   });
+
+  // plotly.js (4.7 MB) is parsed after the grid is up, not before: the page shows its grid
+  // at once, and a head clicked meanwhile renders when plotly arrives.
+  function loadPlotly() {
+    state.plotly = "loading";
+    var script = el("script", { src: "plotly.min.js" });
+    script.onload = function () { state.plotly = "ready"; renderHead(); };
+    script.onerror = function () {
+      $("notes").appendChild(el("li", { class: "error" }, "plotly.min.js did not load: no plots"));
+    };
+    document.head.appendChild(script);
+  }
 
   function selectRun(i) {
     var run = state.index.runs[i];
@@ -123,7 +138,7 @@
   function buildGrid() {
     var run = state.run, grid = $("head-grid");
     grid.innerHTML = "";
-    grid.style.gridTemplateColumns = "2.5em repeat(" + run.heads + ", 14px)";
+    grid.style.gridTemplateColumns = "2.5em repeat(" + run.heads + ", 16px)";
     $("grid-title").textContent = "Heads of " + run.id + ": " + run.layers + " layers × " + run.heads +
       " heads (" + run.kv_heads + " kv heads)";
     grid.appendChild(el("div", { class: "axis top" }, "L\\H"));
@@ -225,7 +240,7 @@
     var run = state.run, cur = state.current;
     if (!cur) return;
     var data = state.heads[key(run.id, cur.layer, cur.head)];
-    if (!data) return;
+    if (!data || state.plotly !== "ready") return;
     var inst = data.instances[state.seq];
     var g = state.n, n = run.n_grid[g];
     var dk = run.id + "/" + cur.layer + "/" + cur.head + "/" + state.seq;
@@ -285,18 +300,19 @@
     if (per.s && per.s[0] !== null) {
       traces.push({ type: "scatter", mode: "markers+text", name: "s_N", x: [per.s[0]], y: [per.s[1]], text: ["s_N"],
         textposition: "bottom right", marker: { color: "#000", size: 12, symbol: "diamond" }, hoverinfo: "skip" });
-      [["r_max", per.r_max, "#d62728"], ["r_min", per.r_min, "#2ca02c"]].forEach(function (c) {
+      // Different dashes: the two circles coincide when r_min = r_max.
+      [["r_max", per.r_max, "#d62728", "dash"], ["r_min", per.r_min, "#2ca02c", "dot"]].forEach(function (c) {
         if (c[1] === null || !Number.isFinite(c[1])) return;
         shapes.push({ type: "circle", xref: "x", yref: "y", x0: per.s[0] - c[1], x1: per.s[0] + c[1],
-          y0: per.s[1] - c[1], y1: per.s[1] + c[1], line: { color: c[2], dash: "dash", width: 1.5 } });
+          y0: per.s[1] - c[1], y1: per.s[1] + c[1], line: { color: c[2], dash: c[3], width: 1.5 } });
       });
     }
     var ex = inst.explained;
     var layout = {
       margin: { l: 50, r: 10, t: 10, b: 40 }, shapes: shapes, showlegend: true,
-      legend: { orientation: "h", y: -0.12, font: { size: 10 } }, hovermode: "closest",
-      xaxis: { title: { text: "PC1 (" + fmt(100 * ex[0], 2) + "% of variance)" }, zeroline: false },
-      yaxis: { title: { text: "PC2 (" + fmt(100 * ex[1], 2) + "%)" }, scaleanchor: "x", scaleratio: 1, zeroline: false },
+      legend: { orientation: "h", y: -0.2, font: { size: 10 } }, hovermode: "closest",
+      xaxis: { title: { text: "PC1 (" + pct(ex[0]) + " of the variance of the y_i)" }, zeroline: false },
+      yaxis: { title: { text: "PC2 (" + pct(ex[1]) + ")" }, scaleanchor: "x", scaleratio: 1, zeroline: false },
     };
     Plotly.react("panel-geometry", traces, layout, { displaylogo: false, responsive: true });
 
@@ -355,7 +371,7 @@
   function voteBar(fractions) {
     var bar = el("div", { class: "votebar" });
     VOTES.forEach(function (v, i) {
-      var part = el("span", { title: v + " " + fmt(100 * fractions[i], 3) + "%" });
+      var part = el("span", { title: v + " " + pct(fractions[i]) });
       part.style.width = (100 * fractions[i]) + "%";
       part.style.background = VOTE_COLORS[v];
       bar.appendChild(part);
@@ -385,7 +401,7 @@
       cells.forEach(function (c) { tr.appendChild(el("td", {}, c)); });
       table.appendChild(tr);
     }
-    row("vote fraction, all sequences", VOTES.map(function (v) { return fmt(100 * r["vote_" + v], 3) + "%"; }));
+    row("vote fraction, all sequences", VOTES.map(function (v) { return pct(r["vote_" + v]); }));
     row("sequences labelled", VOTES.map(function (v) { return String(r["sequences_" + v]); }));
     var seqFractions = null;
     if (inst.votes) {
