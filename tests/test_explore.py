@@ -101,12 +101,18 @@ def test_projection_is_a_contraction_with_s_n_in_place():
 
 @pytest.fixture(scope="module")
 def store(tiny_model_dir, word_corpus, tmp_path_factory) -> str:
-    """Run "a": tiny Llama (3 layers x 4 heads, 2 kv heads), analyzed; run "raw": never analyzed."""
+    """Run "a": tiny Llama (3 layers x 4 heads, 2 kv heads), analyzed, with an ablation table;
+    run "raw": never analyzed."""
     url = str(tmp_path_factory.mktemp("explore") / "store.zarr")
     for run_id, n in (("a", 3), ("raw", 2)):
         extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=LENGTH,
                                num_sequences=n, store=url, run_id=run_id, progress=False))
     analyze(url, run_id="a", scheduler="threads", n_grid=GRID, progress=False)
+    # What `attngeom ablate` writes to ablation/single (it needs the model's weights).
+    delta = np.arange(12, dtype=float).reshape(3, 4) / 10
+    xr.Dataset({"delta_nll_mean": (("layer", "head"), delta)},
+               coords={"layer": np.arange(3), "head": np.arange(4)}).to_zarr(
+        url, group="runs/a/ablation/single", mode="w", consolidated=False, zarr_format=3)
     return url
 
 
@@ -143,12 +149,13 @@ def test_index_carries_the_head_table_and_decoded_tokens(page):
     a, raw = runs["a"], runs["raw"]
     assert (a["layers"], a["heads"], a["kv_heads"], a["head_kv"]) == (3, 4, 2, [0, 0, 1, 1])
     assert a["n_grid"] == GRID and a["sequences"] == [0, 1]
-    assert set(a["stats"]) == {"regime", "vote_diagonal", "vote_sink", "vote_other", "lambda", "f_score"}
+    assert set(a["stats"]) == {"regime", "vote_diagonal", "vote_sink", "vote_other", "lambda", "f_score", "delta_nll"}
+    assert a["stats"]["delta_nll"][2][3] == pytest.approx(1.1)
     assert np.asarray(a["stats"]["f_score"], dtype=float).shape == (3, 4, len(GRID))
     # The tiny model's word-level tokenizer decodes the corpus words.
     assert a["tokens"][0][0] == "<bos>" and all(t.startswith("w") for t in a["tokens"][0][1:])
     assert raw["stats"] == {} and any("no analysis" in n for n in raw["notes"])
-    assert any("no ablation" in n for n in a["notes"])
+    assert any("no ablation" in n for n in raw["notes"]) and not any("no ablation" in n for n in a["notes"])
 
 
 def test_head_file_matches_the_store(page, store):
@@ -253,6 +260,8 @@ def test_page_in_headless_chromium(page, tmp_path):
         assert tab.locator("#panel-tokens .tok.sink").count() == 1
         assert "precision" in tab.inner_text("#geometry-numbers")
         assert "Regime:" in tab.inner_text("#panel-regime")
+        tab.select_option("#stat-select", "delta_nll")  # coloured by ablation: a gradient legend
+        assert tab.locator("#legend .bar").count() == 1
 
         tab.select_option("#n-select", label="2")
         assert tab.locator("#panel-tokens .tok.top").count() == 2
