@@ -26,9 +26,10 @@ from threadpoolctl import threadpool_limits
 from tqdm.auto import tqdm
 
 from attngeom import __version__
-from attngeom.errors import AttngeomError
+from attngeom.errors import InputError
 from attngeom.explore import data
 from attngeom.explore.geometry import value_picture
+from attngeom.store import VOTES
 
 PAGE_FILES = ("explore.js", "explore.css")
 PLOTLY = "plotly.min.js"
@@ -58,7 +59,7 @@ def explore(store: str, out: Path, *, run_id: str | None = None, sequences: int 
     """
     start = time.perf_counter()
     if sequences < 1:
-        raise AttngeomError(f"--sequences must be at least 1, got {sequences}")
+        raise InputError(f"--sequences must be at least 1, got {sequences}")
     out = Path(out)
     _check_target(out)
     runs = data.open_runs(store, run_id, sequences)
@@ -81,9 +82,9 @@ def explore(store: str, out: Path, *, run_id: str | None = None, sequences: int 
 
 def _check_target(out: Path) -> None:
     if out.exists() and not out.is_dir():
-        raise AttngeomError(f"--out {out} exists and is not a folder")
+        raise InputError(f"--out {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).exists():
-        raise AttngeomError(f"--out {out} is a non-empty folder that attngeom explore did not write")
+        raise InputError(f"--out {out} is a non-empty folder that attngeom explore did not write")
 
 
 def _write(store: str, runs: list[data.ExploreRun], out: Path, progress: bool) -> int:
@@ -156,7 +157,7 @@ def _run_entry(run: data.ExploreRun) -> dict[str, Any]:
     stats: dict[str, Any] = {}
     if run.heads is not None:
         stats["regime"] = [[str(x) for x in row] for row in np.asarray(run.heads["regime"].values)]
-        for name in data.VOTES:
+        for name in VOTES:
             stats[f"vote_{name}"] = run.heads[f"vote_{name}"].values
         if "sink_norm_ratio" in run.heads:
             stats["lambda"] = run.heads["sink_norm_ratio"].values
@@ -218,8 +219,8 @@ def _head_payload(run: data.ExploreRun, arrays: data.LayerData, layer: int, head
     heads = run.heads
     regime = None if heads is None else {
         "regime": str(heads["regime"].values[layer, head]),
-        **{f"vote_{v}": heads[f"vote_{v}"].values[layer, head] for v in data.VOTES},
-        **{f"sequences_{v}": heads[f"sequences_{v}"].values[layer, head] for v in data.VOTES},
+        **{f"vote_{v}": heads[f"vote_{v}"].values[layer, head] for v in VOTES},
+        **{f"sequences_{v}": heads[f"sequences_{v}"].values[layer, head] for v in VOTES},
     }
     return {
         "kv_head": kv, "shares_kv": [h for h, k in enumerate(run.layout.head_kv) if k == kv and h != head],

@@ -14,19 +14,28 @@ import numpy as np
 import xarray as xr
 import zarr
 
-from attngeom import store_schema
 from attngeom.analyze.stage import default_n_grid
-from attngeom.errors import AttngeomError
+from attngeom.errors import RunNotFoundError
+from attngeom.store import (
+    RunLayout,
+    ablation_path,
+    analysis_path,
+    completed,
+    open_dataset,
+    open_root,
+    open_run_group,
+    require_run,
+    run_ids,
+    run_layout,
+    run_provenance,
+)
 
-ANALYSIS = "analysis"
-ABLATION = "ablation"
 # Per-sequence top-N curves a head's page draws: the head's own, the random control, the bounds.
 CURVES = (
     "precision", "recall", "f_score",
     "random_precision", "random_recall", "random_f_score",
     "precision_bound", "recall_bound", "precision_bound_q95", "recall_bound_q95",
 )
-VOTES = ("diagonal", "sink", "other")
 
 
 @dataclass
@@ -36,7 +45,7 @@ class ExploreRun:
     run_id: str
     provenance: dict[str, Any]
     group: zarr.Group
-    layout: store_schema.RunLayout
+    layout: RunLayout
     sequences: np.ndarray                   # chosen committed sequence ids
     n_grid: list[int]
     heads: xr.Dataset | None = None         # analysis/heads (layer, head)
@@ -57,39 +66,38 @@ class ExploreRun:
 
 def _open(store: str, path: str) -> xr.Dataset | None:
     try:
-        return store_schema.open_dataset(store, path)
+        return open_dataset(store, path)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
         return None
 
 
 def open_runs(store: str, run_id: str | None, sequences: int) -> list[ExploreRun]:
     """The run ``run_id`` (every run when None) with its first ``sequences`` committed
-    sequences. Raises AttngeomError for a missing store or run, or a run with no sequence."""
-    root = store_schema.open_root(store)
-    ids = store_schema.run_ids(root)
-    if run_id is not None and run_id not in ids:
-        raise AttngeomError(f"no run '{run_id}' in {store} (runs: {', '.join(ids) or 'none'})")
-    chosen = [run_id] if run_id is not None else ids
+    sequences. Raises StoreNotFoundError (no store), SchemaError (not one this attngeom
+    reads) or RunNotFoundError (no such run, no run at all, or a run with no sequence)."""
+    root = open_root(store)
+    if run_id is not None:
+        require_run(root, run_id, store)
+    chosen = [run_id] if run_id is not None else run_ids(root)
     if not chosen:
-        raise AttngeomError(f"{store} holds no run; run `attngeom extract` first")
+        raise RunNotFoundError(f"{store} holds no run; run `attngeom extract` first")
     return [_open_run(store, root, rid, sequences) for rid in chosen]
 
 
 def _open_run(store: str, root: zarr.Group, run_id: str, sequences: int) -> ExploreRun:
-    group = store_schema.open_run_group(root, run_id)
-    done = store_schema.completed(group)
+    group = open_run_group(root, run_id)
+    done = completed(group)
     if done.size == 0:
-        raise AttngeomError(f"run '{run_id}' in {store} has no complete sequence yet")
-    base = f"{store_schema.RUNS}/{run_id}"
-    layout = store_schema.run_layout(group)
-    run = ExploreRun(run_id, store_schema.run_provenance(root, run_id), group, layout,
-                     done[:sequences], default_n_grid(layout.length))
+        raise RunNotFoundError(f"run '{run_id}' in {store} has no complete sequence yet")
+    layout = run_layout(group)
+    run = ExploreRun(run_id, run_provenance(root, run_id), group, layout, done[:sequences],
+                     default_n_grid(layout.length))
     for name in ("heads", "summary"):
-        ds = _open(store, f"{base}/{ANALYSIS}/{name}")
+        ds = _open(store, analysis_path(run_id, name))
         setattr(run, name, ds.load() if ds is not None else None)
-    run.topn = _open(store, f"{base}/{ANALYSIS}/topn")
-    run.taxonomy = _open(store, f"{base}/{ANALYSIS}/taxonomy")
-    run.ablation = _open(store, f"{base}/{ABLATION}/single")
+    run.topn = _open(store, analysis_path(run_id, "topn"))
+    run.taxonomy = _open(store, analysis_path(run_id, "taxonomy"))
+    run.ablation = _open(store, ablation_path(run_id, "single"))
     if run.topn is not None:
         run.n_grid = [int(n) for n in run.topn["n"].values]
         analyzed = set(run.topn["seq"].values.tolist())
