@@ -101,12 +101,14 @@ def test_projection_is_a_contraction_with_s_n_in_place():
 @pytest.fixture(scope="module")
 def store(tiny_model_dir, word_corpus, tmp_path_factory) -> str:
     """Run "a": tiny Llama (3 layers x 4 heads, 2 kv heads), analyzed, with an ablation table;
-    run "raw": never analyzed."""
+    run "g": tiny Gemma 3 (layers 0 and 2 slide a window of 6), analyzed; run "raw": never
+    analyzed."""
     url = str(tmp_path_factory.mktemp("explore") / "store.zarr")
-    for run_id, n in (("a", 3), ("raw", 2)):
-        extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=LENGTH,
+    for run_id, arch, n in (("a", "llama", 3), ("g", "gemma3", 1), ("raw", "llama", 2)):
+        extract(ExtractRequest(model=str(tiny_model_dir(arch)), dataset=str(word_corpus), context_length=LENGTH,
                                num_sequences=n, store=url, run_id=run_id, progress=False))
-    analyze(url, run_id="a", scheduler="threads", n_grid=GRID, progress=False)
+    for run_id in ("a", "g"):
+        analyze(url, run_id=run_id, scheduler="threads", n_grid=GRID, progress=False)
     # What `attngeom ablate` writes to ablation/single (it needs the model's weights).
     delta = np.arange(12, dtype=float).reshape(3, 4) / 10
     xr.Dataset({"delta_nll_mean": (("layer", "head"), delta)},
@@ -118,7 +120,7 @@ def store(tiny_model_dir, word_corpus, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def page(store, tmp_path_factory) -> Path:
     result = explore(store, tmp_path_factory.mktemp("page") / "explore", sequences=2, progress=False)
-    assert result.runs == 2 and result.heads == 2 * 3 * 4
+    assert result.runs == 3 and result.heads == 3 * 3 * 4
     return result.index
 
 
@@ -137,7 +139,7 @@ def test_folder_holds_the_page_plotly_and_one_file_per_head(page):
         assert (out / ref).is_file(), ref
     assert (out / "plotly.min.js").stat().st_size > 1_000_000
     assert re.search(r"plotly\.js \d+\.\d+", html)
-    for run in ("a", "raw"):
+    for run in ("a", "g", "raw"):
         files = sorted(p.name for p in (out / "data" / run).iterdir())
         assert files == sorted(f"head_{layer}_{head}.js" for layer in range(3) for head in range(4))
 
@@ -264,7 +266,16 @@ def test_page_in_headless_chromium(page, tmp_path):
 
         tab.select_option("#n-select", label="2")
         assert tab.locator("#panel-tokens .tok.top").count() == 2
-        tab.select_option("#run-select", index=1)  # "raw": no analysis, the page still works
+        tab.select_option("#run-select", index=1)  # "g": layer 0 slides a window, no sink there
+        tab.click("#head-grid [data-layer='0'][data-head='1']")
+        tab.wait_for_selector("#head-view[data-rendered='0_1']")
+        window = tab.locator("#panel-tokens .tok:not(.out)").count()
+        assert 0 < window < LENGTH and tab.locator("#panel-tokens .tok.sink").count() == 0
+        assert tab.locator("#panel-geometry .trace path.point").count() == window  # N = 8 >= |K|: no s_N
+        tab.select_option("#n-select", label="2")
+        assert tab.locator("#panel-geometry .trace path.point").count() == window + 1  # and s_N
+        assert "N is not valid" not in tab.inner_text("#geometry-numbers")
+        tab.select_option("#run-select", index=2)  # "raw": no analysis, the page still works
         tab.click("#head-grid [data-layer='0'][data-head='0']")
         tab.wait_for_selector("#head-view[data-rendered='0_0']")
         assert "analyze" in tab.inner_text("#panel-curves")

@@ -420,14 +420,18 @@
 
   function renderTokens(run, inst, arrays, g) {
     var box = $("panel-tokens"), tokens = run.tokens[state.seq], ids = run.token_ids[state.seq];
-    var n = run.n_grid[g], top = new Set(inst.order.slice(0, n)), attn = arrays.attn;
+    var n = run.n_grid[g], attn = arrays.attn;
+    // Keys outside K (a sliding window) have no point in the picture (NaN) and take no part.
+    var attendable = function (j) { return !Number.isNaN(arrays.x[j]); };
+    var top = new Set(inst.order.slice(0, n).filter(attendable)), hasSink = attendable(0);
     var peak = 0;
     for (var j = 1; j < attn.length; j++) peak = Math.max(peak, attn[j]);
     var frag = document.createDocumentFragment();
-    if (!Number.isNaN(arrays.x[0])) frag.appendChild(el("span", { class: "sink-label" }, "sink α0 = " + fmt(attn[0])));
+    if (hasSink) frag.appendChild(el("span", { class: "sink-label" }, "sink α0 = " + fmt(attn[0])));
     for (j = 0; j < tokens.length; j++) {
-      var span = el("span", { class: "tok" + (top.has(j) ? " top" : "") + (j === 0 ? " sink" : ""),
-        title: "pos " + j + " · id " + ids[j] + " · α = " + fmt(attn[j], 4) }, tokens[j]);
+      var cls = "tok" + (top.has(j) ? " top" : "") + (j === 0 && hasSink ? " sink" : "") + (attendable(j) ? "" : " out");
+      var span = el("span", { class: cls, title: "pos " + j + " · id " + ids[j] + " · α = " + fmt(attn[j], 4) +
+        (attendable(j) ? "" : " · outside the window") }, tokens[j]);
       if (j > 0 && peak > 0) span.style.background = "rgba(214, 39, 40, " + Math.min(1, attn[j] / peak).toFixed(3) + ")";
       frag.appendChild(span);
     }
