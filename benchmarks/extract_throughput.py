@@ -64,7 +64,7 @@ import zarr
 
 from attngeom import store_schema
 from attngeom.extract import capture, pipeline
-from attngeom.extract.capture import recording
+from attngeom.extract.capture import capturing
 from attngeom.extract.corpora import Window, open_corpus, select_windows
 from attngeom.extract.models import (
     _folder,
@@ -426,7 +426,7 @@ def torch_profile(bundle: Bundle, ids: torch.Tensor, top: int = 15) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bundle.device.startswith("cuda") else [])
-    with profile(activities=activities) as prof, torch.inference_mode(), recording():
+    with profile(activities=activities) as prof, torch.inference_mode(), capturing(bundle.capture_model):
         bundle.capture_model.model(input_ids=ids, use_cache=False)
     sort = "self_cuda_time_total" if bundle.device.startswith("cuda") else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=sort, row_limit=top)
@@ -603,7 +603,7 @@ def report(results: dict[str, Any]) -> str:
           r["phases_s_per_seq"]["summaries"] / r["phases_s_per_seq"]["sdpa_forward"]] for r in thr],
     ))
     out.append(
-        "\ncapture_forward = extract's model.model under recording(); summaries = attention_summaries "
+        "\ncapture_forward = extract's model.model under capturing(); summaries = attention_summaries "
         "inside it (float32 score recompute + per-query reductions); sdpa_in_capture = the SDPA output "
         "inside it; host_arrays = _sequence_arrays (stack, device->host, casts); zarr_writes = "
         "write_sequence (Blosc encode + files); setup_in_extract = before the first forward (corpus, "

@@ -1,19 +1,26 @@
 """Capture of attention rows, values and per-query summaries during the model's own forward.
 
-A function registered through transformers' ``AttentionInterface`` receives, in every
-supported architecture, the post-RoPE queries and keys and the un-repeated values of each
-layer; from them :func:`attention_summaries` recomputes the probability rows in float32, in
-query blocks (memory bounded at any L), and reduces each row to the quantities the store
-keeps (SPEC §3, §4). The layer's output is the model's own SDPA when it computes in a lower
+A function registered by :func:`register_capture` through transformers' ``AttentionInterface``
+receives, in every supported architecture, the post-RoPE queries and keys and the un-repeated
+values of each layer; from them :func:`attention_summaries` recomputes the probability rows
+in float32, in query blocks (memory bounded at any L), and reduces each row to the quantities
+the store keeps (SPEC §3, §4). The layer's output is the model's own SDPA when it computes in a lower
 precision; in float32 those rows are the eager attention itself, so ``rows @ v`` is the
 output and SDPA is not run a second time.
+
+What a forward records is scoped to the call: :func:`capturing` sets the model's attention
+implementation to the capture one and a context-local :class:`Recorder` for the block, and
+restores both on exit, so two models, two threads or a user's own hooks never see each other's
+captures, and a model under no recorder runs plain SDPA.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 from transformers import AttentionInterface
@@ -174,7 +181,11 @@ class Recorder:
     layers: dict[int, LayerCapture] = field(default_factory=dict)
 
 
-_ACTIVE: list[Recorder] = []
+# The recorder of each attention module captured in this thread (or task), set only by
+# ``capturing``: keyed by module, so a second model's forward inside the block records nothing.
+_RECORDERS: ContextVar[Mapping[torch.nn.Module, Recorder]] = ContextVar(
+    "attngeom_recorders", default=MappingProxyType({})
+)
 
 
 def own_output(dtype: torch.dtype) -> bool:
@@ -190,7 +201,7 @@ def attention_output(dtype: torch.dtype) -> str:
 
 def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     softcap = kwargs.get("softcap")
-    recorder = _ACTIVE[-1] if _ACTIVE else None
+    recorder = _RECORDERS.get().get(module)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if recorder is None and softcap is None:
@@ -216,16 +227,30 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return output, None
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, _capture_attention)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+def register_capture() -> None:
+    """Register the capture attention function and its (SDPA) mask builder with transformers
+    under ``ATTN_IMPLEMENTATION``; idempotent."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _capture_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 @contextlib.contextmanager
-def recording(keep_rows: bool = False) -> Iterator[Recorder]:
-    """Within the block, every forward of a model set to the capture implementation records."""
+def capturing(model: torch.nn.Module, *, keep_rows: bool = False) -> Iterator[Recorder]:
+    """Within the block, forwards of ``model`` in this thread record into the yielded recorder.
+
+    ``model`` is a transformers ``PreTrainedModel``; its attention implementation (e.g. "sdpa"
+    or "eager") is set to the capture one for the block and restored on exit. One model object
+    is captured by one block at a time: the implementation is the model's, not the thread's.
+    """
+    register_capture()
+    previous = model.config._attn_implementation
+    if previous != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
     recorder = Recorder(keep_rows=keep_rows)
-    _ACTIVE.append(recorder)
+    token = _RECORDERS.set({**_RECORDERS.get(), **dict.fromkeys(model.modules(), recorder)})
     try:
         yield recorder
     finally:
-        _ACTIVE.remove(recorder)
+        _RECORDERS.reset(token)
+        if previous != ATTN_IMPLEMENTATION:
+            model.set_attn_implementation(previous)
