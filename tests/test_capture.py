@@ -256,3 +256,31 @@ assert ATTN_IMPLEMENTATION in AttentionInterface() and ATTN_IMPLEMENTATION in At
 """
     subprocess.run([sys.executable, "-c", code], check=True)
 
+
+@pytest.mark.parametrize("seed", range(5))
+def test_first_argmax_is_torch_argmax(seed):
+    """Known answers where ties are the rule: small integers (many equal maxima), all-zero rows,
+    subnormal values one ulp apart, and a single column."""
+    from attngeom.extract.capture import first_argmax
+
+    g = torch.Generator().manual_seed(seed)
+    cases = [
+        torch.randint(0, 4, (3, 5, 37), generator=g).float(),
+        torch.zeros(2, 7, 9),
+        torch.randint(0, 3, (4, 50), generator=g).float() * 1e-45,
+        torch.rand(6, 1, generator=g),
+        torch.rand(2, 3, 4, 513, generator=g).softmax(-1) * torch.rand(513, generator=g),
+    ]
+    for x in cases:
+        assert torch.equal(first_argmax(x.clone()), x.argmax(-1))
+
+
+def test_additive_floor_equals_filling_the_mask():
+    """Adding ``masked_floor`` is bit for bit ``masked_fill(~allowed, MASKED)`` for any score
+    a model produces (|s| far below 1e22)."""
+    from attngeom.extract.capture import MASKED, masked_floor
+
+    torch.manual_seed(3)
+    scores = torch.randn(2, 3, 4, 64) * torch.logspace(-30, 6, 64)
+    allowed = torch.rand(2, 1, 4, 64) < 0.6
+    assert torch.equal(scores + masked_floor(allowed), scores.masked_fill(~allowed, MASKED))
