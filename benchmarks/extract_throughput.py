@@ -4,6 +4,7 @@
     python benchmarks/extract_throughput.py                       # defaults: ~6-10 min on 2 idle CPU cores
     python benchmarks/extract_throughput.py --models smollm2-135m --lengths 512 --num-sequences 2
     python benchmarks/extract_throughput.py --json bench.json --profile
+    python benchmarks/extract_throughput.py --references sdpa     # busy machine: no eager reference
 
 What is measured, per model and context length L, on the first windows of the corpus:
 
@@ -63,7 +64,7 @@ import torch
 import zarr
 
 from attngeom.extract import capture, pipeline
-from attngeom.extract.capture import recording
+from attngeom.extract.capture import capturing
 from attngeom.extract.corpora import Window, open_corpus, select_windows
 from attngeom.extract.models import (
     _folder,
@@ -216,9 +217,10 @@ class Probe:
     reference forwards (SDPA decoder-only, eager + attentions) on the same ids, and it times
     the phases of the loop. The time spent in the references is subtracted from extract's."""
 
-    def __init__(self, bundle: Bundle, rep: int) -> None:
+    def __init__(self, bundle: Bundle, rep: int, references: list[str]) -> None:
         self.bundle = bundle
         self.rep = rep
+        self.references = references
         self.ref: dict[str, list[tuple[float, float]]] = defaultdict(list)  # per batch (wall, cpu)
         self.bounds: list[tuple[float, float, float, float]] = []  # (w0, c0, w1, c1) around the references
         self.phase: dict[str, float] = defaultdict(float)
@@ -229,7 +231,7 @@ class Probe:
         synchronize(self.bundle.device)
         w0, c0 = now()
         with torch.inference_mode():
-            for name in rotate(list(REFERENCES), self.rep + len(self.bounds)):
+            for name in rotate(self.references, self.rep + len(self.bounds)):
                 synchronize(self.bundle.device)
                 a = now()
                 REFERENCES[name](self.bundle, ids)
@@ -299,7 +301,7 @@ def run_extract(
     bundle: Bundle, args: argparse.Namespace, length: int, count: int, store: str, rep: int = 0
 ) -> dict[str, Any]:
     request = extract_request(bundle, args, length, count, store)
-    probe = Probe(bundle, rep)
+    probe = Probe(bundle, rep, args.references)
     with preloaded(bundle), probe.installed():
         synchronize(bundle.device)
         start = now()
@@ -317,8 +319,8 @@ def run_extract(
         "setup": probe.bounds[0][0] - start[0],
         "sdpa": sum(w for w, _ in probe.ref["sdpa"]),
         "sdpa_cpu": sum(c for _, c in probe.ref["sdpa"]),
-        "eager": sum(w for w, _ in probe.ref["eager"]),
-        "eager_cpu": sum(c for _, c in probe.ref["eager"]),
+        "eager": sum(w for w, _ in probe.ref["eager"]) if probe.ref["eager"] else float("nan"),
+        "eager_cpu": sum(c for _, c in probe.ref["eager"]) if probe.ref["eager"] else float("nan"),
         "batch_extract": segments,
         "batch_sdpa": probe.ref["sdpa"],
         "batch_eager": probe.ref["eager"],
@@ -433,7 +435,7 @@ def torch_profile(bundle: Bundle, ids: torch.Tensor, top: int = 15) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bundle.device.startswith("cuda") else [])
-    with profile(activities=activities) as prof, torch.inference_mode(), recording():
+    with profile(activities=activities) as prof, torch.inference_mode(), capturing(bundle.capture_model):
         bundle.capture_model.model(input_ids=ids, use_cache=False)
     sort = "self_cuda_time_total" if bundle.device.startswith("cuda") else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=sort, row_limit=top)
@@ -610,7 +612,7 @@ def report(results: dict[str, Any]) -> str:
           r["phases_s_per_seq"]["summaries"] / r["phases_s_per_seq"]["sdpa_forward"]] for r in thr],
     ))
     out.append(
-        "\ncapture_forward = extract's model.model under recording(); summaries = attention_summaries "
+        "\ncapture_forward = extract's model.model under capturing(); summaries = attention_summaries "
         "inside it (float32 score recompute + per-query reductions); sdpa_in_capture = the SDPA output "
         "inside it; host_arrays = _sequence_arrays (stack, device->host, casts); zarr_writes = "
         "write_sequence (Blosc encode + files); setup_in_extract = before the first forward (corpus, "
@@ -676,6 +678,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sequences per length: one number for all, or one per --lengths entry (default 4,2)",
     )
     p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument(
+        "--references", default="sdpa,eager",
+        help="reference forwards run beside each batch of extract (sdpa is required; eager, the slowest, "
+        "may be left out on a busy machine)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--reps", type=int, default=3, help="interleaved timing repetitions (default 3)")
@@ -699,6 +706,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--num-sequences takes one number or one per --lengths entry")
     args.counts = counts
     args.level_list = int_list(args.levels)
+    args.references = [r for r in args.references.split(",") if r]
+    if "sdpa" not in args.references or not set(args.references) <= set(REFERENCES):
+        p.error(f"--references takes sdpa and optionally eager, not {args.references}")
     return args
 
 

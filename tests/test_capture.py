@@ -1,12 +1,17 @@
-"""The capture path equals eager attention with output_attentions=True (float32, 1e-5)."""
+"""The capture path equals eager attention with output_attentions=True (float32, 1e-5), and
+what it records is scoped to the ``capturing`` block of one model in one thread."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from attngeom.extract.capture import attention_output, attention_summaries, recording
+from attngeom.extract.capture import ATTN_IMPLEMENTATION, attention_output, attention_summaries, capturing
 from attngeom.extract.models import ModelSource, load_model
 
 L = 16  # longer than the sliding window (6) of the Mistral and Gemma 3 fixtures
@@ -39,7 +44,7 @@ def test_capture_equals_eager(arch, tiny_model_dir):
     ids[:, 0] = 1
     rows, values, hidden_eager = eager_reference(folder, ids)
     model = load_model(ModelSource(str(folder), str(folder)), device="cpu", dtype=torch.float32)
-    with torch.no_grad(), recording(keep_rows=True) as rec:
+    with torch.no_grad(), capturing(model, keep_rows=True) as rec:
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
     torch.testing.assert_close(hidden, hidden_eager, atol=1e-5, rtol=1e-5)
     n_heads = model.config.num_attention_heads
@@ -137,10 +142,145 @@ def test_lower_precision_keeps_the_models_own_sdpa_output(tiny_model_dir):
     ids[:, 0] = 1
     stock = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     model = load_model(ModelSource(str(folder), str(folder)), device="cpu", dtype=torch.bfloat16)
-    with torch.no_grad(), recording() as rec:
+    with torch.no_grad(), capturing(model) as rec:
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
         expected = stock.model(input_ids=ids, use_cache=False).last_hidden_state
     assert attention_output(torch.bfloat16) == "sdpa output"
     assert attention_output(torch.float32) == "output = float32 rows @ v"
     assert torch.equal(hidden, expected)
     assert all(cap.entropy.dtype == torch.float32 for cap in rec.layers.values())
+
+
+def tiny_ids(seed: int = 0) -> torch.Tensor:
+    ids = torch.randint(4, 100, (2, L), generator=torch.Generator().manual_seed(seed))
+    ids[:, 0] = 1
+    return ids
+
+
+def stock(folder, impl: str = "sdpa"):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=impl).eval()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_capturing_restores_the_models_own_implementation(impl, tiny_model_dir):
+    """A user's model records inside the block and is its own "sdpa"/"eager" model again after,
+    on every sub-config (Gemma 3's sliding layers included), also when the block raises."""
+    model = stock(tiny_model_dir("gemma3"), impl)
+    ids = tiny_ids()
+    with torch.no_grad():
+        before = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        with capturing(model) as rec:
+            assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+            model.model(input_ids=ids, use_cache=False)
+        with pytest.raises(RuntimeError), capturing(model):
+            raise RuntimeError("user code failed inside the block")
+        after = model.model(input_ids=ids, use_cache=False).last_hidden_state
+    assert sorted(rec.layers) == list(range(model.config.num_hidden_layers))
+    assert model.config._attn_implementation == impl
+    assert all(m.config._attn_implementation == impl for m in model.modules() if hasattr(m, "config"))
+    assert torch.equal(before, after)
+
+
+def test_a_model_under_no_recorder_runs_plain_sdpa(tiny_model_dir):
+    """Set to the capture implementation but outside any block (or inside another model's), a
+    model computes exactly what the stock SDPA model does and records nothing."""
+    folder = tiny_model_dir("llama")
+    ids = tiny_ids()
+    model = load_model(ModelSource(str(folder), str(folder)), device="cpu", dtype=torch.float32)
+    other = load_model(ModelSource(str(folder), str(folder)), device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        expected = stock(folder).model(input_ids=ids, use_cache=False).last_hidden_state
+        assert torch.equal(model.model(input_ids=ids, use_cache=False).last_hidden_state, expected)
+        with capturing(other) as rec:
+            hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+    assert torch.equal(hidden, expected)
+    assert rec.layers == {}
+
+
+def test_two_threads_record_their_own_models_at_once(tiny_model_dir):
+    """Two threads, each capturing a different tiny model, both inside their forward at the
+    same moment (a barrier in layer 1), get exactly the captures of a run alone."""
+    archs = ("llama", "qwen2")
+    models = {a: stock(tiny_model_dir(a)) for a in archs}
+    ids = {a: tiny_ids(seed) for seed, a in enumerate(archs)}
+    alone = {}
+    for a in archs:
+        with torch.no_grad(), capturing(models[a]) as rec:
+            models[a].model(input_ids=ids[a], use_cache=False)
+        alone[a] = rec.layers
+    barrier = threading.Barrier(len(archs), timeout=30)
+
+    def meet(*_) -> None:
+        barrier.wait()
+
+    hooks = [m.model.layers[1].register_forward_pre_hook(meet) for m in models.values()]
+    together, errors = {}, []
+
+    def work(a: str) -> None:
+        try:
+            with torch.no_grad(), capturing(models[a]) as rec:
+                models[a].model(input_ids=ids[a], use_cache=False)
+            together[a] = rec.layers
+        except BaseException as exc:  # surfaced in the main thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(a,)) for a in archs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for h in hooks:
+        h.remove()
+    assert not errors, errors
+    for a in archs:
+        assert sorted(together[a]) == sorted(alone[a]) == list(range(models[a].config.num_hidden_layers))
+        for layer, cap in together[a].items():
+            assert torch.equal(cap.values, alone[a][layer].values)
+            assert torch.equal(cap.winner, alone[a][layer].winner)
+            torch.testing.assert_close(cap.entropy, alone[a][layer].entropy, atol=0, rtol=0)
+
+
+def test_registration_is_an_explicit_call():
+    """Importing attngeom registers nothing with transformers; ``register_capture`` does, and
+    calling it twice is harmless."""
+    code = """
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+import attngeom.extract.pipeline, attngeom.ablate.stage
+from attngeom.extract.capture import ATTN_IMPLEMENTATION, register_capture
+assert ATTN_IMPLEMENTATION not in AttentionInterface(), "registered at import"
+assert ATTN_IMPLEMENTATION not in AttentionMaskInterface(), "mask registered at import"
+register_capture()
+register_capture()
+assert ATTN_IMPLEMENTATION in AttentionInterface() and ATTN_IMPLEMENTATION in AttentionMaskInterface()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_first_argmax_is_torch_argmax(seed):
+    """Known answers where ties are the rule: small integers (many equal maxima), all-zero rows,
+    subnormal values one ulp apart, and a single column."""
+    from attngeom.extract.capture import first_argmax
+
+    g = torch.Generator().manual_seed(seed)
+    cases = [
+        torch.randint(0, 4, (3, 5, 37), generator=g).float(),
+        torch.zeros(2, 7, 9),
+        torch.randint(0, 3, (4, 50), generator=g).float() * 1e-45,
+        torch.rand(6, 1, generator=g),
+        torch.rand(2, 3, 4, 513, generator=g).softmax(-1) * torch.rand(513, generator=g),
+    ]
+    for x in cases:
+        assert torch.equal(first_argmax(x.clone()), x.argmax(-1))
+
+
+def test_additive_floor_equals_filling_the_mask():
+    """Adding ``masked_floor`` is bit for bit ``masked_fill(~allowed, MASKED)`` for any score
+    a model produces (|s| far below 1e22)."""
+    from attngeom.extract.capture import MASKED, masked_floor
+
+    torch.manual_seed(3)
+    scores = torch.randn(2, 3, 4, 64) * torch.logspace(-30, 6, 64)
+    allowed = torch.rand(2, 1, 4, 64) < 0.6
+    assert torch.equal(scores + masked_floor(allowed), scores.masked_fill(~allowed, MASKED))

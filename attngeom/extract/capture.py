@@ -1,19 +1,26 @@
 """Capture of attention rows, values and per-query summaries during the model's own forward.
 
-A function registered through transformers' ``AttentionInterface`` receives, in every
-supported architecture, the post-RoPE queries and keys and the un-repeated values of each
-layer; from them :func:`attention_summaries` recomputes the probability rows in float32, in
-query blocks (memory bounded at any L), and reduces each row to the quantities the store
-keeps (SPEC §3, §4). The layer's output is the model's own SDPA when it computes in a lower
+A function registered by :func:`register_capture` through transformers' ``AttentionInterface``
+receives, in every supported architecture, the post-RoPE queries and keys and the un-repeated
+values of each layer; from them :func:`attention_summaries` recomputes the probability rows
+in float32, in query blocks (memory bounded at any L), and reduces each row to the quantities
+the store keeps (SPEC §3, §4). The layer's output is the model's own SDPA when it computes in a lower
 precision; in float32 those rows are the eager attention itself, so ``rows @ v`` is the
 output and SDPA is not run a second time.
+
+What a forward records is scoped to the call: :func:`capturing` sets the model's attention
+implementation to the capture one and a context-local :class:`Recorder` for the block, and
+restores both on exit, so two models, two threads or a user's own hooks never see each other's
+captures, and a model under no recorder runs plain SDPA.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 from transformers import AttentionInterface
@@ -70,6 +77,26 @@ def allowed_keys(
     return block == 0
 
 
+def masked_floor(allowed: torch.Tensor) -> torch.Tensor:
+    """Float32 0 where ``allowed``, ``MASKED`` elsewhere: the additive form of the mask."""
+    return torch.where(allowed, 0.0, MASKED).float()
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` for finite ``x``: int64 index of each row's first maximum. Overwrites x.
+
+    On CPU ``argmax`` over the last dimension is a scalar loop, about 100x slower than ``amax``
+    on attention-row shapes. With m the row maximum, 1 + sign(x_j - m) is 1 exactly where
+    x_j == m (the subtraction is exact there and nowhere else zero) and 0 elsewhere; weighted
+    by n - j its maximum is n - j* for the smallest such j. Every step is a vectorized pass,
+    on CPU and CUDA alike.
+    """
+    n = x.shape[-1]
+    weight = torch.arange(n, 0, -1, dtype=x.dtype, device=x.device)
+    x.sub_(x.amax(dim=-1, keepdim=True)).sign_().add_(1).mul_(weight)
+    return n - x.amax(dim=-1).long()
+
+
 def attention_summaries(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -87,8 +114,15 @@ def attention_summaries(
     query (B, H, L, Dh), key and value (B, KV, L, Dh) with query head h reading kv head
     h // (H/KV). Scores are computed in float32, ``block_bytes`` of them at a time (default
     per device, ``BLOCK_BYTES``). ``winner`` is argmax_j A_ij ||v_j|| with ties to the smaller
-    j (``argmax`` returns the first maximum). With ``need_output`` (a float32 model, or a
-    softcapped one SDPA cannot run) the attention output (B, L, H, Dh) is returned too.
+    j (:func:`first_argmax`). With ``need_output`` (a float32 model, or a softcapped one SDPA
+    cannot run) the attention output (B, L, H, Dh) is returned too.
+
+    Each block of scores takes a handful of vectorized passes (mask, max, softmax, the
+    reductions). On a GPU they belong in one fused kernel beside the flash pass: given the
+    row's log-normaliser log Z, which the SDPA/flash forward already computes, p_j =
+    exp(s_j - log Z), and sink, diag, top-1, entropy and winner are each a running reduction
+    of one more pass over the scores, with no block of probabilities written. Not written here:
+    there is no GPU to prove it on, and the passes below run unchanged on CUDA.
     """
     bsz, n_heads, length, head_dim = query.shape
     n_kv = key.shape[1]
@@ -112,37 +146,49 @@ def attention_summaries(
         else None
     )
     output = torch.empty(bsz, n_kv, group, length, head_dim, device=query.device) if need_output else None
+    # Causal blocks: keys [q0, q1) are the only ones hidden from some of the block's queries.
+    above_diagonal = (
+        torch.ones(block, block, dtype=torch.bool, device=query.device).triu(1) if attention_mask is None else None
+    )
     for q0 in range(0, length, block):
         q1 = min(length, q0 + block)
-        allowed = allowed_keys(attention_mask, q0, q1, length, query.device)
-        # A causal mask hides every key after the block's last query from all its queries:
-        # scoring only keys [0, q1) halves the work on average and changes no row.
-        n_keys = q1 if attention_mask is None or not bool(allowed[..., q1:].any()) else length
+        if attention_mask is None:
+            n_keys = q1
+        else:
+            allowed = allowed_keys(attention_mask, q0, q1, length, query.device)
+            # A causal mask hides every key after the block's last query from all its queries:
+            # scoring only keys [0, q1) halves the work on average and changes no row.
+            n_keys = length if bool(allowed[..., q1:].any()) else q1
         scores = torch.einsum("bkgqd,bkld->bkgql", q[:, :, :, q0:q1], k[:, :, :n_keys])
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         # A finite floor, not -inf, for masked keys: their probability still underflows to 0,
         # and 0 * floor stays 0 in the entropy below.
-        scores.masked_fill_(~allowed[:, :, None, :, :n_keys], MASKED)
+        if attention_mask is None:
+            scores[..., q0:q1].masked_fill_(above_diagonal[: q1 - q0, : q1 - q0], MASKED)
+        else:
+            # s + MASKED rounds to MASKED exactly for any score below 1e22, so adding the floor
+            # equals filling it; a broadcast add is a vectorized pass, a broadcast fill is not.
+            scores.add_(masked_floor(allowed[:, :, None, :, :n_keys]))
         scores.sub_(scores.amax(dim=-1, keepdim=True))
         probs = torch.softmax(scores, dim=-1)
-        idx = torch.arange(q0, q1, device=query.device)
         top1 = probs.amax(dim=-1)
         out["sink_attn"][..., q0:q1] = probs[..., 0]
-        out["diag_attn"][..., q0:q1] = probs[..., torch.arange(q1 - q0, device=query.device), idx]
+        out["diag_attn"][..., q0:q1] = probs[..., q0:q1].diagonal(dim1=-2, dim2=-1)
         out["top1_attn"][..., q0:q1] = top1
         # With s the scores less their maximum, log p_j = s_j - log Z and 1/Z = max_j p_j, so
         # H = -sum_j p_j log p_j = -log max_j p_j - sum_j p_j s_j: two non-negative terms, no log
         # per key.
         out["entropy"][..., q0:q1] = -torch.log(top1) - torch.linalg.vecdot(probs, scores)
-        winner[..., q0:q1] = (probs * v_norm[..., :n_keys]).argmax(dim=-1)
+        # The scores are spent: A_ij ||v_j|| takes their buffer.
+        winner[..., q0:q1] = first_argmax(torch.mul(probs, v_norm[..., :n_keys], out=scores))
         if rows is not None:
-            rows[..., q0:q1, :n_keys] = probs.half()
+            rows[..., q0:q1, :n_keys] = probs
         if output is not None:
             output[..., q0:q1, :] = torch.einsum("bkgql,bkld->bkgqd", probs, v[:, :, :n_keys])
         if q1 == length:
             attn_last = probs[..., -1, :].reshape(bsz, n_heads, length)
-            last_allowed = allowed[0, 0, -1]
+    last_allowed = allowed_keys(attention_mask, length - 1, length, length, query.device)[0, 0, -1]
 
     def heads(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(bsz, n_heads, *t.shape[4:]) if t.dim() > 4 else t.reshape(bsz, n_heads, length)
@@ -174,7 +220,11 @@ class Recorder:
     layers: dict[int, LayerCapture] = field(default_factory=dict)
 
 
-_ACTIVE: list[Recorder] = []
+# The recorder of each attention module captured in this thread (or task), set only by
+# ``capturing``: keyed by module, so a second model's forward inside the block records nothing.
+_RECORDERS: ContextVar[Mapping[torch.nn.Module, Recorder]] = ContextVar(
+    "attngeom_recorders", default=MappingProxyType({})
+)
 
 
 def own_output(dtype: torch.dtype) -> bool:
@@ -190,7 +240,7 @@ def attention_output(dtype: torch.dtype) -> str:
 
 def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     softcap = kwargs.get("softcap")
-    recorder = _ACTIVE[-1] if _ACTIVE else None
+    recorder = _RECORDERS.get().get(module)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if recorder is None and softcap is None:
@@ -216,16 +266,30 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return output, None
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, _capture_attention)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+def register_capture() -> None:
+    """Register the capture attention function and its (SDPA) mask builder with transformers
+    under ``ATTN_IMPLEMENTATION``; idempotent."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _capture_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 @contextlib.contextmanager
-def recording(keep_rows: bool = False) -> Iterator[Recorder]:
-    """Within the block, every forward of a model set to the capture implementation records."""
+def capturing(model: torch.nn.Module, *, keep_rows: bool = False) -> Iterator[Recorder]:
+    """Within the block, forwards of ``model`` in this thread record into the yielded recorder.
+
+    ``model`` is a transformers ``PreTrainedModel``; its attention implementation (e.g. "sdpa"
+    or "eager") is set to the capture one for the block and restored on exit. One model object
+    is captured by one block at a time: the implementation is the model's, not the thread's.
+    """
+    register_capture()
+    previous = model.config._attn_implementation
+    if previous != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
     recorder = Recorder(keep_rows=keep_rows)
-    _ACTIVE.append(recorder)
+    token = _RECORDERS.set({**_RECORDERS.get(), **dict.fromkeys(model.modules(), recorder)})
     try:
         yield recorder
     finally:
-        _ACTIVE.remove(recorder)
+        _RECORDERS.reset(token)
+        if previous != ATTN_IMPLEMENTATION:
+            model.set_attn_implementation(previous)

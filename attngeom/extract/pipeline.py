@@ -31,7 +31,7 @@ from attngeom.extract.capture import (
     ATTN_IMPLEMENTATION,
     LayerCapture,
     attention_output,
-    recording,
+    capturing,
 )
 from attngeom.extract.corpora import Window, open_corpus, select_windows
 from attngeom.extract.models import (
@@ -282,7 +282,7 @@ def extract(request: ExtractRequest) -> ExtractResult:
         for b0 in range(0, len(todo), request.batch_size):
             batch = todo[b0 : b0 + request.batch_size]
             ids = torch.from_numpy(np.stack([windows[i].tokens for i in batch]).astype("int64")).to(device)
-            with torch.inference_mode(), recording(keep_rows=request.store_rows == "all") as rec:
+            with torch.inference_mode(), capturing(model, keep_rows=request.store_rows == "all") as rec:
                 model.model(input_ids=ids, use_cache=False)
             if run is None:
                 layout = _layout(config, rec.layers, request)
