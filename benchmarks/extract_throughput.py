@@ -63,7 +63,7 @@ import torch
 import zarr
 
 from attngeom.extract import capture, pipeline
-from attngeom.extract.capture import recording
+from attngeom.extract.capture import ATTN_IMPLEMENTATION, recording
 from attngeom.extract.corpora import Window, open_corpus, select_windows
 from attngeom.extract.models import (
     _folder,
@@ -153,6 +153,7 @@ def load_bundle(name: str, device: str, dtype: torch.dtype) -> Bundle:
     config = load_config(source)
     tokenizer = load_tokenizer(source)
     cap = load_model(source, device=device, dtype=dtype)
+    cap.set_attn_implementation(ATTN_IMPLEMENTATION)
     folder = _folder(source)
     stock = {
         impl: AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=impl).to(device).eval()

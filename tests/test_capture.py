@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from attngeom.extract.capture import attention_output, attention_summaries, recording
+from attngeom.extract.capture import ATTN_IMPLEMENTATION, attention_output, attention_summaries, recording
 from attngeom.extract.models import ModelSource, load_model
 
 L = 16  # longer than the sliding window (6) of the Mistral and Gemma 3 fixtures
@@ -39,6 +39,7 @@ def test_capture_equals_eager(arch, tiny_model_dir):
     ids[:, 0] = 1
     rows, values, hidden_eager = eager_reference(folder, ids)
     model = load_model(ModelSource(str(folder), str(folder)), device="cpu", dtype=torch.float32)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
     with torch.no_grad(), recording(keep_rows=True) as rec:
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
     torch.testing.assert_close(hidden, hidden_eager, atol=1e-5, rtol=1e-5)
@@ -137,6 +138,7 @@ def test_lower_precision_keeps_the_models_own_sdpa_output(tiny_model_dir):
     ids[:, 0] = 1
     stock = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     model = load_model(ModelSource(str(folder), str(folder)), device="cpu", dtype=torch.bfloat16)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
     with torch.no_grad(), recording() as rec:
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
         expected = stock.model(input_ids=ids, use_cache=False).last_hidden_state
