@@ -1,5 +1,20 @@
-"""The ablate stage: single-head ablation and head sparsification (SPEC §5)."""
+"""The ablate stage: single-head ablation and head sparsification (SPEC §5).
 
-from attngeom.ablate.stage import DEFAULT_RETENTION, AblateResult, ablate, parse_heads
+The request is light to import; the stage (torch, transformers) loads on first use.
+"""
 
-__all__ = ["DEFAULT_RETENTION", "AblateResult", "ablate", "parse_heads"]
+from __future__ import annotations
+
+from typing import Any
+
+from attngeom.ablate.request import DEFAULT_RETENTION, AblateRequest, parse_heads
+
+__all__ = ["DEFAULT_RETENTION", "AblateRequest", "AblateResult", "ablate", "parse_heads"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("AblateResult", "ablate"):
+        from attngeom.ablate import stage
+
+        return getattr(stage, name)
+    raise AttributeError(f"module 'attngeom.ablate' has no attribute {name!r}")
