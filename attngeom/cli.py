@@ -1,4 +1,5 @@
-"""The ``attngeom`` command line (SPEC §7). Thin: each command parses, calls a stage, reports."""
+"""The ``attngeom`` command line (SPEC §7). Thin: each command parses, calls its function of
+the Python API (:mod:`attngeom.api`, same defaults and errors), and reports."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from attngeom import __version__
+from attngeom import __version__, api
+from attngeom.ablate.request import parse_heads
 from attngeom.errors import AttngeomError
 
 
@@ -95,10 +97,8 @@ def extract(**kwargs) -> None:
     finishes with every sequence exactly once. Sequences become visible to readers
     only when all of their arrays are written.
     """
-    from attngeom.extract.pipeline import ExtractRequest, extract as run_extract
-
     progress = not kwargs.pop("no_progress")
-    result = run_extract(ExtractRequest(**kwargs, progress=progress))
+    result = api.extract(kwargs.pop("model"), **kwargs, progress=progress)
     click.echo(
         f"run {result.run_id}: wrote {result.written} sequences ({result.total} in the run) "
         f"in {result.seconds:.1f} s"
@@ -119,9 +119,7 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
     Writes runs/<id>/analysis/{topn,values,heads,summary,table} into the store; only
     committed sequences are read, and re-running overwrites the same results.
     """
-    from attngeom.analyze.stage import analyze as run_analyze
-
-    for r in run_analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed, progress=not no_progress):
+    for r in api.analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed, progress=not no_progress):
         click.echo(f"run {r.run_id}: {r.sequences} sequences, {r.instances} head instances in {r.seconds:.1f} s")
 
 
@@ -130,13 +128,7 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
 def taxonomy(store: str) -> None:
     """Print the head-regime distribution (Retriever / Mixer / Reset) of every analyzed run,
     and for runs of one model on two corpora the per-regime difference and label agreement."""
-    from attngeom.analyze.stage import run_regimes
-    from attngeom.analyze.taxonomy import format_tables
-
-    labels = run_regimes(store)
-    if not labels:
-        raise AttngeomError(f"no analyzed run in {store}: run 'attngeom analyze --store {store}' first")
-    click.echo(format_tables(labels))
+    click.echo(str(api.taxonomy(store)))
 
 
 @main.command()
@@ -160,9 +152,7 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
     at the input of the output projection, many masks per batched forward. Writes
     runs/<id>/ablation/{single,sweep,correlations,critical,regimes}.
     """
-    from attngeom.ablate import DEFAULT_RETENTION, ablate as run_ablate, parse_heads
-
-    result = run_ablate(store, run_id, protect=parse_heads(protect), retention=retention or DEFAULT_RETENTION,
+    result = api.ablate(store, run_id, protect=parse_heads(protect), retention=retention or None,
                         progress=not no_progress, **kwargs)
     critical = result.critical
     click.echo(f"run {result.run_id}: ablation written in {result.seconds:.1f} s; "
@@ -180,9 +170,7 @@ def report(store: str, out: Path) -> None:
     Writes DIR/index.html (works offline) with the PNG figures and the tables beside it;
     inputs a run lacks (no analysis, no ablation) become notes in the report.
     """
-    from attngeom.report import build_report
-
-    click.echo(f"report: {build_report(store, out)}")
+    click.echo(f"report: {api.report(store, out)}")
 
 
 @main.command()
@@ -190,12 +178,10 @@ def report(store: str, out: Path) -> None:
 @click.option("--deep", is_flag=True, help="Also read every chunk and name any corrupt one (checksums).")
 def validate(store: str, deep: bool) -> None:
     """Check the store against schema version 1 and its format; one line per problem, exit 1 if any."""
-    from attngeom.store import validate_store
-
-    problems = validate_store(store, deep=deep)
-    for line in problems:
+    validation = api.validate(store, deep=deep)
+    for line in validation.problems:
         click.echo(line)
-    if problems:
+    if not validation.valid:
         sys.exit(1)
     click.echo(f"{store}: valid")
 
@@ -211,9 +197,7 @@ def migrate(store: str, no_progress: bool) -> None:
     copy: a migration that is interrupted is finished by running it again. No other
     command may use the store meanwhile.
     """
-    from attngeom.store.migrate import migrate as run_migrate
-
-    result = run_migrate(store, progress=not no_progress)
+    result = api.migrate(store, progress=not no_progress)
     if result.arrays == 0 and result.source == result.target:
         click.echo(f"{store}: already format {result.target}, nothing to do")
         return
