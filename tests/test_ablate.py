@@ -13,6 +13,7 @@ from scipy import stats
 
 from attngeom.ablate import parse_heads
 from attngeom.ablate.kernels import (
+    CRITICAL_RULE,
     correlation_table,
     critical_heads,
     critical_threshold,
@@ -164,6 +165,9 @@ def test_single_head_delta_equals_unbatched_reference(store, result, tiny_model_
         np.testing.assert_allclose(single["delta_nll"].values[layer, head], want, atol=2e-5)
         np.testing.assert_allclose(single["delta_nll_mean"].values[layer, head], want.mean(), atol=2e-5)
         np.testing.assert_allclose(single["delta_nll_median"].values[layer, head], np.median(want), atol=2e-5)
+    rule = single.attrs["attngeom"]["critical_rule"]
+    assert rule["rule"] == CRITICAL_RULE
+    assert rule["threshold"] == critical_threshold(single["delta_nll_mean"].values, rule["k"], rule["floor"])
 
 
 def test_sweep_shapes_and_full_retention_is_intact(store, result):

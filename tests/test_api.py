@@ -84,7 +84,7 @@ def test_memory_model_from_texts_and_token_ids_equals_its_eager_attention(arch, 
     ids = np.random.default_rng(2).integers(4, 100, size=(3, L))
     ids[:, 0] = 1
     model.train()
-    ag.extract(model, token_ids=ids, store=store, run_id="ids", store_rows="all", progress=False)
+    ag.extract(model, token_ids=torch.from_numpy(ids), store=store, run_id="ids", store_rows="all", progress=False)
     run = ag.open_store(store).run("ids")
     np.testing.assert_array_equal(run.dataset()["tokens"].values, ids)
     assert_equals_eager(store, "ids", model.eval())
@@ -152,6 +152,27 @@ def test_memory_model_input_errors_by_kind(tmp_path):
         model.get_decoder().layers[0].self_attn.o_proj.weight.mul_(2)
     with pytest.raises(ag.InputError, match="already holds model"):
         ag.extract(model, token_ids=good, store=store, run_id="r", progress=False)
+
+
+def test_ablate_a_run_of_a_memory_model(tmp_path):
+    model = memory_model("llama", attn="sdpa")
+    ids = np.random.default_rng(4).integers(4, 100, size=(4, L))
+    ids[:, 0] = 1
+    store = str(tmp_path / "s.zarr")
+    ag.extract(model, token_ids=ids, store=store, run_id="m", progress=False)
+    options = dict(device="cpu", retention=(1.0, 0.5), random_masks=1, progress=False)
+    with pytest.raises(ag.InputError, match="pass it as model="):
+        ag.ablate(store, "m", **options)
+    with pytest.warns(UserWarning, match="type-guided sparsification skipped"):
+        out = ag.ablate(store, "m", model=model, **options)
+    assert out.single["delta_nll"].shape == (3, 4, 2)
+    stored = ag.open_store(store).run("m").ablation("single").load()
+    np.testing.assert_array_equal(stored["delta_nll_mean"].values, out.single["delta_nll_mean"].values)
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        model.get_decoder().layers[0].self_attn.o_proj.weight.mul_(2)
+    with pytest.raises(ag.InputError, match="not the one run 'm' was extracted with"):
+        ag.ablate(store, "m", model=model, **options)
 
 
 def test_api_and_cli_write_identical_stores(tiny_model_dir, word_corpus, tmp_path):

@@ -1,6 +1,7 @@
 """The ablate stage: single-head ablation and head sparsification (SPEC §5).
 
-The request is light to import; the stage (torch, transformers) loads on first use.
+Called, ``attngeom.ablate(store, run_id, ...)`` is :func:`attngeom.api.ablate`. The request
+is light to import; the stage (torch, transformers) loads on first use.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The ablate stage (SPEC §5): single-head ablation and per-layer head sparsification.
 
-Loads the run's model, reads its tokens, attention summaries and (if present) the analysis
-head table, and writes ``runs/<id>/ablation/``:
+Loads the run's model with its own attention implementation (the capture is extract's),
+reads the run's tokens, attention summaries and (if present) the analysis head table, and
+writes ``runs/<id>/ablation/``:
 
 - ``single``       (layer, head[, seq]): single-head delta NLL on the importance split
   (per sequence, mean, median), robust z, critical and protected flags, the attention
@@ -392,6 +393,7 @@ def _read_run(request: AblateRequest) -> _RunInputs:
     require_run(root, run_id, store)
     run = open_run_group(root, run_id)
     provenance = run_provenance(root, run_id)
+    _check_model(request, provenance)
     seqs = completed(run)[: request.max_sequences]
     if len(seqs) < 2:
         raise InputError(
@@ -416,7 +418,7 @@ def _read_run(request: AblateRequest) -> _RunInputs:
             "no head regimes: runs/<id>/analysis/heads has no 'regime' variable"
             if heads is not None else "no head regimes: the run has not been analyzed (run attngeom analyze)"
         )
-        warnings.warn(f"type-guided sparsification skipped: {skipped['type_guided']}", stacklevel=3)
+        warnings.warn(f"type-guided sparsification skipped: {skipped['type_guided']}", stacklevel=4)
     geometric = {
         name: heads[name].values.astype(np.float64)
         for name in sorted(heads.data_vars if heads is not None else ())
@@ -439,28 +441,36 @@ def _read_run(request: AblateRequest) -> _RunInputs:
     )
 
 
-def _model(request: AblateRequest, provenance: dict[str, Any]) -> tuple[torch.nn.Module, str, torch.dtype]:
-    """The run's model with its own attention implementation: loaded by its recorded name,
-    or the caller's model in memory (its state dict must hash as recorded; never moved)."""
+def _check_model(request: AblateRequest, provenance: dict[str, Any]) -> None:
+    """Refuse, before anything is read, a model that is not the run's: a run of a model in
+    memory needs it as ``model`` (its state dict hashing as recorded); a run of a named model
+    is loaded by ablate itself."""
     recorded = provenance.get("model") or {}
+    from_memory = recorded.get("source") == "memory"
     if request.model is None:
-        if recorded.get("source") == "memory":
+        if from_memory:
             raise InputError(
                 f"run '{request.run_id}' was extracted from a model in memory ({recorded.get('class')}): pass it as model="
             )
+        return
+    if not from_memory:
+        raise InputError(
+            f"run '{request.run_id}' was extracted from '{recorded.get('id')}', which ablate loads itself: drop model="
+        )
+    if state_dict_sha256(loaded_model(request.model)) != recorded.get("state_dict_sha256"):
+        raise InputError(f"the model given is not the one run '{request.run_id}' was extracted with (state dict differs)")
+
+
+def _model(request: AblateRequest, provenance: dict[str, Any]) -> tuple[torch.nn.Module, str, torch.dtype]:
+    """The run's model with its own attention implementation: loaded by its recorded name,
+    or the caller's model in memory (used where it is, never moved or cast)."""
+    if request.model is None:
         source = _model_source(provenance, request.run_id)
         device = resolve_device(request.device)
         compute_dtype = resolve_dtype(request.dtype, device)
         return load_model(source, device=device, dtype=compute_dtype), device, compute_dtype
-    model = loaded_model(request.model)
-    if recorded.get("source") != "memory":
-        raise InputError(
-            f"run '{request.run_id}' was extracted from '{recorded.get('id')}', which ablate loads itself: drop model="
-        )
-    if state_dict_sha256(model) != recorded.get("state_dict_sha256"):
-        raise InputError(f"the model given is not the one run '{request.run_id}' was extracted with (state dict differs)")
-    device, compute_dtype = model_placement(model, request.device, request.dtype)
-    return model, device, compute_dtype
+    device, compute_dtype = model_placement(request.model, request.device, request.dtype)
+    return request.model, device, compute_dtype
 
 
 @contextlib.contextmanager

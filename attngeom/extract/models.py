@@ -195,8 +195,8 @@ def loaded_model(model: Any) -> Any:
 def memory_provenance(model: Any) -> dict[str, Any]:
     """Provenance of a model given in memory: its class, config and state-dict hash.
 
-    The config's private entries (the attention implementation among them) are left out:
-    they say how the model runs, not what it is.
+    The config's private entries (the attention implementation among them) and the
+    transformers version are left out: they say how the model runs, not what it is.
     """
     import json
 
@@ -207,7 +207,7 @@ def memory_provenance(model: Any) -> dict[str, Any]:
         "source": "memory",
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "name_or_path": model.config.name_or_path or None,
-        "config": {k: v for k, v in config.items() if not k.startswith("_")},
+        "config": {k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"},
         "state_dict_sha256": state_dict_sha256(model),
     }
 

@@ -83,12 +83,12 @@ class ExtractRequest:
     windowed the same way) or ``token_ids`` (S, L) integers used as given.
     """
 
-    model: Any
+    model: Any = field(repr=False)
     store: str
     dataset: str | None = None
-    texts: Iterable[str] | None = None
-    token_ids: Any = None
-    tokenizer: Any = None
+    texts: Iterable[str] | None = field(default=None, repr=False)
+    token_ids: Any = field(default=None, repr=False)
+    tokenizer: Any = field(default=None, repr=False)
     context_length: int | None = None
     num_sequences: int | None = None
     run_id: str | None = None
@@ -289,7 +289,8 @@ def _windowed(request: ExtractRequest, model: _Model, bos_id: int) -> _Input:
 
 def _given(request: ExtractRequest, model: _Model, bos_id: int) -> _Input:
     """token_ids (S, L) as given: integers of the vocabulary, BOS at position 0."""
-    ids = np.asarray(request.token_ids)
+    given = request.token_ids
+    ids = given.cpu().numpy() if isinstance(given, torch.Tensor) else np.asarray(given)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise InputError(f"token_ids must be an integer array (S, L); got {ids.dtype} of shape {ids.shape}")
     n_seq, length = ids.shape

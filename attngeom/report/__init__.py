@@ -1,6 +1,7 @@
 """The report stage: figures and tables of the paper from a store, and an offline index.html.
 
-matplotlib and the figure modules load on first use of :func:`build_report`.
+Called, ``attngeom.report(store, out)`` is :func:`attngeom.api.report`. matplotlib and the
+figure modules load on first use of :func:`build_report`.
 """
 
 from __future__ import annotations
