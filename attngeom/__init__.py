@@ -15,14 +15,14 @@ transformers: each function imports its stage when called (see :mod:`attngeom.ap
 from __future__ import annotations
 
 import importlib
-import inspect
 import types
-from typing import TYPE_CHECKING, Any
+
+# typing alone would take longer to import than the rest of this package (annotations here
+# are strings, never evaluated); type checkers read the block below as typing.TYPE_CHECKING.
+TYPE_CHECKING = False
 
 __version__ = "0.1.0"
 
-from attngeom import api
-from attngeom.api import Taxonomy, Validation, migrate, open_store, taxonomy, validate
 from attngeom.errors import (
     AttngeomError,
     CorruptChunkError,
@@ -37,7 +37,20 @@ from attngeom.errors import (
 )
 
 if TYPE_CHECKING:
-    from attngeom.api import ablate, analyze, extract, report
+    from typing import Any
+
+    from attngeom.api import (
+        Taxonomy,
+        Validation,
+        ablate,
+        analyze,
+        extract,
+        migrate,
+        open_store,
+        report,
+        taxonomy,
+        validate,
+    )
 
 __all__ = [
     "AttngeomError", "CorruptChunkError", "DamagedStoreError", "GroupNotFoundError", "InputError",
@@ -48,6 +61,20 @@ __all__ = [
 
 # Commands whose name is also a stage's package (attngeom/extract/, ...).
 STAGES = ("extract", "analyze", "ablate", "report")
+# The API's other names, loaded with attngeom.api on first use (dataclasses and inspect alone
+# would triple the time `import attngeom` takes).
+_API_NAMES = ("Taxonomy", "Validation", "migrate", "open_store", "taxonomy", "validate")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API_NAMES or name == "api":
+        api = importlib.import_module("attngeom.api")
+        return api if name == "api" else getattr(api, name)
+    raise AttributeError(f"module 'attngeom' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 class _Stage(types.ModuleType):
@@ -58,11 +85,15 @@ class _Stage(types.ModuleType):
     made callable. The packages' ``__init__`` import nothing heavy."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(api, self.__name__.rpartition(".")[2])(*args, **kwargs)
+        return getattr(importlib.import_module("attngeom.api"), self.__name__.rpartition(".")[2])(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> Any:
+        import inspect
+
+        return inspect.signature(getattr(importlib.import_module("attngeom.api"), self.__name__.rpartition(".")[2]))
 
 
 for _name in STAGES:
-    _package = importlib.import_module(f"attngeom.{_name}")
-    _package.__class__ = _Stage
-    _package.__signature__ = inspect.signature(getattr(api, _name))
-del _name, _package
+    importlib.import_module(f"attngeom.{_name}").__class__ = _Stage
+del _name

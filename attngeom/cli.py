@@ -8,8 +8,7 @@ from pathlib import Path
 
 import click
 
-from attngeom import __version__, api
-from attngeom.ablate.request import parse_heads
+from attngeom import __version__
 from attngeom.errors import AttngeomError
 
 
@@ -97,6 +96,8 @@ def extract(**kwargs) -> None:
     finishes with every sequence exactly once. Sequences become visible to readers
     only when all of their arrays are written.
     """
+    from attngeom import api
+
     progress = not kwargs.pop("no_progress")
     result = api.extract(kwargs.pop("model"), **kwargs, progress=progress)
     click.echo(
@@ -119,6 +120,8 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
     Writes runs/<id>/analysis/{topn,values,heads,summary,table} into the store; only
     committed sequences are read, and re-running overwrites the same results.
     """
+    from attngeom import api
+
     for r in api.analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed, progress=not no_progress):
         click.echo(f"run {r.run_id}: {r.sequences} sequences, {r.instances} head instances in {r.seconds:.1f} s")
 
@@ -128,6 +131,8 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
 def taxonomy(store: str) -> None:
     """Print the head-regime distribution (Retriever / Mixer / Reset) of every analyzed run,
     and for runs of one model on two corpora the per-regime difference and label agreement."""
+    from attngeom import api
+
     click.echo(str(api.taxonomy(store)))
 
 
@@ -152,6 +157,9 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
     at the input of the output projection, many masks per batched forward. Writes
     runs/<id>/ablation/{single,sweep,correlations,critical,regimes}.
     """
+    from attngeom import api
+    from attngeom.ablate.request import parse_heads
+
     result = api.ablate(store, run_id, protect=parse_heads(protect), retention=retention or None,
                         progress=not no_progress, **kwargs)
     critical = result.critical
@@ -170,6 +178,8 @@ def report(store: str, out: Path) -> None:
     Writes DIR/index.html (works offline) with the PNG figures and the tables beside it;
     inputs a run lacks (no analysis, no ablation) become notes in the report.
     """
+    from attngeom import api
+
     click.echo(f"report: {api.report(store, out)}")
 
 
@@ -178,6 +188,8 @@ def report(store: str, out: Path) -> None:
 @click.option("--deep", is_flag=True, help="Also read every chunk and name any corrupt one (checksums).")
 def validate(store: str, deep: bool) -> None:
     """Check the store against schema version 1 and its format; one line per problem, exit 1 if any."""
+    from attngeom import api
+
     validation = api.validate(store, deep=deep)
     for line in validation.problems:
         click.echo(line)
@@ -197,6 +209,8 @@ def migrate(store: str, no_progress: bool) -> None:
     copy: a migration that is interrupted is finished by running it again. No other
     command may use the store meanwhile.
     """
+    from attngeom import api
+
     result = api.migrate(store, progress=not no_progress)
     if result.arrays == 0 and result.source == result.target:
         click.echo(f"{store}: already format {result.target}, nothing to do")

@@ -1,19 +1,19 @@
 """The ablate stage: single-head ablation and head sparsification (SPEC §5).
 
-Called, ``attngeom.ablate(store, run_id, ...)`` is :func:`attngeom.api.ablate`. The request
-is light to import; the stage (torch, transformers) loads on first use.
+Called, ``attngeom.ablate(store, run_id, ...)`` is :func:`attngeom.api.ablate`. Its names load
+on first use: the request is light, the stage loads torch and transformers.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from attngeom.ablate.request import DEFAULT_RETENTION, AblateRequest, parse_heads
-
 __all__ = ["DEFAULT_RETENTION", "AblateRequest", "AblateResult", "ablate", "parse_heads"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
+    if name in ("DEFAULT_RETENTION", "AblateRequest", "parse_heads"):
+        from attngeom.ablate import request
+
+        return getattr(request, name)
     if name in ("AblateResult", "ablate"):
         from attngeom.ablate import stage
 

@@ -6,12 +6,10 @@ figure modules load on first use of :func:`build_report`.
 
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = ["build_report"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name == "build_report":
         from attngeom.report.build import build_report
 
