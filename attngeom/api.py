@@ -10,7 +10,9 @@ Shapes: S sequences, L context length (BOS plus L-1 tokens), layers, heads, N se
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+import sys
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,7 +115,28 @@ def analyze(
     """
     from attngeom.analyze.stage import analyze as run
 
-    return run(str(store), run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed, progress=progress)
+    with _workers_skip_main():
+        return run(str(store), run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
+                   progress=progress)
+
+
+@contextlib.contextmanager
+def _workers_skip_main() -> Iterator[None]:
+    """Within the block, processes started by spawn (the LocalCluster's workers) do not run
+    the caller's script again. A worker re-imports ``__main__`` from its file: a script that
+    calls ``attngeom.analyze`` at top level, without ``if __name__ == "__main__":``, would run
+    its extract in every worker and then fail there. Workers need nothing of ``__main__``:
+    their tasks are attngeom's own functions."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None:
+        yield  # a notebook, a REPL, python -c or -m: nothing is re-run
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 @dataclass(frozen=True)

@@ -256,3 +256,24 @@ def test_readme_example_runs_on_a_tiny_random_model(tmp_path, monkeypatch):
     topn = scope["topn"]
     assert topn.sizes["seq"] == 3 and list(topn["n"].values) == [1, 2, 4, 8, 16, 32, 64]
     assert scope["model"].config._attn_implementation == "sdpa"
+
+
+def test_a_script_without_main_guard_analyzes_on_a_local_cluster(tmp_path):
+    """Workers of the default LocalCluster do not run the caller's script again."""
+    script = tmp_path / "notebook_like.py"
+    script.write_text(
+        "import numpy as np, torch, attngeom as ag\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "open('runs.log', 'a').write('top level ran\\n')\n"
+        "torch.manual_seed(0)\n"
+        "model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+        "                                     num_attention_heads=2, num_key_value_heads=1, bos_token_id=1))\n"
+        "ids = np.random.default_rng(0).integers(2, 64, size=(2, 12)); ids[:, 0] = 1\n"
+        "result = ag.extract(model, token_ids=ids, store='s.zarr', progress=False)\n"
+        "ag.analyze('s.zarr', progress=False)\n"
+        "print(ag.open_store('s.zarr').run(result.run_id).analysis('topn').sizes['seq'])\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2"]
+    assert (tmp_path / "runs.log").read_text() == "top level ran\n"
