@@ -1,4 +1,5 @@
-"""The ``attngeom`` command line (SPEC §7). Thin: each command parses, calls a stage, reports."""
+"""The ``attngeom`` command line (SPEC §7). Thin: each command parses, calls its function of
+the Python API (:mod:`attngeom.api`, same defaults and errors), and reports."""
 
 from __future__ import annotations
 
@@ -96,10 +97,10 @@ def extract(**kwargs) -> None:
     finishes with every sequence exactly once. Sequences become visible to readers
     only when all of their arrays are written.
     """
-    from attngeom.extract.pipeline import ExtractRequest, extract as run_extract
+    from attngeom import api
 
     progress = not kwargs.pop("no_progress")
-    result = run_extract(ExtractRequest(**kwargs, progress=progress))
+    result = api.extract(kwargs.pop("model"), **kwargs, progress=progress)
     click.echo(
         f"run {result.run_id}: wrote {result.written} sequences ({result.total} in the run) "
         f"in {result.seconds:.1f} s"
@@ -120,9 +121,9 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
     Writes runs/<id>/analysis/{topn,values,heads,summary,table} into the store; only
     committed sequences are read, and re-running overwrites the same results.
     """
-    from attngeom.analyze.stage import analyze as run_analyze
+    from attngeom import api
 
-    for r in run_analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed, progress=not no_progress):
+    for r in api.analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed, progress=not no_progress):
         click.echo(f"run {r.run_id}: {r.sequences} sequences, {r.instances} head instances in {r.seconds:.1f} s")
 
 
@@ -131,13 +132,9 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
 def taxonomy(store: str) -> None:
     """Print the head-regime distribution (Retriever / Mixer / Reset) of every analyzed run,
     and for runs of one model on two corpora the per-regime difference and label agreement."""
-    from attngeom.analyze.stage import run_regimes
-    from attngeom.analyze.taxonomy import format_tables
+    from attngeom import api
 
-    labels = run_regimes(store)
-    if not labels:
-        raise AttngeomError(f"no analyzed run in {store}: run 'attngeom analyze --store {store}' first")
-    click.echo(format_tables(labels))
+    click.echo(str(api.taxonomy(store)))
 
 
 @main.command()
@@ -161,9 +158,10 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
     at the input of the output projection, many masks per batched forward. Writes
     runs/<id>/ablation/{single,sweep,correlations,critical,regimes}.
     """
-    from attngeom.ablate import DEFAULT_RETENTION, ablate as run_ablate, parse_heads
+    from attngeom import api
+    from attngeom.ablate.request import parse_heads
 
-    result = run_ablate(store, run_id, protect=parse_heads(protect), retention=retention or DEFAULT_RETENTION,
+    result = api.ablate(store, run_id, protect=parse_heads(protect), retention=retention or None,
                         progress=not no_progress, **kwargs)
     critical = result.critical
     click.echo(f"run {result.run_id}: ablation written in {result.seconds:.1f} s; "
@@ -181,9 +179,9 @@ def report(store: str, out: Path) -> None:
     Writes DIR/index.html (works offline) with the PNG figures and the tables beside it;
     inputs a run lacks (no analysis, no ablation) become notes in the report.
     """
-    from attngeom.report import build_report
+    from attngeom import api
 
-    click.echo(f"report: {build_report(store, out)}")
+    click.echo(f"report: {api.report(store, out)}")
 
 
 @main.command()
@@ -201,9 +199,9 @@ def explore(store: str, out: Path, run_id: str | None, sequences: int, no_progre
     and F against N with the random control and the bounds, and the value-space picture
     (every y_i = alpha_i v_i, the top-N set, s_N, the r_min / r_max balls).
     """
-    from attngeom.explore import explore as run_explore
+    from attngeom import api
 
-    result = run_explore(store, out, run_id=run_id, sequences=sequences, progress=not no_progress)
+    result = api.explore(store, out, run_id=run_id, sequences=sequences, progress=not no_progress)
     click.echo(f"explore: {result.index} ({result.runs} run(s), {result.heads} heads, "
                f"{result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s)")
 
@@ -213,12 +211,12 @@ def explore(store: str, out: Path, run_id: str | None, sequences: int, no_progre
 @click.option("--deep", is_flag=True, help="Also read every chunk and name any corrupt one (checksums).")
 def validate(store: str, deep: bool) -> None:
     """Check the store against schema version 1 and its format; one line per problem, exit 1 if any."""
-    from attngeom.store import validate_store
+    from attngeom import api
 
-    problems = validate_store(store, deep=deep)
-    for line in problems:
+    validation = api.validate(store, deep=deep)
+    for line in validation.problems:
         click.echo(line)
-    if problems:
+    if not validation.valid:
         sys.exit(1)
     click.echo(f"{store}: valid")
 
@@ -234,9 +232,9 @@ def migrate(store: str, no_progress: bool) -> None:
     copy: a migration that is interrupted is finished by running it again. No other
     command may use the store meanwhile.
     """
-    from attngeom.store.migrate import migrate as run_migrate
+    from attngeom import api
 
-    result = run_migrate(store, progress=not no_progress)
+    result = api.migrate(store, progress=not no_progress)
     if result.arrays == 0 and result.source == result.target:
         click.echo(f"{store}: already format {result.target}, nothing to do")
         return

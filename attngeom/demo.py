@@ -6,22 +6,10 @@ from pathlib import Path
 
 import click
 import numpy as np
-import xarray as xr
 
-from attngeom.ablate import ablate
-from attngeom.analyze.stage import analyze
-from attngeom.errors import AttngeomError
-from attngeom.extract.pipeline import ExtractRequest, extract
-from attngeom.report import build_report
-from attngeom.store import (
-    SEQUENCE_ARRAYS,
-    analysis_path,
-    completed,
-    open_dataset,
-    open_root,
-    open_run_group,
-    validate_store,
-)
+from attngeom import api
+from attngeom.errors import DamagedStoreError
+from attngeom.store import SEQUENCE_ARRAYS, open_root, open_run_group
 
 DEMO_MODEL = "gemma3-270m"
 DEMO_DATASET = "wiki-summaries"
@@ -29,11 +17,9 @@ DEMO_DATASET = "wiki-summaries"
 
 def store_summary(store: str, run_id: str) -> str:
     """A few lines describing a run: shape, bytes, and where the final query looks."""
-    root = open_root(store)
-    run = open_run_group(root, run_id)
-    ds = xr.open_zarr(run.store, group=run.path, consolidated=False)
-    done = completed(run)
-    ds = ds.isel(seq=done)
+    run = open_run_group(open_root(store), run_id)
+    ds = api.open_store(store).run(run_id).dataset()
+    done = ds["seq"].values
     stored = sum(run[n].nbytes_stored() for n in SEQUENCE_ARRAYS if n in run)
     raw = sum(run[n].nbytes * len(done) // max(1, run[n].shape[0]) for n in SEQUENCE_ARRAYS if n in run)
     winner = ds["winner"].isel(query=slice(1, None)).values
@@ -54,8 +40,9 @@ def store_summary(store: str, run_id: str) -> str:
 
 def analysis_table(store: str, run_id: str) -> str:
     """F_N of top-N against random-N, median lambda, and violation counts of the two bounds."""
-    topn = open_dataset(store, analysis_path(run_id, "topn")).load()
-    values = open_dataset(store, analysis_path(run_id, "values")).load()
+    run = api.open_store(store).run(run_id)
+    topn = run.analysis("topn").load()
+    values = run.analysis("values").load()
     defined = topn["k_sink"] >= 0
     lines = [f"{'N':>5} {'F_N top-N':>10} {'F_N random':>11} {'bound viol.':>12} {'certif. viol.':>14}"]
     for n in topn["n"].values:
@@ -78,31 +65,24 @@ def run_demo(out: Path, *, num_sequences: int, context_length: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     store = str(out / "store.zarr")
     click.echo(f"extract: {DEMO_MODEL} on {DEMO_DATASET}, L={context_length}, {num_sequences} sequences -> {store}")
-    result = extract(
-        ExtractRequest(
-            model=DEMO_MODEL,
-            dataset=DEMO_DATASET,
-            context_length=context_length,
-            num_sequences=num_sequences,
-            store=store,
-            command_line=["attngeom", "demo", "--out", str(out)],
-        )
+    result = api.extract(
+        DEMO_MODEL, dataset=DEMO_DATASET, context_length=context_length, num_sequences=num_sequences, store=store
     )
-    problems = validate_store(store)
-    if problems:
-        raise AttngeomError("the demo store is invalid: " + "; ".join(problems))
+    validation = api.validate(store)
+    if not validation.valid:
+        raise DamagedStoreError("the demo store is invalid: " + "; ".join(validation.problems))
     click.echo(f"validate: {store} is valid")
     click.echo(store_summary(store, result.run_id))
     click.echo("analyze: out of core with Dask, every head at the final query")
-    analyze(store, run_id=result.run_id, out=out / "tables")
+    api.analyze(store, run_id=result.run_id, out=out / "tables")
     click.echo(analysis_table(store, result.run_id))
     click.echo("ablate: single-head ablation and sparsification, decode NLL on CPU")
-    ablation = ablate(store, result.run_id, device="cpu", out=out / "tables")
+    ablation = api.ablate(store, result.run_id, device="cpu", out=out / "tables")
     impact = ablation.single["delta_nll_mean"]
     top = impact.argmax(...)
     click.echo(
         f"largest single-head impact: layer {int(top['layer'])} head {int(top['head'])}, "
         f"delta NLL {float(impact.max()):+.3f} nats (mean over heads {float(impact.mean()):+.4f})"
     )
-    index = build_report(store, out / "report")
+    index = api.report(store, out / "report")
     click.echo(f"report: {index}")

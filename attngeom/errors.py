@@ -9,6 +9,7 @@ Python callers catch the kind they can handle (never the message text).
         ├── StoreNotFoundError    nothing (or no attngeom store) at the URL
         ├── SchemaError           not attngeom's, another schema version or format, a migration under way
         ├── RunNotFoundError      no such run (or no completed sequence in it)
+        ├── GroupNotFoundError    no such analysis or ablation group in a run (not computed yet)
         ├── StoreWriteError       the store cannot be written (full, read-only)
         └── DamagedStoreError     unreadable metadata, a missing or corrupt chunk
             └── CorruptChunkError     a chunk that fails to decode (checksum, compression)
@@ -20,6 +21,7 @@ __all__ = [
     "AttngeomError",
     "CorruptChunkError",
     "DamagedStoreError",
+    "GroupNotFoundError",
     "InputError",
     "RunNotFoundError",
     "SchemaError",
@@ -52,6 +54,10 @@ class SchemaError(StoreError):
 
 class RunNotFoundError(StoreError):
     """No run of that id in the store, or none with a completed sequence."""
+
+
+class GroupNotFoundError(StoreError):
+    """A run without the analysis or ablation group asked for: not analyzed or ablated yet."""
 
 
 class StoreWriteError(StoreError):

@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from attngeom.explore import explore
+from attngeom.api import explore
 
 
 def folder_sizes(out: Path) -> dict[str, float]:

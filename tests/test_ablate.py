@@ -11,10 +11,12 @@ import torch
 import xarray as xr
 from scipy import stats
 
-from attngeom.ablate import ablate, parse_heads
+from attngeom.ablate import parse_heads
 from attngeom.ablate.kernels import (
+    CRITICAL_RULE,
     correlation_table,
     critical_heads,
+    critical_threshold,
     keep_mask,
     kept_per_layer,
     random_keys,
@@ -27,6 +29,7 @@ from attngeom.ablate.masking import (
     head_weight_norms,
     masked_nll,
 )
+from attngeom.api import ablate
 from attngeom.errors import AttngeomError
 from attngeom.extract.models import load_model, resolve_model
 from attngeom.extract.pipeline import ExtractRequest, extract
@@ -63,7 +66,7 @@ def reference_nll(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tens
     geo = head_geometry(model)
     ablated = copy.deepcopy(model)
     with torch.no_grad():
-        for layer, block in enumerate(ablated.model.layers):
+        for layer, block in enumerate(ablated.get_decoder().layers):
             weight = block.self_attn.o_proj.weight
             weight.view(weight.shape[0], geo.n_heads, geo.head_dim).mul_(mask[layer][None, :, None])
         logits = ablated(input_ids=tokens[:, :-1]).logits[:, -1]
@@ -100,9 +103,11 @@ def test_apply_head_mask_zeroes_exact_slices():
             torch.testing.assert_close(out[b, :, h], want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
 def test_batched_masks_equal_per_mask_forwards_and_zeroed_weights(arch, tiny_model_dir):
+    """ablate's model runs its own attention (no capture): Gemma 2's softcapped logits in eager."""
     model = load(tiny_model_dir(arch))
+    assert model.config._attn_implementation == ("eager" if arch == "gemma2" else "sdpa")
     torch.manual_seed(0)
     tokens = torch.randint(4, 100, (3, 16))
     masks = (torch.rand(6, 3, 4) > 0.4).float()
@@ -135,14 +140,14 @@ def test_gqa_masks_query_heads(tiny_model_dir):
     assert not torch.allclose(nll[:, 0], nll[:, 1])
     no_kv0 = copy.deepcopy(model)
     with torch.no_grad():
-        no_kv0.model.layers[1].self_attn.v_proj.weight[: geo.head_dim] = 0
+        no_kv0.get_decoder().layers[1].self_attn.v_proj.weight[: geo.head_dim] = 0
         logits = no_kv0(input_ids=tokens[:, :-1]).logits[:, -1]
     expected = -torch.log_softmax(logits, -1).gather(1, tokens[:, -1:])[:, 0]
     torch.testing.assert_close(nll[:, 2], expected, rtol=0, atol=1e-5)
     wo, wv = head_weight_norms(model)
-    v = model.model.layers[1].self_attn.v_proj.weight
+    v = model.get_decoder().layers[1].self_attn.v_proj.weight
     torch.testing.assert_close(wv[1], v.view(2, 16, -1).norm(dim=(1, 2)).repeat_interleave(2))
-    o = model.model.layers[1].self_attn.o_proj.weight
+    o = model.get_decoder().layers[1].self_attn.o_proj.weight
     torch.testing.assert_close(wo[1, 3], o[:, 48:64].norm())
 
 
@@ -160,6 +165,9 @@ def test_single_head_delta_equals_unbatched_reference(store, result, tiny_model_
         np.testing.assert_allclose(single["delta_nll"].values[layer, head], want, atol=2e-5)
         np.testing.assert_allclose(single["delta_nll_mean"].values[layer, head], want.mean(), atol=2e-5)
         np.testing.assert_allclose(single["delta_nll_median"].values[layer, head], np.median(want), atol=2e-5)
+    rule = single.attrs["attngeom"]["critical_rule"]
+    assert rule["rule"] == CRITICAL_RULE
+    assert rule["threshold"] == critical_threshold(single["delta_nll_mean"].values, rule["k"], rule["floor"])
 
 
 def test_sweep_shapes_and_full_retention_is_intact(store, result):
@@ -273,6 +281,10 @@ def test_critical_head_detection():
     flat = np.zeros((2, 3))
     flat[1, 2] = 3.0  # MAD = 0: any head above the median and the floor is an outlier
     assert np.argwhere(critical_heads(flat, k=5.0, floor=2.0)).tolist() == [[1, 2]]
+    assert critical_threshold(flat, k=5.0, floor=2.0) == 2.0  # the floor, MAD being 0
+    median = np.median(impact)
+    brute = median + 5.0 * 1.4826 * np.median(np.abs(impact - median))
+    assert critical_threshold(impact, k=5.0, floor=0.0) == pytest.approx(brute)
 
 
 def test_keep_mask_ranking():

@@ -19,7 +19,7 @@ from attngeom.analyze.kernels import topn_metrics
 from attngeom.analyze.stage import analyze
 from attngeom.cli import main
 from attngeom.errors import InputError, RunNotFoundError, StoreNotFoundError
-from attngeom.explore import explore
+from attngeom.api import explore
 from attngeom.explore.geometry import value_picture
 from attngeom.extract.pipeline import ExtractRequest, extract
 

@@ -12,6 +12,7 @@ from scipy import stats
 
 # A MAD-based robust z: 1.4826 * MAD estimates the standard deviation of a normal sample.
 MAD_SCALE = 1.4826
+CRITICAL_RULE = f"delta_nll_mean > median + k * {MAD_SCALE} * MAD (over all heads) and > floor (nats)"
 
 
 def kept_per_layer(retention: float, n_heads: int) -> int:
@@ -68,19 +69,24 @@ def random_keys(n_draws: int, n_layers: int, n_heads: int, seed: int) -> np.ndar
 
 
 def robust_z(impact: np.ndarray) -> np.ndarray:
-    """``(x - median) / (1.4826 * MAD)`` over all entries; +-inf (or NaN at the median) when MAD = 0."""
+    """``(x - median) / (MAD_SCALE * MAD)`` over all entries; +-inf (or NaN at the median) when MAD = 0."""
     median = np.median(impact)
     mad = MAD_SCALE * np.median(np.abs(impact - median))
     with np.errstate(divide="ignore", invalid="ignore"):
         return (impact - median) / mad
 
 
-def critical_heads(impact: np.ndarray, k: float, floor: float) -> np.ndarray:
-    """Heads whose single-head impact is a robust outlier: ``impact > median + k * 1.4826 *
-    MAD`` over all heads and ``impact > floor`` (nats). impact (layers, heads) -> bool."""
+def critical_threshold(impact: np.ndarray, k: float, floor: float) -> float:
+    """The impact (nats) a critical head exceeds (CRITICAL_RULE):
+    ``max(median + k * MAD_SCALE * MAD, floor)`` over all heads of impact (layers, heads)."""
     median = np.median(impact)
-    threshold = median + k * MAD_SCALE * np.median(np.abs(impact - median))
-    return (impact > threshold) & (impact > floor)
+    return max(float(median + k * MAD_SCALE * np.median(np.abs(impact - median))), floor)
+
+
+def critical_heads(impact: np.ndarray, k: float, floor: float) -> np.ndarray:
+    """Heads whose single-head impact is a robust outlier: ``impact > median + k * MAD_SCALE
+    * MAD`` over all heads and ``impact > floor`` (nats). impact (layers, heads) -> bool."""
+    return impact > critical_threshold(impact, k, floor)
 
 
 def correlation_table(target: np.ndarray, diagnostics: Mapping[str, np.ndarray]) -> xr.Dataset:

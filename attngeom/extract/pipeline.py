@@ -1,21 +1,25 @@
 """The extract stage: one pass of the model over equalized windows into the store (SPEC §1, §2, §6).
 
 Everything that can be refused is checked before the store is touched: the store path, the
-model, the tokenizer's BOS, the corpus and its number of usable documents, and an existing
-run's identity. Sequence ``i`` of a run is always window ``i`` of the corpus, so a killed run
-started again with the same command rewrites only the sequences not yet committed, and a
-larger ``--num-sequences`` appends.
+model, the tokenizer's BOS, the input (a corpus and its number of usable documents, the
+caller's texts, or the caller's token ids and their BOS), and an existing run's identity.
+A model given in memory is used where it is and as it is, and left as it was given.
+Sequence ``i`` of a run is always window ``i`` of the input, so a killed run started again
+with the same command rewrites only the sequences not yet committed, and a larger
+``--num-sequences`` appends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import os
 import platform
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -26,21 +30,25 @@ import zarr
 from tqdm.auto import tqdm
 
 from attngeom import __version__
-from attngeom.errors import AttngeomError, StoreNotFoundError
+from attngeom.errors import InputError, StoreNotFoundError, StoreWriteError
 from attngeom.extract.capture import (
     ATTN_IMPLEMENTATION,
     LayerCapture,
     attention_output,
     capturing,
 )
-from attngeom.extract.corpora import Window, open_corpus, select_windows
+from attngeom.extract.corpora import Corpus, Window, iter_windows, open_corpus, select_windows
 from attngeom.extract.models import (
     load_config,
     load_model,
     load_tokenizer,
+    loaded_model,
+    memory_provenance,
+    model_placement,
     resolve_device,
     resolve_dtype,
     resolve_model,
+    supported_config,
 )
 from attngeom.store import (
     ATTR_KEY,
@@ -68,13 +76,21 @@ IDENTITY = ("model", "dataset", "context_length", "window_rule", "bos_token_id",
 
 @dataclass(frozen=True)
 class ExtractRequest:
-    """The arguments of ``attngeom extract``."""
+    """The arguments of ``attngeom extract`` and :func:`attngeom.extract`.
 
-    model: str
-    dataset: str
-    context_length: int
-    num_sequences: int
+    ``model`` is a name or path, or a loaded transformers causal LM. The input is exactly
+    one of ``dataset`` (a corpus name or path, windowed by SPEC §2), ``texts`` (strings,
+    windowed the same way) or ``token_ids`` (S, L) integers used as given.
+    """
+
+    model: Any = field(repr=False)
     store: str
+    dataset: str | None = None
+    texts: Iterable[str] | None = field(default=None, repr=False)
+    token_ids: Any = field(default=None, repr=False)
+    tokenizer: Any = field(default=None, repr=False)
+    context_length: int | None = None
+    num_sequences: int | None = None
     run_id: str | None = None
     split: str | None = None
     text_field: str = "text"
@@ -93,10 +109,37 @@ class ExtractRequest:
 
 @dataclass(frozen=True)
 class ExtractResult:
+    """What :func:`extract` did: sequences written now, and sequences the run holds."""
+
     run_id: str
     written: int
     total: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class _Model:
+    """The model to capture, before it is loaded: what the checks and provenance need."""
+
+    name: str
+    config: Any
+    tokenizer: Any
+    provenance: dict[str, Any]
+    device: str
+    dtype: torch.dtype
+    load: Callable[[], torch.nn.Module]
+
+
+@dataclass(frozen=True)
+class _Input:
+    """The sequences to capture: window ``i`` is sequence ``i`` of the run. ``windows`` reads
+    and tokenizes the documents, so it is called once the cheaper checks have passed."""
+
+    id: str
+    provenance: dict[str, Any]
+    window_rule: dict[str, Any]
+    length: int
+    windows: Callable[[], list[Window]]
 
 
 def _library_versions() -> dict[str, str]:
@@ -109,24 +152,31 @@ def _library_versions() -> dict[str, str]:
     return out
 
 
-def _bos_token_id(tokenizer: Any, bos_token: str | None) -> int:
+def _bos_token_id(tokenizer: Any, bos_token: str | None, config: Any = None) -> int:
+    if tokenizer is None:
+        # token_ids given without a tokenizer: the model's own BOS is the one to check.
+        if bos_token is not None:
+            raise InputError("bos_token names a token of a tokenizer: pass the tokenizer too")
+        if getattr(config, "bos_token_id", None) is None:
+            raise InputError("the model's config names no BOS token: pass its tokenizer")
+        return int(config.bos_token_id)
     if bos_token is not None:
         token_id = tokenizer.convert_tokens_to_ids(bos_token)
         if token_id is None or token_id == tokenizer.unk_token_id:
-            raise AttngeomError(f"--bos-token {bos_token!r} is not a token of this tokenizer")
+            raise InputError(f"--bos-token {bos_token!r} is not a token of this tokenizer")
         return int(token_id)
     if tokenizer.bos_token_id is None:
-        raise AttngeomError(
+        raise InputError(
             "the tokenizer defines no BOS token; name one with --bos-token (e.g. --bos-token '<|endoftext|>')"
         )
     return int(tokenizer.bos_token_id)
 
 
-def _check_existing_run(request: ExtractRequest, run_id: str, identity: dict[str, Any]) -> None:
+def _check_existing_run(store: str, run_id: str, identity: dict[str, Any]) -> None:
     """Refuse to resume a run that holds another model, corpus or L, and a store this
     attngeom does not write (store untouched)."""
     try:
-        root = open_root(request.store, mode="a")
+        root = open_root(store, mode="a")
     except StoreNotFoundError:
         return
     if run_id not in run_ids(root):
@@ -140,18 +190,144 @@ def _check_existing_run(request: ExtractRequest, run_id: str, identity: dict[str
         if jsonable(identity[key]) != prov.get(key)
     ]
     if diffs:
-        raise AttngeomError(
-            f"run '{run_id}' in {request.store} already holds " + "; ".join(diffs) + "; choose another --run"
+        raise InputError(
+            f"run '{run_id}' in {store} already holds " + "; ".join(diffs) + "; choose another --run"
         )
 
 
-def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequest) -> RunLayout:
+def _check_request(request: ExtractRequest) -> tuple[int, int] | None:
+    """Refuse arguments that cannot be used, before anything is opened; returns the shard."""
+    given = [name for name in ("dataset", "texts", "token_ids") if getattr(request, name) is not None]
+    if len(given) != 1:
+        raise InputError(
+            "give exactly one input: dataset, texts or token_ids"
+            + (f" (got {' and '.join(given)})" if given else "")
+        )
+    if request.dataset is not None and (request.context_length is None or request.num_sequences is None):
+        raise InputError("a dataset needs context_length and num_sequences")
+    if request.texts is not None and request.context_length is None:
+        raise InputError("texts need a context_length")
+    if request.split is not None and request.dataset is None:
+        raise InputError("split applies to a dataset only")
+    if request.context_length is not None and request.context_length < 2:
+        raise InputError("--context-length must be at least 2 (BOS and one token)")
+    if request.num_sequences is not None and request.num_sequences < 1:
+        raise InputError("--num-sequences must be at least 1")
+    for name, allowed in (("store_rows", ("last", "all")), ("values_dtype", ("float32", "float16"))):
+        if getattr(request, name) not in allowed:
+            raise InputError(f"{name} {getattr(request, name)!r}: use {' or '.join(allowed)}")
+    if request.batch_size < 1:
+        raise InputError("batch_size must be at least 1")
+    shard = request.shard or launcher_shard()
+    if shard is not None and not 0 <= shard[0] < shard[1]:
+        raise InputError(f"--shard {shard[0]}/{shard[1]}: the index must be in 0..{shard[1] - 1}")
+    return shard
+
+
+def _model(request: ExtractRequest, shard: tuple[int, int] | None) -> _Model:
+    """The model of the request: resolved by name (loaded later, onto the asked device) or
+    given in memory (used where it is, as it is)."""
+    if not isinstance(request.model, str | os.PathLike):
+        model = loaded_model(request.model)
+        device, dtype = model_placement(model, request.device, request.dtype)
+        provenance = memory_provenance(model)
+        name = provenance["id"]
+        return _Model(name, supported_config(model.config), request.tokenizer, provenance, device, dtype, lambda: model)
+    device = resolve_device(request.device)
+    if shard is not None and device == "cuda":
+        # One GPU per local rank under a launcher; all ranks share one GPU if there is one.
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', shard[0])) % torch.cuda.device_count()}"
+    dtype = resolve_dtype(request.dtype, device)
+    source = resolve_model(str(request.model))
+    config = load_config(source)
+    tokenizer = request.tokenizer if request.tokenizer is not None else load_tokenizer(source)
+    return _Model(
+        source.name, config, tokenizer, source.provenance(), device, dtype,
+        lambda: load_model(source, device=device, dtype=dtype),
+    )
+
+
+def _texts_corpus(texts: Iterable[str]) -> Corpus:
+    """The caller's texts as a corpus, fingerprinted by their content and order."""
+    texts = list(texts)
+    digest = hashlib.sha256()
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise InputError(f"texts must be strings; item {i} is a {type(text).__name__}")
+        digest.update(f"{text}\0".encode())
+    return Corpus("texts", None, digest.hexdigest(), lambda: texts)
+
+
+def _windowed(request: ExtractRequest, model: _Model, bos_id: int) -> _Input:
+    """Windows of SPEC §2 from a dataset or texts: BOS and L-1 tokens of one document."""
+    if model.tokenizer is None:
+        raise InputError("windowing a dataset or texts needs the model's tokenizer: pass tokenizer=")
+    if request.dataset is not None:
+        corpus = open_corpus(request.dataset, split=request.split, text_field=request.text_field)
+        provenance = {"id": corpus.id, "split": corpus.split, "fingerprint": corpus.fingerprint,
+                      "text_field": request.text_field}
+    else:
+        corpus = _texts_corpus(request.texts)
+        provenance = {"id": corpus.id, "split": None, "fingerprint": corpus.fingerprint, "text_field": None}
+    tokenizer, length = model.tokenizer, request.context_length
+
+    def tokenize(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    def windows() -> list[Window]:
+        if request.num_sequences is not None:
+            return select_windows(
+                corpus, tokenize, bos_id, length, request.num_sequences, rule=request.window_rule, seed=request.seed
+            )
+        every = list(iter_windows(corpus, tokenize, bos_id, length, rule=request.window_rule, seed=request.seed))
+        if not every:
+            raise InputError(f"no text holds the {length - 1:,} tokens a window of L = {length:,} needs")
+        return every
+
+    return _Input(corpus.id, provenance, {"rule": request.window_rule, "seed": request.seed}, length, windows)
+
+
+def _given(request: ExtractRequest, model: _Model, bos_id: int) -> _Input:
+    """token_ids (S, L) as given: integers of the vocabulary, BOS at position 0."""
+    given = request.token_ids
+    ids = given.cpu().numpy() if isinstance(given, torch.Tensor) else np.asarray(given)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"token_ids must be an integer array (S, L); got {ids.dtype} of shape {ids.shape}")
+    n_seq, length = ids.shape
+    if length < 2:
+        raise InputError("token_ids need at least 2 positions (BOS and one token)")
+    if request.context_length is not None and request.context_length != length:
+        raise InputError(f"context_length {request.context_length} differs from the token_ids' length {length}")
+    count = n_seq if request.num_sequences is None else request.num_sequences
+    if count > n_seq:
+        raise InputError(f"num_sequences {count} is more than the {n_seq} rows of token_ids")
+    vocab = model.config.vocab_size
+    outside = np.flatnonzero(((ids < 0) | (ids >= vocab)).any(axis=1))
+    if outside.size:
+        raise InputError(f"token_ids rows {_rows(outside)} hold ids outside the vocabulary [0, {vocab})")
+    no_bos = np.flatnonzero(ids[:, 0] != bos_id)
+    if no_bos.size:
+        raise InputError(
+            f"token_ids rows {_rows(no_bos)} do not start with the BOS token {bos_id} (SPEC §2: position 0 is BOS)"
+        )
+    digest = hashlib.sha256(f"{ids.shape}".encode())
+    digest.update(np.ascontiguousarray(ids, dtype="<i8").tobytes())
+    provenance = {"id": "token_ids", "split": None, "fingerprint": digest.hexdigest(), "text_field": None}
+    windows = [Window(doc_index=i, start=0, tokens=ids[i].astype(np.int32)) for i in range(count)]
+    return _Input("token_ids", provenance, {"rule": "given", "seed": None}, length, lambda: windows)
+
+
+def _rows(rows: np.ndarray, shown: int = 10) -> str:
+    text = ", ".join(str(int(r)) for r in rows[:shown])
+    return text + (f" and {rows.size - shown} more" if rows.size > shown else "")
+
+
+def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequest, length: int) -> RunLayout:
     n_layers = config.num_hidden_layers
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     head_dim = captures[0].values.shape[-1]
     attendable = [captures[layer].attendable.cpu().numpy().astype(bool) for layer in range(n_layers)]
-    length = request.context_length
     window = [int(a.sum()) if a.sum() < length else 0 for a in attendable]
     return RunLayout(
         n_layers=n_layers,
@@ -165,6 +341,26 @@ def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequ
         values_dtype=request.values_dtype,
         store_rows=request.store_rows,
     )
+
+
+@contextlib.contextmanager
+def _capturing(model: torch.nn.Module, *, keep_rows: bool) -> Iterator[Callable[[torch.Tensor], dict[int, LayerCapture]]]:
+    """Within the block, ``record(ids)`` runs the model's decoder on ids (B, L) in eval mode
+    with the capture attention and returns every layer's :class:`LayerCapture`. The model's
+    own attention implementation (restored by :func:`capturing` after each forward) and its
+    train/eval mode are left as they were given, whatever happens."""
+    training = model.training
+    model.eval()
+
+    def record(ids: torch.Tensor) -> dict[int, LayerCapture]:
+        with torch.inference_mode(), capturing(model, keep_rows=keep_rows) as recorder:
+            model.get_decoder()(input_ids=ids, use_cache=False)
+        return recorder.layers
+
+    try:
+        yield record
+    finally:
+        model.train(training)
 
 
 def _sequence_arrays(
@@ -199,79 +395,57 @@ def launcher_shard() -> tuple[int, int] | None:
 
 
 def extract(request: ExtractRequest) -> ExtractResult:
-    """Run ``extract``; raises :class:`AttngeomError` on bad input with the store untouched.
+    """Run ``extract``; raises :class:`InputError` (or a :class:`StoreError`) on bad input
+    with the store untouched.
 
     With ``shard = (i, n)`` this process writes sequences s with s % n == i, so n processes
     (by hand, or ranks of torchrun) fill one run without touching each other's shards.
     """
-    if request.context_length < 2:
-        raise AttngeomError("--context-length must be at least 2 (BOS and one token)")
-    if request.num_sequences < 1:
-        raise AttngeomError("--num-sequences must be at least 1")
-    shard = request.shard or launcher_shard()
-    if shard is not None and not 0 <= shard[0] < shard[1]:
-        raise AttngeomError(f"--shard {shard[0]}/{shard[1]}: the index must be in 0..{shard[1] - 1}")
+    shard = _check_request(request)
     check_writable(request.store)
-    device = resolve_device(request.device)
-    if shard is not None and device == "cuda":
-        # One GPU per local rank under a launcher; all ranks share one GPU if there is one.
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', shard[0])) % torch.cuda.device_count()}"
-    dtype = resolve_dtype(request.dtype, device)
-    source = resolve_model(request.model)
-    config = load_config(source)
-    tokenizer = load_tokenizer(source)
-    bos_id = _bos_token_id(tokenizer, request.bos_token)
-    corpus = open_corpus(request.dataset, split=request.split, text_field=request.text_field)
-    run_id = request.run_id or default_run_id(source.name, corpus.id, request.context_length)
+    model = _model(request, shard)
+    bos_id = _bos_token_id(model.tokenizer, request.bos_token, model.config)
+    inputs = _given(request, model, bos_id) if request.token_ids is not None else _windowed(request, model, bos_id)
+    run_id = request.run_id or default_run_id(model.name, inputs.id, inputs.length)
     if not RUN_ID_PATTERN.match(run_id):
-        raise AttngeomError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-'")
-    model_prov = source.provenance()
-    dataset_prov = {"id": corpus.id, "split": corpus.split, "fingerprint": corpus.fingerprint, "text_field": request.text_field}
+        raise InputError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-'")
     identity = {
-        "model": model_prov,
-        "dataset": dataset_prov,
-        "context_length": request.context_length,
-        "window_rule": {"rule": request.window_rule, "seed": request.seed},
+        "model": model.provenance,
+        "dataset": inputs.provenance,
+        "context_length": inputs.length,
+        "window_rule": inputs.window_rule,
         "bos_token_id": bos_id,
         "values_dtype": request.values_dtype,
         "store_rows": request.store_rows,
     }
-    _check_existing_run(request, run_id, identity)
-
-    def tokenize(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False).input_ids
-
-    windows = select_windows(
-        corpus, tokenize, bos_id, request.context_length, request.num_sequences,
-        rule=request.window_rule, seed=request.seed,
-    )
+    _check_existing_run(request.store, run_id, identity)
+    windows = inputs.windows()
+    total = len(windows)
 
     root = open_or_create_root(request.store)
     run = _open_run(root, run_id)
-    mine = [i for i in range(request.num_sequences) if shard is None or i % shard[1] == shard[0]]
-    todo = (
-        mine
-        if run is None
-        else [i for i in mine if i >= n_sequences(run) or run["complete"][i] != 1]
-    )
-    if run is not None and n_sequences(run) < request.num_sequences:
-        resize_run(run, request.num_sequences)
+    mine = [i for i in range(total) if shard is None or i % shard[1] == shard[0]]
+    todo = mine if run is None else [i for i in mine if i >= n_sequences(run) or run["complete"][i] != 1]
+    if run is not None and n_sequences(run) < total:
+        resize_run(run, total)
     start = time.perf_counter()
     if not todo:
-        return ExtractResult(run_id, 0, request.num_sequences, 0.0)
+        return ExtractResult(run_id, 0, total, 0.0)
 
-    model = load_model(source, device=device, dtype=dtype)
+    net = model.load()
+    tokenizer = model.tokenizer
     provenance = {
         **identity,
-        "tokenizer": {
+        "tokenizer": None if tokenizer is None else {
             "class": type(tokenizer).__name__,
             "vocab_size": len(tokenizer),
             "bos_token": tokenizer.convert_ids_to_tokens(bos_id),
+            "name_or_path": getattr(tokenizer, "name_or_path", None) or None,
         },
-        "model_type": config.model_type,
-        "compute_dtype": str(dtype).removeprefix("torch."),
-        "device": device,
-        "attention_implementation": f"{ATTN_IMPLEMENTATION} ({attention_output(dtype)}; float32 rows recomputed from post-RoPE q/k)",
+        "model_type": model.config.model_type,
+        "compute_dtype": str(model.dtype).removeprefix("torch."),
+        "device": model.device,
+        "attention_implementation": f"{ATTN_IMPLEMENTATION} ({attention_output(model.dtype)}; float32 rows recomputed from post-RoPE q/k)",
         "library_versions": _library_versions(),
         "attngeom_version": __version__,
         "command_line": shlex.join(request.command_line),
@@ -279,23 +453,23 @@ def extract(request: ExtractRequest) -> ExtractResult:
     }
     bar = tqdm(total=len(todo), unit="seq", desc=f"extract {run_id}", disable=not request.progress)
     try:
-        for b0 in range(0, len(todo), request.batch_size):
-            batch = todo[b0 : b0 + request.batch_size]
-            ids = torch.from_numpy(np.stack([windows[i].tokens for i in batch]).astype("int64")).to(device)
-            with torch.inference_mode(), capturing(model, keep_rows=request.store_rows == "all") as rec:
-                model.model(input_ids=ids, use_cache=False)
-            if run is None:
-                layout = _layout(config, rec.layers, request)
-                run = create_run(root, run_id, layout, provenance, request.num_sequences)
-            layout = run_layout(run)
-            for b, seq in enumerate(batch):
-                write_sequence(run, seq, _sequence_arrays(rec.layers, b, windows[seq], layout))
-            bar.update(len(batch))
-            elapsed = time.perf_counter() - start
-            bar.set_postfix(tok_s=f"{bar.n * request.context_length / max(elapsed, 1e-9):.0f}")
+        with _capturing(net, keep_rows=request.store_rows == "all") as record:
+            for b0 in range(0, len(todo), request.batch_size):
+                batch = todo[b0 : b0 + request.batch_size]
+                ids = torch.from_numpy(np.stack([windows[i].tokens for i in batch]).astype("int64")).to(model.device)
+                layers = record(ids)
+                if run is None:
+                    layout = _layout(model.config, layers, request, inputs.length)
+                    run = create_run(root, run_id, layout, provenance, total)
+                layout = run_layout(run)
+                for b, seq in enumerate(batch):
+                    write_sequence(run, seq, _sequence_arrays(layers, b, windows[seq], layout))
+                bar.update(len(batch))
+                elapsed = time.perf_counter() - start
+                bar.set_postfix(tok_s=f"{bar.n * inputs.length / max(elapsed, 1e-9):.0f}")
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            raise AttngeomError(
+            raise StoreWriteError(
                 f"the store ran out of space after {bar.n} of {len(todo)} sequences; committed sequences "
                 "are kept: free space and re-run the same command to finish"
             ) from exc
@@ -303,7 +477,7 @@ def extract(request: ExtractRequest) -> ExtractResult:
     finally:
         bar.close()
     consolidate(root)
-    return ExtractResult(run_id, len(todo), request.num_sequences, time.perf_counter() - start)
+    return ExtractResult(run_id, len(todo), total, time.perf_counter() - start)
 
 
 def _open_run(root: zarr.Group, run_id: str) -> zarr.Group | None:

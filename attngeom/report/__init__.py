@@ -1,5 +1,17 @@
-"""The report stage: figures and tables of the paper from a store, and an offline index.html."""
+"""The report stage: figures and tables of the paper from a store, and an offline index.html.
 
-from attngeom.report.build import build_report
+Called, ``attngeom.report(store, out)`` is :func:`attngeom.api.report`. matplotlib and the
+figure modules load on first use of :func:`build_report`.
+"""
+
+from __future__ import annotations
 
 __all__ = ["build_report"]
+
+
+def __getattr__(name: str) -> object:
+    if name == "build_report":
+        from attngeom.report.build import build_report
+
+        return build_report
+    raise AttributeError(f"module 'attngeom.report' has no attribute {name!r}")

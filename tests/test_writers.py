@@ -1,4 +1,5 @@
-"""Shared stores: several writers, torchrun ranks, checksums, memory:// and s3:// (moto)."""
+"""Stores shared by several writers (processes, torchrun ranks) and at remote URLs (memory://,
+s3:// with moto): each writer's sequences land once, checksums name a corrupt chunk."""
 
 from __future__ import annotations
 

@@ -1,0 +1,283 @@
+"""The Python API (SPEC §8): one function per command, returning results instead of printing.
+
+The CLI is a thin layer over these functions: same defaults, same errors. Every error a caller
+can act on is an :class:`~attngeom.errors.AttngeomError`, caught by kind. Each function
+imports its stage when called, so ``import attngeom`` loads neither torch nor transformers,
+and analyze, taxonomy, report and validate never do.
+
+Shapes: S sequences, L context length (BOS plus L-1 tokens), layers, heads, N selection sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from attngeom.errors import GroupNotFoundError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+
+    from attngeom.ablate.stage import AblateResult
+    from attngeom.analyze.stage import AnalyzeResult
+    from attngeom.explore.build import ExploreResult
+    from attngeom.extract.pipeline import ExtractResult
+    from attngeom.open import Store
+    from attngeom.store.migrate import MigrationReport
+
+__all__ = [
+    "Taxonomy", "Validation", "ablate", "analyze", "explore", "extract", "migrate", "open_store", "report",
+    "taxonomy", "validate",
+]
+
+
+def extract(
+    model: Any,
+    *,
+    store: str | Path,
+    dataset: str | None = None,
+    texts: Iterable[str] | None = None,
+    token_ids: Any = None,
+    tokenizer: Any = None,
+    context_length: int | None = None,
+    num_sequences: int | None = None,
+    run_id: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    batch_size: int = 1,
+    store_rows: str = "last",
+    values_dtype: str = "float32",
+    split: str | None = None,
+    text_field: str = "text",
+    window_rule: str = "first",
+    seed: int = 0,
+    bos_token: str | None = None,
+    shard: tuple[int, int] | None = None,
+    progress: bool = True,
+) -> ExtractResult:
+    """Run the model once over the input and write its run into ``store`` (SPEC §2, §6).
+
+    model: an offline name (gemma3-270m, smollm2-135m), hub id, local folder or .gguf file,
+    or a loaded transformers causal LM of a supported type. A model given in memory is used
+    on its own device and in its own dtype (``device``/``dtype`` must be "auto" or match:
+    it is never moved or cast), in eval mode with the capture attention for the call only;
+    its attention implementation and train/eval mode are restored after. Its provenance
+    records its class, config and state-dict sha256, and ``"source": "memory"``.
+
+    Input, exactly one of:
+
+    - dataset: a corpus name or path (as the CLI's ``--dataset``); needs context_length
+      and num_sequences; windows of SPEC §2 (BOS + L-1 tokens of one document).
+    - texts: strings, windowed the same way with the tokenizer (documents shorter than
+      L-1 tokens are skipped); needs context_length; num_sequences defaults to every window.
+    - token_ids: integer array (S, L), used as given: every row must start with BOS (the
+      tokenizer's, else the model config's); an :class:`InputError` names the rows that do not.
+
+    tokenizer: needed for dataset and texts with a model given in memory; optional with
+    token_ids. Writes runs/<run_id> with tokens (S, L), values (S, layers, kv_heads, L,
+    head_dim), attn_last (S, layers, heads, L) and the per-query summaries (S, layers,
+    heads, L); resumable (a rerun writes only uncommitted sequences) and appendable.
+    """
+    from attngeom.extract.pipeline import ExtractRequest
+    from attngeom.extract.pipeline import extract as run
+
+    return run(ExtractRequest(
+        model=model, store=str(store), dataset=dataset, texts=texts, token_ids=token_ids, tokenizer=tokenizer,
+        context_length=context_length, num_sequences=num_sequences, run_id=run_id, split=split,
+        text_field=text_field, device=device, dtype=dtype, batch_size=batch_size, store_rows=store_rows,
+        values_dtype=values_dtype, window_rule=window_rule, seed=seed, bos_token=bos_token, shard=shard,
+        progress=progress,
+    ))
+
+
+def analyze(
+    store: str | Path,
+    *,
+    run_id: str | None = None,
+    scheduler: str | None = None,
+    n_grid: Sequence[int] | None = None,
+    seed: int = 0,
+    out: Path | None = None,
+    progress: bool = True,
+) -> list[AnalyzeResult]:
+    """Compute every quantity of SPEC §3 and the taxonomy of §4 out of core, without the model,
+    for every run (or ``run_id``); writes runs/<id>/analysis/{topn, values, taxonomy, heads,
+    summary, signatures, table}, read back with ``open_store(store).run(id).analysis(name)``.
+
+    scheduler: a Dask scheduler address, "threads" (this process alone), or None (a
+    LocalCluster of processes). n_grid: selection sizes N (default 1, 2, 4, ... < L).
+    seed: of the random-N control. out: also write the tidy tables there (Parquet, CSV).
+    Returns one result per run: sequences, head instances, seconds.
+    """
+    from attngeom.analyze.stage import analyze as run
+
+    with _workers_skip_main():
+        return run(str(store), run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
+                   progress=progress)
+
+
+@contextlib.contextmanager
+def _workers_skip_main() -> Iterator[None]:
+    """Within the block, processes started by spawn (the LocalCluster's workers) do not run
+    the caller's script again. A worker re-imports ``__main__`` from its file: a script that
+    calls ``attngeom.analyze`` at top level, without ``if __name__ == "__main__":``, would run
+    its extract in every worker and then fail there. Workers need nothing of ``__main__``:
+    their tasks are attngeom's own functions."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None:
+        yield  # a notebook, a REPL, python -c or -m: nothing is re-run
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
+@dataclass(frozen=True)
+class Taxonomy:
+    """The head regimes of every analyzed run (SPEC §4).
+
+    labels: run id -> (model id, dataset id, regime names (layers, heads)). ``str()`` gives
+    the tables ``attngeom taxonomy`` prints.
+    """
+
+    labels: dict[str, tuple[str, str, np.ndarray]]
+
+    def distribution(self) -> pd.DataFrame:
+        """One row per run: counts and percentages of Retriever, Mixer and Reset heads."""
+        import pandas as pd
+
+        from attngeom.analyze.taxonomy import distribution
+
+        return pd.DataFrame(distribution(self.labels))
+
+    def cross_corpus(self) -> pd.DataFrame:
+        """One row per two runs of one model on two corpora: percentage-point differences
+        per regime and the share of heads whose label agrees."""
+        import pandas as pd
+
+        from attngeom.analyze.taxonomy import cross_corpus
+
+        return pd.DataFrame(cross_corpus(self.labels))
+
+    def __str__(self) -> str:
+        from attngeom.analyze.taxonomy import format_tables
+
+        return format_tables(self.labels)
+
+
+def taxonomy(store: str | Path) -> Taxonomy:
+    """The Retriever / Mixer / Reset regimes of every analyzed run of ``store``; raises
+    :class:`GroupNotFoundError` when no run is analyzed yet."""
+    from attngeom.analyze.stage import run_regimes
+
+    store = str(store)
+    labels = run_regimes(store)
+    if not labels:
+        raise GroupNotFoundError(f"no analyzed run in {store}: run 'attngeom analyze --store {store}' first")
+    return Taxonomy(labels)
+
+
+def ablate(
+    store: str | Path,
+    run_id: str,
+    *,
+    model: Any = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    protect: Sequence[tuple[int, int]] = (),
+    protect_critical: bool = False,
+    retention: Sequence[float] | None = None,
+    random_masks: int = 10,
+    seed: int = 0,
+    top_n: int = 8,
+    critical_k: float = 5.0,
+    critical_floor: float = 2.0,
+    max_sequences: int | None = None,
+    batch_size: int = 64,
+    out: Path | None = None,
+    progress: bool = True,
+) -> AblateResult:
+    """Single-head ablation and head sparsification of run ``run_id`` (SPEC §5); needs the model.
+
+    The run's model is loaded by its recorded name with its own attention implementation;
+    pass ``model`` for a run extracted from a model in memory (its state dict must hash as
+    recorded). retention: fractions of heads kept per layer (default 1.0, 0.9, 0.75, 0.5,
+    0.25). Writes runs/<id>/ablation/{single, sweep, correlations, critical, table[, regimes]}
+    and returns them as in-memory Datasets (single: (layer, head[, seq]); sweep: (method,
+    retention[, draw, seq, layer, head])) with the sweep as a table. See
+    :class:`~attngeom.ablate.request.AblateRequest` for every option.
+    """
+    from attngeom.ablate.request import DEFAULT_RETENTION, AblateRequest
+    from attngeom.ablate.stage import ablate as run
+
+    return run(AblateRequest(
+        store=str(store), run_id=run_id, model=model, device=device, dtype=dtype, protect=protect,
+        protect_critical=protect_critical, retention=DEFAULT_RETENTION if retention is None else retention,
+        random_masks=random_masks, seed=seed, top_n=top_n, critical_k=critical_k, critical_floor=critical_floor,
+        max_sequences=max_sequences, batch_size=batch_size, out=out, progress=progress,
+    ))
+
+
+def report(store: str | Path, out: str | Path) -> Path:
+    """Draw every figure (PNG) and table (Markdown, CSV) of the paper from ``store`` into
+    ``out``, with an offline index.html; needs no model. Returns the path of index.html."""
+    from attngeom.report import build_report
+
+    return build_report(str(store), Path(out))
+
+
+def explore(
+    store: str | Path, out: str | Path, *, run_id: str | None = None, sequences: int = 8, progress: bool = True
+) -> ExploreResult:
+    """Write an offline, interactive page of every head's geometry (``out/index.html``) for
+    every run of ``store`` (or ``run_id``), showing each head's first ``sequences`` committed
+    sequences; needs no model. Head data load when a head is clicked."""
+    from attngeom.explore.build import explore as run
+
+    return run(str(store), Path(out), run_id=run_id, sequences=sequences, progress=progress)
+
+
+@dataclass(frozen=True)
+class Validation:
+    """The problems found in a store, one line each; none when it is valid."""
+
+    store: str
+    problems: tuple[str, ...]
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+
+def validate(store: str | Path, *, deep: bool = False) -> Validation:
+    """Check ``store`` against schema version 1 and its format; ``deep`` also reads every
+    chunk, naming any corrupt one (checksums). A store that cannot be opened is a problem
+    found, not an error."""
+    from attngeom.store import validate_store
+
+    return Validation(str(store), tuple(validate_store(str(store), deep=deep)))
+
+
+def migrate(store: str | Path, *, progress: bool = True) -> MigrationReport:
+    """Bring a store of an older format up to the one this attngeom writes (data unchanged);
+    an interrupted migration is finished by running it again."""
+    from attngeom.store.migrate import migrate as run
+
+    return run(str(store), progress=progress)
+
+
+def open_store(url: str | Path) -> Store:
+    """The store at ``url``, to read from Python: ``.runs``, ``.run(id)`` -> a Run with
+    ``.provenance``, ``.dataset()``, ``.analysis(name)``, ``.ablation(name)``, ``.text(seq)``.
+    Raises :class:`StoreNotFoundError` or :class:`SchemaError`."""
+    from attngeom.open import open_store as run
+
+    return run(url)

@@ -1,0 +1,140 @@
+"""A store from Python (SPEC §8): :func:`open_store`, its runs, and their groups as lazy Datasets.
+
+Reading needs neither torch nor the model; :meth:`Run.text` alone loads a tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from attngeom.errors import AttngeomError, GroupNotFoundError, InputError
+from attngeom.store import (
+    ablation_path,
+    analysis_path,
+    completed,
+    open_dataset,
+    open_root,
+    open_run_group,
+    require_run,
+    run_ids,
+    run_path,
+    run_provenance,
+)
+
+__all__ = ["Run", "Store", "open_store"]
+
+
+def open_store(url: str | Path) -> Store:
+    """The attngeom store at ``url`` (a local path or an fsspec URL).
+
+    Raises :class:`StoreNotFoundError` when there is none, :class:`SchemaError` when it is
+    not one this attngeom reads.
+    """
+    url = str(url)
+    open_root(url)
+    return Store(url)
+
+
+@dataclass(frozen=True)
+class Store:
+    """An attngeom store; nothing is read until asked."""
+
+    url: str
+
+    @property
+    def runs(self) -> list[str]:
+        """Ids of the store's runs, sorted."""
+        return run_ids(open_root(self.url))
+
+    def run(self, run_id: str) -> Run:
+        """The run ``run_id``; raises :class:`RunNotFoundError` (naming the runs there are)."""
+        require_run(open_root(self.url), run_id, self.url)
+        return Run(self.url, run_id)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run: a model over one input at one context length (SPEC §6)."""
+
+    url: str
+    id: str
+    _tokenizers: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def provenance(self) -> dict[str, Any]:
+        """Model, tokenizer, dataset, window rule, L, dtypes, versions, command line."""
+        return run_provenance(open_root(self.url), self.id)
+
+    def sequences(self) -> np.ndarray:
+        """Indices (S,) of the committed sequences, sorted."""
+        return completed(open_run_group(open_root(self.url), self.id))
+
+    def dataset(self) -> xr.Dataset:
+        """The committed sequences as a lazy Dataset, ``seq`` labelled by sequence index:
+        tokens (seq, pos), values (seq, layer, kv_head, pos, head_dim), attn_last (seq,
+        layer, head, key), winner and the per-query summaries (seq, layer, head, query)."""
+        done = self.sequences()
+        ds = open_dataset(self.url, run_path(self.id))
+        return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
+
+    def analysis(self, name: str) -> xr.Dataset:
+        """The lazy Dataset of ``analysis/<name>``: "topn" (seq, layer, head, n), "values",
+        "taxonomy", "heads" (layer, head), "summary", "signatures" or "table"."""
+        return self._group(analysis_path, name, "analysis", "analyze")
+
+    def ablation(self, name: str) -> xr.Dataset:
+        """The lazy Dataset of ``ablation/<name>``: "single" (layer, head[, seq]), "sweep"
+        (method, retention, ...), "correlations", "critical", "table" or "regimes"."""
+        return self._group(ablation_path, name, "ablation", "ablate")
+
+    def _group(self, path: Callable[[str, str], str], name: str, kind: str, command: str) -> xr.Dataset:
+        try:
+            group = path(self.id, name)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        try:
+            return open_dataset(self.url, group)
+        except FileNotFoundError as exc:  # zarr's GroupNotFoundError is one
+            raise GroupNotFoundError(
+                f"run '{self.id}' in {self.url} has no {kind} group '{name}' yet: run `attngeom {command}` first"
+            ) from exc
+
+    def text(self, seq: int, tokenizer: Any = None) -> str:
+        """Sequence ``seq`` decoded, BOS included, with ``tokenizer`` or else the run's own
+        (loaded from its model's name or path; a run of a model given in memory needs
+        ``tokenizer`` unless its tokenizer was saved where its provenance says)."""
+        run = open_run_group(open_root(self.url), self.id)
+        if not 0 <= seq < run["complete"].shape[0] or run["complete"][seq] != 1:
+            raise InputError(f"sequence {seq} of run '{self.id}' is not committed")
+        tokens = run["tokens"][seq]
+        return (tokenizer or self._tokenizer()).decode(tokens.tolist())
+
+    def _tokenizer(self) -> Any:
+        if "own" not in self._tokenizers:
+            self._tokenizers["own"] = _load_tokenizer(self.provenance, self.id)
+        return self._tokenizers["own"]
+
+
+def _load_tokenizer(provenance: dict[str, Any], run_id: str) -> Any:
+    """The tokenizer a run was extracted with, from its model's name or path, or from the
+    tokenizer's own ``name_or_path`` for a model given in memory."""
+    model = provenance.get("model") or {}
+    try:
+        if model.get("source") != "memory" and "id" in model:
+            from attngeom.extract.models import load_tokenizer, resolve_model
+
+            return load_tokenizer(resolve_model(model["id"]))
+        where = (provenance.get("tokenizer") or {}).get("name_or_path")
+        if where:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(where)
+    except (AttngeomError, OSError, ValueError):
+        pass
+    raise InputError(f"the tokenizer of run '{run_id}' cannot be loaded here: pass tokenizer=")
