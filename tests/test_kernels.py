@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attngeom.analyze import kernels
-from attngeom.analyze.kernels import topn_metrics, value_statistics
+from attngeom.analyze.kernels import head_metrics, topn_metrics, value_statistics
 
 RTOL, ATOL = 1e-9, 1e-12
 COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact", "sink_selected")
@@ -585,6 +585,27 @@ def test_shortcuts_do_not_change_results_at_a_longer_context(monkeypatch):
     _assert_same(topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=9), fast, fast)
     _assert_same(value_statistics(values, attendable), fast_stats, fast_stats)
 
+
+
+@pytest.mark.parametrize("shortcuts", [True, False], ids=["default", "fallbacks"])
+def test_head_metrics_are_the_two_kernels_bit_for_bit(shortcuts, monkeypatch):
+    """The combined entry point shares each kv head's Gram matrix between the two kernels and
+    changes nothing: every output equal, NaN where NaN; a kv head no query head reads still
+    gets its value statistics."""
+    if not shortcuts:
+        _no_shortcuts(monkeypatch)
+    rng = np.random.default_rng(23)
+    alpha, values, attendable, head_kv = make_gqa_batch(rng, 6, 3, 300, 8, repeats=0.1,
+                                                        zeros=0.02, window=200)
+    head_kv = np.where(head_kv == 1, 0, head_kv)  # kv head 1 unread
+    grid = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    topn, stats = head_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=9)
+    want_topn = topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=9)
+    want_stats = value_statistics(values, attendable)
+    for got, want in ((topn, want_topn), (stats, want_stats)):
+        assert set(got) == set(want)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 @PROPERTY
 @given(instances(), st.integers(1, 3))

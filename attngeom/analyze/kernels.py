@@ -67,6 +67,10 @@ TOPN_FLOATS = (
 )
 
 
+__all__ = ["TOPN_COUNTS", "TOPN_FLOATS", "VALUE_STATISTICS", "head_metrics", "topn_metrics",
+           "value_statistics"]
+
+
 def topn_metrics(
     attn: np.ndarray,
     values: np.ndarray,
@@ -116,6 +120,48 @@ def topn_metrics(
       ``s_norm_nocurrent`` the same without y_0 / y_{K-1} when selected, ``cos_s_v0``
       cos(s_N, v_0), ``cos_s_vlast`` cos(s_N, v_{K-1}).
     """
+    return _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, False)[0]
+
+
+def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np.ndarray]:
+    """Norm and coherence statistics of each kv head (SPEC §3 "Norms and coherence").
+
+    values (G, K, D), attendable (G, K) bool; returns arrays of shape (G,), over the attendable
+    non-sink keys k (cosines of unit vectors u_k = v_k/||v_k||):
+
+    - ``C``: median ||v_k||; ``norm_cv``: std/mean of ||v_k|| (population std);
+    - ``median_cos``: median <u_p, u_q> over pairs p != q;
+    - sink (NaN without one): ``sink_norm_ratio`` lambda = ||v_0||/C, ``sink_cos_median`` and
+      ``sink_cos_neg_frac`` (fraction < 0) of <u_0, u_k>, ``nu_minus_q95`` = max(0, -q95) and
+      ``nu_plus_q95`` = max(0, -q05) of <u_0, u_k>.
+
+    They depend on the values only: a query head takes those of the kv head it reads.
+    """
+    _, values, attendable, _ = _check_batch(None, values, attendable, None)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kv = _kv_heads(values, attendable)
+        median_cos = np.array([_median_cos(_nonsink_gram(kv, g)) for g in range(values.shape[0])])
+        return _value_statistics(kv, median_cos)
+
+
+def head_metrics(
+    attn: np.ndarray,
+    values: np.ndarray,
+    attendable: np.ndarray,
+    n_grid: Sequence[int],
+    *,
+    head_kv: np.ndarray | None = None,
+    seed: int = 0,
+    random_draws: int = 8,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``(topn_metrics(attn, values, attendable, n_grid, ...), value_statistics(values,
+    attendable))``, equal to the two calls, from one pass over each kv head's values: their
+    norms, unit vectors and Gram matrix serve both. Shapes as in the two functions."""
+    return _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, True)
+
+
+def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with_values):
+    """topn_metrics' outputs, and value_statistics' (None unless with_values)."""
     alpha, values, attendable, head_kv = _check_batch(attn, values, attendable, head_kv)
     grid = np.asarray(n_grid, dtype=np.int64).reshape(-1)
     if np.any(grid < 1):
@@ -135,58 +181,49 @@ def topn_metrics(
         att = attendable[head_kv]
         order, rank = _ranked(-alpha, att)
         kv = _kv_heads(values, attendable)
-        mu, mu_q95 = _coherence(kv, head_kv, rank, att.sum(axis=1), grid)
+        median_cos = np.full(values.shape[0], np.nan) if with_values else None
+        mu, mu_q95 = _coherence(kv, head_kv, rank, att.sum(axis=1), grid, median_cos)
         for part in _batch_slices(B, K * values.shape[2]):
             _topn_slice(
                 alpha[part], values[head_kv[part]], att[part], order[part], rank[part],
                 _Constants.gather(kv, head_kv[part], mu[part], mu_q95[part]),
                 grid, draw_keys[:, part], {name: array[part] for name, array in out.items()},
             )
+        stats = _value_statistics(kv, median_cos) if with_values else None
+    return out, stats
+
+
+def _value_statistics(kv, median_cos):
+    """value_statistics' outputs from the kv heads and their median cosines (G,)."""
+    out = {name: np.full(kv.C.shape, np.nan) for name in VALUE_STATISTICS}
+    n_ns = kv.nonsink.sum(axis=1)
+    mean = np.sum(kv.v_norm, axis=1, where=kv.nonsink) / n_ns
+    var = np.sum((kv.v_norm - mean[:, None]) ** 2, axis=1, where=kv.nonsink) / n_ns
+    out["median_cos"][...] = median_cos
+    out["C"][...] = kv.C
+    out["norm_cv"][...] = np.sqrt(var) / mean
+    sink = kv.has_sink & (n_ns > 0)
+    for name, x in dict(
+        sink_norm_ratio=kv.v_norm[:, 0] / kv.C,
+        sink_cos_median=kv.sink_cos_median,
+        sink_cos_neg_frac=np.sum(kv.sink_cos < 0, axis=1, where=kv.nonsink) / n_ns,
+        nu_minus_q95=np.maximum(0.0, -kv.q95),
+        nu_plus_q95=np.maximum(0.0, -kv.q05),
+    ).items():
+        out[name][...] = np.where(sink, x, np.nan)
     return out
 
 
-def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np.ndarray]:
-    """Norm and coherence statistics of each kv head (SPEC §3 "Norms and coherence").
+def _median_cos(gram):
+    """Median of the off-diagonal entries of the (k, k) Gram matrix (its diagonal is
+    overwritten).
 
-    values (G, K, D), attendable (G, K) bool; returns arrays of shape (G,), over the attendable
-    non-sink keys k (cosines of unit vectors u_k = v_k/||v_k||):
-
-    - ``C``: median ||v_k||; ``norm_cv``: std/mean of ||v_k|| (population std);
-    - ``median_cos``: median <u_p, u_q> over pairs p != q;
-    - sink (NaN without one): ``sink_norm_ratio`` lambda = ||v_0||/C, ``sink_cos_median`` and
-      ``sink_cos_neg_frac`` (fraction < 0) of <u_0, u_k>, ``nu_minus_q95`` = max(0, -q95) and
-      ``nu_plus_q95`` = max(0, -q05) of <u_0, u_k>.
-
-    They depend on the values only: a query head takes those of the kv head it reads.
-    """
-    _, values, attendable, _ = _check_batch(None, values, attendable, None)
-    G = values.shape[0]
-    out = {name: np.full(G, np.nan) for name in VALUE_STATISTICS}
-    with np.errstate(divide="ignore", invalid="ignore"):
-        kv = _kv_heads(values, attendable)
-        n_ns = kv.nonsink.sum(axis=1)
-        mean = np.sum(kv.v_norm, axis=1, where=kv.nonsink) / n_ns
-        var = np.sum((kv.v_norm - mean[:, None]) ** 2, axis=1, where=kv.nonsink) / n_ns
-        for g in range(G):
-            # The median of the m unordered pairs is that of the 2m ordered ones (the two
-            # middle ranks of 2m fall on the middle ones of m), so the whole matrix is searched,
-            # its diagonal pushed above every cosine, without gathering a triangle.
-            gram = _nonsink_gram(kv, g)
-            k = gram.shape[0]
-            np.fill_diagonal(gram, np.inf)
-            out["median_cos"][g] = _quantile(gram.ravel(), 0.5, size=k * (k - 1))
-        out["C"][...] = kv.C
-        out["norm_cv"][...] = np.sqrt(var) / mean
-        sink = kv.has_sink & (n_ns > 0)
-        for name, x in dict(
-            sink_norm_ratio=kv.v_norm[:, 0] / kv.C,
-            sink_cos_median=kv.sink_cos_median,
-            sink_cos_neg_frac=np.sum(kv.sink_cos < 0, axis=1, where=kv.nonsink) / n_ns,
-            nu_minus_q95=np.maximum(0.0, -kv.q95),
-            nu_plus_q95=np.maximum(0.0, -kv.q05),
-        ).items():
-            out[name][...] = np.where(sink, x, np.nan)
-    return out
+    The median of the m unordered pairs is that of the 2m ordered ones (the two middle ranks
+    of 2m fall on the middle ones of m), so the whole matrix is searched, its diagonal pushed
+    above every cosine, without gathering a triangle."""
+    k = gram.shape[0]
+    np.fill_diagonal(gram, np.inf)
+    return _quantile(gram.ravel(), 0.5, size=k * (k - 1))
 
 
 class _KvHeads(NamedTuple):
@@ -233,7 +270,7 @@ def _nonsink_gram(kv, g):
     return unit @ unit.T
 
 
-def _coherence(kv, head_kv, rank, n_att, grid):
+def _coherence(kv, head_kv, rank, n_att, grid, median_cos=None):
     """mu and mu_q95 (B, len(grid)) of SPEC §3: mu_N = max |<u_p, u_q>| over the unordered
     non-sink pairs p != q with p in I_N (q anywhere in K), mu_q95 the 95% quantile ('linear')
     of the same |<u_p, u_q>|; NaN without such a pair or where N >= |K|.
@@ -241,17 +278,21 @@ def _coherence(kv, head_kv, rank, n_att, grid):
     One Gram matrix per kv head serves its query heads. mu_N is a running maximum of the
     keys' row maxima in selection order. The quantile needs the pairs' order statistics just
     below the top 5% of each pair set; they are read off one sorted list of each kv head's
-    largest pairs (`_TopPairs`).
+    largest pairs (`_TopPairs`). Given median_cos (G,), each kv head's median cosine
+    (`_median_cos`) is written there from the same Gram matrix.
     """
     B, n_grid = rank.shape[0], grid.size
     mu = np.full((B, n_grid), np.nan)
     mu_q95 = np.full((B, n_grid), np.nan)
-    for g in np.unique(head_kv):
+    for g in range(kv.C.size) if median_cos is not None else np.unique(head_kv):
         heads = np.flatnonzero(head_kv == g)
-        gram = np.abs(_nonsink_gram(kv, g))
+        gram = _nonsink_gram(kv, g)
+        if median_cos is not None:
+            median_cos[g] = _median_cos(gram)
         k = gram.shape[0]
-        if k < 2:
+        if k < 2 or not heads.size:
             continue
+        gram = np.abs(gram, out=gram)
         np.fill_diagonal(gram, -np.inf)
         row_max = gram.max(axis=1)
         top = _TopPairs.of(gram)
@@ -529,7 +570,7 @@ def _leave_one_out(inst, top):
         loo_margin=loo_cos - _masked_mean(cos_js, top.unselected & np.isfinite(cos_js)),
         loo_positive_frac=_masked_mean(loo_cos_i > 0, loo_defined),
         loo_distance_margin=(np.sqrt(top.r_min2)
-                             - np.max(loo_spread, axis=1, where=top.selected, initial=-np.inf)),
+                             - _masked_max(loo_spread, top.selected)),
     )
 
 
@@ -636,20 +677,20 @@ class _Around:
         lo, hi = self.lo, self.hi
         unselected = candidates & ~selected
         # The extreme distance is among the keys whose bounds reach the other keys' best bound.
-        floor = np.max(lo, axis=-1, where=selected, initial=-np.inf)[..., None]
-        ceiling = np.min(hi, axis=-1, where=unselected, initial=np.inf)[..., None]
+        floor = _masked_max(lo, selected)[..., None]
+        ceiling = _masked_min(hi, unselected)[..., None]
         near_max = selected & (hi >= floor)
         near_min = unselected & (lo <= ceiling)
         exact = self.D(near_max | near_min)
-        r_max2 = np.max(exact, axis=-1, where=near_max, initial=-np.inf)
-        r_min2 = np.min(exact, axis=-1, where=near_min, initial=np.inf)
+        r_max2 = _masked_max(exact, near_max)
+        r_min2 = _masked_min(exact, near_min)
         unsure_max = candidates & (lo <= r_max2[..., None]) & (hi > r_max2[..., None])
         unsure_min = selected & (lo < r_min2[..., None]) & (hi >= r_min2[..., None])
         exact = self.D(unsure_max | unsure_min)
         inside = np.where(unsure_max, exact <= r_max2[..., None], hi <= r_max2[..., None])
         closer = np.where(unsure_min, exact < r_min2[..., None], hi < r_min2[..., None])
-        precision = n / np.sum(candidates & inside, axis=-1)
-        recall = np.sum(selected & closer, axis=-1) / n
+        precision = n / np.count_nonzero(candidates & inside, axis=-1)
+        recall = np.count_nonzero(selected & closer, axis=-1) / n
         f_score = np.where(precision + recall > 0,
                            2 * precision * recall / (precision + recall), 0.0)
         return precision, recall, f_score, r_max2, r_min2
@@ -658,7 +699,7 @@ class _Around:
         """(R, B, K) stand-ins for D that compare between an a key and a b key exactly as the
         exact distances do: exact where some key of the other side has an expansion within
         4 half-widths (the row's widest), the expansion elsewhere."""
-        half = np.max(self.hi - self.expanded, axis=-1, where=a_mask | b_mask, initial=0.0)
+        half = _masked_max(self.hi - self.expanded, a_mask | b_mask, initial=0.0)
         near = np.zeros(a_mask.shape, dtype=bool)
         for idx in np.ndindex(a_mask.shape[:-1]):
             x, w = self.expanded[idx], 4 * half[idx]
@@ -767,6 +808,16 @@ def _cos(a, b):
     """Cosine of (B, D) vectors, NaN where either is 0."""
     norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
     return np.where(norms > 0, np.einsum("bd,bd->b", a, b) / norms, np.nan)
+
+
+def _masked_max(x, mask, initial=-np.inf):
+    """Maxima over the last axis of x where mask (initial where none); NaN propagates."""
+    return np.where(mask, x, initial).max(axis=-1, initial=initial)
+
+
+def _masked_min(x, mask, initial=np.inf):
+    """Minima over the last axis of x where mask (initial where none); NaN propagates."""
+    return np.where(mask, x, initial).min(axis=-1, initial=initial)
 
 
 def _masked_mean(x, mask):
