@@ -660,6 +660,22 @@ def test_prefix_sums_add_in_selection_order():
     np.testing.assert_array_equal(kernels._prefix_sums(y, order, points), want)
 
 
+
+def test_ranking_is_the_stable_sort():
+    """The selection order (unstable sort, stable where it could differ) equals a stable sort
+    of the candidates' keys, other keys last in position order: ties, windows, non-finite keys."""
+    rng = np.random.default_rng(31)
+    key = np.round(rng.random((40, 64)), 1)
+    key[::3] = rng.random((14, 64))  # rows without ties
+    key[5, 7] = np.nan
+    key[6, :4] = -np.inf
+    candidates = rng.random((40, 64)) < 0.8
+    candidates[::4] = True
+    order, rank = kernels._ranked(key, candidates)
+    want = np.argsort(np.where(candidates, key, np.inf), axis=1, kind="stable")
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(np.take_along_axis(rank, order, axis=1), np.tile(np.arange(64), (40, 1)))
+
 def test_head_kv_is_checked():
     rng = np.random.default_rng(0)
     alpha, values, attendable, head_kv = make_gqa_batch(rng, 4, 2, 6, 2)

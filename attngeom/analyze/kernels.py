@@ -768,8 +768,19 @@ def _count_pairs_le(b, b_mask, a, a_mask):
 
 def _ranked(key, candidates):
     """Order (B, K) of the candidates by ascending key, ties to the smaller position, other
-    keys last; and each key's rank in it."""
-    order = np.argsort(np.where(candidates, key, np.inf), axis=1, kind="stable")
+    keys last (in position order); and each key's rank in it."""
+    keyed = np.where(candidates, key, np.inf)
+    # An unstable sort is the stable one wherever the candidates' keys are distinct and finite
+    # and the other keys are put back in position order; other rows are sorted stably.
+    order = np.argsort(keyed, axis=1)
+    first = np.arange(order.shape[1]) < candidates.sum(axis=1)[:, None]
+    in_order = np.take_along_axis(keyed, order, axis=1)
+    unsure = (np.any((in_order[:, 1:] == in_order[:, :-1]) & first[:, 1:], axis=1)
+              | ~np.all(np.isfinite(in_order) | ~first, axis=1))
+    if not first.all():
+        order = np.where(first, order, np.sort(np.where(first, -1, order), axis=1))
+    if unsure.any():
+        order[unsure] = np.argsort(keyed[unsure], axis=1, kind="stable")
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.arange(order.shape[1])[None, :], axis=1)
     return order, rank
