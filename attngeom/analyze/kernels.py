@@ -699,9 +699,16 @@ class _Around:
         """(R, B, K) stand-ins for D that compare between an a key and a b key exactly as the
         exact distances do: exact where some key of the other side has an expansion within
         4 half-widths (the row's widest), the expansion elsewhere."""
-        half = _masked_max(self.hi - self.expanded, a_mask | b_mask, initial=0.0)
+        either = a_mask | b_mask
+        half = _masked_max(self.hi - self.expanded, either, initial=0.0)
+        # A key is near one of the other side only in a row where two neighbours among the
+        # keys' sorted expansions lie within 4 half-widths (tested at 8, which covers the
+        # rounding of x -/+ w below): the other rows have none.
+        ranked = np.sort(np.where(either, self.expanded, np.inf), axis=-1)
+        close = np.diff(ranked, axis=-1) <= 8 * half[..., None]
+        rows = np.any(close, axis=-1) | ~np.isfinite(half)
         near = np.zeros(a_mask.shape, dtype=bool)
-        for idx in np.ndindex(a_mask.shape[:-1]):
+        for idx in zip(*np.nonzero(rows)):
             x, w = self.expanded[idx], 4 * half[idx]
             if not np.isfinite(w):
                 near[idx] = a_mask[idx] | b_mask[idx]
