@@ -628,15 +628,18 @@ class _Distances:
     D_k is evaluated exactly (as ``||y_k - s||^2`` from the difference, the same way for every
     key) only where the cheap expansion ||y_k||^2 - 2 <y_k, s> + ||s||^2 cannot settle a
     comparison. Both ways are within (D + 4) eps (||y_k|| + ||s||)^2 of the real value (any
-    summation order, any fused multiply-add); the bound used is 4 times that, plus an absolute
-    floor for subnormal rounding; a non-finite bound makes every key of its row exact.
+    summation order, any fused multiply-add). The bound used is one per row, 4 (D + 4) eps
+    (max_k ||y_k|| + ||s||)^2 plus an absolute floor for subnormal rounding: twice what the two
+    ways can differ by, so that comparisons may shift a row's threshold instead of every key's
+    expansion (a rounding of a few eps of the same scale). A row with a non-finite bound or
+    expansion has every key evaluated exactly.
     """
 
     def __init__(self, y, s):
         R, B, P, D = s.shape
         self.y, self.s = y, s
         self.yy = np.einsum("bkd,bkd->bk", y, y)
-        self.y_norm = np.sqrt(self.yy)
+        self.y_max = np.sqrt(self.yy.max(axis=-1, initial=0.0))
         # <y_k, s> for every selection and N by one product: (B, R, P, K).
         products = np.ascontiguousarray(s.transpose(1, 0, 2, 3)).reshape(B, R * P, D) @ y.transpose(0, 2, 1)
         self.ys = products.reshape(B, R, P, y.shape[1])
@@ -648,18 +651,18 @@ class _Distances:
 
 
 class _Around:
-    """The distances of every key to the aggregates at one N: (R, B, K) bounds lo <= D <= hi
-    around the expansion, and the exact values computed so far (NaN where not)."""
+    """The distances of every key to the aggregates at one N: (R, B, K) expansions, within
+    `error` (R, B, 1) of D in rows not `unsure` (R, B), and the exact values computed so far
+    (NaN where not)."""
 
     def __init__(self, distances, p):
         self.y, self.s = distances.y, distances.s[:, :, p]
-        ss = distances.ss[:, :, p, None]
-        self.expanded = distances.yy - 2 * distances.ys[:, :, p].transpose(1, 0, 2) + ss
-        error = distances.rel * (distances.y_norm + np.sqrt(ss)) ** 2 + _TINY
-        self.lo, self.hi = self.expanded - error, self.expanded + error
-        unsure_row = ~np.all(np.isfinite(self.lo) & np.isfinite(self.hi), axis=-1)
-        self.lo[unsure_row], self.hi[unsure_row] = -np.inf, np.inf
-        self.exact = np.full(self.lo.shape, np.nan)
+        ss = distances.ss[:, :, p]
+        self.expanded = distances.yy - 2 * distances.ys[:, :, p].transpose(1, 0, 2) + ss[..., None]
+        error = distances.rel * (distances.y_max + np.sqrt(ss)) ** 2 + _TINY
+        self.unsure = ~(np.isfinite(error) & np.all(np.isfinite(self.expanded), axis=-1))
+        self.error = np.where(self.unsure, 0.0, error)[..., None]
+        self.exact = np.full(self.expanded.shape, np.nan)
 
     def D(self, mask):
         """Exact D where mask (computed once per key), NaN elsewhere."""
@@ -669,26 +672,32 @@ class _Around:
             self.exact.ravel()[flat] = _squared_distances(self.y[b, k], self.s[r, b])
         return self.exact
 
+    def _or_unsure(self, mask, keys):
+        """mask, and every key of keys in the unsure rows."""
+        return mask | (keys & self.unsure[..., None]) if self.unsure.any() else mask
+
     def ball_scores(self, selected, candidates, n):
         """Ball scores over the candidate keys (closed r_max ball, open r_min ball: SPEC §3
         "Balls"): P(r_max, N) = N / |{k: D_k <= r_max^2}|, R(r_min, N) =
         |{i in I_N: D_i < r_min^2}| / N, F = 2PR/(P+R) (0 if P + R = 0), r_max^2 and r_min^2,
         each (R, B), of the exact distances; selected (R, B, K), candidates (B, K)."""
-        lo, hi = self.lo, self.hi
+        x, e = self.expanded, self.error
         unselected = candidates & ~selected
-        # The extreme distance is among the keys whose bounds reach the other keys' best bound.
-        floor = _masked_max(lo, selected)[..., None]
-        ceiling = _masked_min(hi, unselected)[..., None]
-        near_max = selected & (hi >= floor)
-        near_min = unselected & (lo <= ceiling)
+        # The extreme distance is among the keys within 2 errors of the extreme expansion.
+        near_max = self._or_unsure(selected & (x >= _masked_max(x, selected)[..., None] - 2 * e),
+                                   selected)
+        near_min = self._or_unsure(unselected & (x <= _masked_min(x, unselected)[..., None] + 2 * e),
+                                   unselected)
         exact = self.D(near_max | near_min)
         r_max2 = _masked_max(exact, near_max)
         r_min2 = _masked_min(exact, near_min)
-        unsure_max = candidates & (lo <= r_max2[..., None]) & (hi > r_max2[..., None])
-        unsure_min = selected & (lo < r_min2[..., None]) & (hi >= r_min2[..., None])
+        r_max, r_min = r_max2[..., None], r_min2[..., None]
+        # Keys within an error of a radius are compared exactly, the others by their expansion.
+        unsure_max = self._or_unsure(candidates & (x >= r_max - e) & (x <= r_max + e), candidates)
+        unsure_min = self._or_unsure(selected & (x >= r_min - e) & (x <= r_min + e), selected)
         exact = self.D(unsure_max | unsure_min)
-        inside = np.where(unsure_max, exact <= r_max2[..., None], hi <= r_max2[..., None])
-        closer = np.where(unsure_min, exact < r_min2[..., None], hi < r_min2[..., None])
+        inside = np.where(unsure_max, exact <= r_max, x < r_max)
+        closer = np.where(unsure_min, exact < r_min, x < r_min)
         precision = n / np.count_nonzero(candidates & inside, axis=-1)
         recall = np.count_nonzero(selected & closer, axis=-1) / n
         f_score = np.where(precision + recall > 0,
@@ -698,12 +707,12 @@ class _Around:
     def ordered(self, a_mask, b_mask):
         """(R, B, K) stand-ins for D that compare between an a key and a b key exactly as the
         exact distances do: exact where some key of the other side has an expansion within
-        4 half-widths (the row's widest), the expansion elsewhere."""
+        4 errors, the expansion elsewhere."""
         either = a_mask | b_mask
-        half = _masked_max(self.hi - self.expanded, either, initial=0.0)
+        half = np.where(self.unsure, np.inf, self.error[..., 0])
         # A key is near one of the other side only in a row where two neighbours among the
-        # keys' sorted expansions lie within 4 half-widths (tested at 8, which covers the
-        # rounding of x -/+ w below): the other rows have none.
+        # keys' sorted expansions lie within 4 errors (tested at 8, which covers the rounding
+        # of x -/+ w below): the other rows have none.
         ranked = np.sort(np.where(either, self.expanded, np.inf), axis=-1)
         close = np.diff(ranked, axis=-1) <= 8 * half[..., None]
         rows = np.any(close, axis=-1) | ~np.isfinite(half)
