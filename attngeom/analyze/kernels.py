@@ -794,7 +794,7 @@ def _ranked(key, candidates):
     unsure = (np.any((in_order[:, 1:] == in_order[:, :-1]) & first[:, 1:], axis=1)
               | ~np.all(np.isfinite(in_order) | ~first, axis=1))
     if not first.all():
-        order = np.where(first, order, np.sort(np.where(first, -1, order), axis=1))
+        order[~first] = np.nonzero(~candidates)[1]  # row by row, in position order
     if unsure.any():
         order[unsure] = np.argsort(keyed[unsure], axis=1, kind="stable")
     rank = np.empty_like(order)
