@@ -797,8 +797,9 @@ def _ranked(key, candidates):
         order[~first] = np.nonzero(~candidates)[1]  # row by row, in position order
     if unsure.any():
         order[unsure] = np.argsort(keyed[unsure], axis=1, kind="stable")
+    B, K = order.shape
     rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(order.shape[1])[None, :], axis=1)
+    rank.ravel()[(order + K * np.arange(B)[:, None]).ravel()] = np.tile(np.arange(K), B)
     return order, rank
 
 
