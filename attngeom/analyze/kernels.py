@@ -734,8 +734,9 @@ class _Around:
 
 def _store(out, g, results, valid):
     """Write results into column g of out: where not valid, NaN (floats) or -1 (counts)."""
+    every = valid.all()
     for name, x in results.items():
-        out[name][:, g] = np.where(valid, x, np.nan if out[name].dtype.kind == "f" else -1)
+        out[name][:, g] = x if every else np.where(valid, x, np.nan if out[name].dtype.kind == "f" else -1)
 
 
 def _k_sink(beta, selected, unselected, nonsink, has_sink, mu, nu_plus, nu_minus):
