@@ -810,15 +810,21 @@ def _prefix_sums(y, order, points):
     B, K, D = y.shape
     if not len(points):
         return np.empty((B, 0, D))
-    ranked = y.reshape(B * K, D)[(order[:, :points[-1]] + K * np.arange(B)[:, None]).ravel()]
-    ranked = ranked.reshape(B, points[-1], D)
-    out = np.empty((B, len(points), D))
-    start = 0
-    for i, n in enumerate(points):
-        # A reduction over a non-contiguous axis adds row after row: the running sum goes first.
-        block = ranked[:, start:n] if i == 0 else np.concatenate([out[:, i - 1, None], ranked[:, start:n]], axis=1)
-        out[:, i] = np.add.reduce(block, axis=1)
-        start = n
+    # The ranked keys gathered once, each block of keys after a slot for the running sum of the
+    # blocks before it (block i: keys points[i-1] .. points[i]-1 at positions shifted by i).
+    P, last = len(points), points[-1]
+    keys = np.arange(last)
+    source = np.zeros((B, last + P - 1), dtype=np.int64)
+    source[:, keys + np.searchsorted(points, keys, side="right")] = (
+        order[:, :last] + K * np.arange(B)[:, None])
+    ranked = y.reshape(B * K, D)[source]
+    out = np.empty((B, P, D))
+    # A reduction over a non-contiguous axis adds row after row: the running sum goes first.
+    out[:, 0] = np.add.reduce(ranked[:, :points[0]], axis=1)
+    for i in range(1, P):
+        slot = points[i - 1] + i - 1
+        ranked[:, slot] = out[:, i - 1]
+        out[:, i] = np.add.reduce(ranked[:, slot:points[i] + i], axis=1)
     return out
 
 
