@@ -845,14 +845,14 @@ def _cos(a, b):
     return np.where(norms > 0, np.einsum("bd,bd->b", a, b) / norms, np.nan)
 
 
-def _masked_max(x, mask, initial=-np.inf):
-    """Maxima over the last axis of x where mask (initial where none); NaN propagates."""
-    return np.where(mask, x, initial).max(axis=-1, initial=initial)
+def _masked_max(x, mask):
+    """Maxima over the last axis of x where mask (-inf where none); NaN propagates."""
+    return np.where(mask, x, -np.inf).max(axis=-1, initial=-np.inf)
 
 
-def _masked_min(x, mask, initial=np.inf):
-    """Minima over the last axis of x where mask (initial where none); NaN propagates."""
-    return np.where(mask, x, initial).min(axis=-1, initial=initial)
+def _masked_min(x, mask):
+    """Minima over the last axis of x where mask (inf where none); NaN propagates."""
+    return np.where(mask, x, np.inf).min(axis=-1, initial=np.inf)
 
 
 def _masked_mean(x, mask):
