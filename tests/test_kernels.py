@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attngeom.analyze import kernels
-from attngeom.analyze.kernels import topn_metrics, value_statistics
+from attngeom.analyze.kernels import head_metrics, topn_metrics, value_statistics
 
 RTOL, ATOL = 1e-9, 1e-12
 COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact", "sink_selected")
@@ -586,6 +586,27 @@ def test_shortcuts_do_not_change_results_at_a_longer_context(monkeypatch):
     _assert_same(value_statistics(values, attendable), fast_stats, fast_stats)
 
 
+
+@pytest.mark.parametrize("shortcuts", [True, False], ids=["default", "fallbacks"])
+def test_head_metrics_are_the_two_kernels_bit_for_bit(shortcuts, monkeypatch):
+    """The combined entry point shares each kv head's Gram matrix between the two kernels and
+    changes nothing: every output equal, NaN where NaN; a kv head no query head reads still
+    gets its value statistics."""
+    if not shortcuts:
+        _no_shortcuts(monkeypatch)
+    rng = np.random.default_rng(23)
+    alpha, values, attendable, head_kv = make_gqa_batch(rng, 6, 3, 300, 8, repeats=0.1,
+                                                        zeros=0.02, window=200)
+    head_kv = np.where(head_kv == 1, 0, head_kv)  # kv head 1 unread
+    grid = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    topn, stats = head_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=9)
+    want_topn = topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=9)
+    want_stats = value_statistics(values, attendable)
+    for got, want in ((topn, want_topn), (stats, want_stats)):
+        assert set(got) == set(want)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
 @PROPERTY
 @given(instances(), st.integers(1, 3))
 def test_lattice_instances_shared_by_query_heads_match_brute_force(batch, per_kv):
@@ -638,6 +659,22 @@ def test_prefix_sums_add_in_selection_order():
     want = np.cumsum(np.take_along_axis(y, order[:, :, None], axis=1), axis=1)[:, points - 1]
     np.testing.assert_array_equal(kernels._prefix_sums(y, order, points), want)
 
+
+
+def test_ranking_is_the_stable_sort():
+    """The selection order (unstable sort, stable where it could differ) equals a stable sort
+    of the candidates' keys, other keys last in position order: ties, windows, non-finite keys."""
+    rng = np.random.default_rng(31)
+    key = np.round(rng.random((40, 64)), 1)
+    key[::3] = rng.random((14, 64))  # rows without ties
+    key[5, 7] = np.nan
+    key[6, :4] = -np.inf
+    candidates = rng.random((40, 64)) < 0.8
+    candidates[::4] = True
+    order, rank = kernels._ranked(key, candidates)
+    want = np.argsort(np.where(candidates, key, np.inf), axis=1, kind="stable")
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(np.take_along_axis(rank, order, axis=1), np.tile(np.arange(64), (40, 1)))
 
 def test_head_kv_is_checked():
     rng = np.random.default_rng(0)

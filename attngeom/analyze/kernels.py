@@ -67,6 +67,10 @@ TOPN_FLOATS = (
 )
 
 
+__all__ = ["TOPN_COUNTS", "TOPN_FLOATS", "VALUE_STATISTICS", "head_metrics", "topn_metrics",
+           "value_statistics"]
+
+
 def topn_metrics(
     attn: np.ndarray,
     values: np.ndarray,
@@ -116,6 +120,48 @@ def topn_metrics(
       ``s_norm_nocurrent`` the same without y_0 / y_{K-1} when selected, ``cos_s_v0``
       cos(s_N, v_0), ``cos_s_vlast`` cos(s_N, v_{K-1}).
     """
+    return _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, False)[0]
+
+
+def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np.ndarray]:
+    """Norm and coherence statistics of each kv head (SPEC §3 "Norms and coherence").
+
+    values (G, K, D), attendable (G, K) bool; returns arrays of shape (G,), over the attendable
+    non-sink keys k (cosines of unit vectors u_k = v_k/||v_k||):
+
+    - ``C``: median ||v_k||; ``norm_cv``: std/mean of ||v_k|| (population std);
+    - ``median_cos``: median <u_p, u_q> over pairs p != q;
+    - sink (NaN without one): ``sink_norm_ratio`` lambda = ||v_0||/C, ``sink_cos_median`` and
+      ``sink_cos_neg_frac`` (fraction < 0) of <u_0, u_k>, ``nu_minus_q95`` = max(0, -q95) and
+      ``nu_plus_q95`` = max(0, -q05) of <u_0, u_k>.
+
+    They depend on the values only: a query head takes those of the kv head it reads.
+    """
+    _, values, attendable, _ = _check_batch(None, values, attendable, None)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kv = _kv_heads(values, attendable)
+        median_cos = np.array([_median_cos(_nonsink_gram(kv, g)) for g in range(values.shape[0])])
+        return _value_statistics(kv, median_cos)
+
+
+def head_metrics(
+    attn: np.ndarray,
+    values: np.ndarray,
+    attendable: np.ndarray,
+    n_grid: Sequence[int],
+    *,
+    head_kv: np.ndarray | None = None,
+    seed: int = 0,
+    random_draws: int = 8,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``(topn_metrics(attn, values, attendable, n_grid, ...), value_statistics(values,
+    attendable))``, equal to the two calls, from one pass over each kv head's values: their
+    norms, unit vectors and Gram matrix serve both. Shapes as in the two functions."""
+    return _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, True)
+
+
+def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with_values):
+    """topn_metrics' outputs, and value_statistics' (None unless with_values)."""
     alpha, values, attendable, head_kv = _check_batch(attn, values, attendable, head_kv)
     grid = np.asarray(n_grid, dtype=np.int64).reshape(-1)
     if np.any(grid < 1):
@@ -135,58 +181,49 @@ def topn_metrics(
         att = attendable[head_kv]
         order, rank = _ranked(-alpha, att)
         kv = _kv_heads(values, attendable)
-        mu, mu_q95 = _coherence(kv, head_kv, rank, att.sum(axis=1), grid)
+        median_cos = np.full(values.shape[0], np.nan) if with_values else None
+        mu, mu_q95 = _coherence(kv, head_kv, rank, att.sum(axis=1), grid, median_cos)
         for part in _batch_slices(B, K * values.shape[2]):
             _topn_slice(
                 alpha[part], values[head_kv[part]], att[part], order[part], rank[part],
                 _Constants.gather(kv, head_kv[part], mu[part], mu_q95[part]),
                 grid, draw_keys[:, part], {name: array[part] for name, array in out.items()},
             )
+        stats = _value_statistics(kv, median_cos) if with_values else None
+    return out, stats
+
+
+def _value_statistics(kv, median_cos):
+    """value_statistics' outputs from the kv heads and their median cosines (G,)."""
+    out = {name: np.full(kv.C.shape, np.nan) for name in VALUE_STATISTICS}
+    n_ns = kv.nonsink.sum(axis=1)
+    mean = np.sum(kv.v_norm, axis=1, where=kv.nonsink) / n_ns
+    var = np.sum((kv.v_norm - mean[:, None]) ** 2, axis=1, where=kv.nonsink) / n_ns
+    out["median_cos"][...] = median_cos
+    out["C"][...] = kv.C
+    out["norm_cv"][...] = np.sqrt(var) / mean
+    sink = kv.has_sink & (n_ns > 0)
+    for name, x in dict(
+        sink_norm_ratio=kv.v_norm[:, 0] / kv.C,
+        sink_cos_median=kv.sink_cos_median,
+        sink_cos_neg_frac=np.sum(kv.sink_cos < 0, axis=1, where=kv.nonsink) / n_ns,
+        nu_minus_q95=np.maximum(0.0, -kv.q95),
+        nu_plus_q95=np.maximum(0.0, -kv.q05),
+    ).items():
+        out[name][...] = np.where(sink, x, np.nan)
     return out
 
 
-def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np.ndarray]:
-    """Norm and coherence statistics of each kv head (SPEC §3 "Norms and coherence").
+def _median_cos(gram):
+    """Median of the off-diagonal entries of the (k, k) Gram matrix (its diagonal is
+    overwritten).
 
-    values (G, K, D), attendable (G, K) bool; returns arrays of shape (G,), over the attendable
-    non-sink keys k (cosines of unit vectors u_k = v_k/||v_k||):
-
-    - ``C``: median ||v_k||; ``norm_cv``: std/mean of ||v_k|| (population std);
-    - ``median_cos``: median <u_p, u_q> over pairs p != q;
-    - sink (NaN without one): ``sink_norm_ratio`` lambda = ||v_0||/C, ``sink_cos_median`` and
-      ``sink_cos_neg_frac`` (fraction < 0) of <u_0, u_k>, ``nu_minus_q95`` = max(0, -q95) and
-      ``nu_plus_q95`` = max(0, -q05) of <u_0, u_k>.
-
-    They depend on the values only: a query head takes those of the kv head it reads.
-    """
-    _, values, attendable, _ = _check_batch(None, values, attendable, None)
-    G = values.shape[0]
-    out = {name: np.full(G, np.nan) for name in VALUE_STATISTICS}
-    with np.errstate(divide="ignore", invalid="ignore"):
-        kv = _kv_heads(values, attendable)
-        n_ns = kv.nonsink.sum(axis=1)
-        mean = np.sum(kv.v_norm, axis=1, where=kv.nonsink) / n_ns
-        var = np.sum((kv.v_norm - mean[:, None]) ** 2, axis=1, where=kv.nonsink) / n_ns
-        for g in range(G):
-            # The median of the m unordered pairs is that of the 2m ordered ones (the two
-            # middle ranks of 2m fall on the middle ones of m), so the whole matrix is searched,
-            # its diagonal pushed above every cosine, without gathering a triangle.
-            gram = _nonsink_gram(kv, g)
-            k = gram.shape[0]
-            np.fill_diagonal(gram, np.inf)
-            out["median_cos"][g] = _quantile(gram.ravel(), 0.5, size=k * (k - 1))
-        out["C"][...] = kv.C
-        out["norm_cv"][...] = np.sqrt(var) / mean
-        sink = kv.has_sink & (n_ns > 0)
-        for name, x in dict(
-            sink_norm_ratio=kv.v_norm[:, 0] / kv.C,
-            sink_cos_median=kv.sink_cos_median,
-            sink_cos_neg_frac=np.sum(kv.sink_cos < 0, axis=1, where=kv.nonsink) / n_ns,
-            nu_minus_q95=np.maximum(0.0, -kv.q95),
-            nu_plus_q95=np.maximum(0.0, -kv.q05),
-        ).items():
-            out[name][...] = np.where(sink, x, np.nan)
-    return out
+    The median of the m unordered pairs is that of the 2m ordered ones (the two middle ranks
+    of 2m fall on the middle ones of m), so the whole matrix is searched, its diagonal pushed
+    above every cosine, without gathering a triangle."""
+    k = gram.shape[0]
+    np.fill_diagonal(gram, np.inf)
+    return _quantile(gram.ravel(), 0.5, size=k * (k - 1))
 
 
 class _KvHeads(NamedTuple):
@@ -233,7 +270,7 @@ def _nonsink_gram(kv, g):
     return unit @ unit.T
 
 
-def _coherence(kv, head_kv, rank, n_att, grid):
+def _coherence(kv, head_kv, rank, n_att, grid, median_cos=None):
     """mu and mu_q95 (B, len(grid)) of SPEC §3: mu_N = max |<u_p, u_q>| over the unordered
     non-sink pairs p != q with p in I_N (q anywhere in K), mu_q95 the 95% quantile ('linear')
     of the same |<u_p, u_q>|; NaN without such a pair or where N >= |K|.
@@ -241,17 +278,21 @@ def _coherence(kv, head_kv, rank, n_att, grid):
     One Gram matrix per kv head serves its query heads. mu_N is a running maximum of the
     keys' row maxima in selection order. The quantile needs the pairs' order statistics just
     below the top 5% of each pair set; they are read off one sorted list of each kv head's
-    largest pairs (`_TopPairs`).
+    largest pairs (`_TopPairs`). Given median_cos (G,), each kv head's median cosine
+    (`_median_cos`) is written there from the same Gram matrix.
     """
     B, n_grid = rank.shape[0], grid.size
     mu = np.full((B, n_grid), np.nan)
     mu_q95 = np.full((B, n_grid), np.nan)
-    for g in np.unique(head_kv):
+    for g in range(kv.C.size) if median_cos is not None else np.unique(head_kv):
         heads = np.flatnonzero(head_kv == g)
-        gram = np.abs(_nonsink_gram(kv, g))
+        gram = _nonsink_gram(kv, g)
+        if median_cos is not None:
+            median_cos[g] = _median_cos(gram)
         k = gram.shape[0]
-        if k < 2:
+        if k < 2 or not heads.size:
             continue
+        gram = np.abs(gram, out=gram)
         np.fill_diagonal(gram, -np.inf)
         row_max = gram.max(axis=1)
         top = _TopPairs.of(gram)
@@ -529,7 +570,7 @@ def _leave_one_out(inst, top):
         loo_margin=loo_cos - _masked_mean(cos_js, top.unselected & np.isfinite(cos_js)),
         loo_positive_frac=_masked_mean(loo_cos_i > 0, loo_defined),
         loo_distance_margin=(np.sqrt(top.r_min2)
-                             - np.max(loo_spread, axis=1, where=top.selected, initial=-np.inf)),
+                             - _masked_max(loo_spread, top.selected)),
     )
 
 
@@ -587,15 +628,18 @@ class _Distances:
     D_k is evaluated exactly (as ``||y_k - s||^2`` from the difference, the same way for every
     key) only where the cheap expansion ||y_k||^2 - 2 <y_k, s> + ||s||^2 cannot settle a
     comparison. Both ways are within (D + 4) eps (||y_k|| + ||s||)^2 of the real value (any
-    summation order, any fused multiply-add); the bound used is 4 times that, plus an absolute
-    floor for subnormal rounding; a non-finite bound makes every key of its row exact.
+    summation order, any fused multiply-add). The bound used is one per row, 4 (D + 4) eps
+    (max_k ||y_k|| + ||s||)^2 plus an absolute floor for subnormal rounding: twice what the two
+    ways can differ by, so that comparisons may shift a row's threshold instead of every key's
+    expansion (a rounding of a few eps of the same scale). A row with a non-finite bound or
+    expansion has every key evaluated exactly.
     """
 
     def __init__(self, y, s):
         R, B, P, D = s.shape
         self.y, self.s = y, s
         self.yy = np.einsum("bkd,bkd->bk", y, y)
-        self.y_norm = np.sqrt(self.yy)
+        self.y_max = np.sqrt(self.yy.max(axis=-1, initial=0.0))
         # <y_k, s> for every selection and N by one product: (B, R, P, K).
         products = np.ascontiguousarray(s.transpose(1, 0, 2, 3)).reshape(B, R * P, D) @ y.transpose(0, 2, 1)
         self.ys = products.reshape(B, R, P, y.shape[1])
@@ -607,18 +651,18 @@ class _Distances:
 
 
 class _Around:
-    """The distances of every key to the aggregates at one N: (R, B, K) bounds lo <= D <= hi
-    around the expansion, and the exact values computed so far (NaN where not)."""
+    """The distances of every key to the aggregates at one N: (R, B, K) expansions, within
+    `error` (R, B, 1) of D in rows not `unsure` (R, B), and the exact values computed so far
+    (NaN where not)."""
 
     def __init__(self, distances, p):
         self.y, self.s = distances.y, distances.s[:, :, p]
-        ss = distances.ss[:, :, p, None]
-        self.expanded = distances.yy - 2 * distances.ys[:, :, p].transpose(1, 0, 2) + ss
-        error = distances.rel * (distances.y_norm + np.sqrt(ss)) ** 2 + _TINY
-        self.lo, self.hi = self.expanded - error, self.expanded + error
-        unsure_row = ~np.all(np.isfinite(self.lo) & np.isfinite(self.hi), axis=-1)
-        self.lo[unsure_row], self.hi[unsure_row] = -np.inf, np.inf
-        self.exact = np.full(self.lo.shape, np.nan)
+        ss = distances.ss[:, :, p]
+        self.expanded = distances.yy - 2 * distances.ys[:, :, p].transpose(1, 0, 2) + ss[..., None]
+        error = distances.rel * (distances.y_max + np.sqrt(ss)) ** 2 + _TINY
+        self.unsure = ~(np.isfinite(error) & np.all(np.isfinite(self.expanded), axis=-1))
+        self.error = np.where(self.unsure, 0.0, error)[..., None]
+        self.exact = np.full(self.expanded.shape, np.nan)
 
     def D(self, mask):
         """Exact D where mask (computed once per key), NaN elsewhere."""
@@ -628,28 +672,34 @@ class _Around:
             self.exact.ravel()[flat] = _squared_distances(self.y[b, k], self.s[r, b])
         return self.exact
 
+    def _or_unsure(self, mask, keys):
+        """mask, and every key of keys in the unsure rows."""
+        return mask | (keys & self.unsure[..., None]) if self.unsure.any() else mask
+
     def ball_scores(self, selected, candidates, n):
         """Ball scores over the candidate keys (closed r_max ball, open r_min ball: SPEC §3
         "Balls"): P(r_max, N) = N / |{k: D_k <= r_max^2}|, R(r_min, N) =
         |{i in I_N: D_i < r_min^2}| / N, F = 2PR/(P+R) (0 if P + R = 0), r_max^2 and r_min^2,
         each (R, B), of the exact distances; selected (R, B, K), candidates (B, K)."""
-        lo, hi = self.lo, self.hi
+        x, e = self.expanded, self.error
         unselected = candidates & ~selected
-        # The extreme distance is among the keys whose bounds reach the other keys' best bound.
-        floor = np.max(lo, axis=-1, where=selected, initial=-np.inf)[..., None]
-        ceiling = np.min(hi, axis=-1, where=unselected, initial=np.inf)[..., None]
-        near_max = selected & (hi >= floor)
-        near_min = unselected & (lo <= ceiling)
+        # The extreme distance is among the keys within 2 errors of the extreme expansion.
+        near_max = self._or_unsure(selected & (x >= _masked_max(x, selected)[..., None] - 2 * e),
+                                   selected)
+        near_min = self._or_unsure(unselected & (x <= _masked_min(x, unselected)[..., None] + 2 * e),
+                                   unselected)
         exact = self.D(near_max | near_min)
-        r_max2 = np.max(exact, axis=-1, where=near_max, initial=-np.inf)
-        r_min2 = np.min(exact, axis=-1, where=near_min, initial=np.inf)
-        unsure_max = candidates & (lo <= r_max2[..., None]) & (hi > r_max2[..., None])
-        unsure_min = selected & (lo < r_min2[..., None]) & (hi >= r_min2[..., None])
+        r_max2 = _masked_max(exact, near_max)
+        r_min2 = _masked_min(exact, near_min)
+        r_max, r_min = r_max2[..., None], r_min2[..., None]
+        # Keys within an error of a radius are compared exactly, the others by their expansion.
+        unsure_max = self._or_unsure(candidates & (x >= r_max - e) & (x <= r_max + e), candidates)
+        unsure_min = self._or_unsure(selected & (x >= r_min - e) & (x <= r_min + e), selected)
         exact = self.D(unsure_max | unsure_min)
-        inside = np.where(unsure_max, exact <= r_max2[..., None], hi <= r_max2[..., None])
-        closer = np.where(unsure_min, exact < r_min2[..., None], hi < r_min2[..., None])
-        precision = n / np.sum(candidates & inside, axis=-1)
-        recall = np.sum(selected & closer, axis=-1) / n
+        inside = np.where(unsure_max, exact <= r_max, x < r_max)
+        closer = np.where(unsure_min, exact < r_min, x < r_min)
+        precision = n / np.count_nonzero(candidates & inside, axis=-1)
+        recall = np.count_nonzero(selected & closer, axis=-1) / n
         f_score = np.where(precision + recall > 0,
                            2 * precision * recall / (precision + recall), 0.0)
         return precision, recall, f_score, r_max2, r_min2
@@ -657,10 +707,17 @@ class _Around:
     def ordered(self, a_mask, b_mask):
         """(R, B, K) stand-ins for D that compare between an a key and a b key exactly as the
         exact distances do: exact where some key of the other side has an expansion within
-        4 half-widths (the row's widest), the expansion elsewhere."""
-        half = np.max(self.hi - self.expanded, axis=-1, where=a_mask | b_mask, initial=0.0)
+        4 errors, the expansion elsewhere."""
+        either = a_mask | b_mask
+        half = np.where(self.unsure, np.inf, self.error[..., 0])
+        # A key is near one of the other side only in a row where two neighbours among the
+        # keys' sorted expansions lie within 4 errors (tested at 8, which covers the rounding
+        # of x -/+ w below): the other rows have none.
+        ranked = np.sort(np.where(either, self.expanded, np.inf), axis=-1)
+        close = np.diff(ranked, axis=-1) <= 8 * half[..., None]
+        rows = np.any(close, axis=-1) | ~np.isfinite(half)
         near = np.zeros(a_mask.shape, dtype=bool)
-        for idx in np.ndindex(a_mask.shape[:-1]):
+        for idx in zip(*np.nonzero(rows)):
             x, w = self.expanded[idx], 4 * half[idx]
             if not np.isfinite(w):
                 near[idx] = a_mask[idx] | b_mask[idx]
@@ -677,8 +734,9 @@ class _Around:
 
 def _store(out, g, results, valid):
     """Write results into column g of out: where not valid, NaN (floats) or -1 (counts)."""
+    every = valid.all()
     for name, x in results.items():
-        out[name][:, g] = np.where(valid, x, np.nan if out[name].dtype.kind == "f" else -1)
+        out[name][:, g] = x if every else np.where(valid, x, np.nan if out[name].dtype.kind == "f" else -1)
 
 
 def _k_sink(beta, selected, unselected, nonsink, has_sink, mu, nu_plus, nu_minus):
@@ -727,10 +785,22 @@ def _count_pairs_le(b, b_mask, a, a_mask):
 
 def _ranked(key, candidates):
     """Order (B, K) of the candidates by ascending key, ties to the smaller position, other
-    keys last; and each key's rank in it."""
-    order = np.argsort(np.where(candidates, key, np.inf), axis=1, kind="stable")
+    keys last (in position order); and each key's rank in it."""
+    keyed = np.where(candidates, key, np.inf)
+    # An unstable sort is the stable one wherever the candidates' keys are distinct and finite
+    # and the other keys are put back in position order; other rows are sorted stably.
+    order = np.argsort(keyed, axis=1)
+    first = np.arange(order.shape[1]) < candidates.sum(axis=1)[:, None]
+    in_order = np.take_along_axis(keyed, order, axis=1)
+    unsure = (np.any((in_order[:, 1:] == in_order[:, :-1]) & first[:, 1:], axis=1)
+              | ~np.all(np.isfinite(in_order) | ~first, axis=1))
+    if not first.all():
+        order[~first] = np.nonzero(~candidates)[1]  # row by row, in position order
+    if unsure.any():
+        order[unsure] = np.argsort(keyed[unsure], axis=1, kind="stable")
+    B, K = order.shape
     rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(order.shape[1])[None, :], axis=1)
+    rank.ravel()[(order + K * np.arange(B)[:, None]).ravel()] = np.tile(np.arange(K), B)
     return order, rank
 
 
@@ -740,15 +810,21 @@ def _prefix_sums(y, order, points):
     B, K, D = y.shape
     if not len(points):
         return np.empty((B, 0, D))
-    ranked = y.reshape(B * K, D)[(order[:, :points[-1]] + K * np.arange(B)[:, None]).ravel()]
-    ranked = ranked.reshape(B, points[-1], D)
-    out = np.empty((B, len(points), D))
-    start = 0
-    for i, n in enumerate(points):
-        # A reduction over a non-contiguous axis adds row after row: the running sum goes first.
-        block = ranked[:, start:n] if i == 0 else np.concatenate([out[:, i - 1, None], ranked[:, start:n]], axis=1)
-        out[:, i] = np.add.reduce(block, axis=1)
-        start = n
+    # The ranked keys gathered once, each block of keys after a slot for the running sum of the
+    # blocks before it (block i: keys points[i-1] .. points[i]-1 at positions shifted by i).
+    P, last = len(points), points[-1]
+    keys = np.arange(last)
+    source = np.zeros((B, last + P - 1), dtype=np.int64)
+    source[:, keys + np.searchsorted(points, keys, side="right")] = (
+        order[:, :last] + K * np.arange(B)[:, None])
+    ranked = y.reshape(B * K, D)[source]
+    out = np.empty((B, P, D))
+    # A reduction over a non-contiguous axis adds row after row: the running sum goes first.
+    out[:, 0] = np.add.reduce(ranked[:, :points[0]], axis=1)
+    for i in range(1, P):
+        slot = points[i - 1] + i - 1
+        ranked[:, slot] = out[:, i - 1]
+        out[:, i] = np.add.reduce(ranked[:, slot:points[i] + i], axis=1)
     return out
 
 
@@ -767,6 +843,16 @@ def _cos(a, b):
     """Cosine of (B, D) vectors, NaN where either is 0."""
     norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
     return np.where(norms > 0, np.einsum("bd,bd->b", a, b) / norms, np.nan)
+
+
+def _masked_max(x, mask):
+    """Maxima over the last axis of x where mask (-inf where none); NaN propagates."""
+    return np.where(mask, x, -np.inf).max(axis=-1, initial=-np.inf)
+
+
+def _masked_min(x, mask):
+    """Minima over the last axis of x where mask (inf where none); NaN propagates."""
+    return np.where(mask, x, np.inf).min(axis=-1, initial=np.inf)
 
 
 def _masked_mean(x, mask):
