@@ -14,10 +14,10 @@ from attngeom.errors import AttngeomError
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.report import build_report
 from attngeom.store import (
+    ANALYSIS,
     SEQUENCE_ARRAYS,
-    analysis_path,
     completed,
-    open_dataset,
+    open_derived,
     open_root,
     open_run_group,
     validate_store,
@@ -54,8 +54,8 @@ def store_summary(store: str, run_id: str) -> str:
 
 def analysis_table(store: str, run_id: str) -> str:
     """F_N of top-N against random-N, median lambda, and violation counts of the two bounds."""
-    topn = open_dataset(store, analysis_path(run_id, "topn")).load()
-    values = open_dataset(store, analysis_path(run_id, "values")).load()
+    topn = open_derived(store, run_id, ANALYSIS, "topn").load()
+    values = open_derived(store, run_id, ANALYSIS, "values").load()
     defined = topn["k_sink"] >= 0
     lines = [f"{'N':>5} {'F_N top-N':>10} {'F_N random':>11} {'bound viol.':>12} {'certif. viol.':>14}"]
     for n in topn["n"].values:

@@ -9,9 +9,11 @@ Python callers catch the kind they can handle (never the message text).
         ├── StoreNotFoundError    nothing (or no attngeom store) at the URL
         ├── SchemaError           not attngeom's, another schema version or format, a migration under way
         ├── RunNotFoundError      no such run (or no completed sequence in it)
+        ├── DerivedNotFoundError  no analysis or ablation (or not that group) for the run
         ├── StoreWriteError       the store cannot be written (full, read-only)
         └── DamagedStoreError     unreadable metadata, a missing or corrupt chunk
-            └── CorruptChunkError     a chunk that fails to decode (checksum, compression)
+            ├── CorruptChunkError     a chunk that fails to decode (checksum, compression)
+            └── IncompleteDerivedError an analysis or ablation whose writer was interrupted
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ __all__ = [
     "AttngeomError",
     "CorruptChunkError",
     "DamagedStoreError",
+    "DerivedNotFoundError",
+    "IncompleteDerivedError",
     "InputError",
     "RunNotFoundError",
     "SchemaError",
@@ -54,6 +58,10 @@ class RunNotFoundError(StoreError):
     """No run of that id in the store, or none with a completed sequence."""
 
 
+class DerivedNotFoundError(StoreError):
+    """The run has no analysis or ablation, or not the group asked for."""
+
+
 class StoreWriteError(StoreError):
     """The store cannot be written: out of space, read-only, or not a folder."""
 
@@ -64,3 +72,7 @@ class DamagedStoreError(StoreError):
 
 class CorruptChunkError(DamagedStoreError):
     """A chunk that fails to decode (its checksum, or its compression)."""
+
+
+class IncompleteDerivedError(DamagedStoreError):
+    """An analysis or ablation whose writer was interrupted: not finished, so not read."""

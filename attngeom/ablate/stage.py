@@ -57,7 +57,7 @@ from attngeom.ablate.kernels import (
     type_guided_keys,
 )
 from attngeom.ablate.masking import head_geometry, head_weight_norms, masked_nll
-from attngeom.errors import AttngeomError
+from attngeom.errors import AttngeomError, DerivedNotFoundError
 from attngeom.extract.models import (
     ModelSource,
     load_model,
@@ -69,16 +69,14 @@ from attngeom.store import (
     ABLATION,
     ANALYSIS,
     REGIMES,
-    ablation_path,
-    analysis_path,
     completed,
     consolidate,
-    open_dataset,
+    open_derived,
     open_root,
     open_run_group,
+    replace_groups,
     run_ids,
     run_provenance,
-    write_dataset,
 )
 
 DEFAULT_RETENTION = (1.0, 0.9, 0.75, 0.5, 0.25)
@@ -173,9 +171,10 @@ def _store_diagnostics(run: zarr.Group, seqs: np.ndarray, top_n: int) -> dict[st
 
 def _analysis_heads(url: str, run: zarr.Group, run_id: str) -> xr.Dataset | None:
     """analyze's (layer, head) table, or None when the run has not been analyzed."""
-    if ANALYSIS not in run or "heads" not in run[ANALYSIS]:
+    try:
+        heads = open_derived(url, run_id, ANALYSIS, "heads")
+    except DerivedNotFoundError:
         return None
-    heads = open_dataset(url, analysis_path(run_id, "heads"))
     return heads.transpose("layer", "head", ...).load()
 
 
@@ -495,16 +494,13 @@ def ablate(
     sweep = sweep.assign_attrs(attrs)
     table = _sweep_table(sweep, run_id, model_id)
 
-    # Replace the previous results as a whole: no group of an older ablation survives.
-    writable = open_run_group(open_root(store, mode="a"), run_id)
-    if ABLATION in writable:
-        del writable[ABLATION]
+    # Replace the previous results as a whole, committed last: no group of an older
+    # ablation survives, and an interrupted write leaves the older one readable.
     groups = {"single": single, "sweep": sweep, "correlations": correlations, "critical": critical_ds,
               "table": xr.Dataset.from_dataframe(table.rename_axis("row")).assign_attrs(attrs)}
     if regimes is not None:
         groups["regimes"] = regimes
-    for name, dataset in groups.items():
-        write_dataset(dataset, store, ablation_path(run_id, name))
+    replace_groups(store, run_id, ABLATION, groups, attrs["attngeom"])
     consolidate(open_root(store, mode="a"))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
