@@ -497,9 +497,11 @@ def _prepare(store: str, paths: dict[str, str], ds: xr.Dataset, plan: _Plan, gri
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
             keep = ()
     if not keep:
-        for name, lazy in _lazy_groups(ds, grid, seed).items():
+        # Metadata from a one-sequence graph (a graph of every sequence would cost seconds
+        # on large runs), then grown to the target like kept groups.
+        for name, lazy in _lazy_groups(ds.isel(seq=slice(0, 1)), grid, seed).items():
             write_dataset(lazy, store, paths[name], compute=False)
-        return ()
+        groups = _open_groups(store, paths)
     for group in groups.values():
         for _, arr in group.arrays():
             if tuple(arr.metadata.dimension_names or ())[:1] == ("seq",) and arr.shape[0] != len(plan.target):
@@ -544,18 +546,24 @@ def _batches(start: int, stop: int, n_layers: int) -> Iterator[tuple[int, int]]:
         yield a, min(stop, a + size)
 
 
-def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None, seed: int = 0,
-                out: Path | None = None, progress: bool = True) -> AnalyzeResult:
-    """Bring the analysis of one run up to date with its committed sequences (in the Dask
-    scheduler of the caller's context). Measure -> write per batch -> reduce -> commit."""
-    start = time.perf_counter()
+def _checked_input(store: str, run_id: str, n_grid: Sequence[int] | None) -> tuple[xr.Dataset, list[int]]:
+    """The run's committed sequences and the N grid, refusing what cannot be analyzed."""
     ds = open_completed(store, run_id)
     if ds.sizes["seq"] == 0:
         raise RunNotFoundError(f"run '{run_id}' has no complete sequence yet")
     length = ds.sizes["key"]
     grid = sorted(set(n_grid)) if n_grid else default_n_grid(length)
     if grid[0] < 1 or grid[-1] >= length:
-        raise InputError(f"--n-grid must hold sizes 1 <= N < L = {length}")
+        raise InputError(f"--n-grid must hold sizes 1 <= N < L = {length} (run '{run_id}')")
+    return ds, grid
+
+
+def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None, seed: int = 0,
+                out: Path | None = None, progress: bool = True) -> AnalyzeResult:
+    """Bring the analysis of one run up to date with its committed sequences (in the Dask
+    scheduler of the caller's context). Measure -> write per batch -> reduce -> commit."""
+    start = time.perf_counter()
+    ds, grid = _checked_input(store, run_id, n_grid)
     params = analysis_parameters(grid, seed)
     # Small arrays every task needs, read once.
     ds = ds.assign(attendable=ds["attendable"].load(), head_kv=ds["head_kv"].load())
@@ -623,6 +631,8 @@ def analyze(
     todo = [run_id] if run_id else runs
     if not todo:
         raise RunNotFoundError(f"{store} holds no run; run extract first")
+    for rid in todo:  # every run's input checked before any analysis is touched
+        _checked_input(store, rid, n_grid)
     with dask_client(scheduler, store):
         results = [analyze_run(store, rid, n_grid=n_grid, seed=seed, out=out, progress=progress) for rid in todo]
     consolidate(open_root(store, mode="a"))
