@@ -12,8 +12,9 @@ For each model and L, every repetition, side by side:
 - **read**: ``attn_last`` and ``values`` of those sequences loaded from the store (analyze's
   inputs; threads);
 - **analyze**: ``analyze()`` of the run from scratch (its analysis deleted first) with the
-  default scheduler, a LocalCluster of processes started by the call (start-up included), and
-  with ``scheduler="threads"``, in alternating order;
+  default scheduler (threads); with ``--processes`` also with ``scheduler="processes"`` (a
+  LocalCluster of worker processes started by the call, start-up included), in alternating
+  order;
 - **kernel**: ``topn_metrics`` + ``value_statistics`` on (sequence, layer) blocks of the store,
   serially, as the stage calls them; a sample of ``--kernel-blocks`` blocks scaled to the run
   (S x layers blocks).
@@ -96,7 +97,8 @@ def kernel_seconds(store: str, run_id: str, blocks: int) -> float:
     return spent / len(sample) * len(pairs)
 
 
-def one_case(model: str, length: int, n_seq: int, reps: int, blocks: int, workdir: Path, log) -> dict[str, Any]:
+def one_case(model: str, length: int, n_seq: int, reps: int, blocks: int, processes: bool, workdir: Path,
+             log) -> dict[str, Any]:
     samples: list[dict[str, float]] = []
     with preloaded(model):
         for rep in range(reps):
@@ -107,11 +109,11 @@ def one_case(model: str, length: int, n_seq: int, reps: int, blocks: int, workdi
             t = {"extract": timed(lambda: extract(request))}
             ds = open_completed(store, "r")
             t["read"] = timed(lambda: (ds["attn_last"].load(), ds["values"].load()))
-            order = ("default", "threads") if rep % 2 == 0 else ("threads", "default")
-            for scheduler in order:
+            order = ("default", "processes") if processes else ("default",)
+            for scheduler in order if rep % 2 == 0 else order[::-1]:
                 shutil.rmtree(Path(store) / analysis_path("r"), ignore_errors=True)
                 t[f"analyze_{scheduler}"] = timed(lambda: analyze(
-                    store, run_id="r", scheduler=None if scheduler == "default" else "threads", progress=False))
+                    store, run_id="r", scheduler=None if scheduler == "default" else scheduler, progress=False))
             t["kernel"] = kernel_seconds(store, "r", blocks)
             t["loadavg"] = os.getloadavg()[0]
             samples.append(t)
@@ -122,18 +124,20 @@ def one_case(model: str, length: int, n_seq: int, reps: int, blocks: int, workdi
     def med(f) -> float:
         return statistics.median(f(s) for s in samples)
 
+    nan = float("nan")
+
     return dict(
         model=model, L=length, sequences=n_seq, reps=reps, cores=cores, kernel_blocks=blocks,
         extract_s_per_seq=med(lambda s: s["extract"] / n_seq),
         read_s_per_seq=med(lambda s: s["read"] / n_seq),
         analyze_s_per_seq=med(lambda s: s["analyze_default"] / n_seq),
-        analyze_threads_s_per_seq=med(lambda s: s["analyze_threads"] / n_seq),
+        analyze_processes_s_per_seq=med(lambda s: s.get("analyze_processes", nan) / n_seq),
         kernel_serial_s_per_seq=med(lambda s: s["kernel"] / n_seq),
         analyze_over_extract=med(lambda s: s["analyze_default"] / s["extract"]),
         analyze_over_read=med(lambda s: s["analyze_default"] / s["read"]),
-        threads_over_default=med(lambda s: s["analyze_threads"] / s["analyze_default"]),
+        processes_over_default=med(lambda s: s.get("analyze_processes", nan) / s["analyze_default"]),
         overhead_s_per_seq=med(lambda s: (s["analyze_default"] - s["kernel"] / cores) / n_seq),
-        overhead_threads_s_per_seq=med(lambda s: (s["analyze_threads"] - s["kernel"] / cores) / n_seq),
+        overhead_processes_s_per_seq=med(lambda s: (s.get("analyze_processes", nan) - s["kernel"] / cores) / n_seq),
         loadavg=med(lambda s: s["loadavg"]),
         samples=samples,
     )
@@ -141,14 +145,14 @@ def one_case(model: str, length: int, n_seq: int, reps: int, blocks: int, workdi
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ["model", "L", "S", "extract s/seq", "read s/seq", "analyze s/seq", "analyze/extract", "analyze/read",
-            "threads s/seq", "threads/default", "kernel serial s/seq", "overhead s/seq (default)",
-            "overhead s/seq (threads)", "load avg"]
+            "processes s/seq", "processes/default", "kernel serial s/seq", "overhead s/seq (default)",
+            "overhead s/seq (processes)", "load avg"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["model"], r["L"], r["sequences"], r["extract_s_per_seq"], r["read_s_per_seq"],
                  r["analyze_s_per_seq"], r["analyze_over_extract"], r["analyze_over_read"],
-                 r["analyze_threads_s_per_seq"], r["threads_over_default"], r["kernel_serial_s_per_seq"],
-                 r["overhead_s_per_seq"], r["overhead_threads_s_per_seq"], r["loadavg"]]
+                 r["analyze_processes_s_per_seq"], r["processes_over_default"], r["kernel_serial_s_per_seq"],
+                 r["overhead_s_per_seq"], r["overhead_processes_s_per_seq"], r["loadavg"]]
         lines.append("| " + " | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -159,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="512,1024")
     p.add_argument("--num-sequences", "-S", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--kernel-blocks", type=int, default=4, help="(sequence, layer) blocks timed for the kernel estimate")
+    p.add_argument("--kernel-blocks", type=int, default=4, help="blocks timed for the kernel estimate")
+    p.add_argument("--processes", action="store_true", help="also time scheduler='processes' (a LocalCluster)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
 
@@ -170,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="attngeom-ave-") as wd:
         for model in args.models.split(","):
             for length in (int(x) for x in args.lengths.split(",")):
-                rows.append(one_case(model, length, args.num_sequences, args.reps, args.kernel_blocks, Path(wd), log))
+                rows.append(one_case(model, length, args.num_sequences, args.reps, args.kernel_blocks,
+                                     args.processes, Path(wd), log))
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

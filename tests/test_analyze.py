@@ -127,9 +127,10 @@ def test_rerun_is_idempotent_and_reads_only_completed(analyzed, cluster, tmp_pat
     xr.testing.assert_identical(before, after)
 
 
-def test_cli_default_local_cluster(analyzed, tmp_path):
+def test_cli_local_cluster_of_processes(analyzed, tmp_path):
     store, _ = analyzed
-    result = CliRunner().invoke(main, ["analyze", "--store", str(store), "--run", "gemma3", "--n-grid", "1,4", "--no-progress"])
+    result = CliRunner().invoke(main, ["analyze", "--store", str(store), "--run", "gemma3", "--n-grid", "1,4",
+                                       "--scheduler", "processes", "--no-progress"])
     assert result.exit_code == 0, result.output
     assert "run gemma3: 3 new sequences (3 analyzed), 36 head instances" in result.output
     assert "recomputed every sequence: n grid 1,2,4,8,15 -> 1,4" in result.output

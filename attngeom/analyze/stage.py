@@ -380,11 +380,16 @@ def run_regimes(store: str) -> dict[str, tuple[str, str, np.ndarray]]:
 
 @contextlib.contextmanager
 def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
-    """An existing cluster by address, ``"threads"`` for this process alone, else a
-    LocalCluster of processes sized to the machine. A ``memory://`` store lives in this
-    process only, so it is analyzed with threads.
+    """``"threads"`` (the default, ``None``) for this process alone, one thread per core;
+    ``"processes"`` for a LocalCluster of worker processes sized to the machine; else the
+    address of an existing cluster. A ``memory://`` store lives in this process only, so it
+    is always analyzed with threads.
+
+    Threads are the default: on 2 cores a LocalCluster ran analyze 2.8x slower than threads
+    (smollm2-135m, L = 512, 2 sequences; benchmarks/analyze_vs_extract.py): starting and
+    stopping its worker processes costs more than the few kernel calls that hold the GIL.
     """
-    if scheduler == "threads" or (store.startswith("memory://") and scheduler is None):
+    if scheduler in (None, "threads") or store.startswith("memory://"):
         # Dask's threads already fill the cores; a multi-threaded BLAS under each one
         # oversubscribes them (measured 1.3-1.5x slower). Distributed workers set this too.
         with dask.config.set(scheduler="threads"), threadpool_limits(limits=1):
@@ -392,15 +397,16 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
         return
     from distributed import Client, LocalCluster
 
-    if scheduler is not None:
-        try:
-            client = Client(scheduler, timeout="10s")
-        except OSError as exc:
-            raise AttngeomError(f"cannot reach the Dask scheduler at {scheduler} ({exc})") from exc
-        with client:
+    if scheduler == "processes":
+        with LocalCluster(threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
+                Client(cluster) as client:
             yield client
         return
-    with LocalCluster(threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, Client(cluster) as client:
+    try:
+        client = Client(scheduler, timeout="10s")
+    except OSError as exc:
+        raise AttngeomError(f"cannot reach the Dask scheduler at {scheduler} ({exc})") from exc
+    with client:
         yield client
 
 

@@ -280,7 +280,8 @@ def open_derived(url: str, run_id: str, kind: str, name: str) -> xr.Dataset:
     """
     state = derived_state(url, run_id, kind)
     if not state.exists:
-        raise DerivedNotFoundError(f"run {run_id} has no {kind} (run `{_RERUN.get(kind, 'attngeom')} --store {url} --run {run_id}`)")
+        command = _RERUN.get(kind, "attngeom")
+        raise DerivedNotFoundError(f"run {run_id} has no {kind} (run `{command} --store {url} --run {run_id}`)")
     if not state.readable:
         raise _incomplete(url, state)
     if state.commit is not None and name not in state.commit.groups:
@@ -315,5 +316,5 @@ def derived_problems(url: str, run_id: str, committed_sequences: Sequence[int]) 
                 problems.append(f"run {run_id}: {kind} is committed but lacks its group '{name}'")
         unknown = sorted(set(state.commit.sequences) - done)
         if unknown:
-            problems.append(f"run {run_id}: {kind} covers sequences {unknown[:5]} that the run does not hold as complete")
+            problems.append(f"run {run_id}: {kind} covers sequences {unknown[:5]} the run does not hold as complete")
     return problems
