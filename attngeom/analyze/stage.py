@@ -564,6 +564,29 @@ def _checked_input(store: str, run_id: str, n_grid: Sequence[int] | None) -> tup
     return ds, grid
 
 
+def _compute_sequences(store: str, run_id: str, ds: xr.Dataset, plan: _Plan, params: dict[str, Any],
+                       seed: int, progress: bool) -> tuple[Pending, int]:
+    """Compute and write the per-sequence groups of the sequences ``plan`` does not keep,
+    batch by batch, recording progress after each; returns the record of what is written
+    and how many sequences were computed."""
+    pending = Pending(params, plan.keep, staged=plan.staged)
+    set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
+    paths = _sequence_paths(run_id, plan.staged)
+    keep = _prepare(store, paths, ds, plan, params["n_grid"], seed)
+    pending = replace(pending, sequences=keep)
+    groups = _open_groups(store, paths)
+    target = plan.target
+    with tqdm(total=len(target) - len(keep), unit="seq", desc=f"{run_id}: analyze", disable=not progress) as bar:
+        for a, b in _batches(len(keep), len(target), ds.sizes["layer"]):
+            lazy = _lazy_groups(ds.isel(seq=slice(a, b)), params["n_grid"], seed)
+            computed = dict(zip(lazy, dask.compute(*lazy.values())))
+            _write_batch(groups, computed, a)
+            pending = replace(pending, sequences=target[:b])
+            set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
+            bar.update(b - a)
+    return pending, len(target) - len(keep)
+
+
 def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None, seed: int = 0,
                 out: Path | None = None, progress: bool = True) -> AnalyzeResult:
     """Bring the analysis of one run up to date with its committed sequences (in the Dask
@@ -582,31 +605,17 @@ def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None,
                                                ANALYSIS_SEQUENCE_GROUPS))
         state = derived_state(store, run_id, ANALYSIS)
     plan = _plan(state, params, target)
-    paths = _sequence_paths(run_id, plan.staged)
     up_to_date = state.commit is not None and plan.keep == target and state.pending is None and not plan.staged
     if up_to_date:
         table = open_derived(store, run_id, ANALYSIS, "table").to_dataframe().reset_index(drop=True)
         new = 0
     else:
-        pending = Pending(params, plan.keep, staged=plan.staged)
-        set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
-        keep = _prepare(store, paths, ds, plan, grid, seed)
-        pending = replace(pending, sequences=keep)
-        groups = _open_groups(store, paths)
-        with tqdm(total=len(target) - len(keep), unit="seq", desc=f"{run_id}: analyze", disable=not progress) as bar:
-            for a, b in _batches(len(keep), len(target), ds.sizes["layer"]):
-                lazy = _lazy_groups(ds.isel(seq=slice(a, b)), grid, seed)
-                computed = dict(zip(lazy, dask.compute(*lazy.values())))
-                _write_batch(groups, computed, a)
-                pending = replace(pending, sequences=target[:b])
-                set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
-                bar.update(b - a)
-        new = len(target) - len(keep)
-        cross, table = _cross_sequence_groups(store, paths, len(target), ds.attrs.get("attngeom", {}), run_id)
+        pending, new = _compute_sequences(store, run_id, ds, plan, params, seed, progress)
+        cross, table = _cross_sequence_groups(store, _sequence_paths(run_id, plan.staged), len(target),
+                                              ds.attrs.get("attngeom", {}), run_id)
         for name, dataset in cross.items():
             write_dataset(dataset, store, staged_path(run_id, ANALYSIS, name))
-        moved = [*(ANALYSIS_SEQUENCE_GROUPS if plan.staged else ()), *cross]
-        promote(store, run_id, ANALYSIS, moved, pending)
+        promote(store, run_id, ANALYSIS, [*(ANALYSIS_SEQUENCE_GROUPS if plan.staged else ()), *cross], pending)
         commit(store, run_id, ANALYSIS, Commit(params, ANALYSIS_GROUPS, target, ANALYSIS_SEQUENCE_GROUPS))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
