@@ -29,6 +29,8 @@ from typing import Any
 
 import xarray as xr
 import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
 
 from attngeom import __version__
 from attngeom.errors import DerivedNotFoundError, IncompleteDerivedError
@@ -176,32 +178,42 @@ def _local_path(url: str) -> str | None:
     return None if "://" in url else url
 
 
+# Moving and removing groups: a folder rename on a local store; on any other store (object
+# stores have no rename) a copy of each object through the zarr Store, then a delete.
+
+
 def _remove(url: str, path: str) -> None:
     local = _local_path(url)
     if local is not None:
         shutil.rmtree(os.path.join(local, path), ignore_errors=True)
         return
-    fs, root = _fs(url)
-    if fs.exists(f"{root}/{path}"):
-        fs.rm(f"{root}/{path}", recursive=True)
-
-
-def _fs(url: str):
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(url)
-    return fs, root.rstrip("/")
+    sync(zarr_store(url, read_only=False).delete_dir(path))
 
 
 def _move(url: str, source: str, target: str) -> None:
-    """Move the group at ``source`` to ``target`` (replacing it): a rename on a local store."""
+    """Move the group at ``source`` to ``target``, replacing it."""
     _remove(url, target)
     local = _local_path(url)
     if local is not None:
         os.replace(os.path.join(local, source), os.path.join(local, target))
         return
-    fs, root = _fs(url)
-    fs.mv(f"{root}/{source}", f"{root}/{target}", recursive=True)
+    store = zarr_store(url, read_only=False)
+
+    async def copy() -> None:
+        keys = [key async for key in store.list_prefix(f"{source}/")]
+        for key in keys:
+            value = await store.get(key, prototype=default_buffer_prototype())
+            await store.set(f"{target}{key[len(source):]}", value)
+        await store.delete_dir(source)
+
+    sync(copy())
+
+
+def _exists(url: str, path: str) -> bool:
+    local = _local_path(url)
+    if local is not None:
+        return os.path.exists(os.path.join(local, path, "zarr.json"))
+    return sync(zarr_store(url, read_only=True).exists(f"{path}/zarr.json"))
 
 
 def promote(url: str, run_id: str, kind: str, names: Sequence[str], pending: Pending) -> None:
@@ -217,14 +229,6 @@ def _finish_promotion(url: str, run_id: str, kind: str, names: Sequence[str]) ->
         staged = _group_path(run_id, kind, name, staged=True)
         if _exists(url, staged):
             _move(url, staged, _group_path(run_id, kind, name))
-
-
-def _exists(url: str, path: str) -> bool:
-    local = _local_path(url)
-    if local is not None:
-        return os.path.exists(os.path.join(local, path, "zarr.json"))
-    fs, root = _fs(url)
-    return fs.exists(f"{root}/{path}/zarr.json")
 
 
 def resume_promotion(url: str, state: DerivedState) -> bool:
