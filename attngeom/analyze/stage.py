@@ -385,9 +385,10 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
     address of an existing cluster. A ``memory://`` store lives in this process only, so it
     is always analyzed with threads.
 
-    Threads are the default: on 2 cores a LocalCluster ran analyze 2.8x slower than threads
-    (smollm2-135m, L = 512, 2 sequences; benchmarks/analyze_vs_extract.py): starting and
-    stopping its worker processes costs more than the few kernel calls that hold the GIL.
+    Threads are the default: on 2 cores a LocalCluster ran analyze 2.8-5.4x slower than
+    threads (smollm2-135m and gemma3-270m, L = 512, 2 sequences;
+    benchmarks/analyze_vs_extract.py --processes): starting and stopping its worker processes
+    costs more than the kernels' few GIL-holding steps do to threads.
     """
     if scheduler in (None, "threads") or store.startswith("memory://"):
         # Dask's threads already fill the cores; a multi-threaded BLAS under each one
