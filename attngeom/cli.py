@@ -110,7 +110,7 @@ def extract(**kwargs) -> None:
 @main.command()
 @STORE
 @click.option("--run", "run_id", help="Analyze only this run [default: every run].")
-@click.option("--scheduler", help="Address of an existing Dask scheduler (tcp://host:8786), or 'threads' for this process alone [default: a LocalCluster of processes sized to this machine].")
+@click.option("--scheduler", help="'threads' for this process alone, 'processes' for a LocalCluster of worker processes sized to this machine, or the address of an existing Dask scheduler (tcp://host:8786) [default: threads].")
 @click.option("--n-grid", callback=_comma_list(int, "a comma-separated list of integers, e.g. 1,2,4,8"), help="Selection sizes N [default: 1,2,4,... < L].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Also write the tidy tables here (Parquet and CSV).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random-N control.")
@@ -118,13 +118,20 @@ def extract(**kwargs) -> None:
 def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: Path | None, seed: int, no_progress: bool) -> None:
     """Compute every quantity of SPEC §3 from the store, out of core, without the model.
 
-    Writes runs/<id>/analysis/{topn,values,heads,summary,table} into the store; only
-    committed sequences are read, and re-running overwrites the same results.
+    Writes runs/<id>/analysis/{topn,values,taxonomy,heads,summary,signatures,table} into
+    the store; only committed sequences are read. Incremental: a rerun with the same
+    parameters (n grid, seed) computes only the sequences not analyzed yet, then the groups
+    across sequences; other parameters recompute everything (the output says why), and the
+    earlier analysis stays readable until the new one is complete. Safe to kill: the same
+    command resumes where it stopped.
     """
     from attngeom import api
 
     for r in api.analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed, progress=not no_progress):
-        click.echo(f"run {r.run_id}: {r.sequences} sequences, {r.instances} head instances in {r.seconds:.1f} s")
+        click.echo(f"run {r.run_id}: {r.new_sequences} new sequences ({r.sequences} analyzed), "
+                   f"{r.instances} head instances in {r.seconds:.1f} s")
+        if r.recomputed:
+            click.echo(f"run {r.run_id}: recomputed every sequence: {r.recomputed}")
 
 
 @main.command()

@@ -12,7 +12,8 @@ Python callers catch the kind they can handle (never the message text).
         ├── GroupNotFoundError    no such analysis or ablation group in a run (not computed yet)
         ├── StoreWriteError       the store cannot be written (full, read-only)
         └── DamagedStoreError     unreadable metadata, a missing or corrupt chunk
-            └── CorruptChunkError     a chunk that fails to decode (checksum, compression)
+            ├── CorruptChunkError     a chunk that fails to decode (checksum, compression)
+            └── IncompleteGroupError  an analysis or ablation whose writer was interrupted
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "CorruptChunkError",
     "DamagedStoreError",
     "GroupNotFoundError",
+    "IncompleteGroupError",
     "InputError",
     "RunNotFoundError",
     "SchemaError",
@@ -70,3 +72,7 @@ class DamagedStoreError(StoreError):
 
 class CorruptChunkError(DamagedStoreError):
     """A chunk that fails to decode (its checksum, or its compression)."""
+
+
+class IncompleteGroupError(DamagedStoreError):
+    """An analysis or ablation whose writer was interrupted: not finished, so not read."""

@@ -18,10 +18,11 @@ What is measured (every store is synthetic, `attngeom.synthetic.write_synthetic_
    kernel run on that instance alone (counts exact, floats to 1e-9 relative).
 2. **Scaling.** ``analyze(store, scheduler="threads")`` wall time on stores of 2 layers, 8 heads,
    2 kv heads, head_dim 128: over L = 128, 512, 1024 at 4 sequences, and over 8, 16, 32
-   sequences at L = 512; seconds per head-instance, split into the per-sequence part
-   (``_write_by_sequence``: reading, both kernels, writing ``topn``/``values``) and the fixed
-   part (per-layer reductions, ``heads``/``summary``/``table`` writes), which does not grow with
-   the store. "kernel" is the serial time of ``topn_metrics`` + ``value_statistics`` on one
+   sequences at L = 512 (each repetition analyzes anew: the earlier analysis is deleted);
+   seconds per head-instance, split into the fixed part (``_cross_sequence_groups``: the
+   reductions across sequences into ``heads``/``summary``/``signatures``/``table``) and the
+   rest (reading, both kernels, writing the per-sequence groups, the small cross-sequence
+   writes and the commit). "kernel" is the serial time of ``topn_metrics`` + ``value_statistics`` on one
    block of the same store, timed in the same repetition; "per-seq / kernel" is then about
    1/threads for a stage that adds no overhead. Configurations are interleaved per repetition.
    The "BLAS default" rows repeat the L series with OpenBLAS at its default thread count.
@@ -254,7 +255,7 @@ def kernel_table(rows) -> str:
 def phase_timers() -> Iterator[dict[str, float]]:
     """Time analyze's phases by wrapping stage-module functions for the duration."""
     times: dict[str, float] = {}
-    names = ("_write_by_sequence", "_per_layer")
+    names = ("_cross_sequence_groups",)
     saved = {name: getattr(stage, name) for name in names}
 
     def wrap(name, f):
@@ -308,12 +309,14 @@ def bench_scaling(workdir: Path, configs: list[dict], reps: int, log) -> list[di
         for i in order:
             BLAS.set(configs[i]["blas"])
             kernel = kernel_block_seconds(stores[i])
+            # analyze is incremental: without its earlier analysis the run is analyzed anew.
+            shutil.rmtree(Path(stores[i]) / "runs" / "r" / "analysis", ignore_errors=True)
             with phase_timers() as times:
                 t0 = time.perf_counter()
                 (result,) = stage.analyze(stores[i], scheduler="threads", progress=False)
                 wall = time.perf_counter() - t0
-            per_seq = times.get("_write_by_sequence", 0.0)
-            samples[i].append(dict(wall=wall, per_seq=per_seq, fixed=wall - per_seq,
+            fixed = times.get("_cross_sequence_groups", 0.0)
+            samples[i].append(dict(wall=wall, per_seq=wall - fixed, fixed=fixed,
                                    instances=result.instances, kernel=kernel))
         log(f"  scaling repetition {rep + 1}/{reps} done")
     rows = []

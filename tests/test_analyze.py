@@ -1,6 +1,16 @@
-"""analyze over stores made by extract: values equal the brute force, idempotent, cluster by address."""
+"""analyze over stores made by extract: values equal the brute force, idempotent, cluster by
+address; incremental equals full; SIGKILL at any store write, then a rerun, equals an
+uninterrupted analyze, and no reader takes the half state for a finished analysis."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -10,10 +20,29 @@ import zarr
 from click.testing import CliRunner
 from test_kernels import brute_topn, brute_value_statistics
 
-from attngeom.analyze.stage import TOPN_VARS, VALUE_VARS, _instance_seed, analyze
+from attngeom.analyze.stage import (
+    TOPN_VARS,
+    VALUE_VARS,
+    _instance_seed,
+    analyze,
+    nan_median,
+    nan_quantiles,
+    run_regimes,
+)
 from attngeom.cli import main
+from attngeom.errors import IncompleteGroupError
 from attngeom.extract.pipeline import ExtractRequest, extract
-from attngeom.store import resize_run
+from attngeom.report.data import load_runs
+from attngeom.store import (
+    ABLATION,
+    ANALYSIS,
+    ANALYSIS_GROUPS,
+    derived_state,
+    open_derived,
+    replace_groups,
+    resize_run,
+    validate_store,
+)
 
 GRID = [1, 2, 4, 8, 15]
 
@@ -98,11 +127,266 @@ def test_rerun_is_idempotent_and_reads_only_completed(analyzed, cluster, tmp_pat
     xr.testing.assert_identical(before, after)
 
 
-def test_cli_default_local_cluster(analyzed, tmp_path):
+def test_cli_local_cluster_of_processes(analyzed, tmp_path):
     store, _ = analyzed
-    result = CliRunner().invoke(main, ["analyze", "--store", str(store), "--run", "gemma3", "--n-grid", "1,4", "--no-progress"])
+    result = CliRunner().invoke(main, ["analyze", "--store", str(store), "--run", "gemma3", "--n-grid", "1,4",
+                                       "--scheduler", "processes", "--no-progress"])
     assert result.exit_code == 0, result.output
-    assert "run gemma3: 3 sequences, 36 head instances" in result.output
+    assert "run gemma3: 3 new sequences (3 analyzed), 36 head instances" in result.output
+    assert "recomputed every sequence: n grid 1,2,4,8,15 -> 1,4" in result.output
     assert list(group(store, "gemma3", "topn")["n"].values) == [1, 4]
     bad = CliRunner().invoke(main, ["analyze", "--store", str(store), "--run", "nope"])
     assert bad.exit_code == 2 and "no run 'nope'" in bad.stderr
+
+
+# ------------------------------------------------------------------ incremental and safe to kill
+
+
+def extract_llama(model, corpus, store, n: int) -> None:
+    extract(ExtractRequest(model=str(model), dataset=str(corpus), context_length=16, num_sequences=n,
+                           store=str(store), run_id="r", progress=False))
+
+
+def analysis(store) -> dict[str, xr.Dataset]:
+    """Every group of run r's finished analysis, in memory."""
+    return {name: open_derived(str(store), "r", ANALYSIS, name).load() for name in ANALYSIS_GROUPS}
+
+
+def assert_bitwise(a: dict[str, xr.Dataset], b: dict[str, xr.Dataset]) -> None:
+    """Same groups, variables, coordinates, attributes, and the same bytes in every array."""
+    assert a.keys() == b.keys()
+    for name in a:
+        xr.testing.assert_identical(a[name], b[name])
+        for var in a[name].variables:
+            x, y = a[name][var].values, b[name][var].values
+            if x.dtype.kind in "biuf":
+                assert x.tobytes() == y.tobytes(), f"{name}/{var}"
+
+
+@pytest.fixture(scope="module")
+def llama_stores(tiny_model_dir, word_corpus, tmp_path_factory):
+    """Run r of the tiny Llama (L = 16): 3 sequences, and the same run extracted to 5."""
+    folder = tmp_path_factory.mktemp("inc")
+    model = tiny_model_dir("llama")
+    extract_llama(model, word_corpus, folder / "three.zarr", 3)
+    shutil.copytree(folder / "three.zarr", folder / "five.zarr")
+    extract_llama(model, word_corpus, folder / "five.zarr", 5)
+    return folder / "three.zarr", folder / "five.zarr", model
+
+
+@pytest.fixture(scope="module")
+def reference(llama_stores, tmp_path_factory):
+    """Uninterrupted analyses: 5 sequences with GRID and with [1, 4]; 3 sequences with GRID."""
+    three, five, _ = llama_stores
+    out = {}
+    for key, source, grid in (("five", five, GRID), ("five_14", five, [1, 4]), ("three", three, GRID)):
+        store = tmp_path_factory.mktemp("ref") / "s.zarr"
+        shutil.copytree(source, store)
+        analyze(str(store), scheduler="threads", n_grid=grid, progress=False)
+        out[key] = analysis(store)
+    return out
+
+
+def test_incremental_equals_full(llama_stores, reference, word_corpus, tmp_path):
+    three, _, model = llama_stores
+    store = tmp_path / "s.zarr"
+    shutil.copytree(three, store)
+    (first,) = analyze(str(store), scheduler="threads", n_grid=GRID, progress=False)
+    assert (first.sequences, first.new_sequences, first.recomputed) == (3, 3, None)
+    extract_llama(model, word_corpus, store, 5)
+    (second,) = analyze(str(store), scheduler="threads", n_grid=GRID, progress=False)
+    assert (second.sequences, second.new_sequences, second.recomputed) == (5, 2, None)
+    assert_bitwise(analysis(store), reference["five"])
+    (third,) = analyze(str(store), scheduler="threads", n_grid=GRID, progress=False)
+    assert (third.sequences, third.new_sequences) == (5, 0)
+    assert_bitwise(analysis(store), reference["five"])
+    assert validate_store(str(store)) == []
+
+
+def test_parameter_change_recomputes_and_says_why(llama_stores, reference, tmp_path):
+    _, five, _ = llama_stores
+    store = tmp_path / "s.zarr"
+    shutil.copytree(five, store)
+    analyze(str(store), scheduler="threads", n_grid=GRID, progress=False)
+    result = CliRunner().invoke(main, ["analyze", "--store", str(store), "--scheduler", "threads",
+                                       "--n-grid", "4,1", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "run r: 5 new sequences (5 analyzed)" in result.output
+    assert "recomputed every sequence: n grid 1,2,4,8,15 -> 1,4" in result.output
+    assert_bitwise(analysis(store), reference["five_14"])
+    seed = CliRunner().invoke(main, ["analyze", "--store", str(store), "--scheduler", "threads",
+                                     "--n-grid", "1,4", "--seed", "3", "--no-progress"])
+    assert "recomputed every sequence: seed 0 -> 3" in seed.output
+    bad = CliRunner().invoke(main, ["analyze", "--store", str(store), "--n-grid", "1,16"])
+    assert bad.exit_code == 2 and "1 <= N < L = 16" in bad.stderr
+    assert derived_state(str(store), "r", ANALYSIS).commit.parameters["seed"] == 3  # untouched
+
+
+def test_vectorized_quantiles_equal_numpy():
+    rng = np.random.default_rng(0)
+    for n_seq in (1, 2, 5, 64):
+        x = rng.normal(size=(n_seq, 3, 4, 6))
+        x[rng.random(x.shape) < 0.3] = np.nan
+        x[:, 0, 0] = np.nan  # a column without a number
+        x[:, 1, 1, :2] = 1.5  # ties
+        with np.errstate(all="ignore"), pytest.warns(RuntimeWarning):
+            want_q = np.nanquantile(x, [0.05, 0.5, 0.95], axis=0)
+            want_m = np.nanmedian(x, axis=0)
+        np.testing.assert_array_equal(nan_quantiles(x, [0.05, 0.5, 0.95]), want_q)
+        np.testing.assert_array_equal(nan_median(x), want_m)
+
+
+KILLER = textwrap.dedent("""
+    import os, signal, sys
+    import zarr
+    from attngeom.analyze import stage
+    from attngeom.cli import main
+
+    # One (sequence, layer) task per batch of the tiny model: many batches, many records.
+    stage.BATCH_TASKS = 3
+    limit, count = int(os.environ["KILL_AT_WRITE"]), 0
+    set_ = zarr.storage.LocalStore.set
+
+    async def killing(self, key, value):
+        global count
+        count += 1
+        if count == limit:
+            os.kill(os.getpid(), signal.SIGKILL)
+        await set_(self, key, value)
+
+    zarr.storage.LocalStore.set = killing
+    try:
+        main(sys.argv[1:], standalone_mode=False)
+    finally:
+        print("writes", count)
+""")
+
+
+def run_killed(tmp_path: Path, store: Path, grid: list[int], kill_at: int) -> subprocess.CompletedProcess:
+    """``attngeom analyze`` in a subprocess, SIGKILLed as it is about to make its
+    ``kill_at``-th store write (0: never)."""
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    cmd = [sys.executable, str(script), "analyze", "--store", str(store), "--scheduler", "threads",
+           "--n-grid", ",".join(map(str, grid)), "--no-progress"]
+    env = {**os.environ, "KILL_AT_WRITE": str(kill_at)}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def readers_refuse_or_see(store: Path, earlier: dict[str, xr.Dataset], out: Path) -> bool:
+    """After a kill: either every reader refuses the analysis as incomplete, or it is the
+    earlier finished one, unchanged. True when it was readable."""
+    url = str(store)
+    if derived_state(url, "r", ANALYSIS).readable:
+        assert_bitwise(analysis(store), earlier)
+        assert validate_store(url) == []
+        return True
+    with pytest.raises(IncompleteGroupError, match="analysis of run r is incomplete"):
+        open_derived(url, "r", ANALYSIS, "topn")
+    with pytest.raises(IncompleteGroupError):
+        run_regimes(url)
+    with pytest.raises(IncompleteGroupError):
+        load_runs(url)
+    assert any("analysis of run r is incomplete (interrupted analyze); re-run `attngeom analyze" in p
+               for p in validate_store(url))
+    taxonomy = CliRunner().invoke(main, ["taxonomy", "--store", url])
+    assert taxonomy.exit_code == 2 and "incomplete" in taxonomy.stderr
+    return False
+
+
+@pytest.mark.parametrize("grid", [GRID, [1, 4]], ids=["extend", "new-grid"])
+def test_sigkill_then_rerun_equals_uninterrupted(llama_stores, reference, tmp_path, grid):
+    """Three sequences analyzed with GRID, extract to five, then ``analyze --n-grid grid``
+    killed at store writes spread over it (and once killed again while resuming). Extending
+    keeps the earlier analysis readable until the groups across sequences move into place;
+    a new grid keeps it readable until the new one is complete."""
+    three, five, _ = llama_stores
+    pristine = tmp_path / "pristine.zarr"
+    shutil.copytree(three, pristine)
+    analyze(str(pristine), scheduler="threads", n_grid=GRID, progress=False)
+    for name in ("tokens", "values", "attn_last", "winner", "sink_attn", "diag_attn", "top1_attn", "entropy",
+                 "complete", "doc_index", "window_start"):
+        shutil.rmtree(pristine / "runs" / "r" / name)
+        shutil.copytree(five / "runs" / "r" / name, pristine / "runs" / "r" / name)
+    store = tmp_path / "s.zarr"
+    shutil.copytree(pristine, store)
+    full = run_killed(tmp_path, store, grid, 0)
+    assert full.returncode == 0, full.stderr
+    total = int(full.stdout.split("writes")[-1])
+    want = reference["five" if grid == GRID else "five_14"]
+    assert_bitwise(analysis(store), want)
+    readable = []
+    # The last writes: the record "promoting" (groups being moved into place), the commit,
+    # the consolidated metadata.
+    points = [1, total // 5, total // 2, 4 * total // 5, total - 2, total - 1]
+    for kill_at in points:
+        shutil.rmtree(store)
+        shutil.copytree(pristine, store)
+        killed = run_killed(tmp_path, store, grid, kill_at)
+        assert killed.returncode == -signal.SIGKILL, (kill_at, killed.stderr)
+        readable.append(readers_refuse_or_see(store, reference["three"], tmp_path / "report"))
+        if kill_at == total // 2:  # killed again while resuming
+            again = run_killed(tmp_path, store, grid, 5)
+            assert again.returncode == -signal.SIGKILL
+            readers_refuse_or_see(store, reference["three"], tmp_path / "report")
+        (result,) = analyze(str(store), scheduler="threads", n_grid=grid, progress=False)
+        assert_bitwise(analysis(store), want)
+        assert validate_store(str(store)) == [], kill_at
+    # The earlier analysis stays readable through the computation; only once finished
+    # groups are being moved into place, until the commit, are readers refused.
+    assert readable == [True] * 5 + [False], readable
+
+
+def test_interrupted_ablation_write_is_reported_and_earlier_kept(tmp_path, monkeypatch):
+    """replace_groups (ablate's write): a crash while staging keeps the earlier ablation
+    readable; one after the move into place, before the commit, is refused by readers and
+    reported by validate. A crash is an exception out of the store's ``set``: nothing after
+    it runs, as after SIGKILL."""
+    import zarr
+
+    from attngeom.synthetic import write_synthetic_run
+
+    url = str(tmp_path / "s.zarr")
+    write_synthetic_run(url, "r", n_seq=2, length=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4)
+    first = {"single": xr.Dataset({"x": ("layer", np.arange(3.0))}), "table": xr.Dataset({"y": ("row", [1, 2])})}
+    replace_groups(url, "r", ABLATION, first, {"seed": 0})
+    second = {"single": xr.Dataset({"x": ("layer", np.arange(3.0) + 1)})}
+    pristine = tmp_path / "pristine.zarr"
+    shutil.copytree(tmp_path / "s.zarr", pristine)
+
+    class Crash(Exception):
+        pass
+
+    set_ = zarr.storage.LocalStore.set
+    keys: list[str] = []
+    crash_at = None
+
+    async def crashing(self, key, value):
+        keys.append(key)
+        if len(keys) == crash_at:
+            raise Crash(key)
+        await set_(self, key, value)
+
+    monkeypatch.setattr(zarr.storage.LocalStore, "set", crashing)
+    replace_groups(url, "r", ABLATION, second, {"seed": 1})
+    record = [i + 1 for i, k in enumerate(keys) if k == "runs/r/ablation/zarr.json"]
+    staging = next(i + 1 for i, k in enumerate(keys) if "/_next/single/x/c" in k)
+    for crash_at, readable in ((staging, True), (record[-1], False)):
+        shutil.rmtree(tmp_path / "s.zarr")
+        shutil.copytree(pristine, tmp_path / "s.zarr")
+        keys.clear()
+        with pytest.raises(Crash):
+            replace_groups(url, "r", ABLATION, second, {"seed": 1})
+        assert derived_state(url, "r", ABLATION).readable == readable
+        if readable:
+            np.testing.assert_array_equal(open_derived(url, "r", ABLATION, "single")["x"].values, np.arange(3.0))
+            assert validate_store(url) == []
+        else:
+            with pytest.raises(IncompleteGroupError):
+                open_derived(url, "r", ABLATION, "single")
+            assert "ablation of run r is incomplete (interrupted ablate)" in " ".join(validate_store(url))
+        crash_at = None
+        replace_groups(url, "r", ABLATION, second, {"seed": 1})
+        assert validate_store(url) == []
+        np.testing.assert_array_equal(open_derived(url, "r", ABLATION, "single")["x"].values, np.arange(3.0) + 1)
+        assert not (tmp_path / "s.zarr" / "runs" / "r" / "ablation" / "table").exists()

@@ -61,7 +61,7 @@ from attngeom.ablate.kernels import (
 )
 from attngeom.ablate.masking import head_geometry, head_weight_norms, masked_nll
 from attngeom.ablate.request import AblateRequest
-from attngeom.errors import InputError
+from attngeom.errors import GroupNotFoundError, InputError
 from attngeom.extract.models import (
     ModelSource,
     load_model,
@@ -75,17 +75,16 @@ from attngeom.extract.models import (
 from attngeom.store import (
     ABLATION,
     ANALYSIS,
+    ATTR_KEY,
     REGIMES,
-    ablation_path,
-    analysis_path,
     completed,
     consolidate,
-    open_dataset,
+    open_derived,
     open_root,
     open_run_group,
+    replace_groups,
     require_run,
     run_provenance,
-    write_dataset,
 )
 
 # How each method orders the heads of a layer, first kept first.
@@ -168,9 +167,10 @@ def _store_diagnostics(run: zarr.Group, seqs: np.ndarray, top_n: int) -> dict[st
 
 def _analysis_heads(url: str, run: zarr.Group, run_id: str) -> xr.Dataset | None:
     """analyze's (layer, head) table, or None when the run has not been analyzed."""
-    if ANALYSIS not in run or "heads" not in run[ANALYSIS]:
+    try:
+        heads = open_derived(url, run_id, ANALYSIS, "heads")
+    except GroupNotFoundError:
         return None
-    heads = open_dataset(url, analysis_path(run_id, "heads"))
     return heads.transpose("layer", "head", ...).load()
 
 
@@ -598,12 +598,10 @@ def _assemble(
 
 
 def _write_ablation(url: str, run_id: str, groups: dict[str, xr.Dataset]) -> None:
-    """Replace the run's previous results as a whole: no group of an older ablation survives."""
-    writable = open_run_group(open_root(url, mode="a"), run_id)
-    if ABLATION in writable:
-        del writable[ABLATION]
-    for name, dataset in groups.items():
-        write_dataset(dataset, url, ablation_path(run_id, name))
+    """Replace the run's previous results as a whole, committed last: no group of an older
+    ablation survives, and an interrupted write leaves the older one readable. The commit
+    records the protocol and parameters every group carries in its attributes."""
+    replace_groups(url, run_id, ABLATION, groups, groups["single"].attrs[ATTR_KEY])
     consolidate(open_root(url, mode="a"))
 
 

@@ -16,6 +16,13 @@ by one such chunk whatever the store's size. Results are written back to the sto
 - ``summary`` (layer, head, n, stat): mean, median, 5% and 95% quantiles and count of every
   ``topn`` variable across sequences, plus F conditioned on the sink's selection;
 - ``table``   (row): the same as a tidy table (also Parquet and CSV with ``--out``).
+
+The analysis is committed last (:mod:`attngeom.store.derived`): its record says which
+sequences and which parameters (:func:`analysis_parameters`) it covers. A rerun with the same
+parameters computes only the sequences not yet covered, appending them along ``seq``, then
+recomputes the groups across sequences; with other parameters everything is recomputed into
+staging while the earlier analysis stays readable. Killed at any moment, the same command
+resumes and ends bit for bit where an uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -24,14 +31,16 @@ import contextlib
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import dask
 import dask.array as da
 import numpy as np
 import pandas as pd
 import xarray as xr
+import zarr
 from threadpoolctl import threadpool_limits
 from tqdm.auto import tqdm
 
@@ -43,8 +52,11 @@ from attngeom.analyze.kernels import (
     topn_metrics,
     value_statistics,
 )
-from attngeom.errors import AttngeomError
+from attngeom.errors import AttngeomError, GroupNotFoundError, InputError, RunNotFoundError
 from attngeom.store import (
+    ANALYSIS,
+    ANALYSIS_GROUPS,
+    ANALYSIS_SEQUENCE_GROUPS,
     SIGNATURE_VARIABLES,
     STATS,
     VOTES,
@@ -54,11 +66,24 @@ from attngeom.store import (
     open_dataset,
     open_root,
     open_run_group,
+    require_run,
     run_ids,
     run_path,
     run_provenance,
     write_dataset,
     zarr_store,
+)
+from attngeom.store.derived import (
+    Commit,
+    DerivedState,
+    Pending,
+    commit,
+    derived_state,
+    open_derived,
+    promote,
+    resume_promotion,
+    set_pending,
+    staged_path,
 )
 
 TOPN_INTS = TOPN_COUNTS
@@ -67,7 +92,12 @@ VALUE_VARS = VALUE_STATISTICS
 RANDOM_DRAWS = 8
 # The paper's appendix reports the coherence constants at N = 64.
 COHERENCE_N = 64
-SEQ_CHUNK = 64
+# Part of the parameters an analysis records: bump it with any change to the kernels or to
+# this stage that changes a stored bit, so that a rerun recomputes instead of mixing results.
+ANALYSIS_VERSION = 1
+# (sequence, layer) tasks per batch: the analysis records its progress after each batch, so
+# a killed analyze loses at most one; enough tasks to keep every worker busy meanwhile.
+BATCH_TASKS = 128
 
 
 def default_n_grid(length: int) -> list[int]:
@@ -114,10 +144,17 @@ def _votes_from_rows_block(rows, values, *, head_kv):
 
 @dataclass(frozen=True)
 class AnalyzeResult:
+    """One run's analyze: ``sequences`` covered by the analysis now, ``new_sequences``
+    computed by this call, ``instances`` the (sequence, layer, head) instances covered,
+    ``seconds`` wall time; ``recomputed`` says why earlier results were recomputed rather
+    than extended (None when they were extended, or there were none)."""
+
     run_id: str
     sequences: int
+    new_sequences: int
     instances: int
     seconds: float
+    recomputed: str | None = None
 
 
 def open_completed(store: str, run_id: str) -> xr.Dataset:
@@ -131,7 +168,7 @@ def open_completed(store: str, run_id: str) -> xr.Dataset:
 
 def topn_dataset(ds: xr.Dataset, n_grid: Sequence[int], seed: int = 0) -> xr.Dataset:
     """Lazy (seq, layer, head, n) Dataset of every SPEC §3 quantity for the run ``ds``."""
-    n_seq, n_layers = ds.sizes["seq"], ds.sizes["layer"]
+    n_layers = ds.sizes["layer"]
     head_kv = ds["head_kv"].values
     attn = ds["attn_last"].data
     values = ds["values"].data
@@ -145,7 +182,7 @@ def topn_dataset(ds: xr.Dataset, n_grid: Sequence[int], seed: int = 0) -> xr.Dat
         new_axes={"n": len(grid), "v": len(TOPN_VARS)},
         concatenate=True, dtype=np.float64,
         head_kv=head_kv, n_grid=grid, seed=seed,
-    ).rechunk({0: min(SEQ_CHUNK, max(n_seq, 1)), 1: -1})
+    ).rechunk({1: -1})
     dims = ("seq", "layer", "head", "n")
     data = {}
     for i, name in enumerate(TOPN_VARS):
@@ -168,7 +205,7 @@ def values_dataset(ds: xr.Dataset) -> xr.Dataset:
         ds["values"].data, "slgkd", attendable, "lk",
         new_axes={"h": ds.sizes["head"], "v": len(VALUE_VARS)},
         concatenate=True, dtype=np.float64, head_kv=ds["head_kv"].values,
-    ).rechunk({0: min(SEQ_CHUNK, max(ds.sizes["seq"], 1)), 1: -1})
+    ).rechunk({1: -1})
     dims = ("seq", "layer", "head")
     return xr.Dataset(
         {name: (dims, stacked[..., i]) for i, name in enumerate(VALUE_VARS)},
@@ -191,7 +228,7 @@ def votes_dataset(ds: xr.Dataset) -> xr.Dataset:
     else:
         winner = ds["winner"].data
         votes = da.map_blocks(taxonomy.query_votes, winner, chunks=winner.chunks[:3] + ((3,),), dtype=np.int64)
-    votes = votes.rechunk({0: min(SEQ_CHUNK, max(ds.sizes["seq"], 1)), 1: -1})
+    votes = votes.rechunk({1: -1})
     labels = da.map_blocks(taxonomy.plurality, votes, drop_axis=3, dtype=np.int8)
     return xr.Dataset(
         {"votes": (("seq", "layer", "head", "vote"), votes), "sequence_label": (("seq", "layer", "head"), labels)},
@@ -229,33 +266,83 @@ def heads_dataset(values: xr.Dataset, topn: xr.Dataset, votes: xr.Dataset) -> xr
     return heads
 
 
+def nan_quantiles(x: np.ndarray, qs: Sequence[float]) -> np.ndarray:
+    """Quantiles along axis 0 ignoring NaN, numpy's default ("linear") method:
+    (len(qs), *x.shape[1:]); NaN where a column has no number.
+
+    ``np.nanquantile`` equals it value for value but loops in Python over the columns that
+    hold a NaN (seconds for a summary); this sorts once (NaN last) and interpolates.
+    """
+    ordered = np.sort(x, axis=0)
+    count = np.sum(~np.isnan(x), axis=0)
+    last = np.maximum(count - 1, 0)
+    out = []
+    for q in qs:
+        pos = q * last.astype(np.float64)
+        below = np.floor(pos).astype(np.int64)
+        above = np.minimum(below + 1, last)
+        a = np.take_along_axis(ordered, below[None], axis=0)[0]
+        b = np.take_along_axis(ordered, above[None], axis=0)[0]
+        t = pos - below
+        # numpy's _lerp: from the nearer end, so that t = 0 and t = 1 give a and b exactly.
+        diff = b - a
+        value = np.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
+        out.append(np.where(count > 0, value, np.nan))
+    return np.stack(out)
+
+
+def nan_median(x: np.ndarray) -> np.ndarray:
+    """Median along axis 0 ignoring NaN, as ``np.nanmedian``: the mean of the two middle
+    numbers (one, for an odd count); NaN where a column has no number."""
+    ordered = np.sort(x, axis=0)
+    count = np.sum(~np.isnan(x), axis=0)
+    low = np.maximum(count - 1, 0) // 2
+    a = np.take_along_axis(ordered, low[None], axis=0)[0]
+    b = np.take_along_axis(ordered, (count // 2)[None], axis=0)[0] if x.shape[0] else a
+    return np.where(count > 0, (a + b) / 2, np.nan)
+
+
+def _summary_inputs(topn: xr.Dataset) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, (seq, layer, head, n) float64) of every variable summarized, one at a time:
+    each topn variable (counts' -1 "N not valid here" as NaN), then F conditioned on the
+    sink's selection and the violation indicators of the two bounds."""
+
+    def load(name: str) -> np.ndarray:
+        return topn[name].transpose("seq", "layer", "head", "n").values
+
+    for name in TOPN_VARS:
+        x = load(name).astype(np.float64)
+        if name in TOPN_INTS or name == "sink_selected":
+            x[x < 0] = np.nan
+        yield name, x
+    f_score, sink = load("f_score"), load("sink_selected")
+    yield "f_score_sink_selected", np.where(sink == 1, f_score, np.nan)
+    yield "f_score_sink_unselected", np.where(sink == 0, f_score, np.nan)
+    inversions = load("inversions")
+    for name, bound in (("bound_violation", "k_sink"), ("certificate_violation", "k_sink_exact")):
+        k = load(bound)
+        yield name, np.where(k >= 0, (inversions > k).astype(np.float64), np.nan)
+
+
 def summary_dataset(topn: xr.Dataset) -> xr.Dataset:
-    """(stat, layer, head, n) statistics across sequences of every topn variable (in memory).
+    """(stat, layer, head, n) statistics across sequences of every topn variable: mean,
+    median, 5% and 95% quantiles (NaN-ignoring) and count of numbers.
 
     Count variables use -1 for "N not valid here"; they are masked before reducing. Also
-    ``f_score_sink_selected`` / ``f_score_sink_unselected``: F conditioned on 0 in I_N.
+    ``f_score_sink_selected`` / ``f_score_sink_unselected``: F conditioned on 0 in I_N, and
+    ``bound_violation`` / ``certificate_violation``: A_N > K_N^sink. ``topn`` may be lazy: one
+    variable at a time is in memory.
     """
-    masked = {
-        name: topn[name].where(topn[name] >= 0) if name in TOPN_INTS or name == "sink_selected" else topn[name]
-        for name in TOPN_VARS
-    }
-    selected = topn["sink_selected"] == 1
-    masked["f_score_sink_selected"] = topn["f_score"].where(selected)
-    masked["f_score_sink_unselected"] = topn["f_score"].where(topn["sink_selected"] == 0)
-    masked["bound_violation"] = (topn["inversions"] > topn["k_sink"]).where(topn["k_sink"] >= 0)
-    masked["certificate_violation"] = (topn["inversions"] > topn["k_sink_exact"]).where(topn["k_sink_exact"] >= 0)
-    names = list(masked)
-    dims = ("seq", "layer", "head", "n")
-    x = np.stack([masked[name].transpose(*dims).values.astype(np.float64) for name in names], axis=-1)
-    q05, q95 = np.nanquantile(x, [0.05, 0.95], axis=0)
-    stats = np.stack(
-        [np.nanmean(x, axis=0), np.nanmedian(x, axis=0), q05, q95, np.sum(~np.isnan(x), axis=0).astype(np.float64)]
-    )
-    coords = {d: topn[d].values for d in dims[1:]}
+    out = {}
+    for name, x in _summary_inputs(topn):
+        q05, q95 = nan_quantiles(x, [0.05, 0.95])
+        count = np.sum(~np.isnan(x), axis=0)
+        mean = np.sum(np.nan_to_num(x), axis=0) / np.where(count > 0, count, np.nan)
+        stats = np.stack([mean, nan_median(x), q05, q95, count.astype(np.float64)])
+        out[name] = (("stat", "layer", "head", "n"), stats)
+    coords = {d: topn[d].values for d in ("layer", "head", "n")}
     coords["stat"] = np.array(STATS, dtype=object)
-    return xr.Dataset(
-        {name: (("stat", *dims[1:]), stats[..., i]) for i, name in enumerate(names)}, coords=coords
-    )
+    return xr.Dataset(out, coords=coords)
 
 
 def tidy_table(summary: xr.Dataset, provenance: dict, run_id: str) -> pd.DataFrame:
@@ -271,21 +358,16 @@ def tidy_table(summary: xr.Dataset, provenance: dict, run_id: str) -> pd.DataFra
     return frame
 
 
-def _per_layer(reduce, *datasets: xr.Dataset) -> xr.Dataset:
-    """``reduce`` applied to each layer of ``datasets`` loaded in memory, concatenated."""
-    n_layers = datasets[0].sizes["layer"]
-    parts = [reduce(*(d.isel(layer=[i]).load() for d in datasets)) for i in range(n_layers)]
-    return xr.concat(parts, dim="layer", combine_attrs="override")
-
-
 def run_regimes(store: str) -> dict[str, tuple[str, str, np.ndarray]]:
-    """Run id -> (model, dataset, regime names (layer, head)) for every analyzed run."""
+    """Run id -> (model, dataset, regime names (layer, head)) for every analyzed run.
+
+    Raises :class:`IncompleteGroupError` for a run whose analysis is not finished."""
     root = open_root(store)
     out = {}
     for rid in run_ids(root):
         try:
-            heads = open_dataset(store, analysis_path(rid, "heads"))
-        except (FileNotFoundError, KeyError):
+            heads = open_derived(store, rid, ANALYSIS, "heads")
+        except GroupNotFoundError:
             continue
         if "regime" not in heads:
             continue
@@ -296,11 +378,17 @@ def run_regimes(store: str) -> dict[str, tuple[str, str, np.ndarray]]:
 
 @contextlib.contextmanager
 def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
-    """An existing cluster by address, ``"threads"`` for this process alone, else a
-    LocalCluster of processes sized to the machine. A ``memory://`` store lives in this
-    process only, so it is analyzed with threads.
+    """``"threads"`` (the default, ``None``) for this process alone, one thread per core;
+    ``"processes"`` for a LocalCluster of worker processes sized to the machine; else the
+    address of an existing cluster. A ``memory://`` store lives in this process only, so it
+    is always analyzed with threads.
+
+    Threads are the default: on 2 cores a LocalCluster ran analyze 2.8-5.4x slower than
+    threads (smollm2-135m and gemma3-270m, L = 512, 2 sequences;
+    benchmarks/analyze_vs_extract.py --processes): starting and stopping its worker processes
+    costs more than the kernels' few GIL-holding steps do to threads.
     """
-    if scheduler == "threads" or (store.startswith("memory://") and scheduler is None):
+    if scheduler in (None, "threads") or store.startswith("memory://"):
         # Dask's threads already fill the cores; a multi-threaded BLAS under each one
         # oversubscribes them (measured 1.3-1.5x slower). Distributed workers set this too.
         with dask.config.set(scheduler="threads"), threadpool_limits(limits=1):
@@ -308,35 +396,232 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
         return
     from distributed import Client, LocalCluster
 
-    if scheduler is not None:
-        try:
-            client = Client(scheduler, timeout="10s")
-        except OSError as exc:
-            raise AttngeomError(f"cannot reach the Dask scheduler at {scheduler} ({exc})") from exc
-        with client:
+    if scheduler == "processes":
+        with LocalCluster(threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
+                Client(cluster) as client:
             yield client
         return
-    with LocalCluster(threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, Client(cluster) as client:
+    try:
+        client = Client(scheduler, timeout="10s")
+    except OSError as exc:
+        raise AttngeomError(f"cannot reach the Dask scheduler at {scheduler} ({exc})") from exc
+    with client:
         yield client
 
 
-def _write_by_sequence(dataset: xr.Dataset, store: str, group: str, label: str, progress: bool) -> None:
-    """Compute and write a lazy (seq, ...) Dataset, SEQ_CHUNK sequences at a time.
+def analysis_parameters(n_grid: Sequence[int], seed: int) -> dict[str, Any]:
+    """What an analysis's values depend on besides the run's sequences; recorded with it."""
+    return {"n_grid": [int(n) for n in n_grid], "seed": int(seed), "random_draws": RANDOM_DRAWS,
+            "analysis_version": ANALYSIS_VERSION}
 
-    The group's metadata is written first; each batch is then a region write covering whole
-    output chunks. Batching keeps the task graph, and so the client's memory, the size of one
-    batch whatever the store's size.
-    """
-    write_dataset(dataset, store, group, compute=False)
+
+_PARAMETER_NAMES = {"n_grid": "n grid", "seed": "seed", "random_draws": "random draws",
+                    "analysis_version": "analysis code version"}
+
+
+def _changes(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """'n grid 1,2,4 -> 1,4; seed 0 -> 1': the parameters that differ."""
+
+    def show(x: Any) -> str:
+        return ",".join(map(str, x)) if isinstance(x, list) else str(x)
+
+    keys = sorted(set(old) | set(new), key=lambda k: list(_PARAMETER_NAMES).index(k) if k in _PARAMETER_NAMES else 99)
+    return "; ".join(f"{_PARAMETER_NAMES.get(k, k)} {show(old.get(k))} -> {show(new.get(k))}"
+                     for k in keys if old.get(k) != new.get(k))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How to bring one run's analysis to ``target`` (its committed sequences, in order):
+    ``keep`` is the prefix already written with these parameters (in staging when
+    ``staged``); the earlier commit stays valid meanwhile when ``keep_commit``."""
+
+    target: tuple[int, ...]
+    keep: tuple[int, ...]
+    staged: bool
+    keep_commit: bool
+    recomputed: str | None
+
+
+def _is_prefix(head: Sequence[int], seq: Sequence[int]) -> bool:
+    return tuple(seq[: len(head)]) == tuple(head)
+
+
+def _plan(state: DerivedState, params: dict[str, Any], target: tuple[int, ...]) -> _Plan:
+    done, pending = state.commit, state.pending
+    if done is not None and done.parameters == params and _is_prefix(done.sequences, target):
+        keep = done.sequences
+        if (pending is not None and not pending.staged and pending.parameters == params
+                and _is_prefix(keep, pending.sequences) and _is_prefix(pending.sequences, target)):
+            keep = pending.sequences
+        return _Plan(target, keep, staged=False, keep_commit=True, recomputed=None)
+    if state.legacy:
+        reason = "the earlier analysis records no parameters (written before attngeom recorded them)"
+    elif done is not None and done.parameters != params:
+        reason = _changes(done.parameters, params)
+    elif done is not None:
+        reason = "sequences completed before the last analyzed one, or analyzed sequences are gone from the run"
+    else:
+        reason = None
+    staged = done is not None
+    keep: tuple[int, ...] = ()
+    if (pending is not None and pending.parameters == params and pending.staged == staged
+            and _is_prefix(pending.sequences, target)):
+        keep = pending.sequences
+    elif pending is not None and done is None and pending.parameters != params:
+        reason = f"the interrupted analyze had other parameters ({_changes(pending.parameters, params)})"
+    return _Plan(target, keep, staged=staged, keep_commit=staged, recomputed=reason)
+
+
+def _sequence_paths(run_id: str, staged: bool) -> dict[str, str]:
+    return {name: staged_path(run_id, ANALYSIS, name) if staged else analysis_path(run_id, name)
+            for name in ANALYSIS_SEQUENCE_GROUPS}
+
+
+def _lazy_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str, xr.Dataset]:
+    """The per-sequence groups of ``ds``'s sequences, lazy."""
+    topn = topn_dataset(ds, grid, seed)
+    topn.attrs["attngeom"] = {"n_grid": list(grid), "random_draws": RANDOM_DRAWS, "seed": seed}
+    return {"topn": topn, "values": values_dataset(ds), "taxonomy": votes_dataset(ds)}
+
+
+def _open_groups(store: str, paths: dict[str, str]) -> dict[str, zarr.Group]:
     target = zarr_store(store, read_only=False)
-    fixed = [name for name, v in dataset.variables.items() if "seq" not in v.dims]
-    n_seq = dataset.sizes["seq"]
-    with tqdm(total=n_seq, unit="seq", desc=label, disable=not progress) as bar:
-        for a in range(0, n_seq, SEQ_CHUNK):
-            b = min(n_seq, a + SEQ_CHUNK)
-            part = dataset.isel(seq=slice(a, b)).drop_vars(fixed)
-            part.to_zarr(target, group=group, region={"seq": slice(a, b)}, consolidated=False)
+    return {name: zarr.open_group(target, path=path, mode="r+", use_consolidated=False) for name, path in paths.items()}
+
+
+def _prepare(store: str, paths: dict[str, str], ds: xr.Dataset, plan: _Plan, grid, seed) -> tuple[int, ...]:
+    """Create the per-sequence groups sized for ``plan.target`` (only metadata and the
+    fixed coordinates are written), or grow the kept ones; returns the prefix kept."""
+    keep = plan.keep
+    if keep:
+        try:
+            groups = _open_groups(store, paths)
+            if not all(np.array_equal(g["seq"][: len(keep)], keep) for g in groups.values()):
+                keep = ()
+        except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
+            keep = ()
+    if not keep:
+        # Metadata from a one-sequence graph (a graph of every sequence would cost seconds
+        # on large runs), then grown to the target like kept groups.
+        for name, lazy in _lazy_groups(ds.isel(seq=slice(0, 1)), grid, seed).items():
+            write_dataset(lazy, store, paths[name], compute=False)
+        groups = _open_groups(store, paths)
+    for group in groups.values():
+        for _, arr in group.arrays():
+            if tuple(arr.metadata.dimension_names or ())[:1] == ("seq",) and arr.shape[0] != len(plan.target):
+                arr.resize((len(plan.target), *arr.shape[1:]))
+    return keep
+
+
+def _write_batch(groups: dict[str, zarr.Group], computed: dict[str, xr.Dataset], start: int) -> None:
+    """Write computed (seq, ...) Datasets at ``seq`` positions start, start + 1, ..."""
+    # Every chunk is stored, also one equal to the fill value: a position written anew
+    # never shows an older chunk.
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        for name, data in computed.items():
+            stop = start + data.sizes["seq"]
+            for var in (*data.data_vars, "seq"):
+                groups[name][var][start:stop] = data[var].values
+
+
+def _cross_sequence_groups(store: str, paths: dict[str, str], n_seq: int, provenance: dict,
+                           run_id: str) -> tuple[dict[str, xr.Dataset], pd.DataFrame]:
+    """heads, summary, signatures and table from the stored per-sequence groups (their first
+    ``n_seq`` sequences), reduced in this process one variable at a time."""
+    stored = {name: open_dataset(store, path).isel(seq=slice(0, n_seq)) for name, path in paths.items()}
+    topn = stored["topn"]
+    # NaN marks "not defined here" (no sink, N too large): all-NaN reductions are expected.
+    # The reads are small; a cluster would only add transfers.
+    with warnings.catch_warnings(), dask.config.set(scheduler="threads"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        heads = heads_dataset(stored["values"].load(), topn[["mu", "mu_q95"]].load(), stored["taxonomy"].load())
+        summary = summary_dataset(topn)
+        per_head = topn[list(SIGNATURE_VARIABLES)].load().mean("seq")
+        signatures = taxonomy.signatures_dataset(per_head, heads["regime"])
+    table = tidy_table(summary, provenance, run_id)
+    groups = {"heads": heads, "summary": summary, "signatures": signatures,
+              "table": xr.Dataset.from_dataframe(table.rename_axis("row"))}
+    return groups, table
+
+
+def _batches(start: int, stop: int, n_layers: int) -> Iterator[tuple[int, int]]:
+    size = max(1, BATCH_TASKS // max(n_layers, 1))
+    for a in range(start, stop, size):
+        yield a, min(stop, a + size)
+
+
+def _checked_input(store: str, run_id: str, n_grid: Sequence[int] | None) -> tuple[xr.Dataset, list[int]]:
+    """The run's committed sequences and the N grid, refusing what cannot be analyzed."""
+    ds = open_completed(store, run_id)
+    if ds.sizes["seq"] == 0:
+        raise RunNotFoundError(f"run '{run_id}' has no complete sequence yet")
+    length = ds.sizes["key"]
+    grid = sorted(set(n_grid)) if n_grid else default_n_grid(length)
+    if grid[0] < 1 or grid[-1] >= length:
+        raise InputError(f"--n-grid must hold sizes 1 <= N < L = {length} (run '{run_id}')")
+    return ds, grid
+
+
+def _compute_sequences(store: str, run_id: str, ds: xr.Dataset, plan: _Plan, params: dict[str, Any],
+                       seed: int, progress: bool) -> tuple[Pending, int]:
+    """Compute and write the per-sequence groups of the sequences ``plan`` does not keep,
+    batch by batch, recording progress after each; returns the record of what is written
+    and how many sequences were computed."""
+    pending = Pending(params, plan.keep, staged=plan.staged)
+    set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
+    paths = _sequence_paths(run_id, plan.staged)
+    keep = _prepare(store, paths, ds, plan, params["n_grid"], seed)
+    pending = replace(pending, sequences=keep)
+    groups = _open_groups(store, paths)
+    target = plan.target
+    with tqdm(total=len(target) - len(keep), unit="seq", desc=f"{run_id}: analyze", disable=not progress) as bar:
+        for a, b in _batches(len(keep), len(target), ds.sizes["layer"]):
+            lazy = _lazy_groups(ds.isel(seq=slice(a, b)), params["n_grid"], seed)
+            computed = dict(zip(lazy, dask.compute(*lazy.values())))
+            _write_batch(groups, computed, a)
+            pending = replace(pending, sequences=target[:b])
+            set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
             bar.update(b - a)
+    return pending, len(target) - len(keep)
+
+
+def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None, seed: int = 0,
+                out: Path | None = None, progress: bool = True) -> AnalyzeResult:
+    """Bring the analysis of one run up to date with its committed sequences (in the Dask
+    scheduler of the caller's context). Measure -> write per batch -> reduce -> commit."""
+    start = time.perf_counter()
+    ds, grid = _checked_input(store, run_id, n_grid)
+    params = analysis_parameters(grid, seed)
+    # Small arrays every task needs, read once.
+    ds = ds.assign(attendable=ds["attendable"].load(), head_kv=ds["head_kv"].load())
+    target = tuple(int(s) for s in ds["seq"].values)
+
+    state = derived_state(store, run_id, ANALYSIS)
+    if resume_promotion(store, state):
+        assert state.pending is not None
+        commit(store, run_id, ANALYSIS, Commit(state.pending.parameters, ANALYSIS_GROUPS, state.pending.sequences,
+                                               ANALYSIS_SEQUENCE_GROUPS))
+        state = derived_state(store, run_id, ANALYSIS)
+    plan = _plan(state, params, target)
+    up_to_date = state.commit is not None and plan.keep == target and state.pending is None and not plan.staged
+    if up_to_date:
+        table = open_derived(store, run_id, ANALYSIS, "table").to_dataframe().reset_index(drop=True)
+        new = 0
+    else:
+        pending, new = _compute_sequences(store, run_id, ds, plan, params, seed, progress)
+        cross, table = _cross_sequence_groups(store, _sequence_paths(run_id, plan.staged), len(target),
+                                              ds.attrs.get("attngeom", {}), run_id)
+        for name, dataset in cross.items():
+            write_dataset(dataset, store, staged_path(run_id, ANALYSIS, name))
+        promote(store, run_id, ANALYSIS, [*(ANALYSIS_SEQUENCE_GROUPS if plan.staged else ()), *cross], pending)
+        commit(store, run_id, ANALYSIS, Commit(params, ANALYSIS_GROUPS, target, ANALYSIS_SEQUENCE_GROUPS))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        table.to_parquet(out / f"{run_id}.topn.parquet", index=False)
+        table.to_csv(out / f"{run_id}.topn.csv", index=False)
+    instances = len(target) * ds.sizes["layer"] * ds.sizes["head"]
+    return AnalyzeResult(run_id, len(target), new, instances, time.perf_counter() - start, plan.recomputed)
 
 
 def analyze(
@@ -349,51 +634,20 @@ def analyze(
     seed: int = 0,
     progress: bool = True,
 ) -> list[AnalyzeResult]:
-    """Analyze every run of the store (or ``run_id``); results go to ``runs/<id>/analysis``."""
+    """Analyze every run of the store (or ``run_id``); results go to ``runs/<id>/analysis``.
+
+    Incremental: a run's sequences already analyzed with the same parameters are kept (see
+    :func:`analyze_run`)."""
     root = open_root(store, mode="a")
     runs = run_ids(root)
-    if run_id is not None and run_id not in runs:
-        raise AttngeomError(f"no run '{run_id}' in {store} (runs: {', '.join(runs) or 'none'})")
+    if run_id is not None:
+        require_run(root, run_id, store)
     todo = [run_id] if run_id else runs
     if not todo:
-        raise AttngeomError(f"{store} holds no run; run extract first")
-    results = []
+        raise RunNotFoundError(f"{store} holds no run; run extract first")
+    for rid in todo:  # every run's input checked before any analysis is touched
+        _checked_input(store, rid, n_grid)
     with dask_client(scheduler, store):
-        for rid in todo:
-            start = time.perf_counter()
-            ds = open_completed(store, rid)
-            if ds.sizes["seq"] == 0:
-                raise AttngeomError(f"run '{rid}' has no complete sequence yet")
-            length = ds.sizes["key"]
-            grid = sorted(set(n_grid)) if n_grid else default_n_grid(length)
-            if grid[0] < 1 or grid[-1] >= length:
-                raise AttngeomError(f"--n-grid must hold sizes 1 <= N < L = {length}")
-            topn = topn_dataset(ds, grid, seed)
-            topn.attrs["attngeom"] = {"n_grid": grid, "random_draws": RANDOM_DRAWS, "seed": seed}
-            _write_by_sequence(topn, store, analysis_path(rid, "topn"), f"{rid}: top-N geometry", progress)
-            _write_by_sequence(values_dataset(ds), store, analysis_path(rid, "values"), f"{rid}: value statistics", progress)
-            _write_by_sequence(votes_dataset(ds), store, analysis_path(rid, "taxonomy"), f"{rid}: source winners", progress)
-            stored_topn = open_dataset(store, analysis_path(rid, "topn"))
-            stored_values = open_dataset(store, analysis_path(rid, "values"))
-            stored_votes = open_dataset(store, analysis_path(rid, "taxonomy"))
-            # Reductions across sequences, one layer at a time in memory: a layer of results
-            # is small, and numpy is faster here than a graph. NaN marks "not defined here"
-            # (no sink, N too large), so all-NaN reductions are expected.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                heads = _per_layer(heads_dataset, stored_values, stored_topn, stored_votes)
-                summary = _per_layer(summary_dataset, stored_topn)
-                per_head = _per_layer(lambda t: t[list(SIGNATURE_VARIABLES)].mean("seq"), stored_topn)
-                signatures = taxonomy.signatures_dataset(per_head, heads["regime"])
-            write_dataset(heads, store, analysis_path(rid, "heads"))
-            write_dataset(summary, store, analysis_path(rid, "summary"))
-            write_dataset(signatures, store, analysis_path(rid, "signatures"))
-            table = tidy_table(summary, ds.attrs.get("attngeom", {}), rid)
-            write_dataset(xr.Dataset.from_dataframe(table.rename_axis("row")), store, analysis_path(rid, "table"))
-            if out is not None:
-                out.mkdir(parents=True, exist_ok=True)
-                table.to_parquet(out / f"{rid}.topn.parquet", index=False)
-                table.to_csv(out / f"{rid}.topn.csv", index=False)
-            results.append(AnalyzeResult(rid, ds.sizes["seq"], ds.sizes["seq"] * ds.sizes["layer"] * ds.sizes["head"], time.perf_counter() - start))
+        results = [analyze_run(store, rid, n_grid=n_grid, seed=seed, out=out, progress=progress) for rid in todo]
     consolidate(open_root(store, mode="a"))
     return results

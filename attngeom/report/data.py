@@ -1,7 +1,8 @@
 """What the report reads from a store: one ``RunData`` per run, with every group it may use.
 
 Groups written by later or optional stages (taxonomy, signatures, ablation) may be absent; a
-missing group is ``None`` here, and ``Requirement``s turn absence into a readable note.
+missing group is ``None`` here, and ``Requirement``s turn absence into a readable note. An
+unfinished analysis or ablation (an interrupted writer) is refused, never drawn.
 """
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ import pandas as pd
 import xarray as xr
 import zarr
 
+from attngeom.errors import GroupNotFoundError
 from attngeom.store import (
     ABLATION,
     ABLATION_GROUPS,
     ANALYSIS,
     REGIMES,
-    ablation_path,
-    analysis_path,
     completed,
-    open_dataset,
+    open_derived,
     open_root,
     open_run_group,
     run_ids,
@@ -102,10 +102,12 @@ def all_of(*checks: Requirement) -> Requirement:
     return check
 
 
-def _open(store: str, path: str) -> xr.Dataset | None:
+def _open(store: str, run_id: str, kind: str, name: str) -> xr.Dataset | None:
+    """A finished derived group, None when the run lacks it; an unfinished one raises
+    :class:`~attngeom.errors.IncompleteGroupError`."""
     try:
-        return open_dataset(store, path)
-    except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
+        return open_derived(store, run_id, kind, name)
+    except GroupNotFoundError:
         return None
 
 
@@ -129,11 +131,11 @@ def load_run(store: str, root: zarr.Group, run_id: str) -> RunData:
         sequences=int(completed(run).size) if "complete" in run else 0,
     )
     for name in SMALL_GROUPS:
-        ds = _open(store, analysis_path(run_id, name))
+        ds = _open(store, run_id, ANALYSIS, name)
         setattr(data, name, ds.load() if ds is not None else None)
-    data.topn = _open(store, analysis_path(run_id, "topn"))
+    data.topn = _open(store, run_id, ANALYSIS, "topn")
     for name in ABLATION_GROUPS:
-        ds = _open(store, ablation_path(run_id, name))
+        ds = _open(store, run_id, ABLATION, name)
         if ds is not None:
             data.ablation[name] = ds
     return data

@@ -3,6 +3,7 @@
 Modules, by concern: :mod:`~attngeom.store.schema` (layout, names, versions),
 :mod:`~attngeom.store.codecs` (chunk encoding), :mod:`~attngeom.store.access` (URLs, the
 root, groups as Datasets), :mod:`~attngeom.store.runs` (runs and the per-sequence commit),
+:mod:`~attngeom.store.derived` (analysis and ablation groups and their commit record),
 :mod:`~attngeom.store.validate` and :mod:`~attngeom.store.migrate`. Stages import what they
 use from here.
 """
@@ -20,6 +21,7 @@ from attngeom.store.access import (
     zarr_store,
 )
 from attngeom.store.codecs import compressor, compressors, has_checksum, with_checksum
+from attngeom.store.derived import derived_problems, derived_state, open_derived, replace_groups
 from attngeom.store.runs import (
     RUN_ID_PATTERN,
     completed,
@@ -71,9 +73,9 @@ __all__ = [
     "COORDS", "FORMAT", "REGIMES", "RUNS", "RUN_ID_PATTERN", "RUN_VARIABLES", "SCHEMA_VERSION",
     "SEQUENCE_ARRAYS", "SIGNATURE_VARIABLES", "STATS", "SUMMARY_DIMS", "VOTES", "RunLayout", "Variable",
     "ablation_path", "analysis_path", "array_metadata", "arrays_of", "check_writable", "completed",
-    "compressor", "compressors", "consolidate", "corrupt_chunks", "create_run", "default_run_id",
-    "has_checksum", "jsonable", "n_sequences", "open_dataset", "open_or_create_root", "open_root",
-    "open_run_group", "read_root_attrs", "require_run", "resize_run", "run_ids", "run_layout",
+    "compressor", "compressors", "consolidate", "corrupt_chunks", "create_run", "default_run_id", "derived_problems", "derived_state",
+    "has_checksum", "jsonable", "n_sequences", "open_dataset", "open_derived", "open_or_create_root", "open_root",
+    "open_run_group", "read_root_attrs", "replace_groups", "require_run", "resize_run", "run_ids", "run_layout",
     "run_path", "run_provenance", "store_format", "validate_run", "validate_store", "with_checksum",
     "write_dataset", "write_sequence", "zarr_store",
 ]

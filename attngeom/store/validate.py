@@ -14,6 +14,7 @@ from zarr.core.sync import sync
 from attngeom.errors import AttngeomError
 from attngeom.store.access import read_root_attrs, store_format, zarr_store
 from attngeom.store.codecs import has_checksum
+from attngeom.store.derived import derived_problems
 from attngeom.store.runs import completed, open_run_group, run_ids, run_layout
 from attngeom.store.schema import ATTR_KEY, FORMAT, RUN_VARIABLES
 
@@ -145,7 +146,9 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
             f"run `attngeom migrate --store {url}`"
         )
     for run_id in run_ids(root):
-        problems += validate_run(open_run_group(root, run_id), run_id)
+        run = open_run_group(root, run_id)
+        problems += validate_run(run, run_id)
+        problems += derived_problems(url, run_id, completed(run).tolist() if "complete" in run else [])
     if deep:
         for arr in arrays_of(root):
             if not has_checksum(array_metadata(arr)):

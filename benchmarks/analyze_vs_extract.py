@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""analyze against extract and against reading analyze's inputs (issue 11, items 2 and 6).
+
+    python benchmarks/analyze_vs_extract.py                     # both models, L = 512 and 1024
+    python benchmarks/analyze_vs_extract.py --models smollm2-135m --lengths 512 -S 2 --reps 3 --json r.json
+
+For each model and L, every repetition, side by side:
+
+- **extract**: ``extract()`` of S sequences of python-docs into a fresh store, the model,
+  its config and tokenizer loaded once beforehand and handed to it (model loading excluded;
+  choosing the corpus windows and writing the store included);
+- **read**: ``attn_last`` and ``values`` of those sequences loaded from the store (analyze's
+  inputs; threads);
+- **analyze**: ``analyze()`` of the run from scratch (its analysis deleted first) with the
+  default scheduler (threads); with ``--processes`` also with ``scheduler="processes"`` (a
+  LocalCluster of worker processes started by the call, start-up included), in alternating
+  order;
+- **kernel**: ``topn_metrics`` + ``value_statistics`` on (sequence, layer) blocks of the store,
+  serially, as the stage calls them; a sample of ``--kernel-blocks`` blocks scaled to the run
+  (S x layers blocks).
+
+Reported: medians of per-repetition ratios analyze/extract and analyze/read, and the
+orchestration overhead: analyze minus the kernel's ideal parallel time (serial kernel time
+divided by the cores), i.e. what the stage adds besides the kernel (graph, reads, writes,
+reductions, cluster start-up). The machine is shared and noisy: compare ratios within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from attngeom.analyze.kernels import topn_metrics, value_statistics  # noqa: E402
+from attngeom.analyze.stage import RANDOM_DRAWS, analyze, default_n_grid, open_completed  # noqa: E402
+from attngeom.extract import pipeline  # noqa: E402
+from attngeom.extract.models import load_config, load_model, load_tokenizer, resolve_model  # noqa: E402
+from attngeom.extract.pipeline import ExtractRequest, extract  # noqa: E402
+from attngeom.store import analysis_path  # noqa: E402
+
+DATASET = "python-docs"
+
+
+@contextlib.contextmanager
+def preloaded(name: str) -> Iterator[None]:
+    """Within the block, extract() gets the model, config and tokenizer loaded here once."""
+    source = resolve_model(name)
+    config, tokenizer = load_config(source), load_tokenizer(source)
+    model = load_model(source, device="cpu", dtype=__import__("torch").float32)
+    with (
+        mock.patch.object(pipeline, "resolve_model", lambda _: source),
+        mock.patch.object(pipeline, "load_config", lambda _: config),
+        mock.patch.object(pipeline, "load_tokenizer", lambda _: tokenizer),
+        mock.patch.object(pipeline, "load_model", lambda *a, **k: model),
+    ):
+        yield
+
+
+def timed(f) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+def kernel_seconds(store: str, run_id: str, blocks: int) -> float:
+    """Serial kernel seconds for the whole run, from ``blocks`` sampled (sequence, layer)
+    blocks: float64 inputs, kv heads mapped to query heads, default N grid."""
+    ds = open_completed(store, run_id)
+    head_kv = ds["head_kv"].values
+    grid = default_n_grid(ds.sizes["key"])
+    pairs = [(s, layer) for s in range(ds.sizes["seq"]) for layer in range(ds.sizes["layer"])]
+    sample = [pairs[i] for i in np.linspace(0, len(pairs) - 1, min(blocks, len(pairs))).astype(int)]
+    spent = 0.0
+    for s, layer in sample:
+        attn = ds["attn_last"][s, layer].values.astype(np.float64)
+        values = ds["values"][s, layer].values[head_kv].astype(np.float64)
+        att = np.broadcast_to(ds["attendable"][layer].values, attn.shape)
+        t0 = time.perf_counter()
+        topn_metrics(attn, values, att, grid, seed=1, random_draws=RANDOM_DRAWS)
+        value_statistics(values, att)
+        spent += time.perf_counter() - t0
+    return spent / len(sample) * len(pairs)
+
+
+def one_case(model: str, length: int, n_seq: int, reps: int, blocks: int, processes: bool, workdir: Path,
+             log) -> dict[str, Any]:
+    samples: list[dict[str, float]] = []
+    with preloaded(model):
+        for rep in range(reps):
+            store = str(workdir / f"{model}_L{length}_{rep}.zarr")
+            shutil.rmtree(store, ignore_errors=True)
+            request = ExtractRequest(model=model, dataset=DATASET, context_length=length, num_sequences=n_seq,
+                                     store=store, run_id="r", progress=False)
+            t = {"extract": timed(lambda: extract(request))}
+            ds = open_completed(store, "r")
+            t["read"] = timed(lambda: (ds["attn_last"].load(), ds["values"].load()))
+            order = ("default", "processes") if processes else ("default",)
+            for scheduler in order if rep % 2 == 0 else order[::-1]:
+                shutil.rmtree(Path(store) / analysis_path("r"), ignore_errors=True)
+                t[f"analyze_{scheduler}"] = timed(lambda: analyze(
+                    store, run_id="r", scheduler=None if scheduler == "default" else scheduler, progress=False))
+            t["kernel"] = kernel_seconds(store, "r", blocks)
+            t["loadavg"] = os.getloadavg()[0]
+            samples.append(t)
+            log(f"  {model} L={length} rep {rep + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()))
+            shutil.rmtree(store, ignore_errors=True)
+    cores = os.cpu_count() or 1
+
+    def med(f) -> float:
+        return statistics.median(f(s) for s in samples)
+
+    nan = float("nan")
+
+    return dict(
+        model=model, L=length, sequences=n_seq, reps=reps, cores=cores, kernel_blocks=blocks,
+        extract_s_per_seq=med(lambda s: s["extract"] / n_seq),
+        read_s_per_seq=med(lambda s: s["read"] / n_seq),
+        analyze_s_per_seq=med(lambda s: s["analyze_default"] / n_seq),
+        analyze_processes_s_per_seq=med(lambda s: s.get("analyze_processes", nan) / n_seq),
+        kernel_serial_s_per_seq=med(lambda s: s["kernel"] / n_seq),
+        analyze_over_extract=med(lambda s: s["analyze_default"] / s["extract"]),
+        analyze_over_read=med(lambda s: s["analyze_default"] / s["read"]),
+        processes_over_default=med(lambda s: s.get("analyze_processes", nan) / s["analyze_default"]),
+        overhead_s_per_seq=med(lambda s: (s["analyze_default"] - s["kernel"] / cores) / n_seq),
+        overhead_processes_s_per_seq=med(lambda s: (s.get("analyze_processes", nan) - s["kernel"] / cores) / n_seq),
+        loadavg=med(lambda s: s["loadavg"]),
+        samples=samples,
+    )
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ["model", "L", "S", "extract s/seq", "read s/seq", "analyze s/seq", "analyze/extract", "analyze/read",
+            "processes s/seq", "processes/default", "kernel serial s/seq", "overhead s/seq (default)",
+            "overhead s/seq (processes)", "load avg"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["model"], r["L"], r["sequences"], r["extract_s_per_seq"], r["read_s_per_seq"],
+                 r["analyze_s_per_seq"], r["analyze_over_extract"], r["analyze_over_read"],
+                 r["analyze_processes_s_per_seq"], r["processes_over_default"], r["kernel_serial_s_per_seq"],
+                 r["overhead_s_per_seq"], r["overhead_processes_s_per_seq"], r["loadavg"]]
+        lines.append("| " + " | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="smollm2-135m,gemma3-270m")
+    p.add_argument("--lengths", default="512,1024")
+    p.add_argument("--num-sequences", "-S", type=int, default=4)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--kernel-blocks", type=int, default=4, help="blocks timed for the kernel estimate")
+    p.add_argument("--processes", action="store_true", help="also time scheduler='processes' (a LocalCluster)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="attngeom-ave-") as wd:
+        for model in args.models.split(","):
+            for length in (int(x) for x in args.lengths.split(",")):
+                rows.append(one_case(model, length, args.num_sequences, args.reps, args.kernel_blocks,
+                                     args.processes, Path(wd), log))
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
