@@ -9,7 +9,7 @@ What is measured (every store is synthetic, `attngeom.synthetic.write_synthetic_
 
 1. **Kernel vs brute force.** Head-instances per second of ``topn_metrics`` (and
    ``value_statistics``) over a batch of B = 8 heads of one (sequence, layer), against the
-   brute-force twin of ``tests/test_kernels.py`` (``brute_topn``, ``brute_value_statistics``)
+   brute-force twin of ``tests/test_analyze_kernels.py`` (``brute_topn``, ``brute_value_statistics``)
    run on single instances of the same batch, at L = 128, 512, 1024 and head_dim 64 and 256,
    default N grid (powers of two < L). Brute force is slow (seconds per instance at L = 1024),
    so each repetition times one instance (a few at L = 128). Each repetition runs kernel and
@@ -165,7 +165,7 @@ def agrees(got: dict, want: dict, names) -> bool:
 
 
 def bench_kernel_vs_brute(lengths, dims, B: int, reps: int, blas_threads: int, log) -> list[dict]:
-    from test_kernels import brute_topn, brute_value_statistics
+    from test_analyze_kernels import brute_topn, brute_value_statistics
 
     rows = []
     for L in lengths:

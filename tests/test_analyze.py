@@ -18,11 +18,9 @@ import pytest
 import xarray as xr
 import zarr
 from click.testing import CliRunner
-from test_kernels import brute_topn, brute_value_statistics
+from test_analyze_kernels import brute_topn, brute_value_statistics
 
 from attngeom.analyze.stage import (
-    TOPN_VARS,
-    VALUE_VARS,
     _instance_seed,
     analyze,
     nan_median,
@@ -37,6 +35,8 @@ from attngeom.store import (
     ABLATION,
     ANALYSIS,
     ANALYSIS_GROUPS,
+    TOPN_VARIABLES,
+    VALUE_STATISTICS,
     derived_state,
     open_derived,
     replace_groups,
@@ -87,10 +87,10 @@ def test_topn_equals_brute_force_value_by_value(analyzed, run):
             att = np.broadcast_to(ds["attendable"].values[layer], attn.shape)
             want = brute_topn(attn, vals, att, GRID, seed=_instance_seed(0, s, layer))
             got = topn.isel(seq=s, layer=layer)
-            for name in TOPN_VARS:
+            for name in TOPN_VARIABLES:
                 np.testing.assert_allclose(got[name].values, want[name], rtol=1e-9, atol=1e-12, err_msg=name)
             stats = brute_value_statistics(vals, att)
-            for name in VALUE_VARS:
+            for name in VALUE_STATISTICS:
                 np.testing.assert_allclose(values[name].values[s, layer], stats[name], rtol=1e-9, err_msg=name)
     assert (topn["inversions"] <= topn["k_sink_exact"]).all()
     if run == "gemma3":  # sliding layers: the final query cannot see the sink at L=16

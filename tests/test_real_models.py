@@ -57,7 +57,7 @@ def test_real_model_kernels_match_brute_force(name, tmp_path):
     calls them, against the brute-force twin on each query head's own values."""
     from attngeom.analyze.kernels import topn_metrics, value_statistics
     from attngeom.analyze.stage import default_n_grid, open_completed
-    from test_kernels import _assert_same, brute_topn, brute_value_statistics
+    from test_analyze_kernels import _assert_same, brute_topn, brute_value_statistics
 
     store = str(tmp_path / "s.zarr")
     run_id = extract(ExtractRequest(model=name, dataset="python-docs", context_length=40, num_sequences=1,

@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from attngeom.store.schema import TOPN_COUNTS, TOPN_FLOATS, VALUE_STATISTICS
+
 # Float64 elements of one B x K x D slice of per-N work; larger batches are processed in slices
 # of at most this size, so peak memory stays a few hundred MiB whatever the batch.
 _SLICE_BUDGET = 1 << 22
@@ -47,25 +49,6 @@ _TINY = 1e-290
 
 # Relative margin of the "L <= 0" test of the sink-aware bounds, see `_k_sink`.
 _L_RTOL = 1e-10
-
-VALUE_STATISTICS = (
-    "C", "sink_norm_ratio", "norm_cv", "median_cos",
-    "sink_cos_median", "sink_cos_neg_frac", "nu_minus_q95", "nu_plus_q95",
-)
-# Outputs of topn_metrics: int64 counts (-1 = N not valid), the int8 sink flag, floats.
-TOPN_COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact")
-TOPN_FLOATS = (
-    "precision", "recall", "f_score",
-    "mu", "mu_q95",
-    "precision_bound", "recall_bound", "precision_bound_q95", "recall_bound_q95",
-    "random_precision", "random_recall", "random_f_score",
-    "nosink_precision", "nosink_recall", "nosink_f_score",
-    "sink_norm_share", "sink_direction_change", "sink_intrusion", "sink_pair_inversion_frac",
-    "sink_alignment",
-    "loo_cos", "loo_margin", "loo_positive_frac", "loo_distance_margin",
-    "s_norm", "s_norm_nosink", "s_norm_nocurrent", "cos_s_v0", "cos_s_vlast",
-)
-
 
 __all__ = ["TOPN_COUNTS", "TOPN_FLOATS", "VALUE_STATISTICS", "head_metrics", "topn_metrics",
            "value_statistics"]

@@ -45,19 +45,16 @@ from threadpoolctl import threadpool_limits
 from tqdm.auto import tqdm
 
 from attngeom.analyze import taxonomy
-from attngeom.analyze.kernels import (
-    TOPN_COUNTS,
-    TOPN_FLOATS,
-    VALUE_STATISTICS,
-    topn_metrics,
-    value_statistics,
-)
+from attngeom.analyze.kernels import head_metrics
 from attngeom.errors import AttngeomError, GroupNotFoundError, InputError, RunNotFoundError
 from attngeom.store import (
     ANALYSIS,
     ANALYSIS_GROUPS,
     ANALYSIS_SEQUENCE_GROUPS,
     SIGNATURE_VARIABLES,
+    TOPN_COUNTS,
+    TOPN_VARIABLES,
+    VALUE_STATISTICS,
     STATS,
     VOTES,
     analysis_path,
@@ -86,9 +83,6 @@ from attngeom.store.derived import (
     staged_path,
 )
 
-TOPN_INTS = TOPN_COUNTS
-TOPN_VARS = (*TOPN_FLOATS, *TOPN_COUNTS, "sink_selected")
-VALUE_VARS = VALUE_STATISTICS
 RANDOM_DRAWS = 8
 # The paper's appendix reports the coherence constants at N = 64.
 COHERENCE_N = 64
@@ -110,12 +104,13 @@ def _instance_seed(seed: int, seq: int, layer: int) -> int:
     return int(np.random.SeedSequence([seed, seq, layer]).generate_state(1)[0])
 
 
-def _topn_block(attn, values, attendable, seq_ids, layer_ids, *, head_kv, n_grid, seed):
+def _geometry_block(attn, values, attendable, seq_ids, layer_ids, *, head_kv, n_grid, seed):
     """One (sequence, layer) block: attn (1,1,H,K), values (1,1,KV,K,D), attendable (1,K)
-    -> (1, 1, H, n, var) float64 in TOPN_VARS order."""
-    n_heads = attn.shape[2]
+    -> (1, 1, H, n, var) float64: TOPN_VARIABLES, then VALUE_STATISTICS (the same at every n);
+    query head h takes the statistics of kv head head_kv[h]. One kernel call serves both, so
+    each kv head's Gram matrix is computed once."""
     kv_values = values[0, 0].astype(np.float64)
-    out = topn_metrics(
+    topn, stats = head_metrics(
         attn[0, 0].astype(np.float64),
         kv_values,
         np.broadcast_to(attendable[0], kv_values.shape[:2]),
@@ -124,16 +119,10 @@ def _topn_block(attn, values, attendable, seq_ids, layer_ids, *, head_kv, n_grid
         seed=_instance_seed(seed, int(seq_ids[0]), int(layer_ids[0])),
         random_draws=RANDOM_DRAWS,
     )
-    stacked = np.stack([out[name].astype(np.float64) for name in TOPN_VARS], axis=-1)
-    return stacked.reshape(1, 1, n_heads, len(n_grid), len(TOPN_VARS))
-
-
-def _values_block(values, attendable, *, head_kv):
-    """values (1,1,KV,K,D), attendable (1,K) -> (1, 1, H, var) float64 in VALUE_VARS order;
-    query head h takes the statistics of kv head head_kv[h]."""
-    kv_values = values[0, 0].astype(np.float64)
-    out = value_statistics(kv_values, np.broadcast_to(attendable[0], kv_values.shape[:2]))
-    return np.stack([out[name][head_kv] for name in VALUE_VARS], axis=-1)[None, None]
+    per_n = np.stack([topn[name].astype(np.float64) for name in TOPN_VARIABLES], axis=-1)
+    per_head = np.stack([stats[name][head_kv] for name in VALUE_STATISTICS], axis=-1)
+    per_head = np.broadcast_to(per_head[:, None], (*per_n.shape[:2], len(VALUE_STATISTICS)))
+    return np.concatenate([per_n, per_head], axis=-1)[None, None]
 
 
 def _votes_from_rows_block(rows, values, *, head_kv):
@@ -166,51 +155,35 @@ def open_completed(store: str, run_id: str) -> xr.Dataset:
     return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
 
 
-def topn_dataset(ds: xr.Dataset, n_grid: Sequence[int], seed: int = 0) -> xr.Dataset:
-    """Lazy (seq, layer, head, n) Dataset of every SPEC §3 quantity for the run ``ds``."""
+def geometry_datasets(ds: xr.Dataset, n_grid: Sequence[int], seed: int = 0) -> tuple[xr.Dataset, xr.Dataset]:
+    """Lazy Datasets of the run ``ds``: ``topn`` (seq, layer, head, n), every SPEC §3 quantity,
+    and ``values`` (seq, layer, head), the per-sequence norm and coherence statistics. Both
+    come from one graph, so computed together each (sequence, layer) block runs once."""
     n_layers = ds.sizes["layer"]
-    head_kv = ds["head_kv"].values
-    attn = ds["attn_last"].data
-    values = ds["values"].data
     attendable = da.from_array(ds["attendable"].values, chunks=(1, -1))
     seq_ids = da.from_array(ds["seq"].values, chunks=1)
     layer_ids = da.from_array(np.arange(n_layers), chunks=1)
     grid = np.asarray(n_grid, dtype=np.int64)
     stacked = da.blockwise(
-        _topn_block, "slhnv",
-        attn, "slhk", values, "slgkd", attendable, "lk", seq_ids, "s", layer_ids, "l",
-        new_axes={"n": len(grid), "v": len(TOPN_VARS)},
+        _geometry_block, "slhnv",
+        ds["attn_last"].data, "slhk", ds["values"].data, "slgkd", attendable, "lk", seq_ids, "s", layer_ids, "l",
+        new_axes={"n": len(grid), "v": len(TOPN_VARIABLES) + len(VALUE_STATISTICS)},
         concatenate=True, dtype=np.float64,
-        head_kv=head_kv, n_grid=grid, seed=seed,
+        head_kv=ds["head_kv"].values, n_grid=grid, seed=seed,
     ).rechunk({1: -1})
+    coords = {"seq": ds["seq"].values, "layer": ds["layer"].values, "head": ds["head"].values}
     dims = ("seq", "layer", "head", "n")
-    data = {}
-    for i, name in enumerate(TOPN_VARS):
+    topn = {}
+    for i, name in enumerate(TOPN_VARIABLES):
         x = stacked[..., i]
-        if name in TOPN_INTS:
+        if name in TOPN_COUNTS:
             x = x.astype(np.int64)
         elif name == "sink_selected":
             x = x.astype(np.int8)
-        data[name] = (dims, x)
-    return xr.Dataset(
-        data, coords={"seq": ds["seq"].values, "layer": ds["layer"].values, "head": ds["head"].values, "n": grid}
-    )
-
-
-def values_dataset(ds: xr.Dataset) -> xr.Dataset:
-    """Lazy (seq, layer, head) Dataset of the per-sequence norm and coherence statistics."""
-    attendable = da.from_array(ds["attendable"].values, chunks=(1, -1))
-    stacked = da.blockwise(
-        _values_block, "slhv",
-        ds["values"].data, "slgkd", attendable, "lk",
-        new_axes={"h": ds.sizes["head"], "v": len(VALUE_VARS)},
-        concatenate=True, dtype=np.float64, head_kv=ds["head_kv"].values,
-    ).rechunk({1: -1})
-    dims = ("seq", "layer", "head")
-    return xr.Dataset(
-        {name: (dims, stacked[..., i]) for i, name in enumerate(VALUE_VARS)},
-        coords={"seq": ds["seq"].values, "layer": ds["layer"].values, "head": ds["head"].values},
-    )
+        topn[name] = (dims, x)
+    offset = len(TOPN_VARIABLES)
+    values = {name: (dims[:3], stacked[:, :, :, 0, offset + i]) for i, name in enumerate(VALUE_STATISTICS)}
+    return xr.Dataset(topn, coords={**coords, "n": grid}), xr.Dataset(values, coords=coords)
 
 
 def votes_dataset(ds: xr.Dataset) -> xr.Dataset:
@@ -252,7 +225,7 @@ def heads_dataset(values: xr.Dataset, topn: xr.Dataset, votes: xr.Dataset) -> xr
     for k, name in enumerate(VOTES):
         out[f"vote_{name}"] = (total.isel(vote=k) / total.sum("vote")).drop_vars("vote")
         out[f"sequences_{name}"] = (votes["sequence_label"] == k).sum("seq")
-    for name in VALUE_VARS:
+    for name in VALUE_STATISTICS:
         out[name] = values[name].mean("seq")
         out[f"{name}_cv"] = _cv(values[name], "seq")
     n = topn["n"].values
@@ -310,9 +283,9 @@ def _summary_inputs(topn: xr.Dataset) -> Iterator[tuple[str, np.ndarray]]:
     def load(name: str) -> np.ndarray:
         return topn[name].transpose("seq", "layer", "head", "n").values
 
-    for name in TOPN_VARS:
+    for name in TOPN_VARIABLES:
         x = load(name).astype(np.float64)
-        if name in TOPN_INTS or name == "sink_selected":
+        if name in TOPN_COUNTS or name == "sink_selected":
             x[x < 0] = np.nan
         yield name, x
     f_score, sink = load("f_score"), load("sink_selected")
@@ -480,9 +453,9 @@ def _sequence_paths(run_id: str, staged: bool) -> dict[str, str]:
 
 def _lazy_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str, xr.Dataset]:
     """The per-sequence groups of ``ds``'s sequences, lazy."""
-    topn = topn_dataset(ds, grid, seed)
+    topn, values = geometry_datasets(ds, grid, seed)
     topn.attrs["attngeom"] = {"n_grid": list(grid), "random_draws": RANDOM_DRAWS, "seed": seed}
-    return {"topn": topn, "values": values_dataset(ds), "taxonomy": votes_dataset(ds)}
+    return {"topn": topn, "values": values, "taxonomy": votes_dataset(ds)}
 
 
 def _open_groups(store: str, paths: dict[str, str]) -> dict[str, zarr.Group]:

@@ -56,6 +56,26 @@ VOTES = ("diagonal", "sink", "other")
 REGIMES = ("Retriever", "Mixer", "Reset")
 # Mechanistic signatures (SPEC §4): variables of ``topn`` reduced per regime in ``signatures``.
 SIGNATURE_VARIABLES = ("s_norm", "s_norm_nosink", "s_norm_nocurrent", "cos_s_v0", "cos_s_vlast")
+# Variables of ``topn`` (seq, layer, head, n), the outputs of the analyze kernels: floats,
+# int64 counts (-1 = N not valid there), and the int8 flag of the sink's selection.
+TOPN_FLOATS = (
+    "precision", "recall", "f_score",
+    "mu", "mu_q95",
+    "precision_bound", "recall_bound", "precision_bound_q95", "recall_bound_q95",
+    "random_precision", "random_recall", "random_f_score",
+    "nosink_precision", "nosink_recall", "nosink_f_score",
+    "sink_norm_share", "sink_direction_change", "sink_intrusion", "sink_pair_inversion_frac",
+    "sink_alignment",
+    "loo_cos", "loo_margin", "loo_positive_frac", "loo_distance_margin",
+    "s_norm", "s_norm_nosink", "s_norm_nocurrent", "cos_s_v0", "cos_s_vlast",
+)
+TOPN_COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact")
+TOPN_VARIABLES = (*TOPN_FLOATS, *TOPN_COUNTS, "sink_selected")
+# Variables of ``values`` (seq, layer, head): norm and coherence statistics per sequence.
+VALUE_STATISTICS = (
+    "C", "sink_norm_ratio", "norm_cv", "median_cos",
+    "sink_cos_median", "sink_cos_neg_frac", "nu_minus_q95", "nu_plus_q95",
+)
 # Statistics across sequences of the ``summary`` group.
 STATS = ("mean", "median", "q05", "q95", "count")
 
