@@ -71,11 +71,13 @@ from attngeom.store import (
     REGIMES,
     ablation_path,
     analysis_path,
+    check_committed,
     completed,
     consolidate,
     open_dataset,
     open_root,
     open_run_group,
+    reading_run,
     run_ids,
     run_provenance,
     write_dataset,
@@ -369,6 +371,7 @@ def ablate(
     if run_id not in runs:
         raise AttngeomError(f"no run '{run_id}' in {store} (runs: {', '.join(runs) or 'none'})")
     run = open_run_group(root, run_id)
+    check_committed(store, run, run_id)
     provenance = run_provenance(root, run_id)
     seqs = completed(run)[:max_sequences]
     if len(seqs) < 2:
@@ -381,7 +384,9 @@ def ablate(
             raise AttngeomError(f"--protect {layer}.{head}: the run has layers 0-{n_layers - 1} and heads 0-{n_heads - 1}")
         protected[layer, head] = True
 
-    diagnostics = _store_diagnostics(run, importance, top_n)
+    with reading_run(store, run, run_id):
+        diagnostics = _store_diagnostics(run, importance, top_n)
+        tokens = run["tokens"].get_orthogonal_selection((seqs, slice(None))).astype(np.int64)
     heads = _analysis_heads(store, run, run_id)
     skipped: dict[str, str] = {}
     regime = None
@@ -399,7 +404,6 @@ def ablate(
         if heads[name].dims == ("layer", "head") and np.issubdtype(heads[name].dtype, np.number)
     }
 
-    tokens = run["tokens"].get_orthogonal_selection((seqs, slice(None))).astype(np.int64)
     by_seq = dict(zip(seqs.tolist(), torch.from_numpy(tokens)))
     imp_tokens = torch.stack([by_seq[int(s)] for s in importance])
     eval_tokens = torch.stack([by_seq[int(s)] for s in evaluation])

@@ -49,6 +49,7 @@ from attngeom.store import (
     STATS,
     VOTES,
     analysis_path,
+    check_committed,
     completed,
     consolidate,
     open_dataset,
@@ -123,9 +124,11 @@ class AnalyzeResult:
 
 
 def open_completed(store: str, run_id: str) -> xr.Dataset:
-    """The run as a lazy Dataset restricted to committed sequences, with a ``seq`` coordinate."""
+    """The run as a lazy Dataset restricted to committed sequences, with a ``seq`` coordinate;
+    :class:`DamagedStoreError` if a committed sequence lacks a stored object."""
     root = open_root(store)
     run = open_run_group(root, run_id)
+    check_committed(store, run, run_id)
     done = completed(run)
     ds = open_dataset(store, run_path(run_id))
     return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))

@@ -9,15 +9,18 @@ larger ``--num-sequences`` appends.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import platform
 import shlex
+import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,7 +29,7 @@ import zarr
 from tqdm.auto import tqdm
 
 from attngeom import __version__
-from attngeom.errors import AttngeomError, StoreNotFoundError
+from attngeom.errors import AttngeomError, InputError, StoreNotFoundError, StoreWriteError
 from attngeom.extract.capture import (
     ATTN_IMPLEMENTATION,
     LayerCapture,
@@ -47,10 +50,12 @@ from attngeom.store import (
     RUN_ID_PATTERN,
     RunLayout,
     check_writable,
+    completed,
     consolidate,
     create_run,
     default_run_id,
     jsonable,
+    local_path,
     n_sequences,
     open_or_create_root,
     open_root,
@@ -93,8 +98,12 @@ class ExtractRequest:
 
 @dataclass(frozen=True)
 class ExtractResult:
+    """What an extract did: sequences it wrote, and those the run holds now (committed, by
+    whichever process, and all it is sized for)."""
+
     run_id: str
     written: int
+    committed: int
     total: int
     seconds: float
 
@@ -205,12 +214,14 @@ def extract(request: ExtractRequest) -> ExtractResult:
     (by hand, or ranks of torchrun) fill one run without touching each other's shards.
     """
     if request.context_length < 2:
-        raise AttngeomError("--context-length must be at least 2 (BOS and one token)")
+        raise InputError("--context-length must be at least 2 (BOS and one token)")
     if request.num_sequences < 1:
-        raise AttngeomError("--num-sequences must be at least 1")
+        raise InputError("--num-sequences must be at least 1")
     shard = request.shard or launcher_shard()
+    if shard is not None and shard[1] < 1:
+        raise InputError(f"--shard {shard[0]}/{shard[1]}: the count of shards must be at least 1")
     if shard is not None and not 0 <= shard[0] < shard[1]:
-        raise AttngeomError(f"--shard {shard[0]}/{shard[1]}: the index must be in 0..{shard[1] - 1}")
+        raise InputError(f"--shard {shard[0]}/{shard[1]}: the index must be in 0..{shard[1] - 1}")
     check_writable(request.store)
     device = resolve_device(request.device)
     if shard is not None and device == "cuda":
@@ -246,64 +257,95 @@ def extract(request: ExtractRequest) -> ExtractResult:
         rule=request.window_rule, seed=request.seed,
     )
 
+    path = local_path(request.store)
+    # A store this extract creates goes again if it fails before committing anything; not
+    # with --shard, where a peer may be writing into the new store already.
+    new_store = path is not None and not path.exists() and shard is None
     root = open_or_create_root(request.store)
-    run = _open_run(root, run_id)
-    mine = [i for i in range(request.num_sequences) if shard is None or i % shard[1] == shard[0]]
-    todo = (
-        mine
-        if run is None
-        else [i for i in mine if i >= n_sequences(run) or run["complete"][i] != 1]
-    )
-    if run is not None and n_sequences(run) < request.num_sequences:
-        resize_run(run, request.num_sequences)
-    start = time.perf_counter()
-    if not todo:
-        return ExtractResult(run_id, 0, request.num_sequences, 0.0)
+    with _removed_on_failure(path, root, new_store):
+        run = _open_run(root, run_id)
+        mine = [i for i in range(request.num_sequences) if shard is None or i % shard[1] == shard[0]]
+        todo = (
+            mine
+            if run is None
+            else [i for i in mine if i >= n_sequences(run) or run["complete"][i] != 1]
+        )
+        if run is not None and n_sequences(run) < request.num_sequences:
+            resize_run(run, request.num_sequences)
+        start = time.perf_counter()
+        if not todo:
+            return ExtractResult(run_id, 0, completed(run).size, n_sequences(run), 0.0)
 
-    model = load_model(source, device=device, dtype=dtype)
-    provenance = {
-        **identity,
-        "tokenizer": {
-            "class": type(tokenizer).__name__,
-            "vocab_size": len(tokenizer),
-            "bos_token": tokenizer.convert_ids_to_tokens(bos_id),
-        },
-        "model_type": config.model_type,
-        "compute_dtype": str(dtype).removeprefix("torch."),
-        "device": device,
-        "attention_implementation": f"{ATTN_IMPLEMENTATION} ({attention_output(dtype)}; float32 rows recomputed from post-RoPE q/k)",
-        "library_versions": _library_versions(),
-        "attngeom_version": __version__,
-        "command_line": shlex.join(request.command_line),
-        "shard": list(shard) if shard else None,
-    }
-    bar = tqdm(total=len(todo), unit="seq", desc=f"extract {run_id}", disable=not request.progress)
+        model = load_model(source, device=device, dtype=dtype)
+        provenance = {
+            **identity,
+            "tokenizer": {
+                "class": type(tokenizer).__name__,
+                "vocab_size": len(tokenizer),
+                "bos_token": tokenizer.convert_ids_to_tokens(bos_id),
+            },
+            "model_type": config.model_type,
+            "compute_dtype": str(dtype).removeprefix("torch."),
+            "device": device,
+            "attention_implementation": f"{ATTN_IMPLEMENTATION} ({attention_output(dtype)}; float32 rows recomputed from post-RoPE q/k)",
+            "library_versions": _library_versions(),
+            "attngeom_version": __version__,
+            "command_line": shlex.join(request.command_line),
+            "shard": list(shard) if shard else None,
+        }
+        bar = tqdm(total=len(todo), unit="seq", desc=f"extract {run_id}", disable=not request.progress)
+        try:
+            for b0 in range(0, len(todo), request.batch_size):
+                batch = todo[b0 : b0 + request.batch_size]
+                ids = torch.from_numpy(np.stack([windows[i].tokens for i in batch]).astype("int64")).to(device)
+                with torch.inference_mode(), recording(keep_rows=request.store_rows == "all") as rec:
+                    model.model(input_ids=ids, use_cache=False)
+                if run is None:
+                    layout = _layout(config, rec.layers, request)
+                    run = create_run(root, run_id, layout, provenance, request.num_sequences)
+                layout = run_layout(run)
+                for b, seq in enumerate(batch):
+                    write_sequence(run, seq, _sequence_arrays(rec.layers, b, windows[seq], layout))
+                bar.update(len(batch))
+                elapsed = time.perf_counter() - start
+                bar.set_postfix(tok_s=f"{bar.n * request.context_length / max(elapsed, 1e-9):.0f}")
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                done = 0 if run is None else int(np.isin(todo, completed(run)).sum())
+                raise StoreWriteError(
+                    f"the store ran out of space after {done} of {len(todo)} sequences were committed; committed "
+                    "sequences are kept: free space and re-run the same command to finish"
+                ) from exc
+            raise
+        finally:
+            bar.close()
+        consolidate(root)
+        return ExtractResult(run_id, len(todo), completed(run).size, n_sequences(run), time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(path: Path | None, root: zarr.Group, new_store: bool) -> Iterator[None]:
+    """Remove the store at ``path`` if the body fails, the store is new (``new_store``) and
+    no sequence of it was committed: a failed extract leaves no empty store behind."""
     try:
-        for b0 in range(0, len(todo), request.batch_size):
-            batch = todo[b0 : b0 + request.batch_size]
-            ids = torch.from_numpy(np.stack([windows[i].tokens for i in batch]).astype("int64")).to(device)
-            with torch.inference_mode(), recording(keep_rows=request.store_rows == "all") as rec:
-                model.model(input_ids=ids, use_cache=False)
-            if run is None:
-                layout = _layout(config, rec.layers, request)
-                run = create_run(root, run_id, layout, provenance, request.num_sequences)
-            layout = run_layout(run)
-            for b, seq in enumerate(batch):
-                write_sequence(run, seq, _sequence_arrays(rec.layers, b, windows[seq], layout))
-            bar.update(len(batch))
-            elapsed = time.perf_counter() - start
-            bar.set_postfix(tok_s=f"{bar.n * request.context_length / max(elapsed, 1e-9):.0f}")
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise AttngeomError(
-                f"the store ran out of space after {bar.n} of {len(todo)} sequences; committed sequences "
-                "are kept: free space and re-run the same command to finish"
-            ) from exc
+        yield
+    except BaseException:
+        if new_store and not _holds_committed(root):
+            shutil.rmtree(path, ignore_errors=True)
         raise
-    finally:
-        bar.close()
-    consolidate(root)
-    return ExtractResult(run_id, len(todo), request.num_sequences, time.perf_counter() - start)
+
+
+def _holds_committed(root: zarr.Group) -> bool:
+    """Whether any run of the store has a committed sequence (True if that cannot be read:
+    a store is never removed on a guess)."""
+    try:
+        return any(_committed(open_run_group(root, run_id)) for run_id in run_ids(root))
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _committed(run: zarr.Group) -> bool:
+    return "complete" in run and completed(run).size > 0
 
 
 def _open_run(root: zarr.Group, run_id: str) -> zarr.Group | None:

@@ -404,15 +404,14 @@ def writing(url: str) -> Iterator[None]:
 
 def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = True) -> None:
     """Write a derived Dataset to ``group``, replacing it, in the store's format: chunk
-    checksums, labels as integer codes (:func:`encode_labels`), every chunk stored (also one
-    equal to the fill value, so that a missing chunk is damage, not a fill value).
+    checksums, labels as integer codes (:func:`encode_labels`).
 
     With ``compute=False`` only the metadata is written, for later region writes.
     """
     dataset = encode_labels(dataset)
     encoding = {name: {"compressors": compressors(var.dtype)} for name, var in dataset.variables.items()}
     target = zarr_store(url, read_only=False)
-    with writing(url), zarr.config.set({"array.write_empty_chunks": True}):
+    with writing(url):
         dataset.to_zarr(
             target, group=group, mode="w", consolidated=False, zarr_format=3, encoding=encoding, compute=compute
         )
