@@ -139,8 +139,11 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
     committed sequences are read, and re-running overwrites the same results.
     """
     from attngeom.analyze.stage import analyze as run_analyze
+    from attngeom.store import writing
 
-    for r in run_analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed, progress=not no_progress):
+    with writing(store):
+        results = run_analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed, progress=not no_progress)
+    for r in results:
         click.echo(f"run {r.run_id}: {r.sequences} sequences, {r.instances} head instances in {r.seconds:.1f} s")
 
 
@@ -180,9 +183,11 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
     runs/<id>/ablation/{single,sweep,correlations,critical,regimes}.
     """
     from attngeom.ablate import DEFAULT_RETENTION, ablate as run_ablate, parse_heads
+    from attngeom.store import writing
 
-    result = run_ablate(store, run_id, protect=parse_heads(protect), retention=retention or DEFAULT_RETENTION,
-                        progress=not no_progress, **kwargs)
+    with writing(store):
+        result = run_ablate(store, run_id, protect=parse_heads(protect), retention=retention or DEFAULT_RETENTION,
+                            progress=not no_progress, **kwargs)
     critical = result.critical
     click.echo(f"run {result.run_id}: ablation written in {result.seconds:.1f} s; "
                f"{critical.sizes.get('critical', 0)} critical head(s)")

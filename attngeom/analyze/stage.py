@@ -21,6 +21,7 @@ by one such chunk whatever the store's size. Results are written back to the sto
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -321,7 +322,9 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
         with client:
             yield client
         return
-    with LocalCluster(threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, Client(cluster) as client:
+    # A task's error reaches the client, which reports it in one line; the workers' own
+    # error log of it would print the traceback again.
+    with LocalCluster(threads_per_worker=1, processes=True, dashboard_address=":0", silence_logs=logging.CRITICAL) as cluster, Client(cluster) as client:
         yield client
 
 

@@ -18,6 +18,7 @@ from attngeom.store.access import (
     read_root_attrs,
     store_format,
     write_dataset,
+    writing,
     zarr_store,
 )
 from attngeom.store.codecs import compressor, compressors, has_checksum, with_checksum
@@ -82,5 +83,5 @@ __all__ = [
     "has_checksum", "jsonable", "label_codes", "local_path", "label_dtype", "n_sequences", "open_dataset", "open_or_create_root", "open_root",
     "open_run_group", "read_root_attrs", "reading_run", "repair", "require_run", "resize_run", "run_ids", "run_layout",
     "run_path", "run_provenance", "store_format", "validate_run", "validate_store", "with_checksum",
-    "write_dataset", "write_sequence", "zarr_store",
+    "write_dataset", "writing", "write_sequence", "zarr_store",
 ]

@@ -80,7 +80,7 @@ def _as_codes(meta: Mapping[str, Any], arr: zarr.Array) -> dict[str, Any]:
     out["data_type"] = dtype.name
     out["fill_value"] = 0
     out["codecs"] = [
-        {"name": "bytes"},
+        {"name": "bytes", "configuration": {"endian": "little"}} if dtype.itemsize > 1 else {"name": "bytes"},
         compressor(dtype.itemsize).to_dict(),
         *[c for c in meta["codecs"] if c["name"] == "crc32c"],
     ]

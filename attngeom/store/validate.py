@@ -29,6 +29,7 @@ from attngeom.store.access import (
     RESTORE,
     damaged_chunk,
     local_path,
+    metadata_damage,
     open_root,
     partials,
     quiet_leftovers,
@@ -139,6 +140,8 @@ def reading_run(url: str, run: zarr.Group, run_id: str) -> Iterator[None]:
     try:
         yield
     except DECODE_ERRORS as exc:
+        if unreadable_metadata(url, run.path):
+            raise metadata_damage(url, run.path, exc) from exc
         done = set(completed(run).tolist())
         members = _members(run)
         for name in SEQUENCE_ARRAYS:
@@ -328,7 +331,7 @@ def arrays_of(root: zarr.Group) -> list[zarr.Array]:
         try:
             meta = json.loads(sync(store.get(key, prototype=default_buffer_prototype())).to_bytes())
             if meta.get("node_type") == "array":
-                out.append(zarr.open_array(store, path=path, mode="r"))
+                out.append(root[path])
         except DECODE_ERRORS:
             continue  # named by the metadata check
     return out
@@ -374,8 +377,9 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
         return problems + [str(exc)]
     fmt = store_format(meta)
     if fmt < FORMAT:
+        unseen = " and no chunk checksums (corruption can go unseen)" if fmt < 2 else ""
         problems.append(
-            f"store format {fmt} is older than the one this attngeom writes ({FORMAT}); "
+            f"store format {fmt} is older than the one this attngeom writes ({FORMAT}){unseen}; "
             f"run `attngeom migrate --store {url}`"
         )
     unreadable = frozenset(k.rsplit("/", 1)[0] for k in bad_metadata)
