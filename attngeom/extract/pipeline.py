@@ -312,9 +312,10 @@ def extract(request: ExtractRequest) -> ExtractResult:
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 done = 0 if run is None else int(np.isin(todo, completed(run)).sum())
+                kept = "; committed sequences are kept:" if done else ";"
                 raise StoreWriteError(
-                    f"the store ran out of space after {done} of {len(todo)} sequences were committed; committed "
-                    "sequences are kept: free space and re-run the same command to finish"
+                    f"the store ran out of space after {done} of {len(todo)} sequences were committed{kept} "
+                    "free space and re-run the same command" + (" to finish" if done else "")
                 ) from exc
             raise
         finally:

@@ -245,15 +245,6 @@ def stored_grid(arr: zarr.Array) -> tuple[int, ...]:
     return tuple(arr.shards or arr.chunks)
 
 
-def read_checked(url: str, arr: zarr.Array, selection: tuple[slice | int, ...]) -> np.ndarray:
-    """``arr[selection]``; a chunk that fails to decode is raised as :class:`CorruptChunkError`
-    naming the array, the stored object and how to recover."""
-    try:
-        return arr[selection]
-    except DECODE_ERRORS as exc:
-        raise _locate(url, arr, selection, exc) from exc
-
-
 def _locate(url: str, arr: zarr.Array, selection: tuple[slice | int, ...], exc: BaseException) -> CorruptChunkError:
     """The first stored object within ``selection`` that fails to decode (``exc`` if none
     does on its own)."""
