@@ -240,7 +240,8 @@ def migrate(store: str, no_progress: bool) -> None:
     """Bring a store of an older format up to the one this attngeom writes.
 
     Format 1 stores (attngeom 0.1.0 before chunk checksums) get a crc32c checksum on every
-    chunk; data are re-encoded, never changed. Each array is rewritten through a temporary
+    chunk; format 2 stores get their label arrays (zarr-python's string type) as integer
+    codes of the Zarr v3 core, their labels in the attributes. Values are kept. Each array is rewritten through a temporary
     copy: a migration that is interrupted is finished by running it again. No other
     command may use the store meanwhile.
     """

@@ -75,13 +75,14 @@ from attngeom.store.validate import (
 )
 
 __all__ = [
-    "ABLATION", "ABLATION_GROUPS", "ANALYSIS", "ANALYSIS_GROUPS", "ANALYSIS_SEQUENCE_GROUPS", "ATTR_KEY",
-    "COORDS", "FORMAT", "LABELS", "REGIMES", "RUNS", "RUN_ID_PATTERN", "RUN_VARIABLES", "SCHEMA_VERSION",
-    "SEQUENCE_ARRAYS", "SIGNATURE_VARIABLES", "STATS", "SUMMARY_DIMS", "VOTES", "RunLayout", "Variable",
-    "ablation_path", "analysis_path", "array_metadata", "arrays_of", "check_writable", "completed",
-    "compressor", "compressors", "consolidate", "check_committed", "damaged_objects", "create_run", "default_run_id",
-    "has_checksum", "jsonable", "label_codes", "local_path", "label_dtype", "n_sequences", "open_dataset", "open_or_create_root", "open_root",
-    "open_run_group", "read_root_attrs", "reading_run", "repair", "require_run", "resize_run", "run_ids", "run_layout",
-    "run_path", "run_provenance", "store_format", "validate_run", "validate_store", "with_checksum",
-    "write_dataset", "writing", "write_sequence", "zarr_store",
+    "ABLATION", "ABLATION_GROUPS", "ANALYSIS", "ANALYSIS_GROUPS", "ANALYSIS_SEQUENCE_GROUPS",
+    "ATTR_KEY", "COORDS", "FORMAT", "LABELS", "REGIMES", "RUNS", "RUN_ID_PATTERN", "RUN_VARIABLES",
+    "SCHEMA_VERSION", "SEQUENCE_ARRAYS", "SIGNATURE_VARIABLES", "STATS", "SUMMARY_DIMS", "VOTES",
+    "RunLayout", "Variable", "ablation_path", "analysis_path", "array_metadata", "arrays_of",
+    "check_committed", "check_writable", "completed", "compressor", "compressors", "consolidate",
+    "create_run", "damaged_objects", "default_run_id", "has_checksum", "jsonable", "label_codes",
+    "label_dtype", "local_path", "n_sequences", "open_dataset", "open_or_create_root", "open_root",
+    "open_run_group", "read_root_attrs", "reading_run", "repair", "require_run", "resize_run",
+    "run_ids", "run_layout", "run_path", "run_provenance", "store_format", "validate_run",
+    "validate_store", "with_checksum", "write_dataset", "write_sequence", "writing", "zarr_store",
 ]

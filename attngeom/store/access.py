@@ -245,9 +245,9 @@ def stored_grid(arr: zarr.Array) -> tuple[int, ...]:
     return tuple(arr.shards or arr.chunks)
 
 
-def _locate(url: str, arr: zarr.Array, selection: tuple[slice | int, ...], exc: BaseException) -> CorruptChunkError:
-    """The first stored object within ``selection`` that fails to decode (``exc`` if none
-    does on its own)."""
+def _locate(url: str, arr: zarr.Array, selection: tuple[slice | int, ...]) -> CorruptChunkError | None:
+    """The error naming the first stored object within ``selection`` that fails to decode;
+    None if none does (the failure was not the store's)."""
     grid = stored_grid(arr)
     ranges = []
     for dim, (n, c) in enumerate(zip(arr.shape, grid)):
@@ -264,7 +264,7 @@ def _locate(url: str, arr: zarr.Array, selection: tuple[slice | int, ...], exc: 
             arr[region]
         except DECODE_ERRORS as inner:
             return damaged_chunk(url, arr, grid_index, inner)
-    return damaged_chunk(url, arr, tuple(r[0] for r in ranges), exc)
+    return None
 
 
 def unreadable_metadata(url: str, group: str = "") -> list[str]:
@@ -300,8 +300,8 @@ def metadata_damage(url: str, group: str, exc: BaseException) -> DamagedStoreErr
 class _CheckedArray:
     """A lazy variable of a group whose reads name a damaged chunk (the chunks dask reads)."""
 
-    def __init__(self, url: str, path: str, variable: xr.Variable, grid: tuple[int, ...]) -> None:
-        self.url, self.path, self.variable, self.grid = url, path, variable, grid
+    def __init__(self, url: str, path: str, variable: xr.Variable) -> None:
+        self.url, self.path, self.variable = url, path, variable
         self.shape, self.dtype, self.ndim = variable.shape, variable.dtype, variable.ndim
 
     def __getitem__(self, key: tuple[slice, ...]) -> np.ndarray:
@@ -309,7 +309,10 @@ class _CheckedArray:
             return np.asarray(self.variable[key].values)
         except DECODE_ERRORS as exc:
             arr = zarr.open_array(zarr_store(self.url, read_only=True), path=self.path, mode="r")
-            raise _locate(self.url, arr, key, exc) from exc
+            error = _locate(self.url, arr, key)
+            if error is None:
+                raise
+            raise error from exc
 
 
 def open_dataset(url: str, group: str) -> xr.Dataset:
@@ -325,14 +328,15 @@ def open_dataset(url: str, group: str) -> xr.Dataset:
     try:
         with quiet_leftovers():
             ds = xr.open_zarr(zarr_store(url, read_only=True), group=group, consolidated=False, chunks=None)
+    except (FileNotFoundError, zarr.errors.NodeNotFoundError):
+        raise  # no such group: the caller decides what absence means
     except DECODE_ERRORS as exc:
         raise metadata_damage(url, group, exc) from exc
     lazy = {}
     for name, var in ds.variables.items():
         if name in ds.indexes:
             continue  # read when opened
-        grid = var.encoding.get("shards") or var.encoding.get("chunks") or var.shape
-        checked = _CheckedArray(url, f"{group}/{name}", var, tuple(grid))
+        checked = _CheckedArray(url, f"{group}/{name}", var)
         data = da.from_array(
             checked, chunks=var.encoding.get("chunks") or var.shape, name=f"{group}/{name}-{uuid.uuid4().hex}",
             lock=False, asarray=False, meta=np.empty((0,) * var.ndim, dtype=var.dtype),

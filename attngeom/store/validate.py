@@ -61,8 +61,11 @@ def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
         }
     if isinstance(zstore, zarr.storage.FsspecStore):
         root = zstore.path.rstrip("/")
-        found = zstore.fs.find(f"{root}/{prefix}", detail=True)
-        return {key[len(root) + 1 :]: int(info["size"]) for key, info in found.items()}
+
+        async def find() -> dict[str, Any]:
+            return await zstore.fs._find(f"{root}/{prefix}", detail=True)
+
+        return {key[len(root) + 1 :]: int(info["size"]) for key, info in sync(find()).items()}
 
     async def collect() -> dict[str, int]:
         return {key: await zstore.getsize(key) async for key in zstore.list_prefix(prefix)}
