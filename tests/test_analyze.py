@@ -13,7 +13,7 @@ from test_kernels import brute_topn, brute_value_statistics
 from attngeom.analyze.stage import TOPN_VARS, VALUE_VARS, _instance_seed, analyze
 from attngeom.cli import main
 from attngeom.extract.pipeline import ExtractRequest, extract
-from attngeom.store import resize_run
+from attngeom.store import open_dataset, resize_run
 
 GRID = [1, 2, 4, 8, 15]
 
@@ -39,7 +39,7 @@ def analyzed(tiny_model_dir, word_corpus, tmp_path_factory, cluster):
 
 
 def group(store, run, name) -> xr.Dataset:
-    return xr.open_zarr(str(store), group=f"runs/{run}/analysis/{name}", consolidated=False)
+    return open_dataset(str(store), f"runs/{run}/analysis/{name}")
 
 
 @pytest.mark.parametrize("run", ["llama", "gemma3"])

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from attngeom.analyze.stage import analyze
 from attngeom.cli import main
 from attngeom.extract.pipeline import ExtractRequest, extract
-from attngeom.store import open_root, run_ids, validate_store, zarr_store
+from attngeom.store import open_dataset, open_root, run_ids, validate_store, zarr_store
 
 S = 10
 
@@ -145,7 +145,7 @@ def test_s3_store_every_stage(tiny_model_dir, word_corpus, s3_url, reference, tm
     result = CliRunner().invoke(main, ["ablate", "--store", s3_url, "--run", "r", "--device", "cpu",
                                        "--retention", "1.0,0.5", "--random-masks", "2", "--no-progress"])
     assert result.exit_code == 0, result.output
-    single = xr.open_zarr(zarr_store(s3_url, read_only=True), group="runs/r/ablation/single")
+    single = open_dataset(s3_url, "runs/r/ablation/single")
     assert dict(single.sizes)["layer"] == 3
     result = CliRunner().invoke(main, ["report", "--store", s3_url, "--out", str(tmp_path / "report")])
     assert result.exit_code == 0, result.output
@@ -173,10 +173,10 @@ def test_multiprocess_cluster_matches_threads(tiny_model_dir, word_corpus, tmp_p
     extract(ExtractRequest(model=str(tiny_model_dir("mistral")), dataset=str(word_corpus), context_length=16,
                            num_sequences=3, store=str(store), run_id="r", progress=False))
     analyze(str(store), scheduler="threads", n_grid=[1, 2, 8], progress=False)
-    single = {g: xr.open_zarr(str(store), group=f"runs/r/analysis/{g}", consolidated=False).load()
+    single = {g: open_dataset(str(store), f"runs/r/analysis/{g}").load()
               for g in ("topn", "values", "heads", "summary")}
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
         analyze(str(store), scheduler=cluster.scheduler_address, n_grid=[1, 2, 8], progress=False)
     for g, expected in single.items():
-        got = xr.open_zarr(str(store), group=f"runs/r/analysis/{g}", consolidated=False).load()
+        got = open_dataset(str(store), f"runs/r/analysis/{g}").load()
         xr.testing.assert_identical(got, expected)

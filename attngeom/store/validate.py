@@ -17,7 +17,7 @@ import struct
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-import google_crc32c
+import crc32c
 import numpy as np
 import zarr
 from zarr.core.buffer import default_buffer_prototype
@@ -243,7 +243,7 @@ def _shard_index_problem(arr: zarr.Array, data: bytes) -> str | None:
     if len(data) < size:
         return f"is truncated ({len(data)} bytes, shorter than its {size}-byte index)"
     index, checksum = data[-size:-4], data[-4:]
-    if struct.pack("<I", google_crc32c.value(index)) != checksum:
+    if struct.pack("<I", crc32c.crc32c(index)) != checksum:
         return "has a damaged index (checksum mismatch): truncated or overwritten"
     entries = struct.unpack(f"<{2 * n_chunks}Q", index)
     for i in range(n_chunks):
