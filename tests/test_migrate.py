@@ -67,7 +67,7 @@ def test_format1_store_is_read_and_refused_for_writing(format1_store, word_corpu
     assert ds.sizes["seq"] == 3 and int(ds["complete"].sum()) == 3
     lines = CliRunner().invoke(main, ["validate", "--store", url]).output.strip().splitlines()
     assert lines == [
-        f"store format 1 is older than the one this attngeom writes ({FORMAT}) and no chunk checksums "
+        f"store format 1 is older than the one this attngeom writes ({FORMAT}) and has no chunk checksums "
         f"(corruption can go unseen); run `attngeom migrate --store {url}`"
     ]
     deep = CliRunner().invoke(main, ["validate", "--deep", "--store", url]).output

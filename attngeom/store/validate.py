@@ -380,7 +380,7 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
         return problems + [str(exc)]
     fmt = store_format(meta)
     if fmt < FORMAT:
-        unseen = " and no chunk checksums (corruption can go unseen)" if fmt < 2 else ""
+        unseen = " and has no chunk checksums (corruption can go unseen)" if fmt < 2 else ""
         problems.append(
             f"store format {fmt} is older than the one this attngeom writes ({FORMAT}){unseen}; "
             f"run `attngeom migrate --store {url}`"
