@@ -28,6 +28,7 @@ from attngeom.errors import (
     CorruptChunkError,
     DamagedStoreError,
     GroupNotFoundError,
+    IncompleteGroupError,
     InputError,
     RunNotFoundError,
     SchemaError,
@@ -48,23 +49,25 @@ if TYPE_CHECKING:
         extract,
         migrate,
         open_store,
+        repair,
         report,
         taxonomy,
         validate,
     )
 
 __all__ = [
-    "AttngeomError", "CorruptChunkError", "DamagedStoreError", "GroupNotFoundError", "InputError",
+    "AttngeomError", "CorruptChunkError", "DamagedStoreError", "GroupNotFoundError", "IncompleteGroupError",
+    "InputError",
     "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreWriteError",
     "Taxonomy", "Validation", "__version__", "ablate", "analyze", "explore", "extract", "migrate", "open_store",
-    "report", "taxonomy", "validate",
+    "repair", "report", "taxonomy", "validate",
 ]
 
 # Commands whose name is also a stage's package (attngeom/extract/, ...).
 STAGES = ("extract", "analyze", "ablate", "report", "explore")
 # The API's other names, loaded with attngeom.api on first use (dataclasses and inspect alone
 # would triple the time `import attngeom` takes).
-_API_NAMES = ("Taxonomy", "Validation", "migrate", "open_store", "taxonomy", "validate")
+_API_NAMES = ("Taxonomy", "Validation", "migrate", "open_store", "repair", "taxonomy", "validate")
 
 
 def __getattr__(name: str) -> Any:

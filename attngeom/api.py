@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from attngeom.store.migrate import MigrationReport
 
 __all__ = [
-    "Taxonomy", "Validation", "ablate", "analyze", "explore", "extract", "migrate", "open_store", "report",
-    "taxonomy", "validate",
+    "Taxonomy", "Validation", "ablate", "analyze", "explore", "extract", "migrate", "open_store", "repair",
+    "report", "taxonomy", "validate",
 ]
 
 
@@ -109,14 +109,15 @@ def analyze(
     for every run (or ``run_id``); writes runs/<id>/analysis/{topn, values, taxonomy, heads,
     summary, signatures, table}, read back with ``open_store(store).run(id).analysis(name)``.
 
-    scheduler: a Dask scheduler address, "threads" (this process alone), or None (a
-    LocalCluster of processes). n_grid: selection sizes N (default 1, 2, 4, ... < L).
+    scheduler: a Dask scheduler address, "processes" (a LocalCluster sized to this machine),
+    or None / "threads" (this process alone). n_grid: selection sizes N (default 1, 2, 4, ... < L).
     seed: of the random-N control. out: also write the tidy tables there (Parquet, CSV).
     Returns one result per run: sequences, head instances, seconds.
     """
     from attngeom.analyze.stage import analyze as run
+    from attngeom.store import writing
 
-    with _workers_skip_main():
+    with _workers_skip_main(), writing(str(store)):
         return run(str(store), run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
                    progress=progress)
 
@@ -217,13 +218,15 @@ def ablate(
     """
     from attngeom.ablate.request import DEFAULT_RETENTION, AblateRequest
     from attngeom.ablate.stage import ablate as run
+    from attngeom.store import writing
 
-    return run(AblateRequest(
-        store=str(store), run_id=run_id, model=model, device=device, dtype=dtype, protect=protect,
-        protect_critical=protect_critical, retention=DEFAULT_RETENTION if retention is None else retention,
-        random_masks=random_masks, seed=seed, top_n=top_n, critical_k=critical_k, critical_floor=critical_floor,
-        max_sequences=max_sequences, batch_size=batch_size, out=out, progress=progress,
-    ))
+    with writing(str(store)):
+        return run(AblateRequest(
+            store=str(store), run_id=run_id, model=model, device=device, dtype=dtype, protect=protect,
+            protect_critical=protect_critical, retention=DEFAULT_RETENTION if retention is None else retention,
+            random_masks=random_masks, seed=seed, top_n=top_n, critical_k=critical_k, critical_floor=critical_floor,
+            max_sequences=max_sequences, batch_size=batch_size, out=out, progress=progress,
+        ))
 
 
 def report(store: str | Path, out: str | Path) -> Path:
@@ -264,6 +267,15 @@ def validate(store: str | Path, *, deep: bool = False) -> Validation:
     from attngeom.store import validate_store
 
     return Validation(str(store), tuple(validate_store(str(store), deep=deep)))
+
+
+def repair(store: str | Path, *, deep: bool = False) -> dict[str, list[int]]:
+    """Uncommit every committed sequence with a missing or empty chunk (with ``deep``, also
+    one that fails to decode), so that the run's extract command, run again, rewrites it.
+    Returns run id -> the sequences uncommitted."""
+    from attngeom.store import repair as run
+
+    return run(str(store), deep=deep)
 
 
 def migrate(store: str | Path, *, progress: bool = True) -> MigrationReport:

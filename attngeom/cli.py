@@ -12,8 +12,18 @@ from attngeom import __version__
 from attngeom.errors import AttngeomError
 
 
+# What to do after Ctrl-C, by command: each is safe to interrupt and to run again.
+RESUME = {
+    "extract": "committed sequences are kept; run the same command again to write the rest",
+    "analyze": "nothing of the store is lost; run the same command again to finish the analysis",
+    "ablate": "nothing of the store is lost; run the same command again to finish the ablation",
+    "migrate": "the store is refused until its migration ends; run the same command again to finish it",
+}
+
+
 class _Group(click.Group):
-    """Turns :class:`AttngeomError` into one line on stderr and exit code 2."""
+    """Turns :class:`AttngeomError` into one line on stderr and exit code 2, and Ctrl-C into
+    one line saying how to finish, exit code 130."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -21,6 +31,10 @@ class _Group(click.Group):
         except AttngeomError as exc:
             click.echo(f"attngeom: error: {exc}", err=True)
             sys.exit(2)
+        except (KeyboardInterrupt, click.exceptions.Abort):
+            how = RESUME.get(ctx.invoked_subcommand or "", "run the same command again")
+            click.echo(f"attngeom: interrupted; {how}", err=True)
+            sys.exit(130)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -49,8 +63,10 @@ def _shard(ctx, param, value: str | None) -> tuple[int, int] | None:
         index, count = (int(x) for x in value.split("/"))
     except ValueError:
         raise click.BadParameter("i/n, e.g. 0/2") from None
+    if count < 1:
+        raise click.BadParameter(f"{value}: the count of shards n must be at least 1, e.g. 0/2")
     if not 0 <= index < count:
-        raise click.BadParameter(f"the index must be in 0..{count - 1}")
+        raise click.BadParameter(f"{value}: the index i must be in 0..{count - 1}")
     return index, count
 
 
@@ -60,10 +76,13 @@ def _comma_list(convert, expected: str):
     def parse(ctx, param, value: str | None) -> list | None:
         if value is None:
             return None
+        items = [x.strip() for x in value.split(",")]
+        if not all(items):
+            raise click.BadParameter(f"{value!r} has an empty entry; {expected}")
         try:
-            return [convert(x) for x in value.split(",") if x.strip()]
+            return [convert(x) for x in items]
         except ValueError:
-            raise click.BadParameter(expected) from None
+            raise click.BadParameter(f"{value!r}: {expected}") from None
 
     return parse
 
@@ -102,8 +121,8 @@ def extract(**kwargs) -> None:
     progress = not kwargs.pop("no_progress")
     result = api.extract(kwargs.pop("model"), **kwargs, progress=progress)
     click.echo(
-        f"run {result.run_id}: wrote {result.written} sequences ({result.total} in the run) "
-        f"in {result.seconds:.1f} s"
+        f"run {result.run_id}: wrote {result.written} sequences in {result.seconds:.1f} s; the run holds "
+        f"{result.committed} committed of {result.total}"
     )
 
 
@@ -127,7 +146,8 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
     """
     from attngeom import api
 
-    for r in api.analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed, progress=not no_progress):
+    for r in api.analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
+                         progress=not no_progress):
         click.echo(f"run {r.run_id}: {r.new_sequences} new sequences ({r.sequences} analyzed), "
                    f"{r.instances} head instances in {r.seconds:.1f} s")
         if r.recomputed:
@@ -215,11 +235,20 @@ def explore(store: str, out: Path, run_id: str | None, sequences: int, no_progre
 
 @main.command()
 @STORE
-@click.option("--deep", is_flag=True, help="Also read every chunk and name any corrupt one (checksums).")
-def validate(store: str, deep: bool) -> None:
-    """Check the store against schema version 1 and its format; one line per problem, exit 1 if any."""
+@click.option("--deep", is_flag=True, help="Also read every chunk and name any damaged one (empty, truncated, failing its checksum).")
+@click.option("--repair", is_flag=True, help="Uncommit every committed sequence with a missing or empty chunk (with --deep, also a corrupt one), so that the run's extract command, run again, rewrites it.")
+def validate(store: str, deep: bool, repair: bool) -> None:
+    """Check the store against schema version 1 and its format; one line per problem, exit 1 if any.
+
+    With --repair, damaged committed sequences are uncommitted first; the check that
+    follows lists them as not written yet.
+    """
     from attngeom import api
 
+    if repair:
+        for run_id, sequences in api.repair(store, deep=deep).items():
+            click.echo(f"run {run_id}: uncommitted damaged sequences {', '.join(map(str, sequences))}; "
+                       "run its extract command again to rewrite them")
     validation = api.validate(store, deep=deep)
     for line in validation.problems:
         click.echo(line)
@@ -235,7 +264,8 @@ def migrate(store: str, no_progress: bool) -> None:
     """Bring a store of an older format up to the one this attngeom writes.
 
     Format 1 stores (attngeom 0.1.0 before chunk checksums) get a crc32c checksum on every
-    chunk; data are re-encoded, never changed. Each array is rewritten through a temporary
+    chunk; format 2 stores get their label arrays (zarr-python's string type) as integer
+    codes of the Zarr v3 core, their labels in the attributes. Values are kept. Each array is rewritten through a temporary
     copy: a migration that is interrupted is finished by running it again. No other
     command may use the store meanwhile.
     """

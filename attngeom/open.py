@@ -5,7 +5,6 @@ Reading needs neither torch nor the model; :meth:`Run.text` alone loads a tokeni
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,12 +12,15 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from attngeom.errors import AttngeomError, GroupNotFoundError, InputError
+from attngeom.errors import AttngeomError, InputError
 from attngeom.store import (
-    ablation_path,
-    analysis_path,
+    ABLATION,
+    ABLATION_GROUPS,
+    ANALYSIS,
+    ANALYSIS_GROUPS,
     completed,
     open_dataset,
+    open_derived,
     open_root,
     open_run_group,
     require_run,
@@ -86,24 +88,19 @@ class Run:
     def analysis(self, name: str) -> xr.Dataset:
         """The lazy Dataset of ``analysis/<name>``: "topn" (seq, layer, head, n), "values",
         "taxonomy", "heads" (layer, head), "summary", "signatures" or "table"."""
-        return self._group(analysis_path, name, "analysis", "analyze")
+        return self._group(ANALYSIS, ANALYSIS_GROUPS, name)
 
     def ablation(self, name: str) -> xr.Dataset:
         """The lazy Dataset of ``ablation/<name>``: "single" (layer, head[, seq]), "sweep"
         (method, retention, ...), "correlations", "critical", "table" or "regimes"."""
-        return self._group(ablation_path, name, "ablation", "ablate")
+        return self._group(ABLATION, ABLATION_GROUPS, name)
 
-    def _group(self, path: Callable[[str, str], str], name: str, kind: str, command: str) -> xr.Dataset:
-        try:
-            group = path(self.id, name)
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
-        try:
-            return open_dataset(self.url, group)
-        except FileNotFoundError as exc:  # zarr's GroupNotFoundError is one
-            raise GroupNotFoundError(
-                f"run '{self.id}' in {self.url} has no {kind} group '{name}' yet: run `attngeom {command}` first"
-            ) from exc
+    def _group(self, kind: str, groups: tuple[str, ...], name: str) -> xr.Dataset:
+        """A derived group, read only once its writer committed it (GroupNotFoundError when
+        it was never written, IncompleteGroupError while its writer is interrupted)."""
+        if name not in groups:
+            raise InputError(f"{kind} has no group {name!r} (groups: {', '.join(groups)})")
+        return open_derived(self.url, self.id, kind, name)
 
     def text(self, seq: int, tokenizer: Any = None) -> str:
         """Sequence ``seq`` decoded, BOS included, with ``tokenizer`` or else the run's own

@@ -38,6 +38,7 @@ from attngeom.store import (
     TOPN_VARIABLES,
     VALUE_STATISTICS,
     derived_state,
+    open_dataset,
     open_derived,
     replace_groups,
     resize_run,
@@ -68,7 +69,7 @@ def analyzed(tiny_model_dir, word_corpus, tmp_path_factory, cluster):
 
 
 def group(store, run, name) -> xr.Dataset:
-    return xr.open_zarr(str(store), group=f"runs/{run}/analysis/{name}", consolidated=False)
+    return open_dataset(str(store), f"runs/{run}/analysis/{name}")
 
 
 @pytest.mark.parametrize("run", ["llama", "gemma3"])

@@ -1,5 +1,7 @@
-"""``attngeom migrate``: a format-1 store (written by attngeom 0.1.0) brought to format 2,
-data unchanged, checksums working, and an interrupted migration finished by a rerun."""
+"""``attngeom migrate``: a format-1 store (written by attngeom 0.1.0) brought to format 3
+(checksums, then labels as integer codes), data unchanged, checksums working, and an
+interrupted migration finished by a rerun; a format-2 store's string arrays become what
+format 3 writes."""
 
 from __future__ import annotations
 
@@ -29,12 +31,24 @@ from attngeom.store import (
 )
 
 RUN = "tiny-llama"
+# The data types of the Zarr v3 core that attngeom writes.
+CORE = ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64")
 
 
 def contents(url: str) -> dict[str, np.ndarray]:
-    """Every array of the store, decoded."""
+    """Every array of the store, decoded; a label array (format 3's integer codes) as its
+    labels, so that a string array and its codes compare equal."""
     root = open_root(url)
-    return {a.path: np.asarray(a[...]) for a in arrays_of(root)}
+    out = {}
+    for a in arrays_of(root):
+        values = np.asarray(a[...])
+        labels = a.attrs.get("attngeom", {}).get("labels") if isinstance(a.attrs.get("attngeom"), dict) else None
+        if labels is not None:
+            values = np.array(labels, dtype=object)[values]
+        elif values.dtype.kind in "OUT":
+            values = values.astype(object)
+        out[a.path] = values
+    return out
 
 
 def stored_keys(path) -> list[str]:
@@ -52,7 +66,10 @@ def test_format1_store_is_read_and_refused_for_writing(format1_store, word_corpu
     ds = xr.open_zarr(url, group=f"runs/{RUN}")
     assert ds.sizes["seq"] == 3 and int(ds["complete"].sum()) == 3
     lines = CliRunner().invoke(main, ["validate", "--store", url]).output.strip().splitlines()
-    assert lines == [f"store format 1 has no chunk checksums (corruption can go unseen); run `attngeom migrate --store {url}`"]
+    assert lines == [
+        f"store format 1 is older than the one this attngeom writes ({FORMAT}) and has no chunk checksums "
+        f"(corruption can go unseen); run `attngeom migrate --store {url}`"
+    ]
     deep = CliRunner().invoke(main, ["validate", "--deep", "--store", url]).output
     assert f"array 'runs/{RUN}/values' has no chunk checksums" in deep
     for command in (["analyze", "--store", url, "--scheduler", "threads"],
@@ -69,14 +86,16 @@ def test_migrate_format1_keeps_every_value_and_checks_every_chunk(format1_store)
     assert len(before) == 145
     result = CliRunner().invoke(main, ["migrate", "--store", url, "--no-progress"])
     assert result.exit_code == 0, result.output
-    assert result.output.startswith(f"{url}: format 1 -> 2: rewrote 145 arrays (165 chunk objects")
+    # 145 arrays get checksums (1 -> 2), then the 5 string arrays become codes (2 -> 3).
+    assert result.output.startswith(f"{url}: format 1 -> 3: rewrote 150 arrays (170 chunk objects")
     assert_same_contents(before, contents(url))
     assert stored_keys(format1_store) == keys_before  # no chunk gained or lost
     assert not (format1_store / store_migrate.TEMPORARY).exists()
     assert validate_store(url, deep=True) == []
     root = open_root(url, mode="a")
-    assert root.attrs["attngeom"] == {"schema_version": 1, "created_by": "0.1.0", "format": 2}
+    assert root.attrs["attngeom"] == {"schema_version": 1, "created_by": "0.1.0", "format": 3}
     assert all(has_checksum(array_metadata(a)) for a in arrays_of(root))
+    assert not [a.path for a in arrays_of(root) if array_metadata(a)["data_type"] not in CORE]
     # The consolidated metadata was rebuilt: xarray's default open reads it.
     xr.testing.assert_identical(xr.open_zarr(url, group=f"runs/{RUN}").load(),
                                 xr.open_zarr(url, group=f"runs/{RUN}", consolidated=False).load())
@@ -87,10 +106,10 @@ def test_migrate_format1_keeps_every_value_and_checks_every_chunk(format1_store)
     data[30] ^= 0xFF
     shard.write_bytes(data)
     (line,) = validate_store(url, deep=True)
-    assert line.startswith(f"array 'runs/{RUN}/values' chunk c/2/0/0/0/0 is corrupt") and "checksum" in line
+    assert line.startswith(f"array 'runs/{RUN}/values' chunk c/2/0/0/0/0 (sequence 2) is damaged") and "checksum" in line
 
     again = CliRunner().invoke(main, ["migrate", "--store", url])
-    assert again.output.strip() == f"{url}: already format 2, nothing to do"
+    assert again.output.strip() == f"{url}: already format 3, nothing to do"
 
 
 def test_migrated_store_takes_new_work(format1_store, tiny_model_dir, word_corpus):
@@ -158,7 +177,7 @@ def test_migrate_memory_store(format1_store):
     fsspec.filesystem("memory").put(str(format1_store), url.removeprefix("memory://"), recursive=True)
     before = contents(url)
     report = store_migrate.migrate(url, progress=False)
-    assert (report.source, report.target, report.arrays) == (1, 2, 145)
+    assert (report.source, report.target, report.arrays) == (1, 3, 150)
     assert_same_contents(before, contents(url))
     assert validate_store(url, deep=True) == []
 

@@ -23,6 +23,7 @@ from attngeom.report.spec import FigureSpec
 from attngeom.store import (
     ATTR_KEY,
     REGIMES,
+    open_dataset,
     open_or_create_root,
     open_root,
     open_run_group,
@@ -50,7 +51,7 @@ def _add_ablation(store: str, run_id: str) -> None:
     """What ``attngeom ablate`` writes (it needs a model), in its layout: head (0, 1) critical."""
     base = f"runs/{run_id}/ablation"
     rng = np.random.default_rng(1)
-    heads = xr.open_zarr(store, group=f"runs/{run_id}/analysis/heads", consolidated=False)
+    heads = open_dataset(store, f"runs/{run_id}/analysis/heads")
     coords = {"layer": heads["layer"].values, "head": heads["head"].values}
     shape = (heads.sizes["layer"], heads.sizes["head"])
     delta = rng.exponential(0.05, size=(*shape, 2))

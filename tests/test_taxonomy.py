@@ -10,7 +10,7 @@ from attngeom.analyze import taxonomy
 from attngeom.analyze.stage import analyze, votes_dataset
 from attngeom.cli import main
 from attngeom.extract.pipeline import ExtractRequest, extract
-from attngeom.store import SIGNATURE_VARIABLES
+from attngeom.store import SIGNATURE_VARIABLES, open_dataset
 
 
 def brute_label(winner_rows: np.ndarray) -> int:
@@ -94,12 +94,12 @@ def test_rows_and_winners_agree_and_sliding_window_hides_the_sink(tiny_model_dir
     assert int(sink_votes.sel(layer=2).max()) <= 5
 
     analyze(str(store), scheduler="threads", n_grid=[1, 4], progress=False)
-    heads = xr.open_zarr(str(store), group="runs/r/analysis/heads", consolidated=False)
+    heads = open_dataset(str(store), "runs/r/analysis/heads")
     expected = [[brute_label(ds["winner"].values[:, layer, h]) for h in range(4)] for layer in range(3)]
     assert heads["regime"].values.tolist() == taxonomy.regime_names(np.array(expected)).tolist()
     fractions = heads["vote_diagonal"] + heads["vote_sink"] + heads["vote_other"]
     np.testing.assert_allclose(fractions.values, 1.0)
-    signatures = xr.open_zarr(str(store), group="runs/r/analysis/signatures", consolidated=False)
+    signatures = open_dataset(str(store), "runs/r/analysis/signatures")
     assert set(signatures["regime"].values) == {"Retriever", "Mixer", "Reset"}
     assert int(signatures["heads"].isel(n=0).sum()) == 12
 

@@ -83,7 +83,8 @@ def test_partly_written_and_unwritten_sequences(store):
     run["tokens"][3] = run["tokens"][0]  # an interrupted write of sequence 3: no commit flag
     shutil.rmtree(store / "runs/r/values/c/1")  # a committed sequence that lost a shard
     lines = problems_of(store)
-    assert "run r: sequence 1 is marked complete but lacks values" in lines
+    assert (f"run r: sequence 1 is marked complete but lacks values; run `attngeom validate --store {store} --deep "
+            "--repair` to uncommit sequence 1, then the run's extract command again to rewrite it") in lines
     assert any(line.startswith("run r: sequence 3 is only partly written") for line in lines)
     assert any(line.startswith("run r: sequences 4-5 of 6 are not written yet") for line in lines)
 

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from attngeom.analyze.stage import analyze
 from attngeom.cli import main
 from attngeom.extract.pipeline import ExtractRequest, extract
-from attngeom.store import open_root, run_ids, validate_store, zarr_store
+from attngeom.store import open_dataset, open_root, run_ids, validate_store, zarr_store
 
 S = 10
 
@@ -94,7 +94,7 @@ def test_deep_validate_names_a_corrupt_chunk(tiny_model_dir, word_corpus, tmp_pa
     deep = runner.invoke(main, ["validate", "--deep", "--store", str(store)])
     assert deep.exit_code == 1
     (line,) = deep.output.strip().splitlines()
-    assert line.startswith("array 'runs/r/attn_last' chunk c/1/0/0/0 is corrupt")
+    assert line.startswith("array 'runs/r/attn_last' chunk c/1/0/0/0 (sequence 1) is damaged")
     assert "checksum" in line
 
 
@@ -146,7 +146,7 @@ def test_s3_store_every_stage(tiny_model_dir, word_corpus, s3_url, reference, tm
     result = CliRunner().invoke(main, ["ablate", "--store", s3_url, "--run", "r", "--device", "cpu",
                                        "--retention", "1.0,0.5", "--random-masks", "2", "--no-progress"])
     assert result.exit_code == 0, result.output
-    single = xr.open_zarr(zarr_store(s3_url, read_only=True), group="runs/r/ablation/single")
+    single = open_dataset(s3_url, "runs/r/ablation/single")
     assert dict(single.sizes)["layer"] == 3
     result = CliRunner().invoke(main, ["report", "--store", s3_url, "--out", str(tmp_path / "report")])
     assert result.exit_code == 0, result.output
@@ -158,10 +158,10 @@ def test_s3_store_migrates(format1_store, s3_url):
 
     url = s3_url.replace("store.zarr", "format1.zarr")
     fsspec.filesystem("s3").put(str(format1_store), url.removeprefix("s3://"), recursive=True)
-    assert validate_store(url)[0].startswith("store format 1 has no chunk checksums")
+    assert validate_store(url)[0].startswith("store format 1 is older than the one this attngeom writes (3) and has no chunk checksums")
     result = CliRunner().invoke(main, ["migrate", "--store", url, "--no-progress"])
     assert result.exit_code == 0, result.output
-    assert "format 1 -> 2: rewrote 145 arrays" in result.output
+    assert "format 1 -> 3: rewrote 150 arrays" in result.output
     assert validate_store(url, deep=True) == []
     values = xr.open_zarr(zarr_store(url, read_only=True), group="runs/tiny-llama")["values"]
     np.testing.assert_array_equal(values.values, xr.open_zarr(str(format1_store), group="runs/tiny-llama")["values"].values)
@@ -174,10 +174,10 @@ def test_multiprocess_cluster_matches_threads(tiny_model_dir, word_corpus, tmp_p
     extract(ExtractRequest(model=str(tiny_model_dir("mistral")), dataset=str(word_corpus), context_length=16,
                            num_sequences=3, store=str(store), run_id="r", progress=False))
     analyze(str(store), scheduler="threads", n_grid=[1, 2, 8], progress=False)
-    single = {g: xr.open_zarr(str(store), group=f"runs/r/analysis/{g}", consolidated=False).load()
+    single = {g: open_dataset(str(store), f"runs/r/analysis/{g}").load()
               for g in ("topn", "values", "heads", "summary")}
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
         analyze(str(store), scheduler=cluster.scheduler_address, n_grid=[1, 2, 8], progress=False)
     for g, expected in single.items():
-        got = xr.open_zarr(str(store), group=f"runs/r/analysis/{g}", consolidated=False).load()
+        got = open_dataset(str(store), f"runs/r/analysis/{g}").load()
         xr.testing.assert_identical(got, expected)

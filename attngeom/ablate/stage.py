@@ -77,11 +77,13 @@ from attngeom.store import (
     ANALYSIS,
     ATTR_KEY,
     REGIMES,
+    check_committed,
     completed,
     consolidate,
     open_derived,
     open_root,
     open_run_group,
+    reading_run,
     replace_groups,
     require_run,
     run_provenance,
@@ -392,6 +394,7 @@ def _read_run(request: AblateRequest) -> _RunInputs:
     root = open_root(store, mode="a")
     require_run(root, run_id, store)
     run = open_run_group(root, run_id)
+    check_committed(store, run, run_id)
     provenance = run_provenance(root, run_id)
     _check_model(request, provenance)
     seqs = completed(run)[: request.max_sequences]
@@ -407,7 +410,9 @@ def _read_run(request: AblateRequest) -> _RunInputs:
             raise InputError(f"--protect {layer}.{head}: the run has layers 0-{n_layers - 1} and heads 0-{n_heads - 1}")
         protected[layer, head] = True
 
-    diagnostics = _store_diagnostics(run, importance, request.top_n)
+    with reading_run(store, run, run_id):
+        diagnostics = _store_diagnostics(run, importance, request.top_n)
+        tokens = run["tokens"].get_orthogonal_selection((seqs, slice(None))).astype(np.int64)
     heads = _analysis_heads(store, run, run_id)
     skipped: dict[str, str] = {}
     regime = None
@@ -424,7 +429,6 @@ def _read_run(request: AblateRequest) -> _RunInputs:
         for name in sorted(heads.data_vars if heads is not None else ())
         if heads[name].dims == ("layer", "head") and np.issubdtype(heads[name].dtype, np.number)
     }
-    tokens = run["tokens"].get_orthogonal_selection((seqs, slice(None))).astype(np.int64)
     by_seq = dict(zip(seqs.tolist(), torch.from_numpy(tokens)))
     return _RunInputs(
         provenance=provenance,

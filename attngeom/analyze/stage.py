@@ -28,6 +28,7 @@ resumes and ends bit for bit where an uninterrupted one does.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -58,6 +59,7 @@ from attngeom.store import (
     STATS,
     VOTES,
     analysis_path,
+    check_committed,
     completed,
     consolidate,
     open_dataset,
@@ -147,9 +149,11 @@ class AnalyzeResult:
 
 
 def open_completed(store: str, run_id: str) -> xr.Dataset:
-    """The run as a lazy Dataset restricted to committed sequences, with a ``seq`` coordinate."""
+    """The run as a lazy Dataset restricted to committed sequences, with a ``seq`` coordinate;
+    :class:`DamagedStoreError` if a committed sequence lacks a stored object."""
     root = open_root(store)
     run = open_run_group(root, run_id)
+    check_committed(store, run, run_id)
     done = completed(run)
     ds = open_dataset(store, run_path(run_id))
     return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
@@ -370,8 +374,10 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
     from distributed import Client, LocalCluster
 
     if scheduler == "processes":
-        with LocalCluster(threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
-                Client(cluster) as client:
+        # A task's error reaches the client, which reports it in one line; the workers' own
+        # error log of it would print the traceback again.
+        with LocalCluster(threads_per_worker=1, processes=True, dashboard_address=":0",
+                          silence_logs=logging.CRITICAL) as cluster, Client(cluster) as client:
             yield client
         return
     try:

@@ -15,13 +15,13 @@ import xarray as xr
 import zarr
 
 from attngeom.analyze.stage import default_n_grid
-from attngeom.errors import RunNotFoundError
+from attngeom.errors import GroupNotFoundError, RunNotFoundError
 from attngeom.store import (
+    ABLATION,
+    ANALYSIS,
     RunLayout,
-    ablation_path,
-    analysis_path,
     completed,
-    open_dataset,
+    open_derived,
     open_root,
     open_run_group,
     require_run,
@@ -64,10 +64,12 @@ class ExploreRun:
         return str(self.provenance.get("dataset", {}).get("id") or "?")
 
 
-def _open(store: str, path: str) -> xr.Dataset | None:
+def _open(store: str, run_id: str, kind: str, name: str) -> xr.Dataset | None:
+    """A committed analysis or ablation group, None when it was never written; an
+    interrupted one raises IncompleteGroupError."""
     try:
-        return open_dataset(store, path)
-    except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
+        return open_derived(store, run_id, kind, name)
+    except GroupNotFoundError:
         return None
 
 
@@ -93,11 +95,11 @@ def _open_run(store: str, root: zarr.Group, run_id: str, sequences: int) -> Expl
     run = ExploreRun(run_id, run_provenance(root, run_id), group, layout, done[:sequences],
                      default_n_grid(layout.length))
     for name in ("heads", "summary"):
-        ds = _open(store, analysis_path(run_id, name))
+        ds = _open(store, run_id, ANALYSIS, name)
         setattr(run, name, ds.load() if ds is not None else None)
-    run.topn = _open(store, analysis_path(run_id, "topn"))
-    run.taxonomy = _open(store, analysis_path(run_id, "taxonomy"))
-    run.ablation = _open(store, ablation_path(run_id, "single"))
+    run.topn = _open(store, run_id, ANALYSIS, "topn")
+    run.taxonomy = _open(store, run_id, ANALYSIS, "taxonomy")
+    run.ablation = _open(store, run_id, ABLATION, "single")
     if run.topn is not None:
         run.n_grid = [int(n) for n in run.topn["n"].values]
         analyzed = set(run.topn["seq"].values.tolist())

@@ -17,11 +17,13 @@ import hashlib
 import os
 import platform
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,10 +57,12 @@ from attngeom.store import (
     RUN_ID_PATTERN,
     RunLayout,
     check_writable,
+    completed,
     consolidate,
     create_run,
     default_run_id,
     jsonable,
+    local_path,
     n_sequences,
     open_or_create_root,
     open_root,
@@ -109,10 +113,12 @@ class ExtractRequest:
 
 @dataclass(frozen=True)
 class ExtractResult:
-    """What :func:`extract` did: sequences written now, and sequences the run holds."""
+    """What :func:`extract` did: sequences it wrote, and those the run holds now (committed,
+    by whichever process, and all it is sized for)."""
 
     run_id: str
     written: int
+    committed: int
     total: int
     seconds: float
 
@@ -219,6 +225,8 @@ def _check_request(request: ExtractRequest) -> tuple[int, int] | None:
     if request.batch_size < 1:
         raise InputError("batch_size must be at least 1")
     shard = request.shard or launcher_shard()
+    if shard is not None and shard[1] < 1:
+        raise InputError(f"--shard {shard[0]}/{shard[1]}: the count of shards must be at least 1")
     if shard is not None and not 0 <= shard[0] < shard[1]:
         raise InputError(f"--shard {shard[0]}/{shard[1]}: the index must be in 0..{shard[1] - 1}")
     return shard
@@ -422,20 +430,31 @@ def extract(request: ExtractRequest) -> ExtractResult:
     windows = inputs.windows()
     total = len(windows)
 
+    path = local_path(request.store)
+    # A store this extract creates goes again if it fails before committing anything; not
+    # with --shard, where a peer may be writing into the new store already.
+    new_store = path is not None and not path.exists() and shard is None
     root = open_or_create_root(request.store)
-    run = _open_run(root, run_id)
-    mine = [i for i in range(total) if shard is None or i % shard[1] == shard[0]]
-    todo = mine if run is None else [i for i in mine if i >= n_sequences(run) or run["complete"][i] != 1]
-    if run is not None and n_sequences(run) < total:
-        resize_run(run, total)
-    start = time.perf_counter()
-    if not todo:
-        return ExtractResult(run_id, 0, total, 0.0)
+    with _removed_on_failure(path, root, new_store):
+        run = _open_run(root, run_id)
+        mine = [i for i in range(total) if shard is None or i % shard[1] == shard[0]]
+        todo = mine if run is None else [i for i in mine if i >= n_sequences(run) or run["complete"][i] != 1]
+        if run is not None and n_sequences(run) < total:
+            resize_run(run, total)
+        start = time.perf_counter()
+        if todo:
+            provenance = {**identity, **_run_provenance(request, model, bos_id, shard)}
+            run = _write_sequences(request, model, root, run_id, run, provenance, [windows[i] for i in todo], todo, total)
+            consolidate(root)
+        if run is None:  # this shard has no sequence of the run
+            return ExtractResult(run_id, 0, 0, total, 0.0)
+        return ExtractResult(run_id, len(todo), completed(run).size, n_sequences(run), time.perf_counter() - start)
 
-    net = model.load()
+
+def _run_provenance(request: ExtractRequest, model: _Model, bos_id: int, shard: tuple[int, int] | None) -> dict[str, Any]:
+    """What a run records beyond its identity: tokenizer, compute, versions, command line."""
     tokenizer = model.tokenizer
-    provenance = {
-        **identity,
+    return {
         "tokenizer": None if tokenizer is None else {
             "class": type(tokenizer).__name__,
             "vocab_size": len(tokenizer),
@@ -451,33 +470,44 @@ def extract(request: ExtractRequest) -> ExtractResult:
         "command_line": shlex.join(request.command_line),
         "shard": list(shard) if shard else None,
     }
-    bar = tqdm(total=len(todo), unit="seq", desc=f"extract {run_id}", disable=not request.progress)
+
+
+def _write_sequences(
+    request: ExtractRequest, model: _Model, root: zarr.Group, run_id: str, run: zarr.Group | None,
+    provenance: dict[str, Any], windows: list[Window], seqs: list[int], total: int,
+) -> zarr.Group:
+    """Run the model over ``windows`` (sequences ``seqs`` of the run) batch by batch and
+    commit each sequence; the run is created after the first forward (its layout comes from
+    the capture). Returns the run."""
+    net = model.load()
+    length = len(windows[0].tokens)
+    bar = tqdm(total=len(seqs), unit="seq", desc=f"extract {run_id}", disable=not request.progress)
+    start = time.perf_counter()
     try:
         with _capturing(net, keep_rows=request.store_rows == "all") as record:
-            for b0 in range(0, len(todo), request.batch_size):
-                batch = todo[b0 : b0 + request.batch_size]
-                ids = torch.from_numpy(np.stack([windows[i].tokens for i in batch]).astype("int64")).to(model.device)
+            for b0 in range(0, len(seqs), request.batch_size):
+                batch = windows[b0 : b0 + request.batch_size]
+                ids = torch.from_numpy(np.stack([w.tokens for w in batch]).astype("int64")).to(model.device)
                 layers = record(ids)
                 if run is None:
-                    layout = _layout(model.config, layers, request, inputs.length)
-                    run = create_run(root, run_id, layout, provenance, total)
+                    run = create_run(root, run_id, _layout(model.config, layers, request, length), provenance, total)
                 layout = run_layout(run)
-                for b, seq in enumerate(batch):
-                    write_sequence(run, seq, _sequence_arrays(layers, b, windows[seq], layout))
+                for b, (seq, window) in enumerate(zip(seqs[b0 : b0 + request.batch_size], batch)):
+                    write_sequence(run, seq, _sequence_arrays(layers, b, window, layout))
                 bar.update(len(batch))
-                elapsed = time.perf_counter() - start
-                bar.set_postfix(tok_s=f"{bar.n * inputs.length / max(elapsed, 1e-9):.0f}")
+                bar.set_postfix(tok_s=f"{bar.n * length / max(time.perf_counter() - start, 1e-9):.0f}")
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
+            done = 0 if run is None else int(np.isin(seqs, completed(run)).sum())
+            kept = "; committed sequences are kept:" if done else ";"
             raise StoreWriteError(
-                f"the store ran out of space after {bar.n} of {len(todo)} sequences; committed sequences "
-                "are kept: free space and re-run the same command to finish"
+                f"the store ran out of space after {done} of {len(seqs)} sequences were committed{kept} "
+                "free space and re-run the same command" + (" to finish" if done else "")
             ) from exc
         raise
     finally:
         bar.close()
-    consolidate(root)
-    return ExtractResult(run_id, len(todo), total, time.perf_counter() - start)
+    return run
 
 
 def _open_run(root: zarr.Group, run_id: str) -> zarr.Group | None:
@@ -487,3 +517,28 @@ def _open_run(root: zarr.Group, run_id: str) -> zarr.Group | None:
         return None
     run = open_run_group(root, run_id)
     return run if run.attrs.get(ATTR_KEY, {}).get("initialized") else None
+
+
+@contextlib.contextmanager
+def _removed_on_failure(path: Path | None, root: zarr.Group, new_store: bool) -> Iterator[None]:
+    """Remove the store at ``path`` if the body fails, the store is new (``new_store``) and
+    no sequence of it was committed: a failed extract leaves no empty store behind."""
+    try:
+        yield
+    except BaseException:
+        if new_store and not _holds_committed(root):
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+def _holds_committed(root: zarr.Group) -> bool:
+    """Whether any run of the store has a committed sequence (True if that cannot be read:
+    a store is never removed on a guess)."""
+    try:
+        return any(_committed(open_run_group(root, run_id)) for run_id in run_ids(root))
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _committed(run: zarr.Group) -> bool:
+    return "complete" in run and completed(run).size > 0

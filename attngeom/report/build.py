@@ -6,10 +6,13 @@ run lacking it (no analysis, no ablation yet) gives a note on the page instead o
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
+
+from attngeom.errors import DamagedStoreError
 
 from attngeom.report import figures_geometry, figures_heads, figures_sink, figures_values, html, tables
 from attngeom.report.data import Requirement, RunData, load_runs
@@ -42,13 +45,16 @@ def _entry(spec: FigureSpec | TableSpec, runs: Sequence[RunData], kind: str, mak
     """The page entry of ``spec``: ``make(chosen runs)`` gives its content (Entry fields).
 
     Later stages' groups are read as they are found; an unexpected layout must cost this
-    figure or table only, with the reason on the page, not the whole report.
+    figure or table only, with the reason on the page, not the whole report. A damaged
+    store is no layout: it ends the report (one line, naming the chunk).
     """
     chosen, notes = select_runs(spec.needs, runs)
     if spec.needs is not None and not chosen:
         return html.Entry(spec.name, spec.section, spec.caption, notes=tuple(notes))
     try:
         content = make(chosen)
+    except DamagedStoreError:
+        raise
     except Exception as exc:  # noqa: BLE001
         return html.Entry(spec.name, spec.section, spec.caption, notes=(*notes, _failure(kind, exc)))
     return html.Entry(spec.name, spec.section, spec.caption, notes=tuple(notes), **content)
@@ -78,15 +84,22 @@ def make_table(spec: TableSpec, runs: Sequence[RunData], out: Path) -> html.Entr
 def build_report(store: str, out: Path) -> Path:
     """Write every figure (PNG), table (Markdown, CSV) and ``index.html`` into ``out``.
 
-    Needs no model. Returns the path of ``index.html``.
+    Needs no model. Returns the path of ``index.html``. ``out`` is created only once the
+    store has been read, and removed again if it was new and the report fails.
     """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     runs = load_runs(store)
-    entries = [draw_figure(spec, runs, out) for spec in FIGURES]
-    entries += [make_table(spec, runs, out) for spec in TABLES]
-    index = out / "index.html"
-    index.write_text(html.render(store, len(runs), entries, _summary_notes(runs, entries)), encoding="utf-8")
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        entries = [draw_figure(spec, runs, out) for spec in FIGURES]
+        entries += [make_table(spec, runs, out) for spec in TABLES]
+        index = out / "index.html"
+        index.write_text(html.render(store, len(runs), entries, _summary_notes(runs, entries)), encoding="utf-8")
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     return index
 
 

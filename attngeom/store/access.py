@@ -6,21 +6,52 @@ the CLI's ``--store``); a ``zarr_store`` is the zarr-python Store object opened 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import tempfile
+import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import dask.array as da
+import numpy as np
 import xarray as xr
 import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
 
 from attngeom import __version__
-from attngeom.errors import SchemaError, StoreNotFoundError, StoreWriteError
+from attngeom.errors import (
+    CorruptChunkError,
+    DamagedStoreError,
+    SchemaError,
+    StoreNotFoundError,
+    StoreWriteError,
+)
 from attngeom.store.codecs import compressors
-from attngeom.store.schema import ATTR_KEY, FORMAT, SCHEMA_VERSION
+from attngeom.store.schema import (
+    ABLATION,
+    ANALYSIS,
+    ATTR_KEY,
+    FORMAT,
+    LABELS,
+    RUNS,
+    SCHEMA_VERSION,
+    label_codes,
+    label_dtype,
+)
+
+# How a damaged object surfaces from zarr, numcodecs and json: a checksum mismatch or an
+# unparsable zarr.json is a ValueError, a blosc or shard-index failure a RuntimeError or
+# ValueError, a short object an EOFError. Other errors (bad selections, OSError) are not damage.
+DECODE_ERRORS = (ValueError, RuntimeError, EOFError)
+# zarr-python's LocalStore writes each object as ``<name>.<uuid>.partial`` and renames it; a
+# write killed in between leaves that object behind.
+PARTIAL_SUFFIX = ".partial"
 
 
 def zarr_store(url: str, *, read_only: bool) -> Any:
@@ -60,23 +91,73 @@ def read_root_attrs(root: zarr.Group, url: str, *, writing: bool, migrating_ok: 
         raise SchemaError(f"store format {fmt} is newer than this attngeom writes ({FORMAT}); upgrade attngeom")
     if writing and fmt < FORMAT:
         raise SchemaError(
-            f"store format {fmt} predates chunk checksums (this attngeom writes format {FORMAT}); "
+            f"store format {fmt} is older than the one this attngeom writes ({FORMAT}); "
             f"bring it up to date first with `attngeom migrate --store {url}`"
         )
     return dict(meta)
 
 
+def local_path(url: str) -> Path | None:
+    """The folder of a local store (a path or a ``file://`` URL); None for a remote one."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    return Path(url.removeprefix("file://")).expanduser().absolute()
+
+
 def open_root(url: str, *, mode: str = "r") -> zarr.Group:
     """Open an existing attngeom store; ``mode`` is "r" or "a" (which also refuses a store
-    of another format). Raises :class:`StoreNotFoundError` if there is none."""
+    of another format, or one that cannot be written, and removes the leftovers of killed
+    writes). Raises :class:`StoreNotFoundError` if there is none, creating nothing, and
+    :class:`DamagedStoreError` for an unreadable root."""
+    path = local_path(url)
+    if path is not None and not (path / "zarr.json").is_file():
+        # Opening a local store for writing would create its folder.
+        raise StoreNotFoundError(f"no attngeom store at {url}")
+    if mode != "r":
+        check_writable(url)
     try:
         root = zarr.open_group(
             zarr_store(url, read_only=mode == "r"), mode="r" if mode == "r" else "r+", use_consolidated=False
         )
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
         raise StoreNotFoundError(f"no attngeom store at {url}") from exc
+    except DECODE_ERRORS as exc:
+        raise DamagedStoreError(f"{url}: the root's zarr.json is unreadable ({exc}); {RESTORE}") from exc
     read_root_attrs(root, url, writing=mode != "r")
+    if mode != "r":
+        remove_partials(url)
     return root
+
+
+def partials(url: str) -> list[str]:
+    """Keys of the ``*.partial`` leftovers of killed writes in a local store, sorted."""
+    path = local_path(url)
+    if path is None or not path.is_dir():
+        return []
+    return sorted(
+        str(Path(folder, name).relative_to(path))
+        for folder, _, names in os.walk(path)
+        for name in names
+        if name.endswith(PARTIAL_SUFFIX)
+    )
+
+
+def remove_partials(url: str) -> list[str]:
+    """Remove the ``*.partial`` leftovers of a local store; the keys removed. Writers call
+    it when they open a store; readers leave the store as it is (and ignore them)."""
+    found = partials(url)
+    for key in found:
+        (local_path(url) / key).unlink(missing_ok=True)
+    return found
+
+
+@contextlib.contextmanager
+def quiet_leftovers() -> Iterator[None]:
+    """Silence zarr's warning about an object that is no node (a ``*.partial`` leftover)
+    while a group's members are listed: validate names it, the next writer removes it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Object at .* is not recognized as a component")
+        yield
 
 
 def open_or_create_root(url: str) -> zarr.Group:
@@ -86,6 +167,7 @@ def open_or_create_root(url: str) -> zarr.Group:
     without them (a store created by hand, or by older code killed mid-way) is adopted.
     """
     zstore = zarr_store(url, read_only=False)
+    remove_partials(url)
     meta = {ATTR_KEY: {"schema_version": SCHEMA_VERSION, "format": FORMAT, "created_by": __version__}}
     try:
         root = zarr.open_group(zstore, mode="r+", use_consolidated=False)
@@ -94,6 +176,8 @@ def open_or_create_root(url: str) -> zarr.Group:
             root = zarr.create_group(zstore, zarr_format=3, attributes=meta)
         except zarr.errors.ContainsGroupError:  # a concurrent writer created it
             root = zarr.open_group(zstore, mode="r+", use_consolidated=False)
+    except DECODE_ERRORS as exc:
+        raise DamagedStoreError(f"{url}: the root's zarr.json is unreadable ({exc}); {RESTORE}") from exc
     if ATTR_KEY not in root.attrs and not list(root.keys()):
         root.attrs.update(meta)
     read_root_attrs(root, url, writing=True)
@@ -106,9 +190,9 @@ def check_writable(url: str) -> None:
     Probes by creating and removing a temporary file in the store folder, or in its nearest
     existing parent: permission bits do not tell (root, read-only mounts).
     """
-    if "://" in url and not url.startswith("file://"):
+    path = local_path(url)
+    if path is None:
         return
-    path = Path(url.removeprefix("file://")).expanduser().absolute()
     if path.exists() and not path.is_dir():
         raise StoreWriteError(f"store path {path} exists and is not a folder")
     if path.is_dir() and any(path.iterdir()) and not (path / "zarr.json").exists():
@@ -126,21 +210,206 @@ def check_writable(url: str) -> None:
         raise StoreWriteError(f"store path {path} is not writable ({exc.strerror} in {probe})") from exc
 
 
+RESTORE = "restore the store from a copy, or remove it and extract again"
+
+
+def recovery(url: str, path: str, seq: int | None = None) -> str:
+    """How to recover from damage to the array or group at ``path``: a derived group is
+    rewritten by its stage; a committed sequence is uncommitted by ``validate --repair``
+    and rewritten by the run's extract command."""
+    parts = path.split("/")
+    if len(parts) >= 3 and parts[0] == RUNS and parts[2] in (ANALYSIS, ABLATION):
+        stage = "analyze" if parts[2] == ANALYSIS else "ablate"
+        return f"run `attngeom {stage} --store {url} --run {parts[1]}` again to rewrite it"
+    if len(parts) >= 2 and parts[0] == RUNS and seq is not None:
+        return (
+            f"run `attngeom validate --store {url} --deep --repair` to uncommit sequence {seq}, then the "
+            f"run's extract command again to rewrite it"
+        )
+    return RESTORE
+
+
+def damaged_chunk(url: str, arr: zarr.Array, index: tuple[int, ...], exc: BaseException) -> CorruptChunkError:
+    """The error naming the stored object (chunk or shard) at grid ``index`` of ``arr``."""
+    key = "/".join(str(i) for i in index) or "0"
+    seq = index[0] if arr.metadata.dimension_names and arr.metadata.dimension_names[0] == "seq" else None
+    where = f" (sequence {seq})" if seq is not None and arr.path.count("/") == 2 else ""
+    return CorruptChunkError(
+        f"array '{arr.path}' chunk c/{key}{where} is damaged ({type(exc).__name__}: {exc}); "
+        f"{recovery(url, arr.path, seq if where else None)}"
+    )
+
+
+def stored_grid(arr: zarr.Array) -> tuple[int, ...]:
+    """The shape of one stored object of ``arr``: a shard, or a chunk if unsharded."""
+    return tuple(arr.shards or arr.chunks)
+
+
+def _locate(url: str, arr: zarr.Array, selection: tuple[slice | int, ...]) -> CorruptChunkError | None:
+    """The error naming the first stored object within ``selection`` that fails to decode;
+    None if none does (the failure was not the store's)."""
+    grid = stored_grid(arr)
+    ranges = []
+    for dim, (n, c) in enumerate(zip(arr.shape, grid)):
+        sel = selection[dim] if dim < len(selection) else slice(None)
+        if isinstance(sel, slice):
+            start, stop, _ = sel.indices(n)
+            ranges.append(range(start // c, max(start // c + 1, -(-stop // c))))
+        else:
+            ranges.append(range(int(sel) // c, int(sel) // c + 1))
+    for index in np.ndindex(*(len(r) for r in ranges)):
+        grid_index = tuple(r[i] for r, i in zip(ranges, index))
+        region = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(grid_index, grid, arr.shape))
+        try:
+            arr[region]
+        except DECODE_ERRORS as inner:
+            return damaged_chunk(url, arr, grid_index, inner)
+    return None
+
+
+def unreadable_metadata(url: str, group: str = "") -> list[str]:
+    """Keys of the ``zarr.json`` objects at and under ``group`` that are not JSON objects
+    (empty or truncated), sorted."""
+    zstore = zarr_store(url, read_only=True)
+    prefix = f"{group}/" if group else ""
+
+    async def keys() -> list[str]:
+        return [k async for k in zstore.list_prefix(prefix) if k.rsplit("/", 1)[-1] == "zarr.json"]
+
+    bad = []
+    for key in sorted(sync(keys())):
+        raw = sync(zstore.get(key, prototype=default_buffer_prototype()))
+        try:
+            if not isinstance(json.loads(raw.to_bytes() if raw is not None else b""), dict):
+                raise ValueError("not a JSON object")
+        except ValueError:
+            bad.append(key)
+    return bad
+
+
+def metadata_damage(url: str, group: str, exc: BaseException) -> DamagedStoreError:
+    """The error for a group that fails to open: naming its unreadable ``zarr.json``."""
+    bad = unreadable_metadata(url, group)
+    if bad:
+        return DamagedStoreError(
+            f"{bad[0]} is empty or truncated (unreadable JSON); {recovery(url, bad[0].rsplit('/', 1)[0])}"
+        )
+    return DamagedStoreError(f"group '{group}' cannot be read ({type(exc).__name__}: {exc}); {recovery(url, group)}")
+
+
+class _CheckedArray:
+    """A lazy variable of a group whose reads name a damaged chunk (the chunks dask reads)."""
+
+    def __init__(self, url: str, path: str, variable: xr.Variable) -> None:
+        self.url, self.path, self.variable = url, path, variable
+        self.shape, self.dtype, self.ndim = variable.shape, variable.dtype, variable.ndim
+
+    def __getitem__(self, key: tuple[slice, ...]) -> np.ndarray:
+        try:
+            return np.asarray(self.variable[key].values)
+        except DECODE_ERRORS as exc:
+            arr = zarr.open_array(zarr_store(self.url, read_only=True), path=self.path, mode="r")
+            error = _locate(self.url, arr, key)
+            if error is None:
+                raise
+            raise error from exc
+
+
 def open_dataset(url: str, group: str) -> xr.Dataset:
     """The group ``group`` of the store at ``url`` as a lazy Dataset, read from its own
     metadata (never the consolidated copy, which lags behind writers). The one way attngeom
-    opens a group as a Dataset."""
-    return xr.open_zarr(zarr_store(url, read_only=True), group=group, consolidated=False)
+    opens a group as a Dataset.
+
+    Label variables, stored as integer codes (see :func:`write_dataset`), come back as
+    strings. Data are read by dask in the arrays' (inner) chunks; a chunk that fails to
+    decode raises :class:`CorruptChunkError` naming it, an unreadable ``zarr.json``
+    :class:`DamagedStoreError`.
+    """
+    try:
+        with quiet_leftovers():
+            ds = xr.open_zarr(zarr_store(url, read_only=True), group=group, consolidated=False, chunks=None)
+    except (FileNotFoundError, zarr.errors.NodeNotFoundError):
+        raise  # no such group: the caller decides what absence means
+    except DECODE_ERRORS as exc:
+        raise metadata_damage(url, group, exc) from exc
+    lazy = {}
+    for name, var in ds.variables.items():
+        if name in ds.indexes:
+            continue  # read when opened
+        checked = _CheckedArray(url, f"{group}/{name}", var)
+        data = da.from_array(
+            checked, chunks=var.encoding.get("chunks") or var.shape, name=f"{group}/{name}-{uuid.uuid4().hex}",
+            lock=False, asarray=False, meta=np.empty((0,) * var.ndim, dtype=var.dtype),
+        )
+        lazy[name] = var.copy(deep=False, data=data)
+    ds = ds.assign_coords({n: v for n, v in lazy.items() if n in ds.coords})
+    ds = ds.assign({n: v for n, v in lazy.items() if n not in ds.coords})
+    return _decode_labels(ds)
+
+
+def _decode_labels(ds: xr.Dataset) -> xr.Dataset:
+    """Integer-coded label variables as their labels (object arrays of str)."""
+    decoded = {}
+    for name, var in ds.variables.items():
+        meta = var.attrs.get(ATTR_KEY)
+        if not isinstance(meta, Mapping) or LABELS not in meta:
+            continue
+        table = np.array([*meta[LABELS], None], dtype=object)  # code -1: no label
+        data = var.data
+        data = data.map_blocks(table.__getitem__, dtype=object) if isinstance(data, da.Array) else table[np.asarray(data)]
+        attrs = {k: v for k, v in var.attrs.items() if k not in (ATTR_KEY, "flag_values", "flag_meanings")}
+        decoded[name] = xr.Variable(var.dims, data, attrs)
+    ds = ds.assign_coords({n: v for n, v in decoded.items() if n in ds.coords})
+    return ds.assign({n: v for n, v in decoded.items() if n not in ds.coords})
+
+
+def encode_labels(dataset: xr.Dataset) -> xr.Dataset:
+    """String variables as integer codes of the Zarr v3 core, readable by any implementation:
+    the codes' labels in the variable's attributes, both as CF ``flag_values`` /
+    ``flag_meanings`` (blanks in a label become ``_``) and exactly, as
+    ``attngeom.labels`` (code ``-1``: no label)."""
+    encoded = {}
+    for name, var in dataset.variables.items():
+        if var.dtype.kind not in "OUS":
+            continue
+        labels, codes = label_codes(np.asarray(var.values))
+        attrs = {
+            **var.attrs,
+            "flag_values": list(range(len(labels))),
+            "flag_meanings": " ".join("_".join(label.split()) or "_" for label in labels),
+            ATTR_KEY: {LABELS: labels},
+        }
+        encoded[name] = xr.Variable(var.dims, codes.astype(label_dtype(len(labels))), attrs)
+    dataset = dataset.assign_coords({n: v for n, v in encoded.items() if n in dataset.coords})
+    return dataset.assign({n: v for n, v in encoded.items() if n not in dataset.coords})
+
+
+@contextlib.contextmanager
+def writing(url: str) -> Iterator[None]:
+    """Turn a full disk or a read-only store met while writing into :class:`StoreWriteError`."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise StoreWriteError(f"the store {url} ran out of space; free space and run the command again") from exc
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise StoreWriteError(f"the store {url} cannot be written ({exc.strerror})") from exc
+        raise
 
 
 def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = True) -> None:
-    """Write a derived Dataset to ``group``, replacing it, in the store's format (checksums).
+    """Write a derived Dataset to ``group``, replacing it, in the store's format: chunk
+    checksums, labels as integer codes (:func:`encode_labels`).
 
     With ``compute=False`` only the metadata is written, for later region writes.
     """
+    dataset = encode_labels(dataset)
     encoding = {name: {"compressors": compressors(var.dtype)} for name, var in dataset.variables.items()}
     target = zarr_store(url, read_only=False)
-    dataset.to_zarr(target, group=group, mode="w", consolidated=False, zarr_format=3, encoding=encoding, compute=compute)
+    with writing(url):
+        dataset.to_zarr(
+            target, group=group, mode="w", consolidated=False, zarr_format=3, encoding=encoding, compute=compute
+        )
 
 
 def consolidate(root: zarr.Group) -> None:

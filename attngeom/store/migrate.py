@@ -12,7 +12,8 @@ migration killed at any moment loses nothing and is finished by running it again
 4. once every array is done, ``format`` is raised and ``migrating`` removed.
 
 An array in ``copied`` is resumed at step 3 (its own objects may be partly replaced); any
-other is decoded again from its untouched objects. Migrations chain, one format at a time.
+other is decoded again from its untouched objects. Migrations chain, one format at a time
+(a format-1 store goes 1 -> 2 -> 3 in one ``migrate``).
 """
 
 from __future__ import annotations
@@ -30,32 +31,73 @@ from tqdm.auto import tqdm
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
-from attngeom.errors import AttngeomError
+from attngeom.errors import DamagedStoreError, SchemaError, StoreNotFoundError
 from attngeom.store import (
     ATTR_KEY,
     FORMAT,
+    LABELS,
     array_metadata,
     arrays_of,
+    compressor,
     consolidate,
     has_checksum,
+    label_codes,
+    label_dtype,
     read_root_attrs,
     store_format,
     with_checksum,
     zarr_store,
 )
+from attngeom.store.access import local_path, remove_partials
 
 TEMPORARY = "_migrating"
 
 
 @dataclass(frozen=True)
 class Migration:
-    """One step from format ``source`` to ``source + 1``: which arrays it rewrites, and how
-    an array's ``zarr.json`` changes. Data are re-encoded, never changed."""
+    """One step from format ``source`` to ``source + 1``: which arrays it rewrites (by their
+    ``zarr.json``), their new ``zarr.json`` (from the old one and the array), and how the
+    values of a chunk read with the old one become those written with the new one."""
 
     source: int
     doc: str
     needs: Callable[[Mapping[str, Any]], bool]
-    rewrite: Callable[[Mapping[str, Any]], dict[str, Any]]
+    rewrite: Callable[[Mapping[str, Any], zarr.Array], dict[str, Any]]
+    convert: Callable[[Mapping[str, Any], np.ndarray], np.ndarray] = lambda new, values: values
+
+
+def _is_text(meta: Mapping[str, Any]) -> bool:
+    """Whether the array of this ``zarr.json`` holds zarr-python's variable-length strings."""
+    return meta["data_type"] == "string"
+
+
+def _as_codes(meta: Mapping[str, Any], arr: zarr.Array) -> dict[str, Any]:
+    """The ``zarr.json`` of a string array stored as integer codes, as ``write_dataset``
+    writes label variables (its labels, those of the whole array, in its attributes)."""
+    labels, _ = label_codes(np.asarray(arr[...], dtype=object))
+    dtype = np.dtype(label_dtype(len(labels)))
+    out = json.loads(json.dumps(meta))
+    out["data_type"] = dtype.name
+    out["fill_value"] = 0
+    out["codecs"] = [
+        {"name": "bytes", "configuration": {"endian": "little"}} if dtype.itemsize > 1 else {"name": "bytes"},
+        compressor(dtype.itemsize).to_dict(),
+        *[c for c in meta["codecs"] if c["name"] == "crc32c"],
+    ]
+    out["attributes"] = {
+        **meta.get("attributes", {}),
+        "flag_values": list(range(len(labels))),
+        "flag_meanings": " ".join("_".join(label.split()) or "_" for label in labels),
+        ATTR_KEY: {LABELS: labels},
+    }
+    return out
+
+
+def _to_codes(new: Mapping[str, Any], values: np.ndarray) -> np.ndarray:
+    """String values as the codes of the labels in the new ``zarr.json``."""
+    index = {label: i for i, label in enumerate(new["attributes"][ATTR_KEY][LABELS])}
+    codes = [index.get(v, -1) if isinstance(v, str) else -1 for v in np.asarray(values, dtype=object).ravel()]
+    return np.asarray(codes, dtype=new["data_type"]).reshape(values.shape)
 
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -63,7 +105,14 @@ MIGRATIONS: tuple[Migration, ...] = (
         1,
         "a crc32c checksum at the end of every chunk",
         needs=lambda meta: not has_checksum(meta),
-        rewrite=with_checksum,
+        rewrite=lambda meta, arr: with_checksum(meta),
+    ),
+    Migration(
+        2,
+        "labels as integer codes of the Zarr v3 core",
+        needs=_is_text,
+        rewrite=_as_codes,
+        convert=_to_codes,
     ),
 )
 
@@ -84,17 +133,23 @@ def migrate(url: str, *, progress: bool = True) -> MigrationReport:
     """Migrate the store at ``url`` to format ``FORMAT``, or finish an
     interrupted migration. Needs the store to itself: no extract or analyze may run on it."""
     start = time.perf_counter()
+    path = local_path(url)
+    if path is not None and not (path / "zarr.json").is_file():
+        raise StoreNotFoundError(f"no attngeom store at {url}")
     store = zarr_store(url, read_only=False)
     try:
         root = zarr.open_group(store, mode="r+", use_consolidated=False)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
-        raise AttngeomError(f"no attngeom store at {url}") from exc
+        raise StoreNotFoundError(f"no attngeom store at {url}") from exc
+    except ValueError as exc:
+        raise DamagedStoreError(f"{url}: the root's zarr.json is unreadable ({exc})") from exc
     meta = read_root_attrs(root, url, writing=False, migrating_ok=True)
     report = MigrationReport(store_format(meta), FORMAT)
     if report.source > FORMAT:
-        raise AttngeomError(f"store format {report.source} is newer than this attngeom knows ({FORMAT}); upgrade attngeom")
+        raise SchemaError(f"store format {report.source} is newer than this attngeom knows ({FORMAT}); upgrade attngeom")
     if report.source == FORMAT and "migrating" not in meta:
         return report
+    remove_partials(url)
     for step in MIGRATIONS:
         if step.source != store_format(meta):
             continue
@@ -110,7 +165,7 @@ def migrate(url: str, *, progress: bool = True) -> MigrationReport:
         desc = f"format {step.source} -> {step.source + 1}: {step.doc}"
         for arr in tqdm(todo, unit="array", desc=desc, disable=not progress):
             if arr.path not in state["copied"]:
-                _copy(arr, metadata[arr.path], step.rewrite(metadata[arr.path]))
+                _copy(arr, metadata[arr.path], step.rewrite(metadata[arr.path], arr), step.convert)
                 state["copied"].append(arr.path)
                 _set_root_attrs(root, meta)
             chunks, size = _replace(store, arr.path)
@@ -163,9 +218,14 @@ def _grid_index(key: str, metadata: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(int(i) for i in key.split(separator)) if key else (0,) * len(metadata["shape"])
 
 
-def _copy(arr: zarr.Array, old: Mapping[str, Any], new: dict[str, Any]) -> None:
+def _copy(
+    arr: zarr.Array,
+    old: Mapping[str, Any],
+    new: dict[str, Any],
+    convert: Callable[[Mapping[str, Any], np.ndarray], np.ndarray],
+) -> None:
     """Re-encode every stored chunk of ``arr`` (``zarr.json`` ``old``) into its temporary
-    copy under ``new``.
+    copy under ``new``, its values passed through ``convert``.
 
     Only chunks that exist are written, and each is written even when it equals the fill
     value, so the copy holds the same objects (validate tells written from unwritten
@@ -183,9 +243,9 @@ def _copy(arr: zarr.Array, old: Mapping[str, Any], new: dict[str, Any]) -> None:
         for key in keys:
             index = _grid_index(key, old)
             region = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, grid, arr.shape))
-            target[region] = np.asarray(arr[region])
+            target[region] = convert(new, np.asarray(arr[region]))
     if _chunk_keys(store, temp) != keys:
-        raise AttngeomError(f"migrating '{arr.path}': its copy does not hold the same chunks; nothing was replaced, run migrate again")
+        raise DamagedStoreError(f"migrating '{arr.path}': its copy does not hold the same chunks; nothing was replaced, run migrate again")
 
 
 def _replace(store: Any, path: str) -> tuple[int, int]:

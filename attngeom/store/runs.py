@@ -11,7 +11,7 @@ import numpy as np
 import zarr
 
 from attngeom.errors import RunNotFoundError
-from attngeom.store.access import jsonable
+from attngeom.store.access import jsonable, quiet_leftovers
 from attngeom.store.codecs import compressors
 from attngeom.store.schema import (
     ATTR_KEY,
@@ -36,9 +36,10 @@ def default_run_id(model: str, dataset: str, length: int) -> str:
 
 def run_ids(root: zarr.Group) -> list[str]:
     """Ids of the store's runs, sorted."""
-    if RUNS not in root:
-        return []
-    return sorted(name for name, _ in root[RUNS].groups())
+    with quiet_leftovers():
+        if RUNS not in root:
+            return []
+        return sorted(name for name, _ in root[RUNS].groups())
 
 
 def require_run(root: zarr.Group, run_id: str, url: str) -> None:

@@ -23,8 +23,14 @@ Two numbers in the root's attributes say what a store is:
   rely on. A store of a later version is refused.
 * ``format`` is how this implementation encodes that contract. Format 1 (attngeom 0.1.0's
   first stores, which carry no ``format`` attribute) has no chunk checksums; format 2 ends
-  every chunk of every array, derived groups included, with a crc32c checksum. Every format
-  of schema 1 is read; only the current format is written, and ``attngeom migrate``
+  every chunk of every array, derived groups included, with a crc32c checksum; format 3
+  stores every array in data types of the Zarr v3 core, so that any implementation reads
+  it: a label variable (a regime, a statistic, a method, a table's text column) is an
+  integer code whose labels are the variable's attributes (CF ``flag_values`` /
+  ``flag_meanings``, and exactly ``attngeom.labels``), where format 2 used zarr-python's
+  ``string`` type and ``vlen-utf8`` codec. ``attngeom.store.open_dataset`` gives the labels
+  back as strings; a plain ``xr.open_zarr`` gives the codes. Every format of schema 1 is
+  read; only the current format is written, and ``attngeom migrate``
   (:mod:`attngeom.store.migrate`) brings an older store to it.
 """
 
@@ -35,9 +41,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 SCHEMA_VERSION = 1
-FORMAT = 2
+FORMAT = 3
 # The key of attngeom's attributes in the root's, a run's and a derived group's attributes.
 ATTR_KEY = "attngeom"
+
+# The key, in a label variable's attngeom attributes, of its labels (code i is labels[i]).
+LABELS = "labels"
 
 # Group paths.
 RUNS = "runs"
@@ -206,3 +215,24 @@ class RunLayout:
             for n, v in RUN_VARIABLES.items()
             if not v.optional or (n == "attn" and self.store_rows == "all")
         ]
+
+
+def label_codes(values: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """The labels of a string array in order of first appearance, and its codes (int64,
+    same shape): ``values == labels[codes]``, code ``-1`` where a value is no string (None)."""
+    flat = values.ravel()
+    labels: dict[str, int] = {}
+    codes = np.empty(flat.shape, dtype=np.int64)
+    for i, value in enumerate(flat):
+        if isinstance(value, bytes):
+            value = value.decode()
+        codes[i] = labels.setdefault(value, len(labels)) if isinstance(value, str) else -1
+    return list(labels), codes.reshape(values.shape)
+
+
+def label_dtype(n_labels: int) -> str:
+    """The smallest signed integer type holding codes -1..n_labels-1."""
+    for dtype in ("int8", "int16", "int32"):
+        if n_labels <= np.iinfo(dtype).max:
+            return dtype
+    return "int64"

@@ -1,37 +1,93 @@
-"""Checking a store against its contract: one line per problem, never an exception."""
+"""Checking a store against its contract: one line per problem, never an exception.
+
+Checks, each a function of its own: the metadata (every ``zarr.json`` parses), leftovers of
+killed writes (``*.partial``), each run against the schema and its commit flags (a committed
+sequence has every stored object, none empty), and with ``deep`` every stored object of every
+array: a shard's index (present, whole, listing every inner chunk) and every chunk decoding
+(its crc32c checksum). :func:`committed_damage` is the cheap check stages run before
+reading a run; :func:`repair` uncommits damaged sequences so that extract rewrites them.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable, Mapping
+import os
+import struct
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import crc32c
 import numpy as np
 import zarr
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
-from attngeom.errors import AttngeomError
-from attngeom.store.access import read_root_attrs, store_format, zarr_store
+from attngeom.errors import AttngeomError, DamagedStoreError
+from attngeom.store.access import (
+    DECODE_ERRORS,
+    RESTORE,
+    damaged_chunk,
+    local_path,
+    metadata_damage,
+    open_root,
+    partials,
+    quiet_leftovers,
+    read_root_attrs,
+    recovery,
+    stored_grid,
+    store_format,
+    unreadable_metadata,
+    zarr_store,
+)
 from attngeom.store.codecs import has_checksum
 from attngeom.store.derived import derived_problems
 from attngeom.store.runs import completed, open_run_group, run_ids, run_layout
-from attngeom.store.schema import ATTR_KEY, FORMAT, RUN_VARIABLES
+from attngeom.store.schema import ATTR_KEY, FORMAT, RUN_VARIABLES, RUNS, SEQUENCE_ARRAYS
+
+# A shard index entry of an inner chunk that was never written: offset and length all ones.
+_EMPTY_ENTRY = (2**64 - 1, 2**64 - 1)
+
+
+def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
+    """Stored object key -> size in bytes, for every object under ``prefix`` (one listing
+    for a local or fsspec store)."""
+    if isinstance(zstore, zarr.storage.LocalStore):
+        base = str(zstore.root)
+        top = os.path.join(base, prefix)
+        return {
+            os.path.relpath(os.path.join(folder, name), base).replace(os.sep, "/"): os.path.getsize(os.path.join(folder, name))
+            for folder, _, names in os.walk(top)
+            for name in names
+        }
+    if isinstance(zstore, zarr.storage.FsspecStore):
+        root = zstore.path.rstrip("/")
+
+        async def find() -> dict[str, Any]:
+            return await zstore.fs._find(f"{root}/{prefix}", detail=True)
+
+        return {key[len(root) + 1 :]: int(info["size"]) for key, info in sync(find()).items()}
+
+    async def collect() -> dict[str, int]:
+        return {key: await zstore.getsize(key) async for key in zstore.list_prefix(prefix)}
+
+    return sync(collect())
+
+
+def chunk_objects(arr: zarr.Array) -> dict[tuple[int, ...], int]:
+    """Grid index (of shards, or chunks if unsharded) -> size in bytes of every stored
+    object of ``arr``."""
+    prefix = f"{arr.path}/c/"
+    out = {}
+    for key, size in object_sizes(arr.store, prefix).items():
+        parts = key[len(prefix) :].split("/")
+        if all(p.isdigit() for p in parts) and len(parts) == arr.ndim:
+            out[tuple(int(p) for p in parts)] = size
+    return out
 
 
 def _written_sequences(run: zarr.Group, name: str) -> set[int]:
-    arr = run[name]
-    prefix = f"{arr.path}/c/"
-
-    async def collect() -> set[int]:
-        found: set[int] = set()
-        async for key in arr.store.list_prefix(prefix):
-            head = key[len(prefix) :].split("/", 1)[0]
-            if head.isdigit():
-                found.add(int(head))
-        return found
-
-    return sync(collect())
+    return {index[0] for index in chunk_objects(run[name])}
 
 
 def _ranges(indices: Iterable[int]) -> str:
@@ -45,8 +101,79 @@ def _ranges(indices: Iterable[int]) -> str:
     return ", ".join(parts)
 
 
-def validate_run(run: zarr.Group, run_id: str) -> list[str]:
-    """Problems of one run, one line each (empty when valid)."""
+def committed_damage(run: zarr.Group) -> dict[int, str]:
+    """Committed sequence -> what is wrong with its stored objects: an array with no object
+    (shard) for it, or an empty one. One listing per array; data are not read."""
+    members = _members(run)
+    done = completed(run)
+    damage: dict[int, str] = {}
+    for name in SEQUENCE_ARRAYS:
+        if name not in members:
+            continue
+        arr = members[name]
+        objects: dict[int, list[int]] = {}
+        for index, size in chunk_objects(arr).items():
+            objects.setdefault(index[0], []).append(size)
+        expected = int(np.prod([-(-n // c) for n, c in zip(arr.shape[1:], stored_grid(arr)[1:])]))
+        for s in done.tolist():
+            sizes = objects.get(s, [])
+            if len(sizes) < expected:
+                damage.setdefault(s, f"its '{name}' chunk is missing")
+            elif min(sizes) == 0:
+                damage.setdefault(s, f"its '{name}' chunk is empty (0 bytes)")
+    return damage
+
+
+def check_committed(url: str, run: zarr.Group, run_id: str) -> None:
+    """Raise :class:`DamagedStoreError` for the first committed sequence of the run whose
+    stored objects are missing or empty (see :func:`committed_damage`)."""
+    damage = committed_damage(run)
+    if damage:
+        s = min(damage)
+        more = f" (and {len(damage) - 1} more sequences)" if len(damage) > 1 else ""
+        raise DamagedStoreError(
+            f"run {run_id}: committed sequence {s}: {damage[s]}{more}; {recovery(url, f'{RUNS}/{run_id}', s)}"
+        )
+
+
+@contextlib.contextmanager
+def reading_run(url: str, run: zarr.Group, run_id: str) -> Iterator[None]:
+    """Read a run's arrays directly (not through ``open_dataset``): a chunk failing to decode
+    is raised as :class:`CorruptChunkError` naming the first damaged stored object of the
+    run's committed sequences (found by reading them, only once something failed)."""
+    try:
+        yield
+    except DECODE_ERRORS as exc:
+        if unreadable_metadata(url, run.path):
+            raise metadata_damage(url, run.path, exc) from exc
+        done = set(completed(run).tolist())
+        members = _members(run)
+        for name in SEQUENCE_ARRAYS:
+            if name not in members:
+                continue
+            for index, size in sorted(chunk_objects(members[name]).items()):
+                if index[0] in done and (why := object_damage(members[name], index, size)) is not None:
+                    raise damaged_chunk(url, members[name], index, why) from exc
+        raise DamagedStoreError(f"run {run_id} cannot be read ({type(exc).__name__}: {exc}); {RESTORE}") from exc
+
+
+def _members(run: zarr.Group) -> dict[str, zarr.Array]:
+    """The run's arrays whose metadata reads (unreadable ones are named by metadata checks)."""
+    out = {}
+    for name in RUN_VARIABLES:
+        try:
+            node = run[name]
+        except (KeyError, *DECODE_ERRORS):
+            continue
+        if isinstance(node, zarr.Array):
+            out[name] = node
+    return out
+
+
+def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[str] = frozenset()) -> list[str]:
+    """Problems of one run of the store at ``url``, one line each (empty when valid);
+    ``unreadable``: paths of arrays whose ``zarr.json`` does not parse (named elsewhere,
+    not missing)."""
     where = f"run {run_id}"
     meta = run.attrs.get(ATTR_KEY)
     if not isinstance(meta, Mapping) or not meta.get("initialized"):
@@ -55,16 +182,17 @@ def validate_run(run: zarr.Group, run_id: str) -> list[str]:
     for key in ("model", "dataset", "context_length", "library_versions", "command_line"):
         if key not in meta:
             problems.append(f"{where}: provenance lacks '{key}'")
+    members = _members(run)
     try:
         layout = run_layout(run)
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, *DECODE_ERRORS) as exc:
         return problems + [f"{where}: unreadable layout in provenance ({exc})"]
-    members = dict(run.arrays())
     n_seq = int(members["complete"].shape[0]) if "complete" in members else None
     for name in layout.names():
         var = RUN_VARIABLES[name]
         if name not in members:
-            problems.append(f"{where}: missing array '{name}'")
+            if f"{run.path}/{name}" not in unreadable:
+                problems.append(f"{where}: missing array '{name}'")
             continue
         arr = members[name]
         dims = tuple(arr.metadata.dimension_names or ())
@@ -77,17 +205,26 @@ def validate_run(run: zarr.Group, run_id: str) -> list[str]:
             problems.append(f"{where}: array '{name}' has shape {tuple(arr.shape)}, expected {expected}")
     if problems or n_seq is None:
         return problems
-    done = set(completed(run).tolist())
+    try:
+        done = set(completed(run).tolist())
+    except DECODE_ERRORS:
+        return problems  # the flags' chunk is damaged: named by the deep check
     written: dict[int, set[str]] = {}
     for name in layout.names():
-        if RUN_VARIABLES[name].per_sequence and name != "complete":
+        if RUN_VARIABLES[name].per_sequence and name != "complete" and name in members:
             for s in _written_sequences(run, name):
                 written.setdefault(s, set()).add(name)
-    expected_arrays = {n for n in layout.names() if RUN_VARIABLES[n].per_sequence and n != "complete"}
+    expected_arrays = {n for n in members if RUN_VARIABLES[n].per_sequence and n != "complete"}
     for s in sorted(done):
         missing = expected_arrays - written.get(s, set())
         if missing:
-            problems.append(f"{where}: sequence {s} is marked complete but lacks {', '.join(sorted(missing))}")
+            problems.append(
+                f"{where}: sequence {s} is marked complete but lacks {', '.join(sorted(missing))}; "
+                f"{recovery(url, run.path, s)}"
+            )
+    for s, what in sorted(committed_damage(run).items()):
+        if "empty" in what:
+            problems.append(f"{where}: sequence {s} is marked complete but {what}; {recovery(url, run.path, s)}")
     partly = sorted(s for s in written if s not in done and s < n_seq)
     for s in partly:
         problems.append(f"{where}: sequence {s} is only partly written (interrupted run; re-run the same extract command)")
@@ -97,20 +234,86 @@ def validate_run(run: zarr.Group, run_id: str) -> list[str]:
     return problems
 
 
-def corrupt_chunks(arr: zarr.Array) -> list[str]:
-    """Read every stored chunk (every shard) of ``arr``; one line per chunk that fails to
-    decode, its checksum included."""
-    grid = arr.shards or arr.chunks
-    counts = [max(1, -(-n // c)) for n, c in zip(arr.shape, grid)]
-    problems = []
-    for index in np.ndindex(*counts):
-        region = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, grid, arr.shape))
-        try:
-            arr[region]
-        except Exception as exc:  # a corrupt chunk surfaces as any codec's error
-            key = "/".join(str(i) for i in index)
-            problems.append(f"array '{arr.path}' chunk c/{key} is corrupt ({type(exc).__name__}: {exc})")
+def _shard_index_problem(arr: zarr.Array, data: bytes) -> str | None:
+    """What is wrong with a shard's index (at its end, with a crc32c checksum, as attngeom
+    writes it), or None: too short, a checksum mismatch, an inner chunk never written or
+    beyond the shard's end."""
+    sharding = arr.metadata.codecs[0]
+    n_chunks = int(np.prod([s // c for s, c in zip(arr.shards, sharding.chunk_shape)]))
+    size = 16 * n_chunks + 4
+    if len(data) < size:
+        return f"is truncated ({len(data)} bytes, shorter than its {size}-byte index)"
+    index, checksum = data[-size:-4], data[-4:]
+    if struct.pack("<I", crc32c.crc32c(index)) != checksum:
+        return "has a damaged index (checksum mismatch): truncated or overwritten"
+    entries = struct.unpack(f"<{2 * n_chunks}Q", index)
+    for i in range(n_chunks):
+        offset, length = entries[2 * i], entries[2 * i + 1]
+        if (offset, length) == _EMPTY_ENTRY:
+            return f"lacks inner chunk {i} of {n_chunks}"
+        if offset + length > len(data) - size:
+            return f"is truncated (inner chunk {i} ends beyond its data)"
+    return None
+
+
+def object_damage(arr: zarr.Array, index: tuple[int, ...], size: int) -> Exception | None:
+    """What is wrong with the stored object (chunk, or shard) at grid ``index`` of ``arr``,
+    ``size`` bytes long, or None: empty, a bad shard index, or a chunk failing to decode
+    (its checksum, its compression). Reads the object."""
+    if size == 0:
+        return EOFError("empty, 0 bytes")
+    if arr.shards is not None:
+        key = f"{arr.path}/c/" + "/".join(map(str, index))
+        data = sync(arr.store.get(key, prototype=default_buffer_prototype())).to_bytes()
+        why = _shard_index_problem(arr, data)
+        if why is not None:
+            return ValueError(f"the shard {why}")
+    grid = stored_grid(arr)
+    region = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, grid, arr.shape))
+    try:
+        arr[region]
+    except DECODE_ERRORS as exc:
+        return exc
+    return None
+
+
+def damaged_objects(
+    arr: zarr.Array, url: str, expected: Iterable[tuple[int, ...]] = (), sequences: set[int] | None = None
+) -> list[str]:
+    """Every stored object of ``arr`` that is damaged (:func:`object_damage`), and every
+    one of ``expected`` (grid indices) that is missing. One line each. With ``sequences``,
+    only the objects of those (the committed ones of a run's per-sequence array: the
+    others are rewritten by extract, and reported as partly written)."""
+    objects = chunk_objects(arr)
+    problems = [
+        str(damaged_chunk(url, arr, index, FileNotFoundError("missing")))
+        for index in sorted(set(expected) - set(objects))
+    ]
+    for index, size in sorted(objects.items()):
+        if sequences is not None and index[0] not in sequences:
+            continue
+        exc = object_damage(arr, index, size)
+        if exc is not None:
+            problems.append(str(damaged_chunk(url, arr, index, exc)))
     return problems
+
+
+def _committed_of(arr: zarr.Array, committed: dict[str, set[int]]) -> set[int] | None:
+    """The committed sequences of the run if ``arr`` is one of its per-sequence arrays."""
+    parts = arr.path.split("/")
+    if len(parts) != 3 or parts[2] not in SEQUENCE_ARRAYS or parts[1] not in committed:
+        return None
+    return committed[parts[1]]
+
+
+def _expected_objects(arr: zarr.Array, sequences: set[int] | None) -> list[tuple[int, ...]]:
+    """Grid indices that must be stored: those of the committed ``sequences`` of a run's
+    per-sequence array (written with every chunk, also one equal to the fill value).
+    Elsewhere an absent chunk is the fill value, not damage."""
+    if sequences is None:
+        return []
+    counts = [-(-n // c) for n, c in zip(arr.shape, stored_grid(arr))]
+    return [i for i in np.ndindex(*counts) if i[0] in sequences]
 
 
 def array_metadata(arr: zarr.Array) -> dict[str, Any]:
@@ -120,17 +323,54 @@ def array_metadata(arr: zarr.Array) -> dict[str, Any]:
 
 
 def arrays_of(root: zarr.Group) -> list[zarr.Array]:
-    """Every array of the store, run and derived, in path order."""
-    members = root.members(max_depth=None, use_consolidated_for_children=False)
-    return sorted((node for _, node in members if isinstance(node, zarr.Array)), key=lambda a: a.path)
+    """Every array of the store whose ``zarr.json`` reads, run and derived, in path order."""
+    store = root.store
+
+    async def keys() -> list[str]:
+        return [k async for k in store.list_prefix("") if k.rsplit("/", 1)[-1] == "zarr.json" and "/" in k]
+
+    out = []
+    for key in sorted(sync(keys())):
+        path = key.rsplit("/", 1)[0]
+        try:
+            meta = json.loads(sync(store.get(key, prototype=default_buffer_prototype())).to_bytes())
+            if meta.get("node_type") == "array":
+                out.append(root[path])
+        except DECODE_ERRORS:
+            continue  # named by the metadata check
+    return out
+
+
+def metadata_problems(url: str) -> list[str]:
+    """One line per ``zarr.json`` that does not parse (empty or truncated)."""
+    return [
+        f"{key} is empty or truncated (unreadable JSON); {recovery(url, key.rsplit('/', 1)[0])}"
+        for key in unreadable_metadata(url)
+    ]
+
+
+def leftover_problems(url: str) -> list[str]:
+    """One line per ``*.partial`` object: the leftover of a write killed mid-way."""
+    return [
+        f"{key} is the leftover of an interrupted write (harmless: the next extract, analyze, ablate "
+        f"or migrate removes it)"
+        for key in partials(url)
+    ]
 
 
 def validate_store(url: str, *, deep: bool = False) -> list[str]:
     """Every problem of the store at ``url``, one line each; empty when valid.
 
-    ``deep`` also reads every chunk of every array, so that a corrupt chunk (its crc32c
-    checksum, or its compression) is named by array and chunk key.
+    ``deep`` also reads every stored object of every array, so that a damaged one (empty,
+    a bad shard index, a checksum or compression failure) is named by array and chunk key.
     """
+    path = local_path(url)
+    if path is not None and not path.is_dir():
+        return [f"no Zarr store at {url}"]
+    bad_metadata = unreadable_metadata(url)
+    problems = metadata_problems(url) + leftover_problems(url)
+    if "zarr.json" in bad_metadata:
+        return problems
     try:
         root = zarr.open_group(zarr_store(url, read_only=True), mode="r", use_consolidated=False)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError):
@@ -138,20 +378,74 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
     try:
         meta = read_root_attrs(root, url, writing=False)
     except AttngeomError as exc:
-        return [str(exc)]
-    problems: list[str] = []
-    if store_format(meta) < FORMAT:
+        return problems + [str(exc)]
+    fmt = store_format(meta)
+    if fmt < FORMAT:
+        unseen = " and has no chunk checksums (corruption can go unseen)" if fmt < 2 else ""
         problems.append(
-            f"store format {store_format(meta)} has no chunk checksums (corruption can go unseen); "
+            f"store format {fmt} is older than the one this attngeom writes ({FORMAT}){unseen}; "
             f"run `attngeom migrate --store {url}`"
         )
-    for run_id in run_ids(root):
-        run = open_run_group(root, run_id)
-        problems += validate_run(run, run_id)
-        problems += derived_problems(url, run_id, completed(run).tolist() if "complete" in run else [])
-    if deep:
-        for arr in arrays_of(root):
-            if not has_checksum(array_metadata(arr)):
-                problems.append(f"array '{arr.path}' has no chunk checksums")
-            problems += corrupt_chunks(arr)
-    return problems
+    unreadable = frozenset(k.rsplit("/", 1)[0] for k in bad_metadata)
+    committed: dict[str, set[int]] = {}
+    with quiet_leftovers():
+        for run_id in _readable_runs(root, unreadable):
+            run = open_run_group(root, run_id)
+            try:
+                problems += validate_run(run, run_id, url, unreadable)
+            except DECODE_ERRORS as exc:  # a damaged flag or layout chunk: named by --deep
+                problems.append(f"run {run_id}: cannot be checked ({type(exc).__name__}: {exc}); run validate --deep")
+            try:
+                committed[run_id] = set(completed(run).tolist())
+            except (KeyError, *DECODE_ERRORS):
+                committed[run_id] = set()
+            problems += derived_problems(url, run_id, sorted(committed[run_id]))
+        if deep:
+            for arr in arrays_of(root):
+                if not has_checksum(array_metadata(arr)):
+                    problems.append(f"array '{arr.path}' has no chunk checksums")
+                sequences = _committed_of(arr, committed)
+                problems += damaged_objects(arr, url, _expected_objects(arr, sequences), sequences)
+    return list(dict.fromkeys(problems))
+
+
+def _readable_runs(root: zarr.Group, unreadable: frozenset[str]) -> list[str]:
+    """Ids of the runs whose group metadata reads."""
+    if RUNS in unreadable:
+        return []
+    try:
+        return run_ids(root)
+    except DECODE_ERRORS:
+
+        async def names() -> list[str]:
+            return [name async for name in root.store.list_dir(RUNS)]
+
+        return sorted(n for n in sync(names()) if f"{RUNS}/{n}" not in unreadable and "." not in n)
+
+
+def repair(url: str, *, deep: bool = False) -> dict[str, list[int]]:
+    """Uncommit (reset ``complete`` to 0) every committed sequence with a missing or empty
+    stored object (and with ``deep``, one that fails to decode), so that the run's extract
+    command, run again, rewrites it. Run id -> the sequences uncommitted."""
+    root = open_root(url, mode="a")
+    out: dict[str, list[int]] = {}
+    with quiet_leftovers():
+        for run_id in run_ids(root):
+            run = open_run_group(root, run_id)
+            if "complete" not in run:
+                continue
+            bad = set(committed_damage(run))
+            if deep:
+                done = set(completed(run).tolist())
+                for name in SEQUENCE_ARRAYS:
+                    if name in run:
+                        arr = run[name]
+                        bad |= {
+                            index[0] for index, size in chunk_objects(arr).items()
+                            if index[0] in done and object_damage(arr, index, size) is not None
+                        }
+            for s in sorted(bad):
+                run["complete"][s] = 0
+            if bad:
+                out[run_id] = sorted(bad)
+    return out

@@ -1,0 +1,108 @@
+"""Format 3 is readable by any Zarr v3 implementation: tensorstore (Google's C++ one) reads
+every array of a real store (run, analysis, ablation, empty ones included) bit for bit as
+zarr-python does; label variables are integer codes whose labels ride in attributes, and
+attngeom's opener gives them back as strings. A format-2 store (zarr-python's ``string``
+type) migrates to exactly what format 3 writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+import zarr
+
+from attngeom.ablate import ablate
+from attngeom.analyze.stage import analyze
+from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.store import FORMAT, arrays_of, compressors, migrate, open_dataset, open_root, validate_store
+
+ts = pytest.importorskip("tensorstore")
+
+CORE = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128")
+
+
+@pytest.fixture(scope="module")
+def built(tiny_model_dir, word_corpus, tmp_path_factory) -> Path:
+    """A real store: 4 sequences of a tiny llama (L = 16), analyzed and ablated; no head is
+    critical, so ``ablation/critical`` holds zero-length arrays."""
+    store = tmp_path_factory.mktemp("interop") / "s.zarr"
+    extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
+                           num_sequences=4, store=str(store), run_id="r", progress=False))
+    analyze(str(store), scheduler="threads", n_grid=[1, 2, 4], progress=False)
+    ablate(str(store), "r", device="cpu", random_masks=2, retention=[1.0, 0.5], progress=False)
+    return store
+
+
+def metadata(store: Path, path: str) -> dict:
+    return json.loads((store / path / "zarr.json").read_text())
+
+
+def test_tensorstore_reads_every_array_as_zarr_python_does(built):
+    arrays = arrays_of(open_root(str(built)))
+    paths = {a.path for a in arrays}
+    assert {"runs/r/values", "runs/r/analysis/heads/regime", "runs/r/ablation/sweep/method",
+            "runs/r/ablation/critical/layer"} <= paths
+    assert any(a.size == 0 for a in arrays)
+    for arr in arrays:
+        assert metadata(built, arr.path)["data_type"] in CORE, arr.path
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(built / arr.path)}}
+        read = ts.open(spec, open=True, read=True).result().read().result()
+        expected = np.asarray(arr[...])
+        assert read.dtype == expected.dtype and read.shape == expected.shape, arr.path
+        assert read.tobytes() == np.ascontiguousarray(expected).tobytes(), arr.path
+
+
+def test_labels_are_codes_on_disk_and_strings_through_attngeom(built):
+    heads = open_dataset(str(built), "runs/r/analysis/heads")
+    assert heads["regime"].dtype == object and set(heads["regime"].values.ravel()) <= {"Retriever", "Mixer", "Reset"}
+    plain = xr.open_zarr(str(built), group="runs/r/analysis/heads", consolidated=False)
+    codes = plain["regime"]
+    labels = codes.attrs["attngeom"]["labels"]
+    assert codes.dtype.kind == "i" and codes.attrs["flag_values"] == list(range(len(labels)))
+    assert codes.attrs["flag_meanings"].split() == labels
+    np.testing.assert_array_equal(np.array(labels, dtype=object)[codes.values], heads["regime"].values)
+    sweep = open_dataset(str(built), "runs/r/ablation/sweep")
+    assert "single_impact" in list(sweep.indexes["method"])
+    table = open_dataset(str(built), "runs/r/analysis/table")
+    assert set(table["run"].values) == {"r"}
+
+
+def as_format2(store: Path) -> None:
+    """Rewrite ``store`` as format 2 wrote it: every label variable as zarr-python's
+    variable-length strings."""
+    root = zarr.open_group(str(store), mode="r+", use_consolidated=False)
+    for arr in arrays_of(root):
+        meta = metadata(store, arr.path)
+        labels = meta["attributes"].get("attngeom", {}).get("labels")
+        if labels is None:
+            continue
+        values = np.array(labels, dtype=object)[arr[...]]
+        attrs = {k: v for k, v in meta["attributes"].items() if k not in ("attngeom", "flag_values", "flag_meanings")}
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            text = zarr.create_array(store=root.store, name=arr.path, shape=arr.shape, dtype=str,
+                                     chunks=arr.chunks, compressors=compressors(np.dtype(object)),
+                                     dimension_names=meta["dimension_names"], attributes=attrs, overwrite=True)
+            if values.size:
+                text[...] = values
+    root.attrs["attngeom"] = {**root.attrs["attngeom"], "format": 2}
+
+
+def test_format2_store_migrates_to_what_format3_writes(built, tmp_path):
+    store = tmp_path / "s.zarr"
+    shutil.copytree(built, store)
+    as_format2(store)
+    assert metadata(store, "runs/r/analysis/heads/regime")["data_type"] == "string"
+    assert validate_store(str(store))[0].startswith(f"store format 2 is older than the one this attngeom writes ({FORMAT})")
+    report = migrate.migrate(str(store), progress=False)
+    assert (report.source, report.target) == (2, 3) and report.arrays >= 10
+    assert validate_store(str(store), deep=True) == []
+    for arr in arrays_of(open_root(str(built))):
+        old, new = metadata(built, arr.path), metadata(store, arr.path)
+        for key in ("data_type", "fill_value", "codecs", "attributes", "chunk_grid", "dimension_names"):
+            assert new[key] == old[key], (arr.path, key)
+        np.testing.assert_array_equal(zarr.open_array(str(store), path=arr.path, mode="r")[...], arr[...])
