@@ -77,13 +77,13 @@ from attngeom.extract.models import (
 )
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.store import (
-    BLOSC_LEVEL,
     compressor,
     n_sequences,
     open_root,
     open_run_group,
     run_ids,
 )
+from attngeom.store.codecs import BLOSC_LEVEL
 
 SUMMARIES = ("winner", "sink_attn", "diag_attn", "top1_attn", "entropy")
 LEVEL_ARRAYS = ("values", "attn_last", *SUMMARIES)
