@@ -203,8 +203,9 @@ def attention_summaries(
             # With s the scores less their maximum, log p_j = s_j - log Z and 1/Z = max_j p_j, so
             # H = -sum_j p_j log p_j = -log max_j p_j - sum_j p_j s_j: two non-negative terms, no log
             # per key.
-            out["entropy"][..., q0:q1] = -torch.log(top1) - torch.linalg.vecdot(probs, scores)
-            # The scores are spent: A_ij ||v_j|| takes their buffer.
+            # The product takes the scores' buffer (``vecdot`` is the same product and sum, with
+            # a block-sized temporary), and so does A_ij ||v_j|| after it.
+            out["entropy"][..., q0:q1] = -torch.log(top1) - scores.mul_(probs).sum(dim=-1)
             winner[..., q0:q1] = first_argmax(torch.mul(probs, v_norm[..., :n_keys], out=scores))
             if rows is not None:
                 rows[..., q0:q1, :n_keys] = probs
