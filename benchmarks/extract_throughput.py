@@ -77,13 +77,13 @@ from attngeom.extract.models import (
 )
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.store import (
-    BLOSC_LEVEL,
     compressor,
     n_sequences,
     open_root,
     open_run_group,
     run_ids,
 )
+from attngeom.store.codecs import BLOSC_LEVEL
 
 SUMMARIES = ("winner", "sink_attn", "diag_attn", "top1_attn", "entropy")
 LEVEL_ARRAYS = ("values", "attn_last", *SUMMARIES)
@@ -384,7 +384,9 @@ def throughput(bundle: Bundle, args: argparse.Namespace, length: int, count: int
         last_store = store
         print(
             f"  [{bundle.name} L={length} rep {rep + 1}/{args.reps}] extract={r['extract']:.2f}s "
-            f"sdpa={r['sdpa']:.2f}s eager={r['eager']:.2f}s load={r['loadavg_1min']:.1f}",
+            f"sdpa={r['sdpa']:.2f}s eager={r['eager']:.2f}s; alone extract={r['alone']['extract']:.2f}s "
+            f"sdpa={r['alone']['sdpa']:.2f}s ({r['alone']['extract'] / r['alone']['sdpa']:.2f}x) "
+            f"load={r['loadavg_1min']:.1f}",
             file=sys.stderr, flush=True,
         )
 
