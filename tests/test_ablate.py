@@ -223,7 +223,7 @@ def test_protect_keeps_heads_in_every_mask(store, result):
                  retention=(1.0, 0.25), random_masks=3, progress=False)
     critical = out.single["critical"].values
     assert critical.sum() >= 1
-    assert out.critical.sizes["critical"] == critical.sum()
+    assert out.critical.sizes["critical"] == critical.sum() == out.critical.attrs["critical_heads"]
     for layer, head in zip(out.critical["layer"].values, out.critical["head"].values):
         k = out.sweep["keep"].values[..., layer, head]
         assert (k[k >= 0] == 1).all()

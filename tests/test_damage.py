@@ -18,8 +18,8 @@ import pytest
 import zarr
 from click.testing import CliRunner
 
-from attngeom.ablate import ablate
 from attngeom.analyze.stage import analyze
+from attngeom.api import ablate
 from attngeom.cli import main
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.store import validate_store

@@ -17,11 +17,12 @@ from hypothesis import given, settings, strategies as st
 
 from attngeom.analyze.kernels import topn_metrics
 from attngeom.analyze.stage import analyze
+from attngeom.api import explore
 from attngeom.cli import main
 from attngeom.errors import InputError, RunNotFoundError, StoreNotFoundError
-from attngeom.api import explore
 from attngeom.explore.geometry import value_picture
 from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.store import open_dataset
 
 GRID = [1, 2, 4, 8]
 LENGTH = 16
@@ -165,7 +166,7 @@ def test_head_file_matches_the_store(page, store):
     assert (run_id, l, h, payload["kv_head"], payload["shares_kv"]) == ("a", layer, head, 1, [2])
     ds = xr.open_zarr(store, group="runs/a", consolidated=False)
     topn = xr.open_zarr(store, group="runs/a/analysis/topn", consolidated=False)
-    heads = xr.open_zarr(store, group="runs/a/analysis/heads", consolidated=False)
+    heads = open_dataset(store, "runs/a/analysis/heads")  # labels decoded from their codes
     assert payload["regime"]["regime"] == str(heads["regime"].values[layer, head])
     for inst in payload["instances"]:
         seq = inst["seq"]

@@ -15,8 +15,8 @@ import pytest
 import xarray as xr
 import zarr
 
-from attngeom.ablate import ablate
 from attngeom.analyze.stage import analyze
+from attngeom.api import ablate
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.store import FORMAT, arrays_of, compressors, migrate, open_dataset, open_root, validate_store
 

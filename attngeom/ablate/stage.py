@@ -592,7 +592,9 @@ def _assemble(
                 "delta_nll_mean": ("critical", impact[critical]),
                 "robust_z": ("critical", robust_z(impact)[critical]),
             },
-            attrs=attrs,
+            # How many, so that a reader need not open the arrays: they have length 0 when no
+            # head is critical, which some Zarr implementations (zarrita) cannot read.
+            attrs={**attrs, "critical_heads": int(len(where))},
         ),
         "table": xr.Dataset.from_dataframe(table.rename_axis("row")).assign_attrs(attrs),
     }
