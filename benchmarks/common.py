@@ -109,3 +109,54 @@ def store_tokens(store: str) -> np.ndarray:
     opened = ag.open_store(store)
     (run_id,) = opened.runs
     return opened.run(run_id).dataset()["tokens"].values
+
+
+def extract_store(loaded: Loaded, store: str, *, dataset: str, length: int, count: int, batch_size: int = 1,
+                  run_id: str | None = None) -> Any:
+    """``ag.extract`` of ``count`` windows of ``length`` tokens of ``dataset`` by the loaded model
+    into ``store``; returns its ExtractResult (``seconds``: the per-batch loop and consolidation)."""
+    import attngeom as ag
+
+    result = ag.extract(
+        loaded.model, tokenizer=loaded.tokenizer, store=store, dataset=dataset, context_length=length,
+        num_sequences=count, batch_size=batch_size, run_id=run_id, progress=False,
+    )
+    assert result.written == count, result
+    return result
+
+
+def open_run(store: str) -> Any:
+    """The zarr group of the one run of ``store``, read-only."""
+    from attngeom.store import open_root, open_run_group, run_ids
+
+    root = open_root(store, mode="r")
+    (run_id,) = run_ids(root)
+    return open_run_group(root, run_id)
+
+
+def add_store_args(p: Any) -> None:
+    """Options of the benchmarks that measure a store: an existing one, or one extracted here."""
+    p.add_argument("--store", action="append", default=[], help="measure this store (repeatable); no extract")
+    p.add_argument("--models", default="gemma3-270m,smollm2-135m", help="comma-separated model names")
+    p.add_argument("--dataset", default="python-docs")
+    p.add_argument("--lengths", default="1024", help="comma-separated context lengths")
+    p.add_argument("--num-sequences", type=int, default=2, help="sequences per store (default 2)")
+    p.add_argument("--workdir", default=None, help="folder for the temporary stores (default: a temp dir)")
+
+
+def bench_stores(args: Any, workdir: str) -> Any:
+    """(model, L, store path, extract loop seconds per sequence) for each store to measure:
+    those of ``--store`` (loop NaN), else one extract per model and length into ``workdir``."""
+    import sys
+
+    for store in args.store:
+        yield store, open_run(store)["tokens"].shape[1], store, float("nan")
+    if args.store:
+        return
+    for name in args.models.split(","):
+        loaded = load(name)
+        print(f"loaded {name} in {loaded.load_s:.1f}s", file=sys.stderr, flush=True)
+        for length in int_list(args.lengths):
+            store = f"{workdir}/{name}-L{length}.zarr"
+            result = extract_store(loaded, store, dataset=args.dataset, length=length, count=args.num_sequences)
+            yield name, length, store, result.seconds / args.num_sequences
