@@ -60,11 +60,21 @@ def timed(fn: Callable[[], Any]) -> tuple[float, float]:
     return w1 - w0, c1 - c0
 
 
-def blas_threads(n: int | None) -> Any:
-    """A context manager holding BLAS (OpenBLAS, MKL) at ``n`` threads; None leaves the default."""
-    from threadpoolctl import threadpool_limits
+class Blas:
+    """The thread count of numpy's BLAS (OpenBLAS, MKL), set at run time through threadpoolctl."""
 
-    return threadpool_limits(limits=n, user_api="blas")
+    def __init__(self) -> None:
+        from threadpoolctl import threadpool_info
+
+        pools = [p for p in threadpool_info() if p["user_api"] == "blas"]
+        self.available = bool(pools)
+        self.default = pools[0]["num_threads"] if pools else 1
+
+    def set(self, n: int) -> None:
+        """BLAS at ``n`` threads from now on (until the next set)."""
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=int(n), user_api="blas")
 
 
 @dataclass
