@@ -6,12 +6,12 @@
 
 For each model and L, every repetition, side by side:
 
-- **extract**: ``extract()`` of S sequences of python-docs into a fresh store, the model,
-  its config and tokenizer loaded once beforehand and handed to it (model loading excluded;
-  choosing the corpus windows and writing the store included);
+- **extract**: ``ag.extract(model, tokenizer=...)`` of S sequences of python-docs into a fresh
+  store, the model and tokenizer loaded once beforehand and handed to it as objects (model
+  loading excluded; choosing the corpus windows and writing the store included);
 - **read**: ``attn_last`` and ``values`` of those sequences loaded from the store (analyze's
   inputs; threads);
-- **analyze**: ``analyze()`` of the run from scratch (its analysis deleted first) with the
+- **analyze**: ``ag.analyze()`` of the run from scratch (its analysis deleted first) with the
   default scheduler (threads); with ``--processes`` also with ``scheduler="processes"`` (a
   LocalCluster of worker processes started by the call, start-up included), in alternating
   order;
@@ -28,7 +28,6 @@ reductions, cluster start-up). The machine is shared and noisy: compare ratios w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -36,45 +35,22 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
+from common import extract_store, int_list, load, timed
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from attngeom.analyze.kernels import topn_metrics, value_statistics  # noqa: E402
-from attngeom.analyze.stage import RANDOM_DRAWS, analyze, default_n_grid, open_completed  # noqa: E402
-from attngeom.extract import pipeline  # noqa: E402
-from attngeom.extract.models import load_config, load_model, load_tokenizer, resolve_model  # noqa: E402
-from attngeom.extract.pipeline import ExtractRequest, extract  # noqa: E402
-from attngeom.store import analysis_path  # noqa: E402
+import attngeom as ag
+from attngeom.analyze.kernels import topn_metrics, value_statistics
+from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed
+from attngeom.store import analysis_path
 
 DATASET = "python-docs"
 
 
-@contextlib.contextmanager
-def preloaded(name: str) -> Iterator[None]:
-    """Within the block, extract() gets the model, config and tokenizer loaded here once."""
-    source = resolve_model(name)
-    config, tokenizer = load_config(source), load_tokenizer(source)
-    model = load_model(source, device="cpu", dtype=__import__("torch").float32)
-    with (
-        mock.patch.object(pipeline, "resolve_model", lambda _: source),
-        mock.patch.object(pipeline, "load_config", lambda _: config),
-        mock.patch.object(pipeline, "load_tokenizer", lambda _: tokenizer),
-        mock.patch.object(pipeline, "load_model", lambda *a, **k: model),
-    ):
-        yield
-
-
-def timed(f) -> float:
-    t0 = time.perf_counter()
-    f()
-    return time.perf_counter() - t0
+def wall(f) -> float:
+    return timed(f)[0]
 
 
 def kernel_seconds(store: str, run_id: str, blocks: int) -> float:
@@ -100,25 +76,24 @@ def kernel_seconds(store: str, run_id: str, blocks: int) -> float:
 def one_case(model: str, length: int, n_seq: int, reps: int, blocks: int, processes: bool, workdir: Path,
              log) -> dict[str, Any]:
     samples: list[dict[str, float]] = []
-    with preloaded(model):
-        for rep in range(reps):
-            store = str(workdir / f"{model}_L{length}_{rep}.zarr")
-            shutil.rmtree(store, ignore_errors=True)
-            request = ExtractRequest(model=model, dataset=DATASET, context_length=length, num_sequences=n_seq,
-                                     store=store, run_id="r", progress=False)
-            t = {"extract": timed(lambda: extract(request))}
-            ds = open_completed(store, "r")
-            t["read"] = timed(lambda: (ds["attn_last"].load(), ds["values"].load()))
-            order = ("default", "processes") if processes else ("default",)
-            for scheduler in order if rep % 2 == 0 else order[::-1]:
-                shutil.rmtree(Path(store) / analysis_path("r"), ignore_errors=True)
-                t[f"analyze_{scheduler}"] = timed(lambda: analyze(
-                    store, run_id="r", scheduler=None if scheduler == "default" else scheduler, progress=False))
-            t["kernel"] = kernel_seconds(store, "r", blocks)
-            t["loadavg"] = os.getloadavg()[0]
-            samples.append(t)
-            log(f"  {model} L={length} rep {rep + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()))
-            shutil.rmtree(store, ignore_errors=True)
+    loaded = load(model)
+    for rep in range(reps):
+        store = str(workdir / f"{model}_L{length}_{rep}.zarr")
+        shutil.rmtree(store, ignore_errors=True)
+        t = {"extract": wall(lambda: extract_store(loaded, store, dataset=DATASET, length=length, count=n_seq,
+                                                   run_id="r"))}
+        ds = ag.open_store(store).run("r").dataset()
+        t["read"] = wall(lambda: (ds["attn_last"].load(), ds["values"].load()))
+        order = ("default", "processes") if processes else ("default",)
+        for scheduler in order if rep % 2 == 0 else order[::-1]:
+            shutil.rmtree(Path(store) / analysis_path("r"), ignore_errors=True)
+            t[f"analyze_{scheduler}"] = wall(lambda: ag.analyze(
+                store, run_id="r", scheduler=None if scheduler == "default" else scheduler, progress=False))
+        t["kernel"] = kernel_seconds(store, "r", blocks)
+        t["loadavg"] = os.getloadavg()[0]
+        samples.append(t)
+        log(f"  {model} L={length} rep {rep + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()))
+        shutil.rmtree(store, ignore_errors=True)
     cores = os.cpu_count() or 1
 
     def med(f) -> float:
@@ -174,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="attngeom-ave-") as wd:
         for model in args.models.split(","):
-            for length in (int(x) for x in args.lengths.split(",")):
+            for length in int_list(args.lengths):
                 rows.append(one_case(model, length, args.num_sequences, args.reps, args.kernel_blocks,
                                      args.processes, Path(wd), log))
     print(table(rows))

@@ -4,8 +4,9 @@
     python benchmarks/migrate_throughput.py                  # 8 sequences of a Gemma-3-270m-shaped run, ~150 MB
     python benchmarks/migrate_throughput.py --num-sequences 32 --reps 3
 
-A synthetic run (``attngeom.synthetic``) is written in format 1, as attngeom 0.1.0 wrote it
-(Blosc only, no chunk checksums, no ``format`` attribute). Each repetition then times, side
+A synthetic run (``attngeom.synthetic``) is written, then re-encoded with zarr into format 1,
+as attngeom 0.1.0 wrote it (every array rewritten with Blosc only, no chunk checksums; no
+``format`` attribute). Each repetition then times, side
 by side: a plain file copy of the store (``shutil.copytree``, the floor for touching every
 byte), ``attngeom validate --deep`` of the copy (decoding every chunk), and ``migrate`` of
 the copy (decode, re-encode with checksums into a temporary array, replace). Ratios are of
@@ -21,19 +22,32 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 
-from attngeom.store import compressor, migrate as store_migrate, runs as store_runs, validate_store
+import attngeom as ag
+from attngeom.store import compressor, consolidate, open_root, open_run_group, validate_store
 from attngeom.synthetic import write_synthetic_run
 
 
 def format1_store(path: Path, args: argparse.Namespace) -> None:
-    """A synthetic run encoded as format 1: Blosc alone, no format attribute."""
-    with mock.patch.object(store_runs, "compressors", lambda dtype: (compressor(dtype.itemsize),)):
-        write_synthetic_run(str(path), "r", n_seq=args.num_sequences, n_layers=args.layers, n_heads=args.heads,
-                            n_kv_heads=args.kv_heads, head_dim=args.head_dim, length=args.length)
+    """A synthetic run encoded as format 1: every array rewritten with Blosc alone (the chunk
+    layout, dimension names and attributes kept), no format attribute."""
+    write_synthetic_run(str(path), "r", n_seq=args.num_sequences, n_layers=args.layers, n_heads=args.heads,
+                        n_kv_heads=args.kv_heads, head_dim=args.head_dim, length=args.length)
+    root = open_root(str(path), mode="a")
+    run = open_run_group(root, "r")
+    for name, arr in list(run.arrays()):
+        data, attrs = arr[:], dict(arr.attrs)
+        typesize = arr.dtype.itemsize if arr.dtype.kind not in "OUS" else 1
+        new = run.create_array(
+            name, shape=arr.shape, dtype=arr.dtype, chunks=arr.chunks, shards=arr.shards,
+            compressors=(compressor(typesize),), fill_value=arr.fill_value,
+            dimension_names=arr.metadata.dimension_names, attributes=attrs, overwrite=True,
+            config={"write_empty_chunks": True},  # as the stage writes: a chunk present marks it written
+        )
+        new[...] = data
+    consolidate(root)
     meta = json.loads((path / "zarr.json").read_text())
     del meta["attributes"]["attngeom"]["format"]
     (path / "zarr.json").write_text(json.dumps(meta))
@@ -69,7 +83,7 @@ def main() -> None:
             t_deep = time.perf_counter() - t0
             assert problems and all("checksum" in line for line in problems), problems[:3]
             t0 = time.perf_counter()
-            report = store_migrate.migrate(str(copy), progress=False)
+            report = ag.migrate(str(copy), progress=False)
             t_migrate = time.perf_counter() - t0
             assert validate_store(str(copy), deep=True) == []
             rows.append((t_copy, t_deep, t_migrate, report))

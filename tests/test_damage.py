@@ -213,6 +213,8 @@ def test_repair_then_extract_restores_the_run(store, built, tiny_model_dir, word
     assert lines[1:] == [
         "run r: sequence 1 is only partly written (interrupted run; re-run the same extract command)",
         "run r: sequence 4 is only partly written (interrupted run; re-run the same extract command)",
+        # The analysis built on them is named too, until extract commits them again.
+        "run r: analysis covers sequences [1, 4] the run does not hold as complete",
     ]
     code, lines = run("extract", "--model", str(tiny_model_dir("llama")), "--dataset", str(word_corpus), "-L", "16",
                       "-S", str(S), "--store", str(store), "--run", "r", "--no-progress")

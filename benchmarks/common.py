@@ -1,0 +1,172 @@
+"""Helpers the benchmarks share: statistics, tables, argument lists, timing, BLAS threads,
+and a model loaded once through the public loaders (so loading stays out of every timing).
+
+Benchmarks import it as ``from common import ...``: each runs as a script from ``benchmarks/``,
+whose folder Python puts first on the import path.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+def median(xs: list[float]) -> float:
+    """The median, NaN for an empty list."""
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def rotate(items: list[Any], k: int) -> list[Any]:
+    """``items`` started at position ``k`` (mod its length): variants change order per repetition."""
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def int_list(text: str) -> list[int]:
+    """'512,1024' -> [512, 1024]."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def cell(x: Any) -> str:
+    if isinstance(x, float):
+        if x != x:
+            return "n/a"
+        return f"{x:.3g}" if abs(x) < 100 else f"{x:,.0f}"
+    return str(x)
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table; floats to 3 significant digits (thousands separated from 100 up)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def now() -> tuple[float, float]:
+    """(wall, process CPU) seconds; CPU time covers every thread of this process."""
+    return time.perf_counter(), time.process_time()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one call of ``fn``."""
+    w0, c0 = now()
+    fn()
+    w1, c1 = now()
+    return w1 - w0, c1 - c0
+
+
+class Blas:
+    """The thread count of numpy's BLAS (OpenBLAS, MKL), set at run time through threadpoolctl."""
+
+    def __init__(self) -> None:
+        from threadpoolctl import threadpool_info
+
+        pools = [p for p in threadpool_info() if p["user_api"] == "blas"]
+        self.available = bool(pools)
+        self.default = pools[0]["num_threads"] if pools else 1
+
+    def set(self, n: int) -> None:
+        """BLAS at ``n`` threads from now on (until the next set)."""
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=int(n), user_api="blas")
+
+
+@dataclass
+class Loaded:
+    """A model loaded once through ``attngeom.extract.models``: stock SDPA attention, eval mode."""
+
+    name: str
+    model: Any  # transformers causal LM; ag.extract(model, ...) takes it as it is
+    tokenizer: Any
+    device: str
+    dtype: Any
+    load_s: float
+
+
+def load(name: str, device: str = "auto", dtype: str = "auto") -> Loaded:
+    """``name`` (an offline name, hub id or folder) loaded with its tokenizer, attention set to
+    stock SDPA, so that its decoder-only forward is the reference extract is compared with."""
+    from attngeom.extract.models import load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_model
+
+    t0 = time.perf_counter()
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    source = resolve_model(name)
+    model = load_model(source, device=dev, dtype=dt)
+    model.set_attn_implementation("sdpa")
+    tokenizer = load_tokenizer(source)
+    return Loaded(name, model, tokenizer, dev, dt, time.perf_counter() - t0)
+
+
+def synchronize(device: str) -> None:
+    """Wait for queued accelerator work, so a wall-clock reading covers it."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def store_tokens(store: str) -> np.ndarray:
+    """The tokens (S, L) of the one run of ``store``, read through the public API."""
+    import attngeom as ag
+
+    opened = ag.open_store(store)
+    (run_id,) = opened.runs
+    return opened.run(run_id).dataset()["tokens"].values
+
+
+def extract_store(loaded: Loaded, store: str, *, dataset: str, length: int, count: int, batch_size: int = 1,
+                  run_id: str | None = None) -> Any:
+    """``ag.extract`` of ``count`` windows of ``length`` tokens of ``dataset`` by the loaded model
+    into ``store``; returns its ExtractResult (``seconds``: the per-batch loop and consolidation)."""
+    import attngeom as ag
+
+    result = ag.extract(
+        loaded.model, tokenizer=loaded.tokenizer, store=store, dataset=dataset, context_length=length,
+        num_sequences=count, batch_size=batch_size, run_id=run_id, progress=False,
+    )
+    assert result.written == count, result
+    return result
+
+
+def open_run(store: str) -> Any:
+    """The zarr group of the one run of ``store``, read-only."""
+    from attngeom.store import open_root, open_run_group, run_ids
+
+    root = open_root(store, mode="r")
+    (run_id,) = run_ids(root)
+    return open_run_group(root, run_id)
+
+
+def add_store_args(p: Any) -> None:
+    """Options of the benchmarks that measure a store: an existing one, or one extracted here."""
+    p.add_argument("--store", action="append", default=[], help="measure this store (repeatable); no extract")
+    p.add_argument("--models", default="gemma3-270m,smollm2-135m", help="comma-separated model names")
+    p.add_argument("--dataset", default="python-docs")
+    p.add_argument("--lengths", default="1024", help="comma-separated context lengths")
+    p.add_argument("--num-sequences", type=int, default=2, help="sequences per store (default 2)")
+    p.add_argument("--workdir", default=None, help="folder for the temporary stores (default: a temp dir)")
+
+
+def bench_stores(args: Any, workdir: str) -> Any:
+    """(model, L, store path, extract loop seconds per sequence) for each store to measure:
+    those of ``--store`` (loop NaN), else one extract per model and length into ``workdir``."""
+    import sys
+
+    for store in args.store:
+        yield store, open_run(store)["tokens"].shape[1], store, float("nan")
+    if args.store:
+        return
+    for name in args.models.split(","):
+        loaded = load(name)
+        print(f"loaded {name} in {loaded.load_s:.1f}s", file=sys.stderr, flush=True)
+        for length in int_list(args.lengths):
+            store = f"{workdir}/{name}-L{length}.zarr"
+            result = extract_store(loaded, store, dataset=args.dataset, length=length, count=args.num_sequences)
+            yield name, length, store, result.seconds / args.num_sequences
