@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from attngeom.extract.capture import ATTN_IMPLEMENTATION, attention_output, attention_summaries, capturing
+from attngeom.extract.capture import ATTN_IMPLEMENTATION, output_description, attention_summaries, capturing
 from attngeom.extract.models import ModelSource, load_model
 
 L = 16  # longer than the sliding window (6) of the Mistral and Gemma 3 fixtures
@@ -145,8 +145,8 @@ def test_lower_precision_keeps_the_models_own_sdpa_output(tiny_model_dir):
     with torch.no_grad(), capturing(model) as rec:
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
         expected = stock.model(input_ids=ids, use_cache=False).last_hidden_state
-    assert attention_output(torch.bfloat16) == "sdpa output"
-    assert attention_output(torch.float32) == "output = float32 rows @ v"
+    assert output_description(torch.bfloat16) == "sdpa output"
+    assert output_description(torch.float32) == "output = float32 rows @ v"
     assert torch.equal(hidden, expected)
     assert all(cap.entropy.dtype == torch.float32 for cap in rec.layers.values())
 

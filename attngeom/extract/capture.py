@@ -261,7 +261,7 @@ def own_output(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def attention_output(dtype: torch.dtype) -> str:
+def output_description(dtype: torch.dtype) -> str:
     """How a capturing layer's output is computed for a model of this compute dtype."""
     return "output = float32 rows @ v" if own_output(dtype) else "sdpa output"
 

@@ -36,7 +36,7 @@ from attngeom.errors import InputError, StoreNotFoundError, StoreWriteError
 from attngeom.extract.capture import (
     ATTN_IMPLEMENTATION,
     LayerCapture,
-    attention_output,
+    output_description,
     capturing,
 )
 from attngeom.extract.corpora import Corpus, Window, iter_windows, open_corpus, select_windows
@@ -464,7 +464,7 @@ def _run_provenance(request: ExtractRequest, model: _Model, bos_id: int, shard: 
         "model_type": model.config.model_type,
         "compute_dtype": str(model.dtype).removeprefix("torch."),
         "device": model.device,
-        "attention_implementation": f"{ATTN_IMPLEMENTATION} ({attention_output(model.dtype)}; float32 rows recomputed from post-RoPE q/k)",
+        "attention_implementation": f"{ATTN_IMPLEMENTATION} ({output_description(model.dtype)}; float32 rows recomputed from post-RoPE q/k)",
         "library_versions": _library_versions(),
         "attngeom_version": __version__,
         "command_line": shlex.join(request.command_line),
