@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT))
 
 import frozen_kernels_v1 as old  # noqa: E402
 
-from attngeom.store import open_root, run_ids  # noqa: E402
 from attngeom.analyze.kernels import head_metrics, topn_metrics, value_statistics  # noqa: E402
 from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed  # noqa: E402
+from attngeom.store import open_root, run_ids  # noqa: E402
 
 SHAPES = {
     "smollm2-135m": dict(heads=9, kv_heads=3, head_dim=64),

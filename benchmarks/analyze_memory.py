@@ -30,21 +30,12 @@ import threading
 import time
 from pathlib import Path
 
-from common import int_list
-from common import table as md_table
+from common import fmt, int_list, table as md_table
 
 from attngeom.synthetic import write_synthetic_run
 
 GiB = 2**30
 MiB = 2**20
-
-
-def fmt(x: float, digits: int = 3) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    if abs(x) >= 1000:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}g}"
 
 
 

@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import Blas, int_list, median
-from common import table as md_table
+from common import Blas, fmt, int_list, median, table as md_table
 
 import attngeom as ag
 from attngeom.analyze.kernels import topn_metrics, value_statistics
@@ -38,14 +37,6 @@ from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed
 from attngeom.synthetic import write_synthetic_run
 
 BLAS = Blas()
-
-
-def fmt(x: float, digits: int = 3) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    if abs(x) >= 1000:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}g}"
 
 
 def fixed_parts(configs: list[dict], samples: list[list[dict]]) -> dict[tuple[int, int], float]:

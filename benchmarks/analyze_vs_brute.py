@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import Blas, int_list, median
-from common import table as md_table
+from common import Blas, fmt, int_list, median, table as md_table
 
 from attngeom.analyze.kernels import topn_metrics, value_statistics
 from attngeom.analyze.stage import default_n_grid
@@ -36,14 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact", "sink_selected")
 BLAS = Blas()
-
-
-def fmt(x: float, digits: int = 3) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    if abs(x) >= 1000:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}g}"
 
 
 

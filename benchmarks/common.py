@@ -7,6 +7,7 @@ whose folder Python puts first on the import path.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -170,3 +171,12 @@ def bench_stores(args: Any, workdir: str) -> Any:
             store = f"{workdir}/{name}-L{length}.zarr"
             result = extract_store(loaded, store, dataset=args.dataset, length=length, count=args.num_sequences)
             yield name, length, store, result.seconds / args.num_sequences
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    """A number for a table: "-" for none or NaN, thousands grouped, else ``digits`` significant."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
