@@ -99,6 +99,35 @@ def test_memory_model_from_texts_and_token_ids_equals_its_eager_attention(arch, 
     assert sorted(ag.open_store(store).runs) == ["ids", "texts"]
 
 
+def test_state_dict_digest_follows_the_weights():
+    """The in-memory model's sha256 is that of its state dict's names, dtypes, shapes and bytes;
+    kept while the model is unchanged, new after an in-place update or a replaced tensor."""
+    import hashlib
+
+    from attngeom.extract.models import state_dict_sha256
+
+    def independent(model):
+        digest = hashlib.sha256()
+        for name, t in model.state_dict().items():
+            digest.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode())
+            digest.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    model = memory_model("llama")
+    first = state_dict_sha256(model)
+    assert first == independent(model) == state_dict_sha256(model)
+    weight = model.get_decoder().layers[0].self_attn.q_proj.weight
+    original = weight[0, 0].item()
+    with torch.no_grad():
+        weight[0, 0] = original + 1.0
+    changed = state_dict_sha256(model)
+    assert changed == independent(model) != first
+    weight.data = weight.data.clone()
+    with torch.no_grad():
+        weight.data[0, 0] = original  # a new tensor at version 1, as the one before: seen by its address
+    assert state_dict_sha256(model) == independent(model) == first
+
+
 @pytest.mark.parametrize("own", ["eager", "sdpa"])
 def test_memory_model_attention_and_mode_restored_even_on_failure(own, tmp_path):
     model = memory_model("llama", attn=own).train()

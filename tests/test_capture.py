@@ -284,21 +284,3 @@ def test_additive_floor_equals_filling_the_mask():
     scores = torch.randn(2, 3, 4, 64) * torch.logspace(-30, 6, 64)
     allowed = torch.rand(2, 1, 4, 64) < 0.6
     assert torch.equal(scores + masked_floor(allowed), scores.masked_fill(~allowed, MASKED))
-
-
-def test_summaries_leave_the_thread_count_as_they_found_it():
-    """The per-block passes run on ``CPU_SUMMARY_THREADS`` intra-op threads; the caller's
-    setting is back afterwards, also when the summaries raise."""
-    from attngeom.extract.capture import CPU_SUMMARY_THREADS
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(CPU_SUMMARY_THREADS + 1)
-    try:
-        q, k, v = torch.randn(1, 4, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
-        attention_summaries(q, k, v, None, 0.5, need_output=True)
-        assert torch.get_num_threads() == CPU_SUMMARY_THREADS + 1
-        with pytest.raises(RuntimeError):
-            attention_summaries(q, k[..., :3], v, None, 0.5)
-        assert torch.get_num_threads() == CPU_SUMMARY_THREADS + 1
-    finally:
-        torch.set_num_threads(before)

@@ -35,11 +35,6 @@ ATTN_IMPLEMENTATION = "attngeom_capture"
 # stay in cache. On CUDA, large blocks keep the kernel launches few.
 BLOCK_BYTES = {"cpu": 2 * 2**20, "cuda": 64 * 2**20}
 MASKED = -1e30
-# Intra-op threads for the per-block passes on CPU. Each pass over a 2 MiB block is 0.1-1 ms
-# of work, too short for a parallel region to pay its fork and join: on this shared 2-core
-# machine (load 10-12) one smollm2-135m layer (L=1024) took 0.10-0.12 s at 1 thread against
-# 1.0-4.8 s at 2, and larger blocks at 2 threads (8 or 32 MiB) still 0.7-1.9 s.
-CPU_SUMMARY_THREADS = 1
 
 
 @dataclass
@@ -87,24 +82,6 @@ def masked_floor(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(allowed, 0.0, MASKED).float()
 
 
-@contextlib.contextmanager
-def summary_threads(device: torch.device) -> Iterator[None]:
-    """Within the block, torch runs CPU work on at most ``CPU_SUMMARY_THREADS`` intra-op threads.
-
-    The setting is the process's (torch has no per-thread one), restored on exit; on CUDA the
-    block changes nothing.
-    """
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads <= CPU_SUMMARY_THREADS:
-        yield
-        return
-    torch.set_num_threads(CPU_SUMMARY_THREADS)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` for finite ``x``: int64 index of each row's first maximum. Overwrites x.
 
@@ -145,9 +122,8 @@ def attention_summaries(
     row's log-normaliser log Z, which the SDPA/flash forward already computes, p_j =
     exp(s_j - log Z), and sink, diag, top-1, entropy and winner are each a running reduction
     of one more pass over the scores, with no block of probabilities written. Not written here:
-    there is no GPU to prove it on, and the passes below run unchanged on CUDA (only the CPU
-    caps its threads, :func:`summary_threads`). On CPU, ``torch.compile`` of the block (its
-    code generator fuses the passes) was no faster: 41 against 35 ms per smollm2-135m layer at
+    there is no GPU to prove it on, and the passes below run unchanged on CUDA. On CPU,
+    ``torch.compile`` of the block (its code generator fuses the passes) was no faster: 41 against 35 ms per smollm2-135m layer at
     L=1024, one thread, after 21 s (cache warm) to 93 s (cold) of compiling.
     """
     bsz, n_heads, length, head_dim = query.shape
@@ -176,46 +152,45 @@ def attention_summaries(
     above_diagonal = (
         torch.ones(block, block, dtype=torch.bool, device=query.device).triu(1) if attention_mask is None else None
     )
-    with summary_threads(query.device):
-        for q0 in range(0, length, block):
-            q1 = min(length, q0 + block)
-            if attention_mask is None:
-                n_keys = q1
-            else:
-                allowed = allowed_keys(attention_mask, q0, q1, length, query.device)
-                # A causal mask hides every key after the block's last query from all its queries:
-                # scoring only keys [0, q1) halves the work on average and changes no row.
-                n_keys = length if bool(allowed[..., q1:].any()) else q1
-            scores = torch.einsum("bkgqd,bkld->bkgql", q[:, :, :, q0:q1], k[:, :, :n_keys])
-            if softcap is not None:
-                scores = softcap * torch.tanh(scores / softcap)
-            # A finite floor, not -inf, for masked keys: their probability still underflows to 0,
-            # and 0 * floor stays 0 in the entropy below.
-            if attention_mask is None:
-                scores[..., q0:q1].masked_fill_(above_diagonal[: q1 - q0, : q1 - q0], MASKED)
-            else:
-                # s + MASKED rounds to MASKED exactly for any score below 1e22, so adding the floor
-                # equals filling it; a broadcast add is a vectorized pass, a broadcast fill is not.
-                scores.add_(masked_floor(allowed[:, :, None, :, :n_keys]))
-            scores.sub_(scores.amax(dim=-1, keepdim=True))
-            probs = torch.softmax(scores, dim=-1)
-            top1 = probs.amax(dim=-1)
-            out["sink_attn"][..., q0:q1] = probs[..., 0]
-            out["diag_attn"][..., q0:q1] = probs[..., q0:q1].diagonal(dim1=-2, dim2=-1)
-            out["top1_attn"][..., q0:q1] = top1
-            # With s the scores less their maximum, log p_j = s_j - log Z and 1/Z = max_j p_j, so
-            # H = -sum_j p_j log p_j = -log max_j p_j - sum_j p_j s_j: two non-negative terms, no log
-            # per key.
-            # The product takes the scores' buffer (``vecdot`` is the same product and sum, with
-            # a block-sized temporary), and so does A_ij ||v_j|| after it.
-            out["entropy"][..., q0:q1] = -torch.log(top1) - scores.mul_(probs).sum(dim=-1)
-            winner[..., q0:q1] = first_argmax(torch.mul(probs, v_norm[..., :n_keys], out=scores))
-            if rows is not None:
-                rows[..., q0:q1, :n_keys] = probs
-            if output is not None:
-                output[..., q0:q1, :] = torch.einsum("bkgql,bkld->bkgqd", probs, v[:, :, :n_keys])
-            if q1 == length:
-                attn_last = probs[..., -1, :].reshape(bsz, n_heads, length)
+    for q0 in range(0, length, block):
+        q1 = min(length, q0 + block)
+        if attention_mask is None:
+            n_keys = q1
+        else:
+            allowed = allowed_keys(attention_mask, q0, q1, length, query.device)
+            # A causal mask hides every key after the block's last query from all its queries:
+            # scoring only keys [0, q1) halves the work on average and changes no row.
+            n_keys = length if bool(allowed[..., q1:].any()) else q1
+        scores = torch.einsum("bkgqd,bkld->bkgql", q[:, :, :, q0:q1], k[:, :, :n_keys])
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        # A finite floor, not -inf, for masked keys: their probability still underflows to 0,
+        # and 0 * floor stays 0 in the entropy below.
+        if attention_mask is None:
+            scores[..., q0:q1].masked_fill_(above_diagonal[: q1 - q0, : q1 - q0], MASKED)
+        else:
+            # s + MASKED rounds to MASKED exactly for any score below 1e22, so adding the floor
+            # equals filling it; a broadcast add is a vectorized pass, a broadcast fill is not.
+            scores.add_(masked_floor(allowed[:, :, None, :, :n_keys]))
+        scores.sub_(scores.amax(dim=-1, keepdim=True))
+        probs = torch.softmax(scores, dim=-1)
+        top1 = probs.amax(dim=-1)
+        out["sink_attn"][..., q0:q1] = probs[..., 0]
+        out["diag_attn"][..., q0:q1] = probs[..., q0:q1].diagonal(dim1=-2, dim2=-1)
+        out["top1_attn"][..., q0:q1] = top1
+        # With s the scores less their maximum, log p_j = s_j - log Z and 1/Z = max_j p_j, so
+        # H = -sum_j p_j log p_j = -log max_j p_j - sum_j p_j s_j: two non-negative terms, no log
+        # per key.
+        # The product takes the scores' buffer (``vecdot`` is the same product and sum, with
+        # a block-sized temporary), and so does A_ij ||v_j|| after it.
+        out["entropy"][..., q0:q1] = -torch.log(top1) - scores.mul_(probs).sum(dim=-1)
+        winner[..., q0:q1] = first_argmax(torch.mul(probs, v_norm[..., :n_keys], out=scores))
+        if rows is not None:
+            rows[..., q0:q1, :n_keys] = probs
+        if output is not None:
+            output[..., q0:q1, :] = torch.einsum("bkgql,bkld->bkgqd", probs, v[:, :, :n_keys])
+        if q1 == length:
+            attn_last = probs[..., -1, :].reshape(bsz, n_heads, length)
     last_allowed = allowed_keys(attention_mask, length - 1, length, length, query.device)[0, 0, -1]
 
     def heads(t: torch.Tensor) -> torch.Tensor:

@@ -483,6 +483,7 @@ def _write_sequences(
     length = len(windows[0].tokens)
     bar = tqdm(total=len(seqs), unit="seq", desc=f"extract {run_id}", disable=not request.progress)
     start = time.perf_counter()
+    layout = None
     try:
         with _capturing(net, keep_rows=request.store_rows == "all") as record:
             for b0 in range(0, len(seqs), request.batch_size):
@@ -491,7 +492,8 @@ def _write_sequences(
                 layers = record(ids)
                 if run is None:
                     run = create_run(root, run_id, _layout(model.config, layers, request, length), provenance, total)
-                layout = run_layout(run)
+                if layout is None:  # read once: the run's recorded layout, also when resuming
+                    layout = run_layout(run)
                 for b, (seq, window) in enumerate(zip(seqs[b0 : b0 + request.batch_size], batch)):
                     write_sequence(run, seq, _sequence_arrays(layers, b, window, layout))
                 bar.update(len(batch))
