@@ -12,7 +12,7 @@ import zarr
 
 from attngeom.errors import RunNotFoundError
 from attngeom.store.access import jsonable, quiet_leftovers
-from attngeom.store.codecs import compressors
+from attngeom.store.codecs import VALUES_CODEC, compressors
 from attngeom.store.schema import (
     ATTR_KEY,
     RUN_VARIABLES,
@@ -83,7 +83,7 @@ def _create_array(group: zarr.Group, name: str, layout: RunLayout, n_seq: int, *
         name,
         shape=shape,
         dtype=dtype,
-        compressors=compressors(dtype),
+        compressors=compressors(dtype, VALUES_CODEC) if name == "values" else compressors(dtype),
         dimension_names=var.dims,
         fill_value=fill,
         attributes=attrs,
