@@ -15,8 +15,8 @@ For each model and L, every repetition, side by side:
   default scheduler (threads); with ``--processes`` also with ``scheduler="processes"`` (a
   LocalCluster of worker processes started by the call, start-up included), in alternating
   order;
-- **kernel**: ``topn_metrics`` + ``value_statistics`` on (sequence, layer) blocks of the store,
-  serially, as the stage calls them; a sample of ``--kernel-blocks`` blocks scaled to the run
+- **kernel**: ``head_metrics`` on (sequence, layer) blocks of the store (kv heads' values and
+  ``head_kv``), serially, as the stage calls it; a sample of ``--kernel-blocks`` blocks scaled to the run
   (S x layers blocks).
 
 Reported: medians of per-repetition ratios analyze/extract and analyze/read, and the
@@ -42,7 +42,7 @@ import numpy as np
 from common import extract_store, int_list, load, timed
 
 import attngeom as ag
-from attngeom.analyze.kernels import topn_metrics, value_statistics
+from attngeom.analyze.kernels import head_metrics
 from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed
 from attngeom.store import analysis_path
 
@@ -55,7 +55,7 @@ def wall(f) -> float:
 
 def kernel_seconds(store: str, run_id: str, blocks: int) -> float:
     """Serial kernel seconds for the whole run, from ``blocks`` sampled (sequence, layer)
-    blocks: float64 inputs, kv heads mapped to query heads, default N grid."""
+    blocks: float64 inputs, one ``head_metrics`` call per block, default N grid."""
     ds = open_completed(store, run_id)
     head_kv = ds["head_kv"].values
     grid = default_n_grid(ds.sizes["key"])
@@ -64,11 +64,10 @@ def kernel_seconds(store: str, run_id: str, blocks: int) -> float:
     spent = 0.0
     for s, layer in sample:
         attn = ds["attn_last"][s, layer].values.astype(np.float64)
-        values = ds["values"][s, layer].values[head_kv].astype(np.float64)
-        att = np.broadcast_to(ds["attendable"][layer].values, attn.shape)
+        values = ds["values"][s, layer].values.astype(np.float64)
+        att = np.broadcast_to(ds["attendable"][layer].values, values.shape[:2])
         t0 = time.perf_counter()
-        topn_metrics(attn, values, att, grid, seed=1, random_draws=RANDOM_DRAWS)
-        value_statistics(values, att)
+        head_metrics(attn, values, att, grid, head_kv=head_kv, seed=1, random_draws=RANDOM_DRAWS)
         spent += time.perf_counter() - t0
     return spent / len(sample) * len(pairs)
 

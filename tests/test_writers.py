@@ -181,3 +181,29 @@ def test_multiprocess_cluster_matches_threads(tiny_model_dir, word_corpus, tmp_p
     for g, expected in single.items():
         got = open_dataset(str(store), f"runs/r/analysis/{g}").load()
         xr.testing.assert_identical(got, expected)
+
+
+def _label_codes_brute(values):
+    """label_codes one value at a time: labels by first appearance, bytes decoded, -1 for non-strings."""
+    labels, codes = {}, []
+    for value in values.ravel():
+        value = value.decode() if isinstance(value, bytes) else value
+        codes.append(labels.setdefault(value, len(labels)) if isinstance(value, str) else -1)
+    return list(labels), np.asarray(codes, dtype=np.int64).reshape(values.shape)
+
+
+def test_label_codes_equal_their_brute_force_twin():
+    from attngeom.store import label_codes
+
+    pool = ["a", "b", "", "c d", None, b"a", b"e", float("nan"), 3]
+    rng = np.random.default_rng(0)
+    cases = [np.array(["x", "y", "x"]), np.array([b"x", b"z"]), np.empty((0, 3), dtype=object)]
+    for _ in range(200):
+        n = int(rng.integers(0, 40)) // 2 * 2
+        cases.append(np.array([pool[i] for i in rng.integers(0, len(pool), n)], dtype=object).reshape(2, n // 2))
+    for values in cases:
+        labels, codes = label_codes(values)
+        want_labels, want_codes = _label_codes_brute(values)
+        assert labels == want_labels
+        np.testing.assert_array_equal(codes, want_codes)
+        assert codes.dtype == np.int64 and codes.shape == values.shape
