@@ -129,7 +129,13 @@ def _converted_folder(source: ModelSource) -> Path:
     try:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another process (a peer shard, a parallel test worker) finished the same
+            # conversion first: its folder is the same, keep it.
+            if not (target / "config.json").exists():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
