@@ -384,7 +384,9 @@ class _Instances(NamedTuple):
     points: np.ndarray      # (P,) the valid N, ascending
     s_plus_by_n: np.ndarray # (B, P, D) s_{N,+} at each of points
     s_by_n: np.ndarray      # (B, P, D) s_N at each of points
-    distances: _Distances   # of y to s_N at each of points
+    ys: np.ndarray          # (B, P, K) <y_k, s_N> at each of points
+    around: _Around         # distances of y to s_N, the N of points as its rows (P, B, K)
+    scores: tuple           # P(r_max, N), R(r_min, N), F, r_max^2, r_min^2 (P, B) of I_N
 
 
 class _TopN(NamedTuple):
@@ -415,12 +417,13 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
     s_plus_by_n = _prefix_sums(np.where(nonsink[:, :, None], y, 0.0), order, points)
     sink_in = (rank[:, :1] < points) & att[:, :1]  # (B, P): 0 in I_N
     s_by_n = s_plus_by_n + np.where(sink_in[:, :, None], y[:, :1], 0.0)
+    distances, around, scores = _at_every_point(y, s_by_n, rank, att, points)
     inst = _Instances(
         values=values, y=y, y_norm=np.linalg.norm(y, axis=-1), att=att,
         has_sink=constants.has_sink,
         o_norm=np.linalg.norm(np.sum(y, axis=1, where=att[:, :, None]), axis=-1),
         rank=rank, points=points, s_plus_by_n=s_plus_by_n, s_by_n=s_by_n,
-        distances=_Distances(y, s_by_n[None]),
+        ys=distances.ys[:, :, 0], around=around, scores=scores,
     )
     bounds = _SinkBounds(alpha, constants)
 
@@ -447,12 +450,22 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
     _sink_excluded(alpha, y, nonsink, grid, points, out)
 
 
+def _at_every_point(y, s_by_n, rank, candidates, points):
+    """The distances of y (B, K, D) to the aggregates s_by_n (B, P, D) of one selection
+    (keys of rank < N among the candidates) at each N of points, and the ball scores there:
+    every N is a row of one batch (P, B, K), each row's arithmetic that of its N alone."""
+    distances = _Distances(y, s_by_n.transpose(1, 0, 2)[:, :, None])
+    around = distances.at(0)
+    selected = (rank < points[:, None, None]) & candidates
+    return distances, around, around.ball_scores(selected, candidates, points[:, None])
+
+
 def _select(inst, n):
     selected = (inst.rank < n) & inst.att
     unselected = inst.att & ~selected
     p = np.searchsorted(inst.points, n)
-    around = inst.distances.at(p)
-    *scores, r_max2, r_min2 = (x[0] for x in around.ball_scores(selected[None], inst.att, n))
+    around = inst.around.part(slice(p, p + 1))
+    *scores, r_max2, r_min2 = (x[p] for x in inst.scores)
     # Exact where a value is reported or compared with the sink's; stand-ins that order the
     # selected and unselected keys exactly elsewhere.
     sink = np.zeros_like(selected)
@@ -461,7 +474,7 @@ def _select(inst, n):
     D = around.ordered(selected[None], unselected[None])[0]
     return _TopN(n=n, selected=selected, unselected=unselected, sigma=selected[:, 0],
                  s_plus=inst.s_plus_by_n[:, p], s=inst.s_by_n[:, p],
-                 ys=inst.distances.ys[:, 0, p], D=D, scores=tuple(scores),
+                 ys=inst.ys[:, p], D=D, scores=tuple(scores),
                  r_max2=r_max2, r_min2=r_min2)
 
 
@@ -593,15 +606,13 @@ def _sink_excluded(alpha, y, nonsink, grid, points, out):
     """nosink_precision/recall/f_score: selection and balls over K \\ {0}."""
     n_ns = nonsink.sum(axis=1)
     order, rank = _ranked(-alpha, nonsink)
-    at = _Distances(y, _prefix_sums(y, order, points)[None])
+    scores = _at_every_point(y, _prefix_sums(y, order, points), rank, nonsink, points)[2][:3]
+    names = ("nosink_precision", "nosink_recall", "nosink_f_score")
     for g, n in enumerate(grid):
         valid = n < n_ns
-        if not valid.any():
-            continue
-        selected = (rank < n) & nonsink
-        scores = at.at(np.searchsorted(points, n)).ball_scores(selected[None], nonsink, n)[:3]
-        names = ("nosink_precision", "nosink_recall", "nosink_f_score")
-        _store(out, g, dict(zip(names, (x[0] for x in scores))), valid)
+        if valid.any():
+            p = np.searchsorted(points, n)
+            _store(out, g, dict(zip(names, (x[p] for x in scores))), valid)
 
 
 class _Distances:
@@ -647,6 +658,14 @@ class _Around:
         self.error = np.where(self.unsure, 0.0, error)[..., None]
         self.exact = np.full(self.expanded.shape, np.nan)
 
+    def part(self, rows):
+        """The same distances for the selections of the slice rows, sharing the exact values."""
+        part = object.__new__(_Around)
+        part.y, part.s = self.y, self.s[rows]
+        part.expanded, part.error = self.expanded[rows], self.error[rows]
+        part.unsure, part.exact = self.unsure[rows], self.exact[rows]
+        return part
+
     def D(self, mask):
         """Exact D where mask (computed once per key), NaN elsewhere."""
         flat = np.flatnonzero(mask & np.isnan(self.exact))
@@ -663,7 +682,8 @@ class _Around:
         """Ball scores over the candidate keys (closed r_max ball, open r_min ball: SPEC §3
         "Balls"): P(r_max, N) = N / |{k: D_k <= r_max^2}|, R(r_min, N) =
         |{i in I_N: D_i < r_min^2}| / N, F = 2PR/(P+R) (0 if P + R = 0), r_max^2 and r_min^2,
-        each (R, B), of the exact distances; selected (R, B, K), candidates (B, K)."""
+        each (R, B), of the exact distances; selected (R, B, K), candidates (B, K), n an int
+        or (R, 1)."""
         x, e = self.expanded, self.error
         unselected = candidates & ~selected
         # The extreme distance is among the keys within 2 errors of the extreme expansion.
