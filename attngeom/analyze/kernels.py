@@ -393,6 +393,7 @@ class _TopN(NamedTuple):
     """The selection I_N of every instance of a slice and its geometry."""
 
     n: int
+    p: int                  # index of N in points
     selected: np.ndarray    # (B, K) I_N
     unselected: np.ndarray  # (B, K) U_N
     sigma: np.ndarray       # (B,) 0 in I_N
@@ -426,6 +427,7 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
         ys=distances.ys[:, :, 0], around=around, scores=scores,
     )
     bounds = _SinkBounds(alpha, constants)
+    by_point = {**_sink_shares(inst), **_signatures(inst)}
 
     for g, n in enumerate(grid):
         valid = n < n_att
@@ -438,9 +440,9 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
             inversions=_count_pairs_le(top.D, top.unselected, top.D, top.selected),
             sink_selected=top.sigma,
         )
-        results.update(_sink_diagnostics(inst, top))
+        results.update({name: x[:, top.p] for name, x in by_point.items()})
+        results.update(_sink_intrusion(inst, top))
         results.update(_leave_one_out(inst, top))
-        results.update(_signatures(inst, top))
         certificate, paper = bounds.at(top, g)
         results.update(certificate)
         _store(out, g, results, valid)
@@ -472,7 +474,7 @@ def _select(inst, n):
     sink[:, 0] = inst.att[:, 0]
     around.D((selected | sink)[None])
     D = around.ordered(selected[None], unselected[None])[0]
-    return _TopN(n=n, selected=selected, unselected=unselected, sigma=selected[:, 0],
+    return _TopN(n=n, p=p, selected=selected, unselected=unselected, sigma=selected[:, 0],
                  s_plus=inst.s_plus_by_n[:, p], s=inst.s_by_n[:, p],
                  ys=inst.ys[:, p], D=D, scores=tuple(scores),
                  r_max2=r_max2, r_min2=r_min2)
@@ -529,19 +531,25 @@ class _SinkBounds:
         return dict(mu=mu, mu_q95=mu_q95, k_sink_exact=k_sink_exact), paper
 
 
-def _sink_diagnostics(inst, top):
-    """Appendix "Additional attention sink diagnostics"; NaN where they do not apply."""
-    r_max2 = top.r_max2
-    y0 = inst.y[:, 0]
+def _sink_shares(inst):
+    """Appendix "Additional attention sink diagnostics" that depend on N through s_N only,
+    at each N of points (B, P); NaN where they do not apply."""
+    sigma = (inst.rank[:, :1] < inst.points) & inst.att[:, :1]  # 0 in I_N
+    s, s_plus = inst.s_by_n, inst.s_plus_by_n
+    return dict(
+        sink_norm_share=np.where(sigma, inst.y_norm[:, :1] / np.linalg.norm(s, axis=-1), np.nan),
+        sink_direction_change=np.where(sigma, 1.0 - _cos(s, s_plus), np.nan),
+        sink_alignment=np.where(inst.has_sink[:, None], _cos(inst.y[:, None, 0], s_plus), np.nan),
+    )
+
+
+def _sink_intrusion(inst, top):
+    """The sink diagnostics of an unselected sink, which compare D_0 with I_N's distances."""
     sink_out = inst.has_sink & ~top.sigma
     sink_beats = np.sum(top.selected & (top.D[:, :1] <= top.D), axis=1) / top.n
     return dict(
-        sink_norm_share=np.where(top.sigma, inst.y_norm[:, 0] / np.linalg.norm(top.s, axis=-1),
-                                 np.nan),
-        sink_direction_change=np.where(top.sigma, 1.0 - _cos(top.s, top.s_plus), np.nan),
-        sink_intrusion=np.where(sink_out, top.D[:, 0] <= r_max2, np.nan),
+        sink_intrusion=np.where(sink_out, top.D[:, 0] <= top.r_max2, np.nan),
         sink_pair_inversion_frac=np.where(sink_out, sink_beats, np.nan),
-        sink_alignment=np.where(inst.has_sink, _cos(y0, top.s_plus), np.nan),
     )
 
 
@@ -570,15 +578,19 @@ def _leave_one_out(inst, top):
     )
 
 
-def _signatures(inst, top):
-    """Mechanistic signatures of the head taxonomy (SPEC §4); the current token is K-1."""
-    current = np.where(top.selected[:, -1, None], inst.y[:, -1], 0.0)
+def _signatures(inst):
+    """Mechanistic signatures of the head taxonomy (SPEC §4) at each N of points (B, P); the
+    current token is K-1."""
+    s = inst.s_by_n
+    last_in = (inst.rank[:, -1:] < inst.points) & inst.att[:, -1:]  # K-1 in I_N
+    current = np.where(last_in[..., None], inst.y[:, None, -1], 0.0)
+    o_norm = inst.o_norm[:, None]
     return dict(
-        s_norm=np.linalg.norm(top.s, axis=-1) / inst.o_norm,
-        s_norm_nosink=np.linalg.norm(top.s_plus, axis=-1) / inst.o_norm,
-        s_norm_nocurrent=np.linalg.norm(top.s - current, axis=-1) / inst.o_norm,
-        cos_s_v0=np.where(inst.has_sink, _cos(top.s, inst.values[:, 0]), np.nan),
-        cos_s_vlast=_cos(top.s, inst.values[:, -1]),
+        s_norm=np.linalg.norm(s, axis=-1) / o_norm,
+        s_norm_nosink=np.linalg.norm(inst.s_plus_by_n, axis=-1) / o_norm,
+        s_norm_nocurrent=np.linalg.norm(s - current, axis=-1) / o_norm,
+        cos_s_v0=np.where(inst.has_sink[:, None], _cos(s, inst.values[:, None, 0]), np.nan),
+        cos_s_vlast=_cos(s, inst.values[:, None, -1]),
     )
 
 
@@ -843,9 +855,9 @@ def _unit(values, v_norm):
 
 
 def _cos(a, b):
-    """Cosine of (B, D) vectors, NaN where either is 0."""
+    """Cosine of (..., D) vectors (broadcast), NaN where either is 0."""
     norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
-    return np.where(norms > 0, np.einsum("bd,bd->b", a, b) / norms, np.nan)
+    return np.where(norms > 0, np.einsum("...d,...d->...", a, b) / norms, np.nan)
 
 
 def _masked_max(x, mask):
