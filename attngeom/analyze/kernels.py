@@ -34,6 +34,9 @@ from attngeom.store.schema import TOPN_COUNTS, TOPN_FLOATS, VALUE_STATISTICS
 # of at most this size, so peak memory stays a few hundred MiB whatever the batch.
 _SLICE_BUDGET = 1 << 22
 
+# Float64 elements gathered at once by the leave-one-out terms (sum N x B x D over a run of N).
+_LOO_BUDGET = 1 << 17
+
 # Share of a kv head's non-sink pairs kept, largest |cosine| first, as the candidates of the
 # 95% coherence quantile mu_q95 (which sits in the top 5% of its pairs). Any (head, N) whose
 # quantile falls outside them is computed from all of its pairs: the share trades speed only.
@@ -397,9 +400,6 @@ class _TopN(NamedTuple):
     selected: np.ndarray    # (B, K) I_N
     unselected: np.ndarray  # (B, K) U_N
     sigma: np.ndarray       # (B,) 0 in I_N
-    s_plus: np.ndarray      # (B, D) s_{N,+}
-    s: np.ndarray           # (B, D) s_N
-    ys: np.ndarray          # (B, K) <y_k, s_N>
     D: np.ndarray           # (B, K) ||y_k - s_N||^2 where selected or the sink, elsewhere
                             # a stand-in ordered as D against the other side (`_Around.ordered`)
     scores: tuple           # P(r_max, N), R(r_min, N), F, each (B,)
@@ -418,7 +418,7 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
     s_plus_by_n = _prefix_sums(np.where(nonsink[:, :, None], y, 0.0), order, points)
     sink_in = (rank[:, :1] < points) & att[:, :1]  # (B, P): 0 in I_N
     s_by_n = s_plus_by_n + np.where(sink_in[:, :, None], y[:, :1], 0.0)
-    distances, around, scores = _at_every_point(y, s_by_n, rank, att, points)
+    distances, around, selected, scores = _at_every_point(y, s_by_n, rank, att, points)
     inst = _Instances(
         values=values, y=y, y_norm=np.linalg.norm(y, axis=-1), att=att,
         has_sink=constants.has_sink,
@@ -427,7 +427,7 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
         ys=distances.ys[:, :, 0], around=around, scores=scores,
     )
     bounds = _SinkBounds(alpha, constants)
-    by_point = {**_sink_shares(inst), **_signatures(inst)}
+    by_point = {**_sink_shares(inst), **_signatures(inst), **_leave_one_out(inst, selected)}
 
     for g, n in enumerate(grid):
         valid = n < n_att
@@ -442,7 +442,6 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
         )
         results.update({name: x[:, top.p] for name, x in by_point.items()})
         results.update(_sink_intrusion(inst, top))
-        results.update(_leave_one_out(inst, top))
         certificate, paper = bounds.at(top, g)
         results.update(certificate)
         _store(out, g, results, valid)
@@ -459,7 +458,7 @@ def _at_every_point(y, s_by_n, rank, candidates, points):
     distances = _Distances(y, s_by_n.transpose(1, 0, 2)[:, :, None])
     around = distances.at(0)
     selected = (rank < points[:, None, None]) & candidates
-    return distances, around, around.ball_scores(selected, candidates, points[:, None])
+    return distances, around, selected, around.ball_scores(selected, candidates, points[:, None])
 
 
 def _select(inst, n):
@@ -468,16 +467,11 @@ def _select(inst, n):
     p = np.searchsorted(inst.points, n)
     around = inst.around.part(slice(p, p + 1))
     *scores, r_max2, r_min2 = (x[p] for x in inst.scores)
-    # Exact where a value is reported or compared with the sink's; stand-ins that order the
-    # selected and unselected keys exactly elsewhere.
-    sink = np.zeros_like(selected)
-    sink[:, 0] = inst.att[:, 0]
-    around.D((selected | sink)[None])
+    # Exact where selected or the sink (computed for every N up front); stand-ins that order
+    # the selected and unselected keys exactly elsewhere.
     D = around.ordered(selected[None], unselected[None])[0]
     return _TopN(n=n, p=p, selected=selected, unselected=unselected, sigma=selected[:, 0],
-                 s_plus=inst.s_plus_by_n[:, p], s=inst.s_by_n[:, p],
-                 ys=inst.ys[:, p], D=D, scores=tuple(scores),
-                 r_max2=r_max2, r_min2=r_min2)
+                 D=D, scores=tuple(scores), r_max2=r_max2, r_min2=r_min2)
 
 
 class _SinkBounds:
@@ -553,28 +547,54 @@ def _sink_intrusion(inst, top):
     )
 
 
-def _leave_one_out(inst, top):
-    """Appendix "Leave-one-out control": C_N^loo, M_N^loo, positive fraction, gamma_N^loo."""
-    s_norm = np.linalg.norm(top.s, axis=-1)
-    b, k = np.nonzero(top.selected)
+def _leave_one_out(inst, selected):
+    """Appendix "Leave-one-out control": C_N^loo, M_N^loo, positive fraction, gamma_N^loo, at
+    each N of points (B, P); selected (P, B, K): I_N there.
+
+    The points go in runs of at most _LOO_BUDGET gathered elements (sum N x B x D): a
+    run's (sum N, D) temporaries then stay small enough to be reused, not paged in afresh."""
+    B, _, D = inst.y.shape
+    runs, total, first = [], 0, 0
+    for i, n in enumerate(inst.points):
+        if total and total + n * B * D > _LOO_BUDGET:
+            runs.append(slice(first, i))
+            first, total = i, 0
+        total += n * B * D
+    runs.append(slice(first, len(inst.points)))
+    parts = [_leave_one_out_run(inst, selected, run) for run in runs]
+    return {name: np.concatenate([part[name] for part in parts], axis=1) for name in parts[0]}
+
+
+def _leave_one_out_run(inst, selected, run):
+    """`_leave_one_out` at the points of the slice run; it makes D exact there where a value
+    is reported or compared with the sink's: at every selected key and the sink (`_select`
+    orders the other keys)."""
+    s = inst.s_by_n[:, run]
+    s_norm = np.linalg.norm(s, axis=-1).T
+    selected = selected[run]
+    sink = np.zeros_like(selected)
+    sink[..., 0] = inst.att[:, 0]
+    exact = inst.around.part(run).D(selected | sink)
+    p, b, k = np.nonzero(selected)
     y_i = inst.y[b, k]
-    diff_i = y_i - top.s[b]
+    diff_i = y_i - s[b, p]
     # cos(y_i, s_{N,-i}) from <y_i, y_i - s_N> and D_i = ||y_i - s_N||^2, both computed from
     # the difference itself rather than expanded (no cancellation when y_i ~ s_N).
-    loo_cos_i = np.full(top.D.shape, np.nan)
-    loo_cos_i[b, k] = (-np.einsum("md,md->m", y_i, diff_i)
-                       / (inst.y_norm[b, k] * np.sqrt(top.D[b, k])))
-    loo_spread = np.full(top.D.shape, -np.inf)  # ||y_i - s_{N,-i}|| = ||2 y_i - s_N||
-    loo_spread[b, k] = np.linalg.norm(y_i + diff_i, axis=-1)
-    cos_js = top.ys / (inst.y_norm * s_norm[:, None])
-    loo_defined = top.selected & np.isfinite(loo_cos_i)
+    loo_cos_i = np.full(selected.shape, np.nan)
+    loo_cos_i[p, b, k] = (-np.einsum("md,md->m", y_i, diff_i)
+                          / (inst.y_norm[b, k] * np.sqrt(exact[p, b, k])))
+    loo_spread = np.full(selected.shape, -np.inf)  # ||y_i - s_{N,-i}|| = ||2 y_i - s_N||
+    loo_spread[p, b, k] = np.linalg.norm(y_i + diff_i, axis=-1)
+    cos_js = inst.ys[:, run].transpose(1, 0, 2) / (inst.y_norm * s_norm[..., None])
+    loo_defined = selected & np.isfinite(loo_cos_i)
     loo_cos = _masked_mean(loo_cos_i, loo_defined)
+    unselected = inst.att & ~selected
+    r_min2 = inst.scores[4][run]
     return dict(
-        loo_cos=loo_cos,
-        loo_margin=loo_cos - _masked_mean(cos_js, top.unselected & np.isfinite(cos_js)),
-        loo_positive_frac=_masked_mean(loo_cos_i > 0, loo_defined),
-        loo_distance_margin=(np.sqrt(top.r_min2)
-                             - _masked_max(loo_spread, top.selected)),
+        loo_cos=loo_cos.T,
+        loo_margin=(loo_cos - _masked_mean(cos_js, unselected & np.isfinite(cos_js))).T,
+        loo_positive_frac=_masked_mean(loo_cos_i > 0, loo_defined).T,
+        loo_distance_margin=(np.sqrt(r_min2) - _masked_max(loo_spread, selected)).T,
     )
 
 
@@ -618,7 +638,7 @@ def _sink_excluded(alpha, y, nonsink, grid, points, out):
     """nosink_precision/recall/f_score: selection and balls over K \\ {0}."""
     n_ns = nonsink.sum(axis=1)
     order, rank = _ranked(-alpha, nonsink)
-    scores = _at_every_point(y, _prefix_sums(y, order, points), rank, nonsink, points)[2][:3]
+    scores = _at_every_point(y, _prefix_sums(y, order, points), rank, nonsink, points)[3][:3]
     names = ("nosink_precision", "nosink_recall", "nosink_f_score")
     for g, n in enumerate(grid):
         valid = n < n_ns
@@ -871,9 +891,9 @@ def _masked_min(x, mask):
 
 
 def _masked_mean(x, mask):
-    """Row means of x over mask, NaN for an empty mask."""
-    count = mask.sum(axis=1)
-    return np.where(count > 0, np.sum(x, axis=1, where=mask) / count, np.nan)
+    """Means of x over mask along the last axis, NaN for an empty mask."""
+    count = mask.sum(axis=-1)
+    return np.where(count > 0, np.sum(x, axis=-1, where=mask) / count, np.nan)
 
 
 def _quantile(x, q, size=None):
