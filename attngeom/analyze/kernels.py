@@ -700,11 +700,19 @@ class _Around:
 
     def D(self, mask):
         """Exact D where mask (computed once per key), NaN elsewhere."""
-        flat = np.flatnonzero(mask & np.isnan(self.exact))
-        if flat.size:
-            r, b, k = np.unravel_index(flat, mask.shape)
-            self.exact.ravel()[flat] = _squared_distances(self.y[b, k], self.s[r, b])
+        self.at(np.flatnonzero(mask))
         return self.exact
+
+    def at(self, flat):
+        """Exact D at the flat indices (computed once per key)."""
+        exact = self.exact.reshape(-1)
+        values = exact[flat]
+        todo = np.isnan(values)
+        if todo.any():
+            new = flat[todo]
+            r, b, k = np.unravel_index(new, self.exact.shape)
+            values[todo] = exact[new] = _squared_distances(self.y[b, k], self.s[r, b])
+        return values
 
     def _or_unsure(self, mask, keys):
         """mask, and every key of keys in the unsure rows."""
@@ -723,21 +731,40 @@ class _Around:
                                    selected)
         near_min = self._or_unsure(unselected & (x <= _masked_min(x, unselected)[..., None] + 2 * e),
                                    unselected)
-        exact = self.D(near_max | near_min)
-        r_max2 = _masked_max(exact, near_max)
-        r_min2 = _masked_min(exact, near_min)
-        r_max, r_min = r_max2[..., None], r_min2[..., None]
-        # Keys within an error of a radius are compared exactly, the others by their expansion.
-        unsure_max = self._or_unsure(candidates & (x >= r_max - e) & (x <= r_max + e), candidates)
-        unsure_min = self._or_unsure(selected & (x >= r_min - e) & (x <= r_min + e), selected)
-        exact = self.D(unsure_max | unsure_min)
-        inside = np.where(unsure_max, exact <= r_max, x < r_max)
-        closer = np.where(unsure_min, exact < r_min, x < r_min)
-        precision = n / np.count_nonzero(candidates & inside, axis=-1)
-        recall = np.count_nonzero(selected & closer, axis=-1) / n
+        flat = np.flatnonzero(near_max | near_min)
+        exact, row = self.at(flat), flat // x.shape[-1]
+        of_max = near_max.reshape(-1)[flat]
+        r_max2 = _row_reduce(np.maximum, exact[of_max], row[of_max], -np.inf, x.shape[:-1])
+        r_min2 = _row_reduce(np.minimum, exact[~of_max], row[~of_max], np.inf, x.shape[:-1])
+        precision = n / self._in_ball(candidates, r_max2, closed=True)
+        recall = self._in_ball(selected, r_min2, closed=False) / n
         f_score = np.where(precision + recall > 0,
                            2 * precision * recall / (precision + recall), 0.0)
         return precision, recall, f_score, r_max2, r_min2
+
+    def _in_ball(self, keys, radius2, closed):
+        """(R, B) #{k in keys: D_k <= radius2} (closed) or D_k < radius2 (open).
+
+        A key more than an error below the radius is inside by its expansion, one more than an
+        error above it outside; the band between is compared exactly. A closed ball's radius
+        is a key's distance (r_max^2): that key is in its band, inside, so a band of one key
+        needs no exact distance."""
+        x, e = self.expanded, self.error
+        lo, hi = radius2[..., None] - e, radius2[..., None] + e
+        below = np.count_nonzero(keys & (x < lo), axis=-1)
+        band = np.count_nonzero(keys & (x <= hi), axis=-1) - below
+        settled = band <= 1 if closed else band == 0
+        count = below + band if closed else below
+        todo = ~settled | self.unsure
+        if not todo.any():
+            return count
+        unsure = self.unsure[..., None]
+        flat = np.flatnonzero(keys & todo[..., None] & ((x >= lo) & (x <= hi) | unsure))
+        exact, row = self.at(flat), flat // x.shape[-1]
+        bound = radius2.reshape(-1)[row]
+        hits = np.bincount(row[exact <= bound if closed else exact < bound], minlength=count.size)
+        # In an unsure row every key was compared exactly.
+        return np.where(todo, np.where(self.unsure, 0, below) + hits.reshape(count.shape), count)
 
     def ordered(self, a_mask, b_mask):
         """(R, B, K) stand-ins for D that compare between an a key and a b key exactly as the
@@ -861,6 +888,16 @@ def _prefix_sums(y, order, points):
         ranked[:, slot] = out[:, i - 1]
         out[:, i] = np.add.reduce(ranked[:, slot:points[i] + i], axis=1)
     return out
+
+
+def _row_reduce(ufunc, values, rows, initial, shape):
+    """ufunc.reduce of the values by their flat row (rows ascending) into an array of shape,
+    initial in rows without values."""
+    out = np.full(shape, initial).reshape(-1)
+    if rows.size:
+        starts = np.flatnonzero(np.diff(rows, prepend=-1))
+        out[rows[starts]] = ufunc.reduceat(values, starts)
+    return out.reshape(shape)
 
 
 def _squared_distances(y, s):
