@@ -47,6 +47,9 @@ _TOP_PAIR_MIN = 4096
 # Quantiles of longer arrays are taken within a bracket from a sample (`_order_statistics`).
 _BRACKET_MIN = 1 << 16
 
+# Fractional part of the golden ratio: sample positions j * _GOLDEN mod 1 cover [0, 1) evenly.
+_GOLDEN = 0.6180339887498949
+
 # An absolute floor under `_Distances`' error bound, far above subnormal rounding.
 _TINY = 1e-290
 
@@ -949,21 +952,26 @@ def _quantile(x, q, size=None):
 def _order_statistics(x, lo, hi):
     """The lo-th and hi-th smallest entries of the 1-D x (lo <= hi).
 
-    For a long x, a bracket [t_lo, t_hi] around them is taken from a strided sample; counting
+    For a long x, a bracket [t_lo, t_hi] around them is taken from a sample; counting
     the entries below t_lo and partitioning the few inside is exact whenever the bracket
-    holds both ranks, and a partition of all of x answers otherwise.
+    holds both ranks. A bracket that misses is widened once (the entries of a flattened Gram
+    matrix are correlated along rows, which a sample of 2048 sees less sharply), and a
+    partition of all of x answers after that.
     """
     m = x.size
     if m > _BRACKET_MIN:
-        sample = np.sort(x[:: max(m // 2048, 1)])
-        margin = 0.02 * sample.size + 8
-        t_lo = sample[max(int(lo / m * sample.size - margin), 0)]
-        t_hi = sample[min(int(hi / m * sample.size + margin), sample.size - 1)]
-        below = np.count_nonzero(x < t_lo)
-        inside = x[(x >= t_lo) & (x <= t_hi)]
-        if below <= lo and hi < below + inside.size:
-            part = np.partition(inside, (lo - below, hi - below))
-            return part[lo - below], part[hi - below]
+        # Positions spread by the golden ratio, not a stride: a stride that divides the row
+        # length of a flattened matrix samples a few of its columns only.
+        sample = np.sort(x[(np.arange(2048) * _GOLDEN % 1.0 * m).astype(np.int64)])
+        for share in (0.02, 0.08):
+            margin = share * sample.size + 8
+            t_lo = sample[max(int(lo / m * sample.size - margin), 0)]
+            t_hi = sample[min(int(hi / m * sample.size + margin), sample.size - 1)]
+            below = np.count_nonzero(x < t_lo)
+            inside = x[(x >= t_lo) & (x <= t_hi)]
+            if below <= lo and hi < below + inside.size:
+                part = np.partition(inside, (lo - below, hi - below))
+                return part[lo - below], part[hi - below]
     part = np.partition(x, (lo, hi))
     return part[lo], part[hi]
 
