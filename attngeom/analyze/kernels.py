@@ -34,8 +34,8 @@ from attngeom.store.schema import TOPN_COUNTS, TOPN_FLOATS, VALUE_STATISTICS
 # of at most this size, so peak memory stays a few hundred MiB whatever the batch.
 _SLICE_BUDGET = 1 << 22
 
-# Float64 elements gathered at once by the leave-one-out terms (sum N x B x D over a run of N).
-_LOO_BUDGET = 1 << 17
+# Float64 elements gathered at once for the selected keys of a run of N (`_point_runs`).
+_GATHER_BUDGET = 1 << 17
 
 # Share of a kv head's non-sink pairs kept, largest |cosine| first, as the candidates of the
 # 95% coherence quantile mu_q95 (which sits in the top 5% of its pairs). Any (head, N) whose
@@ -430,7 +430,14 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
         ys=distances.ys[:, :, 0], around=around, scores=scores,
     )
     bounds = _SinkBounds(alpha, constants)
-    by_point = {**_sink_shares(inst), **_signatures(inst), **_leave_one_out(inst, selected)}
+    # D exact where a value is reported or compared with the sink's: at every selected key and
+    # the sink, for every N (`_select` orders the other keys).
+    runs = _point_runs(points, y.shape[0] * y.shape[2])
+    sink = np.zeros_like(att)
+    sink[:, 0] = att[:, 0]
+    for run in runs:
+        around.part(run).D(selected[run] | sink)
+    by_point = {**_sink_shares(inst), **_signatures(inst), **_leave_one_out(inst, selected, runs)}
 
     for g, n in enumerate(grid):
         valid = n < n_att
@@ -550,34 +557,32 @@ def _sink_intrusion(inst, top):
     )
 
 
-def _leave_one_out(inst, selected):
-    """Appendix "Leave-one-out control": C_N^loo, M_N^loo, positive fraction, gamma_N^loo, at
-    each N of points (B, P); selected (P, B, K): I_N there.
-
-    The points go in runs of at most _LOO_BUDGET gathered elements (sum N x B x D): a
-    run's (sum N, D) temporaries then stay small enough to be reused, not paged in afresh."""
-    B, _, D = inst.y.shape
+def _point_runs(points, per_key):
+    """Slices of points in runs of at most _GATHER_BUDGET elements sum N x per_key (at least
+    one N a run): the work gathering (sum N, D) arrays of the selected keys goes a run at a
+    time, small enough for its temporaries to be reused instead of paged in afresh."""
     runs, total, first = [], 0, 0
-    for i, n in enumerate(inst.points):
-        if total and total + n * B * D > _LOO_BUDGET:
+    for i, n in enumerate(points):
+        if total and total + n * per_key > _GATHER_BUDGET:
             runs.append(slice(first, i))
             first, total = i, 0
-        total += n * B * D
-    runs.append(slice(first, len(inst.points)))
+        total += n * per_key
+    return runs + [slice(first, len(points))]
+
+
+def _leave_one_out(inst, selected, runs):
+    """Appendix "Leave-one-out control": C_N^loo, M_N^loo, positive fraction, gamma_N^loo, at
+    each N of points (B, P), one run of points (`_point_runs`) at a time; selected
+    (P, B, K): I_N there, where D is exact."""
     parts = [_leave_one_out_run(inst, selected, run) for run in runs]
     return {name: np.concatenate([part[name] for part in parts], axis=1) for name in parts[0]}
 
 
 def _leave_one_out_run(inst, selected, run):
-    """`_leave_one_out` at the points of the slice run; it makes D exact there where a value
-    is reported or compared with the sink's: at every selected key and the sink (`_select`
-    orders the other keys)."""
     s = inst.s_by_n[:, run]
     s_norm = np.linalg.norm(s, axis=-1).T
     selected = selected[run]
-    sink = np.zeros_like(selected)
-    sink[..., 0] = inst.att[:, 0]
-    exact = inst.around.part(run).D(selected | sink)
+    exact = inst.around.exact[run]
     p, b, k = np.nonzero(selected)
     y_i = inst.y[b, k]
     diff_i = y_i - s[b, p]
@@ -703,10 +708,10 @@ class _Around:
 
     def D(self, mask):
         """Exact D where mask (computed once per key), NaN elsewhere."""
-        self.at(np.flatnonzero(mask))
+        self.exact_at(np.flatnonzero(mask))
         return self.exact
 
-    def at(self, flat):
+    def exact_at(self, flat):
         """Exact D at the flat indices (computed once per key)."""
         exact = self.exact.reshape(-1)
         values = exact[flat]
@@ -735,7 +740,7 @@ class _Around:
         near_min = self._or_unsure(unselected & (x <= _masked_min(x, unselected)[..., None] + 2 * e),
                                    unselected)
         flat = np.flatnonzero(near_max | near_min)
-        exact, row = self.at(flat), flat // x.shape[-1]
+        exact, row = self.exact_at(flat), flat // x.shape[-1]
         of_max = near_max.reshape(-1)[flat]
         r_max2 = _row_reduce(np.maximum, exact[of_max], row[of_max], -np.inf, x.shape[:-1])
         r_min2 = _row_reduce(np.minimum, exact[~of_max], row[~of_max], np.inf, x.shape[:-1])
@@ -763,7 +768,7 @@ class _Around:
             return count
         unsure = self.unsure[..., None]
         flat = np.flatnonzero(keys & todo[..., None] & ((x >= lo) & (x <= hi) | unsure))
-        exact, row = self.at(flat), flat // x.shape[-1]
+        exact, row = self.exact_at(flat), flat // x.shape[-1]
         bound = radius2.reshape(-1)[row]
         hits = np.bincount(row[exact <= bound if closed else exact < bound], minlength=count.size)
         # In an unsure row every key was compared exactly.
