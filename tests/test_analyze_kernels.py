@@ -661,6 +661,40 @@ def test_prefix_sums_add_in_selection_order():
 
 
 
+@pytest.mark.parametrize("shortcuts", [True, False], ids=["default", "fallbacks"])
+def test_ball_scores_are_the_exact_counts(shortcuts, monkeypatch):
+    """Ball radii and counts from the expansions (keys below a radius's error band by their
+    expansion, the band exactly) equal those of the exact distances, on rows full of exact
+    distance ties (repeated and zero contributions), with and without the shortcuts."""
+    if not shortcuts:
+        _no_shortcuts(monkeypatch)
+    rng = np.random.default_rng(41)
+    R, B, K, D = 4, 5, 40, 3
+    y = np.round(rng.normal(size=(B, K, D)), 1)
+    y[:, ::3] = y[:, 1:2]  # repeated contributions: equal distances to every aggregate
+    y[:, 5:9] = 0.0
+    candidates = rng.random((B, K)) < 0.9
+    position = np.argsort(rng.random((R, B, K)), axis=-1)
+    points = np.array([1, 3, 8, 20])
+    selected = (position[:, :, None] < points[:, None]) & candidates[None, :, None]  # (R, B, P, K)
+    s = np.einsum("rbpk,bkd->rbpd", selected, y)
+    distances = kernels._Distances(y, s)
+    for p, n in enumerate(points):
+        sel = selected[:, :, p]
+        with np.errstate(divide="ignore", invalid="ignore"):  # rows without candidates
+            got = distances.at(p).ball_scores(sel, candidates, n)
+        exact = kernels._squared_distances(y[None], s[:, :, p, None])
+        r_max2 = np.max(exact, axis=-1, where=sel, initial=-np.inf)
+        r_min2 = np.min(exact, axis=-1, where=candidates & ~sel, initial=np.inf)
+        inside = np.count_nonzero(candidates & (exact <= r_max2[..., None]), axis=-1)
+        closer = np.count_nonzero(sel & (exact < r_min2[..., None]), axis=-1)
+        np.testing.assert_array_equal(got[3], r_max2)
+        np.testing.assert_array_equal(got[4], r_min2)
+        with np.errstate(divide="ignore"):
+            np.testing.assert_array_equal(got[0], n / inside)
+        np.testing.assert_array_equal(got[1], closer / n)
+
+
 def test_ranking_is_the_stable_sort():
     """The selection order (unstable sort, stable where it could differ) equals a stable sort
     of the candidates' keys, other keys last in position order: ties, windows, non-finite keys."""

@@ -34,6 +34,9 @@ from attngeom.store.schema import TOPN_COUNTS, TOPN_FLOATS, VALUE_STATISTICS
 # of at most this size, so peak memory stays a few hundred MiB whatever the batch.
 _SLICE_BUDGET = 1 << 22
 
+# Float64 elements gathered at once for the selected keys of a run of N (`_point_runs`).
+_GATHER_BUDGET = 1 << 17
+
 # Share of a kv head's non-sink pairs kept, largest |cosine| first, as the candidates of the
 # 95% coherence quantile mu_q95 (which sits in the top 5% of its pairs). Any (head, N) whose
 # quantile falls outside them is computed from all of its pairs: the share trades speed only.
@@ -43,6 +46,9 @@ _TOP_PAIR_MIN = 4096
 
 # Quantiles of longer arrays are taken within a bracket from a sample (`_order_statistics`).
 _BRACKET_MIN = 1 << 16
+
+# Fractional part of the golden ratio: sample positions j * _GOLDEN mod 1 cover [0, 1) evenly.
+_GOLDEN = 0.6180339887498949
 
 # An absolute floor under `_Distances`' error bound, far above subnormal rounding.
 _TINY = 1e-290
@@ -384,19 +390,19 @@ class _Instances(NamedTuple):
     points: np.ndarray      # (P,) the valid N, ascending
     s_plus_by_n: np.ndarray # (B, P, D) s_{N,+} at each of points
     s_by_n: np.ndarray      # (B, P, D) s_N at each of points
-    distances: _Distances   # of y to s_N at each of points
+    ys: np.ndarray          # (B, P, K) <y_k, s_N> at each of points
+    around: _Around         # distances of y to s_N, the N of points as its rows (P, B, K)
+    scores: tuple           # P(r_max, N), R(r_min, N), F, r_max^2, r_min^2 (P, B) of I_N
 
 
 class _TopN(NamedTuple):
     """The selection I_N of every instance of a slice and its geometry."""
 
     n: int
+    p: int                  # index of N in points
     selected: np.ndarray    # (B, K) I_N
     unselected: np.ndarray  # (B, K) U_N
     sigma: np.ndarray       # (B,) 0 in I_N
-    s_plus: np.ndarray      # (B, D) s_{N,+}
-    s: np.ndarray           # (B, D) s_N
-    ys: np.ndarray          # (B, K) <y_k, s_N>
     D: np.ndarray           # (B, K) ||y_k - s_N||^2 where selected or the sink, elsewhere
                             # a stand-in ordered as D against the other side (`_Around.ordered`)
     scores: tuple           # P(r_max, N), R(r_min, N), F, each (B,)
@@ -415,14 +421,23 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
     s_plus_by_n = _prefix_sums(np.where(nonsink[:, :, None], y, 0.0), order, points)
     sink_in = (rank[:, :1] < points) & att[:, :1]  # (B, P): 0 in I_N
     s_by_n = s_plus_by_n + np.where(sink_in[:, :, None], y[:, :1], 0.0)
+    distances, around, selected, scores = _at_every_point(y, s_by_n, rank, att, points)
     inst = _Instances(
         values=values, y=y, y_norm=np.linalg.norm(y, axis=-1), att=att,
         has_sink=constants.has_sink,
         o_norm=np.linalg.norm(np.sum(y, axis=1, where=att[:, :, None]), axis=-1),
         rank=rank, points=points, s_plus_by_n=s_plus_by_n, s_by_n=s_by_n,
-        distances=_Distances(y, s_by_n[None]),
+        ys=distances.ys[:, :, 0], around=around, scores=scores,
     )
     bounds = _SinkBounds(alpha, constants)
+    # D exact where a value is reported or compared with the sink's: at every selected key and
+    # the sink, for every N (`_select` orders the other keys).
+    runs = _point_runs(points, y.shape[0] * y.shape[2])
+    sink = np.zeros_like(att)
+    sink[:, 0] = att[:, 0]
+    for run in runs:
+        around.part(run).D(selected[run] | sink)
+    by_point = {**_sink_shares(inst), **_signatures(inst), **_leave_one_out(inst, selected, runs)}
 
     for g, n in enumerate(grid):
         valid = n < n_att
@@ -435,9 +450,8 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
             inversions=_count_pairs_le(top.D, top.unselected, top.D, top.selected),
             sink_selected=top.sigma,
         )
-        results.update(_sink_diagnostics(inst, top))
-        results.update(_leave_one_out(inst, top))
-        results.update(_signatures(inst, top))
+        results.update({name: x[:, top.p] for name, x in by_point.items()})
+        results.update(_sink_intrusion(inst, top))
         certificate, paper = bounds.at(top, g)
         results.update(certificate)
         _store(out, g, results, valid)
@@ -447,22 +461,27 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
     _sink_excluded(alpha, y, nonsink, grid, points, out)
 
 
+def _at_every_point(y, s_by_n, rank, candidates, points):
+    """The distances of y (B, K, D) to the aggregates s_by_n (B, P, D) of one selection
+    (keys of rank < N among the candidates) at each N of points, and the ball scores there:
+    every N is a row of one batch (P, B, K), each row's arithmetic that of its N alone."""
+    distances = _Distances(y, s_by_n.transpose(1, 0, 2)[:, :, None])
+    around = distances.at(0)
+    selected = (rank < points[:, None, None]) & candidates
+    return distances, around, selected, around.ball_scores(selected, candidates, points[:, None])
+
+
 def _select(inst, n):
     selected = (inst.rank < n) & inst.att
     unselected = inst.att & ~selected
     p = np.searchsorted(inst.points, n)
-    around = inst.distances.at(p)
-    *scores, r_max2, r_min2 = (x[0] for x in around.ball_scores(selected[None], inst.att, n))
-    # Exact where a value is reported or compared with the sink's; stand-ins that order the
-    # selected and unselected keys exactly elsewhere.
-    sink = np.zeros_like(selected)
-    sink[:, 0] = inst.att[:, 0]
-    around.D((selected | sink)[None])
+    around = inst.around.part(slice(p, p + 1))
+    *scores, r_max2, r_min2 = (x[p] for x in inst.scores)
+    # Exact where selected or the sink (computed for every N up front); stand-ins that order
+    # the selected and unselected keys exactly elsewhere.
     D = around.ordered(selected[None], unselected[None])[0]
-    return _TopN(n=n, selected=selected, unselected=unselected, sigma=selected[:, 0],
-                 s_plus=inst.s_plus_by_n[:, p], s=inst.s_by_n[:, p],
-                 ys=inst.distances.ys[:, 0, p], D=D, scores=tuple(scores),
-                 r_max2=r_max2, r_min2=r_min2)
+    return _TopN(n=n, p=p, selected=selected, unselected=unselected, sigma=selected[:, 0],
+                 D=D, scores=tuple(scores), r_max2=r_max2, r_min2=r_min2)
 
 
 class _SinkBounds:
@@ -516,56 +535,90 @@ class _SinkBounds:
         return dict(mu=mu, mu_q95=mu_q95, k_sink_exact=k_sink_exact), paper
 
 
-def _sink_diagnostics(inst, top):
-    """Appendix "Additional attention sink diagnostics"; NaN where they do not apply."""
-    r_max2 = top.r_max2
-    y0 = inst.y[:, 0]
+def _sink_shares(inst):
+    """Appendix "Additional attention sink diagnostics" that depend on N through s_N only,
+    at each N of points (B, P); NaN where they do not apply."""
+    sigma = (inst.rank[:, :1] < inst.points) & inst.att[:, :1]  # 0 in I_N
+    s, s_plus = inst.s_by_n, inst.s_plus_by_n
+    return dict(
+        sink_norm_share=np.where(sigma, inst.y_norm[:, :1] / np.linalg.norm(s, axis=-1), np.nan),
+        sink_direction_change=np.where(sigma, 1.0 - _cos(s, s_plus), np.nan),
+        sink_alignment=np.where(inst.has_sink[:, None], _cos(inst.y[:, None, 0], s_plus), np.nan),
+    )
+
+
+def _sink_intrusion(inst, top):
+    """The sink diagnostics of an unselected sink, which compare D_0 with I_N's distances."""
     sink_out = inst.has_sink & ~top.sigma
     sink_beats = np.sum(top.selected & (top.D[:, :1] <= top.D), axis=1) / top.n
     return dict(
-        sink_norm_share=np.where(top.sigma, inst.y_norm[:, 0] / np.linalg.norm(top.s, axis=-1),
-                                 np.nan),
-        sink_direction_change=np.where(top.sigma, 1.0 - _cos(top.s, top.s_plus), np.nan),
-        sink_intrusion=np.where(sink_out, top.D[:, 0] <= r_max2, np.nan),
+        sink_intrusion=np.where(sink_out, top.D[:, 0] <= top.r_max2, np.nan),
         sink_pair_inversion_frac=np.where(sink_out, sink_beats, np.nan),
-        sink_alignment=np.where(inst.has_sink, _cos(y0, top.s_plus), np.nan),
     )
 
 
-def _leave_one_out(inst, top):
-    """Appendix "Leave-one-out control": C_N^loo, M_N^loo, positive fraction, gamma_N^loo."""
-    s_norm = np.linalg.norm(top.s, axis=-1)
-    b, k = np.nonzero(top.selected)
+def _point_runs(points, per_key):
+    """Slices of points in runs of at most _GATHER_BUDGET elements sum N x per_key (at least
+    one N a run): the work gathering (sum N, D) arrays of the selected keys goes a run at a
+    time, small enough for its temporaries to be reused instead of paged in afresh."""
+    runs, total, first = [], 0, 0
+    for i, n in enumerate(points):
+        if total and total + n * per_key > _GATHER_BUDGET:
+            runs.append(slice(first, i))
+            first, total = i, 0
+        total += n * per_key
+    return runs + [slice(first, len(points))]
+
+
+def _leave_one_out(inst, selected, runs):
+    """Appendix "Leave-one-out control": C_N^loo, M_N^loo, positive fraction, gamma_N^loo, at
+    each N of points (B, P), one run of points (`_point_runs`) at a time; selected
+    (P, B, K): I_N there, where D is exact."""
+    parts = [_leave_one_out_run(inst, selected, run) for run in runs]
+    return {name: np.concatenate([part[name] for part in parts], axis=1) for name in parts[0]}
+
+
+def _leave_one_out_run(inst, selected, run):
+    s = inst.s_by_n[:, run]
+    s_norm = np.linalg.norm(s, axis=-1).T
+    selected = selected[run]
+    exact = inst.around.exact[run]
+    p, b, k = np.nonzero(selected)
     y_i = inst.y[b, k]
-    diff_i = y_i - top.s[b]
+    diff_i = y_i - s[b, p]
     # cos(y_i, s_{N,-i}) from <y_i, y_i - s_N> and D_i = ||y_i - s_N||^2, both computed from
     # the difference itself rather than expanded (no cancellation when y_i ~ s_N).
-    loo_cos_i = np.full(top.D.shape, np.nan)
-    loo_cos_i[b, k] = (-np.einsum("md,md->m", y_i, diff_i)
-                       / (inst.y_norm[b, k] * np.sqrt(top.D[b, k])))
-    loo_spread = np.full(top.D.shape, -np.inf)  # ||y_i - s_{N,-i}|| = ||2 y_i - s_N||
-    loo_spread[b, k] = np.linalg.norm(y_i + diff_i, axis=-1)
-    cos_js = top.ys / (inst.y_norm * s_norm[:, None])
-    loo_defined = top.selected & np.isfinite(loo_cos_i)
+    loo_cos_i = np.full(selected.shape, np.nan)
+    loo_cos_i[p, b, k] = (-np.einsum("md,md->m", y_i, diff_i)
+                          / (inst.y_norm[b, k] * np.sqrt(exact[p, b, k])))
+    loo_spread = np.full(selected.shape, -np.inf)  # ||y_i - s_{N,-i}|| = ||2 y_i - s_N||
+    loo_spread[p, b, k] = np.linalg.norm(y_i + diff_i, axis=-1)
+    cos_js = inst.ys[:, run].transpose(1, 0, 2) / (inst.y_norm * s_norm[..., None])
+    loo_defined = selected & np.isfinite(loo_cos_i)
     loo_cos = _masked_mean(loo_cos_i, loo_defined)
+    unselected = inst.att & ~selected
+    r_min2 = inst.scores[4][run]
     return dict(
-        loo_cos=loo_cos,
-        loo_margin=loo_cos - _masked_mean(cos_js, top.unselected & np.isfinite(cos_js)),
-        loo_positive_frac=_masked_mean(loo_cos_i > 0, loo_defined),
-        loo_distance_margin=(np.sqrt(top.r_min2)
-                             - _masked_max(loo_spread, top.selected)),
+        loo_cos=loo_cos.T,
+        loo_margin=(loo_cos - _masked_mean(cos_js, unselected & np.isfinite(cos_js))).T,
+        loo_positive_frac=_masked_mean(loo_cos_i > 0, loo_defined).T,
+        loo_distance_margin=(np.sqrt(r_min2) - _masked_max(loo_spread, selected)).T,
     )
 
 
-def _signatures(inst, top):
-    """Mechanistic signatures of the head taxonomy (SPEC §4); the current token is K-1."""
-    current = np.where(top.selected[:, -1, None], inst.y[:, -1], 0.0)
+def _signatures(inst):
+    """Mechanistic signatures of the head taxonomy (SPEC §4) at each N of points (B, P); the
+    current token is K-1."""
+    s = inst.s_by_n
+    last_in = (inst.rank[:, -1:] < inst.points) & inst.att[:, -1:]  # K-1 in I_N
+    current = np.where(last_in[..., None], inst.y[:, None, -1], 0.0)
+    o_norm = inst.o_norm[:, None]
     return dict(
-        s_norm=np.linalg.norm(top.s, axis=-1) / inst.o_norm,
-        s_norm_nosink=np.linalg.norm(top.s_plus, axis=-1) / inst.o_norm,
-        s_norm_nocurrent=np.linalg.norm(top.s - current, axis=-1) / inst.o_norm,
-        cos_s_v0=np.where(inst.has_sink, _cos(top.s, inst.values[:, 0]), np.nan),
-        cos_s_vlast=_cos(top.s, inst.values[:, -1]),
+        s_norm=np.linalg.norm(s, axis=-1) / o_norm,
+        s_norm_nosink=np.linalg.norm(inst.s_plus_by_n, axis=-1) / o_norm,
+        s_norm_nocurrent=np.linalg.norm(s - current, axis=-1) / o_norm,
+        cos_s_v0=np.where(inst.has_sink[:, None], _cos(s, inst.values[:, None, 0]), np.nan),
+        cos_s_vlast=_cos(s, inst.values[:, None, -1]),
     )
 
 
@@ -593,15 +646,13 @@ def _sink_excluded(alpha, y, nonsink, grid, points, out):
     """nosink_precision/recall/f_score: selection and balls over K \\ {0}."""
     n_ns = nonsink.sum(axis=1)
     order, rank = _ranked(-alpha, nonsink)
-    at = _Distances(y, _prefix_sums(y, order, points)[None])
+    scores = _at_every_point(y, _prefix_sums(y, order, points), rank, nonsink, points)[3][:3]
+    names = ("nosink_precision", "nosink_recall", "nosink_f_score")
     for g, n in enumerate(grid):
         valid = n < n_ns
-        if not valid.any():
-            continue
-        selected = (rank < n) & nonsink
-        scores = at.at(np.searchsorted(points, n)).ball_scores(selected[None], nonsink, n)[:3]
-        names = ("nosink_precision", "nosink_recall", "nosink_f_score")
-        _store(out, g, dict(zip(names, (x[0] for x in scores))), valid)
+        if valid.any():
+            p = np.searchsorted(points, n)
+            _store(out, g, dict(zip(names, (x[p] for x in scores))), valid)
 
 
 class _Distances:
@@ -647,13 +698,29 @@ class _Around:
         self.error = np.where(self.unsure, 0.0, error)[..., None]
         self.exact = np.full(self.expanded.shape, np.nan)
 
+    def part(self, rows):
+        """The same distances for the selections of the slice rows, sharing the exact values."""
+        part = object.__new__(_Around)
+        part.y, part.s = self.y, self.s[rows]
+        part.expanded, part.error = self.expanded[rows], self.error[rows]
+        part.unsure, part.exact = self.unsure[rows], self.exact[rows]
+        return part
+
     def D(self, mask):
         """Exact D where mask (computed once per key), NaN elsewhere."""
-        flat = np.flatnonzero(mask & np.isnan(self.exact))
-        if flat.size:
-            r, b, k = np.unravel_index(flat, mask.shape)
-            self.exact.ravel()[flat] = _squared_distances(self.y[b, k], self.s[r, b])
+        self.exact_at(np.flatnonzero(mask))
         return self.exact
+
+    def exact_at(self, flat):
+        """Exact D at the flat indices (computed once per key)."""
+        exact = self.exact.reshape(-1)
+        values = exact[flat]
+        todo = np.isnan(values)
+        if todo.any():
+            new = flat[todo]
+            r, b, k = np.unravel_index(new, self.exact.shape)
+            values[todo] = exact[new] = _squared_distances(self.y[b, k], self.s[r, b])
+        return values
 
     def _or_unsure(self, mask, keys):
         """mask, and every key of keys in the unsure rows."""
@@ -663,7 +730,8 @@ class _Around:
         """Ball scores over the candidate keys (closed r_max ball, open r_min ball: SPEC §3
         "Balls"): P(r_max, N) = N / |{k: D_k <= r_max^2}|, R(r_min, N) =
         |{i in I_N: D_i < r_min^2}| / N, F = 2PR/(P+R) (0 if P + R = 0), r_max^2 and r_min^2,
-        each (R, B), of the exact distances; selected (R, B, K), candidates (B, K)."""
+        each (R, B), of the exact distances; selected (R, B, K), candidates (B, K), n an int
+        or (R, 1)."""
         x, e = self.expanded, self.error
         unselected = candidates & ~selected
         # The extreme distance is among the keys within 2 errors of the extreme expansion.
@@ -671,21 +739,40 @@ class _Around:
                                    selected)
         near_min = self._or_unsure(unselected & (x <= _masked_min(x, unselected)[..., None] + 2 * e),
                                    unselected)
-        exact = self.D(near_max | near_min)
-        r_max2 = _masked_max(exact, near_max)
-        r_min2 = _masked_min(exact, near_min)
-        r_max, r_min = r_max2[..., None], r_min2[..., None]
-        # Keys within an error of a radius are compared exactly, the others by their expansion.
-        unsure_max = self._or_unsure(candidates & (x >= r_max - e) & (x <= r_max + e), candidates)
-        unsure_min = self._or_unsure(selected & (x >= r_min - e) & (x <= r_min + e), selected)
-        exact = self.D(unsure_max | unsure_min)
-        inside = np.where(unsure_max, exact <= r_max, x < r_max)
-        closer = np.where(unsure_min, exact < r_min, x < r_min)
-        precision = n / np.count_nonzero(candidates & inside, axis=-1)
-        recall = np.count_nonzero(selected & closer, axis=-1) / n
+        flat = np.flatnonzero(near_max | near_min)
+        exact, row = self.exact_at(flat), flat // x.shape[-1]
+        of_max = near_max.reshape(-1)[flat]
+        r_max2 = _row_reduce(np.maximum, exact[of_max], row[of_max], -np.inf, x.shape[:-1])
+        r_min2 = _row_reduce(np.minimum, exact[~of_max], row[~of_max], np.inf, x.shape[:-1])
+        precision = n / self._in_ball(candidates, r_max2, closed=True)
+        recall = self._in_ball(selected, r_min2, closed=False) / n
         f_score = np.where(precision + recall > 0,
                            2 * precision * recall / (precision + recall), 0.0)
         return precision, recall, f_score, r_max2, r_min2
+
+    def _in_ball(self, keys, radius2, closed):
+        """(R, B) #{k in keys: D_k <= radius2} (closed) or D_k < radius2 (open).
+
+        A key more than an error below the radius is inside by its expansion, one more than an
+        error above it outside; the band between is compared exactly. A closed ball's radius
+        is a key's distance (r_max^2): that key is in its band, inside, so a band of one key
+        needs no exact distance."""
+        x, e = self.expanded, self.error
+        lo, hi = radius2[..., None] - e, radius2[..., None] + e
+        below = np.count_nonzero(keys & (x < lo), axis=-1)
+        band = np.count_nonzero(keys & (x <= hi), axis=-1) - below
+        settled = band <= 1 if closed else band == 0
+        count = below + band if closed else below
+        todo = ~settled | self.unsure
+        if not todo.any():
+            return count
+        unsure = self.unsure[..., None]
+        flat = np.flatnonzero(keys & todo[..., None] & ((x >= lo) & (x <= hi) | unsure))
+        exact, row = self.exact_at(flat), flat // x.shape[-1]
+        bound = radius2.reshape(-1)[row]
+        hits = np.bincount(row[exact <= bound if closed else exact < bound], minlength=count.size)
+        # In an unsure row every key was compared exactly.
+        return np.where(todo, np.where(self.unsure, 0, below) + hits.reshape(count.shape), count)
 
     def ordered(self, a_mask, b_mask):
         """(R, B, K) stand-ins for D that compare between an a key and a b key exactly as the
@@ -811,6 +898,16 @@ def _prefix_sums(y, order, points):
     return out
 
 
+def _row_reduce(ufunc, values, rows, initial, shape):
+    """ufunc.reduce of the values by their flat row (rows ascending) into an array of shape,
+    initial in rows without values."""
+    out = np.full(shape, initial).reshape(-1)
+    if rows.size:
+        starts = np.flatnonzero(np.diff(rows, prepend=-1))
+        out[rows[starts]] = ufunc.reduceat(values, starts)
+    return out.reshape(shape)
+
+
 def _squared_distances(y, s):
     """||y - s||^2 over the last axis (y and s broadcast), from the difference."""
     diff = y - s
@@ -823,9 +920,9 @@ def _unit(values, v_norm):
 
 
 def _cos(a, b):
-    """Cosine of (B, D) vectors, NaN where either is 0."""
+    """Cosine of (..., D) vectors (broadcast), NaN where either is 0."""
     norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
-    return np.where(norms > 0, np.einsum("bd,bd->b", a, b) / norms, np.nan)
+    return np.where(norms > 0, np.einsum("...d,...d->...", a, b) / norms, np.nan)
 
 
 def _masked_max(x, mask):
@@ -839,9 +936,9 @@ def _masked_min(x, mask):
 
 
 def _masked_mean(x, mask):
-    """Row means of x over mask, NaN for an empty mask."""
-    count = mask.sum(axis=1)
-    return np.where(count > 0, np.sum(x, axis=1, where=mask) / count, np.nan)
+    """Means of x over mask along the last axis, NaN for an empty mask."""
+    count = mask.sum(axis=-1)
+    return np.where(count > 0, np.sum(x, axis=-1, where=mask) / count, np.nan)
 
 
 def _quantile(x, q, size=None):
@@ -860,21 +957,26 @@ def _quantile(x, q, size=None):
 def _order_statistics(x, lo, hi):
     """The lo-th and hi-th smallest entries of the 1-D x (lo <= hi).
 
-    For a long x, a bracket [t_lo, t_hi] around them is taken from a strided sample; counting
+    For a long x, a bracket [t_lo, t_hi] around them is taken from a sample; counting
     the entries below t_lo and partitioning the few inside is exact whenever the bracket
-    holds both ranks, and a partition of all of x answers otherwise.
+    holds both ranks. A bracket that misses is widened once (the entries of a flattened Gram
+    matrix are correlated along rows, which a sample of 2048 sees less sharply), and a
+    partition of all of x answers after that.
     """
     m = x.size
     if m > _BRACKET_MIN:
-        sample = np.sort(x[:: max(m // 2048, 1)])
-        margin = 0.02 * sample.size + 8
-        t_lo = sample[max(int(lo / m * sample.size - margin), 0)]
-        t_hi = sample[min(int(hi / m * sample.size + margin), sample.size - 1)]
-        below = np.count_nonzero(x < t_lo)
-        inside = x[(x >= t_lo) & (x <= t_hi)]
-        if below <= lo and hi < below + inside.size:
-            part = np.partition(inside, (lo - below, hi - below))
-            return part[lo - below], part[hi - below]
+        # Positions spread by the golden ratio, not a stride: a stride that divides the row
+        # length of a flattened matrix samples a few of its columns only.
+        sample = np.sort(x[(np.arange(2048) * _GOLDEN % 1.0 * m).astype(np.int64)])
+        for share in (0.02, 0.08):
+            margin = share * sample.size + 8
+            t_lo = sample[max(int(lo / m * sample.size - margin), 0)]
+            t_hi = sample[min(int(hi / m * sample.size + margin), sample.size - 1)]
+            below = np.count_nonzero(x < t_lo)
+            inside = x[(x >= t_lo) & (x <= t_hi)]
+            if below <= lo and hi < below + inside.size:
+                part = np.partition(inside, (lo - below, hi - below))
+                return part[lo - below], part[hi - below]
     part = np.partition(x, (lo, hi))
     return part[lo], part[hi]
 
