@@ -9,6 +9,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One worker per core (pytest -n auto): a worker's torch and BLAS threads, and those of
+    # the CLI processes it starts, would otherwise fight the other workers for the cores.
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
 
 WORDS = [f"w{i}" for i in range(90)]
 
