@@ -123,8 +123,9 @@ def attention_summaries(
     exp(s_j - log Z), and sink, diag, top-1, entropy and winner are each a running reduction
     of one more pass over the scores, with no block of probabilities written. Not written here:
     there is no GPU to prove it on, and the passes below run unchanged on CUDA. On CPU,
-    ``torch.compile`` of the block (its code generator fuses the passes) was no faster: 41 against 35 ms per smollm2-135m layer at
-    L=1024, one thread, after 21 s (cache warm) to 93 s (cold) of compiling.
+    ``torch.compile`` of the block (its code generator fuses the passes) was no faster: 41
+    against 35 ms per smollm2-135m layer at L=1024, one thread, after 21 s (cache warm) to
+    93 s (cold) of compiling.
     """
     bsz, n_heads, length, head_dim = query.shape
     n_kv = key.shape[1]

@@ -178,6 +178,10 @@ def load_model(source: ModelSource, *, device: str, dtype: torch.dtype) -> torch
     return model.to(device).eval()
 
 
+# Per model object, while it lives: (the state dict's tensor versions, their sha256).
+_STATE_DIGESTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]] = weakref.WeakKeyDictionary()
+
+
 def state_dict_sha256(model: torch.nn.Module) -> str:
     """sha256 over the model's state dict: every entry's name, dtype, shape and bytes, in order.
 
@@ -198,13 +202,10 @@ def state_dict_sha256(model: torch.nn.Module) -> str:
     for name, tensor in state.items():
         digest.update(f"{name}\0{str(tensor.dtype).removeprefix('torch.')}\0{tuple(tensor.shape)}\0".encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    value = digest.hexdigest()
     if versions is not None:
-        _STATE_DIGESTS[model] = (versions, digest.hexdigest())
-    return digest.hexdigest()
-
-
-# Per model object, while it lives: (the state dict's tensor versions, their sha256).
-_STATE_DIGESTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]] = weakref.WeakKeyDictionary()
+        _STATE_DIGESTS[model] = (versions, value)
+    return value
 
 
 def loaded_model(model: Any) -> Any:

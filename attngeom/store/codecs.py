@@ -14,6 +14,7 @@ from zarr.codecs import BloscCodec, Crc32cCodec
 # on gemma3-270m and smollm2-135m (L=1024): 3 is 3-7% larger than 9 but compresses 35-65x
 # faster (9 would cost 3-6 s a sequence), and 5 gains under 1% over 3.
 BLOSC_LEVEL = 3
+DEFAULT_CODEC = ("zstd", BLOSC_LEVEL)
 
 # Value vectors are noise to a compressor: per sequence at L=1024, float32, zstd level 3 stores
 # them 1.15x (smollm2-135m) and 1.12x (gemma3-270m), lz4 level 9 1.15x and 1.13x, at a quarter
@@ -22,14 +23,14 @@ BLOSC_LEVEL = 3
 VALUES_CODEC = ("lz4", 9)
 
 
-def compressor(typesize: int, codec: tuple[str, int] = ("zstd", BLOSC_LEVEL)) -> BloscCodec:
-    """Blosc with bitshuffle: by default zstd at ``BLOSC_LEVEL``, the codec of every array of
-    the store but ``values`` (``VALUES_CODEC``); ``codec`` is (cname, level)."""
+def compressor(typesize: int, codec: tuple[str, int] = DEFAULT_CODEC) -> BloscCodec:
+    """Blosc with bitshuffle; ``codec`` is (cname, level): ``DEFAULT_CODEC`` for every array of
+    the store but ``values`` (``VALUES_CODEC``)."""
     cname, level = codec
     return BloscCodec(cname=cname, clevel=level, shuffle="bitshuffle", typesize=typesize)
 
 
-def compressors(dtype: np.dtype, codec: tuple[str, int] = ("zstd", BLOSC_LEVEL)) -> tuple[BloscCodec, Crc32cCodec]:
+def compressors(dtype: np.dtype, codec: tuple[str, int] = DEFAULT_CODEC) -> tuple[BloscCodec, Crc32cCodec]:
     """The bytes-to-bytes codecs of every array written in format 2: Blosc (``compressor``),
     then a crc32c checksum of the compressed chunk."""
     typesize = dtype.itemsize if dtype.kind not in "OUS" else 1
