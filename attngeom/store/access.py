@@ -6,6 +6,7 @@ the CLI's ``--store``); a ``zarr_store`` is the zarr-python Store object opened 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import json
@@ -401,15 +402,36 @@ def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = 
     """Write a derived Dataset to ``group``, replacing it, in the store's format: chunk
     checksums, labels as integer codes (:func:`encode_labels`).
 
-    With ``compute=False`` only the metadata is written, for later region writes.
+    With ``compute=False`` only the metadata is written, for later region writes. The group
+    is assembled in memory first (derived groups are small), then its objects are written to
+    the store concurrently: xarray writes variable by variable, each a few round trips to the
+    store (about 15 ms a variable on a local disk, seconds for an analysis).
     """
     dataset = encode_labels(dataset)
     encoding = {name: {"compressors": compressors(var.dtype)} for name, var in dataset.variables.items()}
+    assembled = zarr.storage.MemoryStore()
+    dataset.to_zarr(
+        assembled, group=group, mode="w", consolidated=False, zarr_format=3, encoding=encoding, compute=compute
+    )
     target = zarr_store(url, read_only=False)
     with writing(url):
-        dataset.to_zarr(
-            target, group=group, mode="w", consolidated=False, zarr_format=3, encoding=encoding, compute=compute
-        )
+        parent = group.rpartition("/")[0]
+        if parent:
+            zarr.open_group(target, path=parent, mode="a", use_consolidated=False)
+        sync(_replace_group(target, group, assembled))
+
+
+async def _replace_group(target: Any, group: str, source: Any) -> None:
+    """Replace the objects under ``group`` in ``target`` by those of ``source``; the group's
+    own ``zarr.json`` last, so that a group with metadata has all of its arrays."""
+    await target.delete_dir(group)
+    keys = [key async for key in source.list_prefix(f"{group}/") if key != f"{group}/zarr.json"]
+
+    async def copy(key: str) -> None:
+        await target.set(key, await source.get(key, prototype=default_buffer_prototype()))
+
+    await asyncio.gather(*(copy(key) for key in keys))
+    await copy(f"{group}/zarr.json")
 
 
 def consolidate(root: zarr.Group) -> None:
