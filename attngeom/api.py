@@ -109,8 +109,9 @@ def analyze(
     for every run (or ``run_id``); writes runs/<id>/analysis/{topn, values, taxonomy, heads,
     summary, signatures, table}, read back with ``open_store(store).run(id).analysis(name)``.
 
-    scheduler: a Dask scheduler address, "processes" (a LocalCluster sized to this machine),
-    or None / "threads" (this process alone). n_grid: selection sizes N (default 1, 2, 4, ... < L).
+    scheduler: None for one worker process per core, forked from this one (threads where
+    processes cannot be forked), "threads" (this process alone), "processes" (a
+    dask.distributed LocalCluster), or a Dask scheduler address. n_grid: selection sizes N (default 1, 2, 4, ... < L).
     seed: of the random-N control. out: also write the tidy tables there (Parquet, CSV).
     Returns one result per run: sequences, head instances, seconds.
     """

@@ -129,7 +129,7 @@ def extract(**kwargs) -> None:
 @main.command()
 @STORE
 @click.option("--run", "run_id", help="Analyze only this run [default: every run].")
-@click.option("--scheduler", help="'threads' for this process alone, 'processes' for a LocalCluster of worker processes sized to this machine, or the address of an existing Dask scheduler (tcp://host:8786) [default: threads].")
+@click.option("--scheduler", help="'threads' for this process alone, 'processes' for a dask.distributed LocalCluster, or the address of an existing Dask scheduler (tcp://host:8786) [default: one worker process per core, forked from this one; threads where processes cannot be forked].")
 @click.option("--n-grid", callback=_comma_list(int, "a comma-separated list of integers, e.g. 1,2,4,8"), help="Selection sizes N [default: 1,2,4,... < L].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Also write the tidy tables here (Parquet and CSV).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random-N control.")

@@ -287,8 +287,8 @@ def test_readme_example_runs_on_a_tiny_random_model(tmp_path, monkeypatch):
     assert scope["model"].config._attn_implementation == "sdpa"
 
 
-def test_a_script_without_main_guard_analyzes_on_a_local_cluster(tmp_path):
-    """Workers of the default LocalCluster do not run the caller's script again."""
+def test_a_script_without_main_guard_analyzes(tmp_path):
+    """Worker processes (forked by default) do not run the caller's script again."""
     script = tmp_path / "notebook_like.py"
     script.write_text(
         "import numpy as np, torch, attngeom as ag\n"

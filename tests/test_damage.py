@@ -70,7 +70,7 @@ def one_error(*args: str) -> str:
 def commands(store: Path, tmp: Path) -> dict[str, list[str]]:
     url = str(store)
     return {
-        "analyze": ["analyze", "--store", url, "--scheduler", "threads", "--no-progress"],
+        "analyze": ["analyze", "--store", url, "--no-progress"],
         "ablate": ["ablate", "--store", url, "--run", "r", "--device", "cpu", "--random-masks", "0",
                    "--retention", "1.0", "--no-progress"],
         "report": ["report", "--store", url, "--out", str(tmp / "report")],

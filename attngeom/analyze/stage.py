@@ -27,8 +27,6 @@ resumes and ends bit for bit where an uninterrupted one does.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -42,12 +40,12 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 import zarr
-from threadpoolctl import threadpool_limits
 from tqdm.auto import tqdm
 
 from attngeom.analyze import taxonomy
 from attngeom.analyze.kernels import head_metrics
-from attngeom.errors import AttngeomError, GroupNotFoundError, InputError, RunNotFoundError
+from attngeom.analyze.scheduling import dask_client
+from attngeom.errors import GroupNotFoundError, InputError, RunNotFoundError
 from attngeom.store import (
     ANALYSIS,
     ANALYSIS_GROUPS,
@@ -351,41 +349,6 @@ def run_regimes(store: str) -> dict[str, tuple[str, str, np.ndarray]]:
         prov = run_provenance(root, rid)
         out[rid] = (prov["model"]["id"], prov["dataset"]["id"], np.asarray(heads["regime"].values, dtype=object))
     return out
-
-
-@contextlib.contextmanager
-def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
-    """``"threads"`` (the default, ``None``) for this process alone, one thread per core;
-    ``"processes"`` for a LocalCluster of worker processes sized to the machine; else the
-    address of an existing cluster. A ``memory://`` store lives in this process only, so it
-    is always analyzed with threads.
-
-    Threads are the default: on 2 cores a LocalCluster ran analyze 2.8-5.4x slower than
-    threads (smollm2-135m and gemma3-270m, L = 512, 2 sequences;
-    benchmarks/analyze_vs_extract.py --processes): starting and stopping its worker processes
-    costs more than the kernels' few GIL-holding steps do to threads.
-    """
-    if scheduler in (None, "threads") or store.startswith("memory://"):
-        # Dask's threads already fill the cores; a multi-threaded BLAS under each one
-        # oversubscribes them (measured 1.3-1.5x slower). Distributed workers set this too.
-        with dask.config.set(scheduler="threads"), threadpool_limits(limits=1):
-            yield None
-        return
-    from distributed import Client, LocalCluster
-
-    if scheduler == "processes":
-        # A task's error reaches the client, which reports it in one line; the workers' own
-        # error log of it would print the traceback again.
-        with LocalCluster(threads_per_worker=1, processes=True, dashboard_address=":0",
-                          silence_logs=logging.CRITICAL) as cluster, Client(cluster) as client:
-            yield client
-        return
-    try:
-        client = Client(scheduler, timeout="10s")
-    except OSError as exc:
-        raise AttngeomError(f"cannot reach the Dask scheduler at {scheduler} ({exc})") from exc
-    with client:
-        yield client
 
 
 def analysis_parameters(n_grid: Sequence[int], seed: int) -> dict[str, Any]:

@@ -1,0 +1,99 @@
+"""Where analyze's tasks run: worker processes of this machine, Dask's threads, or a cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+
+import dask
+from threadpoolctl import threadpool_limits
+
+from attngeom.errors import AttngeomError
+
+__all__ = ["dask_client"]
+
+# prctl(2): deliver this signal to the child when the thread that forked it ends.
+_PR_SET_PDEATHSIG = 1
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _forks() -> bool:
+    """Whether worker processes can be forked: on Linux. Forked workers start in
+    milliseconds and never import the caller's script again (spawned ones run an unguarded
+    notebook-like script once more); macOS's system libraries are not safe to fork."""
+    return sys.platform.startswith("linux")
+
+
+def _start_worker() -> None:
+    # Ctrl-C reaches the whole process group: the parent stops the analyze, not each worker
+    # with a traceback of its own. A SIGKILLed parent takes its workers with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _worker_processes(n: int) -> Iterator[ProcessPoolExecutor]:
+    pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"), initializer=_start_worker)
+    try:
+        yield pool
+    finally:
+        # Tasks last a second at most; waiting for the running ones lets the pool close its
+        # pipes before the interpreter's exit handlers use them.
+        pool.shutdown(cancel_futures=True)
+
+
+@contextlib.contextmanager
+def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
+    """Run the Dask computations of the block on:
+
+    - ``None`` (the default): one worker process per core, forked from this one (Linux with
+      more than one core; elsewhere Dask's threads);
+    - ``"threads"``: Dask's threads in this process, one per core;
+    - ``"processes"``: a ``dask.distributed`` LocalCluster of worker processes;
+    - anything else: the address of an existing Dask scheduler.
+
+    A ``memory://`` store lives in this process only, so it is always analyzed with threads.
+    Each worker (process or thread) runs numpy with one BLAS thread.
+
+    Measured on 2 cores (smollm2-135m, L = 512, 4 sequences, benchmarks/analyze_vs_extract.py):
+    the analysis kernels hold the GIL in many small numpy steps, so two threads run them
+    1.0-1.3x faster than one and two forked processes 1.7-1.9x; a LocalCluster costs more to
+    start and stop than it gains on one machine.
+    """
+    local = store.startswith("memory://")
+    if scheduler is None and not local and _forks() and _cores() > 1:
+        with threadpool_limits(limits=1), _worker_processes(_cores()) as pool, \
+                dask.config.set(scheduler="processes", pool=pool):
+            yield None
+        return
+    if scheduler in (None, "threads") or local:
+        # Dask's threads already fill the cores; a multi-threaded BLAS under each one
+        # oversubscribes them (measured 1.3-1.5x slower). Distributed workers set this too.
+        with dask.config.set(scheduler="threads"), threadpool_limits(limits=1):
+            yield None
+        return
+    from distributed import Client, LocalCluster
+
+    if scheduler == "processes":
+        # A task's error reaches the client, which reports it in one line; the workers' own
+        # error log of it would print the traceback again.
+        with LocalCluster(threads_per_worker=1, processes=True, dashboard_address=":0",
+                          silence_logs=logging.CRITICAL) as cluster, Client(cluster) as client:
+            yield client
+        return
+    try:
+        client = Client(scheduler, timeout="10s")
+    except OSError as exc:
+        raise AttngeomError(f"cannot reach the Dask scheduler at {scheduler} ({exc})") from exc
+    with client:
+        yield client
