@@ -11,10 +11,10 @@ For each model and L, every repetition, side by side:
   loading excluded; choosing the corpus windows and writing the store included);
 - **read**: ``attn_last`` and ``values`` of those sequences loaded from the store (analyze's
   inputs; threads);
-- **analyze**: ``ag.analyze()`` of the run from scratch (its analysis deleted first) with the
-  default scheduler (threads); with ``--processes`` also with ``scheduler="processes"`` (a
-  LocalCluster of worker processes started by the call, start-up included), in alternating
-  order;
+- **analyze**: ``ag.analyze()`` of the run from scratch (its analysis deleted first) with each
+  scheduler of ``--schedulers`` in turn, the order alternating between repetitions: ``default``
+  (forked worker processes, started by the call), ``threads``, ``processes`` (a LocalCluster,
+  start-up included);
 - **kernel**: ``head_metrics`` on (sequence, layer) blocks of the store (kv heads' values and
   ``head_kv``), serially, as the stage calls it; a sample of ``--kernel-blocks`` blocks scaled to the run
   (S x layers blocks).
@@ -72,7 +72,7 @@ def kernel_seconds(store: str, run_id: str, blocks: int) -> float:
     return spent / len(sample) * len(pairs)
 
 
-def one_case(model: str, length: int, n_seq: int, reps: int, blocks: int, processes: bool, workdir: Path,
+def one_case(model: str, length: int, n_seq: int, reps: int, blocks: int, schedulers: list[str], workdir: Path,
              log) -> dict[str, Any]:
     samples: list[dict[str, float]] = []
     loaded = load(model)
@@ -83,8 +83,7 @@ def one_case(model: str, length: int, n_seq: int, reps: int, blocks: int, proces
                                                    run_id="r"))}
         ds = ag.open_store(store).run("r").dataset()
         t["read"] = wall(lambda: (ds["attn_last"].load(), ds["values"].load()))
-        order = ("default", "processes") if processes else ("default",)
-        for scheduler in order if rep % 2 == 0 else order[::-1]:
+        for scheduler in schedulers if rep % 2 == 0 else schedulers[::-1]:
             shutil.rmtree(Path(store) / analysis_path("r"), ignore_errors=True)
             t[f"analyze_{scheduler}"] = wall(lambda: ag.analyze(
                 store, run_id="r", scheduler=None if scheduler == "default" else scheduler, progress=False))
@@ -98,36 +97,38 @@ def one_case(model: str, length: int, n_seq: int, reps: int, blocks: int, proces
     def med(f) -> float:
         return statistics.median(f(s) for s in samples)
 
-    nan = float("nan")
-
-    return dict(
+    row = dict(
         model=model, L=length, sequences=n_seq, reps=reps, cores=cores, kernel_blocks=blocks,
         extract_s_per_seq=med(lambda s: s["extract"] / n_seq),
         read_s_per_seq=med(lambda s: s["read"] / n_seq),
-        analyze_s_per_seq=med(lambda s: s["analyze_default"] / n_seq),
-        analyze_processes_s_per_seq=med(lambda s: s.get("analyze_processes", nan) / n_seq),
         kernel_serial_s_per_seq=med(lambda s: s["kernel"] / n_seq),
-        analyze_over_extract=med(lambda s: s["analyze_default"] / s["extract"]),
-        analyze_over_read=med(lambda s: s["analyze_default"] / s["read"]),
-        processes_over_default=med(lambda s: s.get("analyze_processes", nan) / s["analyze_default"]),
-        overhead_s_per_seq=med(lambda s: (s["analyze_default"] - s["kernel"] / cores) / n_seq),
-        overhead_processes_s_per_seq=med(lambda s: (s.get("analyze_processes", nan) - s["kernel"] / cores) / n_seq),
         loadavg=med(lambda s: s["loadavg"]),
         samples=samples,
     )
+    for name in schedulers:
+        key = f"analyze_{name}"
+        row[name] = dict(
+            analyze_s_per_seq=med(lambda s: s[key] / n_seq),
+            analyze_over_extract=med(lambda s: s[key] / s["extract"]),
+            analyze_over_read=med(lambda s: s[key] / s["read"]),
+            over_first=med(lambda s: s[key] / s[f"analyze_{schedulers[0]}"]),
+            overhead_s_per_seq=med(lambda s: (s[key] - s["kernel"] / cores) / n_seq),
+        )
+    return row
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    head = ["model", "L", "S", "extract s/seq", "read s/seq", "analyze s/seq", "analyze/extract", "analyze/read",
-            "processes s/seq", "processes/default", "kernel serial s/seq", "overhead s/seq (default)",
-            "overhead s/seq (processes)", "load avg"]
+def table(rows: list[dict[str, Any]], schedulers: list[str]) -> str:
+    """One row per (model, L, scheduler); ``vs first``: its time over the first scheduler's."""
+    head = ["model", "L", "S", "scheduler", "extract s/seq", "read s/seq", "analyze s/seq", "analyze/extract",
+            "analyze/read", "vs first", "kernel serial s/seq", "overhead s/seq", "load avg"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["model"], r["L"], r["sequences"], r["extract_s_per_seq"], r["read_s_per_seq"],
-                 r["analyze_s_per_seq"], r["analyze_over_extract"], r["analyze_over_read"],
-                 r["analyze_processes_s_per_seq"], r["processes_over_default"], r["kernel_serial_s_per_seq"],
-                 r["overhead_s_per_seq"], r["overhead_processes_s_per_seq"], r["loadavg"]]
-        lines.append("| " + " | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells) + " |")
+        for name in schedulers:
+            a = r[name]
+            cells = [r["model"], r["L"], r["sequences"], name, r["extract_s_per_seq"], r["read_s_per_seq"],
+                     a["analyze_s_per_seq"], a["analyze_over_extract"], a["analyze_over_read"], a["over_first"],
+                     r["kernel_serial_s_per_seq"], a["overhead_s_per_seq"], r["loadavg"]]
+            lines.append("| " + " | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
@@ -138,20 +139,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-sequences", "-S", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--kernel-blocks", type=int, default=4, help="blocks timed for the kernel estimate")
-    p.add_argument("--processes", action="store_true", help="also time scheduler='processes' (a LocalCluster)")
+    p.add_argument("--schedulers", default="default,threads",
+                   help="analyze with each: default, threads, processes (a LocalCluster) or an address")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    schedulers = args.schedulers.split(",")
     rows = []
     with tempfile.TemporaryDirectory(prefix="attngeom-ave-") as wd:
         for model in args.models.split(","):
             for length in int_list(args.lengths):
                 rows.append(one_case(model, length, args.num_sequences, args.reps, args.kernel_blocks,
-                                     args.processes, Path(wd), log))
-    print(table(rows))
+                                     schedulers, Path(wd), log))
+    print(table(rows, schedulers))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -157,22 +157,23 @@ def open_completed(store: str, run_id: str) -> xr.Dataset:
     return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
 
 
-def geometry_datasets(ds: xr.Dataset, n_grid: Sequence[int], seed: int = 0) -> tuple[xr.Dataset, xr.Dataset]:
-    """Lazy Datasets of the run ``ds``: ``topn`` (seq, layer, head, n), every SPEC §3 quantity,
-    and ``values`` (seq, layer, head), the per-sequence norm and coherence statistics. Both
-    come from one graph, so computed together each (sequence, layer) block runs once."""
-    n_layers = ds.sizes["layer"]
+def _geometry_blocks(ds: xr.Dataset, grid: np.ndarray, seed: int) -> da.Array:
+    """Lazy (seq, layer, head, n, var) float64, one task per (sequence, layer): the columns of
+    :func:`_geometry_block`."""
     attendable = da.from_array(ds["attendable"].values, chunks=(1, -1))
     seq_ids = da.from_array(ds["seq"].values, chunks=1)
-    layer_ids = da.from_array(np.arange(n_layers), chunks=1)
-    grid = np.asarray(n_grid, dtype=np.int64)
-    stacked = da.blockwise(
+    layer_ids = da.from_array(np.arange(ds.sizes["layer"]), chunks=1)
+    return da.blockwise(
         _geometry_block, "slhnv",
         ds["attn_last"].data, "slhk", ds["values"].data, "slgkd", attendable, "lk", seq_ids, "s", layer_ids, "l",
         new_axes={"n": len(grid), "v": len(TOPN_VARIABLES) + len(VALUE_STATISTICS)},
         concatenate=True, dtype=np.float64,
         head_kv=ds["head_kv"].values, n_grid=grid, seed=seed,
-    ).rechunk({1: -1})
+    )
+
+
+def _geometry_variables(stacked: Any, ds: xr.Dataset, grid: np.ndarray) -> tuple[xr.Dataset, xr.Dataset]:
+    """``topn`` and ``values`` Datasets from the stacked columns (numpy or dask)."""
     coords = {"seq": ds["seq"].values, "layer": ds["layer"].values, "head": ds["head"].values}
     dims = ("seq", "layer", "head", "n")
     topn = {}
@@ -188,29 +189,48 @@ def geometry_datasets(ds: xr.Dataset, n_grid: Sequence[int], seed: int = 0) -> t
     return xr.Dataset(topn, coords={**coords, "n": grid}), xr.Dataset(values, coords=coords)
 
 
-def votes_dataset(ds: xr.Dataset) -> xr.Dataset:
-    """Lazy (seq, layer, head, vote) query-vote counts of SPEC §4 and each sequence's label.
+def geometry_datasets(ds: xr.Dataset, n_grid: Sequence[int], seed: int = 0) -> tuple[xr.Dataset, xr.Dataset]:
+    """Lazy Datasets of the run ``ds``: ``topn`` (seq, layer, head, n), every SPEC §3 quantity,
+    and ``values`` (seq, layer, head), the per-sequence norm and coherence statistics. Both
+    come from one graph, so computed together each (sequence, layer) block runs once."""
+    grid = np.asarray(n_grid, dtype=np.int64)
+    return _geometry_variables(_geometry_blocks(ds, grid, seed).rechunk({1: -1}), ds, grid)
 
-    From the full rows and values when the run kept them (``--store-rows all``), else from
-    the stored winners.
-    """
+
+def _vote_blocks(ds: xr.Dataset) -> da.Array:
+    """Lazy (seq, layer, head, vote) query-vote counts: from the full rows and values when
+    the run kept them (``--store-rows all``), else from the stored winners."""
     if "attn" in ds:
-        votes = da.blockwise(
+        return da.blockwise(
             _votes_from_rows_block, "slhv",
             ds["attn"].data, "slhqk", ds["values"].data, "slgkd",
             new_axes={"v": 3}, concatenate=True, dtype=np.int64, head_kv=ds["head_kv"].values,
         )
+    winner = ds["winner"].data
+    return da.map_blocks(taxonomy.query_votes, winner, chunks=winner.chunks[:3] + ((3,),), dtype=np.int64)
+
+
+def _votes_variables(votes: Any, ds: xr.Dataset) -> xr.Dataset:
+    """The ``taxonomy`` Dataset from vote counts (numpy or dask, whole layers per chunk)."""
+    if isinstance(votes, da.Array):
+        labels = da.map_blocks(taxonomy.plurality, votes, drop_axis=3, dtype=np.int8)
     else:
-        winner = ds["winner"].data
-        votes = da.map_blocks(taxonomy.query_votes, winner, chunks=winner.chunks[:3] + ((3,),), dtype=np.int64)
-    votes = votes.rechunk({1: -1})
-    labels = da.map_blocks(taxonomy.plurality, votes, drop_axis=3, dtype=np.int8)
+        labels = taxonomy.plurality(votes)
     return xr.Dataset(
         {"votes": (("seq", "layer", "head", "vote"), votes), "sequence_label": (("seq", "layer", "head"), labels)},
         coords={"seq": ds["seq"].values, "layer": ds["layer"].values, "head": ds["head"].values,
                 "vote": np.asarray(VOTES, dtype=object)},
         attrs={"source": "attn rows and values" if "attn" in ds else "winner", "labels": list(VOTES)},
     )
+
+
+def votes_dataset(ds: xr.Dataset) -> xr.Dataset:
+    """Lazy (seq, layer, head, vote) query-vote counts of SPEC §4 and each sequence's label.
+
+    From the full rows and values when the run kept them (``--store-rows all``), else from
+    the stored winners.
+    """
+    return _votes_variables(_vote_blocks(ds).rechunk({1: -1}), ds)
 
 
 def _cv(x: xr.DataArray, dim: str) -> xr.DataArray:
@@ -420,11 +440,25 @@ def _sequence_paths(run_id: str, staged: bool) -> dict[str, str]:
             for name in ANALYSIS_SEQUENCE_GROUPS}
 
 
+def _groups(ds: xr.Dataset, grid: Sequence[int], seed: int, topn_values: tuple[xr.Dataset, xr.Dataset],
+            votes: xr.Dataset) -> dict[str, xr.Dataset]:
+    topn, values = topn_values
+    topn.attrs["attngeom"] = {"n_grid": list(grid), "random_draws": RANDOM_DRAWS, "seed": seed}
+    return {"topn": topn, "values": values, "taxonomy": votes}
+
+
 def _lazy_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str, xr.Dataset]:
     """The per-sequence groups of ``ds``'s sequences, lazy."""
-    topn, values = geometry_datasets(ds, grid, seed)
-    topn.attrs["attngeom"] = {"n_grid": list(grid), "random_draws": RANDOM_DRAWS, "seed": seed}
-    return {"topn": topn, "values": values, "taxonomy": votes_dataset(ds)}
+    return _groups(ds, grid, seed, geometry_datasets(ds, grid, seed), votes_dataset(ds))
+
+
+def _computed_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str, xr.Dataset]:
+    """The per-sequence groups of ``ds``'s sequences, computed. Only the (sequence, layer)
+    blocks are Dask tasks; their results are split into variables here, so that a worker
+    process is sent the work, not every variable's slice of the results."""
+    n_grid = np.asarray(grid, dtype=np.int64)
+    stacked, votes = dask.compute(_geometry_blocks(ds, n_grid, seed), _vote_blocks(ds))
+    return _groups(ds, grid, seed, _geometry_variables(stacked, ds, n_grid), _votes_variables(votes, ds))
 
 
 def _open_groups(store: str, paths: dict[str, str]) -> dict[str, zarr.Group]:
@@ -519,9 +553,7 @@ def _compute_sequences(store: str, run_id: str, ds: xr.Dataset, plan: _Plan, par
     target = plan.target
     with tqdm(total=len(target) - len(keep), unit="seq", desc=f"{run_id}: analyze", disable=not progress) as bar:
         for a, b in _batches(len(keep), len(target), ds.sizes["layer"]):
-            lazy = _lazy_groups(ds.isel(seq=slice(a, b)), params["n_grid"], seed)
-            computed = dict(zip(lazy, dask.compute(*lazy.values())))
-            _write_batch(groups, computed, a)
+            _write_batch(groups, _computed_groups(ds.isel(seq=slice(a, b)), params["n_grid"], seed), a)
             pending = replace(pending, sequences=target[:b])
             set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
             bar.update(b - a)
