@@ -458,7 +458,7 @@ def _topn_slice(alpha, values, att, order, rank, constants, grid, draw_keys, out
         _store(out, g, paper, valid & bounds.paper_defined)
 
     _random_control(y, att, n_att, grid, points, draw_keys, out)
-    _sink_excluded(alpha, y, nonsink, grid, points, out)
+    _sink_excluded(alpha, y, att, nonsink, grid, points, out)
 
 
 def _at_every_point(y, s_by_n, rank, candidates, points):
@@ -642,17 +642,28 @@ def _random_control(y, att, n_att, grid, points, draw_keys, out):
                valid)
 
 
-def _sink_excluded(alpha, y, nonsink, grid, points, out):
-    """nosink_precision/recall/f_score: selection and balls over K \\ {0}."""
+def _sink_excluded(alpha, y, att, nonsink, grid, points, out):
+    """nosink_precision/recall/f_score: selection and balls over K \\ {0}. An instance without
+    a sink has K \\ {0} = K: its scores are the main selection's (already in out)."""
+    names = ("precision", "recall", "f_score")
+    has_sink = att[:, 0]
+    for name in names:
+        out[f"nosink_{name}"][~has_sink] = out[name][~has_sink]
+    if not has_sink.any():
+        return
+    rows = slice(None) if has_sink.all() else np.flatnonzero(has_sink)
+    nonsink = nonsink[rows]
     n_ns = nonsink.sum(axis=1)
-    order, rank = _ranked(-alpha, nonsink)
-    scores = _at_every_point(y, _prefix_sums(y, order, points), rank, nonsink, points)[3][:3]
-    names = ("nosink_precision", "nosink_recall", "nosink_f_score")
+    order, rank = _ranked(-alpha[rows], nonsink)
+    scores = _at_every_point(y[rows], _prefix_sums(y[rows], order, points), rank, nonsink, points)[3][:3]
+    sub = {f"nosink_{name}": out[f"nosink_{name}"][rows] for name in names}
     for g, n in enumerate(grid):
         valid = n < n_ns
         if valid.any():
             p = np.searchsorted(points, n)
-            _store(out, g, dict(zip(names, (x[p] for x in scores))), valid)
+            _store(sub, g, dict(zip(sub, (x[p] for x in scores))), valid)
+    for name, x in sub.items():
+        out[name][rows] = x
 
 
 class _Distances:
