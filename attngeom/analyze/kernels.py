@@ -351,7 +351,7 @@ class _TopPairs(NamedTuple):
             # Each pair once, from its key of smaller rank.
             rows = np.flatnonzero(rank < n)
             in_set = rank[None, :] > rank[rows, None]
-            part = np.partition(gram[rows][in_set], (lo, hi))
+            part = np.partition(gram[rows].ravel()[np.flatnonzero(in_set)], (lo, hi))
             below, above = part[lo], part[hi]
         return below + (pos - lo) * (above - below)
 
@@ -843,8 +843,9 @@ def _k_sink(beta, selected, unselected, nonsink, has_sink, mu, nu_plus, nu_minus
     tol0 = _L_RTOL * (beta0 + scale[:, 0]) ** 2
     mu, nu_plus, nu_minus = mu[:, None], nu_plus[:, None], nu_minus[:, None]
     sink_weight = np.where(sigma, beta0, 0.0)[:, None]
-    f = beta**2 - 2 * mu * beta * (a_plus[:, None] - beta) - 2 * sink_weight * nu_plus * beta - tol
-    g = beta**2 - 2 * mu * beta * a_plus[:, None] + 2 * sink_weight * nu_minus * beta - tol
+    beta2, mu_beta = beta**2, 2 * mu * beta
+    f = beta2 - mu_beta * (a_plus[:, None] - beta) - 2 * sink_weight * nu_plus * beta - tol
+    g = beta2 - mu_beta * a_plus[:, None] + 2 * sink_weight * nu_minus * beta - tol
     k_pp = _count_pairs_le(g, uns_p, -f, sel_p)
     # With the sink unselected f_i carries no sink term, with it selected g_j carries it.
     l_p0 = f + (beta0**2 - tol0 + 2 * beta0 * nu_minus[:, 0] * a_plus)[:, None]
@@ -984,7 +985,8 @@ def _order_statistics(x, lo, hi):
             t_lo = sample[max(int(lo / m * sample.size - margin), 0)]
             t_hi = sample[min(int(hi / m * sample.size + margin), sample.size - 1)]
             below = np.count_nonzero(x < t_lo)
-            inside = x[(x >= t_lo) & (x <= t_hi)]
+            # Gathered by index: a boolean mask's compress runs 2-3x slower on a long x.
+            inside = x[np.flatnonzero((x >= t_lo) & (x <= t_hi))]
             if below <= lo and hi < below + inside.size:
                 part = np.partition(inside, (lo - below, hi - below))
                 return part[lo - below], part[hi - below]
