@@ -23,6 +23,7 @@ NaN whenever one of its vectors is 0.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -392,7 +393,7 @@ class _Instances(NamedTuple):
     s_by_n: np.ndarray      # (B, P, D) s_N at each of points
     ys: np.ndarray          # (B, P, K) <y_k, s_N> at each of points
     around: _Around         # distances of y to s_N, the N of points as its rows (P, B, K)
-    scores: tuple           # P(r_max, N), R(r_min, N), F, r_max^2, r_min^2 (P, B) of I_N
+    scores: _BallScores     # (P, B) each, of I_N at each of points
 
 
 class _TopN(NamedTuple):
@@ -597,7 +598,7 @@ def _leave_one_out_run(inst, selected, run):
     loo_defined = selected & np.isfinite(loo_cos_i)
     loo_cos = _masked_mean(loo_cos_i, loo_defined)
     unselected = inst.att & ~selected
-    r_min2 = inst.scores[4][run]
+    r_min2 = inst.scores.r_min2[run]
     return dict(
         loo_cos=loo_cos.T,
         loo_margin=(loo_cos - _masked_mean(cos_js, unselected & np.isfinite(cos_js))).T,
@@ -695,6 +696,16 @@ class _Distances:
         return _Around(self, p)
 
 
+class _BallScores(NamedTuple):
+    """SPEC §3 "Balls", each (R, B): P(r_max, N), R(r_min, N), F, and the radii r_max^2, r_min^2."""
+
+    precision: np.ndarray
+    recall: np.ndarray
+    f_score: np.ndarray
+    r_max2: np.ndarray
+    r_min2: np.ndarray
+
+
 class _Around:
     """The distances of every key to the aggregates at one N: (R, B, K) expansions, within
     `error` (R, B, 1) of D in rows not `unsure` (R, B), and the exact values computed so far
@@ -711,8 +722,8 @@ class _Around:
 
     def part(self, rows):
         """The same distances for the selections of the slice rows, sharing the exact values."""
-        part = object.__new__(_Around)
-        part.y, part.s = self.y, self.s[rows]
+        part = copy.copy(self)
+        part.s = self.s[rows]
         part.expanded, part.error = self.expanded[rows], self.error[rows]
         part.unsure, part.exact = self.unsure[rows], self.exact[rows]
         return part
@@ -737,7 +748,7 @@ class _Around:
         """mask, and every key of keys in the unsure rows."""
         return mask | (keys & self.unsure[..., None]) if self.unsure.any() else mask
 
-    def ball_scores(self, selected, candidates, n):
+    def ball_scores(self, selected, candidates, n) -> _BallScores:
         """Ball scores over the candidate keys (closed r_max ball, open r_min ball: SPEC §3
         "Balls"): P(r_max, N) = N / |{k: D_k <= r_max^2}|, R(r_min, N) =
         |{i in I_N: D_i < r_min^2}| / N, F = 2PR/(P+R) (0 if P + R = 0), r_max^2 and r_min^2,
@@ -759,7 +770,7 @@ class _Around:
         recall = self._in_ball(selected, r_min2, closed=False) / n
         f_score = np.where(precision + recall > 0,
                            2 * precision * recall / (precision + recall), 0.0)
-        return precision, recall, f_score, r_max2, r_min2
+        return _BallScores(precision, recall, f_score, r_max2, r_min2)
 
     def _in_ball(self, keys, radius2, closed):
         """(R, B) #{k in keys: D_k <= radius2} (closed) or D_k < radius2 (open).
