@@ -22,14 +22,19 @@ RESUME = {
 
 
 class _Group(click.Group):
-    """Turns :class:`AttngeomError` into one line on stderr and exit code 2, and Ctrl-C into
-    one line saying how to finish, exit code 130."""
+    """Turns :class:`AttngeomError` and a command's bad arguments into one line on stderr and
+    exit code 2, and Ctrl-C into one line saying how to finish, exit code 130."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except AttngeomError as exc:
             click.echo(f"attngeom: error: {exc}", err=True)
+            sys.exit(2)
+        except click.UsageError as exc:
+            # click's own form takes three lines: the usage, a hint, then the error.
+            where = " ".join(["attngeom", *filter(None, [ctx.invoked_subcommand])])
+            click.echo(f"attngeom: error: {exc.format_message()} (see `{where} --help`)", err=True)
             sys.exit(2)
         except (KeyboardInterrupt, click.exceptions.Abort):
             how = RESUME.get(ctx.invoked_subcommand or "", "run the same command again")

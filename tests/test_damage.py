@@ -288,6 +288,13 @@ def test_impossible_arguments_are_refused(store, tiny_model_dir, word_corpus):
     for grid in ("", "1,,2", "1,2,"):
         code, lines = run("analyze", "--store", str(store), "--n-grid", grid)
         assert code == 2 and "has an empty entry" in lines[-1], lines
+    code, lines = run(*base, "-S", "2", "--values-dtype", "float64")
+    assert code == 2 and lines == ["attngeom: error: Invalid value for '--values-dtype': 'float64' is not one of "
+                                   "'float32', 'float16'. (see `attngeom extract --help`)"], lines
+    code, lines = run("analyze", "--store", str(store), "--bogus")
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("attngeom: error: No such option '--bogus'") and lines[0].endswith(
+        "(see `attngeom analyze --help`)"), lines
     code, lines = run(*base, "-S", "2")
     assert code == 0 and lines == [lines[0]] and lines[0].endswith(f"the run holds {S} committed of {S}")
 
