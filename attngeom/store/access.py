@@ -428,16 +428,23 @@ def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = 
 
 
 async def _replace_group(target: Any, group: str, source: Any) -> None:
-    """Replace the objects under ``group`` in ``target`` by those of ``source``; the group's
-    own ``zarr.json`` last, so that a group with metadata has all of its arrays."""
     await target.delete_dir(group)
-    keys = [key async for key in source.list_prefix(f"{group}/") if key != f"{group}/zarr.json"]
+    await copy_group(source, group, target, group)
+
+
+async def copy_group(source: Any, source_group: str, target: Any, target_group: str) -> None:
+    """Copy every object of ``source_group`` in the zarr Store ``source`` to ``target_group`` in
+    ``target``, concurrently; the group's own ``zarr.json`` last, so that a group with
+    metadata has all of its arrays."""
+    own = f"{source_group}/zarr.json"
+    keys = [key async for key in source.list_prefix(f"{source_group}/") if key != own]
 
     async def copy(key: str) -> None:
-        await target.set(key, await source.get(key, prototype=default_buffer_prototype()))
+        value = await source.get(key, prototype=default_buffer_prototype())
+        await target.set(f"{target_group}{key[len(source_group):]}", value)
 
     await asyncio.gather(*(copy(key) for key in keys))
-    await copy(f"{group}/zarr.json")
+    await copy(own)
 
 
 def consolidate(root: zarr.Group) -> None:

@@ -29,12 +29,11 @@ from typing import Any
 
 import xarray as xr
 import zarr
-from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from attngeom import __version__
 from attngeom.errors import GroupNotFoundError, IncompleteGroupError
-from attngeom.store.access import jsonable, open_dataset, write_dataset, zarr_store
+from attngeom.store.access import copy_group, jsonable, open_dataset, write_dataset, zarr_store
 from attngeom.store.schema import ABLATION, ANALYSIS, ATTR_KEY, run_path
 
 __all__ = [
@@ -199,14 +198,11 @@ def _move(url: str, source: str, target: str) -> None:
         return
     store = zarr_store(url, read_only=False)
 
-    async def copy() -> None:
-        keys = [key async for key in store.list_prefix(f"{source}/")]
-        for key in keys:
-            value = await store.get(key, prototype=default_buffer_prototype())
-            await store.set(f"{target}{key[len(source):]}", value)
+    async def move() -> None:
+        await copy_group(store, source, store, target)
         await store.delete_dir(source)
 
-    sync(copy())
+    sync(move())
 
 
 def _exists(url: str, path: str) -> bool:
