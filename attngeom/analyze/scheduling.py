@@ -70,9 +70,9 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
     1.0-1.3x faster than one and two forked processes 1.7-1.9x; a LocalCluster costs more to
     start and stop than it gains on one machine.
     """
-    local = store.startswith("memory://")
-    if scheduler is None and not local and _forks() and _cores() > 1:
-        with threadpool_limits(limits=1), _worker_processes(_cores()) as pool, \
+    local, cores = store.startswith("memory://"), _cores()
+    if scheduler is None and not local and _forks() and cores > 1:
+        with threadpool_limits(limits=1), _worker_processes(cores) as pool, \
                 dask.config.set(scheduler="processes", pool=pool):
             yield None
         return

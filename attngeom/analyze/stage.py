@@ -440,7 +440,7 @@ def _sequence_paths(run_id: str, staged: bool) -> dict[str, str]:
             for name in ANALYSIS_SEQUENCE_GROUPS}
 
 
-def _groups(ds: xr.Dataset, grid: Sequence[int], seed: int, topn_values: tuple[xr.Dataset, xr.Dataset],
+def _groups(grid: Sequence[int], seed: int, topn_values: tuple[xr.Dataset, xr.Dataset],
             votes: xr.Dataset) -> dict[str, xr.Dataset]:
     topn, values = topn_values
     topn.attrs["attngeom"] = {"n_grid": list(grid), "random_draws": RANDOM_DRAWS, "seed": seed}
@@ -449,7 +449,7 @@ def _groups(ds: xr.Dataset, grid: Sequence[int], seed: int, topn_values: tuple[x
 
 def _lazy_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str, xr.Dataset]:
     """The per-sequence groups of ``ds``'s sequences, lazy."""
-    return _groups(ds, grid, seed, geometry_datasets(ds, grid, seed), votes_dataset(ds))
+    return _groups(grid, seed, geometry_datasets(ds, grid, seed), votes_dataset(ds))
 
 
 def _computed_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str, xr.Dataset]:
@@ -458,7 +458,7 @@ def _computed_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str
     process is sent the work, not every variable's slice of the results."""
     n_grid = np.asarray(grid, dtype=np.int64)
     stacked, votes = dask.compute(_geometry_blocks(ds, n_grid, seed), _vote_blocks(ds))
-    return _groups(ds, grid, seed, _geometry_variables(stacked, ds, n_grid), _votes_variables(votes, ds))
+    return _groups(grid, seed, _geometry_variables(stacked, ds, n_grid), _votes_variables(votes, ds))
 
 
 def _open_groups(store: str, paths: dict[str, str]) -> dict[str, zarr.Group]:

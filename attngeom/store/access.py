@@ -405,15 +405,17 @@ def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = 
 
     With ``compute=False`` only the metadata is written, for later region writes. ``chunks``
     gives chunk lengths along some dimensions (a variable with one of them is chunked whole
-    along its others) instead of the data's own chunks. The group
-    is assembled in memory first (derived groups are small), then its objects are written to
-    the store concurrently: xarray writes variable by variable, each a few round trips to the
-    store (about 15 ms a variable on a local disk, seconds for an analysis).
+    along its others) instead of the data's own chunks. The group is assembled in memory
+    first (derived groups are small), then its objects are written to the store concurrently:
+    xarray writes variable by variable, each a few round trips to the store (about 15 ms a
+    variable on a local disk, seconds for an analysis).
     """
     dataset = encode_labels(dataset)
-    encoding = {name: {"compressors": compressors(var.dtype)} for name, var in dataset.variables.items()}
+    chunks = chunks or {}
+    encoding = {}
     for name, var in dataset.variables.items():
-        if chunks and set(chunks) & set(var.dims):
+        encoding[name] = {"compressors": compressors(var.dtype)}
+        if set(chunks) & set(var.dims):
             encoding[name]["chunks"] = tuple(chunks.get(dim, size) for dim, size in var.sizes.items())
     assembled = zarr.storage.MemoryStore()
     dataset.to_zarr(
