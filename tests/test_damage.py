@@ -291,6 +291,9 @@ def test_impossible_arguments_are_refused(store, tiny_model_dir, word_corpus):
     code, lines = run(*base, "-S", "2", "--values-dtype", "float64")
     assert code == 2 and lines == ["attngeom: error: Invalid value for '--values-dtype': 'float64' is not one of "
                                    "'float32', 'float16'. (see `attngeom extract --help`)"], lines
+    code, lines = run("analyze", "--store", str(store), "--scheduler", "bogus://host:1")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(
+        "attngeom: error: cannot reach the Dask scheduler at bogus://host:1 (unknown address scheme 'bogus'"), lines
     code, lines = run("analyze", "--store", str(store), "--bogus")
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("attngeom: error: No such option '--bogus'") and lines[0].endswith(

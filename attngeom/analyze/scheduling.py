@@ -93,7 +93,7 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
         return
     try:
         client = Client(scheduler, timeout="10s")
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: an address scheme Dask does not know
         raise AttngeomError(f"cannot reach the Dask scheduler at {scheduler} ({exc})") from exc
     with client:
         yield client
