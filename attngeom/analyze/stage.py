@@ -63,6 +63,7 @@ from attngeom.store import (
     open_dataset,
     open_root,
     open_run_group,
+    read_chunk,
     require_run,
     run_ids,
     run_path,
@@ -104,19 +105,21 @@ def _instance_seed(seed: int, seq: int, layer: int) -> int:
     return int(np.random.SeedSequence([seed, seq, layer]).generate_state(1)[0])
 
 
-def _geometry_block(attn, values, attendable, seq_ids, layer_ids, *, head_kv, n_grid, seed):
-    """One (sequence, layer) block: attn (1,1,H,K), values (1,1,KV,K,D), attendable (1,K)
-    -> (1, 1, H, n, var) float64: TOPN_VARIABLES, then VALUE_STATISTICS (the same at every n);
-    query head h takes the statistics of kv head head_kv[h]. One kernel call serves both, so
-    each kv head's Gram matrix is computed once."""
-    kv_values = values[0, 0].astype(np.float64)
+def _geometry_block(*, block_id, seqs, store, inputs, attendable, head_kv, n_grid, seed):
+    """The (sequence, layer) block ``block_id[:2]`` (sequence seqs[block_id[0]] of the run),
+    read here from the run's zarr arrays ``inputs``: attn_last (H, K) and values (KV, K, D);
+    attendable (layer, K) -> (1, 1, H, n, var) float64: TOPN_VARIABLES, then VALUE_STATISTICS
+    (the same at every n); query head h takes the statistics of kv head head_kv[h]. One
+    kernel call serves both, so each kv head's Gram matrix is computed once."""
+    seq, layer = int(seqs[block_id[0]]), block_id[1]
+    attn, kv_values = (read_chunk(store, arr, (seq, layer)).astype(np.float64) for arr in inputs)
     topn, stats = head_metrics(
-        attn[0, 0].astype(np.float64),
+        attn,
         kv_values,
-        np.broadcast_to(attendable[0], kv_values.shape[:2]),
+        np.broadcast_to(attendable[layer], kv_values.shape[:2]),
         n_grid,
         head_kv=head_kv,
-        seed=_instance_seed(seed, int(seq_ids[0]), int(layer_ids[0])),
+        seed=_instance_seed(seed, seq, layer),
         random_draws=RANDOM_DRAWS,
     )
     per_n = np.stack([topn[name].astype(np.float64) for name in TOPN_VARIABLES], axis=-1)
@@ -157,18 +160,20 @@ def open_completed(store: str, run_id: str) -> xr.Dataset:
     return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
 
 
-def _geometry_blocks(ds: xr.Dataset, grid: np.ndarray, seed: int) -> da.Array:
-    """Lazy (seq, layer, head, n, var) float64, one task per (sequence, layer): the columns of
-    :func:`_geometry_block`."""
-    attendable = da.from_array(ds["attendable"].values, chunks=(1, -1))
-    seq_ids = da.from_array(ds["seq"].values, chunks=1)
-    layer_ids = da.from_array(np.arange(ds.sizes["layer"]), chunks=1)
-    return da.blockwise(
-        _geometry_block, "slhnv",
-        ds["attn_last"].data, "slhk", ds["values"].data, "slgkd", attendable, "lk", seq_ids, "s", layer_ids, "l",
-        new_axes={"n": len(grid), "v": len(TOPN_VARIABLES) + len(VALUE_STATISTICS)},
-        concatenate=True, dtype=np.float64,
-        head_kv=ds["head_kv"].values, n_grid=grid, seed=seed,
+def _geometry_blocks(store: str, run_id: str, ds: xr.Dataset, grid: np.ndarray, seed: int) -> da.Array:
+    """Lazy (seq, layer, head, n, var) float64 of the sequences of ``ds`` (the run ``run_id``
+    of ``store``, opened by :func:`open_completed`): the columns of :func:`_geometry_block`,
+    one task per (sequence, layer). A task reads its own inputs: a graph that read them in
+    tasks of their own (and selected the sequences in more) sent every chunk through this
+    process on its way to a worker, which cost a third of the kernels' time."""
+    run = open_run_group(open_root(store), run_id)
+    n_var = len(TOPN_VARIABLES) + len(VALUE_STATISTICS)
+    return da.map_blocks(
+        _geometry_block,
+        chunks=((1,) * ds.sizes["seq"], (1,) * ds.sizes["layer"], (ds.sizes["head"],), (len(grid),), (n_var,)),
+        dtype=np.float64, meta=np.empty((0,) * 5),
+        seqs=ds["seq"].values, store=store, inputs=(run["attn_last"], run["values"]),
+        attendable=ds["attendable"].values, head_kv=ds["head_kv"].values, n_grid=grid, seed=seed,
     )
 
 
@@ -189,12 +194,14 @@ def _geometry_variables(stacked: Any, ds: xr.Dataset, grid: np.ndarray) -> tuple
     return xr.Dataset(topn, coords={**coords, "n": grid}), xr.Dataset(values, coords=coords)
 
 
-def geometry_datasets(ds: xr.Dataset, n_grid: Sequence[int], seed: int = 0) -> tuple[xr.Dataset, xr.Dataset]:
-    """Lazy Datasets of the run ``ds``: ``topn`` (seq, layer, head, n), every SPEC §3 quantity,
-    and ``values`` (seq, layer, head), the per-sequence norm and coherence statistics. Both
-    come from one graph, so computed together each (sequence, layer) block runs once."""
+def geometry_datasets(store: str, run_id: str, ds: xr.Dataset, n_grid: Sequence[int],
+                      seed: int = 0) -> tuple[xr.Dataset, xr.Dataset]:
+    """Lazy Datasets of the sequences ``ds`` of a run (:func:`open_completed`): ``topn`` (seq,
+    layer, head, n), every SPEC §3 quantity, and ``values`` (seq, layer, head), the
+    per-sequence norm and coherence statistics. Both come from one graph, so computed
+    together each (sequence, layer) block runs once."""
     grid = np.asarray(n_grid, dtype=np.int64)
-    return _geometry_variables(_geometry_blocks(ds, grid, seed).rechunk({1: -1}), ds, grid)
+    return _geometry_variables(_geometry_blocks(store, run_id, ds, grid, seed).rechunk({1: -1}), ds, grid)
 
 
 def _vote_blocks(ds: xr.Dataset) -> da.Array:
@@ -447,17 +454,18 @@ def _groups(grid: Sequence[int], seed: int, topn_values: tuple[xr.Dataset, xr.Da
     return {"topn": topn, "values": values, "taxonomy": votes}
 
 
-def _lazy_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str, xr.Dataset]:
+def _lazy_groups(store: str, run_id: str, ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str, xr.Dataset]:
     """The per-sequence groups of ``ds``'s sequences, lazy."""
-    return _groups(grid, seed, geometry_datasets(ds, grid, seed), votes_dataset(ds))
+    return _groups(grid, seed, geometry_datasets(store, run_id, ds, grid, seed), votes_dataset(ds))
 
 
-def _computed_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str, xr.Dataset]:
+def _computed_groups(store: str, run_id: str, ds: xr.Dataset, grid: Sequence[int],
+                     seed: int) -> dict[str, xr.Dataset]:
     """The per-sequence groups of ``ds``'s sequences, computed. Only the (sequence, layer)
     blocks are Dask tasks; their results are split into variables here, so that a worker
     process is sent the work, not every variable's slice of the results."""
     n_grid = np.asarray(grid, dtype=np.int64)
-    stacked, votes = dask.compute(_geometry_blocks(ds, n_grid, seed), _vote_blocks(ds))
+    stacked, votes = dask.compute(_geometry_blocks(store, run_id, ds, n_grid, seed), _vote_blocks(ds))
     return _groups(grid, seed, _geometry_variables(stacked, ds, n_grid), _votes_variables(votes, ds))
 
 
@@ -466,7 +474,7 @@ def _open_groups(store: str, paths: dict[str, str]) -> dict[str, zarr.Group]:
     return {name: zarr.open_group(target, path=path, mode="r+", use_consolidated=False) for name, path in paths.items()}
 
 
-def _prepare(store: str, paths: dict[str, str], ds: xr.Dataset, plan: _Plan, grid, seed) -> tuple[int, ...]:
+def _prepare(store: str, run_id: str, paths: dict[str, str], ds: xr.Dataset, plan: _Plan, grid, seed) -> tuple[int, ...]:
     """Create the per-sequence groups sized for ``plan.target`` (only metadata and the
     fixed coordinates are written), or grow the kept ones; returns the prefix kept."""
     keep = plan.keep
@@ -483,7 +491,7 @@ def _prepare(store: str, paths: dict[str, str], ds: xr.Dataset, plan: _Plan, gri
         # sequences: an uninterrupted analyze writes each chunk once (one chunk per sequence
         # cost 2 ms a chunk, a third of an analyze's writes).
         per_chunk = {"seq": _sequences_per_batch(ds.sizes["layer"])}
-        for name, lazy in _lazy_groups(ds.isel(seq=slice(0, 1)), grid, seed).items():
+        for name, lazy in _lazy_groups(store, run_id, ds.isel(seq=slice(0, 1)), grid, seed).items():
             write_dataset(lazy, store, paths[name], compute=False, chunks=per_chunk)
         groups = _open_groups(store, paths)
     for group in groups.values():
@@ -554,13 +562,13 @@ def _compute_sequences(store: str, run_id: str, ds: xr.Dataset, plan: _Plan, par
     pending = Pending(params, plan.keep, staged=plan.staged)
     set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
     paths = _sequence_paths(run_id, plan.staged)
-    keep = _prepare(store, paths, ds, plan, params["n_grid"], seed)
+    keep = _prepare(store, run_id, paths, ds, plan, params["n_grid"], seed)
     pending = replace(pending, sequences=keep)
     groups = _open_groups(store, paths)
     target = plan.target
     with tqdm(total=len(target) - len(keep), unit="seq", desc=f"{run_id}: analyze", disable=not progress) as bar:
         for a, b in _batches(len(keep), len(target), ds.sizes["layer"]):
-            _write_batch(groups, _computed_groups(ds.isel(seq=slice(a, b)), params["n_grid"], seed), a)
+            _write_batch(groups, _computed_groups(store, run_id, ds.isel(seq=slice(a, b)), params["n_grid"], seed), a)
             pending = replace(pending, sequences=target[:b])
             set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
             bar.update(b - a)

@@ -16,6 +16,7 @@ from attngeom.store.access import (
     open_dataset,
     open_or_create_root,
     open_root,
+    read_chunk,
     read_root_attrs,
     store_format,
     write_dataset,
@@ -90,7 +91,7 @@ __all__ = [
     "create_run", "damaged_objects", "default_run_id", "derived_problems", "derived_state",
     "has_checksum", "jsonable", "label_codes", "label_dtype", "local_path", "n_sequences",
     "open_dataset", "open_derived", "open_or_create_root", "open_root", "open_run_group",
-    "read_root_attrs", "reading_run", "repair", "replace_groups", "require_run", "resize_run",
+    "read_chunk", "read_root_attrs", "reading_run", "repair", "replace_groups", "require_run", "resize_run",
     "run_ids", "run_layout", "run_path", "run_provenance", "store_format", "validate_run",
     "validate_store", "with_checksum", "write_dataset", "write_sequence", "writing", "zarr_store",
 ]
