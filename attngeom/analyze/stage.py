@@ -194,16 +194,6 @@ def _geometry_variables(stacked: Any, ds: xr.Dataset, grid: np.ndarray) -> tuple
     return xr.Dataset(topn, coords={**coords, "n": grid}), xr.Dataset(values, coords=coords)
 
 
-def geometry_datasets(store: str, run_id: str, ds: xr.Dataset, n_grid: Sequence[int],
-                      seed: int = 0) -> tuple[xr.Dataset, xr.Dataset]:
-    """Lazy Datasets of the sequences ``ds`` of a run (:func:`open_completed`): ``topn`` (seq,
-    layer, head, n), every SPEC §3 quantity, and ``values`` (seq, layer, head), the
-    per-sequence norm and coherence statistics. Both come from one graph, so computed
-    together each (sequence, layer) block runs once."""
-    grid = np.asarray(n_grid, dtype=np.int64)
-    return _geometry_variables(_geometry_blocks(store, run_id, ds, grid, seed).rechunk({1: -1}), ds, grid)
-
-
 def _vote_blocks(ds: xr.Dataset) -> da.Array:
     """Lazy (seq, layer, head, vote) query-vote counts: from the full rows and values when
     the run kept them (``--store-rows all``), else from the stored winners."""
@@ -454,9 +444,14 @@ def _groups(grid: Sequence[int], seed: int, topn_values: tuple[xr.Dataset, xr.Da
     return {"topn": topn, "values": values, "taxonomy": votes}
 
 
-def _lazy_groups(store: str, run_id: str, ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str, xr.Dataset]:
-    """The per-sequence groups of ``ds``'s sequences, lazy."""
-    return _groups(grid, seed, geometry_datasets(store, run_id, ds, grid, seed), votes_dataset(ds))
+def _template_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str, xr.Dataset]:
+    """The per-sequence groups of ``ds``'s sequences as they will be computed (shapes, types,
+    coordinates, attributes) over dask arrays that are never computed: their metadata."""
+    sizes = (ds.sizes["seq"], ds.sizes["layer"], ds.sizes["head"])
+    stacked = da.empty((*sizes, len(grid), len(TOPN_VARIABLES) + len(VALUE_STATISTICS)), dtype=np.float64)
+    votes = da.empty((*sizes, len(VOTES)), dtype=np.int64)
+    return _groups(grid, seed, _geometry_variables(stacked, ds, np.asarray(grid, dtype=np.int64)),
+                   _votes_variables(votes, ds))
 
 
 def _computed_groups(store: str, run_id: str, ds: xr.Dataset, grid: Sequence[int],
@@ -474,7 +469,7 @@ def _open_groups(store: str, paths: dict[str, str]) -> dict[str, zarr.Group]:
     return {name: zarr.open_group(target, path=path, mode="r+", use_consolidated=False) for name, path in paths.items()}
 
 
-def _prepare(store: str, run_id: str, paths: dict[str, str], ds: xr.Dataset, plan: _Plan, grid, seed) -> tuple[int, ...]:
+def _prepare(store: str, paths: dict[str, str], ds: xr.Dataset, plan: _Plan, grid, seed) -> tuple[int, ...]:
     """Create the per-sequence groups sized for ``plan.target`` (only metadata and the
     fixed coordinates are written), or grow the kept ones; returns the prefix kept."""
     keep = plan.keep
@@ -486,15 +481,13 @@ def _prepare(store: str, run_id: str, paths: dict[str, str], ds: xr.Dataset, pla
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
             keep = ()
     if not keep:
-        # Metadata from a one-sequence graph (a graph of every sequence would cost seconds
-        # on large runs), then grown to the target like kept groups. A chunk holds a batch's
-        # sequences: an uninterrupted analyze writes each chunk once (one chunk per sequence
-        # cost 2 ms a chunk, a third of an analyze's writes).
+        # A chunk holds a batch's sequences: an uninterrupted analyze writes each chunk once
+        # (one chunk per sequence cost 2 ms a chunk, a third of an analyze's writes).
         per_chunk = {"seq": _sequences_per_batch(ds.sizes["layer"])}
-        for name, lazy in _lazy_groups(store, run_id, ds.isel(seq=slice(0, 1)), grid, seed).items():
-            write_dataset(lazy, store, paths[name], compute=False, chunks=per_chunk)
-        groups = _open_groups(store, paths)
-    for group in groups.values():
+        for name, template in _template_groups(ds, grid, seed).items():
+            write_dataset(template, store, paths[name], compute=False, chunks=per_chunk)
+        return keep
+    for group in _open_groups(store, paths).values():
         for _, arr in group.arrays():
             if tuple(arr.metadata.dimension_names or ())[:1] == ("seq",) and arr.shape[0] != len(plan.target):
                 arr.resize((len(plan.target), *arr.shape[1:]))
@@ -562,7 +555,7 @@ def _compute_sequences(store: str, run_id: str, ds: xr.Dataset, plan: _Plan, par
     pending = Pending(params, plan.keep, staged=plan.staged)
     set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
     paths = _sequence_paths(run_id, plan.staged)
-    keep = _prepare(store, run_id, paths, ds, plan, params["n_grid"], seed)
+    keep = _prepare(store, paths, ds, plan, params["n_grid"], seed)
     pending = replace(pending, sequences=keep)
     groups = _open_groups(store, paths)
     target = plan.target
