@@ -516,12 +516,12 @@ def _cross_sequence_groups(store: str, paths: dict[str, str], n_seq: int, proven
     of 4 sequences), one variable at a time beyond."""
     stored = {name: open_dataset(store, path).isel(seq=slice(0, n_seq)) for name, path in paths.items()}
     topn = stored["topn"]
-    if topn.nbytes <= _LOADED_TOPN_BYTES:
-        topn = topn.load()
     # NaN marks "not defined here" (no sink, N too large): all-NaN reductions are expected.
     # The reads are small; a cluster would only add transfers.
     with warnings.catch_warnings(), dask.config.set(scheduler="threads"):
         warnings.simplefilter("ignore", RuntimeWarning)
+        if topn.nbytes <= _LOADED_TOPN_BYTES:
+            topn = topn.load()
         heads = heads_dataset(stored["values"].load(), topn[["mu", "mu_q95"]].load(), stored["taxonomy"].load())
         summary = summary_dataset(topn)
         per_head = topn[list(SIGNATURE_VARIABLES)].load().mean("seq")
