@@ -168,7 +168,8 @@ def _geometry_blocks(store: str, run_id: str, ds: xr.Dataset, grid: np.ndarray, 
     of ``store``, opened by :func:`open_completed`): the columns of :func:`_geometry_block`,
     one task per (sequence, layer). A task reads its own inputs: a graph that read them in
     tasks of their own (and selected the sequences in more) sent every chunk through this
-    process on its way to a worker, which cost a third of the kernels' time."""
+    process on its way to a worker: about 12 ms more for each block of 43 ms (smollm2-135m,
+    L = 512, two worker processes)."""
     run = open_run_group(open_root(store), run_id)
     n_var = len(TOPN_VARIABLES) + len(VALUE_STATISTICS)
     return da.map_blocks(
