@@ -23,6 +23,8 @@ from test_analyze_kernels import brute_topn, brute_value_statistics
 
 from attngeom.analyze.stage import (
     _instance_seed,
+    _Plan,
+    _prepare,
     analyze,
     nan_median,
     nan_quantiles,
@@ -30,6 +32,7 @@ from attngeom.analyze.stage import (
 )
 from attngeom.cli import main
 from attngeom.errors import IncompleteGroupError
+from attngeom.store import ANALYSIS_SEQUENCE_GROUPS
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.report.data import load_runs
 from attngeom.store import (
@@ -222,6 +225,22 @@ def test_parameter_change_recomputes_and_says_why(llama_stores, reference, tmp_p
     bad = CliRunner().invoke(main, ["analyze", "--store", str(store), "--n-grid", "1,16"])
     assert bad.exit_code == 2 and "1 <= N < L = 16" in bad.stderr
     assert derived_state(str(store), "r", ANALYSIS).commit.parameters["seed"] == 3  # untouched
+
+
+def test_groups_of_a_run_larger_than_a_dask_chunk_are_created(tmp_path):
+    """The per-sequence groups of 1,000 sequences of a 7B-sized run (32 layers, 32 heads: 1 GB
+    of topn, never computed) are created chunked a batch of 4 sequences at a time."""
+    n_seq, layers, heads = 1000, 32, 32
+    ds = xr.Dataset(coords={"seq": np.arange(n_seq), "layer": np.arange(layers), "head": np.arange(heads)})
+    store = str(tmp_path / "s.zarr")
+    zarr.open_group(store, mode="w")
+    paths = {name: f"g/{name}" for name in ANALYSIS_SEQUENCE_GROUPS}
+    plan = _Plan(target=tuple(range(n_seq)), keep=(), staged=False, keep_commit=False, recomputed=None)
+    assert _prepare(store, paths, ds, plan, [1, 2, 4], seed=0) == ()
+    recall = zarr.open_group(store, path="g/topn", mode="r")["recall"]
+    assert recall.shape == (n_seq, layers, heads, 3) and recall.chunks == (4, layers, heads, 3)
+    votes = zarr.open_group(store, path="g/taxonomy", mode="r")["votes"]
+    assert votes.shape == (n_seq, layers, heads, 3) and votes.chunks == (4, layers, heads, 3)
 
 
 def test_vectorized_quantiles_equal_numpy():

@@ -450,10 +450,15 @@ def _groups(grid: Sequence[int], seed: int, topn_values: tuple[xr.Dataset, xr.Da
 
 def _template_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str, xr.Dataset]:
     """The per-sequence groups of ``ds``'s sequences as they will be computed (shapes, types,
-    coordinates, attributes) over dask arrays that are never computed: their metadata."""
+    coordinates, attributes) over dask arrays that are never computed: their metadata.
+
+    Each array is one dask chunk: xarray refuses to write a zarr chunk (a batch of sequences)
+    that straddles two dask chunks, and dask's automatic ones (128 MiB) would, from about 30
+    sequences of a 7B model. Never computed, a chunk costs no memory."""
     sizes = (ds.sizes["seq"], ds.sizes["layer"], ds.sizes["head"])
-    stacked = da.empty((*sizes, len(grid), len(TOPN_VARIABLES) + len(VALUE_STATISTICS)), dtype=np.float64)
-    votes = da.empty((*sizes, len(VOTES)), dtype=np.int64)
+    n_var = len(TOPN_VARIABLES) + len(VALUE_STATISTICS)
+    stacked = da.empty((*sizes, len(grid), n_var), dtype=np.float64, chunks=-1)
+    votes = da.empty((*sizes, len(VOTES)), dtype=np.int64, chunks=-1)
     return _groups(grid, seed, _geometry_variables(stacked, ds, np.asarray(grid, dtype=np.int64)),
                    _votes_variables(votes, ds))
 
