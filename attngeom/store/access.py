@@ -417,30 +417,68 @@ def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = 
     """Write a derived Dataset to ``group``, replacing it, in the store's format: chunk
     checksums, labels as integer codes (:func:`encode_labels`).
 
-    With ``compute=False`` only the metadata is written, for later region writes. ``chunks``
-    gives chunk lengths along some dimensions (a variable with one of them is chunked whole
-    along its others) instead of the data's own chunks. The group is assembled in memory
-    first (derived groups are small), then its objects are written to the store concurrently:
-    xarray writes variable by variable, each a few round trips to the store (about 15 ms a
-    variable on a local disk, seconds for an analysis).
+    With ``compute=False`` only the metadata and the numpy-backed variables are written, for
+    later region writes into the dask-backed ones. Arrays are chunked as the data's dask chunks,
+    or as zarr chooses; ``chunks`` gives chunk lengths along some dimensions instead (a
+    variable with one of them is chunked whole along its others).
+
+    What is stored is what ``Dataset.to_zarr`` stores (``tests/test_store_writes.py`` holds the two
+    side by side): NaN as the fill value of floats, with xarray's ``_FillValue`` attribute;
+    0 (False) for integers (booleans). The group is assembled in memory first, all of its
+    arrays at once, then its objects are copied to the store concurrently: ``to_zarr``
+    creates, fills and annotates one array after another, and took 2.5-4 ms an array of an
+    analysis's 98 small ones (0.4-0.5 s) where this takes about 0.7 ms.
     """
     dataset = encode_labels(dataset)
-    chunks = chunks or {}
-    encoding = {}
-    for name, var in dataset.variables.items():
-        encoding[name] = {"compressors": compressors(var.dtype)}
-        if set(chunks) & set(var.dims):
-            encoding[name]["chunks"] = tuple(chunks.get(dim, size) for dim, size in var.sizes.items())
+    coordinates = set(dataset.coords) - set(dataset.dims)
+    if coordinates:
+        raise ValueError(f"write_dataset stores dimension coordinates only, not {sorted(coordinates)}")
+    data = {name: None if not compute and isinstance(var.data, da.Array) else np.asarray(var.values)
+            for name, var in dataset.variables.items()}
     assembled = zarr.storage.MemoryStore()
-    dataset.to_zarr(
-        assembled, group=group, mode="w", consolidated=False, zarr_format=3, encoding=encoding, compute=compute
-    )
+    sync(_assemble(dataset, data, assembled, group, chunks or {}))
     target = zarr_store(url, read_only=False)
     with writing(url):
         parent = group.rpartition("/")[0]
         if parent:
             zarr.open_group(target, path=parent, mode="a", use_consolidated=False)
         sync(_replace_group(target, group, assembled))
+
+
+def _chunk_shape(var: xr.Variable, chunks: Mapping[str, int]) -> tuple[int, ...] | str:
+    """``chunks`` along its dimensions and whole along the others if it names one of the
+    variable's; else the dask chunks; else zarr's own choice ("auto"), as ``to_zarr``."""
+    if set(chunks) & set(var.dims):
+        return tuple(max(1, chunks.get(dim, size)) for dim, size in var.sizes.items())
+    if isinstance(var.data, da.Array):
+        return tuple(max(1, c[0] if c else 0) for c in var.data.chunks)
+    return "auto"
+
+
+# xarray's ``_FillValue`` attribute of a float variable stored in Zarr v3: the float64 NaN's
+# bytes in base64, whatever the float's width.
+_NAN_FILL_ATTRIBUTE = "AAAAAAAA+H8="
+
+
+async def _assemble(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], store: Any, group: str,
+                    chunks: Mapping[str, int]) -> None:
+    """Create the group of ``dataset`` and its arrays in ``store``, writing ``data`` (None:
+    metadata only), every array at once."""
+    root = await zarr.api.asynchronous.open_group(store=store, path=group, mode="w", zarr_format=3,
+                                                   attributes=dataset.attrs)
+
+    async def create(name: str, var: xr.Variable) -> None:
+        floating = var.dtype.kind == "f"
+        arr = await root.create_array(
+            name, shape=var.shape, dtype=var.dtype, chunks=_chunk_shape(var, chunks),
+            compressors=compressors(var.dtype), fill_value=np.nan if floating else None,
+            dimension_names=var.dims or None,
+            attributes={**var.attrs, **({"_FillValue": _NAN_FILL_ATTRIBUTE} if floating else {})},
+        )
+        if data[name] is not None:
+            await arr.setitem(Ellipsis, data[name])
+
+    await asyncio.gather(*(create(name, var) for name, var in dataset.variables.items()))
 
 
 async def _replace_group(target: Any, group: str, source: Any) -> None:

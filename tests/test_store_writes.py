@@ -1,0 +1,102 @@
+"""write_dataset, the writer of every derived group, stores what xarray's own ``to_zarr`` stores
+(its brute-force twin here): the same objects, the same metadata, the same chunk bytes."""
+
+from __future__ import annotations
+
+import json
+
+import dask.array as da
+import numpy as np
+import pytest
+import xarray as xr
+import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+
+from attngeom.store import open_dataset, write_dataset, zarr_store
+from attngeom.store.access import encode_labels
+from attngeom.store.codecs import compressors
+
+
+def to_zarr_twin(dataset: xr.Dataset, group: str, *, compute: bool = True, chunks=None) -> zarr.storage.MemoryStore:
+    """The group as ``Dataset.to_zarr`` writes it, with the store's codecs and chunk lengths."""
+    dataset = encode_labels(dataset)
+    chunks = chunks or {}
+    encoding = {}
+    for name, var in dataset.variables.items():
+        encoding[name] = {"compressors": compressors(var.dtype)}
+        if set(chunks) & set(var.dims):
+            encoding[name]["chunks"] = tuple(chunks.get(dim, size) for dim, size in var.sizes.items())
+    store = zarr.storage.MemoryStore()
+    dataset.to_zarr(store, group=group, mode="w", consolidated=False, zarr_format=3, encoding=encoding,
+                    compute=compute)
+    return store
+
+
+def objects(store, group: str) -> dict:
+    """Every object under the group: parsed JSON for metadata, bytes for chunks."""
+
+    async def read() -> dict:
+        out = {}
+        async for key in store.list_prefix(f"{group}/"):
+            raw = (await store.get(key, prototype=default_buffer_prototype())).to_bytes()
+            out[key] = json.loads(raw) if key.endswith("zarr.json") else raw
+        return out
+
+    return sync(read())
+
+
+def sample_datasets() -> dict[str, xr.Dataset]:
+    rng = np.random.default_rng(0)
+    floats = rng.normal(size=(3, 4, 5))
+    floats[0, 1] = np.nan
+    analysis_like = xr.Dataset(
+        {
+            "f": (("layer", "head", "n"), floats),
+            "all_nan": (("layer", "head"), np.full((3, 4), np.nan)),
+            "count": (("layer", "head", "n"), rng.integers(-1, 9, size=(3, 4, 5))),
+            "flag": (("layer", "head"), rng.integers(0, 2, size=(3, 4)).astype(np.int8)),
+            "regime": (("layer", "head"), rng.choice(["Mixer", "Reset", "a b"], size=(3, 4)).astype(object)),
+        },
+        coords={"layer": np.arange(3, dtype=np.int32), "head": np.arange(4, dtype=np.int32),
+                "n": [1, 2, 4, 8, 16], "stat": np.array(["mean", "q95"], dtype=object)},
+        attrs={"attngeom": {"n_grid": [1, 2], "seed": 0}, "coherence_n": 64},
+    )
+    odd = xr.Dataset(
+        {
+            "f32": ("a", np.float32([1.5, np.nan])),
+            "mask": ("a", np.array([True, False])),
+            "empty": ("e", np.zeros(0)),
+            "scalar": ((), 3.5),
+            "long": ("row", rng.normal(size=200_000)),  # zarr chooses several chunks
+        },
+        coords={"a": [10, 20], "e": np.zeros(0, dtype=np.int64), "row": np.arange(200_000)},
+        attrs={"critical_heads": 0},
+    )
+    lazy = xr.Dataset(
+        {"x": (("seq", "layer"), da.ones((6, 3), chunks=(2, 3))), "y": ("seq", da.zeros(6, chunks=2, dtype=np.int64))},
+        coords={"seq": np.arange(6), "layer": np.arange(3)},
+    )
+    return {"analysis_like": analysis_like, "odd": odd, "lazy": lazy}
+
+
+@pytest.mark.parametrize("name", ["analysis_like", "odd", "lazy"])
+@pytest.mark.parametrize("compute", [True, False])
+@pytest.mark.parametrize("chunks", [None, {"seq": 2, "layer": 2}])
+def test_write_dataset_stores_what_to_zarr_stores(name, compute, chunks):
+    dataset = sample_datasets()[name]
+    url = f"memory://writes-{name}-{compute}-{chunks is None}"
+    write_dataset(dataset, url, "runs/r/analysis/g", compute=compute, chunks=chunks)
+    got = objects(zarr_store(url, read_only=True), "runs/r/analysis/g")
+    want = objects(to_zarr_twin(dataset, "runs/r/analysis/g", compute=compute, chunks=chunks), "runs/r/analysis/g")
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert got[key] == want[key], key
+    if compute:
+        xr.testing.assert_identical(open_dataset(url, "runs/r/analysis/g").load(), dataset.load())
+
+
+def test_write_dataset_refuses_a_non_dimension_coordinate():
+    dataset = xr.Dataset({"x": ("a", [1.0, 2.0])}, coords={"a": [0, 1], "label": ("a", [5, 6])})
+    with pytest.raises(ValueError, match="label"):
+        write_dataset(dataset, "memory://writes-coordinate", "g")
