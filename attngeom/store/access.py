@@ -57,10 +57,10 @@ PARTIAL_SUFFIX = ".partial"
 
 def zarr_store(url: str, *, read_only: bool) -> Any:
     """A zarr Store for a local path or any fsspec URL (``s3://``, ``memory://``, ``file://``)."""
-    url = url.removeprefix("file://")
-    if "://" in url:
+    local = local_path(url)
+    if local is None:
         return zarr.storage.FsspecStore.from_url(url, read_only=read_only)
-    return zarr.storage.LocalStore(url, read_only=read_only)
+    return zarr.storage.LocalStore(local, read_only=read_only)
 
 
 def store_format(meta: Mapping[str, Any]) -> int:

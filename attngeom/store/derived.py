@@ -33,7 +33,7 @@ from zarr.core.sync import sync
 
 from attngeom import __version__
 from attngeom.errors import GroupNotFoundError, IncompleteGroupError
-from attngeom.store.access import copy_group, jsonable, open_dataset, write_dataset, zarr_store
+from attngeom.store.access import copy_group, jsonable, local_path, open_dataset, write_dataset, zarr_store
 from attngeom.store.schema import ABLATION, ANALYSIS, ATTR_KEY, run_path
 
 __all__ = [
@@ -172,19 +172,14 @@ def commit(url: str, run_id: str, kind: str, done: Commit) -> None:
     _write_record(url, run_id, kind, done, None)
 
 
-def _local_path(url: str) -> str | None:
-    url = url.removeprefix("file://")
-    return None if "://" in url else url
-
-
 # Moving and removing groups: a folder rename on a local store; on any other store (object
 # stores have no rename) a copy of each object through the zarr Store, then a delete.
 
 
 def _remove(url: str, path: str) -> None:
-    local = _local_path(url)
+    local = local_path(url)
     if local is not None:
-        shutil.rmtree(os.path.join(local, path), ignore_errors=True)
+        shutil.rmtree(local / path, ignore_errors=True)
         return
     sync(zarr_store(url, read_only=False).delete_dir(path))
 
@@ -192,9 +187,9 @@ def _remove(url: str, path: str) -> None:
 def _move(url: str, source: str, target: str) -> None:
     """Move the group at ``source`` to ``target``, replacing it."""
     _remove(url, target)
-    local = _local_path(url)
+    local = local_path(url)
     if local is not None:
-        os.replace(os.path.join(local, source), os.path.join(local, target))
+        os.replace(local / source, local / target)
         return
     store = zarr_store(url, read_only=False)
 
@@ -206,9 +201,9 @@ def _move(url: str, source: str, target: str) -> None:
 
 
 def _exists(url: str, path: str) -> bool:
-    local = _local_path(url)
+    local = local_path(url)
     if local is not None:
-        return os.path.exists(os.path.join(local, path, "zarr.json"))
+        return (local / path / "zarr.json").exists()
     return sync(zarr_store(url, read_only=True).exists(f"{path}/zarr.json"))
 
 
