@@ -1,8 +1,9 @@
 """The analyze stage: the kernels of SPEC §3 mapped over a store, out of core, with Dask.
 
-Each task reads one (sequence, layer) chunk of ``attn_last`` and ``values`` (the store's inner
-chunks), evaluates every head of it, and returns a few kilobytes; memory per worker is bounded
-by one such chunk whatever the store's size. Results are written back to the store under
+Each task reads one (sequence, layer) chunk of ``attn_last``, ``values`` and the votes' source
+(``winner``, or the full rows of a run that kept them) (the store's inner chunks), evaluates
+every head of it, and returns a few kilobytes; memory per worker is bounded by one such chunk
+whatever the store's size. Results are written back to the store under
 ``runs/<id>/analysis/``:
 
 - ``topn``    (seq, layer, head, n): the per-instance quantities of SPEC §3;
@@ -98,6 +99,10 @@ BATCH_TASKS = 128
 _LOADED_TOPN_BYTES = 1 << 28
 
 
+# The columns of a (sequence, layer) block's results (`_geometry_block`).
+_BLOCK_COLUMNS = (*TOPN_VARIABLES, *VALUE_STATISTICS, *(f"votes_{vote}" for vote in VOTES))
+
+
 def default_n_grid(length: int) -> list[int]:
     """N in {1, 2, 4, ...} with N < L."""
     return [2**k for k in range(int(np.log2(max(length - 1, 1))) + 1) if 2**k < length]
@@ -110,14 +115,17 @@ def _instance_seed(seed: int, seq: int, layer: int) -> int:
 
 def _geometry_block(*, block_id, seqs, store, inputs, attendable, head_kv, n_grid, seed):
     """The (sequence, layer) block ``block_id[:2]`` (sequence seqs[block_id[0]] of the run),
-    read here from the run's zarr arrays ``inputs``: attn_last (H, K) and values (KV, K, D);
-    attendable (layer, K) -> (1, 1, H, n, var) float64: TOPN_VARIABLES, then VALUE_STATISTICS
-    (the same at every n); query head h takes the statistics of kv head head_kv[h]. One
-    kernel call serves both, so each kv head's Gram matrix is computed once."""
+    read here from the run's zarr arrays ``inputs``: attn_last (H, K), values (KV, K, D) and
+    the votes' source, winner (H, Q) or the full rows attn (H, Q, K) of a run that kept them;
+    attendable (layer, K) -> (1, 1, H, n, column) float64: the _BLOCK_COLUMNS, the value
+    statistics and votes the same at every n; query head h takes the statistics of kv head
+    head_kv[h]. One kernel call serves both geometry outputs, so each kv head's Gram matrix is
+    computed once."""
     seq, layer = int(seqs[block_id[0]]), block_id[1]
-    attn, kv_values = (read_chunk(store, arr, (seq, layer)).astype(np.float64) for arr in inputs)
+    attn, kv_values, source = (read_chunk(store, arr, (seq, layer)) for arr in inputs)
+    kv_values = kv_values.astype(np.float64)
     topn, stats = head_metrics(
-        attn,
+        attn.astype(np.float64),
         kv_values,
         np.broadcast_to(attendable[layer], kv_values.shape[:2]),
         n_grid,
@@ -125,9 +133,11 @@ def _geometry_block(*, block_id, seqs, store, inputs, attendable, head_kv, n_gri
         seed=_instance_seed(seed, seq, layer),
         random_draws=RANDOM_DRAWS,
     )
+    winner = source if source.ndim == 2 else taxonomy.winners_from_rows(source, kv_values, head_kv)
     per_n = np.stack([topn[name].astype(np.float64) for name in TOPN_VARIABLES], axis=-1)
-    per_head = np.stack([stats[name][head_kv] for name in VALUE_STATISTICS], axis=-1)
-    per_head = np.broadcast_to(per_head[:, None], (*per_n.shape[:2], len(VALUE_STATISTICS)))
+    per_head = np.concatenate([np.stack([stats[name][head_kv] for name in VALUE_STATISTICS], axis=-1),
+                               taxonomy.query_votes(winner)], axis=-1)
+    per_head = np.broadcast_to(per_head[:, None], (*per_n.shape[:2], per_head.shape[-1]))
     return np.concatenate([per_n, per_head], axis=-1)[None, None]
 
 
@@ -164,38 +174,42 @@ def open_completed(store: str, run_id: str) -> xr.Dataset:
 
 
 def _geometry_blocks(store: str, run_id: str, ds: xr.Dataset, grid: np.ndarray, seed: int) -> da.Array:
-    """Lazy (seq, layer, head, n, var) float64 of the sequences of ``ds`` (the run ``run_id``
-    of ``store``, opened by :func:`open_completed`): the columns of :func:`_geometry_block`,
-    one task per (sequence, layer). A task reads its own inputs: a graph that read them in
-    tasks of their own (and selected the sequences in more) sent every chunk through this
-    process on its way to a worker: about 12 ms more for each block of 43 ms (smollm2-135m,
-    L = 512, two worker processes)."""
+    """Lazy (seq, layer, head, n, column) float64 of the sequences of ``ds`` (the run
+    ``run_id`` of ``store``, opened by :func:`open_completed`): :func:`_geometry_block`, one task
+    per (sequence, layer). A task reads its own inputs: a graph that read them in tasks of
+    their own (and selected the sequences in more) sent every chunk through this process on
+    its way to a worker: about 12 ms more for each block of 43 ms (smollm2-135m, L = 512, two
+    worker processes). The votes are counted in the same task: in a graph of their own they
+    were 361 more tasks for 4 sequences of smollm2-135m (0.2 s computed alone)."""
     run = open_run_group(open_root(store), run_id)
-    n_var = len(TOPN_VARIABLES) + len(VALUE_STATISTICS)
     return da.map_blocks(
         _geometry_block,
-        chunks=((1,) * ds.sizes["seq"], (1,) * ds.sizes["layer"], (ds.sizes["head"],), (len(grid),), (n_var,)),
+        chunks=((1,) * ds.sizes["seq"], (1,) * ds.sizes["layer"], (ds.sizes["head"],), (len(grid),),
+                (len(_BLOCK_COLUMNS),)),
         dtype=np.float64, meta=np.empty((0,) * 5),
-        seqs=ds["seq"].values, store=store, inputs=(run["attn_last"], run["values"]),
+        seqs=ds["seq"].values, store=store,
+        inputs=(run["attn_last"], run["values"], run["attn" if "attn" in ds else "winner"]),
         attendable=ds["attendable"].values, head_kv=ds["head_kv"].values, n_grid=grid, seed=seed,
     )
 
 
-def _geometry_variables(stacked: Any, ds: xr.Dataset, grid: np.ndarray) -> tuple[xr.Dataset, xr.Dataset]:
-    """``topn`` and ``values`` Datasets from the stacked columns (numpy or dask)."""
+def _block_variables(stacked: Any, ds: xr.Dataset, grid: np.ndarray) -> tuple[xr.Dataset, xr.Dataset, xr.Dataset]:
+    """``topn``, ``values`` and ``taxonomy`` Datasets from the stacked columns (numpy or dask)."""
     coords = {"seq": ds["seq"].values, "layer": ds["layer"].values, "head": ds["head"].values}
     dims = ("seq", "layer", "head", "n")
+    columns = {name: stacked[..., i] for i, name in enumerate(_BLOCK_COLUMNS)}
     topn = {}
-    for i, name in enumerate(TOPN_VARIABLES):
-        x = stacked[..., i]
+    for name in TOPN_VARIABLES:
+        x = columns[name]
         if name in TOPN_COUNTS:
             x = x.astype(np.int64)
         elif name == "sink_selected":
             x = x.astype(np.int8)
         topn[name] = (dims, x)
-    offset = len(TOPN_VARIABLES)
-    values = {name: (dims[:3], stacked[:, :, :, 0, offset + i]) for i, name in enumerate(VALUE_STATISTICS)}
-    return xr.Dataset(topn, coords={**coords, "n": grid}), xr.Dataset(values, coords=coords)
+    values = {name: (dims[:3], columns[name][:, :, :, 0]) for name in VALUE_STATISTICS}
+    votes = stacked[:, :, :, 0, len(_BLOCK_COLUMNS) - len(VOTES):].astype(np.int64)
+    return (xr.Dataset(topn, coords={**coords, "n": grid}), xr.Dataset(values, coords=coords),
+            _votes_variables(votes, ds))
 
 
 def _vote_blocks(ds: xr.Dataset) -> da.Array:
@@ -441,9 +455,9 @@ def _sequence_paths(run_id: str, staged: bool) -> dict[str, str]:
             for name in ANALYSIS_SEQUENCE_GROUPS}
 
 
-def _groups(grid: Sequence[int], seed: int, topn_values: tuple[xr.Dataset, xr.Dataset],
-            votes: xr.Dataset) -> dict[str, xr.Dataset]:
-    topn, values = topn_values
+def _groups(grid: Sequence[int], seed: int, stacked: Any, ds: xr.Dataset) -> dict[str, xr.Dataset]:
+    """The per-sequence groups from the stacked columns of the blocks (numpy or dask)."""
+    topn, values, votes = _block_variables(stacked, ds, np.asarray(grid, dtype=np.int64))
     topn.attrs["attngeom"] = {"n_grid": list(grid), "random_draws": RANDOM_DRAWS, "seed": seed}
     return {"topn": topn, "values": values, "taxonomy": votes}
 
@@ -455,12 +469,8 @@ def _template_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str
     Each array is one dask chunk: xarray refuses to write a zarr chunk (a batch of sequences)
     that straddles two dask chunks, and dask's automatic ones (128 MiB) would, from about 30
     sequences of a 7B model. Never computed, a chunk costs no memory."""
-    sizes = (ds.sizes["seq"], ds.sizes["layer"], ds.sizes["head"])
-    n_var = len(TOPN_VARIABLES) + len(VALUE_STATISTICS)
-    stacked = da.empty((*sizes, len(grid), n_var), dtype=np.float64, chunks=-1)
-    votes = da.empty((*sizes, len(VOTES)), dtype=np.int64, chunks=-1)
-    return _groups(grid, seed, _geometry_variables(stacked, ds, np.asarray(grid, dtype=np.int64)),
-                   _votes_variables(votes, ds))
+    shape = (ds.sizes["seq"], ds.sizes["layer"], ds.sizes["head"], len(grid), len(_BLOCK_COLUMNS))
+    return _groups(grid, seed, da.empty(shape, dtype=np.float64, chunks=-1), ds)
 
 
 def _computed_groups(store: str, run_id: str, ds: xr.Dataset, grid: Sequence[int],
@@ -468,9 +478,8 @@ def _computed_groups(store: str, run_id: str, ds: xr.Dataset, grid: Sequence[int
     """The per-sequence groups of ``ds``'s sequences, computed. Only the (sequence, layer)
     blocks are Dask tasks; their results are split into variables here, so that a worker
     process is sent the work, not every variable's slice of the results."""
-    n_grid = np.asarray(grid, dtype=np.int64)
-    stacked, votes = dask.compute(_geometry_blocks(store, run_id, ds, n_grid, seed), _vote_blocks(ds))
-    return _groups(grid, seed, _geometry_variables(stacked, ds, n_grid), _votes_variables(votes, ds))
+    stacked = _geometry_blocks(store, run_id, ds, np.asarray(grid, dtype=np.int64), seed).compute()
+    return _groups(grid, seed, stacked, ds)
 
 
 def _open_groups(store: str, paths: dict[str, str]) -> dict[str, zarr.Group]:
