@@ -427,7 +427,7 @@ def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = 
     0 (False) for integers (booleans). The group is assembled in memory first, all of its
     arrays at once, then its objects are copied to the store concurrently. ``to_zarr``
     creates, fills and annotates one array after another: an analysis's four groups across
-    sequences (98 small arrays) took 0.45-0.52 s through it and take 0.32-0.37 s so, most of it
+    sequences (98 small arrays) took 0.43-0.61 s through it and take 0.31-0.45 s so, most of it
     compressing and writing the objects.
     """
     dataset = encode_labels(dataset)
