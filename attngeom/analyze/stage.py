@@ -99,7 +99,7 @@ BATCH_TASKS = 128
 _LOADED_TOPN_BYTES = 1 << 28
 
 
-# The columns of a (sequence, layer) block's results (`_geometry_block`).
+# The columns of a (sequence, layer) block's results (`_analysis_block`).
 _BLOCK_COLUMNS = (*TOPN_VARIABLES, *VALUE_STATISTICS, *(f"votes_{vote}" for vote in VOTES))
 
 
@@ -113,7 +113,7 @@ def _instance_seed(seed: int, seq: int, layer: int) -> int:
     return int(np.random.SeedSequence([seed, seq, layer]).generate_state(1)[0])
 
 
-def _geometry_block(*, block_id, seqs, store, inputs, attendable, head_kv, n_grid, seed):
+def _analysis_block(*, block_id, seqs, store, inputs, attendable, head_kv, n_grid, seed):
     """The (sequence, layer) block ``block_id[:2]`` (sequence seqs[block_id[0]] of the run),
     read here from the run's zarr arrays ``inputs``: attn_last (H, K), values (KV, K, D) and
     the votes' source, winner (H, Q) or the full rows attn (H, Q, K) of a run that kept them;
@@ -173,9 +173,9 @@ def open_completed(store: str, run_id: str) -> xr.Dataset:
     return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
 
 
-def _geometry_blocks(store: str, run_id: str, ds: xr.Dataset, grid: np.ndarray, seed: int) -> da.Array:
+def _analysis_blocks(store: str, run_id: str, ds: xr.Dataset, grid: np.ndarray, seed: int) -> da.Array:
     """Lazy (seq, layer, head, n, column) float64 of the sequences of ``ds`` (the run
-    ``run_id`` of ``store``, opened by :func:`open_completed`): :func:`_geometry_block`, one task
+    ``run_id`` of ``store``, opened by :func:`open_completed`): :func:`_analysis_block`, one task
     per (sequence, layer). A task reads its own inputs: a graph that read them in tasks of
     their own (and selected the sequences in more) sent every chunk through this process on
     its way to a worker: about 12 ms more for each block of 43 ms (smollm2-135m, L = 512, two
@@ -183,7 +183,7 @@ def _geometry_blocks(store: str, run_id: str, ds: xr.Dataset, grid: np.ndarray, 
     were 361 more tasks for 4 sequences of smollm2-135m (0.2 s computed alone)."""
     run = open_run_group(open_root(store), run_id)
     return da.map_blocks(
-        _geometry_block,
+        _analysis_block,
         chunks=((1,) * ds.sizes["seq"], (1,) * ds.sizes["layer"], (ds.sizes["head"],), (len(grid),),
                 (len(_BLOCK_COLUMNS),)),
         dtype=np.float64, meta=np.empty((0,) * 5),
@@ -478,7 +478,7 @@ def _computed_groups(store: str, run_id: str, ds: xr.Dataset, grid: Sequence[int
     """The per-sequence groups of ``ds``'s sequences, computed. Only the (sequence, layer)
     blocks are Dask tasks; their results are split into variables here, so that a worker
     process is sent the work, not every variable's slice of the results."""
-    stacked = _geometry_blocks(store, run_id, ds, np.asarray(grid, dtype=np.int64), seed).compute()
+    stacked = _analysis_blocks(store, run_id, ds, np.asarray(grid, dtype=np.int64), seed).compute()
     return _groups(grid, seed, stacked, ds)
 
 
