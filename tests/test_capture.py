@@ -284,3 +284,18 @@ def test_additive_floor_equals_filling_the_mask():
     scores = torch.randn(2, 3, 4, 64) * torch.logspace(-30, 6, 64)
     allowed = torch.rand(2, 1, 4, 64) < 0.6
     assert torch.equal(scores + masked_floor(allowed), scores.masked_fill(~allowed, MASKED))
+
+
+def test_cpu_scores_are_the_batched_product():
+    """On CPU the scores are one mm per kv head (bmm left a core idle): bmm's bits at the block
+    shapes of smollm2-135m and gemma3-270m, and bmm's values to rounding at tiny ones, where
+    the two take different kernels."""
+    from attngeom.extract.capture import _scores
+
+    torch.manual_seed(4)
+    for n, rows, keys, dim in [(1, 512, 300, 256), (3, 168, 1024, 64), (3, 168, 56, 64), (4, 7, 9, 5)]:
+        q, k = torch.randn(n, rows, dim), torch.randn(n, keys, dim)
+        scores, batched = _scores(q, k), torch.bmm(q, k.transpose(1, 2))
+        if rows * keys > 1000:
+            assert torch.equal(scores, batched)
+        torch.testing.assert_close(scores, batched, rtol=1e-6, atol=1e-6)

@@ -100,3 +100,37 @@ def test_write_dataset_refuses_a_non_dimension_coordinate():
     dataset = xr.Dataset({"x": ("a", [1.0, 2.0])}, coords={"a": [0, 1], "label": ("a", [5, 6])})
     with pytest.raises(ValueError, match="label"):
         write_dataset(dataset, "memory://writes-coordinate", "g")
+
+
+def test_a_failed_sequence_write_commits_nothing_and_ends_every_write(tmp_path):
+    """One array's chunk fails at once while the others take their time: the OSError goes up
+    only after every other write of the sequence has ended (a failed extract then removes
+    what it wrote, with nothing written after), and the sequence is not committed."""
+    import asyncio
+    import errno
+
+    from attngeom.store import RUNS, open_root, open_run_group, resize_run, run_layout, write_sequence
+    from attngeom.synthetic import synthetic_sequence, write_synthetic_run
+
+    class FullForValues(zarr.storage.WrapperStore):
+        def __init__(self, store):
+            super().__init__(store)
+            self.ended: list[str] = []
+
+        async def set(self, key, value):
+            if "/values/c/1" in key:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            await asyncio.sleep(0.2)
+            await self._store.set(key, value)
+            self.ended.append(key)
+
+    store = tmp_path / "s.zarr"
+    write_synthetic_run(str(store), "r", n_seq=1, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, length=16)
+    resize_run(open_run_group(open_root(str(store), mode="r+"), "r"), 2)
+    slow = FullForValues(zarr.storage.LocalStore(store))
+    run = zarr.open_group(slow, path=f"{RUNS}/r", mode="r+", use_consolidated=False)
+    with pytest.raises(OSError):
+        write_sequence(run, 1, synthetic_sequence(np.random.default_rng(1), run_layout(run)))
+    assert sorted(key.split("/")[2] for key in slow.ended) == [
+        "attn_last", "diag_attn", "doc_index", "entropy", "sink_attn", "tokens", "top1_attn", "window_start", "winner"]
+    assert list(run["complete"][:]) == [1, 0]
