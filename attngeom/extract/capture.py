@@ -32,7 +32,9 @@ ATTN_IMPLEMENTATION = "attngeom_capture"
 # Bytes one block of float32 scores may take; a handful of block-sized temporaries live at
 # once. On CPU, 2 MiB blocks ran 1.9-4.7x faster than 64 MiB ones (smollm2-135m and
 # gemma3-270m layer shapes, L=512-1024) and no slower than 0.5-4 MiB ones: the temporaries
-# stay in cache. On CUDA, large blocks keep the kernel launches few.
+# stay in cache (4 MiB blocks, in the whole forward at L=512 and 1024: 1.045-1.052 of SDPA
+# against 1.028-1.051 for smollm2-135m, 0.980-1.026 against 0.941-0.978 for gemma3-270m). On
+# CUDA, large blocks keep the kernel launches few.
 BLOCK_BYTES = {"cpu": 2 * 2**20, "cuda": 64 * 2**20}
 MASKED = -1e30
 
