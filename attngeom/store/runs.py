@@ -132,7 +132,7 @@ def create_run(
 async def _create_arrays(run: zarr.Group, layout: RunLayout, n_seq: int) -> None:
     # All arrays at once: creating a run (smollm2-135m, gemma3-270m) took a median 32-34 ms so
     # against 48-49 ms one array after another.
-    group = await zarr.api.asynchronous.open_group(store=run.store, path=run.path, mode="r+", use_consolidated=False)
+    group = await _opened(run)
     existing = {name: member async for name, member in group.members() if isinstance(member, zarr.AsyncArray)}
     coordinates = _coordinates(layout)
 
@@ -199,10 +199,15 @@ def write_sequence(run: zarr.Group, seq: int, arrays: Mapping[str, np.ndarray]) 
 async def _write_sequence(run: zarr.Group, seq: int, arrays: Mapping[str, np.ndarray]) -> None:
     # All arrays at once: one array after another took 1.2-1.6x as long (smollm2-135m, L=512
     # and 1024, fresh sequences on a local disk).
-    group = await zarr.api.asynchronous.open_group(store=run.store, path=run.path, mode="r+", use_consolidated=False)
+    group = await _opened(run)
     members = {name: member async for name, member in group.members() if name in (*SEQUENCE_ARRAYS, "complete")}
     await _every(members[name].setitem(seq, arrays[name]) for name in SEQUENCE_ARRAYS if name in members)
     await members["complete"].setitem(seq, 1)
+
+
+async def _opened(run: zarr.Group) -> zarr.AsyncGroup:
+    """The run's group for the async API, read from its own metadata as ``open_run_group``."""
+    return await zarr.api.asynchronous.open_group(store=run.store, path=run.path, mode="r+", use_consolidated=False)
 
 
 async def _every(writes: Iterable[Awaitable[Any]]) -> None:
