@@ -225,7 +225,7 @@ def attention_summaries(
             torch.bmm(probs, v[:, :n_keys], out=output[:, q0 * group : q1 * group])
         if q1 == length:
             attn_last = block_probs[:, :, -1].reshape(bsz, n_heads, length)
-    last_allowed = allowed_keys(attention_mask, length - 1, length, length, query.device)[0, 0, -1]
+    last_allowed = allowed_keys(attention_mask, length - 1, length, length, device)[0, 0, -1]
 
     def heads(t: torch.Tensor) -> torch.Tensor:
         return t.transpose(2, 3).reshape(bsz, n_heads, length)
