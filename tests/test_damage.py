@@ -307,3 +307,22 @@ def test_root_json_of_a_valid_store_is_what_validate_reads(store):
     assert validate(store, "--deep") == []
     assert json.loads((store / "zarr.json").read_text())["attributes"]["attngeom"]["format"] == 3
     assert validate_store(str(store), deep=True) == []
+
+
+def test_an_unwritable_chunk_path_is_one_line(tiny_model_dir, word_corpus, tmp_path):
+    """A file where a sequence's chunk folder must go (a damaged store) stops extract with one
+    line naming the path, exit 2, the earlier sequence still committed; once the path is
+    repaired the same command finishes."""
+    store = tmp_path / "s.zarr"
+    args = ["extract", "--model", str(tiny_model_dir("llama")), "--dataset", str(word_corpus), "-L", "16",
+            "--store", str(store), "--run", "r", "--no-progress"]
+    assert run(*args, "-S", "1")[0] == 0
+    blocker = store / "runs" / "r" / "values" / "c" / "1"
+    blocker.write_bytes(b"")
+    line = one_error(*args, "-S", "2")
+    assert line.startswith(f"attngeom: error: the store cannot be written at {blocker}/")
+    assert line.endswith("after 0 of 1 sequences were committed; repair that path and re-run the same command")
+    assert list(zarr.open_array(str(store), path="runs/r/complete", mode="r")[...]) == [1, 0]
+    blocker.unlink()
+    assert run(*args, "-S", "2")[0] == 0
+    assert list(zarr.open_array(str(store), path="runs/r/complete", mode="r")[...]) == [1, 1]

@@ -502,14 +502,19 @@ def _write_sequences(
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{bar.n * length / max(time.perf_counter() - start, 1e-9):.0f}")
     except OSError as exc:
+        # Only the store's objects are files here: the model and the input are in memory.
+        done = 0 if run is None else int(np.isin(seqs, completed(run)).sum())
+        kept = "; committed sequences are kept:" if done else ";"
+        finish = " to finish" if done else ""
         if exc.errno == errno.ENOSPC:
-            done = 0 if run is None else int(np.isin(seqs, completed(run)).sum())
-            kept = "; committed sequences are kept:" if done else ";"
             raise StoreWriteError(
                 f"the store ran out of space after {done} of {len(seqs)} sequences were committed{kept} "
-                "free space and re-run the same command" + (" to finish" if done else "")
+                f"free space and re-run the same command{finish}"
             ) from exc
-        raise
+        raise StoreWriteError(
+            f"the store cannot be written at {exc.filename or request.store} ({exc.strerror or exc}) after {done} "
+            f"of {len(seqs)} sequences were committed{kept} repair that path and re-run the same command{finish}"
+        ) from exc
     finally:
         bar.close()
     return run
