@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 
-import frozen_kernels_v1 as old  # noqa: E402
+import frozen_kernels_v2 as old  # noqa: E402
 
 from attngeom.analyze.kernels import head_metrics, topn_metrics, value_statistics  # noqa: E402
 from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attngeom.analyze import kernels
+from attngeom.analyze import _loops, kernels
 from attngeom.analyze.kernels import head_metrics, topn_metrics, value_statistics
 
 RTOL, ATOL = 1e-9, 1e-12
@@ -289,15 +289,18 @@ def test_value_statistics_match_brute_force(case):
         np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
 
 
-def test_results_do_not_depend_on_batch_slicing(monkeypatch):
+def test_an_instance_does_not_depend_on_its_batch():
+    """Each query head is computed alone: a batch of one gives its row of the batch, bit for
+    bit (without the random control, whose draws are drawn for the whole batch)."""
     rng = np.random.default_rng(7)
     alpha, values, attendable = make_batch(rng, 7, 16, 4, window=10)
     grid = [1, 2, 4, 8, 15]
-    whole = topn_metrics(alpha, values, attendable, grid, seed=3)
-    stats = value_statistics(values, attendable)
-    monkeypatch.setattr(kernels, "_SLICE_BUDGET", 2 * 16 * 4)  # slices of 2 instances
-    _assert_same(topn_metrics(alpha, values, attendable, grid, seed=3), whole, whole)
-    _assert_same(value_statistics(values, attendable), stats, stats)
+    whole = topn_metrics(alpha, values, attendable, grid, seed=3, random_draws=0)
+    for b in range(7):
+        one = topn_metrics(alpha[b:b + 1], values[b:b + 1], attendable[b:b + 1], grid, seed=3,
+                           random_draws=0)
+        for name in whole:
+            np.testing.assert_array_equal(one[name][0], whole[name][b], err_msg=name)
 
 
 def test_empty_batch_and_invalid_n():
@@ -379,14 +382,14 @@ def test_extremal_balls_are_trivial(batch):
     alpha, values, attendable = batch
     B, K, _ = values.shape
     y = alpha[:, :, None] * values
-    _, rank = kernels._ranked(-alpha, attendable)
     for b in range(B):
+        rank = _loops.ranked(-alpha[b], attendable[b])[1]
         Kset = [k for k in range(K) if attendable[b, k]]
         for N in range(1, len(Kset)):
-            I = [k for k in Kset if rank[b, k] < N]
+            I = [k for k in Kset if rank[k] < N]
             U = [k for k in Kset if k not in I]
             s = y[b, I].sum(axis=0)
-            D = kernels._squared_distances(y[b], s)
+            D = np.einsum("kd,kd->k", y[b] - s, y[b] - s)
             r_max2, r_min2 = max(D[I]), min(D[U])
             assert sum(D[i] <= r_max2 for i in I) / N == 1  # R(r_max, N)
             ball = [k for k in Kset if D[k] < r_min2]
@@ -653,62 +656,93 @@ def test_bracketed_quantile_on_long_arrays():
 def test_prefix_sums_add_in_selection_order():
     """The aggregates equal np.cumsum's sequential sums bit for bit."""
     rng = np.random.default_rng(5)
-    y = rng.normal(size=(3, 200, 7)) * rng.lognormal(0, 3, size=(3, 200, 1))
-    order = np.argsort(rng.random((3, 200)), axis=1)
+    y = rng.normal(size=(200, 7)) * rng.lognormal(0, 3, size=(200, 1))
+    order = np.argsort(rng.random(200))
     points = np.array([1, 2, 3, 8, 64, 150, 200])
-    want = np.cumsum(np.take_along_axis(y, order[:, :, None], axis=1), axis=1)[:, points - 1]
-    np.testing.assert_array_equal(kernels._prefix_sums(y, order, points), want)
+    want = np.cumsum(y[order], axis=0)[points - 1]
+    got = np.empty((points.size, 7))
+    _loops._prefix_sums(y, order, np.ones(200, bool), points, got, 0)
+    np.testing.assert_array_equal(got, want)
 
 
-
-@pytest.mark.parametrize("shortcuts", [True, False], ids=["default", "fallbacks"])
-def test_ball_scores_are_the_exact_counts(shortcuts, monkeypatch):
-    """Ball radii and counts from the expansions (keys below a radius's error band by their
-    expansion, the band exactly) equal those of the exact distances, on rows full of exact
-    distance ties (repeated and zero contributions), with and without the shortcuts."""
-    if not shortcuts:
-        _no_shortcuts(monkeypatch)
+@pytest.mark.parametrize("exact", [False, True], ids=["expansions", "exact"])
+def test_ball_scores_are_the_exact_counts(exact):
+    """Ball radii and counts from the expansions (keys more than an error from a radius by
+    their expansion, the rest exactly) equal those of the exact distances, on rows full of
+    exact distance ties (repeated and zero contributions); and with every key compared
+    exactly."""
     rng = np.random.default_rng(41)
-    R, B, K, D = 4, 5, 40, 3
-    y = np.round(rng.normal(size=(B, K, D)), 1)
-    y[:, ::3] = y[:, 1:2]  # repeated contributions: equal distances to every aggregate
-    y[:, 5:9] = 0.0
-    candidates = rng.random((B, K)) < 0.9
-    position = np.argsort(rng.random((R, B, K)), axis=-1)
-    points = np.array([1, 3, 8, 20])
-    selected = (position[:, :, None] < points[:, None]) & candidates[None, :, None]  # (R, B, P, K)
-    s = np.einsum("rbpk,bkd->rbpd", selected, y)
-    distances = kernels._Distances(y, s)
-    for p, n in enumerate(points):
-        sel = selected[:, :, p]
-        with np.errstate(divide="ignore", invalid="ignore"):  # rows without candidates
-            got = distances.at(p).ball_scores(sel, candidates, n)
-        exact = kernels._squared_distances(y[None], s[:, :, p, None])
-        r_max2 = np.max(exact, axis=-1, where=sel, initial=-np.inf)
-        r_min2 = np.min(exact, axis=-1, where=candidates & ~sel, initial=np.inf)
-        inside = np.count_nonzero(candidates & (exact <= r_max2[..., None]), axis=-1)
-        closer = np.count_nonzero(sel & (exact < r_min2[..., None]), axis=-1)
-        np.testing.assert_array_equal(got[3], r_max2)
-        np.testing.assert_array_equal(got[4], r_min2)
-        with np.errstate(divide="ignore"):
-            np.testing.assert_array_equal(got[0], n / inside)
-        np.testing.assert_array_equal(got[1], closer / n)
+    K, D = 40, 3
+    e_rel = kernels._error_bound(D)
+    for trial in range(60):
+        y = np.round(rng.normal(size=(K, D)), 1)
+        y[::3] = y[1]  # repeated contributions: equal distances to every aggregate
+        y[5:9] = 0.0
+        candidates = rng.random(K) < 0.9
+        order = _loops.ranked(rng.random(K), candidates)[0]
+        n_cand = int(candidates.sum())
+        n = int(rng.integers(1, n_cand))
+        s = y[order[:n]].sum(axis=0)
+        yy = np.einsum("kd,kd->k", y, y)
+        x = np.empty(K)
+        e, unsure = _loops._expansions(yy, y @ s, s @ s, np.sqrt(yy.max()), e_rel,
+                                       1e300 if exact else kernels._TINY, x)
+        got = _loops._ball(y, s, x, e, unsure, order, n, n_cand, np.full(K, np.nan))
+        D_ = ((y - s) ** 2).sum(axis=1)
+        sel, uns = order[:n], order[n:n_cand]
+        r_max2, r_min2 = D_[sel].max(), D_[uns].min()
+        inside = np.count_nonzero(D_[order[:n_cand]] <= r_max2)
+        closer = np.count_nonzero(D_[sel] < r_min2)
+        assert got[3:] == (r_max2, r_min2)
+        assert got[:2] == (n / inside, closer / n)
+
+
+def test_uniform_ranking_is_the_stable_sort():
+    """The random control's bucket ranking equals a stable sort of its keys, ties included."""
+    rng = np.random.default_rng(33)
+    for K in (1, 2, 17, 300):
+        key = rng.random(K)
+        key[::5] = np.round(key[::5], 1)  # ties
+        key[: K // 3] = key[0]
+        candidates = rng.random(K) < 0.8
+        want = _loops.ranked(key, candidates)[0]
+        np.testing.assert_array_equal(_loops.uniform_ranked(key, candidates), want)
+        np.testing.assert_array_equal(
+            want[: candidates.sum()],
+            np.flatnonzero(candidates)[np.argsort(key[candidates], kind="stable")])
+
+
+def test_pair_statistics_median_and_row_maxima():
+    """The bracketed median of the pair cosines is numpy's, on long and short Gram matrices,
+    with ties; the row maxima are those of |cosine| off the diagonal."""
+    rng = np.random.default_rng(8)
+    for k, D in ((3, 2), (60, 4), (500, 3)):
+        u = rng.normal(size=(k, D))
+        u[::4] = u[1]
+        u /= np.linalg.norm(u, axis=1, keepdims=True)
+        gram = u @ u.T
+        pairs = gram[np.tril_indices(k, -1)]
+        for bracket_min in (8, 1 << 30):
+            median, row_max, *_ = _loops.pair_statistics(gram, 0.08, 64, bracket_min)
+            assert median == _sorted_quantile(pairs, 0.5)
+            off = np.abs(gram) + np.diag(np.full(k, -np.inf))
+            np.testing.assert_array_equal(row_max, off.max(axis=1))
 
 
 def test_ranking_is_the_stable_sort():
-    """The selection order (unstable sort, stable where it could differ) equals a stable sort
-    of the candidates' keys, other keys last in position order: ties, windows, non-finite keys."""
+    """The selection order equals a stable sort of the candidates' keys, other keys last in
+    position order: ties, windows, infinite keys."""
     rng = np.random.default_rng(31)
     key = np.round(rng.random((40, 64)), 1)
     key[::3] = rng.random((14, 64))  # rows without ties
-    key[5, 7] = np.nan
     key[6, :4] = -np.inf
     candidates = rng.random((40, 64)) < 0.8
     candidates[::4] = True
-    order, rank = kernels._ranked(key, candidates)
-    want = np.argsort(np.where(candidates, key, np.inf), axis=1, kind="stable")
-    np.testing.assert_array_equal(order, want)
-    np.testing.assert_array_equal(np.take_along_axis(rank, order, axis=1), np.tile(np.arange(64), (40, 1)))
+    for row, cand in zip(key, candidates):
+        order, rank = _loops.ranked(row, cand)
+        np.testing.assert_array_equal(order, np.argsort(np.where(cand, row, np.inf), kind="stable"))
+        np.testing.assert_array_equal(rank[order], np.arange(64))
+
 
 def test_head_kv_is_checked():
     rng = np.random.default_rng(0)

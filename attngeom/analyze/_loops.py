@@ -1,0 +1,722 @@
+"""Compiled loops of the analyze kernels (numba): one query head's top-N geometry, and one kv
+head's pair statistics from its Gram matrix. Pure functions on arrays, no I/O; the public
+face and the numpy parts are in :mod:`attngeom.analyze.kernels`.
+
+Distances ``D_k = ||y_k - s||^2`` are compared through their expansions
+``||y_k||^2 - 2 <y_k, s> + ||s||^2`` (the products ``<y_k, s>`` of every aggregate by one BLAS
+call), which are within ``e/2`` of the exact value, ``e`` a bound per aggregate
+(:func:`attngeom.analyze.kernels._error_bound`); a key whose expansion lies within ``2e`` of
+a threshold is evaluated exactly, from the difference, the same way every time. Every count
+is therefore that of the exact distances. Aggregates add their keys one at a time in
+selection order, as ``np.cumsum`` does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# Slots of the float and count outputs of `head_geometry`: the order of
+# attngeom.store.schema.TOPN_FLOATS and (*TOPN_COUNTS, "sink_selected").
+(PRECISION, RECALL, F_SCORE, MU, MU_Q95, PRECISION_BOUND, RECALL_BOUND, PRECISION_BOUND_Q95,
+ RECALL_BOUND_Q95, RANDOM_PRECISION, RANDOM_RECALL, RANDOM_F_SCORE, NOSINK_PRECISION,
+ NOSINK_RECALL, NOSINK_F_SCORE, SINK_NORM_SHARE, SINK_DIRECTION_CHANGE, SINK_INTRUSION,
+ SINK_PAIR_INVERSION_FRAC, SINK_ALIGNMENT, LOO_COS, LOO_MARGIN, LOO_POSITIVE_FRAC,
+ LOO_DISTANCE_MARGIN, S_NORM, S_NORM_NOSINK, S_NORM_NOCURRENT, COS_S_V0, COS_S_VLAST) = range(29)
+N_FLOATS = 29
+INVERSIONS, K_SINK, K_SINK_Q95, K_SINK_EXACT, SINK_SELECTED = range(5)
+N_COUNTS = 5
+
+_BUCKETS = 1024
+
+# Compiled once and cached on disk (numba's cache beside this module); numpy's float rules
+# (x/0 is inf or NaN, not an exception); no fast-math, so every sum adds in the written order.
+_jit = njit(cache=True, nogil=True, error_model="numpy")
+
+
+# ------------------------------------------------------------------ small vector helpers
+
+
+@_jit
+def _dot(a, b):
+    acc = 0.0
+    for d in range(a.size):
+        acc += a[d] * b[d]
+    return acc
+
+
+@_jit
+def _norm(a):
+    return np.sqrt(_dot(a, a))
+
+
+@_jit
+def _cos(a, b):
+    """Cosine, NaN where either vector is 0."""
+    norms = _norm(a) * _norm(b)
+    return _dot(a, b) / norms if norms > 0 else np.nan
+
+
+@_jit
+def _exact(y, k, s, cache):
+    """D_k = ||y_k - s||^2 from the difference, computed once per key (cache NaN = not yet)."""
+    if np.isnan(cache[k]):
+        acc = 0.0
+        for d in range(s.size):
+            diff = y[k, d] - s[d]
+            acc += diff * diff
+        cache[k] = acc
+    return cache[k]
+
+
+# ------------------------------------------------------------------ ranking and aggregates
+
+
+@_jit
+def ranked(key, candidates):
+    """Order (K,) of the candidates by ascending key, ties to the smaller position, the
+    other keys last in position order; and each key's rank in it."""
+    K = key.size
+    n = 0
+    for k in range(K):
+        n += candidates[k]
+    cand = np.empty(n, dtype=np.int64)
+    rest = np.empty(K - n, dtype=np.int64)
+    i = j = 0
+    for k in range(K):
+        if candidates[k]:
+            cand[i] = k
+            i += 1
+        else:
+            rest[j] = k
+            j += 1
+    by_key = np.argsort(key[cand], kind="mergesort")
+    order = np.empty(K, dtype=np.int64)
+    for i in range(n):
+        order[i] = cand[by_key[i]]
+    for j in range(K - n):
+        order[n + j] = rest[j]
+    rank = np.empty(K, dtype=np.int64)
+    for i in range(K):
+        rank[order[i]] = i
+    return order, rank
+
+
+@_jit
+def uniform_ranked(key, candidates):
+    """`ranked` for keys in [0, 1) (the random control's draws), in expected O(K): the
+    candidates are dealt into K buckets by key, and each bucket (about one key) is put in
+    order by insertion, ties to the smaller position."""
+    K = key.size
+    start = np.zeros(K + 1, np.int64)
+    bucket = np.empty(K, np.int64)
+    n = 0
+    for k in range(K):
+        if candidates[k]:
+            b = min(int(key[k] * K), K - 1)
+            bucket[k] = b
+            start[b + 1] += 1
+            n += 1
+    for b in range(K):
+        start[b + 1] += start[b]
+    fill = start[:-1].copy()
+    order = np.empty(K, np.int64)
+    j = n
+    for k in range(K):
+        if candidates[k]:
+            order[fill[bucket[k]]] = k
+            fill[bucket[k]] += 1
+        else:
+            order[j] = k
+            j += 1
+    for b in range(K):
+        for i in range(start[b] + 1, start[b + 1]):
+            k = order[i]
+            j = i - 1
+            while j >= start[b] and (key[order[j]] > key[k] or (key[order[j]] == key[k] and order[j] > k)):
+                order[j + 1] = order[j]
+                j -= 1
+            order[j + 1] = k
+    return order
+
+
+@_jit
+def _prefix_sums(y, order, include, points, out, row0):
+    """out[row0 + p] = the sum of y over the first points[p] keys of order, keys outside
+    include counted as 0, added one key at a time in that order."""
+    D = y.shape[1]
+    acc = np.zeros(D)
+    i = 0
+    for p in range(points.size):
+        while i < points[p]:
+            k = order[i]
+            if include[k]:
+                for d in range(D):
+                    acc[d] += y[k, d]
+            else:
+                for d in range(D):
+                    acc[d] += 0.0
+            i += 1
+        out[row0 + p] = acc
+
+
+# ------------------------------------------------------------------ balls
+
+
+@_jit
+def _ball(y, s, x, e, unsure, order, n, n_cand, cache):
+    """Ball scores of the selection order[:n] among the candidates order[:n_cand] around s
+    (docs/method.md#balls): P(r_max, N), R(r_min, N), F, r_max^2, r_min^2 of the exact
+    distances. x: the row's expansions, e its error bound; unsure: compare every key exactly.
+
+    The extreme distance is among the keys within 2e of the extreme expansion; a key more
+    than e below (above) a radius is inside (outside) by its expansion, the rest exactly.
+    Loops run over the order's lists, so no branch depends on a key's membership."""
+    xmax, xmin = -np.inf, np.inf
+    for i in range(n):
+        xmax = max(xmax, x[order[i]])
+    for i in range(n, n_cand):
+        xmin = min(xmin, x[order[i]])
+    r_max2, r_min2 = -np.inf, np.inf
+    for i in range(n):
+        k = order[i]
+        if unsure or x[k] >= xmax - 2 * e:
+            r_max2 = max(r_max2, _exact(y, k, s, cache))
+    for i in range(n, n_cand):
+        k = order[i]
+        if unsure or x[k] <= xmin + 2 * e:
+            r_min2 = min(r_min2, _exact(y, k, s, cache))
+    inside = closer = 0
+    if unsure:
+        for i in range(n_cand):
+            inside += _exact(y, order[i], s, cache) <= r_max2
+        for i in range(n):
+            closer += _exact(y, order[i], s, cache) < r_min2
+    else:
+        lo, hi = r_max2 - e, r_max2 + e
+        for i in range(n_cand):
+            k = order[i]
+            inside += x[k] < lo
+            if (x[k] >= lo) & (x[k] <= hi):
+                inside += _exact(y, k, s, cache) <= r_max2
+        lo, hi = r_min2 - e, r_min2 + e
+        for i in range(n):
+            k = order[i]
+            closer += x[k] < lo
+            if (x[k] >= lo) & (x[k] <= hi):
+                closer += _exact(y, k, s, cache) < r_min2
+    precision = n / inside
+    recall = closer / n
+    f_score = 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
+    return precision, recall, f_score, r_max2, r_min2
+
+
+@_jit
+def _expansions(yy, ys, ss, y_max, e_rel, tiny, x):
+    """x (K,) <- the expansions of D around one aggregate (its products ys (K,) with the
+    keys, its squared norm ss); returns the row's error bound and whether the row must be
+    compared exactly (a non-finite bound or expansion)."""
+    bound = e_rel * (y_max + np.sqrt(ss)) ** 2 + tiny
+    finite = np.isfinite(bound)
+    for k in range(x.size):
+        x[k] = yy[k] - 2 * ys[k] + ss
+        finite = finite and np.isfinite(x[k])
+    return (bound if finite else 0.0), not finite
+
+
+# ------------------------------------------------------------------ the sink-aware bounds
+
+
+@_jit
+def _count_le(small, large):
+    """#{(a, b): b <= a} over a in small, b in large (either order works; the smaller side
+    is sorted)."""
+    a = np.sort(small)
+    count = 0
+    for b in large:
+        count += a.size - np.searchsorted(a, b, side="left")
+    return count
+
+
+@_jit
+def _k_sink(beta, selected, att, nonsink, has_sink, mu, nu_plus, nu_minus, l_rtol):
+    """K_N^sink of the appendix proof (docs: method, "Sink-aware bound"): the
+    selected-unselected pairs whose lower bound L <= (D_j - D_i)/C^2 is not positive, each
+    L counted "<= 0" within l_rtol of its scale (beta + A)^2 (see kernels._k_sink)."""
+    K = beta.size
+    sigma = selected[0] and has_sink
+    beta0 = beta[0] if has_sink else 0.0
+    a_plus = 0.0
+    n_sel = n_uns = 0
+    for k in range(K):
+        if nonsink[k]:
+            if selected[k]:
+                a_plus += beta[k]
+                n_sel += 1
+            elif att[k]:
+                n_uns += 1
+    scale = a_plus + beta0
+    tol0 = l_rtol * (beta0 + scale) ** 2
+    sink_weight = beta0 if sigma else 0.0
+    minus_f = np.empty(n_sel)
+    g = np.empty(n_uns)
+    c_p0 = beta0**2 - tol0 + 2 * beta0 * nu_minus * a_plus
+    c_0p = beta0**2 - tol0 - 2 * beta0 * nu_plus * a_plus
+    k_p0 = k_0p = 0
+    i = j = 0
+    for k in range(K):
+        if not nonsink[k] or not (selected[k] or att[k]):
+            continue
+        b = beta[k]
+        tol = l_rtol * (b + scale) ** 2
+        mu_beta = 2 * mu * b
+        if selected[k]:
+            f = b * b - mu_beta * (a_plus - b) - 2 * sink_weight * nu_plus * b - tol
+            minus_f[i] = -f
+            i += 1
+            k_p0 += f + c_p0 <= 0
+        else:
+            gk = b * b - mu_beta * a_plus + 2 * sink_weight * nu_minus * b - tol
+            g[j] = gk
+            j += 1
+            k_0p += gk + c_0p <= 0
+    if n_sel <= n_uns:
+        k_pp = _count_le(minus_f, g)
+    else:
+        k_pp = n_sel * n_uns - _count_lt(g, minus_f)
+    if sigma:
+        return k_pp + k_0p
+    return k_pp + k_p0 if has_sink else k_pp
+
+
+@_jit
+def _count_lt(small, large):
+    """#{(b, a): a < b} over b in small, a in large: the pairs of `_count_le` not counted."""
+    b = np.sort(small)
+    count = 0
+    for a in large:
+        count += b.size - np.searchsorted(b, a, side="right")
+    return count
+
+
+# ------------------------------------------------------------------ one query head
+
+
+@_jit
+def head_geometry(alpha, values, att, points, draw_keys, v_norm, head_constants, mu, mu_q95,
+                  options, floats, counts):
+    """Every top-N output of one query head (docs: method) at the valid sizes ``points``
+    (ascending, each < |K|): floats (N_FLOATS, P) and counts (N_COUNTS, P), filled in place
+    (they arrive NaN / -1).
+
+    alpha (K,), values (K, D) of the head's kv head, att (K,) bool; draw_keys (R, K): draw d
+    selects the attendable keys of smallest key; v_norm (K,) ||v_k||; head_constants: C,
+    c_lo, c_hi, q05, q95 of the kv head; mu and mu_q95 (P,) from :func:`head_coherence`;
+    options: e_rel, tiny (the expansions' error bound, `_expansions`), l_rtol (`_k_sink`).
+    """
+    K, D = values.shape
+    P, R = points.size, draw_keys.shape[0]
+    e_rel, tiny, l_rtol = options[0], options[1], options[2]
+    C, c_lo, c_hi, q05, q95 = (head_constants[0], head_constants[1], head_constants[2],
+                               head_constants[3], head_constants[4])
+    has_sink = att[0]
+    nonsink = att.copy()
+    nonsink[0] = False
+    n_att = n_ns = 0
+    for k in range(K):
+        n_att += att[k]
+        n_ns += nonsink[k]
+
+    y = np.empty((K, D))
+    yy = np.empty(K)
+    y_norm = np.empty(K)
+    for k in range(K):
+        for d in range(D):
+            y[k, d] = alpha[k] * values[k, d]
+        yy[k] = _dot(y[k], y[k])
+        y_norm[k] = np.sqrt(yy[k])
+    o = np.zeros(D)
+    for k in range(K):
+        if att[k]:
+            for d in range(D):
+                o[d] += y[k, d]
+    o_norm = _norm(o)
+
+    # Aggregates: rows [0, P) the main selection's s_N, [P, 2P) the sink-excluded
+    # selection's, then P per random draw.
+    order, rank = ranked(-alpha, att)
+    ns_points = points[points < n_ns] if has_sink else points[:0]
+    Pn = ns_points.size
+    S = np.empty((P + Pn + R * P, D))
+    s_plus = np.empty((P, D))
+    _prefix_sums(y, order, nonsink, points, s_plus, 0)
+    for p in range(P):
+        sink_in = has_sink and rank[0] < points[p]
+        for d in range(D):
+            S[p, d] = s_plus[p, d] + y[0, d] if sink_in else s_plus[p, d]
+    ns_order = ranked(-alpha, nonsink)[0]
+    if Pn:
+        _prefix_sums(y, ns_order, nonsink, ns_points, S, P)
+    draw_orders = np.empty((R, K), dtype=np.int64)
+    for r in range(R):
+        draw_orders[r] = uniform_ranked(draw_keys[r], att)
+        _prefix_sums(y, draw_orders[r], att, points, S, P + Pn + r * P)
+    ys = np.dot(S, y.T.copy())  # (rows, K) <s, y_k> of every aggregate, one product
+    y_max = np.sqrt(yy.max()) if K else 0.0
+    x = np.empty(K)
+    cache = np.empty(K)
+
+    # The sink-aware bounds' weights (paper: beta_0 = lambda alpha_0; exact: alpha ||v||).
+    paper_defined = not has_sink or C > 0
+    beta_paper = alpha.copy()
+    beta_paper[0] = alpha[0] * v_norm[0] / C if has_sink and paper_defined else 0.0
+    beta_exact = alpha * v_norm
+    nu_paper = (max(0.0, -c_lo), max(0.0, -c_hi)) if has_sink else (0.0, 0.0)
+    nu_q95 = (max(0.0, -q05), max(0.0, -q95)) if has_sink else (0.0, 0.0)
+    nu_exact = (-c_lo, -c_hi) if has_sink else (0.0, 0.0)
+
+    # The sizes grow and the selections nest: I_N is kept by adding the keys it gains.
+    selected = np.zeros(K, dtype=np.bool_)
+    for p in range(P):
+        n = points[p]
+        s = S[p]
+        ss = _dot(s, s)
+        e, unsure = _expansions(yy, ys[p], ss, y_max, e_rel, tiny, x)
+        cache[:] = np.nan
+        precision, recall, f_score, r_max2, r_min2 = _ball(y, s, x, e, unsure, order, n, n_att,
+                                                          cache)
+        floats[PRECISION, p], floats[RECALL, p], floats[F_SCORE, p] = precision, recall, f_score
+        for i in range(n):
+            selected[order[i]] = True
+        sigma = has_sink and selected[0]
+        counts[SINK_SELECTED, p] = sigma
+
+        # Inversions #{(i, j): D_j <= D_i} from the selected keys' exact distances.
+        d_sel = np.empty(n)
+        for i in range(n):
+            d_sel[i] = _exact(y, order[i], s, cache)
+        d_sorted = np.sort(d_sel)
+        inversions = 0
+        for i in range(n, n_att):
+            k = order[i]
+            lo = np.searchsorted(d_sorted, x[k] - 2 * e, side="left")
+            hi = np.searchsorted(d_sorted, x[k] + 2 * e, side="right")
+            if not unsure and lo == hi:
+                inversions += n - hi
+            else:
+                inversions += n - np.searchsorted(d_sorted, _exact(y, k, s, cache), side="left")
+        counts[INVERSIONS, p] = inversions
+
+        if has_sink and not sigma:
+            d0 = _exact(y, 0, s, cache)
+            floats[SINK_INTRUSION, p] = 1.0 if d0 <= r_max2 else 0.0
+            beats = 0
+            for i in range(n):
+                beats += d0 <= d_sel[i]
+            floats[SINK_PAIR_INVERSION_FRAC, p] = beats / n
+
+        # Leave-one-out: s_{N,-i} = s_N - y_i.
+        s_norm = _norm(s)
+        loo_sum, loo_pos, loo_n, spread_max = 0.0, 0, 0, -np.inf
+        diff = np.empty(D)
+        for i in range(n):
+            k = order[i]
+            for d in range(D):
+                diff[d] = y[k, d] - s[d]
+            c = -_dot(y[k], diff) / (y_norm[k] * np.sqrt(d_sel[i]))
+            if np.isfinite(c):
+                loo_sum += c
+                loo_pos += c > 0
+                loo_n += 1
+            for d in range(D):
+                diff[d] += y[k, d]
+            spread_max = max(spread_max, _norm(diff))
+        js_sum, js_n = 0.0, 0
+        for i in range(n, n_att):
+            k = order[i]
+            c = ys[p, k] / (y_norm[k] * s_norm)
+            if np.isfinite(c):
+                js_sum += c
+                js_n += 1
+        loo_cos = loo_sum / loo_n if loo_n else np.nan
+        floats[LOO_COS, p] = loo_cos
+        floats[LOO_POSITIVE_FRAC, p] = loo_pos / loo_n if loo_n else np.nan
+        floats[LOO_MARGIN, p] = loo_cos - js_sum / js_n if js_n else np.nan
+        floats[LOO_DISTANCE_MARGIN, p] = np.sqrt(r_min2) - spread_max
+
+        # Sink shares and mechanistic signatures.
+        sp = s_plus[p]
+        if sigma:
+            floats[SINK_NORM_SHARE, p] = y_norm[0] / s_norm
+            floats[SINK_DIRECTION_CHANGE, p] = 1.0 - _cos(s, sp)
+        if has_sink:
+            floats[SINK_ALIGNMENT, p] = _cos(y[0], sp)
+            floats[COS_S_V0, p] = _cos(s, values[0])
+        floats[S_NORM, p] = s_norm / o_norm
+        floats[S_NORM_NOSINK, p] = _norm(sp) / o_norm
+        if selected[K - 1]:
+            for d in range(D):
+                diff[d] = s[d] - y[K - 1, d]
+            floats[S_NORM_NOCURRENT, p] = _norm(diff) / o_norm
+        else:
+            floats[S_NORM_NOCURRENT, p] = s_norm / o_norm
+        floats[COS_S_VLAST, p] = _cos(s, values[K - 1])
+
+        # Bounds: the paper's variant, the robust one (q95) and the exact certificate.
+        mu_p = 0.0 if np.isnan(mu[p]) else mu[p]
+        mu_q = 0.0 if np.isnan(mu_q95[p]) else mu_q95[p]
+        floats[MU, p], floats[MU_Q95, p] = mu[p], mu_q95[p]
+        counts[K_SINK_EXACT, p] = _k_sink(beta_exact, selected, att, nonsink, has_sink, mu_p,
+                                          nu_exact[0], nu_exact[1], l_rtol)
+        if paper_defined:
+            k_paper = _k_sink(beta_paper, selected, att, nonsink, has_sink, mu_p,
+                              nu_paper[0], nu_paper[1], l_rtol)
+            k_q95 = _k_sink(beta_paper, selected, att, nonsink, has_sink, mu_q,
+                            nu_q95[0], nu_q95[1], l_rtol)
+            counts[K_SINK, p], counts[K_SINK_Q95, p] = k_paper, k_q95
+            floats[PRECISION_BOUND, p] = 1.0 / (1.0 + k_paper / n)
+            floats[RECALL_BOUND, p] = max(0.0, 1.0 - k_paper / n)
+            floats[PRECISION_BOUND_Q95, p] = 1.0 / (1.0 + k_q95 / n)
+            floats[RECALL_BOUND_Q95, p] = max(0.0, 1.0 - k_q95 / n)
+
+    # The sink-excluded variant: without a sink it is the main selection.
+    for p in range(P):
+        if not has_sink:
+            floats[NOSINK_PRECISION, p] = floats[PRECISION, p]
+            floats[NOSINK_RECALL, p] = floats[RECALL, p]
+            floats[NOSINK_F_SCORE, p] = floats[F_SCORE, p]
+        elif p < Pn:
+            row = P + p
+            e, unsure = _expansions(yy, ys[row], _dot(S[row], S[row]), y_max, e_rel, tiny, x)
+            cache[:] = np.nan
+            scores = _ball(y, S[row], x, e, unsure, ns_order, points[p], n_ns, cache)
+            floats[NOSINK_PRECISION, p], floats[NOSINK_RECALL, p], floats[NOSINK_F_SCORE, p] = (
+                scores[0], scores[1], scores[2])
+
+    # The random control: mean over the draws.
+    if R:
+        for p in range(P):
+            total = np.zeros(3)
+            for r in range(R):
+                row = P + Pn + r * P + p
+                e, unsure = _expansions(yy, ys[row], _dot(S[row], S[row]), y_max, e_rel, tiny, x)
+                cache[:] = np.nan
+                scores = _ball(y, S[row], x, e, unsure, draw_orders[r], points[p], n_att, cache)
+                for i in range(3):
+                    total[i] += scores[i]
+            floats[RANDOM_PRECISION, p] = total[0] / R
+            floats[RANDOM_RECALL, p] = total[1] / R
+            floats[RANDOM_F_SCORE, p] = total[2] / R
+
+
+# ------------------------------------------------------------------ one kv head's pairs
+
+
+@_jit
+def _pair_at(t):
+    """The t-th pair (q, p), q > p, of the lower triangle in row order."""
+    q = int((1.0 + np.sqrt(1.0 + 8.0 * t)) / 2.0)
+    while q * (q - 1) // 2 > t:
+        q -= 1
+    while (q + 1) * q // 2 <= t:
+        q += 1
+    return q, t - q * (q - 1) // 2
+
+
+@_jit
+def _interpolate(below, above, pos, lo):
+    """numpy's 'linear' quantile between the order statistics lo and lo + 1."""
+    return below + (pos - lo) * (above - below)
+
+
+@_jit
+def _bracket(sample, lo, hi, m, share, use):
+    """Bounds around the order statistics lo..hi of m values from their sorted sample, with a
+    margin of ``share`` of the sample (the whole line unless use)."""
+    if not use:
+        return -np.inf, np.inf
+    ns = sample.size
+    margin = share * ns + 8
+    return (sample[max(int(lo / m * ns - margin), 0)],
+            sample[min(int(hi / m * ns + margin), ns - 1)])
+
+
+@_jit
+def pair_statistics(gram, share, min_pairs, bracket_min):
+    """One kv head's pair statistics from its Gram matrix (k, k) of unit non-sink values,
+    read below the diagonal only (``gram[q, p]``, q > p):
+
+    - the median of the k(k-1)/2 pair cosines (numpy's 'linear' quantile);
+    - row_max (k,): max_{q != p} |<u_p, u_q>|;
+    - the pairs whose |cosine| is at or above a threshold that keeps about ``share`` of them
+      (all of them up to ``min_pairs`` pairs): (|cos|, p, q) grouped into buckets of
+      descending |cosine| (every pair of a bucket above every pair of a later one), and the
+      buckets' bounds.
+
+    The median is found in a bracket around it taken from a sample of 2,048 pairs (counting
+    the pairs below it, selecting among the few inside) once the head has more than
+    ``bracket_min`` pairs; a bracket that misses is widened once, then every pair is sorted.
+    """
+    k = gram.shape[0]
+    m = k * (k - 1) // 2
+    row_max = np.full(k, -np.inf)
+    if m == 0:
+        return np.nan, row_max, np.empty(0), np.empty(0, np.int64), np.empty(0, np.int64), np.zeros(1, np.int64)
+    golden = 0.6180339887498949
+    ns = 2048
+    sample = np.empty(ns)
+    for j in range(ns):
+        q, p = _pair_at(int(j * golden % 1.0 * m))
+        sample[j] = gram[q, p]
+    sample.sort()
+    pos = 0.5 * (m - 1)
+    lo = int(np.floor(pos))
+    hi = min(lo + 1, m - 1)
+    threshold = -np.inf
+    if m > min_pairs:
+        a_sample = np.sort(np.abs(sample))
+        threshold = a_sample[int((1 - share) * (ns - 1))]
+
+    t_lo, t_hi = _bracket(sample, lo, hi, m, 0.02, m > bracket_min)
+    # One pass, free of branches: the comparisons go either way at random, and a candidate is
+    # written at the end of its list whether or not the list then grows past it.
+    inside = np.empty(m + 1)
+    listed = np.empty(m + 1, np.int64)  # flat index q * k + p
+    n_in = below = n_top = 0
+    for q in range(1, k):
+        row = gram[q]
+        best = -np.inf
+        for p in range(q):
+            c = row[p]
+            a = abs(c)
+            row_max[p] = max(row_max[p], a)
+            best = max(best, a)
+            below += c < t_lo
+            inside[n_in] = c
+            n_in += (c >= t_lo) & (c <= t_hi)
+            listed[n_top] = q * k + p
+            n_top += a >= threshold
+        row_max[q] = max(row_max[q], best)
+    median = np.nan
+    for attempt in range(3):
+        if below <= lo and hi < below + n_in:
+            part = np.sort(inside[:n_in])
+            median = _interpolate(part[lo - below], part[hi - below], pos, lo)
+            break
+        t_lo, t_hi = _bracket(sample, lo, hi, m, 0.08, attempt == 0 and m > bracket_min)
+        n_in = below = 0
+        for q in range(1, k):
+            for p in range(q):
+                c = gram[q, p]
+                below += c < t_lo
+                inside[n_in] = c
+                n_in += (c >= t_lo) & (c <= t_hi)
+
+    # Bucket the listed pairs by |cosine|, descending (a counting sort).
+    flat = gram.ravel()
+    top_a = np.abs(flat[listed[:n_top]])
+    a_lo, a_hi = np.inf, -np.inf
+    for i in range(n_top):
+        a_lo = min(a_lo, top_a[i])
+        a_hi = max(a_hi, top_a[i])
+    scale = _BUCKETS / (a_hi - a_lo) if a_hi > a_lo else 0.0
+    bucket = np.empty(n_top, np.int64)
+    bounds = np.zeros(_BUCKETS + 1, np.int64)
+    for i in range(n_top):
+        b = _BUCKETS - 1 - min(int((top_a[i] - a_lo) * scale), _BUCKETS - 1)
+        bucket[i] = b
+        bounds[b + 1] += 1
+    for b in range(_BUCKETS):
+        bounds[b + 1] += bounds[b]
+    fill = bounds[:-1].copy()
+    out_a = np.empty(n_top)
+    out_p = np.empty(n_top, np.int64)
+    out_q = np.empty(n_top, np.int64)
+    for i in range(n_top):
+        j = fill[bucket[i]]
+        fill[bucket[i]] += 1
+        out_a[j] = top_a[i]
+        out_q[j], out_p[j] = divmod(listed[i], k)
+    return median, row_max, out_a, out_p, out_q, bounds
+
+
+@_jit
+def head_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_att, mu, mu_q95):
+    """mu and mu_q95 (P,) of one query head at the sizes points (docs: method, "Sink-aware
+    bound"): mu_N = max |<u_p, u_q>| over the non-sink pairs with p in I_N, mu_q95 their 95%
+    quantile ('linear'); NaN without such a pair, mu_q95 also where N >= |K|.
+
+    rank (k,): the selection rank of each non-sink key (in the kv head's Gram order); the
+    pair statistics of :func:`pair_statistics`. A pair is in the set of N iff the smaller
+    rank of its keys is < N. The quantile's order statistics are counted from the top of the
+    listed pairs' buckets; a set with too few listed members is gathered whole.
+    """
+    k, P = rank.size, points.size
+    by_rank = np.argsort(rank)
+    running = np.empty(k)
+    best = -np.inf
+    for i in range(k):
+        best = max(best, row_max[by_rank[i]])
+        running[i] = best
+    n_buckets = bounds.size - 1
+    # members[b, p]: listed pairs of bucket b in the set of points[p].
+    members = np.zeros((n_buckets, P + 1), np.int64)
+    first = np.empty(top_a.size, np.int64)
+    # The first size at which a key of rank r is selected, for every rank.
+    point_of = np.searchsorted(points, np.arange(rank.max() + 1), side="right")
+    for b in range(n_buckets):
+        for i in range(bounds[b], bounds[b + 1]):
+            f = min(rank[top_p[i]], rank[top_q[i]])
+            first[i] = f
+            members[b, point_of[f]] += 1
+    for b in range(n_buckets):
+        for p in range(P):
+            members[b, p + 1] += members[b, p]
+    total = k * (k - 1) // 2
+    for p in range(P):
+        n = points[p]
+        s = 0
+        for i in range(k):
+            s += rank[i] < n
+        if s == 0:
+            continue
+        mu[p] = running[s - 1]
+        if n >= n_att:
+            continue
+        m = total - (k - s) * (k - s - 1) // 2
+        pos = 0.95 * (m - 1)
+        lo = int(np.floor(pos))
+        hi = min(lo + 1, m - 1)
+        # From the top: the lo-th smallest is member number m - 1 - lo.
+        stats = np.empty(2)
+        found = 0
+        for which in range(2):
+            t = m - 1 - (lo if which == 0 else hi)
+            seen = 0
+            for b in range(n_buckets):
+                c = members[b, p]
+                if seen + c > t:
+                    inb = np.empty(c)
+                    j = 0
+                    for i in range(bounds[b], bounds[b + 1]):
+                        if first[i] < n:
+                            inb[j] = top_a[i]
+                            j += 1
+                    inb = -np.sort(-inb)
+                    stats[which] = inb[t - seen]
+                    found += 1
+                    break
+                seen += c
+        if found < 2:
+            gathered = np.empty(m)
+            j = 0
+            for a_key in range(k):
+                if rank[a_key] < n:
+                    for b_key in range(k):
+                        if rank[b_key] > rank[a_key]:
+                            qq, pp = max(a_key, b_key), min(a_key, b_key)
+                            gathered[j] = abs(gram[qq, pp])
+                            j += 1
+            gathered.sort()
+            stats[0], stats[1] = gathered[lo], gathered[hi]
+        mu_q95[p] = _interpolate(stats[0], stats[1], pos, lo)

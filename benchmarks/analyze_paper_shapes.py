@@ -1,0 +1,220 @@
+#!/usr/bin/env python
+"""Analyze at the paper's model shapes, against the Gram floor and the time to read (run by hand).
+
+    python benchmarks/analyze_paper_shapes.py                       # ~10 min on 2 cores
+    python benchmarks/analyze_paper_shapes.py --shapes llama2-7b --reps 5 --json out.json
+    python benchmarks/analyze_paper_shapes.py --long mistral-7b     # also L = 4096
+
+For each shape a synthetic store (``attngeom.synthetic.write_synthetic_run``: softmax rows with
+a heavy sink, Gaussian values) of ``--layers`` layers and ``--sequences`` sequences at L = 1024:
+
+- **core-ms per instance**, old vs new: ``head_metrics`` on one (sequence, layer) block read
+  from the store, one thread, divided by its heads. "old" is the kernels as they were before
+  issue 24 (``frozen_kernels_v2.py``, a verbatim copy); both run back to back in every
+  repetition, order rotating, and their results are compared (counts exact, floats to 1e-9).
+- **Gram floor**: the one product analyze cannot avoid, a kv head's unit values times their
+  transpose ((L-1) x head_dim float64, numpy's matmul), timed in the same repetition, shared
+  by the query heads of a kv head: floor per instance = Gram x kv heads / heads.
+- **analyze / read**: ``ag.analyze`` of the whole store (default scheduler: a worker process per
+  core) against reading and decompressing its inputs (attn_last, values, winner) chunk by
+  chunk in this process, both in the same repetition.
+- **busy**: CPU seconds of analyze (this process and its workers) / (wall x cores).
+- **2 cores / 1 core**: the same analyze in a child process allowed one core and in one
+  allowed two (``os.sched_setaffinity``), alternating; the ratio of their wall times is the
+  work two workers do for one's (ideal 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zarr
+from common import fmt, median, rotate, table
+from threadpoolctl import threadpool_limits
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import frozen_kernels_v2 as old  # noqa: E402
+
+import attngeom as ag  # noqa: E402
+from attngeom.analyze.kernels import head_metrics  # noqa: E402
+from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed  # noqa: E402
+from attngeom.synthetic import write_synthetic_run  # noqa: E402
+
+# (heads, kv heads, head_dim) of the paper's five models.
+SHAPES = {
+    "llama2-7b": (32, 32, 128),
+    "llama3.2-1b": (32, 8, 64),
+    "mistral-7b": (32, 8, 128),
+    "gemma-2b": (8, 1, 256),
+    "gemma-7b": (16, 16, 256),
+}
+COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact", "sink_selected")
+RUN = "synthetic"
+
+
+def mismatches(got, want) -> list[str]:
+    bad = []
+    for g, w in zip(got, want):
+        for name in w:
+            a, b = np.asarray(g[name], float), np.asarray(w[name], float)
+            if name in COUNTS:
+                ok = np.array_equal(a, b)
+            else:
+                ok = np.array_equal(np.isnan(a), np.isnan(b)) and np.allclose(
+                    a[~np.isnan(b)], b[~np.isnan(b)], rtol=1e-9, atol=1e-12)
+            if not ok:
+                bad.append(name)
+    return bad
+
+
+def block(store: str, seq: int, layer: int):
+    ds = open_completed(store, RUN)
+    attn = ds["attn_last"][seq, layer].values.astype(np.float64)
+    values = ds["values"][seq, layer].values.astype(np.float64)
+    attendable = np.broadcast_to(ds["attendable"][layer].values, values.shape[:2])
+    return attn, values, attendable, ds["head_kv"].values
+
+
+def cpu_ms(fn) -> float:
+    c0 = time.process_time()
+    fn()
+    return (time.process_time() - c0) * 1e3
+
+
+def kernels(store: str, length: int, reps: int) -> dict:
+    attn, values, attendable, head_kv = block(store, 0, 0)
+    H, KV = attn.shape[0], values.shape[0]
+    grid = default_n_grid(length)
+    unit = values[0, 1:] / np.linalg.norm(values[0, 1:], axis=-1, keepdims=True)
+    runs = {
+        "new": lambda: head_metrics(attn, values, attendable, grid, head_kv=head_kv, random_draws=RANDOM_DRAWS),
+        "old": lambda: old.head_metrics(attn, values, attendable, grid, head_kv=head_kv,
+                                        random_draws=RANDOM_DRAWS),
+        "gram": lambda: unit @ unit.T,
+    }
+    times = {name: [] for name in runs}
+    with threadpool_limits(1):
+        runs["new"]()  # compiled or loaded from numba's cache, outside the timing
+        bad = mismatches(runs["new"](), runs["old"]())
+        for rep in range(reps):
+            for name in rotate(list(runs), rep):
+                times[name].append(cpu_ms(runs[name]))
+    per = {name: [t / H for t in ts] for name, ts in times.items() if name != "gram"}
+    floor = [g * KV / H for g in times["gram"]]
+    return dict(
+        new_ms=median(per["new"]), old_ms=median(per["old"]), gram_ms=median(times["gram"]),
+        floor_ms=median(floor), speedup=median([o / n for o, n in zip(per["old"], per["new"])]),
+        new_over_floor=median([n / f for n, f in zip(per["new"], floor)]), mismatched=bad,
+    )
+
+
+def read_inputs(store: str) -> None:
+    run = zarr.open_group(store, mode="r")[f"runs/{RUN}"]
+    arrays = [run["attn_last"], run["values"], run["winner"]]
+    n_seq, n_layers = arrays[0].shape[:2]
+    for s in range(n_seq):
+        for layer in range(n_layers):
+            for array in arrays:
+                array[s, layer]
+
+
+def analyze_once(store: str) -> tuple[float, float]:
+    """(wall s, CPU s of this process and its children) of a fresh analyze."""
+    shutil.rmtree(Path(store) / "runs" / RUN / "analysis", ignore_errors=True)
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    w0 = time.perf_counter()
+    ag.analyze(store, progress=False)
+    wall = time.perf_counter() - w0
+    after = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu = sum(a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, usage))
+    return wall, cpu
+
+
+def _pinned(store: str, cores: list[int], queue) -> None:
+    os.sched_setaffinity(0, cores)
+    queue.put(analyze_once(store))
+
+
+def analyze_pinned(store: str, cores: list[int]) -> float:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_pinned, args=(store, cores, queue))
+    child.start()
+    wall, _ = queue.get()
+    child.join()
+    return wall
+
+
+def stage(store: str, reps: int) -> dict:
+    cores = sorted(os.sched_getaffinity(0))
+    analyze_once(store)  # numba's cache and the OS's file cache warm
+    analyze, read, busy, scale = [], [], [], []
+    for rep in range(reps):
+        for which in rotate(["analyze", "read", "pinned"], rep):
+            if which == "analyze":
+                wall, cpu = analyze_once(store)
+                analyze.append(wall)
+                busy.append(cpu / (wall * len(cores)))
+            elif which == "read":
+                w0 = time.perf_counter()
+                read_inputs(store)
+                read.append(time.perf_counter() - w0)
+            elif len(cores) > 1:
+                pair = [analyze_pinned(store, c) for c in rotate([cores[:1], cores[:2]], rep)]
+                one, two = pair if rep % 2 == 0 else pair[::-1]
+                scale.append(one / two)
+    return dict(analyze_s=median(analyze), read_s=median(read),
+                analyze_over_read=median([a / r for a, r in zip(analyze, read)]),
+                busy=median(busy), two_over_one=median(scale), cores=len(cores))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--sequences", type=int, default=4)
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--long", default="", help="shapes also measured at L = 4096 (kernels only)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-stage", action="store_true", help="kernels only: no analyze runs")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    rows, results = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        todo = [(name, args.length) for name in args.shapes.split(",")]
+        todo += [(name, 4096) for name in args.long.split(",") if name]
+        for name, length in todo:
+            H, KV, D = SHAPES[name]
+            store = f"{tmp}/{name}-{length}.zarr"
+            write_synthetic_run(store, RUN, n_seq=args.sequences, n_layers=args.layers, n_heads=H,
+                                n_kv_heads=KV, head_dim=D, length=length)
+            r = kernels(store, length, args.reps)
+            if not args.no_stage and length == args.length:
+                r.update(stage(store, args.reps))
+            results[f"{name} L={length}"] = r
+            rows.append([f"{name} ({H}/{KV}/{D})", length, r["old_ms"], r["new_ms"], r["speedup"],
+                         r["floor_ms"], r["new_over_floor"], r.get("analyze_over_read", float("nan")),
+                         r.get("busy", float("nan")), r.get("two_over_one", float("nan")),
+                         ",".join(r["mismatched"]) or "none"])
+            shutil.rmtree(store)
+            print(f"{name} L={length}: " + ", ".join(f"{k}={fmt(v) if isinstance(v, float) else v}"
+                                                     for k, v in r.items()), flush=True)
+    print()
+    print(table(["shape (H/KV/D)", "L", "old core-ms/inst", "new core-ms/inst", "old/new", "Gram floor ms/inst",
+                 "new/floor", "analyze/read", "busy", "2 cores/1", "mismatched"], rows))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
