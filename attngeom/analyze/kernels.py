@@ -1,4 +1,4 @@
-"""Numeric kernels of the analyze stage: top-N geometry at the final query (SPEC §3).
+"""Numeric kernels of the analyze stage: top-N geometry at the final query (docs/method.md).
 
 One instance is one (sequence, layer, head) at the final query ``q = L-1``. The public
 functions take a batch on a leading axis:
@@ -71,7 +71,7 @@ def topn_metrics(
     seed: int = 0,
     random_draws: int = 8,
 ) -> dict[str, np.ndarray]:
-    """Top-N separability, bounds and diagnostics at the final query (SPEC §3).
+    """Top-N separability, bounds and diagnostics at the final query (docs/method.md).
 
     attn (B, K), values (G, K, D), attendable (G, K) bool, head_kv (B,) ints in [0, G)
     (default: G = B, instance b reads values[b]); n_grid: selection sizes N >= 1.
@@ -114,7 +114,7 @@ def topn_metrics(
 
 
 def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np.ndarray]:
-    """Norm and coherence statistics of each kv head (SPEC §3 "Norms and coherence").
+    """Norm and coherence statistics of each kv head (docs/method.md#norms-and-coherence).
 
     values (G, K, D), attendable (G, K) bool; returns arrays of shape (G,), over the attendable
     non-sink keys k (cosines of unit vectors u_k = v_k/||v_k||):
@@ -261,7 +261,7 @@ def _nonsink_gram(kv, g):
 
 
 def _coherence(kv, head_kv, rank, n_att, grid, median_cos=None):
-    """mu and mu_q95 (B, len(grid)) of SPEC §3: mu_N = max |<u_p, u_q>| over the unordered
+    """mu and mu_q95 (B, len(grid)) of docs/method.md#sink-aware-bound: mu_N = max |<u_p, u_q>| over the unordered
     non-sink pairs p != q with p in I_N (q anywhere in K), mu_q95 the 95% quantile ('linear')
     of the same |<u_p, u_q>|; NaN without such a pair or where N >= |K|.
 
@@ -358,7 +358,7 @@ class _TopPairs(NamedTuple):
 
 
 class _Constants(NamedTuple):
-    """The sink-aware bounds' constants per query head of a slice (SPEC §3)."""
+    """The sink-aware bounds' constants per query head of a slice (docs/method.md#sink-aware-bound)."""
 
     v_norm: np.ndarray      # (B, K)
     nonsink: np.ndarray     # (B, K)
@@ -486,7 +486,7 @@ def _select(inst, n):
 
 
 class _SinkBounds:
-    """The sink-aware bounds of one slice (SPEC §3): effective weights and sink constants,
+    """The sink-aware bounds of one slice (docs/method.md#sink-aware-bound): effective weights and sink constants,
     and their counts at each N of the grid."""
 
     def __init__(self, alpha, constants):
@@ -608,8 +608,8 @@ def _leave_one_out_run(inst, selected, run):
 
 
 def _signatures(inst):
-    """Mechanistic signatures of the head taxonomy (SPEC §4) at each N of points (B, P); the
-    current token is K-1."""
+    """Mechanistic signatures (docs/method.md#mechanistic-signatures) at each N of points
+    (B, P); the current token is K-1."""
     s = inst.s_by_n
     last_in = (inst.rank[:, -1:] < inst.points) & inst.att[:, -1:]  # K-1 in I_N
     current = np.where(last_in[..., None], inst.y[:, None, -1], 0.0)
@@ -697,7 +697,7 @@ class _Distances:
 
 
 class _BallScores(NamedTuple):
-    """SPEC §3 "Balls", each (R, B): P(r_max, N), R(r_min, N), F, and the radii r_max^2, r_min^2."""
+    """docs/method.md#balls, each (R, B): P(r_max, N), R(r_min, N), F, and the radii r_max^2, r_min^2."""
 
     precision: np.ndarray
     recall: np.ndarray
@@ -749,8 +749,8 @@ class _Around:
         return mask | (keys & self.unsure[..., None]) if self.unsure.any() else mask
 
     def ball_scores(self, selected, candidates, n) -> _BallScores:
-        """Ball scores over the candidate keys (closed r_max ball, open r_min ball: SPEC §3
-        "Balls"): P(r_max, N) = N / |{k: D_k <= r_max^2}|, R(r_min, N) =
+        """Ball scores over the candidate keys (closed r_max ball, open r_min ball:
+        docs/method.md#balls): P(r_max, N) = N / |{k: D_k <= r_max^2}|, R(r_min, N) =
         |{i in I_N: D_i < r_min^2}| / N, F = 2PR/(P+R) (0 if P + R = 0), r_max^2 and r_min^2,
         each (R, B), of the exact distances; selected (R, B, K), candidates (B, K), n an int
         or (R, 1)."""
