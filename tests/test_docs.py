@@ -104,3 +104,36 @@ def test_no_reference_to_a_document_outside_the_repository():
              for lineno, line in enumerate(path.read_text().splitlines(), 1)
              if re.search(r"\bSPEC\b|§", line)]
     assert not stale, stale
+
+
+def section(page: Path, anchor: str) -> str:
+    """The text of the section of ``page`` whose heading has ``anchor``, to the next heading
+    of the same or a higher level."""
+    lines = page.read_text().splitlines()
+    for i, line in enumerate(lines):
+        heading = re.match(r"(#{1,6})\s+(.*)", line)
+        if heading and slug(heading.group(2)) == anchor:
+            level = len(heading.group(1))
+            end = next((j for j in range(i + 1, len(lines))
+                        if re.match(rf"#{{1,{level}}}\s", lines[j])), len(lines))
+            return "\n".join(lines[i:end])
+    raise AssertionError(f"{page.name} has no section #{anchor}")
+
+
+def test_cli_md_documents_every_command_and_option():
+    from attngeom.cli import main
+
+    missing = []
+    for name, command in main.commands.items():
+        text = section(DOCS / "cli.md", name)
+        for param in command.params:
+            missing += [f"{name} {opt}" for opt in param.opts if opt.startswith("--") and f"`{opt}`" not in text]
+    assert not missing, missing
+
+
+def test_api_md_documents_every_public_name():
+    import attngeom
+
+    text = (DOCS / "api.md").read_text()
+    missing = [name for name in attngeom.__all__ if name != "__version__" and name not in text]
+    assert not missing, missing
