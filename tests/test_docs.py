@@ -137,3 +137,18 @@ def test_api_md_documents_every_public_name():
     text = (DOCS / "api.md").read_text()
     missing = [name for name in attngeom.__all__ if name != "__version__" and name not in text]
     assert not missing, missing
+
+
+def test_tables_have_as_many_cells_in_every_row():
+    """An unescaped bar inside a code span (``||x||``) splits a table cell on GitHub."""
+    uneven = []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        table: list[tuple[int, int]] = []
+        for lineno, line in enumerate([*page.read_text().splitlines(), ""], 1):
+            if line.startswith("|"):
+                table.append((lineno, len(re.findall(r"(?<!\\)\|", line))))
+                continue
+            if len({cells for _, cells in table}) > 1:
+                uneven.append(f"{page.name}:{table[0][0]}")
+            table = []
+    assert not uneven, uneven
