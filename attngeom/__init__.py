@@ -1,6 +1,6 @@
 """attngeom: geometric analysis of token selection in multi-head attention.
 
-The Python API (SPEC §8), one function per command, each returning its results::
+The Python API (docs/api.md), one function per command, each returning its results::
 
     import attngeom as ag
     ag.extract(model, store=..., texts=... | token_ids=... | dataset=..., context_length=...)

@@ -1,4 +1,4 @@
-"""The Python API (SPEC §8): one function per command, returning results instead of printing.
+"""The Python API (docs/api.md): one function per command, returning results instead of printing.
 
 The CLI is a thin layer over these functions: same defaults, same errors. Every error a caller
 can act on is an :class:`~attngeom.errors.AttngeomError`, caught by kind. Each function
@@ -60,7 +60,7 @@ def extract(
     shard: tuple[int, int] | None = None,
     progress: bool = True,
 ) -> ExtractResult:
-    """Run the model once over the input and write its run into ``store`` (SPEC §2, §6).
+    """Run the model once over the input and write its run into ``store`` (docs/store.md#run-arrays).
 
     model: an offline name (gemma3-270m, smollm2-135m), hub id, local folder or .gguf file,
     or a loaded transformers causal LM of a supported type. A model given in memory is used
@@ -72,7 +72,7 @@ def extract(
     Input, exactly one of:
 
     - dataset: a corpus name or path (as the CLI's ``--dataset``); needs context_length
-      and num_sequences; windows of SPEC §2 (BOS + L-1 tokens of one document).
+      and num_sequences; windows of docs/method.md#preprocessing (BOS + L-1 tokens of one document).
     - texts: strings, windowed the same way with the tokenizer (documents shorter than
       L-1 tokens are skipped); needs context_length; num_sequences defaults to every window.
     - token_ids: integer array (S, L), used as given: every row must start with BOS (the
@@ -105,7 +105,7 @@ def analyze(
     out: Path | None = None,
     progress: bool = True,
 ) -> list[AnalyzeResult]:
-    """Compute every quantity of SPEC §3 and the taxonomy of §4 out of core, without the model,
+    """Compute every quantity of docs/method.md, the taxonomy included, out of core, without the model,
     for every run (or ``run_id``); writes runs/<id>/analysis/{topn, values, taxonomy, heads,
     summary, signatures, table}, read back with ``open_store(store).run(id).analysis(name)``.
 
@@ -144,7 +144,7 @@ def _workers_skip_main() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Taxonomy:
-    """The head regimes of every analyzed run (SPEC §4).
+    """The head regimes of every analyzed run (docs/method.md#head-taxonomy).
 
     labels: run id -> (model id, dataset id, regime names (layers, heads)). ``str()`` gives
     the tables ``attngeom taxonomy`` prints.
@@ -207,7 +207,7 @@ def ablate(
     out: Path | None = None,
     progress: bool = True,
 ) -> AblateResult:
-    """Single-head ablation and head sparsification of run ``run_id`` (SPEC §5); needs the model.
+    """Single-head ablation and head sparsification of run ``run_id`` (docs/method.md#ablation); needs the model.
 
     The run's model is loaded by its recorded name with its own attention implementation;
     pass ``model`` for a run extracted from a model in memory (its state dict must hash as

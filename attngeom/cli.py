@@ -1,4 +1,4 @@
-"""The ``attngeom`` command line (SPEC §7). Thin: each command parses, calls its function of
+"""The ``attngeom`` command line (docs/cli.md). Thin: each command parses, calls its function of
 the Python API (:mod:`attngeom.api`, same defaults and errors), and reports."""
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def extract(**kwargs) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random-N control.")
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
 def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: Path | None, seed: int, no_progress: bool) -> None:
-    """Compute every quantity of SPEC §3 from the store, out of core, without the model.
+    """Compute every quantity of docs/method.md from the store, out of core, without the model.
 
     Writes runs/<id>/analysis/{topn,values,taxonomy,heads,summary,signatures,table} into
     the store; only committed sequences are read. Incremental: a rerun with the same
@@ -184,7 +184,7 @@ def taxonomy(store: str) -> None:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Also write the tables here (CSV).")
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
 def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, **kwargs) -> None:
-    """Single-head ablation and head sparsification of a run (SPEC §5); needs the model.
+    """Single-head ablation and head sparsification of a run (docs/method.md#ablation); needs the model.
 
     Prefills L-1 tokens of each stored sequence and scores the next one; heads are zeroed
     at the input of the output projection, many masks per batched forward. Writes

@@ -1,4 +1,4 @@
-"""A store from Python (SPEC §8): :func:`open_store`, its runs, and their groups as lazy Datasets.
+"""A store from Python (docs/api.md#reading-a-store): :func:`open_store`, its runs, and their groups as lazy Datasets.
 
 Reading needs neither torch nor the model; :meth:`Run.text` alone loads a tokenizer.
 """
@@ -62,7 +62,7 @@ class Store:
 
 @dataclass(frozen=True)
 class Run:
-    """One run: a model over one input at one context length (SPEC §6)."""
+    """One run: a model over one input at one context length (docs/store.md#layout)."""
 
     url: str
     id: str

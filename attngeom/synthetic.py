@@ -1,7 +1,7 @@
 """Synthetic stores of realistic shape, without a model: for memory tests and benchmarks.
 
 Attention rows are softmaxes of scaled Gaussian scores with a heavy sink; values are Gaussian
-with a small sink vector, so every quantity of SPEC §3 is defined and non-trivial.
+with a small sink vector, so every quantity of docs/method.md is defined and non-trivial.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Python API (SPEC §8): in-memory models captured from texts and token ids equal their
+"""The Python API (docs/api.md): in-memory models captured from texts and token ids equal their
 own eager attention and are left as given; API and CLI write identical stores; open_store
 reads runs back; errors come by kind; the README's example runs."""
 

@@ -1,4 +1,4 @@
-"""Head taxonomy (SPEC §4): votes, tie rules, rows vs winners, GQA, sliding windows, tables."""
+"""Head taxonomy (docs/method.md#head-taxonomy): votes, tie rules, rows vs winners, GQA, sliding windows, tables."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The ablate stage: single-head ablation and head sparsification (SPEC §5).
+"""The ablate stage: single-head ablation and head sparsification (docs/method.md#ablation).
 
 Called, ``attngeom.ablate(store, run_id, ...)`` is :func:`attngeom.api.ablate`. Its names load
 on first use: the request is light, the stage loads torch and transformers.

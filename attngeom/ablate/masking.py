@@ -10,7 +10,7 @@ the rows of one batch carry different masks. Layers below the first layer any ma
 ablates compute the same thing under every mask, so they run once per sequence; a pre-hook
 on that first ablated layer then repeats each sequence's hidden state once per mask.
 
-Protocol (SPEC §5): prefill ``L-1`` tokens and score the next one. With the mask applied at
+Protocol (docs/method.md#ablation): prefill ``L-1`` tokens and score the next one. With the mask applied at
 every position (the head is removed from the model, prefill included), prefill of tokens
 ``0..L-2`` followed by decoding is one causal forward over those tokens whose last position
 predicts token ``L-1``; only that position's logits are computed (``logits_to_keep=1``).

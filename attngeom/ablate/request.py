@@ -1,4 +1,4 @@
-"""What an ablation is asked to do (SPEC §5): :class:`AblateRequest`. Light: no model code."""
+"""What an ablation is asked to do (docs/method.md#ablation): :class:`AblateRequest`. Light: no model code."""
 
 from __future__ import annotations
 

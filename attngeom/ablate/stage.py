@@ -1,4 +1,4 @@
-"""The ablate stage (SPEC §5): single-head ablation and per-layer head sparsification.
+"""The ablate stage (docs/method.md#ablation): single-head ablation and per-layer head sparsification.
 
 Loads the run's model with its own attention implementation (the capture is extract's),
 reads the run's tokens, attention summaries and (if present) the analysis head table, and
@@ -160,7 +160,7 @@ def _store_diagnostics(run: zarr.Group, seqs: np.ndarray, top_n: int) -> dict[st
         entropy = run["entropy"][s]
         per_seq = attention_diagnostics(run["attn_last"][s], entropy[..., -1], run["top1_attn"][s][..., -1], top_n)
         for name, array in ALL_QUERY_DIAGNOSTICS.items():
-            # Query 0 is excluded: there the sink is also the diagonal (SPEC §2).
+            # Query 0 is excluded: there the sink is also the diagonal (docs/method.md#preprocessing).
             per_seq[name] = (entropy if array == "entropy" else run[array][s])[..., 1:].mean(axis=-1)
         for name, value in per_seq.items():
             sums[name] = sums.get(name, 0.0) + value.astype(np.float64)

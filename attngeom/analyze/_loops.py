@@ -240,7 +240,7 @@ def _count_le(small, large):
 
 @_jit
 def _k_sink(beta, selected, att, nonsink, has_sink, mu, nu_plus, nu_minus, l_rtol):
-    """K_N^sink of the appendix proof (docs: method, "Sink-aware bound"): the
+    """K_N^sink of the appendix proof (docs/method.md#sink-aware-bound): the
     selected-unselected pairs whose lower bound L <= (D_j - D_i)/C^2 is not positive, each
     L counted "<= 0" within l_rtol of its scale (beta + A)^2 (see kernels._k_sink)."""
     K = beta.size
@@ -305,7 +305,7 @@ def _count_lt(small, large):
 @_jit
 def head_geometry(alpha, values, att, points, draw_keys, v_norm, head_constants, mu, mu_q95,
                   options, floats, counts):
-    """Every top-N output of one query head (docs: method) at the valid sizes ``points``
+    """Every top-N output of one query head (docs/method.md) at the valid sizes ``points``
     (ascending, each < |K|): floats (N_FLOATS, P) and counts (N_COUNTS, P), filled in place
     (they arrive NaN / -1).
 
@@ -642,8 +642,9 @@ def pair_statistics(gram, share, min_pairs, bracket_min):
 
 @_jit
 def head_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_att, mu, mu_q95):
-    """mu and mu_q95 (P,) of one query head at the sizes points (docs: method, "Sink-aware
-    bound"): mu_N = max |<u_p, u_q>| over the non-sink pairs with p in I_N, mu_q95 their 95%
+    """mu and mu_q95 (P,) of one query head at the sizes points
+    (docs/method.md#sink-aware-bound): mu_N = max |<u_p, u_q>| over the non-sink pairs with
+    p in I_N, mu_q95 their 95%
     quantile ('linear'); NaN without such a pair, mu_q95 also where N >= |K|.
 
     rank (k,): the selection rank of each non-sink key (in the kv head's Gram order); the

@@ -1,4 +1,4 @@
-"""Numeric kernels of the analyze stage: top-N geometry at the final query (SPEC §3).
+"""Numeric kernels of the analyze stage: top-N geometry at the final query (docs/method.md).
 
 One instance is one (sequence, layer, head) at the final query ``q = L-1``. The public
 functions take a batch on a leading axis:
@@ -66,7 +66,7 @@ def topn_metrics(
     seed: int = 0,
     random_draws: int = 8,
 ) -> dict[str, np.ndarray]:
-    """Top-N separability, bounds and diagnostics at the final query (SPEC §3).
+    """Top-N separability, bounds and diagnostics at the final query (docs/method.md).
 
     attn (B, K), values (G, K, D), attendable (G, K) bool, head_kv (B,) ints in [0, G)
     (default: G = B, instance b reads values[b]); n_grid: selection sizes N >= 1.
@@ -109,7 +109,7 @@ def topn_metrics(
 
 
 def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np.ndarray]:
-    """Norm and coherence statistics of each kv head (SPEC §3 "Norms and coherence").
+    """Norm and coherence statistics of each kv head (docs/method.md#norms-and-coherence).
 
     values (G, K, D), attendable (G, K) bool; returns arrays of shape (G,), over the attendable
     non-sink keys k (cosines of unit vectors u_k = v_k/||v_k||):

@@ -1,4 +1,4 @@
-"""The analyze stage: the kernels of SPEC §3 mapped over a store, out of core, with Dask.
+"""The analyze stage: the kernels of docs/method.md mapped over a store, out of core, with Dask.
 
 Each task reads one (sequence, layer) chunk of ``attn_last``, ``values`` and the votes' source
 (``winner``, or the full rows of a run that kept them) (the store's inner chunks), evaluates
@@ -6,9 +6,9 @@ every head of it, and returns a few kilobytes; memory per worker is bounded by o
 whatever the store's size. Results are written back to the store under
 ``runs/<id>/analysis/``:
 
-- ``topn``    (seq, layer, head, n): the per-instance quantities of SPEC §3;
+- ``topn``    (seq, layer, head, n): the per-instance quantities of docs/method.md;
 - ``values``  (seq, layer, head): norm and coherence statistics per sequence;
-- ``taxonomy`` (seq, layer, head, vote): Diagonal/Sink/Other query votes of SPEC §4 and each
+- ``taxonomy`` (seq, layer, head, vote): Diagonal/Sink/Other query votes of docs/method.md#head-taxonomy and each
   sequence's plurality label;
 - ``heads``   (layer, head): the regime (Retriever/Mixer/Reset) and vote fractions, the
   statistics' means and coefficients of variation across sequences, and the robust
@@ -240,7 +240,7 @@ def _votes_variables(votes: Any, ds: xr.Dataset) -> xr.Dataset:
 
 
 def votes_dataset(ds: xr.Dataset) -> xr.Dataset:
-    """Lazy (seq, layer, head, vote) query-vote counts of SPEC §4 and each sequence's label.
+    """Lazy (seq, layer, head, vote) query-vote counts (docs/method.md#head-taxonomy) and each sequence's label.
 
     From the full rows and values when the run kept them (``--store-rows all``), else from
     the stored winners.

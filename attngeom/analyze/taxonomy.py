@@ -1,4 +1,4 @@
-"""Parameter-free head taxonomy (SPEC §4, paper Algorithm 1) and its mechanistic signatures.
+"""Parameter-free head taxonomy (docs/method.md#head-taxonomy, paper Algorithm 1) and its mechanistic signatures.
 
 For every query i >= 1 the source winner is j* = argmax_{j <= i, attendable} A_ij ||v_j||
 (ties to the smaller j), stored by extract as ``winner``. A query votes Diagonal (j* = i),

@@ -1,7 +1,7 @@
 """The value-space picture of one instance (the paper's Figure 1, from data): a 2-D projection
 of every contribution ``y_k = alpha_k v_k``, the selections ``I_N``, ``s_N`` and both balls.
 
-Pure array functions, no I/O. The selection and the balls follow SPEC §3 exactly as
+Pure array functions, no I/O. The selection and the balls follow docs/method.md#balls exactly as
 :func:`attngeom.analyze.kernels.topn_metrics` defines them (``I_N``: the N attendable keys of
 largest alpha, ties to the smaller position; closed ``r_max`` ball, open ``r_min`` ball), and
 distances are taken in the full head dimension; only the drawing is a projection.
@@ -80,7 +80,7 @@ def value_picture(
     (B, K) bool, n_grid sizes N >= 1. See :class:`Picture` for the outputs.
 
     ``D_k = ||y_k - s_N||^2``; ``r_max^2 = max_{I_N} D_i``, ``r_min^2 = min_{U_N} D_j``;
-    P = N / |{k: D_k <= r_max^2}|, R = |{i in I_N: D_i < r_min^2}| / N (SPEC §3 "Balls").
+    P = N / |{k: D_k <= r_max^2}|, R = |{i in I_N: D_i < r_min^2}| / N (docs/method.md#balls).
     """
     alpha = np.asarray(attn, dtype=np.float64)
     att = np.asarray(attendable, dtype=bool)

@@ -4,7 +4,7 @@ A function registered by :func:`register_capture` through transformers' ``Attent
 receives, in every supported architecture, the post-RoPE queries and keys and the un-repeated
 values of each layer; from them :func:`attention_summaries` recomputes the probability rows
 in float32, in query blocks (memory bounded at any L), and reduces each row to the quantities
-the store keeps (SPEC §3, §4). The layer's output is the model's own SDPA when it computes in a lower
+the store keeps (docs/store.md#run-arrays). The layer's output is the model's own SDPA when it computes in a lower
 precision; in float32 those rows are the eager attention itself, so ``rows @ v`` is the
 output and SDPA is not run a second time.
 
@@ -44,7 +44,7 @@ class LayerCapture:
     """What one layer yields for a batch of B sequences of length L.
 
     values (B, KV, L, Dh) in the model dtype; attn_last (B, H, L) float32, the final query's
-    row; winner (B, H, L) int64, j* of SPEC §4 per query; sink_attn, diag_attn, top1_attn,
+    row; winner (B, H, L) int64, j* (docs/method.md#head-taxonomy) per query; sink_attn, diag_attn, top1_attn,
     entropy (B, H, L) float32 per query (entropy in nats); attendable (L,) bool, keys the
     final query may attend; rows (B, H, L, L) float16 when full rows are kept.
     """

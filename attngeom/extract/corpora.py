@@ -1,4 +1,4 @@
-"""Corpora and the equalized single-document windows of SPEC §2.
+"""Corpora and the equalized single-document windows of docs/method.md#preprocessing.
 
 A corpus is a fixed, ordered sequence of documents plus a fingerprint of exactly those
 documents. A window is the model's BOS followed by ``L-1`` contiguous tokens of one

@@ -1,6 +1,6 @@
 """Model resolution and loading: hub ids, local folders, GGUF files and the offline names.
 
-The offline names (SPEC §7) point at GGUF files shipped in PyPI packages. transformers
+The offline names (docs/cli.md#models) point at GGUF files shipped in PyPI packages. transformers
 de-quantizes a GGUF on every load (about a minute for Gemma 3's 262k-token vocabulary), so the
 first load converts it once into a plain transformers folder under the cache and later loads
 read that folder.

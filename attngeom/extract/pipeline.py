@@ -1,4 +1,5 @@
-"""The extract stage: one pass of the model over equalized windows into the store (SPEC §1, §2, §6).
+"""The extract stage: one pass of the model over equalized windows into the store
+(docs/method.md#preprocessing, docs/store.md).
 
 Everything that can be refused is checked before the store is touched: the store path, the
 model, the tokenizer's BOS, the input (a corpus and its number of usable documents, the
@@ -83,7 +84,7 @@ class ExtractRequest:
     """The arguments of ``attngeom extract`` and :func:`attngeom.extract`.
 
     ``model`` is a name or path, or a loaded transformers causal LM. The input is exactly
-    one of ``dataset`` (a corpus name or path, windowed by SPEC §2), ``texts`` (strings,
+    one of ``dataset`` (a corpus name or path, windowed by docs/method.md#preprocessing), ``texts`` (strings,
     windowed the same way) or ``token_ids`` (S, L) integers used as given.
     """
 
@@ -267,7 +268,7 @@ def _texts_corpus(texts: Iterable[str]) -> Corpus:
 
 
 def _windowed(request: ExtractRequest, model: _Model, bos_id: int) -> _Input:
-    """Windows of SPEC §2 from a dataset or texts: BOS and L-1 tokens of one document."""
+    """Windows (docs/method.md#preprocessing) from a dataset or texts: BOS and L-1 tokens of one document."""
     if model.tokenizer is None:
         raise InputError("windowing a dataset or texts needs the model's tokenizer: pass tokenizer=")
     if request.dataset is not None:
@@ -316,7 +317,8 @@ def _given(request: ExtractRequest, model: _Model, bos_id: int) -> _Input:
     no_bos = np.flatnonzero(ids[:, 0] != bos_id)
     if no_bos.size:
         raise InputError(
-            f"token_ids rows {_rows(no_bos)} do not start with the BOS token {bos_id} (SPEC §2: position 0 is BOS)"
+            f"token_ids rows {_rows(no_bos)} do not start with the BOS token {bos_id} "
+            "(position 0 is BOS: docs/method.md#preprocessing)"
         )
     digest = hashlib.sha256(f"{ids.shape}".encode())
     digest.update(np.ascontiguousarray(ids, dtype="<i8").tobytes())

@@ -1,4 +1,4 @@
-"""The store: its contract (SPEC §6), opening and writing, validation and migration.
+"""The store: its contract (docs/store.md), opening and writing, validation and migration.
 
 Modules, by concern: :mod:`~attngeom.store.schema` (layout, names, versions),
 :mod:`~attngeom.store.codecs` (chunk encoding), :mod:`~attngeom.store.access` (URLs, the

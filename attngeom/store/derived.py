@@ -1,4 +1,4 @@
-"""Derived groups (``analysis``, ``ablation``) and their commit record (SPEC §6).
+"""Derived groups (``analysis``, ``ablation``) and their commit record (docs/store.md#commit-protocol).
 
 A derived group ``runs/<id>/<kind>`` carries a record in its attributes, under ``attngeom``:
 

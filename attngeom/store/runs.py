@@ -1,4 +1,4 @@
-"""Runs: their ids, creation, growth and the per-sequence commit (SPEC §6)."""
+"""Runs: their ids, creation, growth and the per-sequence commit (docs/store.md#commit-protocol)."""
 
 from __future__ import annotations
 

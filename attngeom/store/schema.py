@@ -1,4 +1,4 @@
-"""The store contract (SPEC §6, schema version 1): what a store holds and what it is called.
+"""The store contract (docs/store.md, schema version 1): what a store holds and what it is called.
 
 A store is a Zarr v3 group. Each run lives in ``runs/<run_id>`` and holds one array per
 captured quantity, with named dimensions (``dimension_names``) so that
@@ -19,7 +19,7 @@ Layout decisions, made for what reads and writes the store:
 
 Two numbers in the root's attributes say what a store is:
 
-* ``schema_version`` is the contract of SPEC §6 (names, dimensions, dtypes), which readers
+* ``schema_version`` is the contract of docs/store.md (names, dimensions, dtypes), which readers
   rely on. A store of a later version is refused.
 * ``format`` is how this implementation encodes that contract. Format 1 (attngeom 0.1.0's
   first stores, which carry no ``format`` attribute) has no chunk checksums; format 2 ends
@@ -60,10 +60,11 @@ ANALYSIS_GROUPS = (*ANALYSIS_SEQUENCE_GROUPS, "heads", "summary", "signatures", 
 # The groups ablate writes under runs/<id>/ablation; ``regimes`` only when the run has regimes.
 ABLATION_GROUPS = ("single", "sweep", "correlations", "critical", "table", "regimes")
 
-# Labels (SPEC §4). A query votes for one of VOTES; a head's regime is indexed like VOTES.
+# Labels (docs/method.md#head-taxonomy). A query votes for one of VOTES; a head's regime is indexed like VOTES.
 VOTES = ("diagonal", "sink", "other")
 REGIMES = ("Retriever", "Mixer", "Reset")
-# Mechanistic signatures (SPEC §4): variables of ``topn`` reduced per regime in ``signatures``.
+# Mechanistic signatures (docs/method.md#mechanistic-signatures): variables of ``topn``
+# reduced per regime in ``signatures``.
 SIGNATURE_VARIABLES = ("s_norm", "s_norm_nosink", "s_norm_nocurrent", "cos_s_v0", "cos_s_vlast")
 # Variables of ``topn`` (seq, layer, head, n), the outputs of the analyze kernels: floats,
 # int64 counts (-1 = N not valid there), and the int8 flag of the sink's selection.
@@ -135,7 +136,7 @@ RUN_VARIABLES: dict[str, Variable] = {
         ("seq", "layer", "head", "key"), ("float32",), doc="final query's attention row alpha_j"
     ),
     "winner": Variable(
-        SUMMARY_DIMS, ("int16", "int32"), doc="j* = argmax_j A_ij ||v_j|| (SPEC §4), per query"
+        SUMMARY_DIMS, ("int16", "int32"), doc="j* = argmax_j A_ij ||v_j|| (docs/method.md#head-taxonomy), per query"
     ),
     "sink_attn": Variable(SUMMARY_DIMS, ("float32",), doc="A_i0, per query"),
     "diag_attn": Variable(SUMMARY_DIMS, ("float32",), doc="A_ii, per query"),

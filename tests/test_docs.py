@@ -1,0 +1,154 @@
+"""The documentation in docs/ is what the README, the package and the docs point at: every
+``docs/<page>.md#<anchor>`` reference, and every link between the docs' pages, resolves to a
+page and to one of its headings (GitHub's anchors), and no reference to a document outside
+the repository is left."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+DOCS = ROOT / "docs"
+PACKAGE_SUFFIXES = (".py", ".js", ".html", ".css")
+
+# A reference written out in text: docs/method.md#balls (a page alone, or with an anchor).
+DOCS_REFERENCE = re.compile(r"docs/([\w.-]+\.md)(?:#([\w-]+))?")
+# A Markdown link's target, inside the docs: (store.md#run-arrays), (#balls), (../README.md).
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: its text without Markdown (code marks, links, bold),
+    lower case, punctuation but hyphens and underscores dropped, each space a hyphen."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = re.sub(r"[`*]", "", text)
+    text = text.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of a Markdown page's headings (outside code blocks); a repeated heading
+    gets -1, -2, ... as on GitHub."""
+    seen: dict[str, int] = {}
+    out = set()
+    fenced = False
+    for line in page.read_text().splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        heading = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if fenced or not heading:
+            continue
+        base = slug(heading.group(1))
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        out.add(base if count == 0 else f"{base}-{count}")
+    return out
+
+
+def text_files() -> list[Path]:
+    """The README, the docs and the package's source files: where users meet references."""
+    package = [p for p in sorted((ROOT / "attngeom").rglob("*")) if p.suffix in PACKAGE_SUFFIXES]
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md")), *package]
+
+
+def test_slugs_follow_github():
+    assert slug("Sink-aware bound") == "sink-aware-bound"
+    assert slug("Precision, recall and F") == "precision-recall-and-f"
+    assert slug("`extract`: the [store](store.md)") == "extract-the-store"
+    assert slug("**Norms** and `sink_cos`") == "norms-and-sink_cos"
+
+
+def test_docs_pages_exist_with_the_sections_the_references_need():
+    for page in ("README.md", "method.md", "store.md", "cli.md", "api.md"):
+        assert (DOCS / page).is_file(), page
+    assert {"balls", "sink-aware-bound", "exact-certificate", "head-taxonomy", "ablation",
+            "sparsification", "preprocessing"} <= anchors(DOCS / "method.md")
+    assert {"commit-protocol", "run-arrays", "analysis-groups", "labels"} <= anchors(DOCS / "store.md")
+
+
+def test_every_docs_reference_resolves():
+    references = []
+    for path in text_files():
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            for page, anchor in DOCS_REFERENCE.findall(line):
+                references.append((f"{path.relative_to(ROOT)}:{lineno}", DOCS / page, anchor))
+    assert len(references) >= 10  # the README, --help texts and docstrings point at the docs
+    broken = [f"{where}: docs/{target.name}#{anchor}" for where, target, anchor in references
+              if not target.is_file() or (anchor and anchor not in anchors(target))]
+    assert not broken, broken
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
+def test_every_link_of_a_docs_page_resolves(page):
+    source = DOCS / page
+    broken = []
+    for target in LINK.findall(source.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # an external address
+        file, _, anchor = target.partition("#")
+        path = (source.parent / file).resolve() if file else source
+        if not path.exists() or (anchor and anchor not in anchors(path)):
+            broken.append(target)
+    assert not broken, broken
+
+
+def test_no_reference_to_a_document_outside_the_repository():
+    stale = [f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}"
+             for path in text_files()
+             for lineno, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"\bSPEC\b|§", line)]
+    assert not stale, stale
+
+
+def section(page: Path, anchor: str) -> str:
+    """The text of the section of ``page`` whose heading has ``anchor``, to the next heading
+    of the same or a higher level."""
+    lines = page.read_text().splitlines()
+    for i, line in enumerate(lines):
+        heading = re.match(r"(#{1,6})\s+(.*)", line)
+        if heading and slug(heading.group(2)) == anchor:
+            level = len(heading.group(1))
+            end = next((j for j in range(i + 1, len(lines))
+                        if re.match(rf"#{{1,{level}}}\s", lines[j])), len(lines))
+            return "\n".join(lines[i:end])
+    raise AssertionError(f"{page.name} has no section #{anchor}")
+
+
+def test_cli_md_documents_every_command_and_option():
+    from attngeom.cli import main
+
+    missing = []
+    for name, command in main.commands.items():
+        text = section(DOCS / "cli.md", name)
+        for param in command.params:
+            missing += [f"{name} {opt}" for opt in param.opts if opt.startswith("--") and f"`{opt}`" not in text]
+    assert not missing, missing
+
+
+def test_api_md_documents_every_public_name():
+    import attngeom
+
+    text = (DOCS / "api.md").read_text()
+    missing = [name for name in attngeom.__all__ if name != "__version__" and name not in text]
+    assert not missing, missing
+
+
+def test_tables_have_as_many_cells_in_every_row():
+    """An unescaped bar inside a code span (``||x||``) splits a table cell on GitHub."""
+    uneven = []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        table: list[tuple[int, int]] = []
+        for lineno, line in enumerate([*page.read_text().splitlines(), ""], 1):
+            if line.startswith("|"):
+                table.append((lineno, len(re.findall(r"(?<!\\)\|", line))))
+                continue
+            if len({cells for _, cells in table}) > 1:
+                uneven.append(f"{page.name}:{table[0][0]}")
+            table = []
+    assert not uneven, uneven
