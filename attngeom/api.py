@@ -51,6 +51,7 @@ def extract(
     dtype: str = "auto",
     batch_size: int = 1,
     store_rows: str = "last",
+    queries: str | Sequence[int] = "last",
     values_dtype: str = "float32",
     split: str | None = None,
     text_field: str = "text",
@@ -82,6 +83,11 @@ def extract(
     token_ids. Writes runs/<run_id> with tokens (S, L), values (S, layers, kv_heads, L,
     head_dim), attn_last (S, layers, heads, L) and the per-query summaries (S, layers,
     heads, L); resumable (a rerun writes only uncommitted sequences) and appendable.
+
+    queries: "last" (default), "every:K" (L-1, L-1-K, ... down to 1) or positions in 1..L-1
+    (a list, or "P1,P2,..."): also keeps those queries' rows, attn_rows (S, layers, heads,
+    query_pos, L) float32, which analyze turns into analysis/topn_by_query
+    (docs/method.md#any-query).
     """
     from attngeom.extract.pipeline import ExtractRequest
     from attngeom.extract.pipeline import extract as run
@@ -90,7 +96,7 @@ def extract(
         model=model, store=str(store), dataset=dataset, texts=texts, token_ids=token_ids, tokenizer=tokenizer,
         context_length=context_length, num_sequences=num_sequences, run_id=run_id, split=split,
         text_field=text_field, device=device, dtype=dtype, batch_size=batch_size, store_rows=store_rows,
-        values_dtype=values_dtype, window_rule=window_rule, seed=seed, bos_token=bos_token, shard=shard,
+        queries=queries, values_dtype=values_dtype, window_rule=window_rule, seed=seed, bos_token=bos_token, shard=shard,
         progress=progress,
     ))
 

@@ -108,6 +108,7 @@ STORE = click.option("--store", required=True, help="Store: a local path or an f
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype; auto is float32 on CPU, bfloat16 on CUDA.")
 @click.option("--batch-size", type=click.IntRange(1), default=1, show_default=True, help="Sequences per forward pass.")
 @click.option("--store-rows", type=click.Choice(["last", "all"]), default="last", show_default=True, help="'all' also keeps every full attention row (float16), for small studies.")
+@click.option("--queries", default="last", show_default=True, help="Queries whose attention rows are kept (attn_rows) for analysis/topn_by_query: last (attn_last only), every:K (L-1, L-1-K, ... down to 1) or positions P1,P2,... in 1..L-1.")
 @click.option("--values-dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True, help="Storage dtype of the value vectors; float16 halves the store.")
 @click.option("--window", "window_rule", type=click.Choice(["first", "random"]), default="first", show_default=True, help="Which window of each document: the first, or a seeded random offset.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random window rule.")

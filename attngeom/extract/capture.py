@@ -46,7 +46,8 @@ class LayerCapture:
     values (B, KV, L, Dh) in the model dtype; attn_last (B, H, L) float32, the final query's
     row; winner (B, H, L) int64, j* (docs/method.md#head-taxonomy) per query; sink_attn, diag_attn, top1_attn,
     entropy (B, H, L) float32 per query (entropy in nats); attendable (L,) bool, keys the
-    final query may attend; rows (B, H, L, L) float16 when full rows are kept.
+    final query may attend; rows (B, H, L, L) float16 when full rows are kept; query_rows
+    (B, H, Q, L) float32, the rows of the Q queries asked for (--queries), 0 after each query.
     """
 
     values: torch.Tensor
@@ -58,6 +59,7 @@ class LayerCapture:
     entropy: torch.Tensor
     attendable: torch.Tensor
     rows: torch.Tensor | None = None
+    query_rows: torch.Tensor | None = None
 
 
 def allowed_keys(
@@ -122,6 +124,7 @@ def attention_summaries(
     *,
     softcap: float | None = None,
     keep_rows: bool = False,
+    queries: tuple[int, ...] = (),
     need_output: bool = False,
     block_bytes: int | None = None,
 ) -> tuple[LayerCapture, torch.Tensor | None]:
@@ -130,7 +133,8 @@ def attention_summaries(
     query (B, H, L, Dh), key and value (B, KV, L, Dh) with query head h reading kv head
     h // (H/KV). Scores are computed in float32, ``block_bytes`` of them at a time (default
     per device, ``BLOCK_BYTES``). ``winner`` is argmax_j A_ij ||v_j|| with ties to the smaller
-    j (:func:`first_argmax`). With ``need_output`` (a float32 model, or a softcapped one SDPA
+    j (:func:`first_argmax`). ``queries`` (positions) have their float32 rows kept, the
+    same numbers as ``attn_last`` at L-1. With ``need_output`` (a float32 model, or a softcapped one SDPA
     cannot run) the attention output (B, L, H, Dh) is returned too.
 
     Each block of scores takes a handful of vectorized passes (mask, max, softmax, the
@@ -171,6 +175,11 @@ def attention_summaries(
     rows = (
         torch.zeros(bsz, n_kv, group, length, length, device=device, dtype=torch.float16)
         if keep_rows
+        else None
+    )
+    query_rows = (
+        torch.zeros(bsz, n_kv, len(queries), group, length, device=device, dtype=torch.float32)
+        if queries
         else None
     )
     output = torch.empty(bsz * n_kv, length * group, head_dim, device=device) if need_output else None
@@ -221,6 +230,10 @@ def attention_summaries(
         winner[:, :, q0:q1] = winners.view(bsz, n_kv, q1 - q0, group)
         if rows is not None:
             rows.transpose(2, 3)[:, :, q0:q1, :, :n_keys] = block_probs
+        if query_rows is not None:
+            for i, p in enumerate(queries):
+                if q0 <= p < q1:
+                    query_rows[:, :, i, :, :n_keys] = block_probs[:, :, p - q0]
         if output is not None:
             torch.bmm(probs, v[:, :n_keys], out=output[:, q0 * group : q1 * group])
         if q1 == length:
@@ -240,6 +253,11 @@ def attention_summaries(
         entropy=heads(out["entropy"]),
         attendable=last_allowed,
         rows=rows.reshape(bsz, n_heads, length, length) if rows is not None else None,
+        query_rows=(
+            query_rows.transpose(2, 3).reshape(bsz, n_heads, len(queries), length)
+            if query_rows is not None
+            else None
+        ),
     )
     attn_output = (
         output.view(bsz, n_kv, length, group, head_dim).transpose(1, 2).reshape(bsz, length, n_heads, head_dim)
@@ -255,6 +273,7 @@ class Recorder:
     """Collects the :class:`LayerCapture` of every layer during one forward pass."""
 
     keep_rows: bool = False
+    queries: tuple[int, ...] = ()
     layers: dict[int, LayerCapture] = field(default_factory=dict)
 
 
@@ -293,6 +312,7 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
         scaling,
         softcap=softcap,
         keep_rows=recorder.keep_rows if recorder else False,
+        queries=recorder.queries if recorder else (),
         need_output=softcap is not None or own_output(query.dtype),
     )
     if recorder is not None:
@@ -312,18 +332,21 @@ def register_capture() -> None:
 
 
 @contextlib.contextmanager
-def capturing(model: torch.nn.Module, *, keep_rows: bool = False) -> Iterator[Recorder]:
+def capturing(
+    model: torch.nn.Module, *, keep_rows: bool = False, queries: tuple[int, ...] = ()
+) -> Iterator[Recorder]:
     """Within the block, forwards of ``model`` in this thread record into the yielded recorder.
 
     ``model`` is a transformers ``PreTrainedModel``; its attention implementation (e.g. "sdpa"
-    or "eager") is set to the capture one for the block and restored on exit. One model object
+    or "eager") is set to the capture one for the block and restored on exit. ``queries``:
+    positions whose rows each layer keeps (:attr:`LayerCapture.query_rows`). One model object
     is captured by one block at a time: the implementation is the model's, not the thread's.
     """
     register_capture()
     previous = model.config._attn_implementation
     if previous != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    recorder = Recorder(keep_rows=keep_rows)
+    recorder = Recorder(keep_rows=keep_rows, queries=tuple(queries))
     token = _RECORDERS.set({**_RECORDERS.get(), **dict.fromkeys(model.modules(), recorder)})
     try:
         yield recorder

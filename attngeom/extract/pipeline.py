@@ -53,6 +53,7 @@ from attngeom.extract.models import (
     resolve_model,
     supported_config,
 )
+from attngeom.extract.queries import query_positions
 from attngeom.store import (
     ATTR_KEY,
     RUN_ID_PATTERN,
@@ -76,7 +77,10 @@ from attngeom.store import (
 )
 
 # Provenance keys that must agree before a run may be resumed or appended.
-IDENTITY = ("model", "dataset", "context_length", "window_rule", "bos_token_id", "values_dtype", "store_rows")
+IDENTITY = ("model", "dataset", "context_length", "window_rule", "bos_token_id", "values_dtype", "store_rows",
+            "queries")
+# The value of an identity key in a run that predates it.
+_IDENTITY_BEFORE = {"queries": []}
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ class ExtractRequest:
     dtype: str = "auto"
     batch_size: int = 1
     store_rows: str = "last"
+    queries: str | Sequence[int] = "last"
     values_dtype: str = "float32"
     window_rule: str = "first"
     seed: int = 0
@@ -194,7 +199,7 @@ def _check_existing_run(store: str, run_id: str, identity: dict[str, Any]) -> No
     diffs = [
         f"{key} {prov.get(key)!r} (asked {identity[key]!r})"
         for key in IDENTITY
-        if jsonable(identity[key]) != prov.get(key)
+        if jsonable(identity[key]) != prov.get(key, _IDENTITY_BEFORE.get(key))
     ]
     if diffs:
         raise InputError(
@@ -332,7 +337,8 @@ def _rows(rows: np.ndarray, shown: int = 10) -> str:
     return text + (f" and {rows.size - shown} more" if rows.size > shown else "")
 
 
-def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequest, length: int) -> RunLayout:
+def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequest, length: int,
+            queries: tuple[int, ...]) -> RunLayout:
     n_layers = config.num_hidden_layers
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
@@ -350,11 +356,13 @@ def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequ
         attendable=tuple(tuple(bool(x) for x in a) for a in attendable),
         values_dtype=request.values_dtype,
         store_rows=request.store_rows,
+        queries=queries,
     )
 
 
 @contextlib.contextmanager
-def _capturing(model: torch.nn.Module, *, keep_rows: bool) -> Iterator[Callable[[torch.Tensor], dict[int, LayerCapture]]]:
+def _capturing(model: torch.nn.Module, *, keep_rows: bool,
+               queries: tuple[int, ...]) -> Iterator[Callable[[torch.Tensor], dict[int, LayerCapture]]]:
     """Within the block, ``record(ids)`` runs the model's decoder on ids (B, L) in eval mode
     with the capture attention and returns every layer's :class:`LayerCapture`. The model's
     own attention implementation (restored by :func:`capturing` after each forward) and its
@@ -363,7 +371,7 @@ def _capturing(model: torch.nn.Module, *, keep_rows: bool) -> Iterator[Callable[
     model.eval()
 
     def record(ids: torch.Tensor) -> dict[int, LayerCapture]:
-        with torch.inference_mode(), capturing(model, keep_rows=keep_rows) as recorder:
+        with torch.inference_mode(), capturing(model, keep_rows=keep_rows, queries=queries) as recorder:
             model.get_decoder()(input_ids=ids, use_cache=False)
         return recorder.layers
 
@@ -398,6 +406,8 @@ def _sequence_arrays(
     }
     if layout.store_rows == "all":
         arrays["attn"] = stack("rows", "float16")
+    if layout.queries:
+        arrays["attn_rows"] = stack("query_rows", "float32")
     return arrays
 
 
@@ -419,6 +429,7 @@ def extract(request: ExtractRequest) -> ExtractResult:
     model = _model(request, shard)
     bos_id = _bos_token_id(model.tokenizer, request.bos_token, model.config)
     inputs = _given(request, model, bos_id) if request.token_ids is not None else _windowed(request, model, bos_id)
+    queries = query_positions(request.queries, inputs.length)
     run_id = request.run_id or default_run_id(model.name, inputs.id, inputs.length)
     if not RUN_ID_PATTERN.match(run_id):
         raise InputError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-'")
@@ -430,6 +441,7 @@ def extract(request: ExtractRequest) -> ExtractResult:
         "bos_token_id": bos_id,
         "values_dtype": request.values_dtype,
         "store_rows": request.store_rows,
+        "queries": list(queries),
     }
     _check_existing_run(request.store, run_id, identity)
     windows = inputs.windows()
@@ -449,7 +461,8 @@ def extract(request: ExtractRequest) -> ExtractResult:
         start = time.perf_counter()
         if todo:
             provenance = {**identity, **_run_provenance(request, model, bos_id, shard)}
-            run = _write_sequences(request, model, root, run_id, run, provenance, [windows[i] for i in todo], todo, total)
+            run = _write_sequences(request, model, root, run_id, run, provenance, [windows[i] for i in todo], todo, total,
+                                   queries)
             consolidate(root)
         if run is None:  # this shard has no sequence of the run
             return ExtractResult(run_id, 0, 0, total, 0.0)
@@ -479,7 +492,7 @@ def _run_provenance(request: ExtractRequest, model: _Model, bos_id: int, shard: 
 
 def _write_sequences(
     request: ExtractRequest, model: _Model, root: zarr.Group, run_id: str, run: zarr.Group | None,
-    provenance: dict[str, Any], windows: list[Window], seqs: list[int], total: int,
+    provenance: dict[str, Any], windows: list[Window], seqs: list[int], total: int, queries: tuple[int, ...],
 ) -> zarr.Group:
     """Run the model over ``windows`` (sequences ``seqs`` of the run) batch by batch and
     commit each sequence; the run is created after the first forward (its layout comes from
@@ -490,13 +503,13 @@ def _write_sequences(
     start = time.perf_counter()
     layout = None
     try:
-        with _capturing(net, keep_rows=request.store_rows == "all") as record:
+        with _capturing(net, keep_rows=request.store_rows == "all", queries=queries) as record:
             for b0 in range(0, len(seqs), request.batch_size):
                 batch = windows[b0 : b0 + request.batch_size]
                 ids = torch.from_numpy(np.stack([w.tokens for w in batch]).astype("int64")).to(model.device)
                 layers = record(ids)
                 if run is None:
-                    run = create_run(root, run_id, _layout(model.config, layers, request, length), provenance, total)
+                    run = create_run(root, run_id, _layout(model.config, layers, request, length, queries), provenance, total)
                 if layout is None:  # read once: the run's recorded layout, also when resuming
                     layout = run_layout(run)
                 for b, (seq, window) in enumerate(zip(seqs[b0 : b0 + request.batch_size], batch)):

@@ -49,6 +49,8 @@ from attngeom.store.schema import (
     COORDS,
     FORMAT,
     LABELS,
+    QUERY_GROUPS,
+    QUERY_SEQUENCE_GROUPS,
     REGIMES,
     RUN_VARIABLES,
     RUNS,
@@ -68,6 +70,7 @@ from attngeom.store.schema import (
     analysis_path,
     label_codes,
     label_dtype,
+    query_attendable,
     run_path,
 )
 from attngeom.store.validate import (
@@ -83,13 +86,14 @@ from attngeom.store.validate import (
 
 __all__ = [
     "RunLayout", "Variable", "ABLATION", "ABLATION_GROUPS", "ANALYSIS", "ANALYSIS_GROUPS",
-    "ANALYSIS_SEQUENCE_GROUPS", "ATTR_KEY", "COORDS", "FORMAT", "LABELS", "REGIMES",
+    "ANALYSIS_SEQUENCE_GROUPS", "ATTR_KEY", "COORDS", "FORMAT", "LABELS", "QUERY_GROUPS",
+    "QUERY_SEQUENCE_GROUPS", "REGIMES",
     "RUN_ID_PATTERN", "RUN_VARIABLES", "RUNS", "SCHEMA_VERSION", "SEQUENCE_ARRAYS",
     "SIGNATURE_VARIABLES", "STATS", "SUMMARY_DIMS", "TOPN_COUNTS", "TOPN_FLOATS", "TOPN_VARIABLES",
     "VALUE_STATISTICS", "VOTES", "ablation_path", "analysis_path", "array_metadata", "arrays_of",
     "check_committed", "check_writable", "completed", "compressor", "compressors", "consolidate",
     "create_run", "damaged_objects", "default_run_id", "derived_problems", "derived_state",
-    "has_checksum", "jsonable", "label_codes", "label_dtype", "local_path", "n_sequences",
+    "has_checksum", "jsonable", "label_codes", "label_dtype", "local_path", "query_attendable", "n_sequences",
     "open_dataset", "open_derived", "open_or_create_root", "open_root", "open_run_group",
     "read_chunk", "read_root_attrs", "reading_run", "repair", "replace_groups", "require_run", "resize_run",
     "run_ids", "run_layout", "run_path", "run_provenance", "store_format", "validate_run",

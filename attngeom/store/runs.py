@@ -106,6 +106,7 @@ def _coordinates(layout: RunLayout) -> dict[str, np.ndarray]:
         "head_kv": np.asarray(layout.head_kv, dtype="int32"),
         "window": np.asarray(layout.window, dtype="int32"),
         "attendable": np.asarray(layout.attendable, dtype=bool),
+        "query_pos": np.asarray(layout.queries, dtype="int32"),
     }
 
 
@@ -161,7 +162,8 @@ def run_layout(run: zarr.Group) -> RunLayout:
     meta = run.attrs[ATTR_KEY]["layout"]
     attendable = tuple(tuple(bool(x) for x in row) for row in run["attendable"][:])
     return RunLayout(
-        **{**meta, "head_kv": tuple(meta["head_kv"]), "window": tuple(meta["window"])},
+        **{**meta, "head_kv": tuple(meta["head_kv"]), "window": tuple(meta["window"]),
+           "queries": tuple(meta.get("queries", ()))},
         attendable=attendable,
     )
 

@@ -57,6 +57,10 @@ ABLATION = "ablation"
 # sequences.
 ANALYSIS_SEQUENCE_GROUPS = ("topn", "values", "taxonomy")
 ANALYSIS_GROUPS = (*ANALYSIS_SEQUENCE_GROUPS, "heads", "summary", "signatures", "table")
+# The groups analyze adds for a run extracted at more queries than the last
+# (docs/method.md#any-query): per sequence, then across sequences.
+QUERY_SEQUENCE_GROUPS = ("topn_by_query",)
+QUERY_GROUPS = (*QUERY_SEQUENCE_GROUPS, "summary_by_query")
 # The groups ablate writes under runs/<id>/ablation; ``regimes`` only when the run has regimes.
 ABLATION_GROUPS = ("single", "sweep", "correlations", "critical", "table", "regimes")
 
@@ -96,8 +100,8 @@ def run_path(run_id: str) -> str:
 
 
 def analysis_path(run_id: str, name: str | None = None) -> str:
-    """``runs/<run_id>/analysis``, or its group ``name`` (one of ANALYSIS_GROUPS)."""
-    return _derived_path(run_id, ANALYSIS, ANALYSIS_GROUPS, name)
+    """``runs/<run_id>/analysis``, or its group ``name`` (one of ANALYSIS_GROUPS or QUERY_GROUPS)."""
+    return _derived_path(run_id, ANALYSIS, (*ANALYSIS_GROUPS, *QUERY_GROUPS), name)
 
 
 def ablation_path(run_id: str, name: str | None = None) -> str:
@@ -148,6 +152,12 @@ RUN_VARIABLES: dict[str, Variable] = {
         optional=True,
         doc="full attention rows (--store-rows all)",
     ),
+    "attn_rows": Variable(
+        ("seq", "layer", "head", "query_pos", "key"),
+        ("float32",),
+        optional=True,
+        doc="attention rows of the queries at query_pos, 0 after the query (--queries)",
+    ),
     "doc_index": Variable(("seq",), ("int64",), doc="document of the window, in corpus order"),
     "window_start": Variable(("seq",), ("int64",), doc="token offset of the window in its document"),
     "complete": Variable(("seq",), ("uint8",), doc="1 once every array of the sequence is written"),
@@ -161,6 +171,10 @@ RUN_VARIABLES: dict[str, Variable] = {
     ),
     "attendable": Variable(
         ("layer", "key"), ("bool",), per_sequence=False, doc="keys the final query may attend"
+    ),
+    "query_pos": Variable(
+        ("query_pos",), ("int32",), per_sequence=False, optional=True,
+        doc="positions of the queries whose rows attn_rows keeps, ascending",
     ),
 }
 
@@ -185,6 +199,8 @@ class RunLayout:
     attendable: tuple[tuple[bool, ...], ...] = field(repr=False)
     values_dtype: str = "float32"
     store_rows: str = "last"
+    # Positions of the queries whose rows attn_rows keeps, ascending; () keeps none.
+    queries: tuple[int, ...] = ()
 
     @property
     def winner_dtype(self) -> str:
@@ -199,6 +215,7 @@ class RunLayout:
             "pos": self.length,
             "key": self.length,
             "query": self.length,
+            "query_pos": len(self.queries),
             "head_dim": self.head_dim,
         }
         return tuple(sizes[d] for d in RUN_VARIABLES[name].dims)
@@ -214,8 +231,18 @@ class RunLayout:
         return [
             n
             for n, v in RUN_VARIABLES.items()
-            if not v.optional or (n == "attn" and self.store_rows == "all")
+            if not v.optional
+            or (n == "attn" and self.store_rows == "all")
+            or (n in ("attn_rows", "query_pos") and self.queries)
         ]
+
+
+def query_attendable(attendable: np.ndarray, q: int) -> np.ndarray:
+    """The keys 0..q query ``q`` may attend (q+1,) bool, from the final query's mask
+    ``attendable`` (L,): the mask moves with its query, so it is the mask's last q+1 keys
+    (every key 0..q under causal attention, the last ``window`` of them in a sliding-window
+    layer); at q = L-1 it is ``attendable`` itself (docs/method.md#any-query)."""
+    return np.asarray(attendable[attendable.shape[-1] - 1 - q :], dtype=bool)
 
 
 def label_codes(values: np.ndarray) -> tuple[list[str], np.ndarray]:
