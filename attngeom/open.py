@@ -18,6 +18,7 @@ from attngeom.store import (
     ABLATION_GROUPS,
     ANALYSIS,
     ANALYSIS_GROUPS,
+    QUERY_GROUPS,
     completed,
     open_dataset,
     open_derived,
@@ -87,8 +88,10 @@ class Run:
 
     def analysis(self, name: str) -> xr.Dataset:
         """The lazy Dataset of ``analysis/<name>``: "topn" (seq, layer, head, n), "values",
-        "taxonomy", "heads" (layer, head), "summary", "signatures" or "table"."""
-        return self._group(ANALYSIS, ANALYSIS_GROUPS, name)
+        "taxonomy", "heads" (layer, head), "summary", "signatures" or "table"; for a run
+        extracted with ``queries``, "topn_by_query" (seq, layer, head, query_pos, n) and
+        "summary_by_query" (stat, layer, head, query_pos, n)."""
+        return self._group(ANALYSIS, (*ANALYSIS_GROUPS, *QUERY_GROUPS), name)
 
     def ablation(self, name: str) -> xr.Dataset:
         """The lazy Dataset of ``ablation/<name>``: "single" (layer, head[, seq]), "sweep"

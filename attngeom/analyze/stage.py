@@ -43,7 +43,7 @@ import xarray as xr
 import zarr
 from tqdm.auto import tqdm
 
-from attngeom.analyze import taxonomy
+from attngeom.analyze import by_query, taxonomy
 from attngeom.analyze.kernels import head_metrics
 from attngeom.analyze.scheduling import dask_client
 from attngeom.errors import GroupNotFoundError, InputError, RunNotFoundError
@@ -51,6 +51,8 @@ from attngeom.store import (
     ANALYSIS,
     ANALYSIS_GROUPS,
     ANALYSIS_SEQUENCE_GROUPS,
+    QUERY_GROUPS,
+    QUERY_SEQUENCE_GROUPS,
     SIGNATURE_VARIABLES,
     TOPN_COUNTS,
     TOPN_VARIABLES,
@@ -450,16 +452,33 @@ def _plan(state: DerivedState, params: dict[str, Any], target: tuple[int, ...]) 
     return _Plan(target, keep, staged=staged, keep_commit=staged, recomputed=reason)
 
 
-def _sequence_paths(run_id: str, staged: bool) -> dict[str, str]:
+def _sequence_groups(ds: xr.Dataset) -> tuple[str, ...]:
+    """The per-sequence groups of the run ``ds``: topn_by_query too for a run with queries."""
+    return (*ANALYSIS_SEQUENCE_GROUPS, *(QUERY_SEQUENCE_GROUPS if by_query.has_queries(ds) else ()))
+
+
+def _all_groups(ds: xr.Dataset) -> tuple[str, ...]:
+    """Every group an analysis of the run ``ds`` commits."""
+    return (*ANALYSIS_GROUPS, *(QUERY_GROUPS if by_query.has_queries(ds) else ()))
+
+
+def _sequence_paths(run_id: str, staged: bool, names: Sequence[str]) -> dict[str, str]:
     return {name: staged_path(run_id, ANALYSIS, name) if staged else analysis_path(run_id, name)
-            for name in ANALYSIS_SEQUENCE_GROUPS}
+            for name in names}
 
 
-def _groups(grid: Sequence[int], seed: int, stacked: Any, ds: xr.Dataset) -> dict[str, xr.Dataset]:
-    """The per-sequence groups from the stacked columns of the blocks (numpy or dask)."""
+def _groups(grid: Sequence[int], seed: int, stacked: Any, ds: xr.Dataset,
+            by_query_stacked: Any = None) -> dict[str, xr.Dataset]:
+    """The per-sequence groups from the stacked columns of the blocks (numpy or dask), and
+    topn_by_query from those of the query blocks when given."""
     topn, values, votes = _block_variables(stacked, ds, np.asarray(grid, dtype=np.int64))
-    topn.attrs["attngeom"] = {"n_grid": list(grid), "random_draws": RANDOM_DRAWS, "seed": seed}
-    return {"topn": topn, "values": values, "taxonomy": votes}
+    attrs = {"n_grid": list(grid), "random_draws": RANDOM_DRAWS, "seed": seed}
+    topn.attrs["attngeom"] = attrs
+    groups = {"topn": topn, "values": values, "taxonomy": votes}
+    if by_query_stacked is not None:
+        groups["topn_by_query"] = by_query.query_groups(by_query_stacked, ds, np.asarray(grid, dtype=np.int64))
+        groups["topn_by_query"].attrs["attngeom"] = attrs
+    return groups
 
 
 def _template_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str, xr.Dataset]:
@@ -470,7 +489,9 @@ def _template_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str
     that straddles two dask chunks, and dask's automatic ones (128 MiB) would, from about 30
     sequences of a 7B model. Never computed, a chunk costs no memory."""
     shape = (ds.sizes["seq"], ds.sizes["layer"], ds.sizes["head"], len(grid), len(_BLOCK_COLUMNS))
-    return _groups(grid, seed, da.empty(shape, dtype=np.float64, chunks=-1), ds)
+    query_shape = (*shape[:3], ds.sizes.get("query_pos", 0), len(grid), len(by_query.COLUMNS))
+    return _groups(grid, seed, da.empty(shape, dtype=np.float64, chunks=-1), ds,
+                   da.empty(query_shape, dtype=np.float64, chunks=-1) if by_query.has_queries(ds) else None)
 
 
 def _computed_groups(store: str, run_id: str, ds: xr.Dataset, grid: Sequence[int],
@@ -478,8 +499,13 @@ def _computed_groups(store: str, run_id: str, ds: xr.Dataset, grid: Sequence[int
     """The per-sequence groups of ``ds``'s sequences, computed. Only the (sequence, layer)
     blocks are Dask tasks; their results are split into variables here, so that a worker
     process is sent the work, not every variable's slice of the results."""
-    stacked = _analysis_blocks(store, run_id, ds, np.asarray(grid, dtype=np.int64), seed).compute()
-    return _groups(grid, seed, stacked, ds)
+    grid = np.asarray(grid, dtype=np.int64)
+    blocks = [_analysis_blocks(store, run_id, ds, grid, seed)]
+    if by_query.has_queries(ds):
+        blocks.append(by_query.query_blocks(store, open_run_group(open_root(store), run_id), ds, grid, seed,
+                                            instance_seed=_instance_seed, random_draws=RANDOM_DRAWS))
+    stacked, *per_query = dask.compute(*blocks)
+    return _groups(grid.tolist(), seed, stacked, ds, *per_query)
 
 
 def _open_groups(store: str, paths: dict[str, str]) -> dict[str, zarr.Group]:
@@ -541,10 +567,17 @@ def _cross_sequence_groups(store: str, paths: dict[str, str], n_seq: int, proven
         summary = summary_dataset(topn)
         per_head = topn[list(SIGNATURE_VARIABLES)].load().mean("seq")
         signatures = taxonomy.signatures_dataset(per_head, heads["regime"])
+        if "topn_by_query" in stored:
+            per_query = stored["topn_by_query"]
+            if per_query.nbytes <= _LOADED_TOPN_BYTES:
+                per_query = per_query.load()
+            summary_query = by_query.summary_by_query(per_query, summary_dataset)
     table = tidy_table(summary, provenance, run_id)
     groups = {"heads": heads, "summary": summary, "signatures": signatures,
               "table": xr.Dataset({c: ("row", table[c].to_numpy()) for c in table.columns},
                                   coords={"row": table.index.to_numpy()})}
+    if "topn_by_query" in stored:
+        groups["summary_by_query"] = summary_query
     return groups, table
 
 
@@ -577,7 +610,7 @@ def _compute_sequences(store: str, run_id: str, ds: xr.Dataset, plan: _Plan, par
     and how many sequences were computed."""
     pending = Pending(params, plan.keep, staged=plan.staged)
     set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
-    paths = _sequence_paths(run_id, plan.staged)
+    paths = _sequence_paths(run_id, plan.staged, _sequence_groups(ds))
     keep = _prepare(store, paths, ds, plan, params["n_grid"], seed)
     pending = replace(pending, sequences=keep)
     groups = _open_groups(store, paths)
@@ -605,8 +638,8 @@ def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None,
     state = derived_state(store, run_id, ANALYSIS)
     if resume_promotion(store, state):
         assert state.pending is not None
-        commit(store, run_id, ANALYSIS, Commit(state.pending.parameters, ANALYSIS_GROUPS, state.pending.sequences,
-                                               ANALYSIS_SEQUENCE_GROUPS))
+        commit(store, run_id, ANALYSIS, Commit(state.pending.parameters, _all_groups(ds), state.pending.sequences,
+                                               _sequence_groups(ds)))
         state = derived_state(store, run_id, ANALYSIS)
     plan = _plan(state, params, target)
     up_to_date = state.commit is not None and plan.keep == target and state.pending is None and not plan.staged
@@ -615,12 +648,13 @@ def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None,
         new = 0
     else:
         pending, new = _compute_sequences(store, run_id, ds, plan, params, seed, progress)
-        cross, table = _cross_sequence_groups(store, _sequence_paths(run_id, plan.staged), len(target),
+        cross, table = _cross_sequence_groups(store, _sequence_paths(run_id, plan.staged, _sequence_groups(ds)),
+                                              len(target),
                                               ds.attrs.get("attngeom", {}), run_id)
         for name, dataset in cross.items():
             write_dataset(dataset, store, staged_path(run_id, ANALYSIS, name))
-        promote(store, run_id, ANALYSIS, [*(ANALYSIS_SEQUENCE_GROUPS if plan.staged else ()), *cross], pending)
-        commit(store, run_id, ANALYSIS, Commit(params, ANALYSIS_GROUPS, target, ANALYSIS_SEQUENCE_GROUPS))
+        promote(store, run_id, ANALYSIS, [*(_sequence_groups(ds) if plan.staged else ()), *cross], pending)
+        commit(store, run_id, ANALYSIS, Commit(params, _all_groups(ds), target, _sequence_groups(ds)))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         table.to_parquet(out / f"{run_id}.topn.parquet", index=False)

@@ -1,0 +1,186 @@
+"""Geometry at any query (docs/method.md#any-query): extract --queries keeps the rows of chosen
+queries, analyze computes topn_by_query from them: equal to a brute-force twin on keys 0..q,
+to topn bit for bit at q = L-1, and right on sliding-window layers at early queries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+from click.testing import CliRunner
+from test_analyze_kernels import COUNTS, RTOL, ATOL, brute_topn, brute_value_statistics
+from test_capture import eager_reference
+
+import attngeom as ag
+from attngeom.analyze.stage import _instance_seed, analyze
+from attngeom.cli import main
+from attngeom.errors import InputError
+from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.extract.queries import query_positions
+from attngeom.store import TOPN_VARIABLES, VALUE_STATISTICS, query_attendable, validate_store
+
+GRID = [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("last", ()),
+    ("every:5", (5, 10, 15)),
+    ("every:4", (3, 7, 11, 15)),
+    ("every:20", (15,)),
+    ("9,3, 3,15", (3, 9, 15)),
+    ([15, 1], (1, 15)),
+])
+def test_query_positions(spec, want):
+    assert query_positions(spec, 16) == want
+
+
+@pytest.mark.parametrize("spec", ["every:0", "every:x", "0,3", "3,16", "a,b", "", [2.5], "first"])
+def test_query_positions_refuse(spec):
+    with pytest.raises(InputError, match="--queries"):
+        query_positions(spec, 16)
+
+
+def test_query_attendable_moves_the_final_querys_mask():
+    full, window = np.ones(16, bool), np.arange(16) >= 10  # a window of 6 at q = 15
+    assert query_attendable(full, 4).tolist() == [True] * 5
+    assert query_attendable(window, 4).tolist() == [True] * 5
+    assert query_attendable(window, 8).tolist() == [False] * 3 + [True] * 6
+    assert query_attendable(window, 15).tolist() == window.tolist()
+
+
+@pytest.fixture(scope="module")
+def built(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny Gemma 3 (sliding window 6 in layers 0 and 2), L = 16, 3 sequences, rows kept at
+    queries 3, 5, 8, 12 and 15, analyzed."""
+    folder = tiny_model_dir("gemma3")
+    store = tmp_path_factory.mktemp("queries") / "s.zarr"
+    ids = np.random.default_rng(0).integers(4, 90, size=(3, 16))
+    ids[:, 0] = 1
+    ag.extract(str(folder), token_ids=ids, store=store, run_id="r", queries=[3, 5, 8, 12, 15], progress=False)
+    analyze(str(store), scheduler="threads", n_grid=GRID, progress=False)
+    return folder, store
+
+
+def test_rows_are_the_eager_rows_and_the_last_is_attn_last(built):
+    folder, store = built
+    ds = xr.open_zarr(str(store), group="runs/r", consolidated=False)
+    assert ds["attn_rows"].dims == ("seq", "layer", "head", "query_pos", "key")
+    assert ds["attn_rows"].dtype == np.float32
+    positions = ds["query_pos"].values
+    assert positions.tolist() == [3, 5, 8, 12, 15]
+    assert ag.open_store(str(store)).run("r").provenance["queries"] == [3, 5, 8, 12, 15]
+    rows, _, _ = eager_reference(folder, torch.from_numpy(ds["tokens"].values.astype("int64")))
+    for layer in range(ds.sizes["layer"]):
+        stored = ds["attn_rows"].isel(layer=layer).values
+        np.testing.assert_allclose(stored, rows[layer].numpy()[:, :, positions], atol=1e-5)
+        for i, q in enumerate(positions):
+            assert not stored[:, :, i, q + 1:].any()  # keys after the query
+    np.testing.assert_array_equal(ds["attn_rows"].isel(query_pos=-1).values, ds["attn_last"].values)
+    assert validate_store(str(store)) == []
+
+
+def test_last_query_equals_topn_bit_for_bit(built):
+    run = ag.open_store(str(built[1])).run("r")
+    by_query, topn = run.analysis("topn_by_query").load(), run.analysis("topn").load()
+    values = run.analysis("values").load()
+    assert by_query["f_score"].dims == ("seq", "layer", "head", "query_pos", "n")
+    last = by_query.sel(query_pos=15)
+    for name in TOPN_VARIABLES:
+        assert last[name].dtype == topn[name].dtype, name
+        np.testing.assert_array_equal(last[name].values, topn[name].values, err_msg=name)
+    for name in VALUE_STATISTICS:
+        np.testing.assert_array_equal(last[name].values, values[name].values, err_msg=name)
+    summary = run.analysis("summary_by_query").load()
+    np.testing.assert_array_equal(summary.sel(query_pos=15)["f_score"].values,
+                                  run.analysis("summary")["f_score"].values)
+
+
+def test_early_queries_match_a_brute_force_twin_on_their_keys(built):
+    """Every stored query of every layer (sliding ones included), from the stored rows and
+    values cut to keys 0..q and the window's mask at q, against the definitions."""
+    _, store = built
+    ds = xr.open_zarr(str(store), group="runs/r", consolidated=False)
+    by_query = ag.open_store(str(store)).run("r").analysis("topn_by_query").load()
+    head_kv, window = ds["head_kv"].values, ds["window"].values
+    for seq in range(ds.sizes["seq"]):
+        for layer in range(ds.sizes["layer"]):
+            values = ds["values"].values[seq, layer].astype(np.float64)
+            for i, q in enumerate(ds["query_pos"].values[:-1]):
+                keys = np.arange(q + 1)
+                att = (keys > q - window[layer]) if window[layer] else np.ones(q + 1, bool)
+                alpha = ds["attn_rows"].values[seq, layer, :, i, : q + 1].astype(np.float64)
+                per_head = values[head_kv, : q + 1]
+                masks = np.broadcast_to(att, alpha.shape)
+                want = brute_topn(alpha, per_head, masks, GRID, seed=_instance_seed(0, seq, layer))
+                got = by_query.isel(seq=seq, layer=layer, query_pos=i)
+                for name, x in want.items():
+                    if name in COUNTS:
+                        np.testing.assert_array_equal(got[name].values, x, err_msg=f"{name} q={q}")
+                    else:
+                        np.testing.assert_allclose(got[name].values, x, rtol=RTOL, atol=ATOL, err_msg=f"{name} q={q}")
+                stats = brute_value_statistics(values[:, : q + 1], np.broadcast_to(att, (values.shape[0], q + 1)))
+                for name, x in stats.items():
+                    np.testing.assert_allclose(got[name].values, x[head_kv], rtol=1e-9, err_msg=f"{name} q={q}")
+
+
+def test_sliding_layers_lose_the_sink_once_the_window_passes_it(built):
+    """Window 6: query 5 still attends the sink, query 8 does not (its keys are 3..8)."""
+    by_query = ag.open_store(str(built[1])).run("r").analysis("topn_by_query").load()
+    sliding, full = by_query.sel(layer=[0, 2]), by_query.sel(layer=1)
+    for name in ("sink_norm_ratio", "sink_cos_median"):
+        assert sliding[name].sel(query_pos=[3, 5]).notnull().all(), name
+        assert sliding[name].sel(query_pos=[8, 12, 15]).isnull().all(), name
+        assert full[name].notnull().all(), name
+    assert (sliding["sink_selected"].sel(query_pos=[8, 12, 15], n=[1, 2, 4]) == 0).all()
+    # N < |K_q|: q = 3 has 4 keys, so N = 4 and 8 are not defined there; in a window of 6
+    # keys N = 8 never is.
+    assert by_query["f_score"].sel(query_pos=3, n=[4, 8]).isnull().all()
+    assert by_query["f_score"].sel(query_pos=3, n=[1, 2]).notnull().all()
+    assert sliding["f_score"].sel(query_pos=15, n=8).isnull().all()
+    assert full["f_score"].sel(query_pos=15, n=8).notnull().all()
+
+
+def test_a_run_without_queries_has_no_query_groups(tiny_model_dir, word_corpus, tmp_path):
+    store = tmp_path / "s.zarr"
+    extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
+                           num_sequences=2, store=str(store), run_id="r", queries="15", progress=False))
+    analyze(str(store), scheduler="threads", n_grid=GRID, progress=False)
+    run = ag.open_store(str(store)).run("r")
+    assert "attn_rows" in run.dataset()
+    with pytest.raises(ag.errors.GroupNotFoundError):
+        run.analysis("topn_by_query")
+
+
+def test_analyze_appends_and_resumes_topn_by_query(tiny_model_dir, tmp_path):
+    """Incremental: sequences added later are analyzed alone and give what one pass gives."""
+    folder = tiny_model_dir("gemma3")
+    ids = np.random.default_rng(1).integers(4, 90, size=(3, 12))
+    ids[:, 0] = 1
+    one, two = tmp_path / "one.zarr", tmp_path / "two.zarr"
+    ag.extract(str(folder), token_ids=ids, store=one, run_id="r", queries="every:4", progress=False)
+    analyze(str(one), scheduler="threads", n_grid=GRID, progress=False)
+    ag.extract(str(folder), token_ids=ids, num_sequences=2, store=two, run_id="r", queries="every:4", progress=False)
+    analyze(str(two), scheduler="threads", n_grid=GRID, progress=False)
+    ag.extract(str(folder), token_ids=ids, store=two, run_id="r", queries="every:4", progress=False)
+    result = analyze(str(two), scheduler="threads", n_grid=GRID, progress=False)[0]
+    assert (result.sequences, result.new_sequences) == (3, 1)
+    a = ag.open_store(str(one)).run("r").analysis("topn_by_query").load()
+    b = ag.open_store(str(two)).run("r").analysis("topn_by_query").load()
+    assert a["query_pos"].values.tolist() == [3, 7, 11]
+    xr.testing.assert_identical(a, b)
+
+
+def test_cli_queries_bad_input_exits_2_and_leaves_nothing(tiny_model_dir, word_corpus, tmp_path):
+    store = tmp_path / "s.zarr"
+    args = ["extract", "--model", str(tiny_model_dir("llama")), "--dataset", str(word_corpus), "-L", "16",
+            "-S", "2", "--store", str(store), "--run", "r", "--no-progress"]
+    result = CliRunner().invoke(main, [*args, "--queries", "0,4"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert "--queries '0,4': positions must lie in 1..15" in result.stderr
+    assert not store.exists()
+    assert CliRunner().invoke(main, [*args, "--queries", "every:8"]).exit_code == 0
+    result = CliRunner().invoke(main, [*args, "--queries", "every:4"])
+    assert result.exit_code == 2 and "queries [7, 15] (asked [3, 7, 11, 15])" in result.stderr
