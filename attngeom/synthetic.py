@@ -18,7 +18,8 @@ from attngeom.store import (
 
 
 def synthetic_sequence(rng: np.random.Generator, layout: RunLayout) -> dict[str, np.ndarray]:
-    """The arrays of one sequence, shaped as ``write_sequence`` expects."""
+    """The arrays of one sequence, shaped as ``write_sequence`` expects; with ``layout.queries``
+    also ``attn_rows``, each query's row a softmax over its keys 0..q (``attn_last`` at L-1)."""
     n_layers, n_heads, n_kv, length, dim = (
         layout.n_layers, layout.n_heads, layout.n_kv_heads, layout.length, layout.head_dim
     )
@@ -31,7 +32,7 @@ def synthetic_sequence(rng: np.random.Generator, layout: RunLayout) -> dict[str,
     summaries = rng.random((4, n_layers, n_heads, length)).astype(np.float32)
     query = np.arange(length)
     winner = (rng.random((n_layers, n_heads, length)) * (query + 1)).astype(layout.winner_dtype)
-    return {
+    arrays = {
         "tokens": rng.integers(0, 1000, size=length, dtype=np.int32),
         "values": values,
         "attn_last": attn_last.astype(np.float32),
@@ -43,6 +44,16 @@ def synthetic_sequence(rng: np.random.Generator, layout: RunLayout) -> dict[str,
         "doc_index": np.asarray(0, dtype=np.int64),
         "window_start": np.asarray(0, dtype=np.int64),
     }
+    if layout.queries:
+        rows = np.zeros((n_layers, n_heads, len(layout.queries), length), dtype=np.float32)
+        for i, q in enumerate(layout.queries):
+            if q == length - 1:
+                rows[:, :, i] = arrays["attn_last"]
+                continue
+            row = np.exp(scores[..., : q + 1] - scores[..., : q + 1].max(-1, keepdims=True))
+            rows[:, :, i, : q + 1] = row / row.sum(-1, keepdims=True)
+        arrays["attn_rows"] = rows
+    return arrays
 
 
 def write_synthetic_run(
@@ -56,12 +67,14 @@ def write_synthetic_run(
     head_dim: int,
     length: int,
     seed: int = 0,
+    queries: tuple[int, ...] = (),
 ) -> RunLayout:
-    """Create ``runs/<run_id>`` in ``store`` holding ``n_seq`` synthetic sequences."""
+    """Create ``runs/<run_id>`` in ``store`` holding ``n_seq`` synthetic sequences, with rows
+    at ``queries`` (positions, ascending) when given."""
     layout = RunLayout(
         n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, length=length,
         head_kv=tuple(h // (n_heads // n_kv_heads) for h in range(n_heads)),
-        window=(0,) * n_layers, attendable=((True,) * length,) * n_layers,
+        window=(0,) * n_layers, attendable=((True,) * length,) * n_layers, queries=tuple(queries),
     )
     root = open_or_create_root(store)
     provenance = {

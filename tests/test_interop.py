@@ -28,11 +28,12 @@ CORE = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", 
 
 @pytest.fixture(scope="module")
 def built(tiny_model_dir, word_corpus, tmp_path_factory) -> Path:
-    """A real store: 4 sequences of a tiny llama (L = 16), analyzed and ablated; no head is
-    critical, so ``ablation/critical`` holds zero-length arrays."""
+    """A real store: 4 sequences of a tiny llama (L = 16) with rows kept at queries 5, 10 and
+    15 (attn_rows, topn_by_query), analyzed and ablated; no head is critical, so
+    ``ablation/critical`` holds zero-length arrays."""
     store = tmp_path_factory.mktemp("interop") / "s.zarr"
     extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
-                           num_sequences=4, store=str(store), run_id="r", progress=False))
+                           num_sequences=4, store=str(store), run_id="r", queries="every:5", progress=False))
     analyze(str(store), scheduler="threads", n_grid=[1, 2, 4], progress=False)
     ablate(str(store), "r", device="cpu", random_masks=2, retention=[1.0, 0.5], progress=False)
     return store
@@ -46,7 +47,8 @@ def test_tensorstore_reads_every_array_as_zarr_python_does(built):
     arrays = arrays_of(open_root(str(built)))
     paths = {a.path for a in arrays}
     assert {"runs/r/values", "runs/r/analysis/heads/regime", "runs/r/ablation/sweep/method",
-            "runs/r/ablation/critical/layer"} <= paths
+            "runs/r/ablation/critical/layer", "runs/r/attn_rows", "runs/r/query_pos",
+            "runs/r/analysis/topn_by_query/f_score", "runs/r/analysis/summary_by_query/f_score"} <= paths
     assert any(a.size == 0 for a in arrays)
     for arr in arrays:
         assert metadata(built, arr.path)["data_type"] in CORE, arr.path

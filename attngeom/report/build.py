@@ -14,13 +14,22 @@ import matplotlib
 
 from attngeom.errors import DamagedStoreError
 
-from attngeom.report import figures_geometry, figures_heads, figures_sink, figures_values, html, tables
+from attngeom.report import (
+    figures_geometry,
+    figures_heads,
+    figures_queries,
+    figures_sink,
+    figures_values,
+    html,
+    tables,
+)
 from attngeom.report.data import Requirement, RunData, load_runs
 from attngeom.report.plots import RC
 from attngeom.report.spec import FigureSpec, TableSpec
 
 FIGURES: tuple[FigureSpec, ...] = (
     *figures_geometry.FIGURES, *figures_sink.FIGURES, *figures_values.FIGURES, *figures_heads.FIGURES,
+    *figures_queries.FIGURES,
 )
 TABLES: tuple[TableSpec, ...] = tables.TABLES
 

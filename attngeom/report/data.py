@@ -50,6 +50,7 @@ class RunData:
     heads: xr.Dataset | None = None
     signatures: xr.Dataset | None = None
     topn: xr.Dataset | None = None
+    summary_by_query: xr.Dataset | None = None
     ablation: dict[str, xr.Dataset] = field(default_factory=dict)
 
     @property
@@ -67,7 +68,8 @@ class RunData:
         return f"{self.model} · {self.dataset} · L={self.context_length}"
 
     def group(self, name: str) -> xr.Dataset | None:
-        """An analysis group (``summary``, ``heads``, ``signatures``, ``topn``) or an ablation one."""
+        """An analysis group (``summary``, ``heads``, ``signatures``, ``topn``,
+        ``summary_by_query``) or an ablation one."""
         if name in ABLATION_GROUPS:
             return self.ablation.get(name)
         return getattr(self, name)
@@ -134,6 +136,8 @@ def load_run(store: str, root: zarr.Group, run_id: str) -> RunData:
         ds = _open(store, run_id, ANALYSIS, name)
         setattr(data, name, ds.load() if ds is not None else None)
     data.topn = _open(store, run_id, ANALYSIS, "topn")
+    # Lazy as topn: (stat, layer, head, query_pos, n) grows with the stored queries.
+    data.summary_by_query = _open(store, run_id, ANALYSIS, "summary_by_query")
     for name in ABLATION_GROUPS:
         ds = _open(store, run_id, ABLATION, name)
         if ds is not None:

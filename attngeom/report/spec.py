@@ -20,6 +20,7 @@ SECTIONS = (
     "Leave-one-out control",
     "Exact certificate",
     "Head taxonomy",
+    "Geometry along the context",
     "Ablation and sparsification",
 )
 
