@@ -4,6 +4,9 @@ to topn bit for bit at q = L-1, and right on sliding-window layers at early quer
 
 from __future__ import annotations
 
+import base64
+import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +16,7 @@ import xarray as xr
 from click.testing import CliRunner
 from test_analyze_kernels import COUNTS, RTOL, ATOL, brute_topn, brute_value_statistics
 from test_capture import eager_reference
+from test_explore import _browser, _load
 
 import attngeom as ag
 from attngeom.analyze.stage import _instance_seed, analyze
@@ -184,3 +188,83 @@ def test_cli_queries_bad_input_exits_2_and_leaves_nothing(tiny_model_dir, word_c
     assert CliRunner().invoke(main, [*args, "--queries", "every:8"]).exit_code == 0
     result = CliRunner().invoke(main, [*args, "--queries", "every:4"])
     assert result.exit_code == 2 and "queries [7, 15] (asked [3, 7, 11, 15])" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def explored(built, tmp_path_factory) -> Path:
+    return ag.explore(str(built[1]), tmp_path_factory.mktemp("explore") / "page", sequences=2,
+                      progress=False).index
+
+
+def test_explore_offers_every_stored_query(built, explored):
+    """A head's page carries an instance per (stored query, sequence): the row over keys 0..q,
+    its picture and topn_by_query's curves; at q = L-1 the final query's own."""
+    index = _load(explored.parent / "data" / "index.js", "index")[0]
+    assert index["runs"][0]["query_pos"] == [3, 5, 8, 12, 15]
+    head = _load(explored.parent / "data" / "r" / "head_2_1.js", "head")[3]
+    assert len(head["by_query"]) == 5 and all(len(per_seq) == 2 for per_seq in head["by_query"])
+    last, final = head["by_query"][-1], head["instances"]
+    for a, b in zip(last, final):
+        assert (a["attn"], a["xy"], a["curves"]) == (b["attn"], b["xy"], b["curves"])
+    by_query = ag.open_store(str(built[1])).run("r").analysis("topn_by_query")
+    early = head["by_query"][1][0]  # q = 5, sequence 0
+    assert len(np.frombuffer(base64.b64decode(early["attn"]), dtype="<f4")) == 6
+    f_score = [np.nan if x is None else x for x in early["curves"]["f_score"]]  # NaN travels as null
+    np.testing.assert_array_equal(f_score, by_query["f_score"].sel(seq=0, layer=2, head=1, query_pos=5).values)
+    assert early["per_n"][0]["source"] == "analysis/topn_by_query"
+
+
+def test_sigkill_then_rerun_equals_uninterrupted(built, tmp_path):
+    """analyze of a run with queries, SIGKILLed half-way through its store writes, then rerun:
+    topn_by_query and summary_by_query end as the uninterrupted analysis's."""
+    from test_analyze import run_killed
+
+    want = {name: ag.open_store(str(built[1])).run("r").analysis(name).load()
+            for name in ("topn", "topn_by_query", "summary_by_query")}
+    pristine = tmp_path / "pristine.zarr"
+    shutil.copytree(built[1], pristine)
+    shutil.rmtree(pristine / "runs" / "r" / "analysis")
+    store = tmp_path / "s.zarr"
+    shutil.copytree(pristine, store)
+    full = run_killed(tmp_path, store, GRID, 0)
+    assert full.returncode == 0, full.stderr
+    total = int(full.stdout.split("writes")[-1])
+    shutil.rmtree(store)
+    shutil.copytree(pristine, store)
+    # Mid-way: some sequences' batches written and recorded, the rest not.
+    assert run_killed(tmp_path, store, GRID, total // 2).returncode == -signal.SIGKILL
+    analyze(str(store), scheduler="threads", n_grid=GRID, progress=False)
+    run = ag.open_store(str(store)).run("r")
+    for name, data in want.items():
+        xr.testing.assert_identical(run.analysis(name).load(), data)
+    assert validate_store(str(store)) == []
+
+
+def test_explore_page_picks_the_query(explored):
+    chromium, sync_playwright = _browser()
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+        tab.on("pageerror", lambda e: errors.append(str(e)))
+        tab.goto(explored.resolve().as_uri())
+        tab.wait_for_selector("body[data-ready='1']")
+        tab.click("#head-grid [data-layer='1'][data-head='0']")  # full causal attention
+        tab.wait_for_selector("#head-view[data-rendered='1_0']")
+        assert "query 15" in tab.inner_text("#head-title")
+        assert tab.locator("#panel-tokens .tok:not(.out)").count() == 16
+        tab.select_option("#query-select", label="q = 5")
+        assert "query 5" in tab.inner_text("#head-title")
+        assert tab.locator("#panel-tokens .tok").count() == 16
+        assert tab.locator("#panel-tokens .tok:not(.out)").count() == 6  # keys 0..5
+        assert "N is not valid" in tab.inner_text("#geometry-numbers")  # N = 8 >= |K| = 6
+        tab.select_option("#n-select", label="2")
+        assert "analysis/topn_by_query" in tab.inner_text("#geometry-numbers")
+        assert tab.locator("#panel-tokens .tok.top").count() == 2
+        tab.click("#head-grid [data-layer='0'][data-head='0']")  # window 6: at q = 8, keys 3..8
+        tab.wait_for_selector("#head-view[data-rendered='0_0']")
+        tab.select_option("#query-select", label="q = 8")
+        assert tab.locator("#panel-tokens .tok:not(.out)").count() == 6
+        assert tab.locator("#panel-tokens .tok.sink").count() == 0
+        browser.close()
+    assert not errors, errors

@@ -83,13 +83,14 @@ def _add_ablation(store: str, run_id: str) -> None:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
-    """Three runs: "full" (analysis and ablation), "plain" (analysis only, another model and L)
-    and "raw" (extracted, never analyzed)."""
+    """Three runs: "full" (rows kept at 4 queries, analysis and ablation), "plain" (analysis
+    only, another model and L) and "raw" (extracted, never analyzed)."""
     url = str(tmp_path_factory.mktemp("report") / "store.zarr")
     for run_id, length, seed, model, dataset in (("full", 32, 0, "org/model-a", "corpus-a"),
                                                   ("plain", 24, 1, "model-b", "corpus-b"),
                                                   ("raw", 32, 2, "model-b", "corpus-a")):
-        write_synthetic_run(url, run_id, length=length, seed=seed, **SHAPE)
+        queries = (7, 15, 23, 31) if run_id == "full" else ()
+        write_synthetic_run(url, run_id, length=length, seed=seed, queries=queries, **SHAPE)
         _set_identity(url, run_id, model, dataset)
     for run_id in ("full", "plain"):
         analyze(url, run_id=run_id, scheduler="threads", n_grid=GRID, progress=False)

@@ -171,6 +171,7 @@ def _run_entry(run: data.ExploreRun) -> dict[str, Any]:
         "head_dim": layout.head_dim, "head_kv": list(layout.head_kv), "window": list(layout.window),
         "n_grid": run.n_grid, "sequences": run.sequences, "tokens": tokens, "token_ids": ids,
         "tokens_note": how, "stats": stats, "notes": run.notes,
+        "query_pos": [int(q) for q in run.layout.queries],
     }
 
 
@@ -191,7 +192,30 @@ def _write_heads(run: data.ExploreRun, folder: Path, progress: bool) -> int:
 
 
 def _head_payload(run: data.ExploreRun, arrays: data.LayerData, layer: int, head: int) -> dict[str, Any]:
-    """One head: per chosen sequence its attention row, the value picture and its curves."""
+    """One head: per chosen sequence its attention row, the value picture and its curves, at
+    the final query (``instances``) and at each stored query (``by_query``, one list of
+    instances per position of ``query_pos``)."""
+    by_query = []
+    if arrays.query_rows is not None:
+        by_query = [_instances(run, arrays.at_query(q, i), head, "analysis/topn_by_query")
+                    for i, q in enumerate(run.layout.queries)]
+    kv = run.layout.head_kv[head]
+    heads = run.heads
+    regime = None if heads is None else {
+        "regime": str(heads["regime"].values[layer, head]),
+        **{f"vote_{v}": heads[f"vote_{v}"].values[layer, head] for v in VOTES},
+        **{f"sequences_{v}": heads[f"sequences_{v}"].values[layer, head] for v in VOTES},
+    }
+    return {
+        "kv_head": kv, "shares_kv": [h for h, k in enumerate(run.layout.head_kv) if k == kv and h != head],
+        "window": run.layout.window[layer], "regime": regime,
+        "instances": _instances(run, arrays, head, "analysis/topn"), "by_query": by_query,
+    }
+
+
+def _instances(run: data.ExploreRun, arrays: data.LayerData, head: int, source: str) -> list[dict[str, Any]]:
+    """Per chosen sequence: head ``head``'s row in ``arrays``, its value picture, and its
+    curves from the analysis group ``source``."""
     kv = run.layout.head_kv[head]
     attn = arrays.attn[:, head]
     attendable = np.broadcast_to(arrays.attendable, attn.shape)
@@ -208,7 +232,7 @@ def _head_payload(run: data.ExploreRun, arrays: data.LayerData, layer: int, head
                 "n": n, "s": picture.s_xy[b, g], "r_min": picture.r_min[b, g], "r_max": picture.r_max[b, g],
                 "precision": curves["precision"][g] if exact else picture.precision[b, g],
                 "recall": curves["recall"][g] if exact else picture.recall[b, g],
-                "source": "analysis/topn" if exact else "distances",
+                "source": source if exact else "distances",
                 "in_r_max": _bits(picture.in_r_max[b, g]), "in_r_min": _bits(picture.in_r_min[b, g]),
             })
         instances.append({
@@ -216,16 +240,7 @@ def _head_payload(run: data.ExploreRun, arrays: data.LayerData, layer: int, head
             "order": picture.order[b, :top], "explained": picture.explained[b],
             "per_n": per_n, "curves": curves, "votes": _votes(arrays, int(seq), head),
         })
-    heads = run.heads
-    regime = None if heads is None else {
-        "regime": str(heads["regime"].values[layer, head]),
-        **{f"vote_{v}": heads[f"vote_{v}"].values[layer, head] for v in VOTES},
-        **{f"sequences_{v}": heads[f"sequences_{v}"].values[layer, head] for v in VOTES},
-    }
-    return {
-        "kv_head": kv, "shares_kv": [h for h, k in enumerate(run.layout.head_kv) if k == kv and h != head],
-        "window": run.layout.window[layer], "regime": regime, "instances": instances,
-    }
+    return instances
 
 
 def _curves(arrays: data.LayerData, seq: int, head: int) -> dict[str, np.ndarray] | None:

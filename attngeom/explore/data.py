@@ -21,6 +21,7 @@ from attngeom.store import (
     ANALYSIS,
     RunLayout,
     completed,
+    query_attendable,
     open_derived,
     open_root,
     open_run_group,
@@ -52,6 +53,7 @@ class ExploreRun:
     summary: xr.Dataset | None = None       # analysis/summary (stat, layer, head, n)
     topn: xr.Dataset | None = None          # analysis/topn (seq, layer, head, n), lazy
     taxonomy: xr.Dataset | None = None      # analysis/taxonomy (seq, layer, head, vote), lazy
+    by_query: xr.Dataset | None = None      # analysis/topn_by_query (seq, layer, head, query_pos, n), lazy
     ablation: xr.Dataset | None = None      # ablation/single (layer, head[, seq])
     notes: list[str] = field(default_factory=list)
 
@@ -99,6 +101,7 @@ def _open_run(store: str, root: zarr.Group, run_id: str, sequences: int) -> Expl
         setattr(run, name, ds.load() if ds is not None else None)
     run.topn = _open(store, run_id, ANALYSIS, "topn")
     run.taxonomy = _open(store, run_id, ANALYSIS, "taxonomy")
+    run.by_query = _open(store, run_id, ANALYSIS, "topn_by_query")
     run.ablation = _open(store, run_id, ABLATION, "single")
     if run.topn is not None:
         run.n_grid = [int(n) for n in run.topn["n"].values]
@@ -118,13 +121,25 @@ def _open_run(store: str, root: zarr.Group, run_id: str, sequences: int) -> Expl
 @dataclass(frozen=True)
 class LayerData:
     """One layer of the chosen sequences, in memory: attn (S, H, K), values (S, KV, K, D),
-    attendable (K,), and the analysis rows of those sequences (None without analysis)."""
+    attendable (K,), and the analysis rows of those sequences (None without analysis); for a
+    run extracted with queries, the stored queries' rows (S, H, Q, K) and their topn_by_query
+    rows (None without them)."""
 
     attn: np.ndarray
     values: np.ndarray
     attendable: np.ndarray
     curves: xr.Dataset | None
     votes: xr.DataArray | None
+    query_rows: np.ndarray | None = None
+    query_curves: xr.Dataset | None = None
+
+    def at_query(self, q: int, i: int) -> LayerData:
+        """The layer as query ``q`` (the i-th stored one) sees it: its rows, keys 0..q and
+        their mask (docs/method.md#any-query), and its topn_by_query rows."""
+        assert self.query_rows is not None
+        curves = None if self.query_curves is None else self.query_curves.isel(query_pos=i)
+        return LayerData(self.query_rows[:, :, i, : q + 1], self.values[:, :, : q + 1],
+                         query_attendable(self.attendable, q), curves, self.votes)
 
 
 def read_layer(run: ExploreRun, layer: int) -> LayerData:
@@ -139,7 +154,13 @@ def read_layer(run: ExploreRun, layer: int) -> LayerData:
     if run.taxonomy is not None and "votes" in run.taxonomy:
         present = [int(s) for s in seqs if int(s) in set(run.taxonomy["seq"].values.tolist())]
         votes = run.taxonomy["votes"].isel(layer=layer).sel(seq=present).load()
-    return LayerData(attn, values, run.group["attendable"][layer], curves, votes)
+    query_rows = query_curves = None
+    if "attn_rows" in run.group:
+        query_rows = np.stack([run.group["attn_rows"][int(s), layer] for s in seqs])
+        if run.by_query is not None:
+            present = [int(s) for s in seqs if int(s) in set(run.by_query["seq"].values.tolist())]
+            query_curves = run.by_query[list(CURVES)].isel(layer=layer).sel(seq=present).load()
+    return LayerData(attn, values, run.group["attendable"][layer], curves, votes, query_rows, query_curves)
 
 
 def read_tokens(run: ExploreRun) -> np.ndarray:

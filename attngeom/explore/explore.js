@@ -18,7 +18,7 @@
     { key: "vote_sink", label: "Sink vote fraction", needs: "vote_sink" },
   ];
 
-  var state = { index: null, run: null, stat: null, n: 0, seq: 0, heads: {}, current: null, decoded: {},
+  var state = { index: null, run: null, stat: null, n: 0, seq: 0, query: -1, heads: {}, current: null, decoded: {},
                 plotly: "absent" };
 
   window.attngeomExplore = {
@@ -81,6 +81,7 @@
       renderHead();
     });
     $("seq-select").addEventListener("change", function () { state.seq = Number(this.value); renderHead(); });
+    $("query-select").addEventListener("change", function () { state.query = Number(this.value); renderHead(); });
     selectRun(0);
     document.body.setAttribute("data-ready", "1");
     loadPlotly();
@@ -126,6 +127,15 @@
     seqSelect.innerHTML = "";
     run.sequences.forEach(function (s, b) { option(seqSelect, b, "sequence " + s); });
     state.seq = 0;
+
+    // The final query (analysis/topn), then each query whose rows the run kept (--queries).
+    var querySelect = $("query-select");
+    querySelect.innerHTML = "";
+    option(querySelect, -1, "final (q = " + (run.length - 1) + ")");
+    run.query_pos.forEach(function (q, i) { option(querySelect, i, "q = " + q); });
+    querySelect.disabled = run.query_pos.length === 0;
+    state.query = -1;
+    querySelect.value = "-1";
 
     var notes = $("notes");
     notes.innerHTML = "";
@@ -241,9 +251,11 @@
     if (!cur) return;
     var data = state.heads[key(run.id, cur.layer, cur.head)];
     if (!data || state.plotly !== "ready") return;
-    var inst = data.instances[state.seq];
+    var atQuery = state.query >= 0 && data.by_query && data.by_query.length > state.query;
+    var inst = atQuery ? data.by_query[state.query][state.seq] : data.instances[state.seq];
+    var q = atQuery ? run.query_pos[state.query] : run.length - 1;
     var g = state.n, n = run.n_grid[g];
-    var dk = run.id + "/" + cur.layer + "/" + cur.head + "/" + state.seq;
+    var dk = run.id + "/" + cur.layer + "/" + cur.head + "/" + state.seq + "/" + q;
     if (!state.decoded[dk]) {
       var xy = float32(inst.xy);
       state.decoded = {};  // one instance decoded at a time: memory stays flat however many heads are viewed
@@ -255,7 +267,7 @@
     $("head-body").hidden = false;
     document.querySelectorAll(".n-label").forEach(function (s) { s.textContent = String(n); });
     $("head-title").textContent = "Layer " + cur.layer + ", head " + cur.head +
-      (data.regime ? " — " + data.regime.regime : "") + " — sequence " + inst.seq;
+      (data.regime ? " — " + data.regime.regime : "") + " — sequence " + inst.seq + " — query " + q;
     var kv = "reads kv head " + data.kv_head;
     if (run.kv_heads < run.heads) kv += " (GQA: shared with head" + (data.shares_kv.length === 1 ? " " : "s ") + data.shares_kv.join(", ") + ")";
     $("head-meta").textContent = kv + " · " + (data.window ? "sliding window " + data.window : "full causal attention") +
@@ -333,7 +345,7 @@
     });
     box.appendChild(table);
     box.appendChild(el("p", { class: "caption" }, per.precision === null ? "N is not valid here (N ≥ |K|)." :
-      "P and R from " + (per.source === "analysis/topn" ? "the store's analysis/topn" : "this picture's exact distances (no analysis)") +
+      "P and R from " + (per.source === "distances" ? "this picture's exact distances (no analysis)" : "the store's " + per.source) +
       "; distances in full dimension " + run.head_dim + "."));
   }
 
@@ -421,8 +433,9 @@
   function renderTokens(run, inst, arrays, g) {
     var box = $("panel-tokens"), tokens = run.tokens[state.seq], ids = run.token_ids[state.seq];
     var n = run.n_grid[g], attn = arrays.attn;
-    // Keys outside K (a sliding window) have no point in the picture (NaN) and take no part.
-    var attendable = function (j) { return !Number.isNaN(arrays.x[j]); };
+    // Keys outside K (a sliding window) have no point in the picture (NaN) and take no part;
+    // neither do the keys after the query, which the picture of an earlier query lacks.
+    var attendable = function (j) { return j < arrays.x.length && !Number.isNaN(arrays.x[j]); };
     var top = new Set(inst.order.slice(0, n).filter(attendable)), hasSink = attendable(0);
     var peak = 0;
     for (var j = 1; j < attn.length; j++) peak = Math.max(peak, attn[j]);
@@ -430,9 +443,10 @@
     if (hasSink) frag.appendChild(el("span", { class: "sink-label" }, "sink α0 = " + fmt(attn[0])));
     for (j = 0; j < tokens.length; j++) {
       var cls = "tok" + (top.has(j) ? " top" : "") + (j === 0 && hasSink ? " sink" : "") + (attendable(j) ? "" : " out");
-      var span = el("span", { class: cls, title: "pos " + j + " · id " + ids[j] + " · α = " + fmt(attn[j], 4) +
-        (attendable(j) ? "" : " · outside the window") }, tokens[j]);
-      if (j > 0 && peak > 0) span.style.background = "rgba(214, 39, 40, " + Math.min(1, attn[j] / peak).toFixed(3) + ")";
+      var after = j >= attn.length;
+      var span = el("span", { class: cls, title: "pos " + j + " · id " + ids[j] + (after ? " · after the query" :
+        " · α = " + fmt(attn[j], 4) + (attendable(j) ? "" : " · outside the window")) }, tokens[j]);
+      if (j > 0 && !after && peak > 0) span.style.background = "rgba(214, 39, 40, " + Math.min(1, attn[j] / peak).toFixed(3) + ")";
       frag.appendChild(span);
     }
     box.innerHTML = "";

@@ -83,7 +83,15 @@ def sink_rate_by_query(runs: Sequence[RunData]) -> Figure:
                       "sink selection rate")
 
 
-NEEDS = all_of(requires("heads", "regime"), requires("summary_by_query", "f_score", "sink_selected"))
+def _with_queries(run: RunData) -> str | None:
+    """Why a run has no geometry along the context, or None."""
+    if run.summary_by_query is None:
+        return "no analysis/summary_by_query (extract with --queries, then run `attngeom analyze`)"
+    return None
+
+
+NEEDS = all_of(requires("heads", "regime"), _with_queries,
+               requires("summary_by_query", "f_score", "sink_selected"))
 
 FIGURES = (
     FigureSpec("separability_by_query", SECTION,
