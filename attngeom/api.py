@@ -96,8 +96,8 @@ def extract(
         model=model, store=str(store), dataset=dataset, texts=texts, token_ids=token_ids, tokenizer=tokenizer,
         context_length=context_length, num_sequences=num_sequences, run_id=run_id, split=split,
         text_field=text_field, device=device, dtype=dtype, batch_size=batch_size, store_rows=store_rows,
-        queries=queries, values_dtype=values_dtype, window_rule=window_rule, seed=seed, bos_token=bos_token, shard=shard,
-        progress=progress,
+        queries=queries, values_dtype=values_dtype, window_rule=window_rule, seed=seed, bos_token=bos_token,
+        shard=shard, progress=progress,
     ))
 
 
@@ -113,7 +113,8 @@ def analyze(
 ) -> list[AnalyzeResult]:
     """Compute every quantity of docs/method.md, the taxonomy included, out of core, without the model,
     for every run (or ``run_id``); writes runs/<id>/analysis/{topn, values, taxonomy, heads,
-    summary, signatures, table}, read back with ``open_store(store).run(id).analysis(name)``.
+    summary, signatures, table} (and topn_by_query, summary_by_query for a run extracted with
+    ``queries``), read back with ``open_store(store).run(id).analysis(name)``.
 
     scheduler: None for one worker process per core, forked from this one (threads where
     processes cannot be forked), "threads" (this process alone), "processes" (a

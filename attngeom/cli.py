@@ -144,7 +144,8 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
     """Compute every quantity of docs/method.md from the store, out of core, without the model.
 
     Writes runs/<id>/analysis/{topn,values,taxonomy,heads,summary,signatures,table} into
-    the store; only committed sequences are read. Incremental: a rerun with the same
+    the store (and topn_by_query, summary_by_query for a run extracted with --queries);
+    only committed sequences are read. Incremental: a rerun with the same
     parameters (n grid, seed) computes only the sequences not analyzed yet, then the groups
     across sequences; other parameters recompute everything (the output says why), and the
     earlier analysis stays readable until the new one is complete. Safe to kill: the same

@@ -461,8 +461,8 @@ def extract(request: ExtractRequest) -> ExtractResult:
         start = time.perf_counter()
         if todo:
             provenance = {**identity, **_run_provenance(request, model, bos_id, shard)}
-            run = _write_sequences(request, model, root, run_id, run, provenance, [windows[i] for i in todo], todo, total,
-                                   queries)
+            run = _write_sequences(request, model, root, run_id, run, provenance, [windows[i] for i in todo],
+                                   todo, total, queries)
             consolidate(root)
         if run is None:  # this shard has no sequence of the run
             return ExtractResult(run_id, 0, 0, total, 0.0)
@@ -509,7 +509,8 @@ def _write_sequences(
                 ids = torch.from_numpy(np.stack([w.tokens for w in batch]).astype("int64")).to(model.device)
                 layers = record(ids)
                 if run is None:
-                    run = create_run(root, run_id, _layout(model.config, layers, request, length, queries), provenance, total)
+                    shape = _layout(model.config, layers, request, length, queries)
+                    run = create_run(root, run_id, shape, provenance, total)
                 if layout is None:  # read once: the run's recorded layout, also when resuming
                     layout = run_layout(run)
                 for b, (seq, window) in enumerate(zip(seqs[b0 : b0 + request.batch_size], batch)):
