@@ -268,3 +268,13 @@ def test_explore_page_picks_the_query(explored):
         assert tab.locator("#panel-tokens .tok.sink").count() == 0
         browser.close()
     assert not errors, errors
+
+
+def test_validate_names_a_missing_row_shard_and_a_missing_query_group(built, tmp_path):
+    store = tmp_path / "s.zarr"
+    shutil.copytree(built[1], store)
+    shutil.rmtree(store / "runs" / "r" / "attn_rows" / "c" / "1")
+    shutil.rmtree(store / "runs" / "r" / "analysis" / "topn_by_query")
+    problems = validate_store(str(store))
+    assert any("sequence 1 is marked complete but lacks attn_rows" in p for p in problems), problems
+    assert "run r: analysis is committed but lacks its group 'topn_by_query'" in problems
