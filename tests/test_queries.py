@@ -22,6 +22,7 @@ import attngeom as ag
 from attngeom.analyze.stage import _instance_seed, analyze
 from attngeom.cli import main
 from attngeom.errors import InputError
+from attngeom.extract.capture import attention_summaries
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.extract.queries import query_positions
 from attngeom.store import TOPN_VARIABLES, VALUE_STATISTICS, query_attendable, validate_store
@@ -53,6 +54,27 @@ def test_query_attendable_moves_the_final_querys_mask():
     assert query_attendable(window, 4).tolist() == [True] * 5
     assert query_attendable(window, 8).tolist() == [False] * 3 + [True] * 6
     assert query_attendable(window, 15).tolist() == window.tolist()
+
+
+@pytest.mark.parametrize("block_bytes", [1, 1500, 2**26])  # blocks of 1, 4 and every query
+@pytest.mark.parametrize("kind", ["causal", "sliding"])
+def test_capture_keeps_the_rows_of_the_asked_queries_at_any_block(block_bytes, kind):
+    """The kept rows are the float32 probability rows, 0 after the query (and outside the
+    window), whichever block holds each query; at L-1 they are attn_last's bits."""
+    torch.manual_seed(2)
+    bsz, n_heads, n_kv, length, dim = 2, 4, 2, 11, 5
+    q, k, v = (torch.randn(bsz, h, length, dim) for h in (n_heads, n_kv, n_kv))
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    allowed = (j <= i) & (i - j < 4) if kind == "sliding" else j <= i
+    mask = None if kind == "causal" else allowed[None, None].expand(bsz, 1, length, length)
+    queries = (1, 4, 5, 9, 10)
+    cap, _ = attention_summaries(q, k, v, mask, 0.5, queries=queries, block_bytes=block_bytes)
+    scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.5
+    want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)[:, :, list(queries)]
+    assert cap.query_rows.shape == (bsz, n_heads, len(queries), length)
+    torch.testing.assert_close(cap.query_rows, want, atol=1e-6, rtol=0)
+    assert not cap.query_rows[~allowed[list(queries)].expand_as(cap.query_rows)].any()
+    assert torch.equal(cap.query_rows[:, :, -1], cap.attn_last)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ captures, and a model under no recorder runs plain SDPA.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
@@ -133,8 +134,8 @@ def attention_summaries(
     query (B, H, L, Dh), key and value (B, KV, L, Dh) with query head h reading kv head
     h // (H/KV). Scores are computed in float32, ``block_bytes`` of them at a time (default
     per device, ``BLOCK_BYTES``). ``winner`` is argmax_j A_ij ||v_j|| with ties to the smaller
-    j (:func:`first_argmax`). ``queries`` (positions) have their float32 rows kept, the
-    same numbers as ``attn_last`` at L-1. With ``need_output`` (a float32 model, or a softcapped one SDPA
+    j (:func:`first_argmax`). ``queries`` (ascending positions) have their float32 rows
+    kept, the same numbers as ``attn_last`` at L-1. With ``need_output`` (a float32 model, or a softcapped one SDPA
     cannot run) the attention output (B, L, H, Dh) is returned too.
 
     Each block of scores takes a handful of vectorized passes (mask, max, softmax, the
@@ -231,9 +232,11 @@ def attention_summaries(
         if rows is not None:
             rows.transpose(2, 3)[:, :, q0:q1, :, :n_keys] = block_probs
         if query_rows is not None:
-            for i, p in enumerate(queries):
-                if q0 <= p < q1:
-                    query_rows[:, :, i, :, :n_keys] = block_probs[:, :, p - q0]
+            # The kept queries inside the block: a slice of the ascending positions.
+            lo, hi = bisect.bisect_left(queries, q0), bisect.bisect_left(queries, q1)
+            if hi > lo:
+                inside = torch.tensor(queries[lo:hi], device=device) - q0
+                query_rows[:, :, lo:hi, :, :n_keys] = block_probs[:, :, inside]
         if output is not None:
             torch.bmm(probs, v[:, :n_keys], out=output[:, q0 * group : q1 * group])
         if q1 == length:
@@ -339,7 +342,7 @@ def capturing(
 
     ``model`` is a transformers ``PreTrainedModel``; its attention implementation (e.g. "sdpa"
     or "eager") is set to the capture one for the block and restored on exit. ``queries``:
-    positions whose rows each layer keeps (:attr:`LayerCapture.query_rows`). One model object
+    ascending positions whose rows each layer keeps (:attr:`LayerCapture.query_rows`). One model object
     is captured by one block at a time: the implementation is the model's, not the thread's.
     """
     register_capture()
