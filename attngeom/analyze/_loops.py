@@ -303,19 +303,61 @@ def _count_lt(small, large):
 
 
 @_jit
-def head_geometry(alpha, values, att, points, draw_keys, v_norm, head_constants, mu, mu_q95,
-                  options, floats, counts):
+def aggregates(alpha, values, att, points, draw_keys):
+    """One query head's contributions y = alpha v (K, D) and aggregates: the rows of S
+    (rows, D) are the main selection's s_N at each of points, then the sink-excluded
+    selection's at the points where it is valid, then each random draw's at every point;
+    s_plus (P, D) the main s_N without the sink. Returns them with the orders (and the main
+    ranks) of the three selections: ``(y, S, s_plus, (order, rank, ns_order, draw_orders))``.
+    alpha (K,), values (K, D), att (K,) bool, points (P,) ascending, draw_keys (R, K)."""
+    K, D = values.shape
+    P, R = points.size, draw_keys.shape[0]
+    has_sink = att[0]
+    nonsink = att.copy()
+    nonsink[0] = False
+    n_ns = 0
+    for k in range(K):
+        n_ns += nonsink[k]
+    y = np.empty((K, D))
+    for k in range(K):
+        for d in range(D):
+            y[k, d] = alpha[k] * values[k, d]
+    order, rank = ranked(-alpha, att)
+    Pn = np.sum(points < n_ns) if has_sink else 0
+    S = np.empty((P + Pn + R * P, D))
+    s_plus = np.empty((P, D))
+    _prefix_sums(y, order, nonsink, points, s_plus, 0)
+    for p in range(P):
+        sink_in = has_sink and rank[0] < points[p]
+        for d in range(D):
+            S[p, d] = s_plus[p, d] + y[0, d] if sink_in else s_plus[p, d]
+    ns_order = ranked(-alpha, nonsink)[0]
+    if Pn:
+        _prefix_sums(y, ns_order, nonsink, points[:Pn], S, P)
+    draw_orders = np.empty((R, K), dtype=np.int64)
+    for r in range(R):
+        draw_orders[r] = uniform_ranked(draw_keys[r], att)
+        _prefix_sums(y, draw_orders[r], att, points, S, P + Pn + r * P)
+    return y, S, s_plus, (order, rank, ns_order, draw_orders)
+
+
+@_jit
+def head_geometry(values, att, points, y, S, s_plus, ys, orders, alpha, v_norm, head_constants,
+                  mu, mu_q95, options, floats, counts):
     """Every top-N output of one query head (docs/method.md) at the valid sizes ``points``
     (ascending, each < |K|): floats (N_FLOATS, P) and counts (N_COUNTS, P), filled in place
     (they arrive NaN / -1).
 
-    alpha (K,), values (K, D) of the head's kv head, att (K,) bool; draw_keys (R, K): draw d
-    selects the attendable keys of smallest key; v_norm (K,) ||v_k||; head_constants: C,
-    c_lo, c_hi, q05, q95 of the kv head; mu and mu_q95 (P,) from :func:`head_coherence`;
-    options: e_rel, tiny (the expansions' error bound, `_expansions`), l_rtol (`_k_sink`).
+    values (K, D) of the head's kv head, att (K,) bool; y, S, s_plus and orders from
+    :func:`aggregates`, ys (rows, K) = S y^T; alpha (K,) the attention row; v_norm (K,)
+    ||v_k||; head_constants: C, c_lo, c_hi, q05, q95 of the kv head; mu and mu_q95 (P,) from
+    :func:`head_coherence`; options: e_rel, tiny (the expansions' error bound, `_expansions`),
+    l_rtol (`_k_sink`).
     """
     K, D = values.shape
-    P, R = points.size, draw_keys.shape[0]
+    P = points.size
+    order, rank, ns_order, draw_orders = orders
+    R = draw_orders.shape[0]
     e_rel, tiny, l_rtol = options[0], options[1], options[2]
     C, c_lo, c_hi, q05, q95 = (head_constants[0], head_constants[1], head_constants[2],
                                head_constants[3], head_constants[4])
@@ -326,42 +368,17 @@ def head_geometry(alpha, values, att, points, draw_keys, v_norm, head_constants,
     for k in range(K):
         n_att += att[k]
         n_ns += nonsink[k]
-
-    y = np.empty((K, D))
+    Pn = S.shape[0] - P - R * P
     yy = np.empty(K)
     y_norm = np.empty(K)
-    for k in range(K):
-        for d in range(D):
-            y[k, d] = alpha[k] * values[k, d]
-        yy[k] = _dot(y[k], y[k])
-        y_norm[k] = np.sqrt(yy[k])
     o = np.zeros(D)
     for k in range(K):
+        yy[k] = _dot(y[k], y[k])
+        y_norm[k] = np.sqrt(yy[k])
         if att[k]:
             for d in range(D):
                 o[d] += y[k, d]
     o_norm = _norm(o)
-
-    # Aggregates: rows [0, P) the main selection's s_N, [P, 2P) the sink-excluded
-    # selection's, then P per random draw.
-    order, rank = ranked(-alpha, att)
-    ns_points = points[points < n_ns] if has_sink else points[:0]
-    Pn = ns_points.size
-    S = np.empty((P + Pn + R * P, D))
-    s_plus = np.empty((P, D))
-    _prefix_sums(y, order, nonsink, points, s_plus, 0)
-    for p in range(P):
-        sink_in = has_sink and rank[0] < points[p]
-        for d in range(D):
-            S[p, d] = s_plus[p, d] + y[0, d] if sink_in else s_plus[p, d]
-    ns_order = ranked(-alpha, nonsink)[0]
-    if Pn:
-        _prefix_sums(y, ns_order, nonsink, ns_points, S, P)
-    draw_orders = np.empty((R, K), dtype=np.int64)
-    for r in range(R):
-        draw_orders[r] = uniform_ranked(draw_keys[r], att)
-        _prefix_sums(y, draw_orders[r], att, points, S, P + Pn + r * P)
-    ys = np.dot(S, y.T.copy())  # (rows, K) <s, y_k> of every aggregate, one product
     y_max = np.sqrt(yy.max()) if K else 0.0
     x = np.empty(K)
     cache = np.empty(K)
@@ -530,6 +547,13 @@ def _interpolate(below, above, pos, lo):
 
 
 @_jit
+def _order_pair(x, lo, hi):
+    """The lo-th and hi-th smallest of x (hi = lo or lo + 1), by one partition (x reordered)."""
+    part = np.partition(x, lo)
+    return part[lo], (part[lo] if hi == lo else part[lo + 1:].min())
+
+
+@_jit
 def _bracket(sample, lo, hi, m, share, use):
     """Bounds around the order statistics lo..hi of m values from their sorted sample, with a
     margin of ``share`` of the sample (the whole line unless use)."""
@@ -581,11 +605,13 @@ def pair_statistics(gram, share, min_pairs, bracket_min):
     # One pass, free of branches: the comparisons go either way at random, and a candidate is
     # written at the end of its list whether or not the list then grows past it.
     inside = np.empty(m + 1)
-    listed = np.empty(m + 1, np.int64)  # flat index q * k + p
+    listed = np.empty(m + 1, np.int64)  # p of the listed pairs (q, p), row after row
+    row_start = np.zeros(k + 1, np.int64)
     n_in = below = n_top = 0
     for q in range(1, k):
         row = gram[q]
         best = -np.inf
+        row_start[q] = n_top
         for p in range(q):
             c = row[p]
             a = abs(c)
@@ -594,14 +620,15 @@ def pair_statistics(gram, share, min_pairs, bracket_min):
             below += c < t_lo
             inside[n_in] = c
             n_in += (c >= t_lo) & (c <= t_hi)
-            listed[n_top] = q * k + p
+            listed[n_top] = p
             n_top += a >= threshold
         row_max[q] = max(row_max[q], best)
+    row_start[k] = n_top
     median = np.nan
     for attempt in range(3):
         if below <= lo and hi < below + n_in:
-            part = np.sort(inside[:n_in])
-            median = _interpolate(part[lo - below], part[hi - below], pos, lo)
+            below_value, above_value = _order_pair(inside[:n_in], lo - below, hi - below)
+            median = _interpolate(below_value, above_value, pos, lo)
             break
         t_lo, t_hi = _bracket(sample, lo, hi, m, 0.08, attempt == 0 and m > bracket_min)
         n_in = below = 0
@@ -612,31 +639,36 @@ def pair_statistics(gram, share, min_pairs, bracket_min):
                 inside[n_in] = c
                 n_in += (c >= t_lo) & (c <= t_hi)
 
-    # Bucket the listed pairs by |cosine|, descending (a counting sort).
-    flat = gram.ravel()
-    top_a = np.abs(flat[listed[:n_top]])
-    a_lo, a_hi = np.inf, -np.inf
-    for i in range(n_top):
-        a_lo = min(a_lo, top_a[i])
-        a_hi = max(a_hi, top_a[i])
+    # Bucket the listed pairs by |cosine|, descending (a counting sort): every listed |cosine|
+    # lies between the threshold (or the smallest of them, when all are listed) and the
+    # largest row maximum.
+    a_hi = row_max.max()
+    a_lo = threshold
+    if not np.isfinite(a_lo):
+        a_lo = np.inf
+        for q in range(1, k):
+            for p in range(q):
+                a_lo = min(a_lo, abs(gram[q, p]))
     scale = _BUCKETS / (a_hi - a_lo) if a_hi > a_lo else 0.0
     bucket = np.empty(n_top, np.int64)
     bounds = np.zeros(_BUCKETS + 1, np.int64)
-    for i in range(n_top):
-        b = _BUCKETS - 1 - min(int((top_a[i] - a_lo) * scale), _BUCKETS - 1)
-        bucket[i] = b
-        bounds[b + 1] += 1
+    for q in range(1, k):
+        for i in range(row_start[q], row_start[q + 1]):
+            b = _BUCKETS - 1 - min(int((abs(gram[q, listed[i]]) - a_lo) * scale), _BUCKETS - 1)
+            bucket[i] = b
+            bounds[b + 1] += 1
     for b in range(_BUCKETS):
         bounds[b + 1] += bounds[b]
     fill = bounds[:-1].copy()
     out_a = np.empty(n_top)
     out_p = np.empty(n_top, np.int64)
     out_q = np.empty(n_top, np.int64)
-    for i in range(n_top):
-        j = fill[bucket[i]]
-        fill[bucket[i]] += 1
-        out_a[j] = top_a[i]
-        out_q[j], out_p[j] = divmod(listed[i], k)
+    for q in range(1, k):
+        for i in range(row_start[q], row_start[q + 1]):
+            j = fill[bucket[i]]
+            fill[bucket[i]] += 1
+            p = listed[i]
+            out_a[j], out_p[j], out_q[j] = abs(gram[q, p]), p, q
     return median, row_max, out_a, out_p, out_q, bounds
 
 

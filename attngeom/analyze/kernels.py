@@ -52,8 +52,8 @@ _TINY = 1e-290
 # Relative margin of the "L <= 0" test of the sink-aware bounds, see `_loops._k_sink`.
 _L_RTOL = 1e-10
 
-__all__ = ["TOPN_COUNTS", "TOPN_FLOATS", "VALUE_STATISTICS", "head_metrics", "topn_metrics",
-           "value_statistics"]
+__all__ = ["TOPN_COUNTS", "TOPN_FLOATS", "VALUE_STATISTICS", "compile_kernels", "head_metrics",
+           "topn_metrics", "value_statistics"]
 
 
 def topn_metrics(
@@ -147,6 +147,16 @@ def head_metrics(
     return _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, True)
 
 
+def compile_kernels() -> None:
+    """Compile the kernels' loops, or load them from numba's cache beside the package, in
+    this process: worker processes forked after it share them (the stage calls it before
+    forking its workers; otherwise the first call in each process pays it). A cold compile
+    takes tens of seconds, a load from the cache under a second."""
+    rng = np.random.default_rng(0)
+    head_metrics(rng.random((2, 8)), rng.normal(size=(1, 8, 2)), np.ones((1, 8), dtype=bool),
+                 [1, 2, 4], head_kv=np.zeros(2, dtype=np.int64), random_draws=1)
+
+
 def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with_values):
     """topn_metrics' outputs, and value_statistics' (None unless with_values)."""
     alpha, values, attendable, head_kv = _check_batch(attn, values, attendable, head_kv)
@@ -191,8 +201,11 @@ def _query_head(out, h, alpha, values, att, kv, g, gram, pairs, grid, draw_keys)
     counts = np.full((_loops.N_COUNTS, points.size), -1, dtype=np.int64)
     head_constants = np.array([kv.C[g], kv.c_lo[g], kv.c_hi[g], kv.q05[g], kv.q95[g]])
     options = np.array([_error_bound(values.shape[1]), _TINY, _L_RTOL])
-    _loops.head_geometry(alpha, values, att, points, np.ascontiguousarray(draw_keys),
-                         kv.v_norm[g], head_constants, mu, mu_q95, options, floats, counts)
+    y, S, s_plus, orders = _loops.aggregates(alpha, values, att, points, np.ascontiguousarray(draw_keys))
+    # <s, y_k> of every aggregate and key, one product.
+    ys = S @ y.T
+    _loops.head_geometry(values, att, points, y, S, s_plus, ys, orders, alpha, kv.v_norm[g],
+                         head_constants, mu, mu_q95, options, floats, counts)
     valid = grid < n_att
     at = np.searchsorted(points, grid[valid])
     for i, name in enumerate(TOPN_FLOATS):

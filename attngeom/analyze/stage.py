@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,7 +45,7 @@ import zarr
 from tqdm.auto import tqdm
 
 from attngeom.analyze import taxonomy
-from attngeom.analyze.kernels import head_metrics
+from attngeom.analyze.kernels import compile_kernels, head_metrics
 from attngeom.analyze.scheduling import dask_client
 from attngeom.errors import GroupNotFoundError, InputError, RunNotFoundError
 from attngeom.store import (
@@ -94,6 +95,8 @@ ANALYSIS_VERSION = 2
 # (sequence, layer) tasks per batch: the analysis records its progress after each batch, so
 # a killed analyze loses at most one; enough tasks to keep every worker busy meanwhile.
 BATCH_TASKS = 128
+# Batches computed at once: one being finished while the next one starts.
+_BATCHES_IN_FLIGHT = 2
 # Largest ``topn`` the cross-sequence reductions load at once (a 7B model with 1,024 heads has
 # about 4 MB a sequence at 12 N): larger ones are reduced one variable at a time.
 _LOADED_TOPN_BYTES = 1 << 28
@@ -582,12 +585,30 @@ def _compute_sequences(store: str, run_id: str, ds: xr.Dataset, plan: _Plan, par
     pending = replace(pending, sequences=keep)
     groups = _open_groups(store, paths)
     target = plan.target
-    with tqdm(total=len(target) - len(keep), unit="seq", desc=f"{run_id}: analyze", disable=not progress) as bar:
-        for a, b in _batches(len(keep), len(target), ds.sizes["layer"]):
-            _write_batch(groups, _computed_groups(store, run_id, ds.isel(seq=slice(a, b)), params["n_grid"], seed), a)
-            pending = replace(pending, sequences=target[:b])
-            set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
-            bar.update(b - a)
+    batches = list(_batches(len(keep), len(target), ds.sizes["layer"]))
+
+    def compute(batch: tuple[int, int]) -> dict[str, xr.Dataset]:
+        return _computed_groups(store, run_id, ds.isel(seq=slice(*batch)), params["n_grid"], seed)
+
+    # Batches in flight beside the one being written: the workers compute the next batch
+    # while this process writes one, and are handed the batch after it before the tail of
+    # the one they run ends. Their results are a few kilobytes per task.
+    computing = ThreadPoolExecutor(_BATCHES_IN_FLIGHT)
+    try:
+        with tqdm(total=len(target) - len(keep), unit="seq", desc=f"{run_id}: analyze", disable=not progress) as bar:
+            futures = [computing.submit(compute, batch) for batch in batches[:_BATCHES_IN_FLIGHT]]
+            for i, (a, b) in enumerate(batches):
+                computed = futures[i].result()
+                if i + _BATCHES_IN_FLIGHT < len(batches):
+                    futures.append(computing.submit(compute, batches[i + _BATCHES_IN_FLIGHT]))
+                _write_batch(groups, computed, a)
+                pending = replace(pending, sequences=target[:b])
+                set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
+                bar.update(b - a)
+    finally:
+        # On an error or Ctrl-C, a batch still computing is not waited for: leaving the
+        # scheduler's context cancels its tasks.
+        computing.shutdown(wait=False, cancel_futures=True)
     return pending, len(target) - len(keep)
 
 
@@ -652,6 +673,7 @@ def analyze(
         raise RunNotFoundError(f"{store} holds no run; run extract first")
     for rid in todo:  # every run's input checked before any analysis is touched
         _checked_input(store, rid, n_grid)
+    compile_kernels()
     with dask_client(scheduler, store):
         results = [analyze_run(store, rid, n_grid=n_grid, seed=seed, out=out, progress=progress) for rid in todo]
     consolidate(open_root(store, mode="a"))
