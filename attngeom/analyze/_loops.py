@@ -753,3 +753,49 @@ def head_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_a
             gathered.sort()
             stats[0], stats[1] = gathered[lo], gathered[hi]
         mu_q95[p] = _interpolate(stats[0], stats[1], pos, lo)
+
+
+@_jit
+def _quantile(x, q):
+    """numpy's 'linear' q-quantile of the 1-D x (reordered), NaN if x is empty."""
+    m = x.size
+    if m == 0:
+        return np.nan
+    pos = q * (m - 1)
+    lo = int(np.floor(pos))
+    below, above = _order_pair(x, lo, min(lo + 1, m - 1))
+    return _interpolate(below, above, pos, lo)
+
+
+@_jit
+def kv_head(values, att):
+    """What depends on one kv head's values (K, D) and mask att (K,) only: ||v_k|| (K,), the
+    unit vectors u_k (K, D) (0 for v_k = 0), <u_0, u_k> (K,) at the non-sink keys (-inf
+    elsewhere), and (C, c_lo, c_hi, median, q05, q95): the median non-sink norm and the
+    extremes, median and 5%/95% quantiles of <u_0, u_k> over the non-sink keys."""
+    K, D = values.shape
+    v_norm = np.empty(K)
+    unit = np.zeros((K, D))
+    for k in range(K):
+        v_norm[k] = _norm(values[k])
+        if v_norm[k] > 0:
+            for d in range(D):
+                unit[k, d] = values[k, d] / v_norm[k]
+    sink_cos = np.full(K, -np.inf)
+    n_ns = 0
+    for k in range(1, K):
+        if att[k]:
+            sink_cos[k] = _dot(unit[0], unit[k])
+            n_ns += 1
+    norms = np.empty(n_ns)
+    cos = np.empty(n_ns)
+    j = 0
+    for k in range(1, K):
+        if att[k]:
+            norms[j], cos[j] = v_norm[k], sink_cos[k]
+            j += 1
+    c_lo = cos.min() if n_ns else np.inf
+    c_hi = cos.max() if n_ns else -np.inf
+    stats = np.array([_quantile(norms, 0.5), c_lo, c_hi, _quantile(cos.copy(), 0.5),
+                      _quantile(cos.copy(), 0.05), _quantile(cos.copy(), 0.95)])
+    return v_norm, unit, sink_cos, stats

@@ -39,11 +39,9 @@ _TOP_PAIR_SHARE = 0.08
 # Below this many pairs every pair is a candidate.
 _TOP_PAIR_MIN = 4096
 
-# Quantiles of longer arrays are taken within a bracket from a sample (`_order_statistics`).
+# A kv head with more pairs than this finds its median pair cosine within a bracket from a
+# sample (`_loops.pair_statistics`).
 _BRACKET_MIN = 1 << 16
-
-# Fractional part of the golden ratio: sample positions j * _GOLDEN mod 1 cover [0, 1) evenly.
-_GOLDEN = 0.6180339887498949
 
 # An absolute floor under the expansions' error bound (`_error_bound`), far above subnormal
 # rounding.
@@ -264,22 +262,14 @@ class _KvHeads(NamedTuple):
 def _kv_heads(values, attendable):
     nonsink = attendable.copy()
     nonsink[:, 0] = False
-    v_norm = np.linalg.norm(values, axis=-1)
-    unit = _unit(values, v_norm)
-    sink_cos = np.where(nonsink, np.einsum("gd,gkd->gk", unit[:, 0], unit), -np.inf)
-
-    def quantiles(x, q):
-        return np.array([_quantile(row[keep], q) for row, keep in zip(x, nonsink)])
-
+    G, K, D = values.shape
+    v_norm, unit, sink_cos, stats = np.empty((G, K)), np.empty((G, K, D)), np.empty((G, K)), np.empty((G, 6))
+    for g in range(G):
+        v_norm[g], unit[g], sink_cos[g], stats[g] = _loops.kv_head(values[g], np.ascontiguousarray(attendable[g]))
     return _KvHeads(
         v_norm=v_norm, unit=unit, nonsink=nonsink, has_sink=attendable[:, 0],
-        C=quantiles(v_norm, 0.5),
-        sink_cos=sink_cos,
-        c_lo=np.min(sink_cos, axis=1, where=nonsink, initial=np.inf),
-        c_hi=np.max(sink_cos, axis=1, initial=-np.inf),
-        sink_cos_median=quantiles(sink_cos, 0.5),
-        q05=quantiles(sink_cos, 0.05),
-        q95=quantiles(sink_cos, 0.95),
+        C=stats[:, 0], sink_cos=sink_cos, c_lo=stats[:, 1], c_hi=stats[:, 2],
+        sink_cos_median=stats[:, 3], q05=stats[:, 4], q95=stats[:, 5],
     )
 
 
@@ -291,52 +281,6 @@ def _nonsink_gram(kv, g):
     if not unit.shape[0]:
         return np.empty((0, 0))
     return syrk(1.0, unit).T
-
-
-def _unit(values, v_norm):
-    """u = v/||v||, and u = 0 for v = 0."""
-    return values / np.where(v_norm > 0, v_norm, 1.0)[:, :, None]
-
-
-def _quantile(x, q, size=None):
-    """q-quantile (numpy's 'linear' method: x_lo + (pos - lo) (x_hi - x_lo)) of the 1-D x, NaN
-    if x is empty; with size, of x's smallest `size` entries (the others being larger)."""
-    m = x.size if size is None else size
-    if m == 0:
-        return np.nan
-    pos = q * (m - 1)
-    lo = int(np.floor(pos))
-    hi = min(lo + 1, m - 1)
-    below, above = _order_statistics(x, lo, hi)
-    return below + (pos - lo) * (above - below)
-
-
-def _order_statistics(x, lo, hi):
-    """The lo-th and hi-th smallest entries of the 1-D x (lo <= hi).
-
-    For a long x, a bracket [t_lo, t_hi] around them is taken from a sample; counting
-    the entries below t_lo and partitioning the few inside is exact whenever the bracket
-    holds both ranks. A bracket that misses is widened once (the entries of a flattened Gram
-    matrix are correlated along rows, which a sample of 2048 sees less sharply), and a
-    partition of all of x answers after that.
-    """
-    m = x.size
-    if m > _BRACKET_MIN:
-        # Positions spread by the golden ratio, not a stride: a stride that divides the row
-        # length of a flattened matrix samples a few of its columns only.
-        sample = np.sort(x[(np.arange(2048) * _GOLDEN % 1.0 * m).astype(np.int64)])
-        for share in (0.02, 0.08):
-            margin = share * sample.size + 8
-            t_lo = sample[max(int(lo / m * sample.size - margin), 0)]
-            t_hi = sample[min(int(hi / m * sample.size + margin), sample.size - 1)]
-            below = np.count_nonzero(x < t_lo)
-            # Gathered by index: a boolean mask's compress runs 2-3x slower on a long x.
-            inside = x[np.flatnonzero((x >= t_lo) & (x <= t_hi))]
-            if below <= lo and hi < below + inside.size:
-                part = np.partition(inside, (lo - below, hi - below))
-                return part[lo - below], part[hi - below]
-    part = np.partition(x, (lo, hi))
-    return part[lo], part[hi]
 
 
 def _check_batch(attn, values, attendable, head_kv):
