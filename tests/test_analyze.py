@@ -21,6 +21,7 @@ import zarr
 from click.testing import CliRunner
 from test_analyze_kernels import brute_topn, brute_value_statistics
 
+from attngeom.analyze import stage
 from attngeom.analyze.stage import (
     _instance_seed,
     _Plan,
@@ -395,6 +396,28 @@ def test_worker_processes_equal_threads_and_die_with_analyze(llama_stores, refer
     assert not any(map(alive, workers)), workers
     analyze(str(store), n_grid=GRID, progress=False)
     assert_bitwise(analysis(store), reference["three"])
+
+
+def test_batches_in_flight_and_worker_counts_change_nothing(llama_stores, reference, tmp_path, monkeypatch):
+    """Batches of one sequence (three of them, two computing at once while one is written),
+    and the default scheduler given one core and given two: the same analysis bit for bit."""
+    three, _, _ = llama_stores
+    store = tmp_path / "s.zarr"
+    shutil.copytree(three, store)
+    monkeypatch.setattr(stage, "BATCH_TASKS", 1)
+    analyze(str(store), scheduler="threads", n_grid=GRID, progress=False)
+    assert_bitwise(analysis(store), reference["three"])
+    monkeypatch.undo()
+    cores = sorted(os.sched_getaffinity(0))
+    for allowed in ([cores[0]], cores[:2]):
+        shutil.rmtree(store / "runs" / "r" / "analysis")
+        code = ("import os, sys; os.sched_setaffinity(0, {}); from attngeom.cli import main; "
+                "main(sys.argv[1:])").format(set(allowed))
+        done = subprocess.run([sys.executable, "-c", code, "analyze", "--store", str(store), "--n-grid",
+                               ",".join(map(str, GRID)), "--no-progress"],
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr
+        assert_bitwise(analysis(store), reference["three"])
 
 
 def test_interrupted_ablation_write_is_reported_and_earlier_kept(tmp_path, monkeypatch):
