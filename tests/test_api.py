@@ -306,3 +306,16 @@ def test_a_script_without_main_guard_analyzes(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["2"]
     assert (tmp_path / "runs.log").read_text() == "top level ran\n"
+
+
+@pytest.mark.parametrize("name", ag.STAGES)
+def test_help_of_a_stage_shows_its_function(name):
+    """help(ag.extract) documents the function the call runs: its signature and docstring."""
+    import inspect
+    import pydoc
+
+    function = getattr(ag.api, name)
+    text = pydoc.render_doc(getattr(ag, name), renderer=pydoc.plaintext)
+    assert f"{name}{inspect.signature(function)}" in text
+    assert all(f"{p}:" in text for p in inspect.signature(function).parameters)
+    assert inspect.getdoc(function).splitlines()[0] in text
