@@ -164,6 +164,8 @@ def test_memory_model_input_errors_by_kind(tmp_path):
         ag.extract(model, token_ids=ids, texts=["a"], store=store, progress=False)
     with pytest.raises(ag.InputError, match="tokenizer"):
         ag.extract(model, texts=texts(), context_length=L, store=store, progress=False)
+    with pytest.raises(ag.InputError, match=r"texts is a list of documents \(strings\), not one string"):
+        ag.extract(model, tokenizer=tiny_tokenizer(), texts=texts()[0], context_length=L, store=store, progress=False)
     with pytest.raises(ag.InputError, match="does not cast"):
         ag.extract(model, token_ids=np.ones((1, L), dtype=np.int64), dtype="bfloat16", store=store, progress=False)
     with pytest.raises(ag.InputError, match="outside the vocabulary"):

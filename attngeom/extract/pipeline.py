@@ -211,6 +211,9 @@ def _check_request(request: ExtractRequest) -> tuple[int, int] | None:
         )
     if request.dataset is not None and (request.context_length is None or request.num_sequences is None):
         raise InputError("a dataset needs context_length and num_sequences")
+    if isinstance(request.texts, str | bytes):
+        # A string is an iterable of strings: it would be read one character per document.
+        raise InputError("texts is a list of documents (strings), not one string: pass texts=[text]")
     if request.texts is not None and request.context_length is None:
         raise InputError("texts need a context_length")
     if request.split is not None and request.dataset is None:
