@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -219,6 +221,10 @@ def test_cli_writes_one_run_and_rewrites_its_own_folder(store, tmp_path):
         assert "1 run(s), 12 heads" in result.output
     assert sorted(p.name for p in (out / "data").iterdir()) == ["a", "index.js"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    # Readable by others as a folder made by mkdir is (the umask's mode), not 0700.
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (out, out / "data", out / "data" / "a")} == {0o777 & ~umask}
 
 
 # ---- the page in a real browser ----

@@ -24,7 +24,6 @@ from attngeom.store import (
     ATTR_KEY,
     REGIMES,
     open_dataset,
-    open_or_create_root,
     open_root,
     open_run_group,
     zarr_store,
@@ -200,14 +199,6 @@ def test_store_without_analysis_gives_notes_only(tmp_path):
     assert "run raw: no analysis/summary" in page
     assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["illustration.png"]
     assert (tmp_path / "out" / "models.csv").exists()
-
-
-def test_empty_store_gives_a_page(tmp_path):
-    url = str(tmp_path / "s.zarr")
-    open_or_create_root(url)
-    page = build_report(url, tmp_path / "out").read_text()
-    assert "the store holds no run yet" in page and "could not be made" not in page
-    assert pd.read_csv(tmp_path / "out" / "models.csv").empty
 
 
 def test_a_figure_that_fails_becomes_a_note(runs, tmp_path):

@@ -14,8 +14,8 @@ import base64
 import json
 import re
 import shutil
-import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -64,10 +64,16 @@ def explore(store: str, out: Path, *, run_id: str | None = None, sequences: int 
     _check_target(out)
     runs = data.open_runs(store, run_id, sequences)
     created = next((p for p in reversed(out.absolute().parents) if not p.exists()), None)
-    out.parent.mkdir(parents=True, exist_ok=True)
     # Written aside and moved in at the end: a failure leaves neither a half folder nor
-    # the parents made for it.
-    work = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    # the parents made for it. Made as mkdir does (the umask's mode, not mkdtemp's 0700):
+    # the page is for others to read too.
+    work = out.parent / f".{out.name}-{uuid.uuid4().hex[:12]}"
+    try:
+        work.mkdir(parents=True)
+    except OSError as exc:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise InputError(f"--out {out} cannot be made a folder ({exc.strerror or exc})") from exc
     try:
         heads = _write(store, runs, work, progress)
         if out.exists():

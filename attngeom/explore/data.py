@@ -25,7 +25,7 @@ from attngeom.store import (
     open_root,
     open_run_group,
     require_run,
-    run_ids,
+    require_runs,
     run_layout,
     run_provenance,
 )
@@ -78,11 +78,10 @@ def open_runs(store: str, run_id: str | None, sequences: int) -> list[ExploreRun
     sequences. Raises StoreNotFoundError (no store), SchemaError (not one this attngeom
     reads) or RunNotFoundError (no such run, no run at all, or a run with no sequence)."""
     root = open_root(store)
+    chosen = require_runs(root, store)
     if run_id is not None:
         require_run(root, run_id, store)
-    chosen = [run_id] if run_id is not None else run_ids(root)
-    if not chosen:
-        raise RunNotFoundError(f"{store} holds no run; run `attngeom extract` first")
+        chosen = [run_id]
     return [_open_run(store, root, rid, sequences) for rid in chosen]
 
 
