@@ -264,9 +264,10 @@ def migrate(store: str, no_progress: bool) -> None:
 
     Format 1 stores (attngeom 0.1.0 before chunk checksums) get a crc32c checksum on every
     chunk; format 2 stores get their label arrays (zarr-python's string type) as integer
-    codes of the Zarr v3 core, their labels in the attributes. Values are kept. Each array is rewritten through a temporary
-    copy: a migration that is interrupted is finished by running it again. No other
-    command may use the store meanwhile.
+    codes of the Zarr v3 core, their labels in the attributes; format 3 stores get the
+    codes of regimes, votes, statistics and methods in their fixed order. Values are kept.
+    Each array is rewritten through a temporary copy: a migration that is interrupted is
+    finished by running it again. No other command may use the store meanwhile.
     """
     from attngeom import api
 

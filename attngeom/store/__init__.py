@@ -49,7 +49,9 @@ from attngeom.store.schema import (
     ATTR_KEY,
     COORDS,
     FORMAT,
+    LABEL_ORDERS,
     LABELS,
+    METHODS,
     REGIMES,
     RUN_VARIABLES,
     RUNS,
@@ -84,7 +86,7 @@ from attngeom.store.validate import (
 
 __all__ = [
     "RunLayout", "Variable", "ABLATION", "ABLATION_GROUPS", "ANALYSIS", "ANALYSIS_GROUPS",
-    "ANALYSIS_SEQUENCE_GROUPS", "ATTR_KEY", "COORDS", "FORMAT", "LABELS", "REGIMES",
+    "ANALYSIS_SEQUENCE_GROUPS", "ATTR_KEY", "COORDS", "FORMAT", "LABEL_ORDERS", "LABELS", "METHODS", "REGIMES",
     "RUN_ID_PATTERN", "RUN_VARIABLES", "RUNS", "SCHEMA_VERSION", "SEQUENCE_ARRAYS",
     "SIGNATURE_VARIABLES", "STATS", "SUMMARY_DIMS", "TOPN_COUNTS", "TOPN_FLOATS", "TOPN_VARIABLES",
     "VALUE_STATISTICS", "VOTES", "ablation_path", "analysis_path", "array_metadata", "arrays_of",
