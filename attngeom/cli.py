@@ -145,8 +145,9 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
     """
     from attngeom import api
 
-    for r in api.analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
-                         progress=not no_progress):
+    results = api.analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
+                          progress=not no_progress)
+    for r in [results] if run_id is not None else results:
         click.echo(f"run {r.run_id}: {r.new_sequences} new sequences ({r.sequences} analyzed), "
                    f"{r.instances} head instances in {r.seconds:.1f} s")
         if r.recomputed:

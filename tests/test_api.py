@@ -268,25 +268,44 @@ def test_import_attngeom_loads_no_torch_and_stage_names_stay_callable():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def readme_example() -> str:
-    """The README's worked example: the second python block of its "Python" section."""
+def readme_examples() -> list[str]:
+    """The README's worked example: the python blocks of its "Python" section."""
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     section = readme.split("## Python", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)[1]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
-def test_readme_example_runs_on_a_tiny_random_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize("given", ["memory", "path"])
+def test_readme_example_runs_as_written(given, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Both blocks, as written: the hub is simulated by a tiny random Llama, then the model
+    is the one in memory or, as a named model, that model saved to a folder."""
     import matplotlib
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     matplotlib.use("Agg")
     monkeypatch.chdir(tmp_path)
-    scope = {"model": memory_model("llama", attn="sdpa"), "tokenizer": tiny_tokenizer(),
-             "texts": [" ".join(np.random.default_rng(i).choice(WORDS, size=140)) for i in range(3)]}
-    exec(compile(readme_example(), "README.md", "exec"), scope)
+    (tmp_path / "notes").mkdir()
+    for i in range(3):
+        (tmp_path / "notes" / f"{i}.txt").write_text(" ".join(np.random.default_rng(i).choice(WORDS, size=140)))
+    setup, example = readme_examples()[:2]
+    scope: dict = {}
+    with monkeypatch.context() as hub:
+        hub.setattr(AutoModelForCausalLM, "from_pretrained", lambda name: memory_model("llama", attn="sdpa"))
+        hub.setattr(AutoTokenizer, "from_pretrained", lambda name: tiny_tokenizer())
+        exec(compile(setup, "README.md", "exec"), scope)
+    folder = tiny_model_dir("llama")
+    if given == "path":
+        scope["model"] = str(folder)
+    exec(compile(example, "README.md", "exec"), scope)
     assert (tmp_path / "precision.png").stat().st_size > 0
     topn = scope["topn"]
     assert topn.sizes["seq"] == 3 and list(topn["n"].values) == [1, 2, 4, 8, 16, 32, 64]
-    assert scope["model"].config._attn_implementation == "sdpa"
+    assert scope["analyzed"].sequences == 3
+    printed = capsys.readouterr().out.split()
+    assert printed[0] == "3" and printed[1] == "<bos>"
+    assert printed[-1] == (str(folder.resolve()) if given == "path" else "LlamaForCausalLM")
+    if given == "memory":
+        assert scope["model"].config._attn_implementation == "sdpa"
 
 
 def test_a_script_without_main_guard_analyzes(tmp_path):
