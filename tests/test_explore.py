@@ -160,6 +160,10 @@ def test_index_carries_the_head_table_and_decoded_tokens(page):
     assert a["tokens"][0][0] == "<bos>" and all(t.startswith("w") for t in a["tokens"][0][1:])
     assert raw["stats"] == {} and any("no analysis" in n for n in raw["notes"])
     assert any("no ablation" in n for n in raw["notes"]) and not any("no ablation" in n for n in a["notes"])
+    # The report's palette: a regime has one colour wherever it is drawn.
+    from attngeom.palette import REGIME_COLORS, VOTE_COLORS
+
+    assert index["palette"] == {"regime": REGIME_COLORS, "vote": VOTE_COLORS}
 
 
 def test_head_file_matches_the_store(page, store):

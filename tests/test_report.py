@@ -12,9 +12,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import xarray as xr
+from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
 from attngeom.analyze.stage import analyze
+from attngeom.palette import REGIME_COLORS
 from attngeom.report import build_report
 from attngeom.report.build import FIGURES, TABLES, draw_figure, select_runs
 from attngeom.report.data import RunData, load_runs
@@ -161,8 +163,12 @@ def test_figures_show_what_the_paper_describes(runs):
     assert precision.get_xlabel() == N_LABEL
     # Two analyzed runs, each drawn solid (top-N), dashed (random) and dotted (bound).
     assert sorted(line.get_linestyle() for line in precision.lines) == ["-", "-", "--", "--", ":", ":"]
-    assert [t.get_text() for t in draw("taxonomy").axes[0].get_xticklabels()] == [
+    taxonomy = draw("taxonomy")
+    assert [t.get_text() for t in taxonomy.axes[0].get_xticklabels()] == [
         "model-a\ncorpus-a\nL=32", "model-b\ncorpus-b\nL=24"]
+    # Explore's palette: one colour per regime wherever it is drawn.
+    bars = {to_hex(p.get_facecolor()) for p in taxonomy.axes[0].patches}
+    assert bars <= {c.lower() for c in REGIME_COLORS.values()} and len(set(REGIME_COLORS.values())) == 3
     sparsification = draw("sparsification").axes[0]
     assert sparsification.get_xlabel() == "retained fraction of heads per layer"
     assert len(sparsification.lines) == 9 and len(sparsification.collections) == 1  # random's std band

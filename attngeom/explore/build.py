@@ -29,6 +29,7 @@ from attngeom import __version__
 from attngeom.errors import InputError
 from attngeom.explore import data
 from attngeom.explore.geometry import value_picture
+from attngeom.palette import REGIME_COLORS, VOTE_COLORS
 from attngeom.store import VOTES
 
 PAGE_FILES = ("explore.js", "explore.css")
@@ -106,7 +107,8 @@ def _write(store: str, runs: list[data.ExploreRun], out: Path, progress: bool) -
         folder.mkdir()
         heads += _write_heads(run, folder, progress)
         entries.append(_run_entry(run))
-    _write_script(out / "data" / "index.js", "index", {"store": store, "runs": entries})
+    palette = {"regime": REGIME_COLORS, "vote": VOTE_COLORS}
+    _write_script(out / "data" / "index.js", "index", {"store": store, "runs": entries, "palette": palette})
     page = resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
     page = page.replace("{{version}}", __version__).replace("{{plotly_version}}", plotly_version)
     (out / "index.html").write_text(page, encoding="utf-8")

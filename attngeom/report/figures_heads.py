@@ -9,6 +9,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from attngeom.palette import REGIME_COLORS
 from attngeom.report.data import (
     RunData,
     all_of,
@@ -18,7 +19,6 @@ from attngeom.report.data import (
     requires,
 )
 from attngeom.report.plots import (
-    REGIME_COLORS,
     color_legend,
     n_axis,
     new_figure,
