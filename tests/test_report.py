@@ -239,3 +239,22 @@ def test_index_renders_in_headless_chromium(report, tmp_path):
     assert dom.returncode == 0, dom.stderr[-2000:]
     for spec in FIGURES:
         assert f'src="{spec.name}.png"' in dom.stdout
+
+
+def test_sparsification_figure_says_what_its_curves_hide():
+    """weight_o equal to weight_v draws one curve under the other; retention 0.9 of 4 heads
+    keeps all 4 (round(3.6)), the intact model: both are said on the figure."""
+    from attngeom.report.figures_heads import sparsification, sparsification_notes
+
+    retention = np.array([0.5, 0.9, 1.0])
+    kept = np.round(retention * 4) / 4
+    mean = np.array([[0.8, 0.0, 0.0], [0.8, 0.0, 0.0], [1.2, 0.0, 0.0]])
+    sweep = xr.Dataset({"delta_nll_mean": (("method", "retention"), mean),
+                        "kept_fraction": (("method", "retention"), np.tile(kept, (3, 1)))},
+                       coords={"method": np.array(["weight_o", "weight_v", "random"], dtype=object),
+                               "retention": retention})
+    notes = ["weight_o = weight_v (one curve)", "retention 0.9 keeps all 4 heads per layer"]
+    assert sparsification_notes(sweep, 4) == notes
+    run = RunData("r", "m", "d", 16, 2, 4, 2, 3, ablation={"sweep": sweep})
+    assert [t.get_text() for t in sparsification([run]).axes[0].texts] == ["\n".join(notes)]
+    assert sparsification_notes(sweep.isel(method=[0, 2], retention=[0, 2]), 4) == []
