@@ -106,7 +106,7 @@ def _write(store: str, runs: list[data.ExploreRun], out: Path, progress: bool) -
         folder = out / "data" / run.run_id
         folder.mkdir()
         heads += _write_heads(run, folder, progress)
-        entries.append(_run_entry(run))
+        entries.append(_run_entry(run, progress))
     palette = {"regime": REGIME_COLORS, "vote": VOTE_COLORS}
     _write_script(out / "data" / "index.js", "index", {"store": store, "runs": entries, "palette": palette})
     page = resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
@@ -155,13 +155,18 @@ def _bits(mask: np.ndarray) -> str:
     return base64.b64encode(np.packbits(mask, bitorder="little").tobytes()).decode("ascii")
 
 
-def _run_entry(run: data.ExploreRun) -> dict[str, Any]:
+def _run_entry(run: data.ExploreRun, progress: bool) -> dict[str, Any]:
     """The run's head table and what every head page shares (tokens, grid, notes)."""
     layout = run.layout
-    decode, how = data.token_decoder(run.provenance)
-    ids = data.read_tokens(run)
-    # Undecoded ids are kept apart by a space in the running text.
-    tokens = [decode(row) if decode else [f"{int(t)} " for t in row] for row in ids]
+    with tqdm(total=2, unit="step", desc=f"{run.run_id}: tokens", disable=not progress) as bar:
+        bar.set_postfix_str("loading the tokenizer")
+        decode, how = data.token_decoder(run.provenance)
+        bar.update()
+        bar.set_postfix_str("decoding")
+        ids = data.read_tokens(run)
+        # Undecoded ids are kept apart by a space in the running text.
+        tokens = decode(ids) if decode else [[f"{int(t)} " for t in row] for row in ids]
+        bar.update()
     stats: dict[str, Any] = {}
     if run.heads is not None:
         stats["regime"] = [[str(x) for x in row] for row in np.asarray(run.heads["regime"].values)]

@@ -140,7 +140,7 @@
     $("grid-title").textContent = "Heads of " + run.id + ": " + run.layers + " layers × " + run.heads +
       " heads (" + run.kv_heads + " kv heads)";
     grid.appendChild(el("div", { class: "axis top" }, "L\\H"));
-    for (var h = 0; h < run.heads; h++) grid.appendChild(el("div", { class: "axis top" }, h % 5 === 0 ? String(h) : ""));
+    for (var h = 0; h < run.heads; h++) grid.appendChild(el("div", { class: "axis top" }, String(h)));
     for (var l = 0; l < run.layers; l++) {
       grid.appendChild(el("div", { class: "axis" }, String(l)));
       for (h = 0; h < run.heads; h++) {

@@ -110,9 +110,14 @@ def resolve_model(name: str) -> ModelSource:
     return ModelSource(name, name, revision=getattr(config, "_commit_hash", None))
 
 
+def converted_path(gguf_file: str, file_sha256: str) -> Path:
+    """Where the plain transformers folder of a GGUF file is cached (model and tokenizer)."""
+    return cache_dir() / "converted" / f"{Path(gguf_file).stem}-{file_sha256[:12]}"
+
+
 def _converted_folder(source: ModelSource) -> Path:
     """A plain transformers folder for a GGUF source, converted once and cached."""
-    target = cache_dir() / "converted" / f"{Path(source.gguf_file).stem}-{source.file_sha256[:12]}"
+    target = converted_path(source.gguf_file, source.file_sha256)
     if (target / "config.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
