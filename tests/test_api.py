@@ -340,3 +340,17 @@ def test_help_of_a_stage_shows_its_function(name):
     assert f"{name}{inspect.signature(function)}" in text
     assert all(f"{p}:" in text for p in inspect.signature(function).parameters)
     assert inspect.getdoc(function).splitlines()[0] in text
+
+
+def test_a_missing_dataset_is_said_before_the_model_is_looked_at(tmp_path, monkeypatch):
+    import attngeom.extract.pipeline as pipeline
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was resolved before the dataset was checked")
+
+    monkeypatch.setattr(pipeline, "resolve_model", no_model)
+    missing = str(tmp_path / "notes.txt")
+    result = CliRunner().invoke(main, ["extract", "--model", "smollm2-135m", "--dataset", missing, "-L", "16",
+                                       "-S", "2", "--store", str(tmp_path / "s.zarr")])
+    assert (result.exit_code, result.output) == (2, f"attngeom: error: no such file or folder: {missing}\n")
+    assert not (tmp_path / "s.zarr").exists()
