@@ -354,3 +354,49 @@ def test_a_missing_dataset_is_said_before_the_model_is_looked_at(tmp_path, monke
                                        "-S", "2", "--store", str(tmp_path / "s.zarr")])
     assert (result.exit_code, result.output) == (2, f"attngeom: error: no such file or folder: {missing}\n")
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_mistyped_model_name_fails_at_once_when_the_hub_cannot_be_reached(tmp_path, monkeypatch):
+    """The hub is probed once per process (simulated here: no test reaches the network); an
+    unreachable one is asked nothing, so no retries, and the error says why in one line."""
+    import socket
+
+    from huggingface_hub import constants
+    from transformers import AutoConfig
+
+    from attngeom.extract import models
+
+    probes, asked = [], []
+
+    def unreachable(address, timeout):
+        probes.append((address, timeout))
+        raise OSError("Name or service not known")
+
+    def from_pretrained(name, local_files_only):
+        asked.append(local_files_only)
+        raise OSError(f"{name} is not in the cache")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(AutoConfig, "from_pretrained", from_pretrained)
+    models.hub_address.cache_clear()
+    try:
+        offline = ("unknown model 'smollm2-13m': not an offline name (gemma3-270m, smollm2-135m), not a local "
+                   "folder or .gguf file, is not in the local hub cache, and the hub cannot be reached (offline)")
+        for _ in range(2):
+            with pytest.raises(ag.InputError) as caught:
+                models.resolve_model("smollm2-13m")
+            assert str(caught.value) == offline
+        assert len(probes) == 1 and probes[0][1] == 3 and asked == [True, True]
+        result = CliRunner().invoke(main, ["extract", "--model", "smollm2-13m", "--dataset", "wiki-summaries",
+                                           "-L", "16", "-S", "1", "--store", str(tmp_path / "s.zarr")])
+        assert (result.exit_code, result.output) == (2, f"attngeom: error: {offline}\n")
+
+        # A hub that answers is asked, and its answer named.
+        monkeypatch.setattr(socket, "create_connection", lambda address, timeout: socket.socket())
+        models.hub_address.cache_clear()
+        with pytest.raises(ag.InputError, match=r"and the hub \(.+:\d+\) could not resolve it \(OSError\)$"):
+            models.resolve_model("org/smollm2-13m")
+        assert asked[-1] is False
+    finally:
+        models.hub_address.cache_clear()
