@@ -285,7 +285,12 @@ def migrate(store: str, no_progress: bool) -> None:
 @click.option("--num-sequences", "-S", type=click.IntRange(1), default=4, show_default=True, help="Sequences to extract.")
 @click.option("--context-length", "-L", type=click.IntRange(2), default=128, show_default=True, help="L: BOS plus L-1 tokens of one document.")
 def demo(out: Path, num_sequences: int, context_length: int) -> None:
-    """The whole pipeline on the offline default model (gemma3-270m) and corpus (wiki-summaries)."""
+    """The whole pipeline on the offline default model (gemma3-270m) and corpus (wiki-summaries).
+
+    Writes its store, tables and report under --out (./demo-out). The first run assembles
+    the model's GGUF and de-quantizes it into ~/.cache/attngeom ($ATTNGEOM_CACHE), about
+    1.4 GB; later runs read it from there.
+    """
     from attngeom.demo import run_demo
 
     run_demo(out, num_sequences=num_sequences, context_length=context_length)
