@@ -6,7 +6,7 @@ Analysis and ablation groups may be absent; they are ``None`` here and the page 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
