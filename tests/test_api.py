@@ -308,6 +308,25 @@ def test_readme_example_runs_as_written(given, tiny_model_dir, tmp_path, monkeyp
         assert scope["model"].config._attn_implementation == "sdpa"
 
 
+def test_readme_blocks_on_the_store_run_as_written(tmp_path, monkeypatch):
+    """The README's other python blocks, which read `runs.zarr` (its first command's store)
+    given the run id, on a synthetic store of that run."""
+    from attngeom.synthetic import write_synthetic_run
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    python = readme.split("## Python", 1)[1].split("\n## ", 1)[1]
+    blocks = re.findall(r"```python\n(.*?)```", python, flags=re.S)
+    assert len(blocks) >= 2
+    monkeypatch.chdir(tmp_path)
+    run_id = "gemma3-270m__wiki-summaries__L128"
+    write_synthetic_run("runs.zarr", run_id, n_seq=2, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, length=16)
+    ag.analyze("runs.zarr", scheduler="threads", progress=False)
+    scope = {"run_id": run_id}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), scope)
+    assert scope["ds"].sizes["seq"] == 2 and scope["topn"].sizes["seq"] == 2
+
+
 def test_a_script_without_main_guard_analyzes(tmp_path):
     """Worker processes (forked by default) do not run the caller's script again."""
     script = tmp_path / "notebook_like.py"
