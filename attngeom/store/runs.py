@@ -58,7 +58,7 @@ def require_run(root: zarr.Group, run_id: str, url: str) -> None:
     """Raise :class:`RunNotFoundError`, naming the runs there are, unless ``run_id`` is one."""
     runs = require_runs(root, url)
     if run_id not in runs:
-        raise RunNotFoundError(f"no run '{run_id}' in {url} (runs: {', '.join(runs) or 'none'})")
+        raise RunNotFoundError(f"no run '{run_id}' in {url} (runs: {', '.join(runs)})")
 
 
 def open_run_group(root: zarr.Group, run_id: str) -> zarr.Group:

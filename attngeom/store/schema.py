@@ -31,8 +31,8 @@ Two numbers in the root's attributes say what a store is:
   ``string`` type and ``vlen-utf8`` codec; format 4 gives the labels of a fixed vocabulary
   (regimes, votes, statistics, methods: ``LABEL_ORDERS``) the same codes in every store,
   where format 3 numbered them in order of first appearance. ``attngeom.store.open_dataset``
-  gives the labels back as strings; a plain ``xr.open_zarr`` gives the codes. Every format of schema 1 is
-  read; only the current format is written, and ``attngeom migrate``
+  gives the labels back as strings; a plain ``xr.open_zarr`` gives the codes. Every format
+  of schema 1 is read; only the current format is written, and ``attngeom migrate``
   (:mod:`attngeom.store.migrate`) brings an older store to it.
 """
 
