@@ -107,7 +107,8 @@ class _Stage(types.ModuleType):
         import inspect
 
         function = self._function()
-        return f"{function.__name__}{inspect.signature(function)}\n\n{inspect.getdoc(function)}\n\n{vars(self)['__doc__']}"
+        signature = f"{function.__name__}{inspect.signature(function)}"
+        return f"{signature}\n\n{inspect.getdoc(function)}\n\n{vars(self)['__doc__']}"
 
 
 for _name in STAGES:

@@ -89,7 +89,7 @@ def _comma_list(convert, expected: str):
 STORE = click.option("--store", required=True, help="Store: a local path or an fsspec URL (s3://, memory://, file://).")
 
 
-@main.command(short_help='Run the model once; write attention rows, values and per-query summaries into a Zarr store (GPU where there is one).')
+@main.command(short_help="Run the model once; write attention rows, values and per-query summaries into a Zarr store (GPU where there is one).")
 @click.option("--model", required=True, help="Offline name (gemma3-270m, smollm2-135m), hub id, local folder or .gguf file.")
 @click.option("--dataset", required=True, help="wiki-summaries, python-docs, wikitext-103, openwebtext, a datasets name, or a local .txt/.jsonl/.parquet file or folder.")
 @click.option("--context-length", "-L", type=click.IntRange(2), required=True, help="L: BOS plus L-1 tokens of one document.")
@@ -154,7 +154,7 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
             click.echo(f"run {r.run_id}: recomputed every sequence: {r.recomputed}")
 
 
-@main.command(short_help='Print the Retriever / Mixer / Reset distribution of the heads.')
+@main.command(short_help="Print the Retriever / Mixer / Reset distribution of the heads.")
 @STORE
 def taxonomy(store: str) -> None:
     """Print the head-regime distribution (Retriever / Mixer / Reset) of every analyzed run,
@@ -164,7 +164,7 @@ def taxonomy(store: str) -> None:
     click.echo(str(api.taxonomy(store)))
 
 
-@main.command(short_help='Measure single-head ablation and head sparsification (needs the model).')
+@main.command(short_help="Measure single-head ablation and head sparsification (needs the model).")
 @STORE
 @click.option("--run", "run_id", required=True, help="The run whose model and tokens to use.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
@@ -233,7 +233,7 @@ def explore(store: str, out: Path, run_id: str | None, sequences: int, no_progre
                f"{result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s)")
 
 
-@main.command(short_help='Check a store against the schema.')
+@main.command(short_help="Check a store against the schema.")
 @STORE
 @click.option("--deep", is_flag=True, help="Also read every chunk and name any damaged one (empty, truncated, failing its checksum).")
 @click.option("--repair", is_flag=True, help="Uncommit every committed sequence with a missing or empty chunk (with --deep, also a corrupt one), so that the run's extract command, run again, rewrites it.")
@@ -257,7 +257,7 @@ def validate(store: str, deep: bool, repair: bool) -> None:
     click.echo(f"{store}: valid")
 
 
-@main.command(short_help='Bring a store of an older format up to date.')
+@main.command(short_help="Bring a store of an older format up to date.")
 @STORE
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
 def migrate(store: str, no_progress: bool) -> None:
@@ -280,7 +280,7 @@ def migrate(store: str, no_progress: bool) -> None:
                f"({result.chunks} chunk objects, {result.bytes_written / 2**20:.1f} MiB) in {result.seconds:.1f} s")
 
 
-@main.command(short_help='The whole pipeline on the offline default model and corpus.')
+@main.command(short_help="The whole pipeline on the offline default model and corpus.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"), show_default=True, help="Folder for the demo store and its outputs.")
 @click.option("--num-sequences", "-S", type=click.IntRange(1), default=4, show_default=True, help="Sequences to extract.")
 @click.option("--context-length", "-L", type=click.IntRange(2), default=128, show_default=True, help="L: BOS plus L-1 tokens of one document.")

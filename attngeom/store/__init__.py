@@ -94,7 +94,8 @@ __all__ = [
     "create_run", "damaged_objects", "default_run_id", "derived_problems", "derived_state",
     "has_checksum", "jsonable", "label_codes", "label_dtype", "local_path", "n_sequences",
     "open_dataset", "open_derived", "open_or_create_root", "open_root", "open_run_group",
-    "read_chunk", "read_root_attrs", "reading_run", "repair", "replace_groups", "require_run", "require_runs", "resize_run",
+    "read_chunk", "read_root_attrs", "reading_run", "repair", "replace_groups", "require_run",
+    "require_runs", "resize_run",
     "run_ids", "run_layout", "run_path", "run_provenance", "store_format", "validate_run",
     "validate_store", "with_checksum", "write_dataset", "write_sequence", "writing", "zarr_store",
 ]
