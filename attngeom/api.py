@@ -104,7 +104,7 @@ def analyze(
     seed: int = 0,
     out: Path | None = None,
     progress: bool = True,
-) -> list[AnalyzeResult]:
+) -> AnalyzeResult | list[AnalyzeResult]:
     """Compute every quantity of docs/method.md, the taxonomy included, out of core, without the model,
     for every run (or ``run_id``); writes runs/<id>/analysis/{topn, values, taxonomy, heads,
     summary, signatures, table}, read back with ``open_store(store).run(id).analysis(name)``.
@@ -113,14 +113,16 @@ def analyze(
     processes cannot be forked), "threads" (this process alone), "processes" (a
     dask.distributed LocalCluster), or a Dask scheduler address. n_grid: selection sizes N (default 1, 2, 4, ... < L).
     seed: of the random-N control. out: also write the tidy tables there (Parquet, CSV).
-    Returns one result per run: sequences, head instances, seconds.
+    Returns the result of ``run_id`` (sequences, head instances, seconds), or without
+    ``run_id`` a list of one result per run.
     """
     from attngeom.analyze.stage import analyze as run
     from attngeom.store import writing
 
     with _workers_skip_main(), writing(str(store)):
-        return run(str(store), run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
-                   progress=progress)
+        results = run(str(store), run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
+                      progress=progress)
+    return results[0] if run_id is not None else results
 
 
 @contextlib.contextmanager

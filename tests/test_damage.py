@@ -305,7 +305,7 @@ def test_impossible_arguments_are_refused(store, tiny_model_dir, word_corpus):
 def test_root_json_of_a_valid_store_is_what_validate_reads(store):
     """The checks above damage a store that is valid as built."""
     assert validate(store, "--deep") == []
-    assert json.loads((store / "zarr.json").read_text())["attributes"]["attngeom"]["format"] == 3
+    assert json.loads((store / "zarr.json").read_text())["attributes"]["attngeom"]["format"] == 4
     assert validate_store(str(store), deep=True) == []
 
 

@@ -89,8 +89,8 @@ from attngeom.store import (
     run_provenance,
 )
 
-# How each method orders the heads of a layer, first kept first.
-METHODS = {
+# How each method (schema.METHODS, in that order) orders the heads of a layer, first kept first.
+RANKINGS = {
     "type_guided": "regimes by mean single-head impact (unprotected heads), then heads by own impact; largest first",
     "single_impact": "own single-head impact on the importance split; largest first",
     "weight_o": "Frobenius norm of the head's W_O slice; largest first",
@@ -209,7 +209,7 @@ def _sweep_keys(
     regime: np.ndarray | None,
     protected: np.ndarray,
 ) -> dict[str, list[np.ndarray]]:
-    """The deterministic methods' ranking keys (see METHODS), larger kept first."""
+    """The deterministic methods' ranking keys (see RANKINGS), larger kept first."""
     entropy = diagnostics["mean_attention_entropy"]
     keys = {
         "single_impact": [single_impact],
@@ -545,7 +545,7 @@ def _attrs(request: AblateRequest, inputs: _RunInputs, measured: _Measured) -> d
                 "rule": CRITICAL_RULE, "k": request.critical_k, "floor": request.critical_floor,
                 "threshold": measured.threshold,
             },
-            "methods": {m: METHODS[m] for m in measured.sweep["method"].values},
+            "methods": {m: RANKINGS[m] for m in measured.sweep["method"].values},
             "skipped_methods": inputs.skipped,
             "attngeom_version": __version__,
         }

@@ -67,7 +67,7 @@ from attngeom.store import (
     open_run_group,
     read_chunk,
     require_run,
-    run_ids,
+    require_runs,
     run_path,
     run_provenance,
     write_dataset,
@@ -377,7 +377,7 @@ def run_regimes(store: str) -> dict[str, tuple[str, str, np.ndarray]]:
     Raises :class:`IncompleteGroupError` for a run whose analysis is not finished."""
     root = open_root(store)
     out = {}
-    for rid in run_ids(root):
+    for rid in require_runs(root, store):
         try:
             heads = open_derived(store, rid, ANALYSIS, "heads")
         except GroupNotFoundError:
@@ -665,12 +665,10 @@ def analyze(
     Incremental: a run's sequences already analyzed with the same parameters are kept (see
     :func:`analyze_run`)."""
     root = open_root(store, mode="a")
-    runs = run_ids(root)
+    runs = require_runs(root, store)
     if run_id is not None:
         require_run(root, run_id, store)
     todo = [run_id] if run_id else runs
-    if not todo:
-        raise RunNotFoundError(f"{store} holds no run; run extract first")
     for rid in todo:  # every run's input checked before any analysis is touched
         _checked_input(store, rid, n_grid)
     compile_kernels()

@@ -128,6 +128,11 @@ def select_windows(
     windows = list(itertools.islice(
         iter_windows(corpus, tokenize, bos_token_id, length, rule=rule, seed=seed), count
     ))
+    if not windows:
+        raise InputError(
+            f"{corpus.id} has no document of at least {length - 1:,} tokens with this tokenizer; "
+            "use a shorter context length or another corpus"
+        )
     if len(windows) < count:
         # Falling short means the corpus was exhausted, so this is the full usable count.
         raise InputError(

@@ -212,6 +212,9 @@ def _check_request(request: ExtractRequest) -> tuple[int, int] | None:
         )
     if request.dataset is not None and (request.context_length is None or request.num_sequences is None):
         raise InputError("a dataset needs context_length and num_sequences")
+    if isinstance(request.texts, str | bytes):
+        # A string is an iterable of strings: it would be read one character per document.
+        raise InputError("texts is a list of documents (strings), not one string: pass texts=[text]")
     if request.texts is not None and request.context_length is None:
         raise InputError("texts need a context_length")
     if request.split is not None and request.dataset is None:
@@ -267,17 +270,23 @@ def _texts_corpus(texts: Iterable[str]) -> Corpus:
     return Corpus("texts", None, digest.hexdigest(), lambda: texts)
 
 
-def _windowed(request: ExtractRequest, model: _Model, bos_id: int) -> _Input:
+def _corpus(request: ExtractRequest) -> tuple[Corpus, dict[str, Any]] | None:
+    """The dataset or texts to window, and their provenance; None for token ids."""
+    if request.dataset is not None:
+        corpus = open_corpus(request.dataset, split=request.split, text_field=request.text_field)
+        return corpus, {"id": corpus.id, "split": corpus.split, "fingerprint": corpus.fingerprint,
+                        "text_field": request.text_field}
+    if request.texts is not None:
+        corpus = _texts_corpus(request.texts)
+        return corpus, {"id": corpus.id, "split": None, "fingerprint": corpus.fingerprint, "text_field": None}
+    return None
+
+
+def _windowed(request: ExtractRequest, source: tuple[Corpus, dict[str, Any]], model: _Model, bos_id: int) -> _Input:
     """Windows (docs/method.md#preprocessing) from a dataset or texts: BOS and L-1 tokens of one document."""
     if model.tokenizer is None:
         raise InputError("windowing a dataset or texts needs the model's tokenizer: pass tokenizer=")
-    if request.dataset is not None:
-        corpus = open_corpus(request.dataset, split=request.split, text_field=request.text_field)
-        provenance = {"id": corpus.id, "split": corpus.split, "fingerprint": corpus.fingerprint,
-                      "text_field": request.text_field}
-    else:
-        corpus = _texts_corpus(request.texts)
-        provenance = {"id": corpus.id, "split": None, "fingerprint": corpus.fingerprint, "text_field": None}
+    corpus, provenance = source
     tokenizer, length = model.tokenizer, request.context_length
 
     def tokenize(text: str) -> list[int]:
@@ -416,9 +425,10 @@ def extract(request: ExtractRequest) -> ExtractResult:
     """
     shard = _check_request(request)
     check_writable(request.store)
+    source = _corpus(request)  # before the model, which may take minutes to load the first time
     model = _model(request, shard)
     bos_id = _bos_token_id(model.tokenizer, request.bos_token, model.config)
-    inputs = _given(request, model, bos_id) if request.token_ids is not None else _windowed(request, model, bos_id)
+    inputs = _windowed(request, source, model, bos_id) if source is not None else _given(request, model, bos_id)
     run_id = request.run_id or default_run_id(model.name, inputs.id, inputs.length)
     if not RUN_ID_PATTERN.match(run_id):
         raise InputError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-'")

@@ -33,6 +33,7 @@ from attngeom.store.runs import (
     n_sequences,
     open_run_group,
     require_run,
+    require_runs,
     resize_run,
     run_ids,
     run_layout,
@@ -48,7 +49,9 @@ from attngeom.store.schema import (
     ATTR_KEY,
     COORDS,
     FORMAT,
+    LABEL_ORDERS,
     LABELS,
+    METHODS,
     REGIMES,
     RUN_VARIABLES,
     RUNS,
@@ -83,7 +86,7 @@ from attngeom.store.validate import (
 
 __all__ = [
     "RunLayout", "Variable", "ABLATION", "ABLATION_GROUPS", "ANALYSIS", "ANALYSIS_GROUPS",
-    "ANALYSIS_SEQUENCE_GROUPS", "ATTR_KEY", "COORDS", "FORMAT", "LABELS", "REGIMES",
+    "ANALYSIS_SEQUENCE_GROUPS", "ATTR_KEY", "COORDS", "FORMAT", "LABEL_ORDERS", "LABELS", "METHODS", "REGIMES",
     "RUN_ID_PATTERN", "RUN_VARIABLES", "RUNS", "SCHEMA_VERSION", "SEQUENCE_ARRAYS",
     "SIGNATURE_VARIABLES", "STATS", "SUMMARY_DIMS", "TOPN_COUNTS", "TOPN_FLOATS", "TOPN_VARIABLES",
     "VALUE_STATISTICS", "VOTES", "ablation_path", "analysis_path", "array_metadata", "arrays_of",
@@ -91,7 +94,8 @@ __all__ = [
     "create_run", "damaged_objects", "default_run_id", "derived_problems", "derived_state",
     "has_checksum", "jsonable", "label_codes", "label_dtype", "local_path", "n_sequences",
     "open_dataset", "open_derived", "open_or_create_root", "open_root", "open_run_group",
-    "read_chunk", "read_root_attrs", "reading_run", "repair", "replace_groups", "require_run", "resize_run",
+    "read_chunk", "read_root_attrs", "reading_run", "repair", "replace_groups", "require_run",
+    "require_runs", "resize_run",
     "run_ids", "run_layout", "run_path", "run_provenance", "store_format", "validate_run",
     "validate_store", "with_checksum", "write_dataset", "write_sequence", "writing", "zarr_store",
 ]

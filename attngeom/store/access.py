@@ -39,6 +39,7 @@ from attngeom.store.schema import (
     ANALYSIS,
     ATTR_KEY,
     FORMAT,
+    LABEL_ORDERS,
     LABELS,
     RUNS,
     SCHEMA_VERSION,
@@ -382,12 +383,13 @@ def encode_labels(dataset: xr.Dataset) -> xr.Dataset:
     """String variables as integer codes of the Zarr v3 core, readable by any implementation:
     the codes' labels in the variable's attributes, both as CF ``flag_values`` /
     ``flag_meanings`` (blanks in a label become ``_``) and exactly, as
-    ``attngeom.labels`` (code ``-1``: no label)."""
+    ``attngeom.labels`` (code ``-1``: no label). Labels of a fixed vocabulary
+    (``LABEL_ORDERS``) have the same codes in every store."""
     encoded = {}
     for name, var in dataset.variables.items():
         if var.dtype.kind not in "OUS":
             continue
-        labels, codes = label_codes(np.asarray(var.values))
+        labels, codes = label_codes(np.asarray(var.values), LABEL_ORDERS.get(str(name), ()))
         attrs = {
             **var.attrs,
             "flag_values": list(range(len(labels))),

@@ -45,11 +45,20 @@ def run_ids(root: zarr.Group) -> list[str]:
         return sorted(name for name, _ in root[RUNS].groups())
 
 
+def require_runs(root: zarr.Group, url: str) -> list[str]:
+    """Ids of the store's runs, sorted; :class:`RunNotFoundError` when it holds none (every
+    reader says so in the same words)."""
+    runs = run_ids(root)
+    if not runs:
+        raise RunNotFoundError(f"{url} holds no run yet; run `attngeom extract --store {url}` first")
+    return runs
+
+
 def require_run(root: zarr.Group, run_id: str, url: str) -> None:
     """Raise :class:`RunNotFoundError`, naming the runs there are, unless ``run_id`` is one."""
-    runs = run_ids(root)
+    runs = require_runs(root, url)
     if run_id not in runs:
-        raise RunNotFoundError(f"no run '{run_id}' in {url} (runs: {', '.join(runs) or 'none'})")
+        raise RunNotFoundError(f"no run '{run_id}' in {url} (runs: {', '.join(runs)})")
 
 
 def open_run_group(root: zarr.Group, run_id: str) -> zarr.Group:
