@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 import frozen_kernels_v2 as old  # noqa: E402
 
-from attngeom.analyze.kernels import head_metrics, topn_metrics, value_statistics  # noqa: E402
+from attngeom.analyze.kernels import compile_kernels, head_metrics, topn_metrics, value_statistics  # noqa: E402
 from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed  # noqa: E402
 from attngeom.store import open_root, run_ids  # noqa: E402
 
@@ -123,6 +123,7 @@ def timed(f, *args):
 
 def bench_synthetic(lengths, reps: int, log) -> list[dict]:
     rows = []
+    compile_kernels()
     for name, shape in SHAPES.items():
         for length in lengths:
             rng = np.random.default_rng(length)
@@ -165,6 +166,7 @@ def bench_synthetic(lengths, reps: int, log) -> list[dict]:
 
 def bench_store(store: str, log) -> list[dict]:
     rows = []
+    compile_kernels()  # numba's cache loaded outside the timings
     root = open_root(store)
     for run_id in run_ids(root):
         ds = open_completed(store, run_id)

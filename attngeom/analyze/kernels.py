@@ -178,38 +178,54 @@ def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with
             gram = _nonsink_gram(kv, g)
             pairs = _loops.pair_statistics(gram, _TOP_PAIR_SHARE, _TOP_PAIR_MIN, _BRACKET_MIN)
             median_cos[g] = pairs[0]
-            for h in np.flatnonzero(head_kv == g):
-                _query_head(out, h, alpha[h], values[g], attendable[g], kv, g, gram, pairs, grid,
-                            draw_keys[:, h])
+            heads = np.flatnonzero(head_kv == g)
+            if heads.size:
+                _query_heads(out, heads, alpha[heads], values[g], attendable[g], kv, g, gram, pairs,
+                             grid, draw_keys[:, heads])
         stats = _value_statistics(kv, median_cos) if with_values else None
     return out, stats
 
 
-def _query_head(out, h, alpha, values, att, kv, g, gram, pairs, grid, draw_keys):
-    """Row h of out: query head h's outputs at every N of grid, from its attention row alpha
-    (K,), its kv head g's values (K, D), mask att (K,), Gram matrix and pair statistics."""
+def _query_heads(out, heads, alpha, values, att, kv, g, gram, pairs, grid, draw_keys):
+    """Rows heads of out: the outputs at every N of grid of the query heads reading kv head g,
+    from their attention rows alpha (h, K), the kv head's values (K, D), mask att (K,), Gram
+    matrix and pair statistics; draw_keys (R, h, K)."""
     att = np.ascontiguousarray(att)
     n_att = int(att.sum())
     points = np.unique(grid[grid < n_att])
-    mu, mu_q95 = np.full(points.size, np.nan), np.full(points.size, np.nan)
-    if gram.shape[0] >= 2:
-        rank = _loops.ranked(-alpha, att)[1]
-        _loops.head_coherence(rank[kv.nonsink[g]], *pairs[1:], gram, points, n_att, mu, mu_q95)
-    floats = np.full((_loops.N_FLOATS, points.size), np.nan)
-    counts = np.full((_loops.N_COUNTS, points.size), -1, dtype=np.int64)
-    head_constants = np.array([kv.C[g], kv.c_lo[g], kv.c_hi[g], kv.q05[g], kv.q95[g]])
     options = np.array([_error_bound(values.shape[1]), _TINY, _L_RTOL])
-    y, S, s_plus, orders = _loops.aggregates(alpha, values, att, points, np.ascontiguousarray(draw_keys))
-    # <s, y_k> of every aggregate and key, one product.
-    ys = S @ y.T
-    _loops.head_geometry(values, att, points, y, S, s_plus, ys, orders, alpha, kv.v_norm[g],
-                         head_constants, mu, mu_q95, options, floats, counts)
-    valid = grid < n_att
+    y, S, s_plus, orders = _loops.group_aggregates(alpha, values, att, points,
+                                                   np.ascontiguousarray(draw_keys.transpose(1, 0, 2)))
+    if gram.shape[0] >= 2:
+        mu, mu_q95 = _loops.group_coherence(np.ascontiguousarray(orders[1][:, kv.nonsink[g]]), *pairs[1:],
+                                            gram, points, n_att)
+    else:
+        mu = mu_q95 = np.full((heads.size, points.size), np.nan)
+    # <s, y_k> of every aggregate and key, one product per head.
+    ys = S @ y.transpose(0, 2, 1)
+    X, err, unsure, hh, rows, keys = _loops.group_exact_keys(y, S, ys, orders, points, att, options)
+    exact = np.full(X.shape, np.nan)
+    exact[hh, rows, keys] = _squared_distances(y[hh, keys], S[hh, rows])
+    head_constants = np.array([kv.C[g], kv.c_lo[g], kv.c_hi[g], kv.q05[g], kv.q95[g]])
+    floats, counts = _loops.group_geometry(values, att, points, y, S, s_plus, ys, (X, err, unsure),
+                                           exact, orders, alpha, kv.v_norm[g], head_constants, mu,
+                                           mu_q95, options)
+    valid = np.flatnonzero(grid < n_att)
     at = np.searchsorted(points, grid[valid])
+    cells = np.ix_(heads, valid)
     for i, name in enumerate(TOPN_FLOATS):
-        out[name][h, valid] = floats[i, at]
+        out[name][cells] = floats[:, i, at]
     for i, name in enumerate((*TOPN_COUNTS, "sink_selected")):
-        out[name][h, valid] = counts[i, at]
+        out[name][cells] = counts[:, i, at]
+
+
+def _squared_distances(y, s):
+    """||y - s||^2 over the last axis, from the difference: the exact distance D_k of every
+    comparison an expansion cannot settle. Rounding decides between keys whose distances
+    agree to a few ulps (real attention rows hold many keys of nearly no weight, all at
+    nearly ||s_N||^2): this is the one way they are computed, as before the compiled kernels."""
+    diff = y - s
+    return np.einsum("...d,...d->...", diff, diff)
 
 
 def _error_bound(D: int) -> float:
