@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import zarr
+from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from attngeom.errors import RunNotFoundError
@@ -216,3 +217,11 @@ async def _every(writes: Iterable[Awaitable[Any]]) -> None:
     for outcome in await asyncio.gather(*writes, return_exceptions=True):
         if isinstance(outcome, BaseException):
             raise outcome
+
+
+def array_metadata_bytes(name: str, layout: RunLayout, n_seq: int) -> bytes:
+    """The ``zarr.json`` that creating run array ``name`` for ``n_seq`` sequences writes (as
+    :func:`create_run` does): what ``validate --repair`` puts back for a damaged one."""
+    memory = zarr.storage.MemoryStore()
+    zarr.create_array(memory, name=name, **_array_options(name, layout, n_seq))
+    return sync(memory.get(f"{name}/zarr.json", prototype=default_buffer_prototype())).to_bytes()
