@@ -118,9 +118,10 @@ def test_a_corrupt_analysis_chunk_is_rewritten_under_deep_or_after_repair(store,
     assert_same_tree(pristine, built)
 
 
-def test_an_unreadable_analysis_record_is_named_everywhere_and_rebuilt_by_analyze(store, built, tmp_path):
+@pytest.mark.parametrize("damage", [truncate, lambda p: p.write_text("{}")], ids=["truncated", "not-zarr"])
+def test_an_unreadable_analysis_record_is_named_everywhere_and_rebuilt_by_analyze(store, built, tmp_path, damage):
     url = str(store)
-    truncate(store / A / "zarr.json")
+    damage(store / A / "zarr.json")
     message = f"{A}/zarr.json is empty or truncated (unreadable JSON); {REWRITE.format(url=url)}"
     assert validate(store) == [message]
     code, lines = run("validate", "--store", url, "--deep", "--repair")
@@ -129,16 +130,22 @@ def test_an_unreadable_analysis_record_is_named_everywhere_and_rebuilt_by_analyz
                  ["explore", "--store", url, "--out", str(tmp_path / "page"), "--no-progress"]):
         assert one_error(*args) == f"attngeom: error: {message}"
     lines = analyze_cli(store)
-    assert lines[0].startswith(f"run r: {S} new sequences")
+    assert lines[0].startswith(f"run r: {S} new sequences") and lines[1] == (
+        f"run r: recomputed every sequence: its record {A}/zarr.json did not parse")
     assert_same_tree(store, built)
 
 
-def test_ablate_rewrites_a_damaged_ablation(store, built):
+@pytest.mark.parametrize("key, damage, what", [
+    ("single/delta_nll_mean/c/0/0", Path.unlink, "is missing"),
+    ("zarr.json", truncate, "is empty or truncated (unreadable JSON)"),
+], ids=["chunk", "record"])
+def test_ablate_rewrites_a_damaged_ablation(store, built, key, damage, what):
     url = str(store)
-    (store / "runs/r/ablation/single/delta_nll_mean/c/0/0").unlink()
-    (line,) = validate(store)
-    assert line == ("runs/r/ablation/single/delta_nll_mean/c/0/0 is missing; "
-                    f"run `attngeom ablate --store {url} --run r` again to rewrite it")
+    damage(store / "runs/r/ablation" / key)
+    message = f"runs/r/ablation/{key} {what}; run `attngeom ablate --store {url} --run r` again to rewrite it"
+    assert validate(store) == [message]
+    if key == "zarr.json":  # xarray, opening the run, reads its groups' metadata
+        assert one_error("analyze", "--store", url, "--no-progress").endswith(message)
     ablate(url, "r", device="cpu", random_masks=2, retention=[1.0, 0.5], progress=False)
     assert validate(store, "--deep") == []
     assert_same_tree(store / "runs/r/ablation", built / "runs/r/ablation")
@@ -169,6 +176,19 @@ def test_run_metadata_is_rebuilt_by_repair(store, built, tiny_model_dir, word_co
     assert_same_tree(store, built)
     code, lines = run(*extract_args)
     assert code == 0 and lines[-1].endswith(f"the run holds {S} committed of {S}"), lines
+
+
+def test_a_lost_coordinate_chunk_is_refused_and_rewritten_by_repair(store, built):
+    """Read whole, a lost coordinate chunk would be zeros: every layer 0 in the analysis."""
+    url = str(store)
+    (store / "runs/r/layer/c/0").unlink()
+    message = (f"run r: coordinate 'layer' does not hold what the run's layout records (a lost or damaged chunk); "
+               f"run `attngeom validate --store {url} --repair` to rewrite it")
+    assert validate(store) == [message]
+    assert one_error("analyze", "--store", url, "--no-progress") == f"attngeom: error: {message}"
+    code, lines = run("validate", "--store", url, "--repair")
+    assert code == 0 and lines == ["rebuilt runs/r/layer/c/0", f"{url}: valid"], lines
+    assert_same_tree(store, built)
 
 
 def test_what_cannot_be_rebuilt_is_said_in_one_line(store):

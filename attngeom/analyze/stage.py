@@ -664,9 +664,12 @@ def analyze(
     todo = [run_id] if run_id else runs
     if not todo:
         raise RunNotFoundError(f"{store} holds no run; run extract first")
+    # An analysis whose record does not parse is none (xarray could not even open the run).
+    dropped = {rid for rid in todo if forget_unreadable(store, rid, ANALYSIS)}
     for rid in todo:  # every run's input checked before any analysis is touched
-        forget_unreadable(store, rid, ANALYSIS)  # one that cannot be read is no analysis
         _checked_input(store, rid, n_grid)
     with dask_client(scheduler, store):
-        return [analyze_run(store, rid, n_grid=n_grid, seed=seed, out=out, progress=progress, deep=deep)
-                for rid in todo]
+        results = [analyze_run(store, rid, n_grid=n_grid, seed=seed, out=out, progress=progress, deep=deep)
+                   for rid in todo]
+    return [replace(r, recomputed=f"its record {analysis_path(r.run_id)}/zarr.json did not parse")
+            if r.run_id in dropped else r for r in results]

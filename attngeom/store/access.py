@@ -279,21 +279,36 @@ def _locate(url: str, arr: zarr.Array, selection: tuple[slice | int, ...]) -> Co
 
 def node_metadata(zstore: Any, group: str = "") -> dict[str, dict[str, Any] | None]:
     """Key -> parsed ``zarr.json`` of every node at and under ``group`` (None where it is
-    not a JSON object: empty or truncated), sorted by key."""
+    no Zarr v3 node's metadata: empty, truncated or overwritten), sorted by key."""
     prefix = f"{group}/" if group else ""
 
-    async def keys() -> list[str]:
-        return [k async for k in zstore.list_prefix(prefix) if k.rsplit("/", 1)[-1] == "zarr.json"]
+    async def read() -> dict[str, Any]:
+        # One listing, then every object at once: one at a time took 0.3 s for an analysis.
+        keys = sorted([k async for k in zstore.list_prefix(prefix) if k.rsplit("/", 1)[-1] == "zarr.json"])
+        raws = await asyncio.gather(*(zstore.get(k, prototype=default_buffer_prototype()) for k in keys))
+        return dict(zip(keys, raws))
 
-    out: dict[str, dict[str, Any] | None] = {}
-    for key in sorted(sync(keys())):
-        raw = sync(zstore.get(key, prototype=default_buffer_prototype()))
-        try:
-            meta = json.loads(raw.to_bytes() if raw is not None else b"")
-        except ValueError:
-            meta = None
-        out[key] = meta if isinstance(meta, dict) else None
-    return out
+    return {key: _parsed(raw) for key, raw in sync(read()).items()}
+
+
+def _parsed(raw: Any) -> dict[str, Any] | None:
+    """A stored ``zarr.json`` (a Buffer, or None when absent) parsed; None if it is no Zarr
+    v3 node's metadata."""
+    try:
+        meta = json.loads(raw.to_bytes() if raw is not None else b"")
+    except ValueError:
+        return None
+    node = isinstance(meta, dict) and meta.get("zarr_format") == 3 and meta.get("node_type") in ("group", "array")
+    return meta if node else None
+
+
+def read_metadata(zstore: Any, path: str) -> dict[str, Any] | None:
+    """The ``zarr.json`` of the node at ``path``, parsed; None if it is no Zarr v3 node's
+    metadata (empty, truncated or overwritten). :class:`FileNotFoundError` when absent."""
+    raw = sync(zstore.get(f"{path}/zarr.json", prototype=default_buffer_prototype()))
+    if raw is None:
+        raise FileNotFoundError(f"{path}/zarr.json")
+    return _parsed(raw)
 
 
 def _node(key: str) -> str:

@@ -49,6 +49,7 @@ from attngeom.store.access import (
     local_path,
     node_metadata,
     open_dataset,
+    read_metadata,
     write_dataset,
     zarr_store,
 )
@@ -160,12 +161,12 @@ def staged_path(run_id: str, kind: str, name: str) -> str:
 def _read_state(zstore: Any, run_id: str, kind: str) -> DerivedState:
     """The record of ``runs/<run_id>/<kind>`` in ``zstore`` (one read of the group's metadata)."""
     try:
-        group = zarr.open_group(zstore, path=_kind_path(run_id, kind), mode="r", use_consolidated=False)
-    except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
+        meta = read_metadata(zstore, _kind_path(run_id, kind))
+    except FileNotFoundError:
         return DerivedState(run_id, kind)
-    except DECODE_ERRORS:
+    if meta is None or meta["node_type"] != "group":
         return DerivedState(run_id, kind, exists=True, unreadable=True)
-    record = group.attrs.get(ATTR_KEY)
+    record = (meta.get("attributes") or {}).get(ATTR_KEY)
     if not isinstance(record, Mapping):
         return DerivedState(run_id, kind, exists=True, legacy=True)
     done, pending = record.get("commit"), record.get("pending")

@@ -5,6 +5,8 @@ in a committed sequence is uncommitted for extract to rewrite.
   extract wrote), the ``runs`` group's, a run group's from the root's consolidated copy,
   the root's from the runs it holds (its three attributes). A derived group's is rewritten
   by its stage, not here.
+- Coordinates: a run's coordinate array (layer, head, ...) not holding what its layout
+  records (a lost chunk reads as zeros) is written again.
 - Sequences: a committed sequence with a missing, empty (and with ``deep``, corrupt) object
   is uncommitted, so that the run's extract command rewrites it.
 - Derived groups, with ``deep``: an object failing to decode is removed, so that the next
@@ -25,6 +27,7 @@ from zarr.core.sync import sync
 from attngeom import __version__
 from attngeom.errors import StoreNotFoundError
 from attngeom.store.access import (
+    DECODE_ERRORS,
     check_writable,
     consolidate,
     local_path,
@@ -37,8 +40,8 @@ from attngeom.store.access import (
 )
 from attngeom.store.codecs import has_checksum
 from attngeom.store.objects import chunk_objects, object_damage
-from attngeom.store.runs import array_metadata_bytes, completed, open_run_group
-from attngeom.store.validate import arrays_of, committed_damage, readable_runs
+from attngeom.store.runs import array_metadata_bytes, completed, open_run_group, run_coordinates, run_layout
+from attngeom.store.validate import arrays_of, committed_damage, readable_runs, wrong_coordinates
 from attngeom.store.schema import (
     ABLATION,
     ANALYSIS,
@@ -56,7 +59,7 @@ __all__ = ["Repair", "repair"]
 
 @dataclass(frozen=True)
 class Repair:
-    """What a repair did: ``rebuilt`` the ``zarr.json`` keys written again, ``uncommitted``
+    """What a repair did: ``rebuilt`` the ``zarr.json`` keys and coordinate chunks written again, ``uncommitted``
     run id -> the sequences uncommitted, ``removed`` the damaged derived objects removed,
     ``refreshed`` whether the consolidated metadata was refreshed; ``unrepairable`` one line
     for each thing it cannot repair, saying what to do."""
@@ -83,11 +86,13 @@ def repair(url: str, *, deep: bool = False) -> Repair:
             return Repair(tuple(rebuilt), {}, unrepairable=unrepairable)
         root = open_root(url, mode="a")
         unreadable = frozenset(key.rpartition("/")[0] for key in cannot)
-        uncommitted = _uncommit(root, readable_runs(root, unreadable), deep)
+        runs = readable_runs(root, unreadable)
+        rebuilt += _rewrite_coordinates(root, runs)
+        uncommitted = _uncommit(root, runs, deep)
         removed = _remove_damaged_derived(root) if deep else []
         refreshed = False
         remaining = [key for key, meta in node_metadata(zstore).items() if meta is None]
-        if not remaining and (rebuilt or stale_consolidated(zstore)):
+        if not remaining and (any(key.endswith("zarr.json") for key in rebuilt) or stale_consolidated(zstore)):
             consolidate(root)
             refreshed = True
     return Repair(tuple(rebuilt), uncommitted, tuple(removed), refreshed, unrepairable)
@@ -179,6 +184,23 @@ def _array_metadata(nodes: Mapping[str, Any], run_id: str, name: str) -> bytes |
         and tuple(meta.get("dimension_names") or ())[:1] == ("seq",)
     ]
     return array_metadata_bytes(name, layout, max(sizes, default=0))
+
+
+def _rewrite_coordinates(root: zarr.Group, runs: list[str]) -> list[str]:
+    """Write again every coordinate array of ``runs`` that does not hold what its run's
+    layout records; their chunk keys."""
+    rewritten = []
+    for run_id in runs:
+        run = open_run_group(root, run_id)
+        try:
+            layout = run_layout(run)
+        except (KeyError, TypeError, *DECODE_ERRORS):
+            continue  # named by validate
+        members = {name: run[name] for name in run_coordinates(layout) if name in run}
+        for name in wrong_coordinates(run, layout, members):
+            members[name][...] = run_coordinates(layout)[name]
+            rewritten.append(f"{run.path}/{name}/c/0")
+    return rewritten
 
 
 def _uncommit(root: zarr.Group, runs: list[str], deep: bool) -> dict[str, list[int]]:

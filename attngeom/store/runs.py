@@ -97,7 +97,7 @@ def _array_options(name: str, layout: RunLayout, n_seq: int) -> dict[str, Any]:
     }
 
 
-def _coordinates(layout: RunLayout) -> dict[str, np.ndarray]:
+def run_coordinates(layout: RunLayout) -> dict[str, np.ndarray]:
     """The run's coordinate arrays and its ``attendable`` mask, as they are stored."""
     return {
         "layer": np.arange(layout.n_layers, dtype="int32"),
@@ -135,7 +135,7 @@ async def _create_arrays(run: zarr.Group, layout: RunLayout, n_seq: int) -> None
     # against 48-49 ms one array after another.
     group = await _opened(run)
     existing = {name: member async for name, member in group.members() if isinstance(member, zarr.AsyncArray)}
-    coordinates = _coordinates(layout)
+    coordinates = run_coordinates(layout)
 
     async def create(name: str) -> None:
         arr = existing.get(name)

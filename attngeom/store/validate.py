@@ -41,8 +41,17 @@ from attngeom.store.access import (
 from attngeom.store.codecs import has_checksum
 from attngeom.store.objects import chunk_objects, object_damage
 from attngeom.store.derived import derived_problems
-from attngeom.store.runs import completed, open_run_group, run_ids, run_layout
-from attngeom.store.schema import ABLATION, ANALYSIS, ATTR_KEY, FORMAT, RUN_VARIABLES, RUNS, SEQUENCE_ARRAYS
+from attngeom.store.runs import completed, open_run_group, run_coordinates, run_ids, run_layout
+from attngeom.store.schema import (
+    ABLATION,
+    ANALYSIS,
+    ATTR_KEY,
+    FORMAT,
+    RUN_VARIABLES,
+    RUNS,
+    SEQUENCE_ARRAYS,
+    RunLayout,
+)
 
 def _written_sequences(run: zarr.Group, name: str) -> set[int]:
     return {index[0] for index in chunk_objects(run[name])}
@@ -84,7 +93,8 @@ def committed_damage(run: zarr.Group) -> dict[int, str]:
 
 def check_committed(url: str, run: zarr.Group, run_id: str) -> None:
     """Raise :class:`DamagedStoreError` for the first committed sequence of the run whose
-    stored objects are missing or empty (see :func:`committed_damage`)."""
+    stored objects are missing or empty (see :func:`committed_damage`), or for a coordinate
+    array not holding what the run's layout records (read whole: they are small)."""
     damage = committed_damage(run)
     if damage:
         s = min(damage)
@@ -92,6 +102,13 @@ def check_committed(url: str, run: zarr.Group, run_id: str) -> None:
         raise DamagedStoreError(
             f"run {run_id}: committed sequence {s}: {damage[s]}{more}; {recovery(url, f'{RUNS}/{run_id}', s)}"
         )
+    try:
+        layout = run_layout(run)
+    except (KeyError, TypeError, *DECODE_ERRORS):
+        return  # an unreadable layout is met, and named, where it is read
+    problems = coordinate_problems(run, layout, _members(run), url)
+    if problems:
+        raise DamagedStoreError(problems[0])
 
 
 def check_run(url: str, run: zarr.Group, run_id: str) -> None:
@@ -140,6 +157,31 @@ def _members(run: zarr.Group) -> dict[str, zarr.Array]:
     return out
 
 
+def wrong_coordinates(run: zarr.Group, layout: RunLayout, members: Mapping[str, zarr.Array]) -> list[str]:
+    """The run's coordinate arrays that do not hold what its layout records (a lost chunk
+    reads as zeros; a damaged one does not decode)."""
+    wrong = []
+    for name, values in run_coordinates(layout).items():
+        if name == "attendable" or name not in members:  # attendable: recorded nowhere else
+            continue
+        try:
+            same = np.array_equal(members[name][...], values)
+        except DECODE_ERRORS:
+            same = False
+        if not same:
+            wrong.append(name)
+    return wrong
+
+
+def coordinate_problems(run: zarr.Group, layout: RunLayout, members: Mapping[str, zarr.Array], url: str) -> list[str]:
+    """One line per coordinate array that does not hold what the run's layout records."""
+    return [
+        f"run {run.path.rsplit('/', 1)[-1]}: coordinate '{name}' does not hold what the run's layout records "
+        f"(a lost or damaged chunk); run `attngeom validate --store {url} --repair` to rewrite it"
+        for name in wrong_coordinates(run, layout, members)
+    ]
+
+
 def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[str] = frozenset()) -> list[str]:
     """Problems of one run of the store at ``url``, one line each (empty when valid);
     ``unreadable``: paths of arrays whose ``zarr.json`` does not parse (named elsewhere,
@@ -173,6 +215,7 @@ def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[s
         expected = layout.shape(name, n_seq if n_seq is not None else arr.shape[0])
         if tuple(arr.shape) != expected:
             problems.append(f"{where}: array '{name}' has shape {tuple(arr.shape)}, expected {expected}")
+    problems += coordinate_problems(run, layout, members, url)
     if problems or n_seq is None:
         return problems
     try:
