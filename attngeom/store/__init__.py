@@ -5,8 +5,8 @@ Modules, by concern: :mod:`~attngeom.store.schema` (layout, names, versions),
 root, groups as Datasets), :mod:`~attngeom.store.runs` (runs and the per-sequence commit),
 :mod:`~attngeom.store.derived` (analysis and ablation groups and their commit record),
 :mod:`~attngeom.store.objects` (stored objects and their checks),
-:mod:`~attngeom.store.validate`, :mod:`~attngeom.store.repair` and :mod:`~attngeom.store.migrate`. Stages import what they
-use from here.
+:mod:`~attngeom.store.validate`, :mod:`~attngeom.store.repair` and :mod:`~attngeom.store.migrate`.
+Stages import what they use from here.
 """
 
 from attngeom.store.access import (

@@ -127,7 +127,9 @@ def open_root(url: str, *, mode: str = "r") -> zarr.Group:
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
         raise StoreNotFoundError(f"no attngeom store at {url}") from exc
     except DECODE_ERRORS as exc:
-        raise DamagedStoreError(f"{url}: the root's zarr.json is unreadable ({exc}); {recovery(url, '', metadata=True)}") from exc
+        raise DamagedStoreError(
+            f"{url}: the root's zarr.json is unreadable ({exc}); {recovery(url, '', metadata=True)}"
+        ) from exc
     read_root_attrs(root, url, writing=mode != "r")
     if mode != "r":
         remove_partials(url)
@@ -182,7 +184,9 @@ def open_or_create_root(url: str) -> zarr.Group:
         except zarr.errors.ContainsGroupError:  # a concurrent writer created it
             root = zarr.open_group(zstore, mode="r+", use_consolidated=False)
     except DECODE_ERRORS as exc:
-        raise DamagedStoreError(f"{url}: the root's zarr.json is unreadable ({exc}); {recovery(url, '', metadata=True)}") from exc
+        raise DamagedStoreError(
+            f"{url}: the root's zarr.json is unreadable ({exc}); {recovery(url, '', metadata=True)}"
+        ) from exc
     if ATTR_KEY not in root.attrs and not list(root.keys()):
         root.attrs.update(meta)
     read_root_attrs(root, url, writing=True)
@@ -244,9 +248,10 @@ def damaged_chunk(url: str, arr: zarr.Array, index: tuple[int, ...], exc: BaseEx
     key = "/".join(str(i) for i in index) or "0"
     seq = index[0] if arr.metadata.dimension_names and arr.metadata.dimension_names[0] == "seq" else None
     where = f" (sequence {seq})" if seq is not None and arr.path.count("/") == 2 else ""
+    decoding = not isinstance(exc, (EOFError, FileNotFoundError))  # not a missing or empty object
     return CorruptChunkError(
         f"array '{arr.path}' chunk c/{key}{where} is damaged ({type(exc).__name__}: {exc}); "
-        f"{recovery(url, arr.path, seq if where else None, decoding=not isinstance(exc, (EOFError, FileNotFoundError)))}"
+        f"{recovery(url, arr.path, seq if where else None, decoding=decoding)}"
     )
 
 
@@ -554,7 +559,8 @@ def consolidate(root: zarr.Group) -> None:
         if not bad:
             raise
         zstore = root.store
-        url = str(zstore.root) if isinstance(zstore, zarr.storage.LocalStore) else zstore.fs.unstrip_protocol(zstore.path)
+        local = isinstance(zstore, zarr.storage.LocalStore)
+        url = str(zstore.root) if local else zstore.fs.unstrip_protocol(zstore.path)
         raise DamagedStoreError(
             f"{bad[0]} is empty or truncated (unreadable JSON), so the store's consolidated metadata cannot "
             f"be refreshed; {recovery(url, _node(bad[0]), metadata=True)}"

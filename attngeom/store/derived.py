@@ -229,7 +229,8 @@ def _damage(zstore: Any, state: DerivedState, names: Sequence[str], *, deep: boo
         if group in names and stored.get(key) != size:
             got = stored.get(key)
             what = ("missing" if got is None else "empty (0 bytes)" if got == 0
-                    else f"truncated ({got} of {size} bytes)" if got < size else f"{got} bytes long where {size} were written")
+                    else f"truncated ({got} of {size} bytes)" if got < size
+                    else f"{got} bytes long where {size} were written")
             found.setdefault(group, []).append((key, what))
     if deep:
         for group in names:
@@ -315,8 +316,9 @@ class DerivedWrite:
     """One update of ``runs/<run_id>/<kind>``, owned from start to commit: open the store
     once, lock the run, read the record and check the committed groups (``damage``: object
     presence and sizes, and with ``deep`` every object decoding), then stage, write, promote
-    and commit; on a normal exit, refresh the root's consolidated metadata. A record that does not parse is dropped with the groups it described (they
-    are written again). Use as a context manager::
+    and commit; on a normal exit, refresh the root's consolidated metadata. A record that
+    does not parse is dropped with the groups it described (they are written again). Use as
+    a context manager::
 
         with DerivedWrite(url, run_id, ANALYSIS) as write:
             write.set_pending(...); write.write(name, dataset); write.promote(...); write.commit(...)
@@ -525,7 +527,9 @@ def open_derived(url: str, run_id: str, kind: str, name: str) -> xr.Dataset:
     zstore = zarr_store(url, read_only=True)
     state = _read_state(zstore, run_id, kind)
     if not state.exists:
-        raise GroupNotFoundError(f"run {run_id} has no {kind} (run `attngeom {_STAGE.get(kind, '')} --store {url} --run {run_id}`)")
+        raise GroupNotFoundError(
+            f"run {run_id} has no {kind} (run `attngeom {_STAGE.get(kind, '')} --store {url} --run {run_id}`)"
+        )
     if state.unreadable:
         raise _unreadable_record(url, state)
     if not state.readable:
