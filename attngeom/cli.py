@@ -132,8 +132,10 @@ def extract(**kwargs) -> None:
 @click.option("--n-grid", callback=_comma_list(int, "a comma-separated list of integers, e.g. 1,2,4,8"), help="Selection sizes N [default: 1,2,4,... < L].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Also write the tidy tables here (Parquet and CSV).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random-N control.")
+@click.option("--deep", is_flag=True, help="Also decode every object of the committed analysis (checksums) and rewrite a damaged one; without it, lost or resized objects are rewritten.")
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
-def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: Path | None, seed: int, no_progress: bool) -> None:
+def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: Path | None, seed: int, deep: bool,
+            no_progress: bool) -> None:
     """Compute every quantity of docs/method.md from the store, out of core, without the model.
 
     Writes runs/<id>/analysis/{topn,values,taxonomy,heads,summary,signatures,table} into
@@ -141,17 +143,20 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
     parameters (n grid, seed) computes only the sequences not analyzed yet, then the groups
     across sequences; other parameters recompute everything (the output says why), and the
     earlier analysis stays readable until the new one is complete. Safe to kill: the same
-    command resumes where it stopped.
+    command resumes where it stopped. A damaged committed analysis is written again; two
+    analyzes of one run on a local store run one after the other.
     """
     from attngeom import api
 
     results = api.analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
-                          progress=not no_progress)
+                          progress=not no_progress, deep=deep)
     for r in [results] if run_id is not None else results:
         click.echo(f"run {r.run_id}: {r.new_sequences} new sequences ({r.sequences} analyzed), "
                    f"{r.instances} head instances in {r.seconds:.1f} s")
         if r.recomputed:
             click.echo(f"run {r.run_id}: recomputed every sequence: {r.recomputed}")
+        if r.healed:
+            click.echo(f"run {r.run_id}: rewrote the damaged analysis: {r.healed}")
 
 
 @main.command(short_help="Print the Retriever / Mixer / Reset distribution of the heads.")
@@ -236,7 +241,7 @@ def explore(store: str, out: Path, run_id: str | None, sequences: int, no_progre
 @main.command(short_help="Check a store against the schema.")
 @STORE
 @click.option("--deep", is_flag=True, help="Also read every chunk and name any damaged one (empty, truncated, failing its checksum).")
-@click.option("--repair", is_flag=True, help="Uncommit every committed sequence with a missing or empty chunk (with --deep, also a corrupt one), so that the run's extract command, run again, rewrites it.")
+@click.option("--repair", is_flag=True, help="Rebuild unreadable metadata that can be derived, refresh stale consolidated metadata, and uncommit every committed sequence with a missing or empty chunk (with --deep, also a corrupt one, and remove a corrupt analysis or ablation chunk), so that the run's extract command (analyze), run again, rewrites it.")
 def validate(store: str, deep: bool, repair: bool) -> None:
     """Check the store against schema version 1 and its format; one line per problem, exit 1 if any.
 
@@ -244,11 +249,21 @@ def validate(store: str, deep: bool, repair: bool) -> None:
     follows lists them as not written yet.
     """
     from attngeom import api
+    from attngeom.store.access import recovery
 
     if repair:
-        for run_id, sequences in api.repair(store, deep=deep).items():
+        done = api.repair(store, deep=deep)
+        for key in done.rebuilt:
+            click.echo(f"rebuilt {key}")
+        for line in done.unrepairable:
+            click.echo(line)
+        for run_id, sequences in (done.uncommitted or {}).items():
             click.echo(f"run {run_id}: uncommitted damaged sequences {', '.join(map(str, sequences))}; "
                        "run its extract command again to rewrite them")
+        for key in done.removed:
+            click.echo(f"removed damaged {key}; {recovery(store, key)}")
+        if done.refreshed:
+            click.echo("refreshed the root's consolidated metadata")
     validation = api.validate(store, deep=deep)
     for line in validation.problems:
         click.echo(line)

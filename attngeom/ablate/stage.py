@@ -79,15 +79,14 @@ from attngeom.store import (
     REGIMES,
     check_committed,
     completed,
-    consolidate,
     open_derived,
     open_root,
     open_run_group,
     reading_run,
-    replace_groups,
     require_run,
     run_provenance,
 )
+from attngeom.store.derived import DerivedWrite
 
 # How each method (schema.METHODS, in that order) orders the heads of a layer, first kept first.
 RANKINGS = {
@@ -607,8 +606,8 @@ def _write_ablation(url: str, run_id: str, groups: dict[str, xr.Dataset]) -> Non
     """Replace the run's previous results as a whole, committed last: no group of an older
     ablation survives, and an interrupted write leaves the older one readable. The commit
     records the protocol and parameters every group carries in its attributes."""
-    replace_groups(url, run_id, ABLATION, groups, groups["single"].attrs[ATTR_KEY])
-    consolidate(open_root(url, mode="a"))
+    with DerivedWrite(url, run_id, ABLATION) as write:
+        write.replace(groups, groups["single"].attrs[ATTR_KEY])
 
 
 def _write_tables(out: Path, run_id: str, groups: dict[str, xr.Dataset], table: pd.DataFrame) -> None:

@@ -23,7 +23,9 @@ sequences and which parameters (:func:`analysis_parameters`) it covers. A rerun 
 parameters computes only the sequences not yet covered, appending them along ``seq``, then
 recomputes the groups across sequences; with other parameters everything is recomputed into
 staging while the earlier analysis stays readable. Killed at any moment, the same command
-resumes and ends bit for bit where an uninterrupted one does.
+resumes and ends bit for bit where an uninterrupted one does. A rerun also rewrites what of
+the committed analysis is lost or damaged (:func:`_healing`). One
+:class:`~attngeom.store.derived.DerivedWrite` owns the store from the record to the commit.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from __future__ import annotations
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -61,7 +63,6 @@ from attngeom.store import (
     analysis_path,
     check_committed,
     completed,
-    consolidate,
     open_dataset,
     open_root,
     open_run_group,
@@ -70,20 +71,15 @@ from attngeom.store import (
     require_runs,
     run_path,
     run_provenance,
-    write_dataset,
-    zarr_store,
 )
 from attngeom.store.derived import (
     Commit,
+    Damage,
     DerivedState,
+    DerivedWrite,
     Pending,
-    commit,
-    derived_state,
+    forget_unreadable,
     open_derived,
-    promote,
-    resume_promotion,
-    set_pending,
-    staged_path,
 )
 
 RANDOM_DRAWS = 8
@@ -155,7 +151,8 @@ class AnalyzeResult:
     """One run's analyze: ``sequences`` covered by the analysis now, ``new_sequences``
     computed by this call, ``instances`` the (sequence, layer, head) instances covered,
     ``seconds`` wall time; ``recomputed`` says why earlier results were recomputed rather
-    than extended (None when they were extended, or there were none)."""
+    than extended (None when they were extended, or there were none); ``healed`` names the
+    damaged committed groups written again (None when there were none)."""
 
     run_id: str
     sequences: int
@@ -163,6 +160,7 @@ class AnalyzeResult:
     instances: int
     seconds: float
     recomputed: str | None = None
+    healed: str | None = None
 
 
 def open_completed(store: str, run_id: str) -> xr.Dataset:
@@ -414,13 +412,15 @@ def _changes(old: dict[str, Any], new: dict[str, Any]) -> str:
 class _Plan:
     """How to bring one run's analysis to ``target`` (its committed sequences, in order):
     ``keep`` is the prefix already written with these parameters (in staging when
-    ``staged``); the earlier commit stays valid meanwhile when ``keep_commit``."""
+    ``staged``); the earlier commit stays valid meanwhile when ``keep_commit``; ``heal``
+    the damaged committed groups to write again."""
 
     target: tuple[int, ...]
     keep: tuple[int, ...]
     staged: bool
     keep_commit: bool
     recomputed: str | None
+    heal: tuple[str, ...] = ()
 
 
 def _is_prefix(head: Sequence[int], seq: Sequence[int]) -> bool:
@@ -453,9 +453,18 @@ def _plan(state: DerivedState, params: dict[str, Any], target: tuple[int, ...]) 
     return _Plan(target, keep, staged=staged, keep_commit=staged, recomputed=reason)
 
 
-def _sequence_paths(run_id: str, staged: bool) -> dict[str, str]:
-    return {name: staged_path(run_id, ANALYSIS, name) if staged else analysis_path(run_id, name)
-            for name in ANALYSIS_SEQUENCE_GROUPS}
+def _healing(plan: _Plan, damage: Mapping[str, Damage]) -> _Plan:
+    """``plan`` also rewriting the damaged committed groups. A recomputation into staging
+    replaces them all anyway; otherwise the per-sequence groups are computed again from
+    their first damaged sequence on, in place (so the commit is dropped first), and the
+    groups across sequences, recomputed by any analyze that is not up to date, with them."""
+    if not damage or plan.staged:
+        return plan
+    plan = replace(plan, heal=tuple(sorted(damage)))
+    starts = [d.seq_from or 0 for d in damage.values() if d.group in ANALYSIS_SEQUENCE_GROUPS]
+    if starts:
+        plan = replace(plan, keep=plan.keep[: min(starts)], keep_commit=False)
+    return plan
 
 
 def _groups(grid: Sequence[int], seed: int, stacked: Any, ds: xr.Dataset) -> dict[str, xr.Dataset]:
@@ -485,18 +494,17 @@ def _computed_groups(store: str, run_id: str, ds: xr.Dataset, grid: Sequence[int
     return _groups(grid, seed, stacked, ds)
 
 
-def _open_groups(store: str, paths: dict[str, str]) -> dict[str, zarr.Group]:
-    target = zarr_store(store, read_only=False)
-    return {name: zarr.open_group(target, path=path, mode="r+", use_consolidated=False) for name, path in paths.items()}
+def _open_groups(write: DerivedWrite, staged: bool) -> dict[str, zarr.Group]:
+    return {name: write.group(name, staged=staged) for name in ANALYSIS_SEQUENCE_GROUPS}
 
 
-def _prepare(store: str, paths: dict[str, str], ds: xr.Dataset, plan: _Plan, grid, seed) -> tuple[int, ...]:
+def _prepare(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, grid, seed) -> tuple[int, ...]:
     """Create the per-sequence groups sized for ``plan.target`` (only metadata and the
     fixed coordinates are written), or grow the kept ones; returns the prefix kept."""
     keep = plan.keep
     if keep:
         try:
-            groups = _open_groups(store, paths)
+            groups = _open_groups(write, plan.staged)
             if not all(np.array_equal(g["seq"][: len(keep)], keep) for g in groups.values()):
                 keep = ()
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
@@ -506,9 +514,9 @@ def _prepare(store: str, paths: dict[str, str], ds: xr.Dataset, plan: _Plan, gri
         # (one chunk per sequence cost 2 ms a chunk, a third of an analyze's writes).
         per_chunk = {"seq": _sequences_per_batch(ds.sizes["layer"])}
         for name, template in _template_groups(ds, grid, seed).items():
-            write_dataset(template, store, paths[name], compute=False, chunks=per_chunk)
+            write.write(name, template, staged=plan.staged, compute=False, chunks=per_chunk)
         return keep
-    for group in _open_groups(store, paths).values():
+    for group in _open_groups(write, plan.staged).values():
         for _, arr in group.arrays():
             if tuple(arr.metadata.dimension_names or ())[:1] == ("seq",) and arr.shape[0] != len(plan.target):
                 arr.resize((len(plan.target), *arr.shape[1:]))
@@ -526,13 +534,13 @@ def _write_batch(groups: dict[str, zarr.Group], computed: dict[str, xr.Dataset],
                 groups[name][var][start:stop] = data[var].values
 
 
-def _cross_sequence_groups(store: str, paths: dict[str, str], n_seq: int, provenance: dict,
-                           run_id: str) -> tuple[dict[str, xr.Dataset], pd.DataFrame]:
+def _cross_sequence_groups(write: DerivedWrite, staged: bool, n_seq: int,
+                           provenance: dict) -> tuple[dict[str, xr.Dataset], pd.DataFrame]:
     """heads, summary, signatures and table from the stored per-sequence groups (their first
     ``n_seq`` sequences), reduced in this process: ``topn`` loaded whole up to
     _LOADED_TOPN_BYTES (each variable read by its own dask compute cost 0.2 s of an analyze
     of 4 sequences), one variable at a time beyond."""
-    stored = {name: open_dataset(store, path).isel(seq=slice(0, n_seq)) for name, path in paths.items()}
+    stored = {name: write.read(name, staged=staged).isel(seq=slice(0, n_seq)) for name in ANALYSIS_SEQUENCE_GROUPS}
     topn = stored["topn"]
     # NaN marks "not defined here" (no sink, N too large): all-NaN reductions are expected.
     # The reads are small; a cluster would only add transfers.
@@ -544,7 +552,7 @@ def _cross_sequence_groups(store: str, paths: dict[str, str], n_seq: int, proven
         summary = summary_dataset(topn)
         per_head = topn[list(SIGNATURE_VARIABLES)].load().mean("seq")
         signatures = taxonomy.signatures_dataset(per_head, heads["regime"])
-    table = tidy_table(summary, provenance, run_id)
+    table = tidy_table(summary, provenance, write.run_id)
     groups = {"heads": heads, "summary": summary, "signatures": signatures,
               "table": xr.Dataset({c: ("row", table[c].to_numpy()) for c in table.columns},
                                   coords={"row": table.index.to_numpy()})}
@@ -573,22 +581,22 @@ def _checked_input(store: str, run_id: str, n_grid: Sequence[int] | None) -> tup
     return ds, grid
 
 
-def _compute_sequences(store: str, run_id: str, ds: xr.Dataset, plan: _Plan, params: dict[str, Any],
+def _compute_sequences(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, params: dict[str, Any],
                        seed: int, progress: bool) -> tuple[Pending, int]:
     """Compute and write the per-sequence groups of the sequences ``plan`` does not keep,
     batch by batch, recording progress after each; returns the record of what is written
     and how many sequences were computed."""
     pending = Pending(params, plan.keep, staged=plan.staged)
-    set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
-    paths = _sequence_paths(run_id, plan.staged)
-    keep = _prepare(store, paths, ds, plan, params["n_grid"], seed)
+    write.set_pending(pending, keep_commit=plan.keep_commit)
+    write.discard_damaged(ANALYSIS_SEQUENCE_GROUPS if not plan.keep_commit else ())
+    keep = _prepare(write, ds, plan, params["n_grid"], seed)
     pending = replace(pending, sequences=keep)
-    groups = _open_groups(store, paths)
-    target = plan.target
+    groups = _open_groups(write, plan.staged)
+    target, run_id = plan.target, write.run_id
     batches = list(_batches(len(keep), len(target), ds.sizes["layer"]))
 
     def compute(batch: tuple[int, int]) -> dict[str, xr.Dataset]:
-        return _computed_groups(store, run_id, ds.isel(seq=slice(*batch)), params["n_grid"], seed)
+        return _computed_groups(write.url, run_id, ds.isel(seq=slice(*batch)), params["n_grid"], seed)
 
     # Batches in flight beside the one being written: the workers compute the next batch
     # while this process writes one, and are handed the batch after it before the tail of
@@ -603,7 +611,7 @@ def _compute_sequences(store: str, run_id: str, ds: xr.Dataset, plan: _Plan, par
                     futures.append(computing.submit(compute, batches[i + _BATCHES_IN_FLIGHT]))
                 _write_batch(groups, computed, a)
                 pending = replace(pending, sequences=target[:b])
-                set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
+                write.set_pending(pending, keep_commit=plan.keep_commit)
                 bar.update(b - a)
     finally:
         # On an error or Ctrl-C, a batch still computing is not waited for: leaving the
@@ -613,9 +621,12 @@ def _compute_sequences(store: str, run_id: str, ds: xr.Dataset, plan: _Plan, par
 
 
 def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None, seed: int = 0,
-                out: Path | None = None, progress: bool = True) -> AnalyzeResult:
+                out: Path | None = None, progress: bool = True, deep: bool = False) -> AnalyzeResult:
     """Bring the analysis of one run up to date with its committed sequences (in the Dask
-    scheduler of the caller's context). Measure -> write per batch -> reduce -> commit."""
+    scheduler of the caller's context), rewriting what of it is damaged: measure -> write
+    per batch -> reduce -> commit, one :class:`DerivedWrite` owning the store throughout.
+    The committed groups are checked for lost or resized objects, and with ``deep`` also
+    for objects failing to decode."""
     start = time.perf_counter()
     ds, grid = _checked_input(store, run_id, n_grid)
     params = analysis_parameters(grid, seed)
@@ -623,31 +634,31 @@ def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None,
     ds = ds.assign(attendable=ds["attendable"].load(), head_kv=ds["head_kv"].load())
     target = tuple(int(s) for s in ds["seq"].values)
 
-    state = derived_state(store, run_id, ANALYSIS)
-    if resume_promotion(store, state):
-        assert state.pending is not None
-        commit(store, run_id, ANALYSIS, Commit(state.pending.parameters, ANALYSIS_GROUPS, state.pending.sequences,
-                                               ANALYSIS_SEQUENCE_GROUPS))
-        state = derived_state(store, run_id, ANALYSIS)
-    plan = _plan(state, params, target)
-    up_to_date = state.commit is not None and plan.keep == target and state.pending is None and not plan.staged
-    if up_to_date:
-        table = open_derived(store, run_id, ANALYSIS, "table").to_dataframe().reset_index(drop=True)
-        new = 0
-    else:
-        pending, new = _compute_sequences(store, run_id, ds, plan, params, seed, progress)
-        cross, table = _cross_sequence_groups(store, _sequence_paths(run_id, plan.staged), len(target),
-                                              ds.attrs.get("attngeom", {}), run_id)
-        for name, dataset in cross.items():
-            write_dataset(dataset, store, staged_path(run_id, ANALYSIS, name))
-        promote(store, run_id, ANALYSIS, [*(ANALYSIS_SEQUENCE_GROUPS if plan.staged else ()), *cross], pending)
-        commit(store, run_id, ANALYSIS, Commit(params, ANALYSIS_GROUPS, target, ANALYSIS_SEQUENCE_GROUPS))
+    with DerivedWrite(store, run_id, ANALYSIS, deep=deep) as write:
+        resumed = write.resume_promotion()
+        if resumed is not None:
+            write.commit(Commit(resumed.parameters, ANALYSIS_GROUPS, resumed.sequences, ANALYSIS_SEQUENCE_GROUPS))
+        state = write.state
+        plan = _healing(_plan(state, params, target), write.damage)
+        healed = "; ".join(f"{analysis_path(run_id)}/{write.damage[name]}" for name in plan.heal) or None
+        up_to_date = (state.commit is not None and plan.keep == target and state.pending is None
+                      and not plan.staged and not plan.heal)
+        if up_to_date:
+            table = write.read("table").to_dataframe().reset_index(drop=True)
+            new = 0
+        else:
+            pending, new = _compute_sequences(write, ds, plan, params, seed, progress)
+            cross, table = _cross_sequence_groups(write, plan.staged, len(target), ds.attrs.get("attngeom", {}))
+            for name, dataset in cross.items():
+                write.write(name, dataset)
+            write.promote([*(ANALYSIS_SEQUENCE_GROUPS if plan.staged else ()), *cross], pending)
+            write.commit(Commit(params, ANALYSIS_GROUPS, target, ANALYSIS_SEQUENCE_GROUPS))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         table.to_parquet(out / f"{run_id}.topn.parquet", index=False)
         table.to_csv(out / f"{run_id}.topn.csv", index=False)
     instances = len(target) * ds.sizes["layer"] * ds.sizes["head"]
-    return AnalyzeResult(run_id, len(target), new, instances, time.perf_counter() - start, plan.recomputed)
+    return AnalyzeResult(run_id, len(target), new, instances, time.perf_counter() - start, plan.recomputed, healed)
 
 
 def analyze(
@@ -659,20 +670,26 @@ def analyze(
     out: Path | None = None,
     seed: int = 0,
     progress: bool = True,
+    deep: bool = False,
 ) -> list[AnalyzeResult]:
     """Analyze every run of the store (or ``run_id``); results go to ``runs/<id>/analysis``.
 
-    Incremental: a run's sequences already analyzed with the same parameters are kept (see
-    :func:`analyze_run`)."""
+    Incremental: a run's sequences already analyzed with the same parameters are kept, and
+    damaged committed groups written again (see :func:`analyze_run`; ``deep`` also reads
+    every committed object). Two analyzes of one run on a local store run one after the
+    other."""
     root = open_root(store, mode="a")
     runs = require_runs(root, store)
     if run_id is not None:
         require_run(root, run_id, store)
     todo = [run_id] if run_id else runs
+    # An analysis whose record does not parse is none (xarray could not even open the run).
+    dropped = {rid for rid in todo if forget_unreadable(store, rid, ANALYSIS)}
     for rid in todo:  # every run's input checked before any analysis is touched
         _checked_input(store, rid, n_grid)
     compile_kernels()
     with dask_client(scheduler, store):
-        results = [analyze_run(store, rid, n_grid=n_grid, seed=seed, out=out, progress=progress) for rid in todo]
-    consolidate(open_root(store, mode="a"))
-    return results
+        results = [analyze_run(store, rid, n_grid=n_grid, seed=seed, out=out, progress=progress, deep=deep)
+                   for rid in todo]
+    return [replace(r, recomputed=f"its record {analysis_path(r.run_id)}/zarr.json did not parse")
+            if r.run_id in dropped else r for r in results]

@@ -20,10 +20,12 @@ from attngeom.store import (
     ABLATION,
     ANALYSIS,
     RunLayout,
+    check_run,
     completed,
     open_derived,
     open_root,
     open_run_group,
+    reading_run,
     require_run,
     require_runs,
     run_layout,
@@ -44,6 +46,7 @@ class ExploreRun:
 
     run_id: str
     provenance: dict[str, Any]
+    url: str                                # the store's
     group: zarr.Group
     layout: RunLayout
     sequences: np.ndarray                   # chosen committed sequence ids
@@ -87,11 +90,12 @@ def open_runs(store: str, run_id: str | None, sequences: int) -> list[ExploreRun
 
 def _open_run(store: str, root: zarr.Group, run_id: str, sequences: int) -> ExploreRun:
     group = open_run_group(root, run_id)
+    check_run(store, group, run_id)
     done = completed(group)
     if done.size == 0:
         raise RunNotFoundError(f"run '{run_id}' in {store} has no complete sequence yet")
     layout = run_layout(group)
-    run = ExploreRun(run_id, run_provenance(root, run_id), group, layout, done[:sequences],
+    run = ExploreRun(run_id, run_provenance(root, run_id), store, group, layout, done[:sequences],
                      default_n_grid(layout.length))
     for name in ("heads", "summary"):
         ds = _open(store, run_id, ANALYSIS, name)
@@ -129,8 +133,9 @@ class LayerData:
 def read_layer(run: ExploreRun, layer: int) -> LayerData:
     """The arrays of ``layer`` for the run's chosen sequences (one store chunk per sequence)."""
     seqs = run.sequences
-    attn = np.stack([run.group["attn_last"][int(s), layer] for s in seqs])
-    values = np.stack([run.group["values"][int(s), layer] for s in seqs])
+    with reading_run(run.url, run.group, run.run_id):
+        attn = np.stack([run.group["attn_last"][int(s), layer] for s in seqs])
+        values = np.stack([run.group["values"][int(s), layer] for s in seqs])
     curves = votes = None
     if run.topn is not None:
         present = [int(s) for s in seqs if int(s) in set(run.topn["seq"].values.tolist())]
@@ -143,7 +148,8 @@ def read_layer(run: ExploreRun, layer: int) -> LayerData:
 
 def read_tokens(run: ExploreRun) -> np.ndarray:
     """Token ids (S, L) of the chosen sequences."""
-    return np.stack([run.group["tokens"][int(s)] for s in run.sequences])
+    with reading_run(run.url, run.group, run.run_id):
+        return np.stack([run.group["tokens"][int(s)] for s in run.sequences])
 
 
 def token_decoder(provenance: dict[str, Any]) -> tuple[Callable[[np.ndarray], list[list[str]]] | None, str]:

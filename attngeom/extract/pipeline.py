@@ -57,6 +57,7 @@ from attngeom.store import (
     ATTR_KEY,
     RUN_ID_PATTERN,
     RunLayout,
+    check_run,
     check_writable,
     completed,
     consolidate,
@@ -460,9 +461,11 @@ def extract(request: ExtractRequest) -> ExtractResult:
         if todo:
             provenance = {**identity, **_run_provenance(request, model, bos_id, shard)}
             run = _write_sequences(request, model, root, run_id, run, provenance, [windows[i] for i in todo], todo, total)
-            consolidate(root)
         if run is None:  # this shard has no sequence of the run
             return ExtractResult(run_id, 0, 0, total, 0.0)
+        # Also when nothing was written: an extract killed before refreshing it left it stale.
+        consolidate(root)
+        check_run(request.store, run, run_id)  # never a success on a run that does not validate
         return ExtractResult(run_id, len(todo), completed(run).size, n_sequences(run), time.perf_counter() - start)
 
 

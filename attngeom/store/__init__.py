@@ -4,8 +4,9 @@ Modules, by concern: :mod:`~attngeom.store.schema` (layout, names, versions),
 :mod:`~attngeom.store.codecs` (chunk encoding), :mod:`~attngeom.store.access` (URLs, the
 root, groups as Datasets), :mod:`~attngeom.store.runs` (runs and the per-sequence commit),
 :mod:`~attngeom.store.derived` (analysis and ablation groups and their commit record),
-:mod:`~attngeom.store.validate` and :mod:`~attngeom.store.migrate`. Stages import what they
-use from here.
+:mod:`~attngeom.store.objects` (stored objects and their checks),
+:mod:`~attngeom.store.validate`, :mod:`~attngeom.store.repair` and :mod:`~attngeom.store.migrate`.
+Stages import what they use from here.
 """
 
 from attngeom.store.access import (
@@ -73,24 +74,25 @@ from attngeom.store.schema import (
     label_dtype,
     run_path,
 )
+from attngeom.store.repair import Repair, repair
 from attngeom.store.validate import (
     array_metadata,
     arrays_of,
     check_committed,
+    check_run,
     damaged_objects,
     reading_run,
-    repair,
     validate_run,
     validate_store,
 )
 
 __all__ = [
-    "RunLayout", "Variable", "ABLATION", "ABLATION_GROUPS", "ANALYSIS", "ANALYSIS_GROUPS",
+    "Repair", "RunLayout", "Variable", "ABLATION", "ABLATION_GROUPS", "ANALYSIS", "ANALYSIS_GROUPS",
     "ANALYSIS_SEQUENCE_GROUPS", "ATTR_KEY", "COORDS", "FORMAT", "LABEL_ORDERS", "LABELS", "METHODS", "REGIMES",
     "RUN_ID_PATTERN", "RUN_VARIABLES", "RUNS", "SCHEMA_VERSION", "SEQUENCE_ARRAYS",
     "SIGNATURE_VARIABLES", "STATS", "SUMMARY_DIMS", "TOPN_COUNTS", "TOPN_FLOATS", "TOPN_VARIABLES",
     "VALUE_STATISTICS", "VOTES", "ablation_path", "analysis_path", "array_metadata", "arrays_of",
-    "check_committed", "check_writable", "completed", "compressor", "compressors", "consolidate",
+    "check_committed", "check_run", "check_writable", "completed", "compressor", "compressors", "consolidate",
     "create_run", "damaged_objects", "default_run_id", "derived_problems", "derived_state",
     "has_checksum", "jsonable", "label_codes", "label_dtype", "local_path", "n_sequences",
     "open_dataset", "open_derived", "open_or_create_root", "open_root", "open_run_group",

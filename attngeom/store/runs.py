@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import zarr
+from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from attngeom.errors import RunNotFoundError
@@ -105,7 +106,7 @@ def _array_options(name: str, layout: RunLayout, n_seq: int) -> dict[str, Any]:
     }
 
 
-def _coordinates(layout: RunLayout) -> dict[str, np.ndarray]:
+def run_coordinates(layout: RunLayout) -> dict[str, np.ndarray]:
     """The run's coordinate arrays and its ``attendable`` mask, as they are stored."""
     return {
         "layer": np.arange(layout.n_layers, dtype="int32"),
@@ -143,7 +144,7 @@ async def _create_arrays(run: zarr.Group, layout: RunLayout, n_seq: int) -> None
     # against 48-49 ms one array after another.
     group = await _opened(run)
     existing = {name: member async for name, member in group.members() if isinstance(member, zarr.AsyncArray)}
-    coordinates = _coordinates(layout)
+    coordinates = run_coordinates(layout)
 
     async def create(name: str) -> None:
         arr = existing.get(name)
@@ -225,3 +226,11 @@ async def _every(writes: Iterable[Awaitable[Any]]) -> None:
     for outcome in await asyncio.gather(*writes, return_exceptions=True):
         if isinstance(outcome, BaseException):
             raise outcome
+
+
+def array_metadata_bytes(name: str, layout: RunLayout, n_seq: int) -> bytes:
+    """The ``zarr.json`` that creating run array ``name`` for ``n_seq`` sequences writes (as
+    :func:`create_run` does): what ``validate --repair`` puts back for a damaged one."""
+    memory = zarr.storage.MemoryStore()
+    zarr.create_array(memory, name=name, **_array_options(name, layout, n_seq))
+    return sync(memory.get(f"{name}/zarr.json", prototype=default_buffer_prototype())).to_bytes()
