@@ -88,14 +88,27 @@ class _Stage(types.ModuleType):
     (importing ``attngeom.extract.pipeline`` binds the package to it), so the package is
     made callable. The packages' ``__init__`` import nothing heavy."""
 
+    def _function(self) -> Any:
+        return getattr(importlib.import_module("attngeom.api"), self.__name__.rpartition(".")[2])
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(importlib.import_module("attngeom.api"), self.__name__.rpartition(".")[2])(*args, **kwargs)
+        return self._function()(*args, **kwargs)
 
     @property
     def __signature__(self) -> Any:
         import inspect
 
-        return inspect.signature(getattr(importlib.import_module("attngeom.api"), self.__name__.rpartition(".")[2]))
+        return inspect.signature(self._function())
+
+    # help() and pydoc document a module by its docstring: the function's signature and
+    # docstring come first, then the package's own.
+    @property
+    def __doc__(self) -> str:  # type: ignore[override]
+        import inspect
+
+        function = self._function()
+        signature = f"{function.__name__}{inspect.signature(function)}"
+        return f"{signature}\n\n{inspect.getdoc(function)}\n\n{vars(self)['__doc__']}"
 
 
 for _name in STAGES:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from attngeom.explore.build import ExploreResult
     from attngeom.extract.pipeline import ExtractResult
     from attngeom.open import Store
+    from attngeom.store import Repair
     from attngeom.store.migrate import MigrationReport
 
 __all__ = [
@@ -110,7 +111,8 @@ def analyze(
     seed: int = 0,
     out: Path | None = None,
     progress: bool = True,
-) -> list[AnalyzeResult]:
+    deep: bool = False,
+) -> AnalyzeResult | list[AnalyzeResult]:
     """Compute every quantity of docs/method.md, the taxonomy included, out of core, without the model,
     for every run (or ``run_id``); writes runs/<id>/analysis/{topn, values, taxonomy, heads,
     summary, signatures, table} (and topn_by_query, summary_by_query for a run extracted with
@@ -120,14 +122,19 @@ def analyze(
     processes cannot be forked), "threads" (this process alone), "processes" (a
     dask.distributed LocalCluster), or a Dask scheduler address. n_grid: selection sizes N (default 1, 2, 4, ... < L).
     seed: of the random-N control. out: also write the tidy tables there (Parquet, CSV).
-    Returns one result per run: sequences, head instances, seconds.
+    A committed analysis is checked first (object presence and sizes; with ``deep`` every
+    object is also decoded) and what is damaged is written again; two analyzes of one run
+    on a local store run one after the other (a lock on the run's folder; none on object
+    stores). Returns the result of ``run_id`` (sequences, head instances, seconds, what was
+    healed), or without ``run_id`` a list of one result per run.
     """
     from attngeom.analyze.stage import analyze as run
     from attngeom.store import writing
 
     with _workers_skip_main(), writing(str(store)):
-        return run(str(store), run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
-                   progress=progress)
+        results = run(str(store), run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
+                      progress=progress, deep=deep)
+    return results[0] if run_id is not None else results
 
 
 @contextlib.contextmanager
@@ -277,10 +284,13 @@ def validate(store: str | Path, *, deep: bool = False) -> Validation:
     return Validation(str(store), tuple(validate_store(str(store), deep=deep)))
 
 
-def repair(store: str | Path, *, deep: bool = False) -> dict[str, list[int]]:
-    """Uncommit every committed sequence with a missing or empty chunk (with ``deep``, also
-    one that fails to decode), so that the run's extract command, run again, rewrites it.
-    Returns run id -> the sequences uncommitted."""
+def repair(store: str | Path, *, deep: bool = False) -> Repair:
+    """Repair what can be repaired: rebuild unreadable metadata that can be derived (a run
+    array's from the run's layout, the root's from its runs), uncommit every committed
+    sequence with a missing or empty chunk (with ``deep``, also one that fails to decode) so
+    that the run's extract command, run again, rewrites it, with ``deep`` remove derived
+    objects that fail to decode so that analyze rewrites them, and refresh stale
+    consolidated metadata. Returns what was done and what cannot be repaired."""
     from attngeom.store import repair as run
 
     return run(str(store), deep=deep)

@@ -22,8 +22,9 @@ RESUME = {
 
 
 class _Group(click.Group):
-    """Turns :class:`AttngeomError` and a command's bad arguments into one line on stderr and
-    exit code 2, and Ctrl-C into one line saying how to finish, exit code 130."""
+    """Lists its commands in pipeline order. Turns :class:`AttngeomError` and a command's bad
+    arguments into one line on stderr and exit code 2, and Ctrl-C into one line saying how
+    to finish, exit code 130."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -41,23 +42,16 @@ class _Group(click.Group):
             click.echo(f"attngeom: interrupted; {how}", err=True)
             sys.exit(130)
 
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)
+
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="attngeom")
 def main() -> None:
     """Geometric analysis of token selection in multi-head attention.
 
-    \b
-    extract  runs the model once and writes attention rows, values and
-             per-query summaries into a Zarr store (GPU where there is one)
-    analyze  computes the paper's geometry from the store, out of core (Dask)
-    taxonomy prints the Retriever / Mixer / Reset distribution of the heads
-    ablate   measures single-head ablation and head sparsification (needs the model)
-    report   draws the paper's figures and tables from a store
-    explore  writes an offline, interactive page of every head's geometry
-    validate checks a store against the schema
-    migrate  brings a store of an older format up to date
-    demo     the whole pipeline on the offline default model and corpus
+    extract runs the model once into a Zarr store; every other command reads the store.
     """
 
 
@@ -95,7 +89,7 @@ def _comma_list(convert, expected: str):
 STORE = click.option("--store", required=True, help="Store: a local path or an fsspec URL (s3://, memory://, file://).")
 
 
-@main.command()
+@main.command(short_help="Run the model once; write attention rows, values and per-query summaries into a Zarr store (GPU where there is one).")
 @click.option("--model", required=True, help="Offline name (gemma3-270m, smollm2-135m), hub id, local folder or .gguf file.")
 @click.option("--dataset", required=True, help="wiki-summaries, python-docs, wikitext-103, openwebtext, a datasets name, or a local .txt/.jsonl/.parquet file or folder.")
 @click.option("--context-length", "-L", type=click.IntRange(2), required=True, help="L: BOS plus L-1 tokens of one document.")
@@ -113,7 +107,7 @@ STORE = click.option("--store", required=True, help="Store: a local path or an f
 @click.option("--window", "window_rule", type=click.Choice(["first", "random"]), default="first", show_default=True, help="Which window of each document: the first, or a seeded random offset.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random window rule.")
 @click.option("--bos-token", help="Token to use as BOS instead of the tokenizer's.")
-@click.option("--shard", callback=_shard, help="i/n: write only sequences s with s %% n == i, so n processes fill one run together [default: RANK/WORLD_SIZE under torchrun or accelerate].")
+@click.option("--shard", callback=_shard, help="i/n: write only sequences s with s % n == i, so n processes fill one run together [default: RANK/WORLD_SIZE under torchrun or accelerate].")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def extract(**kwargs) -> None:
     """Run the model once over equalized single-document windows into the store.
@@ -132,15 +126,17 @@ def extract(**kwargs) -> None:
     )
 
 
-@main.command()
+@main.command(short_help="Compute the paper's geometry from the store, out of core (Dask).")
 @STORE
 @click.option("--run", "run_id", help="Analyze only this run [default: every run].")
 @click.option("--scheduler", help="'threads' for this process alone, 'processes' for a dask.distributed LocalCluster, or the address of an existing Dask scheduler (tcp://host:8786) [default: one worker process per core, forked from this one; threads where processes cannot be forked].")
 @click.option("--n-grid", callback=_comma_list(int, "a comma-separated list of integers, e.g. 1,2,4,8"), help="Selection sizes N [default: 1,2,4,... < L].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Also write the tidy tables here (Parquet and CSV).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random-N control.")
+@click.option("--deep", is_flag=True, help="Also decode every object of the committed analysis (checksums) and rewrite a damaged one; without it, lost or resized objects are rewritten.")
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
-def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: Path | None, seed: int, no_progress: bool) -> None:
+def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: Path | None, seed: int, deep: bool,
+            no_progress: bool) -> None:
     """Compute every quantity of docs/method.md from the store, out of core, without the model.
 
     Writes runs/<id>/analysis/{topn,values,taxonomy,heads,summary,signatures,table} into
@@ -149,19 +145,23 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
     parameters (n grid, seed) computes only the sequences not analyzed yet, then the groups
     across sequences; other parameters recompute everything (the output says why), and the
     earlier analysis stays readable until the new one is complete. Safe to kill: the same
-    command resumes where it stopped.
+    command resumes where it stopped. A damaged committed analysis is written again; two
+    analyzes of one run on a local store run one after the other.
     """
     from attngeom import api
 
-    for r in api.analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
-                         progress=not no_progress):
+    results = api.analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
+                          progress=not no_progress, deep=deep)
+    for r in [results] if run_id is not None else results:
         click.echo(f"run {r.run_id}: {r.new_sequences} new sequences ({r.sequences} analyzed), "
                    f"{r.instances} head instances in {r.seconds:.1f} s")
         if r.recomputed:
             click.echo(f"run {r.run_id}: recomputed every sequence: {r.recomputed}")
+        if r.healed:
+            click.echo(f"run {r.run_id}: rewrote the damaged analysis: {r.healed}")
 
 
-@main.command()
+@main.command(short_help="Print the Retriever / Mixer / Reset distribution of the heads.")
 @STORE
 def taxonomy(store: str) -> None:
     """Print the head-regime distribution (Retriever / Mixer / Reset) of every analyzed run,
@@ -171,7 +171,7 @@ def taxonomy(store: str) -> None:
     click.echo(str(api.taxonomy(store)))
 
 
-@main.command()
+@main.command(short_help="Measure single-head ablation and head sparsification (needs the model).")
 @STORE
 @click.option("--run", "run_id", required=True, help="The run whose model and tokens to use.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
@@ -180,7 +180,7 @@ def taxonomy(store: str) -> None:
 @click.option("--protect-critical", is_flag=True, help="Also hold the automatically found critical heads fixed.")
 @click.option("--retention", callback=_comma_list(float, "comma-separated fractions, e.g. 1.0,0.75,0.5"), help="Fractions of heads kept per layer [default: 1.0,0.9,0.75,0.5,0.25].")
 @click.option("--random-masks", type=click.IntRange(0), default=10, show_default=True, help="Seeded random masks per retention.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random masks.")
 @click.option("--max-sequences", type=click.IntRange(2), help="Use only the first completed sequences.")
 @click.option("--batch-size", type=click.IntRange(1), default=64, show_default=True, help="(sequence, mask) rows per forward pass.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Also write the tables here (CSV).")
@@ -204,7 +204,7 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
         click.echo(f"skipped {what}: {why}")
 
 
-@main.command()
+@main.command(short_help="Draw the paper's figures and tables from a store.")
 @STORE
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder for index.html, the figures (PNG) and the tables (Markdown and CSV).")
 def report(store: str, out: Path) -> None:
@@ -218,7 +218,7 @@ def report(store: str, out: Path) -> None:
     click.echo(f"report: {api.report(store, out)}")
 
 
-@main.command()
+@main.command(short_help="Write an offline, interactive page of every head's geometry.")
 @STORE
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder for index.html and its data; replaced if an earlier explore wrote it.")
 @click.option("--run", "run_id", help="Only this run [default: every run of the store].")
@@ -240,10 +240,10 @@ def explore(store: str, out: Path, run_id: str | None, sequences: int, no_progre
                f"{result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s)")
 
 
-@main.command()
+@main.command(short_help="Check a store against the schema.")
 @STORE
 @click.option("--deep", is_flag=True, help="Also read every chunk and name any damaged one (empty, truncated, failing its checksum).")
-@click.option("--repair", is_flag=True, help="Uncommit every committed sequence with a missing or empty chunk (with --deep, also a corrupt one), so that the run's extract command, run again, rewrites it.")
+@click.option("--repair", is_flag=True, help="Rebuild unreadable metadata that can be derived, refresh stale consolidated metadata, and uncommit every committed sequence with a missing or empty chunk (with --deep, also a corrupt one, and remove a corrupt analysis or ablation chunk), so that the run's extract command (analyze), run again, rewrites it.")
 def validate(store: str, deep: bool, repair: bool) -> None:
     """Check the store against schema version 1 and its format; one line per problem, exit 1 if any.
 
@@ -251,11 +251,21 @@ def validate(store: str, deep: bool, repair: bool) -> None:
     follows lists them as not written yet.
     """
     from attngeom import api
+    from attngeom.store.access import recovery
 
     if repair:
-        for run_id, sequences in api.repair(store, deep=deep).items():
+        done = api.repair(store, deep=deep)
+        for key in done.rebuilt:
+            click.echo(f"rebuilt {key}")
+        for line in done.unrepairable:
+            click.echo(line)
+        for run_id, sequences in (done.uncommitted or {}).items():
             click.echo(f"run {run_id}: uncommitted damaged sequences {', '.join(map(str, sequences))}; "
                        "run its extract command again to rewrite them")
+        for key in done.removed:
+            click.echo(f"removed damaged {key}; {recovery(store, key)}")
+        if done.refreshed:
+            click.echo("refreshed the root's consolidated metadata")
     validation = api.validate(store, deep=deep)
     for line in validation.problems:
         click.echo(line)
@@ -264,7 +274,7 @@ def validate(store: str, deep: bool, repair: bool) -> None:
     click.echo(f"{store}: valid")
 
 
-@main.command()
+@main.command(short_help="Bring a store of an older format up to date.")
 @STORE
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
 def migrate(store: str, no_progress: bool) -> None:
@@ -272,9 +282,10 @@ def migrate(store: str, no_progress: bool) -> None:
 
     Format 1 stores (attngeom 0.1.0 before chunk checksums) get a crc32c checksum on every
     chunk; format 2 stores get their label arrays (zarr-python's string type) as integer
-    codes of the Zarr v3 core, their labels in the attributes. Values are kept. Each array is rewritten through a temporary
-    copy: a migration that is interrupted is finished by running it again. No other
-    command may use the store meanwhile.
+    codes of the Zarr v3 core, their labels in the attributes; format 3 stores get the
+    codes of regimes, votes, statistics and methods in their fixed order. Values are kept.
+    Each array is rewritten through a temporary copy: a migration that is interrupted is
+    finished by running it again. No other command may use the store meanwhile.
     """
     from attngeom import api
 
@@ -286,12 +297,17 @@ def migrate(store: str, no_progress: bool) -> None:
                f"({result.chunks} chunk objects, {result.bytes_written / 2**20:.1f} MiB) in {result.seconds:.1f} s")
 
 
-@main.command()
+@main.command(short_help="The whole pipeline on the offline default model and corpus.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"), show_default=True, help="Folder for the demo store and its outputs.")
-@click.option("--num-sequences", "-S", type=click.IntRange(1), default=4, show_default=True)
-@click.option("--context-length", "-L", type=click.IntRange(2), default=128, show_default=True)
+@click.option("--num-sequences", "-S", type=click.IntRange(1), default=4, show_default=True, help="Sequences to extract.")
+@click.option("--context-length", "-L", type=click.IntRange(2), default=128, show_default=True, help="L: BOS plus L-1 tokens of one document.")
 def demo(out: Path, num_sequences: int, context_length: int) -> None:
-    """The whole pipeline on the offline default model (gemma3-270m) and corpus (wiki-summaries)."""
+    """The whole pipeline on the offline default model (gemma3-270m) and corpus (wiki-summaries).
+
+    Writes its store, tables and report under --out (./demo-out). The first run assembles
+    the model's GGUF and de-quantizes it into ~/.cache/attngeom ($ATTNGEOM_CACHE), about
+    1.4 GB; later runs read it from there.
+    """
     from attngeom.demo import run_demo
 
     run_demo(out, num_sequences=num_sequences, context_length=context_length)

@@ -7,12 +7,11 @@
 
 One (sequence, layer) block of a model's shape is what an analyze task hands the kernels:
 H query heads reading KV kv heads of head_dim D at context length L, default N grid (powers
-of two < L), 8 random draws. The frozen copy of the kernels before issue 11
-(``benchmarks/frozen_kernels_v1.py``) takes the values mapped to every query head, as the
-stage called it then; the current kernels take the kv heads' values and ``head_kv``, through
-``head_metrics`` (one call for both outputs, each kv head's Gram matrix computed once: "new")
-and as two calls ``topn_metrics`` + ``value_statistics`` ("new, 2 calls", as the stage's two
-block functions call them today).
+of two < L), 8 random draws. "old" is the frozen copy of the numpy kernels before the
+compiled ones of issue 24 (``benchmarks/frozen_kernels_v2.py``) through its ``head_metrics``;
+the current kernels run through ``head_metrics`` (one call for both outputs, each kv head's
+Gram matrix computed once: "new") and as two calls ``topn_metrics`` + ``value_statistics``
+("new, 2 calls").
 
 Shapes: smollm2-135m (H = 9, KV = 3, D = 64) and gemma3-270m (H = 4, KV = 1, D = 256), at
 L = 512 and 1024. Inputs are synthetic (softmax of Gaussian scores with a heavy sink; values
@@ -44,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 import frozen_kernels_v2 as old  # noqa: E402
 
-from attngeom.analyze.kernels import head_metrics, topn_metrics, value_statistics  # noqa: E402
+from attngeom.analyze.kernels import compile_kernels, head_metrics, topn_metrics, value_statistics  # noqa: E402
 from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed  # noqa: E402
 from attngeom.store import open_root, run_ids  # noqa: E402
 
@@ -69,11 +68,11 @@ def synthetic_block(rng: np.random.Generator, heads: int, kv_heads: int, head_di
 
 
 def run_old(attn, values, head_kv, attendable, grid, seed):
-    """The frozen kernels as the stage called them: values mapped to every query head."""
-    head_values = values[head_kv]
-    att = np.broadcast_to(attendable, head_values.shape[:2])
-    topn = old.topn_metrics(attn, head_values, att, grid, seed=seed, random_draws=RANDOM_DRAWS)
-    return topn, old.value_statistics(head_values, att)
+    """The frozen numpy kernels in one call; value statistics mapped to query heads."""
+    att = np.broadcast_to(attendable, values.shape[:2])
+    topn, stats = old.head_metrics(attn, values, att, grid, head_kv=head_kv, seed=seed,
+                                   random_draws=RANDOM_DRAWS)
+    return topn, {name: x[head_kv] for name, x in stats.items()}
 
 
 def run_new(attn, values, head_kv, attendable, grid, seed):
@@ -124,6 +123,7 @@ def timed(f, *args):
 
 def bench_synthetic(lengths, reps: int, log) -> list[dict]:
     rows = []
+    compile_kernels()
     for name, shape in SHAPES.items():
         for length in lengths:
             rng = np.random.default_rng(length)
@@ -166,6 +166,7 @@ def bench_synthetic(lengths, reps: int, log) -> list[dict]:
 
 def bench_store(store: str, log) -> list[dict]:
     rows = []
+    compile_kernels()  # numba's cache loaded outside the timings
     root = open_root(store)
     for run_id in run_ids(root):
         ds = open_completed(store, run_id)

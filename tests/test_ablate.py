@@ -330,3 +330,10 @@ def test_errors_and_parse_heads(store):
         warnings.simplefilter("error")
         with pytest.raises(AttngeomError, match="between 0 and 1"):
             ablate(store, "r", retention=(1.5,))
+
+
+def test_every_sparsification_method_has_its_fixed_label_code():
+    from attngeom.ablate.stage import RANKINGS
+    from attngeom.store import LABEL_ORDERS, METHODS
+
+    assert tuple(RANKINGS) == METHODS == LABEL_ORDERS["method"]

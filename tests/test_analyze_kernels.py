@@ -637,20 +637,10 @@ def _sorted_quantile(x, q):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.sampled_from([-1.0, -0.5, 0.0, 0.25, 0.5, 1.0, 2.0]), min_size=1, max_size=400),
        st.floats(0, 1))
-def test_bracketed_quantile_is_the_sorted_quantile(x, q):
+def test_quantile_is_the_sorted_quantile(x, q):
     x = np.array(x)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernels, "_BRACKET_MIN", 8)  # brackets even on short arrays
-        assert kernels._quantile(x.copy(), q) == _sorted_quantile(x, q)
-    np.testing.assert_allclose(kernels._quantile(x.copy(), q), np.quantile(x, q), rtol=1e-12, atol=1e-15)
-
-
-def test_bracketed_quantile_on_long_arrays():
-    rng = np.random.default_rng(3)
-    for x in (rng.normal(size=100_000), np.round(rng.normal(size=100_000), 1),
-              np.sort(rng.normal(size=70_000)), np.repeat(rng.normal(size=7), 20_000)):
-        for q in (0.0, 0.05, 0.5, 0.95, 1.0):
-            assert kernels._quantile(x.copy(), q) == _sorted_quantile(x, q)
+    assert _loops._quantile(x.copy(), q) == _sorted_quantile(x, q)
+    np.testing.assert_allclose(_loops._quantile(x.copy(), q), np.quantile(x, q), rtol=1e-12, atol=1e-15)
 
 
 def test_prefix_sums_add_in_selection_order():

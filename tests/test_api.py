@@ -164,6 +164,8 @@ def test_memory_model_input_errors_by_kind(tmp_path):
         ag.extract(model, token_ids=ids, texts=["a"], store=store, progress=False)
     with pytest.raises(ag.InputError, match="tokenizer"):
         ag.extract(model, texts=texts(), context_length=L, store=store, progress=False)
+    with pytest.raises(ag.InputError, match=r"texts is a list of documents \(strings\), not one string"):
+        ag.extract(model, tokenizer=tiny_tokenizer(), texts=texts()[0], context_length=L, store=store, progress=False)
     with pytest.raises(ag.InputError, match="does not cast"):
         ag.extract(model, token_ids=np.ones((1, L), dtype=np.int64), dtype="bfloat16", store=store, progress=False)
     with pytest.raises(ag.InputError, match="outside the vocabulary"):
@@ -266,25 +268,63 @@ def test_import_attngeom_loads_no_torch_and_stage_names_stay_callable():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def readme_example() -> str:
-    """The README's worked example: the second python block of its "Python" section."""
+def readme_examples() -> list[str]:
+    """The README's worked example: the python blocks of its "Python" section."""
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     section = readme.split("## Python", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)[1]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
-def test_readme_example_runs_on_a_tiny_random_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize("given", ["memory", "path"])
+def test_readme_example_runs_as_written(given, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Both blocks, as written: the hub is simulated by a tiny random Llama, then the model
+    is the one in memory or, as a named model, that model saved to a folder."""
     import matplotlib
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     matplotlib.use("Agg")
     monkeypatch.chdir(tmp_path)
-    scope = {"model": memory_model("llama", attn="sdpa"), "tokenizer": tiny_tokenizer(),
-             "texts": [" ".join(np.random.default_rng(i).choice(WORDS, size=140)) for i in range(3)]}
-    exec(compile(readme_example(), "README.md", "exec"), scope)
+    (tmp_path / "notes").mkdir()
+    for i in range(3):
+        (tmp_path / "notes" / f"{i}.txt").write_text(" ".join(np.random.default_rng(i).choice(WORDS, size=140)))
+    setup, example = readme_examples()[:2]
+    scope: dict = {}
+    with monkeypatch.context() as hub:
+        hub.setattr(AutoModelForCausalLM, "from_pretrained", lambda name: memory_model("llama", attn="sdpa"))
+        hub.setattr(AutoTokenizer, "from_pretrained", lambda name: tiny_tokenizer())
+        exec(compile(setup, "README.md", "exec"), scope)
+    folder = tiny_model_dir("llama")
+    if given == "path":
+        scope["model"] = str(folder)
+    exec(compile(example, "README.md", "exec"), scope)
     assert (tmp_path / "precision.png").stat().st_size > 0
     topn = scope["topn"]
     assert topn.sizes["seq"] == 3 and list(topn["n"].values) == [1, 2, 4, 8, 16, 32, 64]
-    assert scope["model"].config._attn_implementation == "sdpa"
+    assert scope["analyzed"].sequences == 3
+    printed = capsys.readouterr().out.split()
+    assert printed[0] == "3" and printed[1] == "<bos>"
+    assert printed[-1] == (str(folder.resolve()) if given == "path" else "LlamaForCausalLM")
+    if given == "memory":
+        assert scope["model"].config._attn_implementation == "sdpa"
+
+
+def test_readme_blocks_on_the_store_run_as_written(tmp_path, monkeypatch):
+    """The README's other python blocks, which read `runs.zarr` (its first command's store)
+    given the run id, on a synthetic store of that run."""
+    from attngeom.synthetic import write_synthetic_run
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    python = readme.split("## Python", 1)[1].split("\n## ", 1)[1]
+    blocks = re.findall(r"```python\n(.*?)```", python, flags=re.S)
+    assert len(blocks) >= 2
+    monkeypatch.chdir(tmp_path)
+    run_id = "gemma3-270m__wiki-summaries__L128"
+    write_synthetic_run("runs.zarr", run_id, n_seq=2, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, length=16)
+    ag.analyze("runs.zarr", scheduler="threads", progress=False)
+    scope = {"run_id": run_id}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), scope)
+    assert scope["ds"].sizes["seq"] == 2 and scope["topn"].sizes["seq"] == 2
 
 
 def test_a_script_without_main_guard_analyzes(tmp_path):
@@ -306,3 +346,76 @@ def test_a_script_without_main_guard_analyzes(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["2"]
     assert (tmp_path / "runs.log").read_text() == "top level ran\n"
+
+
+@pytest.mark.parametrize("name", ag.STAGES)
+def test_help_of_a_stage_shows_its_function(name):
+    """help(ag.extract) documents the function the call runs: its signature and docstring."""
+    import inspect
+    import pydoc
+
+    function = getattr(ag.api, name)
+    text = pydoc.render_doc(getattr(ag, name), renderer=pydoc.plaintext)
+    assert f"{name}{inspect.signature(function)}" in text
+    assert all(f"{p}:" in text for p in inspect.signature(function).parameters)
+    assert inspect.getdoc(function).splitlines()[0] in text
+
+
+def test_a_missing_dataset_is_said_before_the_model_is_looked_at(tmp_path, monkeypatch):
+    import attngeom.extract.pipeline as pipeline
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was resolved before the dataset was checked")
+
+    monkeypatch.setattr(pipeline, "resolve_model", no_model)
+    missing = str(tmp_path / "notes.txt")
+    result = CliRunner().invoke(main, ["extract", "--model", "smollm2-135m", "--dataset", missing, "-L", "16",
+                                       "-S", "2", "--store", str(tmp_path / "s.zarr")])
+    assert (result.exit_code, result.output) == (2, f"attngeom: error: no such file or folder: {missing}\n")
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_mistyped_model_name_fails_at_once_when_the_hub_cannot_be_reached(tmp_path, monkeypatch):
+    """The hub is probed once per process (simulated here: no test reaches the network); an
+    unreachable one is asked nothing, so no retries, and the error says why in one line."""
+    import socket
+
+    from huggingface_hub import constants
+    from transformers import AutoConfig
+
+    from attngeom.extract import models
+
+    probes, asked = [], []
+
+    def unreachable(address, timeout):
+        probes.append((address, timeout))
+        raise OSError("Name or service not known")
+
+    def from_pretrained(name, local_files_only):
+        asked.append(local_files_only)
+        raise OSError(f"{name} is not in the cache")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(AutoConfig, "from_pretrained", from_pretrained)
+    models.hub_address.cache_clear()
+    try:
+        offline = ("unknown model 'smollm2-13m': not an offline name (gemma3-270m, smollm2-135m), not a local "
+                   "folder or .gguf file, is not in the local hub cache, and the hub cannot be reached (offline)")
+        for _ in range(2):
+            with pytest.raises(ag.InputError) as caught:
+                models.resolve_model("smollm2-13m")
+            assert str(caught.value) == offline
+        assert len(probes) == 1 and probes[0][1] == 3 and asked == [True, True]
+        result = CliRunner().invoke(main, ["extract", "--model", "smollm2-13m", "--dataset", "wiki-summaries",
+                                           "-L", "16", "-S", "1", "--store", str(tmp_path / "s.zarr")])
+        assert (result.exit_code, result.output) == (2, f"attngeom: error: {offline}\n")
+
+        # A hub that answers is asked, and its answer named.
+        monkeypatch.setattr(socket, "create_connection", lambda address, timeout: socket.socket())
+        models.hub_address.cache_clear()
+        with pytest.raises(ag.InputError, match=r"and the hub \(.+:\d+\) could not resolve it \(OSError\)$"):
+            models.resolve_model("org/smollm2-13m")
+        assert asked[-1] is False
+    finally:
+        models.hub_address.cache_clear()

@@ -94,6 +94,11 @@ def test_select_windows_counts_all_usable_documents_when_short():
     assert len(select_windows(corpus, WhitespaceTokenizer(), BOS, 9, 3)) == 3
     with pytest.raises(AttngeomError, match=r"toy has only 3 documents of at least 8 tokens .*asked for 4"):
         select_windows(corpus, WhitespaceTokenizer(), BOS, 9, 4)
+    # None usable: fewer sequences would not help, so that is not offered.
+    with pytest.raises(AttngeomError) as caught:
+        select_windows(corpus, WhitespaceTokenizer(), BOS, 30, 1)
+    assert str(caught.value) == ("toy has no document of at least 29 tokens with this tokenizer; use a shorter "
+                                 "context length or another corpus")
 
 
 def test_random_windows_are_reproducible_and_prefix_stable():

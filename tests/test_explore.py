@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,7 @@ from attngeom.api import explore
 from attngeom.cli import main
 from attngeom.errors import InputError, RunNotFoundError, StoreNotFoundError
 from attngeom.explore.geometry import value_picture
+from attngeom.palette import REGIME_COLORS
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.store import open_dataset
 
@@ -158,6 +161,10 @@ def test_index_carries_the_head_table_and_decoded_tokens(page):
     assert a["tokens"][0][0] == "<bos>" and all(t.startswith("w") for t in a["tokens"][0][1:])
     assert raw["stats"] == {} and any("no analysis" in n for n in raw["notes"])
     assert any("no ablation" in n for n in raw["notes"]) and not any("no ablation" in n for n in a["notes"])
+    # The report's palette: a regime has one colour wherever it is drawn.
+    from attngeom.palette import VOTE_COLORS
+
+    assert index["palette"] == {"regime": REGIME_COLORS, "vote": VOTE_COLORS}
 
 
 def test_head_file_matches_the_store(page, store):
@@ -219,6 +226,10 @@ def test_cli_writes_one_run_and_rewrites_its_own_folder(store, tmp_path):
         assert "1 run(s), 12 heads" in result.output
     assert sorted(p.name for p in (out / "data").iterdir()) == ["a", "index.js"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    # Readable by others as a folder made by mkdir is (the umask's mode), not 0700.
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (out, out / "data", out / "data" / "a")} == {0o777 & ~umask}
 
 
 # ---- the page in a real browser ----
@@ -247,6 +258,10 @@ def test_page_in_headless_chromium(page, tmp_path):
         tab.wait_for_selector("body[data-ready='1']")
         assert tab.locator("#head-grid [data-layer]").count() == 3 * 4
         assert tab.locator("#head-grid [data-layer='2'][data-head='3']").count() == 1
+        assert tab.locator("#head-grid .axis.top").all_inner_texts() == ["L\\H", "0", "1", "2", "3"]
+        colours = tab.evaluate("() => [...document.querySelectorAll('#head-grid .cell')].map(c => c.style.background)")
+        palette = {f"rgb({int(c[1:3], 16)}, {int(c[3:5], 16)}, {int(c[5:7], 16)})" for c in REGIME_COLORS.values()}
+        assert set(colours) <= palette, colours
         loaded = tab.evaluate("() => [...document.scripts].map(s => s.src).filter(s => s.includes('head_'))")
         assert loaded == [], "no head's data may load before a click"
 
@@ -260,6 +275,9 @@ def test_page_in_headless_chromium(page, tmp_path):
         assert tab.locator("#panel-geometry .shapelayer path").count() == 2  # r_min and r_max
         assert tab.locator("#panel-tokens .tok").count() == LENGTH
         assert tab.locator("#panel-tokens .tok.sink").count() == 1
+        wrap = tab.evaluate("() => [getComputedStyle(document.getElementById('panel-tokens')).wordBreak,"
+                            " getComputedStyle(document.getElementById('panel-tokens')).overflowWrap]")
+        assert wrap == ["normal", "anywhere"]  # a line breaks inside a word only if it cannot fit
         assert "precision" in tab.inner_text("#geometry-numbers")
         assert "Regime:" in tab.inner_text("#panel-regime")
         tab.select_option("#stat-select", "delta_nll")  # coloured by ablation: a gradient legend
@@ -284,3 +302,23 @@ def test_page_in_headless_chromium(page, tmp_path):
         browser.close()
     assert not errors, errors
     assert (tmp_path / "explore.png").stat().st_size > 10_000
+
+
+def test_a_gguf_runs_tokens_are_decoded_from_the_converted_folder(tmp_path, monkeypatch):
+    """The tokenizer extract cached beside the converted model is read, not the GGUF again
+    (here the GGUF is not even there); every distinct id is decoded as on its own."""
+    from conftest import tiny_tokenizer
+
+    from attngeom.explore.data import token_decoder
+    from attngeom.extract.models import converted_path
+
+    monkeypatch.setenv("ATTNGEOM_CACHE", str(tmp_path))
+    model = {"id": "m", "path": str(tmp_path / "gone"), "gguf_file": "m.gguf", "file_sha256": "ab" * 32}
+    decode, how = token_decoder({"model": model})
+    assert decode is None and "not loadable here" in how
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(converted_path("m.gguf", "ab" * 32))
+    decode, how = token_decoder({"model": model})
+    ids = np.array([[1, 4, 5, 4], [1, 9, 4, 93]])
+    assert decode(ids) == [[tokenizer.decode([int(i)]) for i in row] for row in ids]
+    assert decode(ids)[1] == ["<bos>", "w5", "w0", "w89"] and how == "decoded with the tokenizer of m"

@@ -1,8 +1,9 @@
 """Format 3 is readable by any Zarr v3 implementation: tensorstore (Google's C++ one) reads
 every array of a real store (run, analysis, ablation, empty ones included) bit for bit as
 zarr-python does; label variables are integer codes whose labels ride in attributes, and
-attngeom's opener gives them back as strings. A format-2 store (zarr-python's ``string``
-type) migrates to exactly what format 3 writes."""
+attngeom's opener gives them back as strings; labels of a fixed vocabulary have the same
+codes in every store (format 4). A format-2 store (zarr-python's ``string`` type) and a
+format-3 one (codes in order of first appearance) migrate to exactly what attngeom writes."""
 
 from __future__ import annotations
 
@@ -18,7 +19,17 @@ import zarr
 from attngeom.analyze.stage import analyze
 from attngeom.api import ablate
 from attngeom.extract.pipeline import ExtractRequest, extract
-from attngeom.store import FORMAT, arrays_of, compressors, migrate, open_dataset, open_root, validate_store
+from attngeom.store import (
+    FORMAT,
+    LABEL_ORDERS,
+    REGIMES,
+    arrays_of,
+    compressors,
+    migrate,
+    open_dataset,
+    open_root,
+    validate_store,
+)
 
 ts = pytest.importorskip("tensorstore")
 
@@ -94,14 +105,70 @@ def as_format2(store: Path) -> None:
     root.attrs["attngeom"] = {**root.attrs["attngeom"], "format": 2}
 
 
-def test_format2_store_migrates_to_what_format3_writes(built, tmp_path):
+def test_fixed_vocabularies_have_their_codes_in_every_store(built):
+    coded = {}
+    for arr in arrays_of(open_root(str(built))):
+        name = arr.path.rpartition("/")[2]
+        labels = metadata(built, arr.path)["attributes"].get("attngeom", {}).get("labels")
+        if labels is not None and name in LABEL_ORDERS:
+            assert labels == list(LABEL_ORDERS[name]), arr.path
+            coded[arr.path] = labels
+    assert {"runs/r/analysis/heads/regime", "runs/r/analysis/signatures/regime", "runs/r/analysis/taxonomy/vote",
+            "runs/r/analysis/summary/stat", "runs/r/ablation/sweep/method", "runs/r/ablation/table/method",
+            "runs/r/ablation/single/regime", "runs/r/ablation/regimes/regime"} <= set(coded)
+    # The codes a plain reader sees: Retriever 0, Mixer 1, Reset 2, whichever regimes there are.
+    plain = xr.open_zarr(str(built), group="runs/r/analysis/heads", consolidated=False)["regime"].values
+    names = open_dataset(str(built), "runs/r/analysis/heads")["regime"].values
+    np.testing.assert_array_equal(plain, [[REGIMES.index(n) for n in row] for row in names])
+
+
+def as_format3(store: Path) -> int:
+    """Rewrite ``store`` as format 3 could have: the labels of every fixed vocabulary numbered
+    otherwise (here reversed, an order of first appearance). Returns how many arrays."""
+    root = zarr.open_group(str(store), mode="r+", use_consolidated=False)
+    rewritten = 0
+    for arr in arrays_of(root):
+        meta = metadata(store, arr.path)
+        labels = meta["attributes"].get("attngeom", {}).get("labels")
+        if labels is None or arr.path.rpartition("/")[2] not in LABEL_ORDERS:
+            continue
+        new = labels[::-1]
+        table = np.array([new.index(label) for label in labels] + [-1], dtype=arr.dtype)
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            if arr.size:
+                zarr.open_array(str(store), path=arr.path, mode="r+")[...] = table[arr[...]]
+        meta = metadata(store, arr.path)
+        meta["attributes"]["attngeom"]["labels"] = new
+        meta["attributes"]["flag_meanings"] = " ".join("_".join(label.split()) for label in new)
+        (store / arr.path / "zarr.json").write_text(json.dumps(meta))
+        rewritten += 1
+    root.attrs["attngeom"] = {**root.attrs["attngeom"], "format": 3}
+    return rewritten
+
+
+def test_format3_store_migrates_to_fixed_codes(built, tmp_path):
+    store = tmp_path / "s.zarr"
+    shutil.copytree(built, store)
+    rewritten = as_format3(store)
+    assert metadata(store, "runs/r/analysis/heads/regime")["attributes"]["attngeom"]["labels"] == list(REGIMES[::-1])
+    xr.testing.assert_identical(open_dataset(str(store), "runs/r/analysis/heads"),
+                                open_dataset(str(built), "runs/r/analysis/heads"))
+    report = migrate.migrate(str(store), progress=False)
+    assert (report.source, report.target, report.arrays) == (3, FORMAT, rewritten)
+    assert validate_store(str(store), deep=True) == []
+    for arr in arrays_of(open_root(str(built))):
+        assert metadata(store, arr.path) == metadata(built, arr.path), arr.path
+        np.testing.assert_array_equal(zarr.open_array(str(store), path=arr.path, mode="r")[...], arr[...])
+
+
+def test_format2_store_migrates_to_what_this_attngeom_writes(built, tmp_path):
     store = tmp_path / "s.zarr"
     shutil.copytree(built, store)
     as_format2(store)
     assert metadata(store, "runs/r/analysis/heads/regime")["data_type"] == "string"
     assert validate_store(str(store))[0].startswith(f"store format 2 is older than the one this attngeom writes ({FORMAT})")
     report = migrate.migrate(str(store), progress=False)
-    assert (report.source, report.target) == (2, 3) and report.arrays >= 10
+    assert (report.source, report.target) == (2, FORMAT) and report.arrays >= 10
     assert validate_store(str(store), deep=True) == []
     for arr in arrays_of(open_root(str(built))):
         old, new = metadata(built, arr.path), metadata(store, arr.path)

@@ -1,7 +1,6 @@
-"""``attngeom migrate``: a format-1 store (written by attngeom 0.1.0) brought to format 3
-(checksums, then labels as integer codes), data unchanged, checksums working, and an
-interrupted migration finished by a rerun; a format-2 store's string arrays become what
-format 3 writes."""
+"""``attngeom migrate``: a format-1 store (written by attngeom 0.1.0) brought to the current
+format (checksums, then labels as integer codes in their fixed order), data unchanged,
+checksums working, and an interrupted migration finished by a rerun."""
 
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ CORE = ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32"
 
 
 def contents(url: str) -> dict[str, np.ndarray]:
-    """Every array of the store, decoded; a label array (format 3's integer codes) as its
+    """Every array of the store, decoded; a label array (integer codes since format 3) as its
     labels, so that a string array and its codes compare equal."""
     root = open_root(url)
     out = {}
@@ -86,14 +85,15 @@ def test_migrate_format1_keeps_every_value_and_checks_every_chunk(format1_store)
     assert len(before) == 145
     result = CliRunner().invoke(main, ["migrate", "--store", url, "--no-progress"])
     assert result.exit_code == 0, result.output
-    # 145 arrays get checksums (1 -> 2), then the 5 string arrays become codes (2 -> 3).
-    assert result.output.startswith(f"{url}: format 1 -> 3: rewrote 150 arrays (170 chunk objects")
+    # 145 arrays get checksums (1 -> 2), then the 5 string arrays become codes (2 -> 3), in
+    # their fixed order where they have one: nothing is left to 3 -> 4.
+    assert result.output.startswith(f"{url}: format 1 -> {FORMAT}: rewrote 150 arrays (170 chunk objects")
     assert_same_contents(before, contents(url))
     assert stored_keys(format1_store) == keys_before  # no chunk gained or lost
     assert not (format1_store / store_migrate.TEMPORARY).exists()
     assert validate_store(url, deep=True) == []
     root = open_root(url, mode="a")
-    assert root.attrs["attngeom"] == {"schema_version": 1, "created_by": "0.1.0", "format": 3}
+    assert root.attrs["attngeom"] == {"schema_version": 1, "created_by": "0.1.0", "format": FORMAT}
     assert all(has_checksum(array_metadata(a)) for a in arrays_of(root))
     assert not [a.path for a in arrays_of(root) if array_metadata(a)["data_type"] not in CORE]
     # The consolidated metadata was rebuilt: xarray's default open reads it.
@@ -109,7 +109,7 @@ def test_migrate_format1_keeps_every_value_and_checks_every_chunk(format1_store)
     assert line.startswith(f"array 'runs/{RUN}/values' chunk c/2/0/0/0/0 (sequence 2) is damaged") and "checksum" in line
 
     again = CliRunner().invoke(main, ["migrate", "--store", url])
-    assert again.output.strip() == f"{url}: already format 3, nothing to do"
+    assert again.output.strip() == f"{url}: already format {FORMAT}, nothing to do"
 
 
 def test_migrated_store_takes_new_work(format1_store, tiny_model_dir, word_corpus):
@@ -177,7 +177,7 @@ def test_migrate_memory_store(format1_store):
     fsspec.filesystem("memory").put(str(format1_store), url.removeprefix("memory://"), recursive=True)
     before = contents(url)
     report = store_migrate.migrate(url, progress=False)
-    assert (report.source, report.target, report.arrays) == (1, 3, 150)
+    assert (report.source, report.target, report.arrays) == (1, FORMAT, 150)
     assert_same_contents(before, contents(url))
     assert validate_store(url, deep=True) == []
 

@@ -12,9 +12,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import xarray as xr
+from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
 from attngeom.analyze.stage import analyze
+from attngeom.palette import REGIME_COLORS
 from attngeom.report import build_report
 from attngeom.report.build import FIGURES, TABLES, draw_figure, select_runs
 from attngeom.report.data import RunData, load_runs
@@ -24,7 +26,6 @@ from attngeom.store import (
     ATTR_KEY,
     REGIMES,
     open_dataset,
-    open_or_create_root,
     open_root,
     open_run_group,
     zarr_store,
@@ -163,8 +164,12 @@ def test_figures_show_what_the_paper_describes(runs):
     assert precision.get_xlabel() == N_LABEL
     # Two analyzed runs, each drawn solid (top-N), dashed (random) and dotted (bound).
     assert sorted(line.get_linestyle() for line in precision.lines) == ["-", "-", "--", "--", ":", ":"]
-    assert [t.get_text() for t in draw("taxonomy").axes[0].get_xticklabels()] == [
+    taxonomy = draw("taxonomy")
+    assert [t.get_text() for t in taxonomy.axes[0].get_xticklabels()] == [
         "model-a\ncorpus-a\nL=32", "model-b\ncorpus-b\nL=24"]
+    # Explore's palette: one colour per regime wherever it is drawn.
+    bars = {to_hex(p.get_facecolor()) for p in taxonomy.axes[0].patches}
+    assert bars <= {c.lower() for c in REGIME_COLORS.values()} and len(set(REGIME_COLORS.values())) == 3
     sparsification = draw("sparsification").axes[0]
     assert sparsification.get_xlabel() == "retained fraction of heads per layer"
     assert len(sparsification.lines) == 9 and len(sparsification.collections) == 1  # random's std band
@@ -203,14 +208,6 @@ def test_store_without_analysis_gives_notes_only(tmp_path):
     assert (tmp_path / "out" / "models.csv").exists()
 
 
-def test_empty_store_gives_a_page(tmp_path):
-    url = str(tmp_path / "s.zarr")
-    open_or_create_root(url)
-    page = build_report(url, tmp_path / "out").read_text()
-    assert "the store holds no run yet" in page and "could not be made" not in page
-    assert pd.read_csv(tmp_path / "out" / "models.csv").empty
-
-
 def test_a_figure_that_fails_becomes_a_note(runs, tmp_path):
     def broken(_runs):
         raise ValueError("unexpected layout")
@@ -243,3 +240,22 @@ def test_index_renders_in_headless_chromium(report, tmp_path):
     assert dom.returncode == 0, dom.stderr[-2000:]
     for spec in FIGURES:
         assert f'src="{spec.name}.png"' in dom.stdout
+
+
+def test_sparsification_figure_says_what_its_curves_hide():
+    """weight_o equal to weight_v draws one curve under the other; retention 0.9 of 4 heads
+    keeps all 4 (round(3.6)), the intact model: both are said on the figure."""
+    from attngeom.report.figures_heads import sparsification, sparsification_notes
+
+    retention = np.array([0.5, 0.9, 1.0])
+    kept = np.round(retention * 4) / 4
+    mean = np.array([[0.8, 0.0, 0.0], [0.8, 0.0, 0.0], [1.2, 0.0, 0.0]])
+    sweep = xr.Dataset({"delta_nll_mean": (("method", "retention"), mean),
+                        "kept_fraction": (("method", "retention"), np.tile(kept, (3, 1)))},
+                       coords={"method": np.array(["weight_o", "weight_v", "random"], dtype=object),
+                               "retention": retention})
+    notes = ["weight_o = weight_v (one curve)", "retention 0.9 keeps all 4 heads per layer"]
+    assert sparsification_notes(sweep, 4) == notes
+    run = RunData("r", "m", "d", 16, 2, 4, 2, 3, ablation={"sweep": sweep})
+    assert [t.get_text() for t in sparsification([run]).axes[0].texts] == ["\n".join(notes)]
+    assert sparsification_notes(sweep.isel(method=[0, 2], retention=[0, 2]), 4) == []

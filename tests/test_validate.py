@@ -55,7 +55,11 @@ def test_good_store_is_valid_and_opens_with_xarray(good_store):
 
 def test_missing_array(store):
     shutil.rmtree(store / "runs/r/entropy")
-    assert problems_of(store) == ["run r: missing array 'entropy'"]
+    assert problems_of(store) == [
+        f"the root's consolidated metadata (read by xr.open_zarr) is out of date for runs/r/entropy (a writer was "
+        f"interrupted); run `attngeom validate --store {store} --repair` to refresh it",
+        "run r: missing array 'entropy'",
+    ]
 
 
 def test_wrong_dtype_and_dims(store):

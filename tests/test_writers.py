@@ -158,10 +158,10 @@ def test_s3_store_migrates(format1_store, s3_url):
 
     url = s3_url.replace("store.zarr", "format1.zarr")
     fsspec.filesystem("s3").put(str(format1_store), url.removeprefix("s3://"), recursive=True)
-    assert validate_store(url)[0].startswith("store format 1 is older than the one this attngeom writes (3) and has no chunk checksums")
+    assert validate_store(url)[0].startswith("store format 1 is older than the one this attngeom writes (4) and has no chunk checksums")
     result = CliRunner().invoke(main, ["migrate", "--store", url, "--no-progress"])
     assert result.exit_code == 0, result.output
-    assert "format 1 -> 3: rewrote 150 arrays" in result.output
+    assert "format 1 -> 4: rewrote 150 arrays" in result.output
     assert validate_store(url, deep=True) == []
     values = xr.open_zarr(zarr_store(url, read_only=True), group="runs/tiny-llama")["values"]
     np.testing.assert_array_equal(values.values, xr.open_zarr(str(format1_store), group="runs/tiny-llama")["values"].values)

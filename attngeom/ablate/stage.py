@@ -79,18 +79,17 @@ from attngeom.store import (
     REGIMES,
     check_committed,
     completed,
-    consolidate,
     open_derived,
     open_root,
     open_run_group,
     reading_run,
-    replace_groups,
     require_run,
     run_provenance,
 )
+from attngeom.store.derived import DerivedWrite
 
-# How each method orders the heads of a layer, first kept first.
-METHODS = {
+# How each method (schema.METHODS, in that order) orders the heads of a layer, first kept first.
+RANKINGS = {
     "type_guided": "regimes by mean single-head impact (unprotected heads), then heads by own impact; largest first",
     "single_impact": "own single-head impact on the importance split; largest first",
     "weight_o": "Frobenius norm of the head's W_O slice; largest first",
@@ -209,7 +208,7 @@ def _sweep_keys(
     regime: np.ndarray | None,
     protected: np.ndarray,
 ) -> dict[str, list[np.ndarray]]:
-    """The deterministic methods' ranking keys (see METHODS), larger kept first."""
+    """The deterministic methods' ranking keys (see RANKINGS), larger kept first."""
     entropy = diagnostics["mean_attention_entropy"]
     keys = {
         "single_impact": [single_impact],
@@ -545,7 +544,7 @@ def _attrs(request: AblateRequest, inputs: _RunInputs, measured: _Measured) -> d
                 "rule": CRITICAL_RULE, "k": request.critical_k, "floor": request.critical_floor,
                 "threshold": measured.threshold,
             },
-            "methods": {m: METHODS[m] for m in measured.sweep["method"].values},
+            "methods": {m: RANKINGS[m] for m in measured.sweep["method"].values},
             "skipped_methods": inputs.skipped,
             "attngeom_version": __version__,
         }
@@ -607,8 +606,8 @@ def _write_ablation(url: str, run_id: str, groups: dict[str, xr.Dataset]) -> Non
     """Replace the run's previous results as a whole, committed last: no group of an older
     ablation survives, and an interrupted write leaves the older one readable. The commit
     records the protocol and parameters every group carries in its attributes."""
-    replace_groups(url, run_id, ABLATION, groups, groups["single"].attrs[ATTR_KEY])
-    consolidate(open_root(url, mode="a"))
+    with DerivedWrite(url, run_id, ABLATION) as write:
+        write.replace(groups, groups["single"].attrs[ATTR_KEY])
 
 
 def _write_tables(out: Path, run_id: str, groups: dict[str, xr.Dataset], table: pd.DataFrame) -> None:

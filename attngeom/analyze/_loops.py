@@ -59,7 +59,10 @@ def _cos(a, b):
 
 @_jit
 def _exact(y, k, s, cache):
-    """D_k = ||y_k - s||^2 from the difference, computed once per key (cache NaN = not yet)."""
+    """D_k = ||y_k - s||^2: as computed by `kernels._squared_distances` for the keys
+    :func:`exact_keys` names, elsewhere (cache NaN) here, from the difference: a key it does
+    not name is more than an error from every key it is compared with, so its last ulps
+    cannot change a comparison."""
     if np.isnan(cache[k]):
         acc = 0.0
         for d in range(s.size):
@@ -228,13 +231,26 @@ def _expansions(yy, ys, ss, y_max, e_rel, tiny, x):
 
 
 @_jit
+def _bisect_left(a, v):
+    """The first index of the sorted a whose value is >= v (a.size if none)."""
+    lo, hi = 0, a.size
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if a[mid] < v:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@_jit
 def _count_le(small, large):
     """#{(a, b): b <= a} over a in small, b in large (either order works; the smaller side
     is sorted)."""
     a = np.sort(small)
     count = 0
     for b in large:
-        count += a.size - np.searchsorted(a, b, side="left")
+        count += a.size - _bisect_left(a, b)
     return count
 
 
@@ -303,50 +319,27 @@ def _count_lt(small, large):
 
 
 @_jit
-def head_geometry(alpha, values, att, points, draw_keys, v_norm, head_constants, mu, mu_q95,
-                  options, floats, counts):
-    """Every top-N output of one query head (docs/method.md) at the valid sizes ``points``
-    (ascending, each < |K|): floats (N_FLOATS, P) and counts (N_COUNTS, P), filled in place
-    (they arrive NaN / -1).
-
-    alpha (K,), values (K, D) of the head's kv head, att (K,) bool; draw_keys (R, K): draw d
-    selects the attendable keys of smallest key; v_norm (K,) ||v_k||; head_constants: C,
-    c_lo, c_hi, q05, q95 of the kv head; mu and mu_q95 (P,) from :func:`head_coherence`;
-    options: e_rel, tiny (the expansions' error bound, `_expansions`), l_rtol (`_k_sink`).
-    """
+def aggregates(alpha, values, att, points, draw_keys):
+    """One query head's contributions y = alpha v (K, D) and aggregates: the rows of S
+    (rows, D) are the main selection's s_N at each of points, then the sink-excluded
+    selection's at the points where it is valid, then each random draw's at every point;
+    s_plus (P, D) the main s_N without the sink. Returns them with the orders (and the main
+    ranks) of the three selections: ``(y, S, s_plus, (order, rank, ns_order, draw_orders))``.
+    alpha (K,), values (K, D), att (K,) bool, points (P,) ascending, draw_keys (R, K)."""
     K, D = values.shape
     P, R = points.size, draw_keys.shape[0]
-    e_rel, tiny, l_rtol = options[0], options[1], options[2]
-    C, c_lo, c_hi, q05, q95 = (head_constants[0], head_constants[1], head_constants[2],
-                               head_constants[3], head_constants[4])
     has_sink = att[0]
     nonsink = att.copy()
     nonsink[0] = False
-    n_att = n_ns = 0
+    n_ns = 0
     for k in range(K):
-        n_att += att[k]
         n_ns += nonsink[k]
-
     y = np.empty((K, D))
-    yy = np.empty(K)
-    y_norm = np.empty(K)
     for k in range(K):
         for d in range(D):
             y[k, d] = alpha[k] * values[k, d]
-        yy[k] = _dot(y[k], y[k])
-        y_norm[k] = np.sqrt(yy[k])
-    o = np.zeros(D)
-    for k in range(K):
-        if att[k]:
-            for d in range(D):
-                o[d] += y[k, d]
-    o_norm = _norm(o)
-
-    # Aggregates: rows [0, P) the main selection's s_N, [P, 2P) the sink-excluded
-    # selection's, then P per random draw.
     order, rank = ranked(-alpha, att)
-    ns_points = points[points < n_ns] if has_sink else points[:0]
-    Pn = ns_points.size
+    Pn = np.sum(points < n_ns) if has_sink else 0
     S = np.empty((P + Pn + R * P, D))
     s_plus = np.empty((P, D))
     _prefix_sums(y, order, nonsink, points, s_plus, 0)
@@ -356,15 +349,144 @@ def head_geometry(alpha, values, att, points, draw_keys, v_norm, head_constants,
             S[p, d] = s_plus[p, d] + y[0, d] if sink_in else s_plus[p, d]
     ns_order = ranked(-alpha, nonsink)[0]
     if Pn:
-        _prefix_sums(y, ns_order, nonsink, ns_points, S, P)
+        _prefix_sums(y, ns_order, nonsink, points[:Pn], S, P)
     draw_orders = np.empty((R, K), dtype=np.int64)
     for r in range(R):
         draw_orders[r] = uniform_ranked(draw_keys[r], att)
         _prefix_sums(y, draw_orders[r], att, points, S, P + Pn + r * P)
-    ys = np.dot(S, y.T.copy())  # (rows, K) <s, y_k> of every aggregate, one product
+    return y, S, s_plus, (order, rank, ns_order, draw_orders)
+
+
+@_jit
+def _rows(P, Pn, R):
+    """For each aggregate row: its size's index p and which selection (0 main, 1 sink-excluded,
+    2 + r random draw r)."""
+    rows = P + Pn + R * P
+    point = np.empty(rows, np.int64)
+    kind = np.empty(rows, np.int64)
+    for i in range(rows):
+        if i < P:
+            point[i], kind[i] = i, 0
+        elif i < P + Pn:
+            point[i], kind[i] = i - P, 1
+        else:
+            point[i], kind[i] = (i - P - Pn) % P, 2 + (i - P - Pn) // P
+    return point, kind
+
+
+@_jit
+def exact_keys(y, S, ys, orders, points, att, options):
+    """The expansions X (rows, K) of every aggregate's distances, each row's error bound e
+    (rows,) and whether it is compared exactly (rows,), and the (row, key) pairs whose exact
+    distance the comparisons of :func:`head_geometry` can need: the keys within 2e of the
+    row's extreme selected or unselected expansion (radii and ball counts: each radius lies
+    within e/2 of that extreme), and in the main rows the sink and every selected and
+    unselected key (or the sink) within 3e of one of the other side (inversions); every
+    candidate of a row compared exactly.
+
+    An expansion is within e/2 of D_k computed either way, so the other comparisons come out
+    the same whichever way D_k is rounded."""
+    K = y.shape[0]
+    rows = S.shape[0]
+    order, rank, ns_order, draw_orders = orders
+    P, R = points.size, draw_orders.shape[0]
+    Pn = rows - P - R * P
+    n_att = 0
+    for k in range(K):
+        n_att += att[k]
+    yy = np.empty(K)
+    for k in range(K):
+        yy[k] = _dot(y[k], y[k])
     y_max = np.sqrt(yy.max()) if K else 0.0
-    x = np.empty(K)
-    cache = np.empty(K)
+    X = np.empty((rows, K))
+    err = np.empty(rows)
+    unsure = np.empty(rows, np.bool_)
+    point, kind = _rows(P, Pn, R)
+    mark = np.zeros((rows, K), np.bool_)
+    for row in range(rows):
+        err[row], unsure[row] = _expansions(yy, ys[row], _dot(S[row], S[row]), y_max, options[0],
+                                            options[1], X[row])
+        x, e, n = X[row], err[row], points[point[row]]
+        if kind[row] == 0:
+            sel_order, n_cand = order, n_att
+        elif kind[row] == 1:
+            sel_order, n_cand = ns_order, n_att - 1
+        else:
+            sel_order, n_cand = draw_orders[kind[row] - 2], n_att
+        xmax, xmin = -np.inf, np.inf
+        for i in range(n):
+            xmax = max(xmax, x[sel_order[i]])
+        for i in range(n, n_cand):
+            xmin = min(xmin, x[sel_order[i]])
+        for i in range(n_cand):
+            k = sel_order[i]
+            near = unsure[row] or abs(x[k] - xmax) <= 2 * e
+            if i < n:
+                near = near or abs(x[k] - xmin) <= 2 * e
+            else:
+                near = near or x[k] <= xmin + 2 * e
+            mark[row, k] = near
+        if kind[row] == 0:
+            # Inversions and the sink's comparisons: the pairs of a selected and an
+            # unselected key (or the sink) whose expansions are within 3e.
+            mark[row, 0] = att[0]
+            chosen = sel_order[:n]
+            by_x = np.argsort(x[chosen])
+            xs = x[chosen][by_x]
+            for i in range(n, n_cand + 1):
+                k = sel_order[i] if i < n_cand else 0
+                if i == n_cand and not (att[0] and rank[0] < n):
+                    continue
+                lo = np.searchsorted(xs, x[k] - 3 * e, side="left")
+                hi = np.searchsorted(xs, x[k] + 3 * e, side="right")
+                if lo != hi or unsure[row]:
+                    mark[row, k] = True
+                    for t in range(lo, hi):
+                        mark[row, chosen[by_x[t]]] = True
+    pairs = np.nonzero(mark)
+    return X, err, unsure, pairs[0], pairs[1]
+
+
+@_jit
+def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orders, alpha, v_norm,
+                  head_constants, mu, mu_q95, options, floats, counts):
+    """Every top-N output of one query head (docs/method.md) at the valid sizes ``points``
+    (ascending, each < |K|): floats (N_FLOATS, P) and counts (N_COUNTS, P), filled in place
+    (they arrive NaN / -1).
+
+    values (K, D) of the head's kv head, att (K,) bool; y, S, s_plus and orders from
+    :func:`aggregates`, ys (rows, K) = S y^T; expansions = (X, err, unsure) from
+    :func:`exact_keys` and exact (rows, K) the exact distances of the pairs it names (NaN
+    elsewhere); alpha (K,) the attention row; v_norm (K,) ||v_k||; head_constants: C, c_lo,
+    c_hi, q05, q95 of the kv head; mu and mu_q95 (P,) from :func:`head_coherence`; options:
+    e_rel, tiny, l_rtol (`_k_sink`).
+    """
+    K, D = values.shape
+    P = points.size
+    order, rank, ns_order, draw_orders = orders
+    R = draw_orders.shape[0]
+    l_rtol = options[2]
+    C, c_lo, c_hi, q05, q95 = (head_constants[0], head_constants[1], head_constants[2],
+                               head_constants[3], head_constants[4])
+    has_sink = att[0]
+    nonsink = att.copy()
+    nonsink[0] = False
+    n_att = n_ns = 0
+    for k in range(K):
+        n_att += att[k]
+        n_ns += nonsink[k]
+    Pn = S.shape[0] - P - R * P
+    yy = np.empty(K)
+    y_norm = np.empty(K)
+    o = np.zeros(D)
+    for k in range(K):
+        yy[k] = _dot(y[k], y[k])
+        y_norm[k] = np.sqrt(yy[k])
+        if att[k]:
+            for d in range(D):
+                o[d] += y[k, d]
+    o_norm = _norm(o)
+    X, err, unsure_rows = expansions
 
     # The sink-aware bounds' weights (paper: beta_0 = lambda alpha_0; exact: alpha ||v||).
     paper_defined = not has_sink or C > 0
@@ -380,9 +502,7 @@ def head_geometry(alpha, values, att, points, draw_keys, v_norm, head_constants,
     for p in range(P):
         n = points[p]
         s = S[p]
-        ss = _dot(s, s)
-        e, unsure = _expansions(yy, ys[p], ss, y_max, e_rel, tiny, x)
-        cache[:] = np.nan
+        x, e, unsure, cache = X[p], err[p], unsure_rows[p], exact[p]
         precision, recall, f_score, r_max2, r_min2 = _ball(y, s, x, e, unsure, order, n, n_att,
                                                           cache)
         floats[PRECISION, p], floats[RECALL, p], floats[F_SCORE, p] = precision, recall, f_score
@@ -399,12 +519,12 @@ def head_geometry(alpha, values, att, points, draw_keys, v_norm, head_constants,
         inversions = 0
         for i in range(n, n_att):
             k = order[i]
-            lo = np.searchsorted(d_sorted, x[k] - 2 * e, side="left")
-            hi = np.searchsorted(d_sorted, x[k] + 2 * e, side="right")
-            if not unsure and lo == hi:
-                inversions += n - hi
+            # With no D_i within 2e of x_k, D_i >= D_k exactly for the D_i above the band.
+            lo = _bisect_left(d_sorted, x[k] - 2 * e)
+            if not unsure and (lo == n or d_sorted[lo] > x[k] + 2 * e):
+                inversions += n - lo
             else:
-                inversions += n - np.searchsorted(d_sorted, _exact(y, k, s, cache), side="left")
+                inversions += n - _bisect_left(d_sorted, _exact(y, k, s, cache))
         counts[INVERSIONS, p] = inversions
 
         if has_sink and not sigma:
@@ -487,9 +607,8 @@ def head_geometry(alpha, values, att, points, draw_keys, v_norm, head_constants,
             floats[NOSINK_F_SCORE, p] = floats[F_SCORE, p]
         elif p < Pn:
             row = P + p
-            e, unsure = _expansions(yy, ys[row], _dot(S[row], S[row]), y_max, e_rel, tiny, x)
-            cache[:] = np.nan
-            scores = _ball(y, S[row], x, e, unsure, ns_order, points[p], n_ns, cache)
+            scores = _ball(y, S[row], X[row], err[row], unsure_rows[row], ns_order, points[p], n_ns,
+                           exact[row])
             floats[NOSINK_PRECISION, p], floats[NOSINK_RECALL, p], floats[NOSINK_F_SCORE, p] = (
                 scores[0], scores[1], scores[2])
 
@@ -499,9 +618,8 @@ def head_geometry(alpha, values, att, points, draw_keys, v_norm, head_constants,
             total = np.zeros(3)
             for r in range(R):
                 row = P + Pn + r * P + p
-                e, unsure = _expansions(yy, ys[row], _dot(S[row], S[row]), y_max, e_rel, tiny, x)
-                cache[:] = np.nan
-                scores = _ball(y, S[row], x, e, unsure, draw_orders[r], points[p], n_att, cache)
+                scores = _ball(y, S[row], X[row], err[row], unsure_rows[row], draw_orders[r],
+                               points[p], n_att, exact[row])
                 for i in range(3):
                     total[i] += scores[i]
             floats[RANDOM_PRECISION, p] = total[0] / R
@@ -527,6 +645,13 @@ def _pair_at(t):
 def _interpolate(below, above, pos, lo):
     """numpy's 'linear' quantile between the order statistics lo and lo + 1."""
     return below + (pos - lo) * (above - below)
+
+
+@_jit
+def _order_pair(x, lo, hi):
+    """The lo-th and hi-th smallest of x (hi = lo or lo + 1), by one partition (x reordered)."""
+    part = np.partition(x, lo)
+    return part[lo], (part[lo] if hi == lo else part[lo + 1:].min())
 
 
 @_jit
@@ -581,11 +706,13 @@ def pair_statistics(gram, share, min_pairs, bracket_min):
     # One pass, free of branches: the comparisons go either way at random, and a candidate is
     # written at the end of its list whether or not the list then grows past it.
     inside = np.empty(m + 1)
-    listed = np.empty(m + 1, np.int64)  # flat index q * k + p
+    listed = np.empty(m + 1, np.int64)  # p of the listed pairs (q, p), row after row
+    row_start = np.zeros(k + 1, np.int64)
     n_in = below = n_top = 0
     for q in range(1, k):
         row = gram[q]
         best = -np.inf
+        row_start[q] = n_top
         for p in range(q):
             c = row[p]
             a = abs(c)
@@ -594,14 +721,15 @@ def pair_statistics(gram, share, min_pairs, bracket_min):
             below += c < t_lo
             inside[n_in] = c
             n_in += (c >= t_lo) & (c <= t_hi)
-            listed[n_top] = q * k + p
+            listed[n_top] = p
             n_top += a >= threshold
         row_max[q] = max(row_max[q], best)
+    row_start[k] = n_top
     median = np.nan
     for attempt in range(3):
         if below <= lo and hi < below + n_in:
-            part = np.sort(inside[:n_in])
-            median = _interpolate(part[lo - below], part[hi - below], pos, lo)
+            below_value, above_value = _order_pair(inside[:n_in], lo - below, hi - below)
+            median = _interpolate(below_value, above_value, pos, lo)
             break
         t_lo, t_hi = _bracket(sample, lo, hi, m, 0.08, attempt == 0 and m > bracket_min)
         n_in = below = 0
@@ -612,31 +740,36 @@ def pair_statistics(gram, share, min_pairs, bracket_min):
                 inside[n_in] = c
                 n_in += (c >= t_lo) & (c <= t_hi)
 
-    # Bucket the listed pairs by |cosine|, descending (a counting sort).
-    flat = gram.ravel()
-    top_a = np.abs(flat[listed[:n_top]])
-    a_lo, a_hi = np.inf, -np.inf
-    for i in range(n_top):
-        a_lo = min(a_lo, top_a[i])
-        a_hi = max(a_hi, top_a[i])
+    # Bucket the listed pairs by |cosine|, descending (a counting sort): every listed |cosine|
+    # lies between the threshold (or the smallest of them, when all are listed) and the
+    # largest row maximum.
+    a_hi = row_max.max()
+    a_lo = threshold
+    if not np.isfinite(a_lo):
+        a_lo = np.inf
+        for q in range(1, k):
+            for p in range(q):
+                a_lo = min(a_lo, abs(gram[q, p]))
     scale = _BUCKETS / (a_hi - a_lo) if a_hi > a_lo else 0.0
     bucket = np.empty(n_top, np.int64)
     bounds = np.zeros(_BUCKETS + 1, np.int64)
-    for i in range(n_top):
-        b = _BUCKETS - 1 - min(int((top_a[i] - a_lo) * scale), _BUCKETS - 1)
-        bucket[i] = b
-        bounds[b + 1] += 1
+    for q in range(1, k):
+        for i in range(row_start[q], row_start[q + 1]):
+            b = _BUCKETS - 1 - min(int((abs(gram[q, listed[i]]) - a_lo) * scale), _BUCKETS - 1)
+            bucket[i] = b
+            bounds[b + 1] += 1
     for b in range(_BUCKETS):
         bounds[b + 1] += bounds[b]
     fill = bounds[:-1].copy()
     out_a = np.empty(n_top)
     out_p = np.empty(n_top, np.int64)
     out_q = np.empty(n_top, np.int64)
-    for i in range(n_top):
-        j = fill[bucket[i]]
-        fill[bucket[i]] += 1
-        out_a[j] = top_a[i]
-        out_q[j], out_p[j] = divmod(listed[i], k)
+    for q in range(1, k):
+        for i in range(row_start[q], row_start[q + 1]):
+            j = fill[bucket[i]]
+            fill[bucket[i]] += 1
+            p = listed[i]
+            out_a[j], out_p[j], out_q[j] = abs(gram[q, p]), p, q
     return median, row_max, out_a, out_p, out_q, bounds
 
 
@@ -718,6 +851,123 @@ def head_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_a
                             qq, pp = max(a_key, b_key), min(a_key, b_key)
                             gathered[j] = abs(gram[qq, pp])
                             j += 1
-            gathered.sort()
-            stats[0], stats[1] = gathered[lo], gathered[hi]
+            stats[0], stats[1] = _order_pair(gathered, lo, hi)
         mu_q95[p] = _interpolate(stats[0], stats[1], pos, lo)
+
+
+@_jit
+def _quantile(x, q):
+    """numpy's 'linear' q-quantile of the 1-D x (reordered), NaN if x is empty."""
+    m = x.size
+    if m == 0:
+        return np.nan
+    pos = q * (m - 1)
+    lo = int(np.floor(pos))
+    below, above = _order_pair(x, lo, min(lo + 1, m - 1))
+    return _interpolate(below, above, pos, lo)
+
+
+@_jit
+def kv_head(values, att):
+    """What depends on one kv head's values (K, D) and mask att (K,) only: ||v_k|| (K,), the
+    unit vectors u_k (K, D) (0 for v_k = 0), <u_0, u_k> (K,) at the non-sink keys (-inf
+    elsewhere), and (C, c_lo, c_hi, median, q05, q95): the median non-sink norm and the
+    extremes, median and 5%/95% quantiles of <u_0, u_k> over the non-sink keys."""
+    K, D = values.shape
+    v_norm = np.empty(K)
+    unit = np.zeros((K, D))
+    for k in range(K):
+        v_norm[k] = _norm(values[k])
+        if v_norm[k] > 0:
+            for d in range(D):
+                unit[k, d] = values[k, d] / v_norm[k]
+    sink_cos = np.full(K, -np.inf)
+    n_ns = 0
+    for k in range(1, K):
+        if att[k]:
+            sink_cos[k] = _dot(unit[0], unit[k])
+            n_ns += 1
+    norms = np.empty(n_ns)
+    cos = np.empty(n_ns)
+    j = 0
+    for k in range(1, K):
+        if att[k]:
+            norms[j], cos[j] = v_norm[k], sink_cos[k]
+            j += 1
+    c_lo = cos.min() if n_ns else np.inf
+    c_hi = cos.max() if n_ns else -np.inf
+    stats = np.array([_quantile(norms, 0.5), c_lo, c_hi, _quantile(cos.copy(), 0.5),
+                      _quantile(cos.copy(), 0.05), _quantile(cos.copy(), 0.95)])
+    return v_norm, unit, sink_cos, stats
+
+
+# ------------------------------------------------------------------ the query heads of a kv head
+# One call per step for all the query heads reading one kv head (h of them): a call from
+# Python costs microseconds per argument, which small heads (L = 512, head_dim 64) notice.
+
+
+@_jit
+def group_aggregates(alpha, values, att, points, draw_keys):
+    """:func:`aggregates` of each query head: alpha (h, K), draw_keys (h, R, K); returns
+    y (h, K, D), S (h, rows, D), s_plus (h, P, D) and the orders stacked on a first axis."""
+    h, K = alpha.shape
+    y0, S0, sp0, o0 = aggregates(alpha[0], values, att, points, draw_keys[0])
+    y = np.empty((h,) + y0.shape)
+    S = np.empty((h,) + S0.shape)
+    s_plus = np.empty((h,) + sp0.shape)
+    order = np.empty((h, K), np.int64)
+    rank = np.empty((h, K), np.int64)
+    ns_order = np.empty((h, K), np.int64)
+    draw_orders = np.empty((h,) + o0[3].shape, np.int64)
+    for i in range(h):
+        yi, Si, spi, oi = aggregates(alpha[i], values, att, points, draw_keys[i])
+        y[i], S[i], s_plus[i] = yi, Si, spi
+        order[i], rank[i], ns_order[i], draw_orders[i] = oi[0], oi[1], oi[2], oi[3]
+    return y, S, s_plus, (order, rank, ns_order, draw_orders)
+
+
+@_jit
+def group_exact_keys(y, S, ys, orders, points, att, options):
+    """:func:`exact_keys` of each query head: X (h, rows, K), err and unsure (h, rows), and
+    the (head, row, key) triples to compute exactly."""
+    h, rows, K = ys.shape
+    X = np.empty((h, rows, K))
+    err = np.empty((h, rows))
+    unsure = np.empty((h, rows), np.bool_)
+    heads, row_idx, key_idx = [], [], []
+    for i in range(h):
+        o = (orders[0][i], orders[1][i], orders[2][i], orders[3][i])
+        X[i], err[i], unsure[i], r, k = exact_keys(y[i], S[i], ys[i], o, points, att, options)
+        for j in range(r.size):
+            heads.append(i)
+            row_idx.append(r[j])
+            key_idx.append(k[j])
+    return X, err, unsure, np.array(heads, np.int64), np.array(row_idx, np.int64), np.array(key_idx, np.int64)
+
+
+@_jit
+def group_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orders, alpha,
+                   v_norm, head_constants, mu, mu_q95, options):
+    """:func:`head_geometry` of each query head: floats (h, N_FLOATS, P), counts
+    (h, N_COUNTS, P); mu and mu_q95 (h, P)."""
+    h, P = alpha.shape[0], points.size
+    floats = np.full((h, N_FLOATS, P), np.nan)
+    counts = np.full((h, N_COUNTS, P), -1, np.int64)
+    for i in range(h):
+        o = (orders[0][i], orders[1][i], orders[2][i], orders[3][i])
+        head_geometry(values, att, points, y[i], S[i], s_plus[i], ys[i],
+                      (expansions[0][i], expansions[1][i], expansions[2][i]), exact[i], o, alpha[i],
+                      v_norm, head_constants, mu[i], mu_q95[i], options, floats[i], counts[i])
+    return floats, counts
+
+
+@_jit
+def group_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_att):
+    """:func:`head_coherence` of each query head: rank (h, k) -> mu, mu_q95 (h, P)."""
+    h, P = rank.shape[0], points.size
+    mu = np.full((h, P), np.nan)
+    mu_q95 = np.full((h, P), np.nan)
+    for i in range(h):
+        head_coherence(rank[i], row_max, top_a, top_p, top_q, bounds, gram, points, n_att, mu[i],
+                       mu_q95[i])
+    return mu, mu_q95

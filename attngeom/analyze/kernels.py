@@ -39,11 +39,9 @@ _TOP_PAIR_SHARE = 0.08
 # Below this many pairs every pair is a candidate.
 _TOP_PAIR_MIN = 4096
 
-# Quantiles of longer arrays are taken within a bracket from a sample (`_order_statistics`).
+# A kv head with more pairs than this finds its median pair cosine within a bracket from a
+# sample (`_loops.pair_statistics`).
 _BRACKET_MIN = 1 << 16
-
-# Fractional part of the golden ratio: sample positions j * _GOLDEN mod 1 cover [0, 1) evenly.
-_GOLDEN = 0.6180339887498949
 
 # An absolute floor under the expansions' error bound (`_error_bound`), far above subnormal
 # rounding.
@@ -52,8 +50,8 @@ _TINY = 1e-290
 # Relative margin of the "L <= 0" test of the sink-aware bounds, see `_loops._k_sink`.
 _L_RTOL = 1e-10
 
-__all__ = ["TOPN_COUNTS", "TOPN_FLOATS", "VALUE_STATISTICS", "head_metrics", "topn_metrics",
-           "value_statistics"]
+__all__ = ["TOPN_COUNTS", "TOPN_FLOATS", "VALUE_STATISTICS", "compile_kernels", "head_metrics",
+           "topn_metrics", "value_statistics"]
 
 
 def topn_metrics(
@@ -147,6 +145,16 @@ def head_metrics(
     return _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, True)
 
 
+def compile_kernels() -> None:
+    """Compile the kernels' loops, or load them from numba's cache beside the package, in
+    this process: worker processes forked after it share them (the stage calls it before
+    forking its workers; otherwise the first call in each process pays it). A cold compile
+    takes tens of seconds, a load from the cache under a second."""
+    rng = np.random.default_rng(0)
+    head_metrics(rng.random((2, 8)), rng.normal(size=(1, 8, 2)), np.ones((1, 8), dtype=bool),
+                 [1, 2, 4], head_kv=np.zeros(2, dtype=np.int64), random_draws=1)
+
+
 def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with_values):
     """topn_metrics' outputs, and value_statistics' (None unless with_values)."""
     alpha, values, attendable, head_kv = _check_batch(attn, values, attendable, head_kv)
@@ -170,35 +178,54 @@ def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with
             gram = _nonsink_gram(kv, g)
             pairs = _loops.pair_statistics(gram, _TOP_PAIR_SHARE, _TOP_PAIR_MIN, _BRACKET_MIN)
             median_cos[g] = pairs[0]
-            for h in np.flatnonzero(head_kv == g):
-                _query_head(out, h, alpha[h], values[g], attendable[g], kv, g, gram, pairs, grid,
-                            draw_keys[:, h])
+            heads = np.flatnonzero(head_kv == g)
+            if heads.size:
+                _query_heads(out, heads, alpha[heads], values[g], attendable[g], kv, g, gram, pairs,
+                             grid, draw_keys[:, heads])
         stats = _value_statistics(kv, median_cos) if with_values else None
     return out, stats
 
 
-def _query_head(out, h, alpha, values, att, kv, g, gram, pairs, grid, draw_keys):
-    """Row h of out: query head h's outputs at every N of grid, from its attention row alpha
-    (K,), its kv head g's values (K, D), mask att (K,), Gram matrix and pair statistics."""
+def _query_heads(out, heads, alpha, values, att, kv, g, gram, pairs, grid, draw_keys):
+    """Rows heads of out: the outputs at every N of grid of the query heads reading kv head g,
+    from their attention rows alpha (h, K), the kv head's values (K, D), mask att (K,), Gram
+    matrix and pair statistics; draw_keys (R, h, K)."""
     att = np.ascontiguousarray(att)
     n_att = int(att.sum())
     points = np.unique(grid[grid < n_att])
-    mu, mu_q95 = np.full(points.size, np.nan), np.full(points.size, np.nan)
-    if gram.shape[0] >= 2:
-        rank = _loops.ranked(-alpha, att)[1]
-        _loops.head_coherence(rank[kv.nonsink[g]], *pairs[1:], gram, points, n_att, mu, mu_q95)
-    floats = np.full((_loops.N_FLOATS, points.size), np.nan)
-    counts = np.full((_loops.N_COUNTS, points.size), -1, dtype=np.int64)
-    head_constants = np.array([kv.C[g], kv.c_lo[g], kv.c_hi[g], kv.q05[g], kv.q95[g]])
     options = np.array([_error_bound(values.shape[1]), _TINY, _L_RTOL])
-    _loops.head_geometry(alpha, values, att, points, np.ascontiguousarray(draw_keys),
-                         kv.v_norm[g], head_constants, mu, mu_q95, options, floats, counts)
-    valid = grid < n_att
+    y, S, s_plus, orders = _loops.group_aggregates(alpha, values, att, points,
+                                                   np.ascontiguousarray(draw_keys.transpose(1, 0, 2)))
+    if gram.shape[0] >= 2:
+        mu, mu_q95 = _loops.group_coherence(np.ascontiguousarray(orders[1][:, kv.nonsink[g]]), *pairs[1:],
+                                            gram, points, n_att)
+    else:
+        mu = mu_q95 = np.full((heads.size, points.size), np.nan)
+    # <s, y_k> of every aggregate and key, one product per head.
+    ys = S @ y.transpose(0, 2, 1)
+    X, err, unsure, hh, rows, keys = _loops.group_exact_keys(y, S, ys, orders, points, att, options)
+    exact = np.full(X.shape, np.nan)
+    exact[hh, rows, keys] = _squared_distances(y[hh, keys], S[hh, rows])
+    head_constants = np.array([kv.C[g], kv.c_lo[g], kv.c_hi[g], kv.q05[g], kv.q95[g]])
+    floats, counts = _loops.group_geometry(values, att, points, y, S, s_plus, ys, (X, err, unsure),
+                                           exact, orders, alpha, kv.v_norm[g], head_constants, mu,
+                                           mu_q95, options)
+    valid = np.flatnonzero(grid < n_att)
     at = np.searchsorted(points, grid[valid])
+    cells = np.ix_(heads, valid)
     for i, name in enumerate(TOPN_FLOATS):
-        out[name][h, valid] = floats[i, at]
+        out[name][cells] = floats[:, i, at]
     for i, name in enumerate((*TOPN_COUNTS, "sink_selected")):
-        out[name][h, valid] = counts[i, at]
+        out[name][cells] = counts[:, i, at]
+
+
+def _squared_distances(y, s):
+    """||y - s||^2 over the last axis, from the difference: the exact distance D_k of every
+    comparison an expansion cannot settle. Rounding decides between keys whose distances
+    agree to a few ulps (real attention rows hold many keys of nearly no weight, all at
+    nearly ||s_N||^2): this is the one way they are computed, as before the compiled kernels."""
+    diff = y - s
+    return np.einsum("...d,...d->...", diff, diff)
 
 
 def _error_bound(D: int) -> float:
@@ -251,22 +278,14 @@ class _KvHeads(NamedTuple):
 def _kv_heads(values, attendable):
     nonsink = attendable.copy()
     nonsink[:, 0] = False
-    v_norm = np.linalg.norm(values, axis=-1)
-    unit = _unit(values, v_norm)
-    sink_cos = np.where(nonsink, np.einsum("gd,gkd->gk", unit[:, 0], unit), -np.inf)
-
-    def quantiles(x, q):
-        return np.array([_quantile(row[keep], q) for row, keep in zip(x, nonsink)])
-
+    G, K, D = values.shape
+    v_norm, unit, sink_cos, stats = np.empty((G, K)), np.empty((G, K, D)), np.empty((G, K)), np.empty((G, 6))
+    for g in range(G):
+        v_norm[g], unit[g], sink_cos[g], stats[g] = _loops.kv_head(values[g], np.ascontiguousarray(attendable[g]))
     return _KvHeads(
         v_norm=v_norm, unit=unit, nonsink=nonsink, has_sink=attendable[:, 0],
-        C=quantiles(v_norm, 0.5),
-        sink_cos=sink_cos,
-        c_lo=np.min(sink_cos, axis=1, where=nonsink, initial=np.inf),
-        c_hi=np.max(sink_cos, axis=1, initial=-np.inf),
-        sink_cos_median=quantiles(sink_cos, 0.5),
-        q05=quantiles(sink_cos, 0.05),
-        q95=quantiles(sink_cos, 0.95),
+        C=stats[:, 0], sink_cos=sink_cos, c_lo=stats[:, 1], c_hi=stats[:, 2],
+        sink_cos_median=stats[:, 3], q05=stats[:, 4], q95=stats[:, 5],
     )
 
 
@@ -278,52 +297,6 @@ def _nonsink_gram(kv, g):
     if not unit.shape[0]:
         return np.empty((0, 0))
     return syrk(1.0, unit).T
-
-
-def _unit(values, v_norm):
-    """u = v/||v||, and u = 0 for v = 0."""
-    return values / np.where(v_norm > 0, v_norm, 1.0)[:, :, None]
-
-
-def _quantile(x, q, size=None):
-    """q-quantile (numpy's 'linear' method: x_lo + (pos - lo) (x_hi - x_lo)) of the 1-D x, NaN
-    if x is empty; with size, of x's smallest `size` entries (the others being larger)."""
-    m = x.size if size is None else size
-    if m == 0:
-        return np.nan
-    pos = q * (m - 1)
-    lo = int(np.floor(pos))
-    hi = min(lo + 1, m - 1)
-    below, above = _order_statistics(x, lo, hi)
-    return below + (pos - lo) * (above - below)
-
-
-def _order_statistics(x, lo, hi):
-    """The lo-th and hi-th smallest entries of the 1-D x (lo <= hi).
-
-    For a long x, a bracket [t_lo, t_hi] around them is taken from a sample; counting
-    the entries below t_lo and partitioning the few inside is exact whenever the bracket
-    holds both ranks. A bracket that misses is widened once (the entries of a flattened Gram
-    matrix are correlated along rows, which a sample of 2048 sees less sharply), and a
-    partition of all of x answers after that.
-    """
-    m = x.size
-    if m > _BRACKET_MIN:
-        # Positions spread by the golden ratio, not a stride: a stride that divides the row
-        # length of a flattened matrix samples a few of its columns only.
-        sample = np.sort(x[(np.arange(2048) * _GOLDEN % 1.0 * m).astype(np.int64)])
-        for share in (0.02, 0.08):
-            margin = share * sample.size + 8
-            t_lo = sample[max(int(lo / m * sample.size - margin), 0)]
-            t_hi = sample[min(int(hi / m * sample.size + margin), sample.size - 1)]
-            below = np.count_nonzero(x < t_lo)
-            # Gathered by index: a boolean mask's compress runs 2-3x slower on a long x.
-            inside = x[np.flatnonzero((x >= t_lo) & (x <= t_hi))]
-            if below <= lo and hi < below + inside.size:
-                part = np.partition(inside, (lo - below, hi - below))
-                return part[lo - below], part[hi - below]
-    part = np.partition(x, (lo, hi))
-    return part[lo], part[hi]
 
 
 def _check_batch(attn, values, attendable, head_kv):

@@ -16,21 +16,27 @@ whatever the store's size. Results are written back to the store under
 - ``signatures`` (regime, n): mechanistic signatures, mean and median across a regime's heads;
 - ``summary`` (layer, head, n, stat): mean, median, 5% and 95% quantiles and count of every
   ``topn`` variable across sequences, plus F conditioned on the sink's selection;
-- ``table``   (row): the same as a tidy table (also Parquet and CSV with ``--out``).
+- ``table``   (row): the same as a tidy table (also Parquet and CSV with ``--out``);
+- ``topn_by_query`` (seq, layer, head, query_pos, n) and ``summary_by_query``: the same at each
+  stored query of a run extracted with ``--queries`` (:mod:`attngeom.analyze.by_query`),
+  committed, healed and resumed with the other groups.
 
 The analysis is committed last (:mod:`attngeom.store.derived`): its record says which
 sequences and which parameters (:func:`analysis_parameters`) it covers. A rerun with the same
 parameters computes only the sequences not yet covered, appending them along ``seq``, then
 recomputes the groups across sequences; with other parameters everything is recomputed into
 staging while the earlier analysis stays readable. Killed at any moment, the same command
-resumes and ends bit for bit where an uninterrupted one does.
+resumes and ends bit for bit where an uninterrupted one does. A rerun also rewrites what of
+the committed analysis is lost or damaged (:func:`_healing`). One
+:class:`~attngeom.store.derived.DerivedWrite` owns the store from the record to the commit.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -44,7 +50,7 @@ import zarr
 from tqdm.auto import tqdm
 
 from attngeom.analyze import by_query, taxonomy
-from attngeom.analyze.kernels import head_metrics
+from attngeom.analyze.kernels import compile_kernels, head_metrics
 from attngeom.analyze.scheduling import dask_client
 from attngeom.errors import GroupNotFoundError, InputError, RunNotFoundError
 from attngeom.store import (
@@ -62,29 +68,23 @@ from attngeom.store import (
     analysis_path,
     check_committed,
     completed,
-    consolidate,
     open_dataset,
     open_root,
     open_run_group,
     read_chunk,
     require_run,
-    run_ids,
+    require_runs,
     run_path,
     run_provenance,
-    write_dataset,
-    zarr_store,
 )
 from attngeom.store.derived import (
     Commit,
+    Damage,
     DerivedState,
+    DerivedWrite,
     Pending,
-    commit,
-    derived_state,
+    forget_unreadable,
     open_derived,
-    promote,
-    resume_promotion,
-    set_pending,
-    staged_path,
 )
 
 RANDOM_DRAWS = 8
@@ -96,6 +96,8 @@ ANALYSIS_VERSION = 2
 # (sequence, layer) tasks per batch: the analysis records its progress after each batch, so
 # a killed analyze loses at most one; enough tasks to keep every worker busy meanwhile.
 BATCH_TASKS = 128
+# Batches computed at once: one being finished while the next one starts.
+_BATCHES_IN_FLIGHT = 2
 # Largest ``topn`` the cross-sequence reductions load at once (a 7B model with 1,024 heads has
 # about 4 MB a sequence at 12 N): larger ones are reduced one variable at a time.
 _LOADED_TOPN_BYTES = 1 << 28
@@ -154,7 +156,8 @@ class AnalyzeResult:
     """One run's analyze: ``sequences`` covered by the analysis now, ``new_sequences``
     computed by this call, ``instances`` the (sequence, layer, head) instances covered,
     ``seconds`` wall time; ``recomputed`` says why earlier results were recomputed rather
-    than extended (None when they were extended, or there were none)."""
+    than extended (None when they were extended, or there were none); ``healed`` names the
+    damaged committed groups written again (None when there were none)."""
 
     run_id: str
     sequences: int
@@ -162,6 +165,7 @@ class AnalyzeResult:
     instances: int
     seconds: float
     recomputed: str | None = None
+    healed: str | None = None
 
 
 def open_completed(store: str, run_id: str) -> xr.Dataset:
@@ -376,7 +380,7 @@ def run_regimes(store: str) -> dict[str, tuple[str, str, np.ndarray]]:
     Raises :class:`IncompleteGroupError` for a run whose analysis is not finished."""
     root = open_root(store)
     out = {}
-    for rid in run_ids(root):
+    for rid in require_runs(root, store):
         try:
             heads = open_derived(store, rid, ANALYSIS, "heads")
         except GroupNotFoundError:
@@ -413,13 +417,15 @@ def _changes(old: dict[str, Any], new: dict[str, Any]) -> str:
 class _Plan:
     """How to bring one run's analysis to ``target`` (its committed sequences, in order):
     ``keep`` is the prefix already written with these parameters (in staging when
-    ``staged``); the earlier commit stays valid meanwhile when ``keep_commit``."""
+    ``staged``); the earlier commit stays valid meanwhile when ``keep_commit``; ``heal``
+    the damaged committed groups to write again."""
 
     target: tuple[int, ...]
     keep: tuple[int, ...]
     staged: bool
     keep_commit: bool
     recomputed: str | None
+    heal: tuple[str, ...] = ()
 
 
 def _is_prefix(head: Sequence[int], seq: Sequence[int]) -> bool:
@@ -452,6 +458,21 @@ def _plan(state: DerivedState, params: dict[str, Any], target: tuple[int, ...]) 
     return _Plan(target, keep, staged=staged, keep_commit=staged, recomputed=reason)
 
 
+def _healing(plan: _Plan, damage: Mapping[str, Damage], sequence_groups: Sequence[str]) -> _Plan:
+    """``plan`` also rewriting the damaged committed groups. A recomputation into staging
+    replaces them all anyway; otherwise the per-sequence groups (``sequence_groups``) are
+    computed again from their first damaged sequence on, in place (so the commit is dropped
+    first), and the groups across sequences, recomputed by any analyze that is not up to
+    date, with them."""
+    if not damage or plan.staged:
+        return plan
+    plan = replace(plan, heal=tuple(sorted(damage)))
+    starts = [d.seq_from or 0 for d in damage.values() if d.group in sequence_groups]
+    if starts:
+        plan = replace(plan, keep=plan.keep[: min(starts)], keep_commit=False)
+    return plan
+
+
 def _sequence_groups(ds: xr.Dataset) -> tuple[str, ...]:
     """The per-sequence groups of the run ``ds``: topn_by_query too for a run with queries."""
     return (*ANALYSIS_SEQUENCE_GROUPS, *(QUERY_SEQUENCE_GROUPS if by_query.has_queries(ds) else ()))
@@ -460,11 +481,6 @@ def _sequence_groups(ds: xr.Dataset) -> tuple[str, ...]:
 def _all_groups(ds: xr.Dataset) -> tuple[str, ...]:
     """Every group an analysis of the run ``ds`` commits."""
     return (*ANALYSIS_GROUPS, *(QUERY_GROUPS if by_query.has_queries(ds) else ()))
-
-
-def _sequence_paths(run_id: str, staged: bool, names: Sequence[str]) -> dict[str, str]:
-    return {name: staged_path(run_id, ANALYSIS, name) if staged else analysis_path(run_id, name)
-            for name in names}
 
 
 def _groups(grid: Sequence[int], seed: int, stacked: Any, ds: xr.Dataset,
@@ -508,18 +524,17 @@ def _computed_groups(store: str, run_id: str, ds: xr.Dataset, grid: Sequence[int
     return _groups(grid.tolist(), seed, stacked, ds, *per_query)
 
 
-def _open_groups(store: str, paths: dict[str, str]) -> dict[str, zarr.Group]:
-    target = zarr_store(store, read_only=False)
-    return {name: zarr.open_group(target, path=path, mode="r+", use_consolidated=False) for name, path in paths.items()}
+def _open_groups(write: DerivedWrite, staged: bool, names: Sequence[str]) -> dict[str, zarr.Group]:
+    return {name: write.group(name, staged=staged) for name in names}
 
 
-def _prepare(store: str, paths: dict[str, str], ds: xr.Dataset, plan: _Plan, grid, seed) -> tuple[int, ...]:
+def _prepare(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, grid, seed) -> tuple[int, ...]:
     """Create the per-sequence groups sized for ``plan.target`` (only metadata and the
     fixed coordinates are written), or grow the kept ones; returns the prefix kept."""
     keep = plan.keep
     if keep:
         try:
-            groups = _open_groups(store, paths)
+            groups = _open_groups(write, plan.staged, _sequence_groups(ds))
             if not all(np.array_equal(g["seq"][: len(keep)], keep) for g in groups.values()):
                 keep = ()
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
@@ -529,9 +544,9 @@ def _prepare(store: str, paths: dict[str, str], ds: xr.Dataset, plan: _Plan, gri
         # (one chunk per sequence cost 2 ms a chunk, a third of an analyze's writes).
         per_chunk = {"seq": _sequences_per_batch(ds.sizes["layer"])}
         for name, template in _template_groups(ds, grid, seed).items():
-            write_dataset(template, store, paths[name], compute=False, chunks=per_chunk)
+            write.write(name, template, staged=plan.staged, compute=False, chunks=per_chunk)
         return keep
-    for group in _open_groups(store, paths).values():
+    for group in _open_groups(write, plan.staged, _sequence_groups(ds)).values():
         for _, arr in group.arrays():
             if tuple(arr.metadata.dimension_names or ())[:1] == ("seq",) and arr.shape[0] != len(plan.target):
                 arr.resize((len(plan.target), *arr.shape[1:]))
@@ -549,13 +564,14 @@ def _write_batch(groups: dict[str, zarr.Group], computed: dict[str, xr.Dataset],
                 groups[name][var][start:stop] = data[var].values
 
 
-def _cross_sequence_groups(store: str, paths: dict[str, str], n_seq: int, provenance: dict,
-                           run_id: str) -> tuple[dict[str, xr.Dataset], pd.DataFrame]:
-    """heads, summary, signatures and table from the stored per-sequence groups (their first
-    ``n_seq`` sequences), reduced in this process: ``topn`` loaded whole up to
+def _cross_sequence_groups(write: DerivedWrite, staged: bool, n_seq: int, provenance: dict,
+                           names: Sequence[str]) -> tuple[dict[str, xr.Dataset], pd.DataFrame]:
+    """heads, summary, signatures and table (and summary_by_query when ``names``, the
+    per-sequence groups, hold topn_by_query) from the stored per-sequence groups (their
+    first ``n_seq`` sequences), reduced in this process: ``topn`` loaded whole up to
     _LOADED_TOPN_BYTES (each variable read by its own dask compute cost 0.2 s of an analyze
     of 4 sequences), one variable at a time beyond."""
-    stored = {name: open_dataset(store, path).isel(seq=slice(0, n_seq)) for name, path in paths.items()}
+    stored = {name: write.read(name, staged=staged).isel(seq=slice(0, n_seq)) for name in names}
     topn = stored["topn"]
     # NaN marks "not defined here" (no sink, N too large): all-NaN reductions are expected.
     # The reads are small; a cluster would only add transfers.
@@ -572,7 +588,7 @@ def _cross_sequence_groups(store: str, paths: dict[str, str], n_seq: int, proven
             if per_query.nbytes <= _LOADED_TOPN_BYTES:
                 per_query = per_query.load()
             summary_query = by_query.summary_by_query(per_query, summary_dataset)
-    table = tidy_table(summary, provenance, run_id)
+    table = tidy_table(summary, provenance, write.run_id)
     groups = {"heads": heads, "summary": summary, "signatures": signatures,
               "table": xr.Dataset({c: ("row", table[c].to_numpy()) for c in table.columns},
                                   coords={"row": table.index.to_numpy()})}
@@ -603,31 +619,52 @@ def _checked_input(store: str, run_id: str, n_grid: Sequence[int] | None) -> tup
     return ds, grid
 
 
-def _compute_sequences(store: str, run_id: str, ds: xr.Dataset, plan: _Plan, params: dict[str, Any],
+def _compute_sequences(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, params: dict[str, Any],
                        seed: int, progress: bool) -> tuple[Pending, int]:
     """Compute and write the per-sequence groups of the sequences ``plan`` does not keep,
     batch by batch, recording progress after each; returns the record of what is written
     and how many sequences were computed."""
     pending = Pending(params, plan.keep, staged=plan.staged)
-    set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
-    paths = _sequence_paths(run_id, plan.staged, _sequence_groups(ds))
-    keep = _prepare(store, paths, ds, plan, params["n_grid"], seed)
+    write.set_pending(pending, keep_commit=plan.keep_commit)
+    write.discard_damaged(_sequence_groups(ds) if not plan.keep_commit else ())
+    keep = _prepare(write, ds, plan, params["n_grid"], seed)
     pending = replace(pending, sequences=keep)
-    groups = _open_groups(store, paths)
-    target = plan.target
-    with tqdm(total=len(target) - len(keep), unit="seq", desc=f"{run_id}: analyze", disable=not progress) as bar:
-        for a, b in _batches(len(keep), len(target), ds.sizes["layer"]):
-            _write_batch(groups, _computed_groups(store, run_id, ds.isel(seq=slice(a, b)), params["n_grid"], seed), a)
-            pending = replace(pending, sequences=target[:b])
-            set_pending(store, run_id, ANALYSIS, pending, keep_commit=plan.keep_commit)
-            bar.update(b - a)
+    groups = _open_groups(write, plan.staged, _sequence_groups(ds))
+    target, run_id = plan.target, write.run_id
+    batches = list(_batches(len(keep), len(target), ds.sizes["layer"]))
+
+    def compute(batch: tuple[int, int]) -> dict[str, xr.Dataset]:
+        return _computed_groups(write.url, run_id, ds.isel(seq=slice(*batch)), params["n_grid"], seed)
+
+    # Batches in flight beside the one being written: the workers compute the next batch
+    # while this process writes one, and are handed the batch after it before the tail of
+    # the one they run ends. Their results are a few kilobytes per task.
+    computing = ThreadPoolExecutor(_BATCHES_IN_FLIGHT)
+    try:
+        with tqdm(total=len(target) - len(keep), unit="seq", desc=f"{run_id}: analyze", disable=not progress) as bar:
+            futures = [computing.submit(compute, batch) for batch in batches[:_BATCHES_IN_FLIGHT]]
+            for i, (a, b) in enumerate(batches):
+                computed = futures[i].result()
+                if i + _BATCHES_IN_FLIGHT < len(batches):
+                    futures.append(computing.submit(compute, batches[i + _BATCHES_IN_FLIGHT]))
+                _write_batch(groups, computed, a)
+                pending = replace(pending, sequences=target[:b])
+                write.set_pending(pending, keep_commit=plan.keep_commit)
+                bar.update(b - a)
+    finally:
+        # On an error or Ctrl-C, a batch still computing is not waited for: leaving the
+        # scheduler's context cancels its tasks.
+        computing.shutdown(wait=False, cancel_futures=True)
     return pending, len(target) - len(keep)
 
 
 def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None, seed: int = 0,
-                out: Path | None = None, progress: bool = True) -> AnalyzeResult:
+                out: Path | None = None, progress: bool = True, deep: bool = False) -> AnalyzeResult:
     """Bring the analysis of one run up to date with its committed sequences (in the Dask
-    scheduler of the caller's context). Measure -> write per batch -> reduce -> commit."""
+    scheduler of the caller's context), rewriting what of it is damaged: measure -> write
+    per batch -> reduce -> commit, one :class:`DerivedWrite` owning the store throughout.
+    The committed groups are checked for lost or resized objects, and with ``deep`` also
+    for objects failing to decode."""
     start = time.perf_counter()
     ds, grid = _checked_input(store, run_id, n_grid)
     params = analysis_parameters(grid, seed)
@@ -635,32 +672,33 @@ def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None,
     ds = ds.assign(attendable=ds["attendable"].load(), head_kv=ds["head_kv"].load())
     target = tuple(int(s) for s in ds["seq"].values)
 
-    state = derived_state(store, run_id, ANALYSIS)
-    if resume_promotion(store, state):
-        assert state.pending is not None
-        commit(store, run_id, ANALYSIS, Commit(state.pending.parameters, _all_groups(ds), state.pending.sequences,
-                                               _sequence_groups(ds)))
-        state = derived_state(store, run_id, ANALYSIS)
-    plan = _plan(state, params, target)
-    up_to_date = state.commit is not None and plan.keep == target and state.pending is None and not plan.staged
-    if up_to_date:
-        table = open_derived(store, run_id, ANALYSIS, "table").to_dataframe().reset_index(drop=True)
-        new = 0
-    else:
-        pending, new = _compute_sequences(store, run_id, ds, plan, params, seed, progress)
-        cross, table = _cross_sequence_groups(store, _sequence_paths(run_id, plan.staged, _sequence_groups(ds)),
-                                              len(target),
-                                              ds.attrs.get("attngeom", {}), run_id)
-        for name, dataset in cross.items():
-            write_dataset(dataset, store, staged_path(run_id, ANALYSIS, name))
-        promote(store, run_id, ANALYSIS, [*(_sequence_groups(ds) if plan.staged else ()), *cross], pending)
-        commit(store, run_id, ANALYSIS, Commit(params, _all_groups(ds), target, _sequence_groups(ds)))
+    sequence_groups, groups = _sequence_groups(ds), _all_groups(ds)
+    with DerivedWrite(store, run_id, ANALYSIS, deep=deep) as write:
+        resumed = write.resume_promotion()
+        if resumed is not None:
+            write.commit(Commit(resumed.parameters, groups, resumed.sequences, sequence_groups))
+        state = write.state
+        plan = _healing(_plan(state, params, target), write.damage, sequence_groups)
+        healed = "; ".join(f"{analysis_path(run_id)}/{write.damage[name]}" for name in plan.heal) or None
+        up_to_date = (state.commit is not None and plan.keep == target and state.pending is None
+                      and not plan.staged and not plan.heal)
+        if up_to_date:
+            table = write.read("table").to_dataframe().reset_index(drop=True)
+            new = 0
+        else:
+            pending, new = _compute_sequences(write, ds, plan, params, seed, progress)
+            cross, table = _cross_sequence_groups(write, plan.staged, len(target), ds.attrs.get("attngeom", {}),
+                                                  sequence_groups)
+            for name, dataset in cross.items():
+                write.write(name, dataset)
+            write.promote([*(sequence_groups if plan.staged else ()), *cross], pending)
+            write.commit(Commit(params, groups, target, sequence_groups))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         table.to_parquet(out / f"{run_id}.topn.parquet", index=False)
         table.to_csv(out / f"{run_id}.topn.csv", index=False)
     instances = len(target) * ds.sizes["layer"] * ds.sizes["head"]
-    return AnalyzeResult(run_id, len(target), new, instances, time.perf_counter() - start, plan.recomputed)
+    return AnalyzeResult(run_id, len(target), new, instances, time.perf_counter() - start, plan.recomputed, healed)
 
 
 def analyze(
@@ -672,21 +710,26 @@ def analyze(
     out: Path | None = None,
     seed: int = 0,
     progress: bool = True,
+    deep: bool = False,
 ) -> list[AnalyzeResult]:
     """Analyze every run of the store (or ``run_id``); results go to ``runs/<id>/analysis``.
 
-    Incremental: a run's sequences already analyzed with the same parameters are kept (see
-    :func:`analyze_run`)."""
+    Incremental: a run's sequences already analyzed with the same parameters are kept, and
+    damaged committed groups written again (see :func:`analyze_run`; ``deep`` also reads
+    every committed object). Two analyzes of one run on a local store run one after the
+    other."""
     root = open_root(store, mode="a")
-    runs = run_ids(root)
+    runs = require_runs(root, store)
     if run_id is not None:
         require_run(root, run_id, store)
     todo = [run_id] if run_id else runs
-    if not todo:
-        raise RunNotFoundError(f"{store} holds no run; run extract first")
+    # An analysis whose record does not parse is none (xarray could not even open the run).
+    dropped = {rid for rid in todo if forget_unreadable(store, rid, ANALYSIS)}
     for rid in todo:  # every run's input checked before any analysis is touched
         _checked_input(store, rid, n_grid)
+    compile_kernels()
     with dask_client(scheduler, store):
-        results = [analyze_run(store, rid, n_grid=n_grid, seed=seed, out=out, progress=progress) for rid in todo]
-    consolidate(open_root(store, mode="a"))
-    return results
+        results = [analyze_run(store, rid, n_grid=n_grid, seed=seed, out=out, progress=progress, deep=deep)
+                   for rid in todo]
+    return [replace(r, recomputed=f"its record {analysis_path(r.run_id)}/zarr.json did not parse")
+            if r.run_id in dropped else r for r in results]

@@ -14,8 +14,8 @@ import base64
 import json
 import re
 import shutil
-import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -29,6 +29,7 @@ from attngeom import __version__
 from attngeom.errors import InputError
 from attngeom.explore import data
 from attngeom.explore.geometry import value_picture
+from attngeom.palette import REGIME_COLORS, VOTE_COLORS
 from attngeom.store import VOTES
 
 PAGE_FILES = ("explore.js", "explore.css")
@@ -64,10 +65,16 @@ def explore(store: str, out: Path, *, run_id: str | None = None, sequences: int 
     _check_target(out)
     runs = data.open_runs(store, run_id, sequences)
     created = next((p for p in reversed(out.absolute().parents) if not p.exists()), None)
-    out.parent.mkdir(parents=True, exist_ok=True)
     # Written aside and moved in at the end: a failure leaves neither a half folder nor
-    # the parents made for it.
-    work = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    # the parents made for it. Made as mkdir does (the umask's mode, not mkdtemp's 0700):
+    # the page is for others to read too.
+    work = out.parent / f".{out.name}-{uuid.uuid4().hex[:12]}"
+    try:
+        work.mkdir(parents=True)
+    except OSError as exc:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise InputError(f"--out {out} cannot be made a folder ({exc.strerror or exc})") from exc
     try:
         heads = _write(store, runs, work, progress)
         if out.exists():
@@ -99,8 +106,9 @@ def _write(store: str, runs: list[data.ExploreRun], out: Path, progress: bool) -
         folder = out / "data" / run.run_id
         folder.mkdir()
         heads += _write_heads(run, folder, progress)
-        entries.append(_run_entry(run))
-    _write_script(out / "data" / "index.js", "index", {"store": store, "runs": entries})
+        entries.append(_run_entry(run, progress))
+    palette = {"regime": REGIME_COLORS, "vote": VOTE_COLORS}
+    _write_script(out / "data" / "index.js", "index", {"store": store, "runs": entries, "palette": palette})
     page = resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
     page = page.replace("{{version}}", __version__).replace("{{plotly_version}}", plotly_version)
     (out / "index.html").write_text(page, encoding="utf-8")
@@ -147,13 +155,18 @@ def _bits(mask: np.ndarray) -> str:
     return base64.b64encode(np.packbits(mask, bitorder="little").tobytes()).decode("ascii")
 
 
-def _run_entry(run: data.ExploreRun) -> dict[str, Any]:
+def _run_entry(run: data.ExploreRun, progress: bool) -> dict[str, Any]:
     """The run's head table and what every head page shares (tokens, grid, notes)."""
     layout = run.layout
-    decode, how = data.token_decoder(run.provenance)
-    ids = data.read_tokens(run)
-    # Undecoded ids are kept apart by a space in the running text.
-    tokens = [decode(row) if decode else [f"{int(t)} " for t in row] for row in ids]
+    with tqdm(total=2, unit="step", desc=f"{run.run_id}: tokens", disable=not progress) as bar:
+        bar.set_postfix_str("loading the tokenizer")
+        decode, how = data.token_decoder(run.provenance)
+        bar.update()
+        bar.set_postfix_str("decoding")
+        ids = data.read_tokens(run)
+        # Undecoded ids are kept apart by a space in the running text.
+        tokens = decode(ids) if decode else [[f"{int(t)} " for t in row] for row in ids]
+        bar.update()
     stats: dict[str, Any] = {}
     if run.heads is not None:
         stats["regime"] = [[str(x) for x in row] for row in np.asarray(run.heads["regime"].values)]

@@ -5,10 +5,8 @@
 (function () {
   "use strict";
 
-  var REGIME_COLORS = { Retriever: "#1f77b4", Mixer: "#ff7f0e", Reset: "#2ca02c" };
   var VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
   var VOTES = ["diagonal", "sink", "other"];
-  var VOTE_COLORS = { diagonal: "#1f77b4", sink: "#ff7f0e", other: "#2ca02c" };
   var STATS = [
     { key: "regime", label: "regime", needs: "regime" },
     { key: "f_score", label: "mean F at N", needs: "f_score" },
@@ -152,7 +150,7 @@
     $("grid-title").textContent = "Heads of " + run.id + ": " + run.layers + " layers × " + run.heads +
       " heads (" + run.kv_heads + " kv heads)";
     grid.appendChild(el("div", { class: "axis top" }, "L\\H"));
-    for (var h = 0; h < run.heads; h++) grid.appendChild(el("div", { class: "axis top" }, h % 5 === 0 ? String(h) : ""));
+    for (var h = 0; h < run.heads; h++) grid.appendChild(el("div", { class: "axis top" }, String(h)));
     for (var l = 0; l < run.layers; l++) {
       grid.appendChild(el("div", { class: "axis" }, String(l)));
       for (h = 0; h < run.heads; h++) {
@@ -195,7 +193,7 @@
     cells.forEach(function (cell) {
       var l = Number(cell.getAttribute("data-layer")), h = Number(cell.getAttribute("data-head"));
       var v = statValue(l, h), color = "#ddd";
-      if (state.stat === "regime" && v !== null) color = REGIME_COLORS[v] || "#999";
+      if (state.stat === "regime" && v !== null) color = state.index.palette.regime[v] || "#999";
       else if (v !== null) color = viridis(hi > lo ? (v - lo) / (hi - lo) : 0.5);
       cell.style.background = color;
       cell.title = "layer " + l + ", head " + h + " (kv " + run.head_kv[h] + ")" +
@@ -204,10 +202,10 @@
     if (!state.stat) {
       legend.textContent = "No statistic to colour by: run `attngeom analyze`.";
     } else if (state.stat === "regime") {
-      Object.keys(REGIME_COLORS).forEach(function (name) {
+      Object.keys(state.index.palette.regime).forEach(function (name) {
         var item = el("span");
         var sw = el("span", { class: "swatch" });
-        sw.style.background = REGIME_COLORS[name];
+        sw.style.background = state.index.palette.regime[name];
         item.appendChild(sw);
         item.appendChild(document.createTextNode(name));
         legend.appendChild(item);
@@ -385,7 +383,7 @@
     VOTES.forEach(function (v, i) {
       var part = el("span", { title: v + " " + pct(fractions[i]) });
       part.style.width = (100 * fractions[i]) + "%";
-      part.style.background = VOTE_COLORS[v];
+      part.style.background = state.index.palette.vote[v];
       bar.appendChild(part);
     });
     return bar;

@@ -128,6 +128,11 @@ def select_windows(
     windows = list(itertools.islice(
         iter_windows(corpus, tokenize, bos_token_id, length, rule=rule, seed=seed), count
     ))
+    if not windows:
+        raise InputError(
+            f"{corpus.id} has no document of at least {length - 1:,} tokens with this tokenizer; "
+            "use a shorter context length or another corpus"
+        )
     if len(windows) < count:
         # Falling short means the corpus was exhausted, so this is the full usable count.
         raise InputError(
@@ -266,8 +271,12 @@ def _read_local(path: Path, text_field: str) -> Iterator[str]:
 
 
 def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"{path}:{lineno} is not UTF-8 text ({e.reason}): convert it to UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -283,9 +292,13 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
 
 
 def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)
+    try:
+        parquet = pq.ParquetFile(path)
+    except pa.ArrowException as e:
+        raise InputError(f"{path} is not a Parquet file ({e}): convert it, or name it for what it holds") from None
     names = parquet.schema_arrow.names
     if text_field not in names:
         raise InputError(

@@ -8,15 +8,18 @@ read that folder.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -98,21 +101,49 @@ def resolve_model(name: str) -> ModelSource:
             digest.update(w.name.encode())
             digest.update(_sha256(w).encode())
         return ModelSource(str(path.resolve()), str(path.resolve()), file_sha256=digest.hexdigest())
+    hub = hub_address()
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(name)
+        # An unreachable hub is asked nothing: its client would retry for half a minute.
+        config = AutoConfig.from_pretrained(name, local_files_only=hub is None)
     except Exception as exc:  # transformers raises OSError, ValueError or HTTP errors here
+        why = (
+            "is not in the local hub cache, and the hub cannot be reached (offline)" if hub is None
+            else f"and the hub ({hub}) could not resolve it ({type(exc).__name__})"
+        )
         raise InputError(
             f"unknown model '{name}': not an offline name ({', '.join(OFFLINE_MODELS)}), "
-            f"not a local folder or .gguf file, and the hub could not resolve it ({type(exc).__name__})"
+            f"not a local folder or .gguf file, {why}"
         ) from exc
     return ModelSource(name, name, revision=getattr(config, "_commit_hash", None))
 
 
+@functools.cache
+def hub_address() -> str | None:
+    """The hub's host:port when it accepts a connection, probed once per process within 3 s;
+    None when it does not or when ``HF_HUB_OFFLINE`` is set."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    url = urlsplit(constants.ENDPOINT)
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((url.hostname, port), timeout=3).close()
+    except OSError:
+        return None
+    return f"{url.hostname}:{port}"
+
+
+def converted_path(gguf_file: str, file_sha256: str) -> Path:
+    """Where the plain transformers folder of a GGUF file is cached (model and tokenizer)."""
+    return cache_dir() / "converted" / f"{Path(gguf_file).stem}-{file_sha256[:12]}"
+
+
 def _converted_folder(source: ModelSource) -> Path:
     """A plain transformers folder for a GGUF source, converted once and cached."""
-    target = cache_dir() / "converted" / f"{Path(source.gguf_file).stem}-{source.file_sha256[:12]}"
+    target = converted_path(source.gguf_file, source.file_sha256)
     if (target / "config.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -58,6 +58,7 @@ from attngeom.store import (
     ATTR_KEY,
     RUN_ID_PATTERN,
     RunLayout,
+    check_run,
     check_writable,
     completed,
     consolidate,
@@ -217,6 +218,9 @@ def _check_request(request: ExtractRequest) -> tuple[int, int] | None:
         )
     if request.dataset is not None and (request.context_length is None or request.num_sequences is None):
         raise InputError("a dataset needs context_length and num_sequences")
+    if isinstance(request.texts, str | bytes):
+        # A string is an iterable of strings: it would be read one character per document.
+        raise InputError("texts is a list of documents (strings), not one string: pass texts=[text]")
     if request.texts is not None and request.context_length is None:
         raise InputError("texts need a context_length")
     if request.split is not None and request.dataset is None:
@@ -272,17 +276,23 @@ def _texts_corpus(texts: Iterable[str]) -> Corpus:
     return Corpus("texts", None, digest.hexdigest(), lambda: texts)
 
 
-def _windowed(request: ExtractRequest, model: _Model, bos_id: int) -> _Input:
+def _corpus(request: ExtractRequest) -> tuple[Corpus, dict[str, Any]] | None:
+    """The dataset or texts to window, and their provenance; None for token ids."""
+    if request.dataset is not None:
+        corpus = open_corpus(request.dataset, split=request.split, text_field=request.text_field)
+        return corpus, {"id": corpus.id, "split": corpus.split, "fingerprint": corpus.fingerprint,
+                        "text_field": request.text_field}
+    if request.texts is not None:
+        corpus = _texts_corpus(request.texts)
+        return corpus, {"id": corpus.id, "split": None, "fingerprint": corpus.fingerprint, "text_field": None}
+    return None
+
+
+def _windowed(request: ExtractRequest, source: tuple[Corpus, dict[str, Any]], model: _Model, bos_id: int) -> _Input:
     """Windows (docs/method.md#preprocessing) from a dataset or texts: BOS and L-1 tokens of one document."""
     if model.tokenizer is None:
         raise InputError("windowing a dataset or texts needs the model's tokenizer: pass tokenizer=")
-    if request.dataset is not None:
-        corpus = open_corpus(request.dataset, split=request.split, text_field=request.text_field)
-        provenance = {"id": corpus.id, "split": corpus.split, "fingerprint": corpus.fingerprint,
-                      "text_field": request.text_field}
-    else:
-        corpus = _texts_corpus(request.texts)
-        provenance = {"id": corpus.id, "split": None, "fingerprint": corpus.fingerprint, "text_field": None}
+    corpus, provenance = source
     tokenizer, length = model.tokenizer, request.context_length
 
     def tokenize(text: str) -> list[int]:
@@ -426,9 +436,10 @@ def extract(request: ExtractRequest) -> ExtractResult:
     """
     shard = _check_request(request)
     check_writable(request.store)
+    source = _corpus(request)  # before the model, which may take minutes to load the first time
     model = _model(request, shard)
     bos_id = _bos_token_id(model.tokenizer, request.bos_token, model.config)
-    inputs = _given(request, model, bos_id) if request.token_ids is not None else _windowed(request, model, bos_id)
+    inputs = _windowed(request, source, model, bos_id) if source is not None else _given(request, model, bos_id)
     queries = query_positions(request.queries, inputs.length)
     run_id = request.run_id or default_run_id(model.name, inputs.id, inputs.length)
     if not RUN_ID_PATTERN.match(run_id):
@@ -463,9 +474,11 @@ def extract(request: ExtractRequest) -> ExtractResult:
             provenance = {**identity, **_run_provenance(request, model, bos_id, shard)}
             run = _write_sequences(request, model, root, run_id, run, provenance, [windows[i] for i in todo],
                                    todo, total, queries)
-            consolidate(root)
         if run is None:  # this shard has no sequence of the run
             return ExtractResult(run_id, 0, 0, total, 0.0)
+        # Also when nothing was written: an extract killed before refreshing it left it stale.
+        consolidate(root)
+        check_run(request.store, run, run_id)  # never a success on a run that does not validate
         return ExtractResult(run_id, len(todo), completed(run).size, n_sequences(run), time.perf_counter() - start)
 
 

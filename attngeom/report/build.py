@@ -12,17 +12,8 @@ from pathlib import Path
 
 import matplotlib
 
-from attngeom.errors import DamagedStoreError
-
-from attngeom.report import (
-    figures_geometry,
-    figures_heads,
-    figures_queries,
-    figures_sink,
-    figures_values,
-    html,
-    tables,
-)
+from attngeom.errors import DamagedStoreError, InputError
+from attngeom.report import figures_geometry, figures_heads, figures_queries, figures_sink, figures_values, html, tables
 from attngeom.report.data import Requirement, RunData, load_runs
 from attngeom.report.plots import RC
 from attngeom.report.spec import FigureSpec, TableSpec
@@ -99,12 +90,15 @@ def build_report(store: str, out: Path) -> Path:
     out = Path(out)
     runs = load_runs(store)
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"--out {out} cannot be made a folder ({exc.strerror or exc})") from exc
     try:
         entries = [draw_figure(spec, runs, out) for spec in FIGURES]
         entries += [make_table(spec, runs, out) for spec in TABLES]
         index = out / "index.html"
-        index.write_text(html.render(store, len(runs), entries, _summary_notes(runs, entries)), encoding="utf-8")
+        index.write_text(html.render(store, len(runs), entries, _summary_notes(entries)), encoding="utf-8")
     except BaseException:
         if created:
             shutil.rmtree(out, ignore_errors=True)
@@ -112,11 +106,10 @@ def build_report(store: str, out: Path) -> Path:
     return index
 
 
-def _summary_notes(runs: Sequence[RunData], entries: Sequence[html.Entry]) -> list[str]:
+def _summary_notes(entries: Sequence[html.Entry]) -> list[str]:
     """The page's list of missing inputs: each distinct note once, with the items it affects."""
     affected: dict[str, list[str]] = {}
     for entry in entries:
         for note in entry.notes:
             affected.setdefault(note, []).append(entry.name)
-    notes = [] if runs else ["the store holds no run yet (run `attngeom extract`)"]
-    return notes + [f"{note} — affects {', '.join(names)}" for note, names in affected.items()]
+    return [f"{note} — affects {', '.join(names)}" for note, names in affected.items()]

@@ -25,7 +25,7 @@ from attngeom.store import (
     open_derived,
     open_root,
     open_run_group,
-    run_ids,
+    require_runs,
     run_provenance,
 )
 
@@ -148,7 +148,7 @@ def load_run(store: str, root: zarr.Group, run_id: str) -> RunData:
 def load_runs(store: str) -> list[RunData]:
     """Every run of the store, in run-id order."""
     root = open_root(store)
-    runs = [load_run(store, root, rid) for rid in run_ids(root)]
+    runs = [load_run(store, root, rid) for rid in require_runs(root, store)]
     # One colour per run, fixed here so that a run keeps it in every figure.
     for i, run in enumerate(runs):
         run.color = f"C{i % 10}"

@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import xarray as xr
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from attngeom.palette import REGIME_COLORS
 from attngeom.report.data import (
     RunData,
     all_of,
@@ -18,7 +20,6 @@ from attngeom.report.data import (
     requires,
 )
 from attngeom.report.plots import (
-    REGIME_COLORS,
     color_legend,
     n_axis,
     new_figure,
@@ -106,8 +107,34 @@ def sparsification(runs: Sequence[RunData]) -> Figure:
         ax.set_xlabel("retained fraction of heads per layer")
         ax.set_ylabel(r"$\Delta$NLL (decode)")
         ax.set_title(run.label)
+        notes = sparsification_notes(sweep, run.n_heads)
+        if notes:
+            ax.text(0.02, 0.98, "\n".join(notes), transform=ax.transAxes, ha="left", va="top", fontsize=7,
+                    color="0.25", zorder=4)
     color_legend(fig, list(methods.items()))
     return fig
+
+
+def sparsification_notes(sweep: xr.Dataset, n_heads: int) -> list[str]:
+    """What the curves hide: methods whose curves coincide (the last drawn covers the
+    others), and retentions that keep every head of a layer (the intact model, as 1.0)."""
+    notes = []
+    names = labels(sweep["method"])
+    mean = sweep["delta_nll_mean"].transpose("method", "retention").to_numpy()
+    grouped: list[list[int]] = []
+    for i in range(len(names)):
+        same = next((g for g in grouped if np.array_equal(mean[g[0]], mean[i], equal_nan=True)), None)
+        if same is None:
+            grouped.append([i])
+        else:
+            same.append(i)
+    notes += [" = ".join(names[i] for i in g) + " (one curve)" for g in grouped if len(g) > 1]
+    if "kept_fraction" in sweep:
+        kept = sweep["kept_fraction"].transpose("method", "retention").to_numpy()
+        whole = [float(r) for r, k in zip(sweep["retention"].to_numpy(), kept.T) if r < 1 and np.all(k == 1)]
+        if whole:
+            notes.append(f"retention {', '.join(f'{r:g}' for r in whole)} keeps all {n_heads} heads per layer")
+    return notes
 
 
 CRITICAL_LISTED = 8

@@ -18,7 +18,6 @@ from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
 from attngeom.report.curves import curve
 from attngeom.report.data import RunData, finite
-from attngeom.store import REGIMES
 
 RC = {
     "font.size": 9,
@@ -35,7 +34,6 @@ RC = {
 # A little room around [0, 1], so that curves at 0 or 1 stay visible off the spines.
 UNIT = (-0.03, 1.03)
 N_LABEL = "N (top-N selection size)"
-REGIME_COLORS = dict(zip(REGIMES, ("#1b9e77", "#d95f02", "#7570b3")))
 
 
 def new_figure(nrows: int = 1, ncols: int = 1, *, width: float | None = None,

@@ -4,8 +4,9 @@ Modules, by concern: :mod:`~attngeom.store.schema` (layout, names, versions),
 :mod:`~attngeom.store.codecs` (chunk encoding), :mod:`~attngeom.store.access` (URLs, the
 root, groups as Datasets), :mod:`~attngeom.store.runs` (runs and the per-sequence commit),
 :mod:`~attngeom.store.derived` (analysis and ablation groups and their commit record),
-:mod:`~attngeom.store.validate` and :mod:`~attngeom.store.migrate`. Stages import what they
-use from here.
+:mod:`~attngeom.store.objects` (stored objects and their checks),
+:mod:`~attngeom.store.validate`, :mod:`~attngeom.store.repair` and :mod:`~attngeom.store.migrate`.
+Stages import what they use from here.
 """
 
 from attngeom.store.access import (
@@ -33,6 +34,7 @@ from attngeom.store.runs import (
     n_sequences,
     open_run_group,
     require_run,
+    require_runs,
     resize_run,
     run_ids,
     run_layout,
@@ -48,7 +50,9 @@ from attngeom.store.schema import (
     ATTR_KEY,
     COORDS,
     FORMAT,
+    LABEL_ORDERS,
     LABELS,
+    METHODS,
     QUERY_GROUPS,
     QUERY_SEQUENCE_GROUPS,
     REGIMES,
@@ -73,29 +77,31 @@ from attngeom.store.schema import (
     query_attendable,
     run_path,
 )
+from attngeom.store.repair import Repair, repair
 from attngeom.store.validate import (
     array_metadata,
     arrays_of,
     check_committed,
+    check_run,
     damaged_objects,
     reading_run,
-    repair,
     validate_run,
     validate_store,
 )
 
 __all__ = [
-    "RunLayout", "Variable", "ABLATION", "ABLATION_GROUPS", "ANALYSIS", "ANALYSIS_GROUPS",
-    "ANALYSIS_SEQUENCE_GROUPS", "ATTR_KEY", "COORDS", "FORMAT", "LABELS", "QUERY_GROUPS",
-    "QUERY_SEQUENCE_GROUPS", "REGIMES",
+    "Repair", "RunLayout", "Variable", "ABLATION", "ABLATION_GROUPS", "ANALYSIS", "ANALYSIS_GROUPS",
+    "ANALYSIS_SEQUENCE_GROUPS", "ATTR_KEY", "COORDS", "FORMAT", "LABEL_ORDERS", "LABELS", "METHODS",
+    "QUERY_GROUPS", "QUERY_SEQUENCE_GROUPS", "REGIMES",
     "RUN_ID_PATTERN", "RUN_VARIABLES", "RUNS", "SCHEMA_VERSION", "SEQUENCE_ARRAYS",
     "SIGNATURE_VARIABLES", "STATS", "SUMMARY_DIMS", "TOPN_COUNTS", "TOPN_FLOATS", "TOPN_VARIABLES",
     "VALUE_STATISTICS", "VOTES", "ablation_path", "analysis_path", "array_metadata", "arrays_of",
-    "check_committed", "check_writable", "completed", "compressor", "compressors", "consolidate",
+    "check_committed", "check_run", "check_writable", "completed", "compressor", "compressors", "consolidate",
     "create_run", "damaged_objects", "default_run_id", "derived_problems", "derived_state",
-    "has_checksum", "jsonable", "label_codes", "label_dtype", "local_path", "query_attendable", "n_sequences",
-    "open_dataset", "open_derived", "open_or_create_root", "open_root", "open_run_group",
-    "read_chunk", "read_root_attrs", "reading_run", "repair", "replace_groups", "require_run", "resize_run",
+    "has_checksum", "jsonable", "label_codes", "label_dtype", "local_path", "n_sequences",
+    "open_dataset", "open_derived", "open_or_create_root", "open_root", "open_run_group", "query_attendable",
+    "read_chunk", "read_root_attrs", "reading_run", "repair", "replace_groups", "require_run",
+    "require_runs", "resize_run",
     "run_ids", "run_layout", "run_path", "run_provenance", "store_format", "validate_run",
     "validate_store", "with_checksum", "write_dataset", "write_sequence", "writing", "zarr_store",
 ]

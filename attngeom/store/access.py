@@ -29,6 +29,7 @@ from attngeom import __version__
 from attngeom.errors import (
     CorruptChunkError,
     DamagedStoreError,
+    InputError,
     SchemaError,
     StoreNotFoundError,
     StoreWriteError,
@@ -39,6 +40,7 @@ from attngeom.store.schema import (
     ANALYSIS,
     ATTR_KEY,
     FORMAT,
+    LABEL_ORDERS,
     LABELS,
     RUNS,
     SCHEMA_VERSION,
@@ -59,7 +61,10 @@ def zarr_store(url: str, *, read_only: bool) -> Any:
     """A zarr Store for a local path or any fsspec URL (``s3://``, ``memory://``, ``file://``)."""
     local = local_path(url)
     if local is None:
-        return zarr.storage.FsspecStore.from_url(url, read_only=read_only)
+        try:
+            return zarr.storage.FsspecStore.from_url(url, read_only=read_only)
+        except (ValueError, ImportError) as exc:  # an unknown protocol, or its package missing
+            raise InputError(f"cannot open the store {url}: {exc}") from exc
     return zarr.storage.LocalStore(local, read_only=read_only)
 
 
@@ -123,7 +128,9 @@ def open_root(url: str, *, mode: str = "r") -> zarr.Group:
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
         raise StoreNotFoundError(f"no attngeom store at {url}") from exc
     except DECODE_ERRORS as exc:
-        raise DamagedStoreError(f"{url}: the root's zarr.json is unreadable ({exc}); {RESTORE}") from exc
+        raise DamagedStoreError(
+            f"{url}: the root's zarr.json is unreadable ({exc}); {recovery(url, '', metadata=True)}"
+        ) from exc
     read_root_attrs(root, url, writing=mode != "r")
     if mode != "r":
         remove_partials(url)
@@ -178,7 +185,9 @@ def open_or_create_root(url: str) -> zarr.Group:
         except zarr.errors.ContainsGroupError:  # a concurrent writer created it
             root = zarr.open_group(zstore, mode="r+", use_consolidated=False)
     except DECODE_ERRORS as exc:
-        raise DamagedStoreError(f"{url}: the root's zarr.json is unreadable ({exc}); {RESTORE}") from exc
+        raise DamagedStoreError(
+            f"{url}: the root's zarr.json is unreadable ({exc}); {recovery(url, '', metadata=True)}"
+        ) from exc
     if ATTR_KEY not in root.attrs and not list(root.keys()):
         root.attrs.update(meta)
     read_root_attrs(root, url, writing=True)
@@ -214,19 +223,24 @@ def check_writable(url: str) -> None:
 RESTORE = "restore the store from a copy, or remove it and extract again"
 
 
-def recovery(url: str, path: str, seq: int | None = None) -> str:
+def recovery(url: str, path: str, seq: int | None = None, *, decoding: bool = False, metadata: bool = False) -> str:
     """How to recover from damage to the array or group at ``path``: a derived group is
-    rewritten by its stage; a committed sequence is uncommitted by ``validate --repair``
-    and rewritten by the run's extract command."""
+    rewritten by its stage (an analysis chunk that fails to decode, ``decoding``, is found
+    by ``analyze --deep``; a missing or resized one by any analyze); a committed sequence is
+    uncommitted by ``validate --repair`` and rewritten by the run's extract command; the
+    ``zarr.json`` of any other node (``metadata``) is rebuilt by ``validate --repair``."""
     parts = path.split("/")
     if len(parts) >= 3 and parts[0] == RUNS and parts[2] in (ANALYSIS, ABLATION):
         stage = "analyze" if parts[2] == ANALYSIS else "ablate"
-        return f"run `attngeom {stage} --store {url} --run {parts[1]}` again to rewrite it"
+        deep = " --deep" if decoding and parts[2] == ANALYSIS else ""
+        return f"run `attngeom {stage} --store {url} --run {parts[1]}{deep}` again to rewrite it"
     if len(parts) >= 2 and parts[0] == RUNS and seq is not None:
         return (
             f"run `attngeom validate --store {url} --deep --repair` to uncommit sequence {seq}, then the "
             f"run's extract command again to rewrite it"
         )
+    if metadata:
+        return f"run `attngeom validate --store {url} --repair` to rebuild it"
     return RESTORE
 
 
@@ -235,9 +249,10 @@ def damaged_chunk(url: str, arr: zarr.Array, index: tuple[int, ...], exc: BaseEx
     key = "/".join(str(i) for i in index) or "0"
     seq = index[0] if arr.metadata.dimension_names and arr.metadata.dimension_names[0] == "seq" else None
     where = f" (sequence {seq})" if seq is not None and arr.path.count("/") == 2 else ""
+    decoding = not isinstance(exc, (EOFError, FileNotFoundError))  # not a missing or empty object
     return CorruptChunkError(
         f"array '{arr.path}' chunk c/{key}{where} is damaged ({type(exc).__name__}: {exc}); "
-        f"{recovery(url, arr.path, seq if where else None)}"
+        f"{recovery(url, arr.path, seq if where else None, decoding=decoding)}"
     )
 
 
@@ -268,24 +283,49 @@ def _locate(url: str, arr: zarr.Array, selection: tuple[slice | int, ...]) -> Co
     return None
 
 
+def node_metadata(zstore: Any, group: str = "") -> dict[str, dict[str, Any] | None]:
+    """Key -> parsed ``zarr.json`` of every node at and under ``group`` (None where it is
+    no Zarr v3 node's metadata: empty, truncated or overwritten), sorted by key."""
+    prefix = f"{group}/" if group else ""
+
+    async def read() -> dict[str, Any]:
+        # One listing, then every object at once: one at a time took 0.3 s for an analysis.
+        keys = sorted([k async for k in zstore.list_prefix(prefix) if k.rsplit("/", 1)[-1] == "zarr.json"])
+        raws = await asyncio.gather(*(zstore.get(k, prototype=default_buffer_prototype()) for k in keys))
+        return dict(zip(keys, raws))
+
+    return {key: _parsed(raw) for key, raw in sync(read()).items()}
+
+
+def _parsed(raw: Any) -> dict[str, Any] | None:
+    """A stored ``zarr.json`` (a Buffer, or None when absent) parsed; None if it is no Zarr
+    v3 node's metadata."""
+    try:
+        meta = json.loads(raw.to_bytes() if raw is not None else b"")
+    except ValueError:
+        return None
+    node = isinstance(meta, dict) and meta.get("zarr_format") == 3 and meta.get("node_type") in ("group", "array")
+    return meta if node else None
+
+
+def read_metadata(zstore: Any, path: str) -> dict[str, Any] | None:
+    """The ``zarr.json`` of the node at ``path``, parsed; None if it is no Zarr v3 node's
+    metadata (empty, truncated or overwritten). :class:`FileNotFoundError` when absent."""
+    raw = sync(zstore.get(f"{path}/zarr.json", prototype=default_buffer_prototype()))
+    if raw is None:
+        raise FileNotFoundError(f"{path}/zarr.json")
+    return _parsed(raw)
+
+
+def _node(key: str) -> str:
+    """The node path of a ``zarr.json`` key ("" for the root's)."""
+    return key.rpartition("/")[0]
+
+
 def unreadable_metadata(url: str, group: str = "") -> list[str]:
     """Keys of the ``zarr.json`` objects at and under ``group`` that are not JSON objects
     (empty or truncated), sorted."""
-    zstore = zarr_store(url, read_only=True)
-    prefix = f"{group}/" if group else ""
-
-    async def keys() -> list[str]:
-        return [k async for k in zstore.list_prefix(prefix) if k.rsplit("/", 1)[-1] == "zarr.json"]
-
-    bad = []
-    for key in sorted(sync(keys())):
-        raw = sync(zstore.get(key, prototype=default_buffer_prototype()))
-        try:
-            if not isinstance(json.loads(raw.to_bytes() if raw is not None else b""), dict):
-                raise ValueError("not a JSON object")
-        except ValueError:
-            bad.append(key)
-    return bad
+    return [key for key, meta in node_metadata(zarr_store(url, read_only=True), group).items() if meta is None]
 
 
 def metadata_damage(url: str, group: str, exc: BaseException) -> DamagedStoreError:
@@ -293,7 +333,7 @@ def metadata_damage(url: str, group: str, exc: BaseException) -> DamagedStoreErr
     bad = unreadable_metadata(url, group)
     if bad:
         return DamagedStoreError(
-            f"{bad[0]} is empty or truncated (unreadable JSON); {recovery(url, bad[0].rsplit('/', 1)[0])}"
+            f"{bad[0]} is empty or truncated (unreadable JSON); {recovery(url, _node(bad[0]), metadata=True)}"
         )
     return DamagedStoreError(f"group '{group}' cannot be read ({type(exc).__name__}: {exc}); {recovery(url, group)}")
 
@@ -330,7 +370,7 @@ class _CheckedArray:
             raise error from exc
 
 
-def open_dataset(url: str, group: str) -> xr.Dataset:
+def open_dataset(url: str, group: str, *, zstore: Any = None) -> xr.Dataset:
     """The group ``group`` of the store at ``url`` as a lazy Dataset, read from its own
     metadata (never the consolidated copy, which lags behind writers). The one way attngeom
     opens a group as a Dataset.
@@ -338,11 +378,12 @@ def open_dataset(url: str, group: str) -> xr.Dataset:
     Label variables, stored as integer codes (see :func:`write_dataset`), come back as
     strings. Data are read by dask in the arrays' (inner) chunks; a chunk that fails to
     decode raises :class:`CorruptChunkError` naming it, an unreadable ``zarr.json``
-    :class:`DamagedStoreError`.
+    :class:`DamagedStoreError`. ``zstore``: the store at ``url`` already open (a writer's).
     """
     try:
         with quiet_leftovers():
-            ds = xr.open_zarr(zarr_store(url, read_only=True), group=group, consolidated=False, chunks=None)
+            ds = xr.open_zarr(zstore if zstore is not None else zarr_store(url, read_only=True), group=group,
+                              consolidated=False, chunks=None)
     except (FileNotFoundError, zarr.errors.NodeNotFoundError):
         raise  # no such group: the caller decides what absence means
     except DECODE_ERRORS as exc:
@@ -382,12 +423,13 @@ def encode_labels(dataset: xr.Dataset) -> xr.Dataset:
     """String variables as integer codes of the Zarr v3 core, readable by any implementation:
     the codes' labels in the variable's attributes, both as CF ``flag_values`` /
     ``flag_meanings`` (blanks in a label become ``_``) and exactly, as
-    ``attngeom.labels`` (code ``-1``: no label)."""
+    ``attngeom.labels`` (code ``-1``: no label). Labels of a fixed vocabulary
+    (``LABEL_ORDERS``) have the same codes in every store."""
     encoded = {}
     for name, var in dataset.variables.items():
         if var.dtype.kind not in "OUS":
             continue
-        labels, codes = label_codes(np.asarray(var.values))
+        labels, codes = label_codes(np.asarray(var.values), LABEL_ORDERS.get(str(name), ()))
         attrs = {
             **var.attrs,
             "flag_values": list(range(len(labels))),
@@ -413,14 +455,15 @@ def writing(url: str) -> Iterator[None]:
 
 
 def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = True,
-                  chunks: Mapping[str, int] | None = None) -> None:
+                  chunks: Mapping[str, int] | None = None, zstore: Any = None) -> None:
     """Write a derived Dataset to ``group``, replacing it, in the store's format: chunk
     checksums, labels as integer codes (:func:`encode_labels`).
 
     With ``compute=False`` only the metadata and the numpy-backed variables are written, for
     later region writes into the dask-backed ones. Arrays are chunked as the data's dask chunks,
     or as zarr chooses; ``chunks`` gives chunk lengths along some dimensions instead (a
-    variable with one of them is chunked whole along its others).
+    variable with one of them is chunked whole along its others). ``zstore``: the store at
+    ``url`` already open for writing (a writer's).
 
     What is stored is what ``Dataset.to_zarr`` stores (``tests/test_store_writes.py`` holds the two
     side by side): NaN as the fill value of floats, with xarray's ``_FillValue`` attribute;
@@ -440,7 +483,7 @@ def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = 
         data.update(zip(lazy, da.compute(*lazy.values())))
     assembled = zarr.storage.MemoryStore()
     sync(_assemble(dataset, data, assembled, group, chunks or {}))
-    target = zarr_store(url, read_only=False)
+    target = zstore if zstore is not None else zarr_store(url, read_only=False)
     with writing(url):
         parent = group.rpartition("/")[0]
         if parent:
@@ -507,10 +550,40 @@ async def copy_group(source: Any, source_group: str, target: Any, target_group: 
 def consolidate(root: zarr.Group) -> None:
     """Refresh the root's consolidated metadata, so that ``xr.open_zarr(url, group=...)``
     opens quickly and quietly. attngeom itself never reads it (it goes stale while a later
-    stage writes)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Consolidated metadata", category=UserWarning)
-        zarr.consolidate_metadata(root.store)
+    stage writes); every writer refreshes it last, and ``validate`` names a stale one.
+    :class:`DamagedStoreError` names a ``zarr.json`` that does not parse."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Consolidated metadata", category=UserWarning)
+            zarr.consolidate_metadata(root.store)
+    except DECODE_ERRORS as exc:
+        bad = [key for key, meta in node_metadata(root.store).items() if meta is None]
+        if not bad:
+            raise
+        zstore = root.store
+        local = isinstance(zstore, zarr.storage.LocalStore)
+        url = str(zstore.root) if local else zstore.fs.unstrip_protocol(zstore.path)
+        raise DamagedStoreError(
+            f"{bad[0]} is empty or truncated (unreadable JSON), so the store's consolidated metadata cannot "
+            f"be refreshed; {recovery(url, _node(bad[0]), metadata=True)}"
+        ) from exc
+
+
+def stale_consolidated(zstore: Any) -> list[str]:
+    """Paths of the nodes whose copy in the root's consolidated metadata (what
+    ``xr.open_zarr`` reads by default) is not their own metadata, or that it lacks or holds
+    in excess; empty when there is no consolidated copy or it is current."""
+    nodes = node_metadata(zstore)
+    root = nodes.get("zarr.json") or {}
+    copy = (root.get("consolidated_metadata") or {}).get("metadata")
+    if not isinstance(copy, dict):
+        return []
+
+    def own(meta: Any) -> Any:
+        return {k: v for k, v in meta.items() if k != "consolidated_metadata"} if isinstance(meta, dict) else meta
+
+    actual = {key.rsplit("/", 1)[0]: own(meta) for key, meta in nodes.items() if key != "zarr.json"}
+    return sorted(path for path in set(actual) | set(copy) if own(copy.get(path)) != actual.get(path))
 
 
 def jsonable(obj: Any) -> Any:

@@ -4,8 +4,10 @@ A derived group ``runs/<id>/<kind>`` carries a record in its attributes, under `
 
 - ``commit``: what the groups at ``runs/<id>/<kind>/<name>`` hold once finished: the run's
   sequences they cover (in the order of their ``seq`` axis), the parameters they were
-  computed with, the group names, and the attngeom version. It is the writer's last write.
-  A reader sees the results only through it (:func:`open_derived`).
+  computed with, the group names, the attngeom version, and every stored object of the
+  groups with its size (``objects``), so that a lost, emptied or truncated object is seen
+  from one listing. It is the writer's last write. A reader sees the results only through
+  it (:func:`open_derived`).
 - ``pending``: an update under way or interrupted: its parameters, the sequences already
   written, and whether it writes into the staging group ``runs/<id>/<kind>/_next`` (the
   commit then stays valid meanwhile) or into the groups themselves (the commit was dropped
@@ -17,13 +19,18 @@ So a writer touches nothing a commit covers without dropping the commit first, a
 writes the commit last: a killed writer leaves either the earlier finished results or a
 group that every reader refuses as incomplete. A derived group without any record predates
 records (attngeom 0.1.0 stores) and is read as it is.
+
+One writer owns one update from start to commit: :class:`DerivedWrite` opens the store
+once, holds the run's lock (local stores), finds what of the committed groups is damaged,
+stages, writes, promotes and commits. Analyze and ablate both write through it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,42 +39,63 @@ import zarr
 from zarr.core.sync import sync
 
 from attngeom import __version__
-from attngeom.errors import GroupNotFoundError, IncompleteGroupError
-from attngeom.store.access import copy_group, jsonable, local_path, open_dataset, write_dataset, zarr_store
+from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError
+from attngeom.store.access import (
+    DECODE_ERRORS,
+    PARTIAL_SUFFIX,
+    consolidate,
+    copy_group,
+    jsonable,
+    local_path,
+    node_metadata,
+    open_dataset,
+    read_metadata,
+    write_dataset,
+    zarr_store,
+)
+from attngeom.store.objects import chunk_objects, object_damage, object_sizes
 from attngeom.store.schema import ABLATION, ANALYSIS, ATTR_KEY, run_path
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): local stores are not locked there either
+    fcntl = None
 
 __all__ = [
     "STAGING",
     "Commit",
+    "Damage",
     "DerivedState",
+    "DerivedWrite",
     "Pending",
-    "commit",
     "derived_problems",
     "derived_state",
+    "forget_unreadable",
     "open_derived",
-    "promote",
     "replace_groups",
-    "resume_promotion",
-    "set_pending",
     "staged_path",
 ]
 
 # The staging group inside a derived group: results replacing committed ones are written
 # here first, then moved into place.
 STAGING = "_next"
-_RERUN = {ANALYSIS: "attngeom analyze", ABLATION: "attngeom ablate"}
+_STAGE = {ANALYSIS: "analyze", ABLATION: "ablate"}
 
 
 @dataclass(frozen=True)
 class Commit:
     """Finished results: ``sequences`` (run sequence ids, in ``seq`` order) covered by the
-    ``sequence_groups`` (which grow along ``seq``), computed with ``parameters``."""
+    ``sequence_groups`` (which grow along ``seq``), computed with ``parameters``; ``objects``:
+    key (below ``runs/<id>/<kind>/``) -> size in bytes of every stored object of the groups
+    (empty in records written before attngeom kept it; anything rewriting the objects in
+    place, a future migration say, must list them again)."""
 
     parameters: dict[str, Any]
     groups: tuple[str, ...]
     sequences: tuple[int, ...] = ()
     sequence_groups: tuple[str, ...] = ()
     attngeom_version: str = __version__
+    objects: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -85,14 +113,16 @@ class Pending:
 @dataclass(frozen=True)
 class DerivedState:
     """The record of ``runs/<run_id>/<kind>``; ``exists`` False when there is no such group,
-    ``legacy`` when the group predates records."""
+    ``legacy`` when the group predates records, ``unreadable`` when its ``zarr.json`` (the
+    record) does not parse."""
 
     run_id: str
     kind: str
     exists: bool = False
     legacy: bool = False
     commit: Commit | None = None
-    pending: Pending | None = field(default=None)
+    pending: Pending | None = None
+    unreadable: bool = False
 
     @property
     def readable(self) -> bool:
@@ -102,30 +132,41 @@ class DerivedState:
         return self.commit is not None and not (self.pending is not None and self.pending.promoting)
 
 
+@dataclass(frozen=True)
+class Damage:
+    """A committed group found damaged: ``objects`` its damaged objects (keys below
+    ``runs/<id>/<kind>/``) and what is wrong with each; ``seq_from`` the first ``seq``
+    position of a damaged chunk of a group growing along ``seq``, None when the whole group
+    must be written again (its metadata, or a group across sequences)."""
+
+    group: str
+    objects: tuple[tuple[str, str], ...]
+    seq_from: int | None
+
+    def __str__(self) -> str:
+        key, what = self.objects[0]
+        more = f" (and {len(self.objects) - 1} more objects)" if len(self.objects) > 1 else ""
+        return f"{key} is {what}{more}"
+
+
 def _kind_path(run_id: str, kind: str) -> str:
     return f"{run_path(run_id)}/{kind}"
 
 
-def _group_path(run_id: str, kind: str, name: str, *, staged: bool = False) -> str:
-    return f"{_kind_path(run_id, kind)}/{STAGING}/{name}" if staged else f"{_kind_path(run_id, kind)}/{name}"
+def staged_path(run_id: str, kind: str, name: str) -> str:
+    """Where ``name`` is written while staged: ``runs/<id>/<kind>/_next/<name>``."""
+    return f"{_kind_path(run_id, kind)}/{STAGING}/{name}"
 
 
-def _open_kind(url: str, run_id: str, kind: str, *, writing: bool) -> zarr.Group | None:
+def _read_state(zstore: Any, run_id: str, kind: str) -> DerivedState:
+    """The record of ``runs/<run_id>/<kind>`` in ``zstore`` (one read of the group's metadata)."""
     try:
-        return zarr.open_group(
-            zarr_store(url, read_only=not writing), path=_kind_path(run_id, kind),
-            mode="r+" if writing else "r", use_consolidated=False,
-        )
-    except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
-        return None
-
-
-def derived_state(url: str, run_id: str, kind: str) -> DerivedState:
-    """The record of ``runs/<run_id>/<kind>`` (one read of the group's metadata)."""
-    group = _open_kind(url, run_id, kind, writing=False)
-    if group is None:
+        meta = read_metadata(zstore, _kind_path(run_id, kind))
+    except FileNotFoundError:
         return DerivedState(run_id, kind)
-    record = group.attrs.get(ATTR_KEY)
+    if meta is None or meta["node_type"] != "group":
+        return DerivedState(run_id, kind, exists=True, unreadable=True)
+    record = (meta.get("attributes") or {}).get(ATTR_KEY)
     if not isinstance(record, Mapping):
         return DerivedState(run_id, kind, exists=True, legacy=True)
     done, pending = record.get("commit"), record.get("pending")
@@ -135,6 +176,7 @@ def derived_state(url: str, run_id: str, kind: str) -> DerivedState:
             parameters=dict(done["parameters"]), groups=tuple(done["groups"]),
             sequences=tuple(done.get("sequences", ())), sequence_groups=tuple(done.get("sequence_groups", ())),
             attngeom_version=str(done.get("attngeom_version", "")),
+            objects={str(k): int(v) for k, v in done.get("objects", {}).items()},
         ) if isinstance(done, Mapping) else None,
         pending=Pending(
             parameters=dict(pending["parameters"]), sequences=tuple(pending.get("sequences", ())),
@@ -143,125 +185,332 @@ def derived_state(url: str, run_id: str, kind: str) -> DerivedState:
     )
 
 
-def _write_record(url: str, run_id: str, kind: str, done: Commit | None, pending: Pending | None) -> None:
-    """Replace the record: one write of the group's ``zarr.json`` (created with it if absent)."""
-    record: dict[str, Any] = {}
-    if done is not None:
-        record["commit"] = jsonable(done.__dict__)
-    if pending is not None:
-        record["pending"] = jsonable(pending.__dict__)
-    group = _open_kind(url, run_id, kind, writing=True)
-    if group is None:
-        zarr.open_group(zarr_store(url, read_only=False), path=run_path(run_id), mode="r+",
-                        use_consolidated=False).create_group(kind, attributes={ATTR_KEY: record})
+def derived_state(url: str, run_id: str, kind: str) -> DerivedState:
+    """The record of ``runs/<run_id>/<kind>`` of the store at ``url``."""
+    return _read_state(zarr_store(url, read_only=True), run_id, kind)
+
+
+def _stored(zstore: Any, base: str, group: str | None = None) -> dict[str, int]:
+    """Key (below ``base``) -> size of every stored object of the groups under ``base`` (or
+    of ``group`` alone): not the record, not staging, not the leftovers of killed writes."""
+    prefix = f"{base}/{group}/" if group else f"{base}/"
+    return {
+        key[len(base) + 1 :]: size for key, size in object_sizes(zstore, prefix).items()
+        if key != f"{base}/zarr.json" and not key.startswith(f"{base}/{STAGING}/") and not key.endswith(PARTIAL_SUFFIX)
+    }
+
+
+def _seq_position(zstore: Any, base: str, key: str) -> int | None:
+    """The first ``seq`` position of the chunk ``key`` (``<group>/<array>/c/<i>/...``) of an
+    array along ``seq``; None for any other object."""
+    parts = key.split("/")
+    if len(parts) < 4 or parts[2] != "c" or not parts[3].isdigit():
+        return None
+    try:
+        arr = zarr.open_array(zstore, path=f"{base}/{parts[0]}/{parts[1]}", mode="r")
+    except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError, *DECODE_ERRORS):
+        return None
+    if tuple(arr.metadata.dimension_names or ())[:1] != ("seq",):
+        return None
+    return int(parts[3]) * arr.chunks[0]
+
+
+def _damage(zstore: Any, state: DerivedState, names: Sequence[str], *, deep: bool) -> dict[str, Damage]:
+    """The committed groups ``names`` found damaged, by name: an object the commit lists that
+    is missing or of another size (one listing); with ``deep``, also one failing to decode."""
+    done = state.commit
+    if done is None or not done.objects:
+        return {}
+    base = _kind_path(state.run_id, state.kind)
+    stored = _stored(zstore, base) if len(names) > 1 else _stored(zstore, base, names[0])
+    found: dict[str, list[tuple[str, str]]] = {}
+    for key, size in sorted(done.objects.items()):
+        group = key.split("/", 1)[0]
+        if group in names and stored.get(key) != size:
+            got = stored.get(key)
+            what = ("missing" if got is None else "empty (0 bytes)" if got == 0
+                    else f"truncated ({got} of {size} bytes)" if got < size
+                    else f"{got} bytes long where {size} were written")
+            found.setdefault(group, []).append((key, what))
+    if deep:
+        for group in names:
+            problems = [] if group in found else _decode_damage(zstore, base, group, done.objects)
+            if problems:
+                found[group] = problems
+    out = {}
+    for group, problems in found.items():
+        positions = [_seq_position(zstore, base, key) if group in done.sequence_groups else None for key, _ in problems]
+        start = None if None in positions else min(p for p in positions if p is not None)
+        out[group] = Damage(group, tuple(problems), start)
+    return out
+
+
+def _decode_damage(zstore: Any, base: str, group: str, objects: Mapping[str, int]) -> list[tuple[str, str]]:
+    """(key, what) of every object of the committed ``group`` that fails to decode."""
+    arrays = sorted({key.rsplit("/", 1)[0] for key in objects if key.startswith(f"{group}/") and key.count("/") == 2
+                     and key.endswith("/zarr.json")})
+    problems = []
+    for path in arrays:
+        try:
+            arr = zarr.open_array(zstore, path=f"{base}/{path}", mode="r")
+        except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError, *DECODE_ERRORS) as exc:
+            problems.append((f"{path}/zarr.json", f"unreadable ({type(exc).__name__})"))
+            continue
+        for index, size in sorted(chunk_objects(arr).items()):
+            why = object_damage(arr, index, size)
+            if why is not None:
+                problems.append((f"{path}/c/" + "/".join(map(str, index)), f"damaged ({type(why).__name__}: {why})"))
+    return problems
+
+
+def _rerun(url: str, run_id: str, kind: str) -> str:
+    return f"run `attngeom {_STAGE.get(kind, kind)} --store {url} --run {run_id}` again to rewrite it"
+
+
+def _damaged(url: str, state: DerivedState, damage: Damage) -> DamagedStoreError:
+    return DamagedStoreError(
+        f"{_kind_path(state.run_id, state.kind)}/{damage}; {_rerun(url, state.run_id, state.kind)}"
+    )
+
+
+@contextlib.contextmanager
+def _locked(url: str, run_id: str) -> Iterator[None]:
+    """Hold the run's writer lock: an advisory lock on the run's folder (``flock``), so that
+    two writers of one run's derived groups (two analyzes, an analyze and an ablate) run one
+    after the other. Released when the writer ends or dies. An object store (``s3://``,
+    ``gs://``, ``memory://``) has no such lock: there the caller must not run two at once."""
+    local = local_path(url)
+    if local is None or fcntl is None:
+        yield
         return
-    group.attrs[ATTR_KEY] = record
+    fd = os.open(local / run_path(run_id), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
-def set_pending(url: str, run_id: str, kind: str, pending: Pending, *, keep_commit: bool) -> None:
-    """Record an update under way; ``keep_commit`` False drops the commit first (in the same
-    write), as any writer must before touching what it covers."""
-    state = derived_state(url, run_id, kind)
-    _write_record(url, run_id, kind, state.commit if keep_commit else None, pending)
+def forget_unreadable(url: str, run_id: str, kind: str) -> bool:
+    """Remove ``runs/<run_id>/<kind>`` if its record does not parse (under the run's lock):
+    it tells nothing of what the groups hold, which are written again. True if removed. A
+    writer does this before opening the run with xarray, which reads every child group's
+    metadata."""
+    with _locked(url, run_id):
+        zstore = zarr_store(url, read_only=False)
+        if not _read_state(zstore, run_id, kind).unreadable:
+            return False
+        _remove(url, zstore, _kind_path(run_id, kind))
+        return True
 
 
-def commit(url: str, run_id: str, kind: str, done: Commit) -> None:
-    """Write the commit record (and forget the pending update): the writer's last write.
-    Leftover staging is removed first."""
-    _remove(url, f"{_kind_path(run_id, kind)}/{STAGING}")
-    _write_record(url, run_id, kind, done, None)
-
-
-# Moving and removing groups: a folder rename on a local store; on any other store (object
-# stores have no rename) a copy of each object through the zarr Store, then a delete.
-
-
-def _remove(url: str, path: str) -> None:
+def _remove(url: str, zstore: Any, path: str) -> None:
     local = local_path(url)
     if local is not None:
         shutil.rmtree(local / path, ignore_errors=True)
         return
-    sync(zarr_store(url, read_only=False).delete_dir(path))
+    sync(zstore.delete_dir(path))
 
 
-def _move(url: str, source: str, target: str) -> None:
-    """Move the group at ``source`` to ``target``, replacing it."""
-    _remove(url, target)
-    local = local_path(url)
-    if local is not None:
-        os.replace(local / source, local / target)
-        return
-    store = zarr_store(url, read_only=False)
+class DerivedWrite:
+    """One update of ``runs/<run_id>/<kind>``, owned from start to commit: open the store
+    once, lock the run, read the record and check the committed groups (``damage``: object
+    presence and sizes, and with ``deep`` every object decoding), then stage, write, promote
+    and commit; on a normal exit, refresh the root's consolidated metadata. A record that
+    does not parse is dropped with the groups it described (they are written again). Use as
+    a context manager::
 
-    async def move() -> None:
-        await copy_group(store, source, store, target)
-        await store.delete_dir(source)
+        with DerivedWrite(url, run_id, ANALYSIS) as write:
+            write.set_pending(...); write.write(name, dataset); write.promote(...); write.commit(...)
+    """
 
-    sync(move())
+    def __init__(self, url: str, run_id: str, kind: str, *, deep: bool = False) -> None:
+        self.url, self.run_id, self.kind, self.deep = url, run_id, kind, deep
+        self.base = _kind_path(run_id, kind)
+        self.zstore = zarr_store(url, read_only=False)
+        self.state = DerivedState(run_id, kind)
+        self.damage: dict[str, Damage] = {}
+        self._exit = contextlib.ExitStack()
+        self._record: zarr.Group | None = None
 
+    def __enter__(self) -> DerivedWrite:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_locked(self.url, self.run_id))
+            self.state = _read_state(self.zstore, self.run_id, self.kind)
+            if self.state.unreadable:  # as forget_unreadable
+                self._remove(self.base)
+                self.state = DerivedState(self.run_id, self.kind)
+            names = self.state.commit.groups if self.state.commit is not None else ()
+            self.damage = _damage(self.zstore, self.state, names, deep=self.deep) if names else {}
+            # A zarr.json of its size that does not parse (overwritten in place): the group
+            # cannot be read, nor, on a rerun that found nothing else, rewritten.
+            for key, meta in node_metadata(self.zstore, self.base).items():
+                relative = key[len(self.base) + 1 :]
+                group = relative.split("/", 1)[0]
+                if meta is None and group in names and group not in self.damage:
+                    self.damage[group] = Damage(group, ((relative, "unreadable JSON"),), None)
+            self._exit = stack.pop_all()
+        return self
 
-def _exists(url: str, path: str) -> bool:
-    local = local_path(url)
-    if local is not None:
-        return (local / path / "zarr.json").exists()
-    return sync(zarr_store(url, read_only=True).exists(f"{path}/zarr.json"))
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        try:
+            if kind is None:  # last, also when nothing was written: a killed writer may have left it stale
+                consolidate(zarr.open_group(self.zstore, mode="r+", use_consolidated=False))
+        finally:
+            self._exit.close()
 
+    # Paths and groups.
 
-def promote(url: str, run_id: str, kind: str, names: Sequence[str], pending: Pending) -> None:
-    """Move the staged groups ``names``, complete, into place; ``pending`` says what they
-    hold. The commit is dropped for this step (readers see an incomplete group); a rerun
-    after a kill finishes it (:func:`resume_promotion`). The caller commits next."""
-    set_pending(url, run_id, kind, replace(pending, promoting=tuple(names)), keep_commit=False)
-    _finish_promotion(url, run_id, kind, names)
+    def path(self, name: str, *, staged: bool = False) -> str:
+        """``runs/<id>/<kind>/<name>``, or its staging place."""
+        return staged_path(self.run_id, self.kind, name) if staged else f"{self.base}/{name}"
 
+    def group(self, name: str, *, staged: bool = False) -> zarr.Group:
+        """The written group ``name``, open for writing."""
+        return zarr.open_group(self.zstore, path=self.path(name, staged=staged), mode="r+", use_consolidated=False)
 
-def _finish_promotion(url: str, run_id: str, kind: str, names: Sequence[str]) -> None:
-    for name in names:
-        staged = _group_path(run_id, kind, name, staged=True)
-        if _exists(url, staged):
-            _move(url, staged, _group_path(run_id, kind, name))
+    def write(self, name: str, dataset: xr.Dataset, *, staged: bool = True, compute: bool = True,
+              chunks: Mapping[str, int] | None = None) -> None:
+        """Write ``dataset`` as the group ``name`` (in staging by default), replacing it
+        (:func:`~attngeom.store.access.write_dataset`)."""
+        write_dataset(dataset, self.url, self.path(name, staged=staged), compute=compute, chunks=chunks,
+                      zstore=self.zstore)
 
+    def read(self, name: str, *, staged: bool = False) -> xr.Dataset:
+        """The written group ``name`` as a lazy Dataset (not through the commit)."""
+        return open_dataset(self.url, self.path(name, staged=staged), zstore=self.zstore)
 
-def resume_promotion(url: str, state: DerivedState) -> bool:
-    """Finish a promotion a killed writer left half done; True if there was one. Its
-    groups are complete in staging (promotion starts only then), so the result is the
-    update's, as if uninterrupted; the caller commits it."""
-    if state.pending is None or not state.pending.promoting:
-        return False
-    _finish_promotion(url, state.run_id, state.kind, state.pending.promoting)
-    return True
+    # The record.
 
+    def _write_record(self, done: Commit | None, pending: Pending | None) -> None:
+        """Replace the record: one write of the group's ``zarr.json`` (created with it if absent)."""
+        record: dict[str, Any] = {}
+        if done is not None:
+            record["commit"] = jsonable(done.__dict__)
+        if pending is not None:
+            record["pending"] = jsonable(pending.__dict__)
+        if self._record is None:
+            try:
+                self._record = zarr.open_group(self.zstore, path=self.base, mode="r+", use_consolidated=False)
+            except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
+                run = zarr.open_group(self.zstore, path=run_path(self.run_id), mode="r+", use_consolidated=False)
+                self._record = run.create_group(self.kind, attributes={ATTR_KEY: record})
+                self.state = replace(self.state, exists=True, legacy=False, commit=done, pending=pending)
+                return
+        self._record.attrs[ATTR_KEY] = record
+        self.state = replace(self.state, exists=True, legacy=False, commit=done, pending=pending)
 
-def staged_path(run_id: str, kind: str, name: str) -> str:
-    """Where ``name`` is written while staged: ``runs/<id>/<kind>/_next/<name>``."""
-    return _group_path(run_id, kind, name, staged=True)
+    def set_pending(self, pending: Pending, *, keep_commit: bool) -> None:
+        """Record an update under way; ``keep_commit`` False drops the commit first (in the
+        same write), as any writer must before touching what it covers. A kept commit of an
+        update appending sequences in place no longer lists the objects of its sequence
+        groups: the append rewrites their last chunks (the committed sequences in them
+        unchanged) and resizes their arrays."""
+        done = self.state.commit if keep_commit else None
+        if done is not None and not pending.staged:
+            done = replace(done, objects={key: size for key, size in done.objects.items()
+                                          if key.split("/", 1)[0] not in done.sequence_groups})
+        self._write_record(done, pending)
+
+    def commit(self, done: Commit) -> None:
+        """Write the commit record, listing every stored object of its groups (and forget the
+        pending update): the writer's last write. Leftover staging is removed first."""
+        self._remove(f"{self.base}/{STAGING}")
+        stored = _stored(self.zstore, self.base)
+        objects = {key: size for key, size in stored.items() if key.split("/", 1)[0] in done.groups}
+        self._write_record(replace(done, objects=objects), None)
+        self.damage = {}
+
+    def discard_damaged(self, names: Sequence[str]) -> None:
+        """Remove the damaged objects of the groups ``names`` (their commit dropped first),
+        so that a rewrite in place never reads one."""
+        for name in names:
+            for key, _ in self.damage[name].objects if name in self.damage else ():
+                sync(self.zstore.delete(f"{self.base}/{key}"))
+
+    # Moving groups into place.
+
+    def promote(self, names: Sequence[str], pending: Pending) -> None:
+        """Move the staged groups ``names``, complete, into place; ``pending`` says what they
+        hold. The commit is dropped for this step (readers see an incomplete group); a rerun
+        after a kill finishes it (:meth:`resume_promotion`). The caller commits next."""
+        self.set_pending(replace(pending, promoting=tuple(names)), keep_commit=False)
+        self._finish_promotion(names)
+
+    def _finish_promotion(self, names: Sequence[str]) -> None:
+        for name in names:
+            if self._exists(self.path(name, staged=True)):
+                self._move(self.path(name, staged=True), self.path(name))
+
+    def resume_promotion(self) -> Pending | None:
+        """Finish a promotion a killed writer left half done, returning its record (None if
+        there was none). Its groups are complete in staging (promotion starts only then), so
+        the result is the update's, as if uninterrupted; the caller commits it."""
+        pending = self.state.pending
+        if pending is None or not pending.promoting:
+            return None
+        self._finish_promotion(pending.promoting)
+        return pending
+
+    def replace(self, groups: Mapping[str, xr.Dataset], parameters: Mapping[str, Any]) -> None:
+        """Replace every group by ``groups``, as a whole: written into staging while the
+        earlier commit (if any) stays readable, then moved into place, groups of the earlier
+        results that ``groups`` lacks removed, then committed."""
+        params = jsonable(dict(parameters))
+        self.set_pending(Pending(params, staged=True), keep_commit=True)
+        self._remove(f"{self.base}/{STAGING}")
+        for name, dataset in groups.items():
+            self.write(name, dataset)
+        kept = zarr.open_group(self.zstore, path=self.base, mode="r", use_consolidated=False)
+        stale = {name for name in kept.group_keys() if name != STAGING} - set(groups)
+        self.promote(list(groups), Pending(params, staged=True))
+        for name in stale:
+            self._remove(self.path(name))
+        self.commit(Commit(params, tuple(groups)))
+
+    # Moving and removing groups: a folder rename on a local store; on any other store
+    # (object stores have no rename) a copy of each object through the zarr Store, then a delete.
+
+    def _remove(self, path: str) -> None:
+        _remove(self.url, self.zstore, path)
+
+    def _move(self, source: str, target: str) -> None:
+        """Move the group at ``source`` to ``target``, replacing it."""
+        self._remove(target)
+        local = local_path(self.url)
+        if local is not None:
+            os.replace(local / source, local / target)
+            return
+
+        async def move() -> None:
+            await copy_group(self.zstore, source, self.zstore, target)
+            await self.zstore.delete_dir(source)
+
+        sync(move())
+
+    def _exists(self, path: str) -> bool:
+        return sync(self.zstore.exists(f"{path}/zarr.json"))
 
 
 def replace_groups(url: str, run_id: str, kind: str, groups: Mapping[str, xr.Dataset],
                    parameters: Mapping[str, Any]) -> None:
-    """Replace every group of ``runs/<run_id>/<kind>`` by ``groups``, as a whole.
-
-    Written into staging while the earlier commit (if any) stays readable, then moved into
-    place, groups of the earlier results that ``groups`` lacks removed, then committed.
-    """
-    params = jsonable(dict(parameters))
-    set_pending(url, run_id, kind, Pending(params, staged=True), keep_commit=True)
-    _remove(url, f"{_kind_path(run_id, kind)}/{STAGING}")
-    for name, dataset in groups.items():
-        write_dataset(dataset, url, staged_path(run_id, kind, name))
-    group = _open_kind(url, run_id, kind, writing=False)
-    stale = {name for name in (group.group_keys() if group is not None else ()) if name != STAGING} - set(groups)
-    promote(url, run_id, kind, list(groups), Pending(params, staged=True))
-    for name in stale:
-        _remove(url, _group_path(run_id, kind, name))
-    commit(url, run_id, kind, Commit(params, tuple(groups)))
+    """Replace every group of ``runs/<run_id>/<kind>`` by ``groups``, as a whole
+    (:meth:`DerivedWrite.replace`)."""
+    with DerivedWrite(url, run_id, kind) as write:
+        write.replace(groups, parameters)
 
 
 def _incomplete(url: str, state: DerivedState) -> IncompleteGroupError:
-    what = "analyze" if state.kind == ANALYSIS else "ablate"
     return IncompleteGroupError(
-        f"{state.kind} of run {state.run_id} is incomplete (interrupted {what}); "
-        f"re-run `{_RERUN.get(state.kind, 'attngeom')} --store {url} --run {state.run_id}`"
+        f"{state.kind} of run {state.run_id} is incomplete (interrupted {_STAGE.get(state.kind, 'writer')}); "
+        f"re-run `attngeom {_STAGE.get(state.kind, '')} --store {url} --run {state.run_id}`"
+    )
+
+
+def _unreadable_record(url: str, state: DerivedState) -> DamagedStoreError:
+    return DamagedStoreError(
+        f"{_kind_path(state.run_id, state.kind)}/zarr.json is empty or truncated (unreadable JSON); "
+        f"{_rerun(url, state.run_id, state.kind)}"
     )
 
 
@@ -270,19 +519,28 @@ def open_derived(url: str, run_id: str, kind: str, name: str) -> xr.Dataset:
     commit record: the one way attngeom reads derived results.
 
     Groups that grow along ``seq`` are cut to the sequences the commit covers. Raises
-    :class:`GroupNotFoundError` when the run has no such results and
-    :class:`IncompleteGroupError` when they are not finished (an interrupted writer).
+    :class:`GroupNotFoundError` when the run has no such results,
+    :class:`IncompleteGroupError` when they are not finished (an interrupted writer) and
+    :class:`DamagedStoreError` when the record does not parse or an object the commit lists
+    is missing or of another size (one listing of the group).
     """
-    state = derived_state(url, run_id, kind)
+    zstore = zarr_store(url, read_only=True)
+    state = _read_state(zstore, run_id, kind)
     if not state.exists:
-        command = _RERUN.get(kind, "attngeom")
-        raise GroupNotFoundError(f"run {run_id} has no {kind} (run `{command} --store {url} --run {run_id}`)")
+        raise GroupNotFoundError(
+            f"run {run_id} has no {kind} (run `attngeom {_STAGE.get(kind, '')} --store {url} --run {run_id}`)"
+        )
+    if state.unreadable:
+        raise _unreadable_record(url, state)
     if not state.readable:
         raise _incomplete(url, state)
     if state.commit is not None and name not in state.commit.groups:
         raise GroupNotFoundError(f"{kind} of run {run_id} has no group '{name}'")
+    damage = _damage(zstore, state, [name], deep=False)
+    if damage:
+        raise _damaged(url, state, damage[name])
     try:
-        ds = open_dataset(url, _group_path(run_id, kind, name))
+        ds = open_dataset(url, f"{_kind_path(run_id, kind)}/{name}", zstore=zstore)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError) as exc:
         if state.legacy:
             raise GroupNotFoundError(f"{kind} of run {run_id} has no group '{name}'") from exc
@@ -294,20 +552,25 @@ def open_derived(url: str, run_id: str, kind: str, name: str) -> xr.Dataset:
 
 def derived_problems(url: str, run_id: str, committed_sequences: Sequence[int]) -> list[str]:
     """Problems of a run's derived groups, one line each: an incomplete one (interrupted
-    writer), a committed group that is missing, or an analysis covering a sequence the run
-    does not hold as committed."""
+    writer), a committed group that is missing or whose objects are (or have another size),
+    or an analysis covering a sequence the run does not hold as committed. An unreadable
+    record is named by the metadata check."""
     problems = []
     done = set(int(s) for s in committed_sequences)
+    zstore = zarr_store(url, read_only=True)
     for kind in (ANALYSIS, ABLATION):
-        state = derived_state(url, run_id, kind)
-        if not state.exists or state.legacy:
+        state = _read_state(zstore, run_id, kind)
+        if not state.exists or state.legacy or state.unreadable:
             continue
         if not state.readable:
             problems.append(str(_incomplete(url, state)))
             continue
         assert state.commit is not None
+        damage = _damage(zstore, state, state.commit.groups, deep=False)
         for name in state.commit.groups:
-            if not _exists(url, _group_path(run_id, kind, name)):
+            if name in damage:
+                problems.append(str(_damaged(url, state, damage[name])))
+            elif not state.commit.objects and not sync(zstore.exists(f"{_kind_path(run_id, kind)}/{name}/zarr.json")):
                 problems.append(f"run {run_id}: {kind} is committed but lacks its group '{name}'")
         unknown = sorted(set(state.commit.sequences) - done)
         if unknown:

@@ -9,11 +9,12 @@ migration killed at any moment loses nothing and is finished by running it again
    temporary array under ``_migrating/`` with its new metadata; its path then joins
    ``migrating.copied``;
 3. the copy's objects replace the array's own, its ``zarr.json`` last, and the copy goes;
-4. once every array is done, ``format`` is raised and ``migrating`` removed.
+4. once every array is done, ``format`` is raised and ``migrating`` removed, or, when
+   another step follows, replaced by that step's in the same write.
 
 An array in ``copied`` is resumed at step 3 (its own objects may be partly replaced); any
 other is decoded again from its untouched objects. Migrations chain, one format at a time
-(a format-1 store goes 1 -> 2 -> 3 in one ``migrate``).
+(a format-1 store goes 1 -> 2 -> 3 -> 4 in one ``migrate``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from attngeom.errors import DamagedStoreError, SchemaError, StoreNotFoundError
 from attngeom.store import (
     ATTR_KEY,
     FORMAT,
+    LABEL_ORDERS,
     LABELS,
     array_metadata,
     arrays_of,
@@ -56,25 +58,37 @@ TEMPORARY = "_migrating"
 @dataclass(frozen=True)
 class Migration:
     """One step from format ``source`` to ``source + 1``: which arrays it rewrites (by their
-    ``zarr.json``), their new ``zarr.json`` (from the old one and the array), and how the
-    values of a chunk read with the old one become those written with the new one."""
+    path and ``zarr.json``), their new ``zarr.json`` (from the old one and the array), and
+    how the values of a chunk read with the old one become those written with the new one."""
 
     source: int
     doc: str
-    needs: Callable[[Mapping[str, Any]], bool]
+    needs: Callable[[str, Mapping[str, Any]], bool]
     rewrite: Callable[[Mapping[str, Any], zarr.Array], dict[str, Any]]
-    convert: Callable[[Mapping[str, Any], np.ndarray], np.ndarray] = lambda new, values: values
+    convert: Callable[[Mapping[str, Any], Mapping[str, Any], np.ndarray], np.ndarray] = (
+        lambda old, new, values: values
+    )
 
 
-def _is_text(meta: Mapping[str, Any]) -> bool:
+def _is_text(path: str, meta: Mapping[str, Any]) -> bool:
     """Whether the array of this ``zarr.json`` holds zarr-python's variable-length strings."""
     return meta["data_type"] == "string"
 
 
-def _as_codes(meta: Mapping[str, Any], arr: zarr.Array) -> dict[str, Any]:
-    """The ``zarr.json`` of a string array stored as integer codes, as ``write_dataset``
-    writes label variables (its labels, those of the whole array, in its attributes)."""
-    labels, _ = label_codes(np.asarray(arr[...], dtype=object))
+def _labels(meta: Mapping[str, Any]) -> list[str] | None:
+    """The labels of a label array's ``zarr.json``; None for any other array."""
+    own = meta.get("attributes", {}).get(ATTR_KEY)
+    return list(own[LABELS]) if isinstance(own, Mapping) and LABELS in own else None
+
+
+def _order(path: str) -> tuple[str, ...]:
+    """The fixed order of the labels of the array at ``path`` (by its name), if any."""
+    return LABEL_ORDERS.get(path.rpartition("/")[2], ())
+
+
+def _coded(meta: Mapping[str, Any], labels: list[str]) -> dict[str, Any]:
+    """The ``zarr.json`` of a label array holding codes of ``labels``, as ``write_dataset``
+    writes label variables (the labels in its attributes)."""
     dtype = np.dtype(label_dtype(len(labels)))
     out = json.loads(json.dumps(meta))
     out["data_type"] = dtype.name
@@ -93,18 +107,44 @@ def _as_codes(meta: Mapping[str, Any], arr: zarr.Array) -> dict[str, Any]:
     return out
 
 
-def _to_codes(new: Mapping[str, Any], values: np.ndarray) -> np.ndarray:
+def _as_codes(meta: Mapping[str, Any], arr: zarr.Array) -> dict[str, Any]:
+    """The ``zarr.json`` of a string array stored as integer codes (its labels, those of the
+    whole array, in their fixed order where the array has one)."""
+    labels, _ = label_codes(np.asarray(arr[...], dtype=object), _order(arr.path))
+    return _coded(meta, labels)
+
+
+def _to_codes(old: Mapping[str, Any], new: Mapping[str, Any], values: np.ndarray) -> np.ndarray:
     """String values as the codes of the labels in the new ``zarr.json``."""
     index = {label: i for i, label in enumerate(new["attributes"][ATTR_KEY][LABELS])}
     codes = [index.get(v, -1) if isinstance(v, str) else -1 for v in np.asarray(values, dtype=object).ravel()]
     return np.asarray(codes, dtype=new["data_type"]).reshape(values.shape)
 
 
+def _out_of_order(path: str, meta: Mapping[str, Any]) -> bool:
+    """Whether a label array of a fixed vocabulary numbers its labels otherwise."""
+    labels, order = _labels(meta), _order(path)
+    return bool(order) and labels is not None and labels[: len(order)] != list(order)
+
+
+def _in_order(meta: Mapping[str, Any], arr: zarr.Array) -> dict[str, Any]:
+    """The ``zarr.json`` of a label array with its labels in their fixed order."""
+    order = _order(arr.path)
+    return _coded(meta, [*order, *(label for label in _labels(meta) if label not in order)])
+
+
+def _recoded(old: Mapping[str, Any], new: Mapping[str, Any], values: np.ndarray) -> np.ndarray:
+    """Codes of the old ``zarr.json``'s labels as codes of the new one's (-1 stays -1)."""
+    index = {label: i for i, label in enumerate(_labels(new))}
+    table = np.asarray([*(index[label] for label in _labels(old)), -1], dtype=new["data_type"])
+    return table[np.asarray(values)]
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
         "a crc32c checksum at the end of every chunk",
-        needs=lambda meta: not has_checksum(meta),
+        needs=lambda path, meta: not has_checksum(meta),
         rewrite=lambda meta, arr: with_checksum(meta),
     ),
     Migration(
@@ -113,6 +153,13 @@ MIGRATIONS: tuple[Migration, ...] = (
         needs=_is_text,
         rewrite=_as_codes,
         convert=_to_codes,
+    ),
+    Migration(
+        3,
+        "the same codes for the labels of a fixed vocabulary in every store",
+        needs=_out_of_order,
+        rewrite=_in_order,
+        convert=_recoded,
     ),
 )
 
@@ -161,7 +208,7 @@ def migrate(url: str, *, progress: bool = True) -> MigrationReport:
         zarr.open_group(store, path=TEMPORARY, mode="a")
         arrays = [a for a in arrays_of(root) if not a.path.startswith(f"{TEMPORARY}/")]
         metadata = {a.path: array_metadata(a) for a in arrays}
-        todo = [a for a in arrays if a.path in state["copied"] or step.needs(metadata[a.path])]
+        todo = [a for a in arrays if a.path in state["copied"] or step.needs(a.path, metadata[a.path])]
         desc = f"format {step.source} -> {step.source + 1}: {step.doc}"
         for arr in tqdm(todo, unit="array", desc=desc, disable=not progress):
             if arr.path not in state["copied"]:
@@ -174,8 +221,13 @@ def migrate(url: str, *, progress: bool = True) -> MigrationReport:
             report.arrays += 1
             report.chunks += chunks
             report.bytes_written += size
-        del meta["migrating"]
+        # The next step's mark goes with the raised format, in one write: a store between
+        # two steps is never taken for a finished one.
         meta["format"] = step.source + 1
+        if meta["format"] < FORMAT:
+            meta["migrating"] = {"source": meta["format"], "target": meta["format"] + 1, "copied": []}
+        else:
+            del meta["migrating"]
         _set_root_attrs(root, meta)
     sync(store.delete_dir(TEMPORARY))
     consolidate(root)
@@ -222,7 +274,7 @@ def _copy(
     arr: zarr.Array,
     old: Mapping[str, Any],
     new: dict[str, Any],
-    convert: Callable[[Mapping[str, Any], np.ndarray], np.ndarray],
+    convert: Callable[[Mapping[str, Any], Mapping[str, Any], np.ndarray], np.ndarray],
 ) -> None:
     """Re-encode every stored chunk of ``arr`` (``zarr.json`` ``old``) into its temporary
     copy under ``new``, its values passed through ``convert``.
@@ -243,7 +295,7 @@ def _copy(
         for key in keys:
             index = _grid_index(key, old)
             region = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, grid, arr.shape))
-            target[region] = convert(new, np.asarray(arr[region]))
+            target[region] = convert(old, new, np.asarray(arr[region]))
     if _chunk_keys(store, temp) != keys:
         raise DamagedStoreError(f"migrating '{arr.path}': its copy does not hold the same chunks; nothing was replaced, run migrate again")
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import zarr
+from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from attngeom.errors import RunNotFoundError
@@ -45,11 +46,20 @@ def run_ids(root: zarr.Group) -> list[str]:
         return sorted(name for name, _ in root[RUNS].groups())
 
 
+def require_runs(root: zarr.Group, url: str) -> list[str]:
+    """Ids of the store's runs, sorted; :class:`RunNotFoundError` when it holds none (every
+    reader says so in the same words)."""
+    runs = run_ids(root)
+    if not runs:
+        raise RunNotFoundError(f"{url} holds no run yet; run `attngeom extract --store {url}` first")
+    return runs
+
+
 def require_run(root: zarr.Group, run_id: str, url: str) -> None:
     """Raise :class:`RunNotFoundError`, naming the runs there are, unless ``run_id`` is one."""
-    runs = run_ids(root)
+    runs = require_runs(root, url)
     if run_id not in runs:
-        raise RunNotFoundError(f"no run '{run_id}' in {url} (runs: {', '.join(runs) or 'none'})")
+        raise RunNotFoundError(f"no run '{run_id}' in {url} (runs: {', '.join(runs)})")
 
 
 def open_run_group(root: zarr.Group, run_id: str) -> zarr.Group:
@@ -96,7 +106,7 @@ def _array_options(name: str, layout: RunLayout, n_seq: int) -> dict[str, Any]:
     }
 
 
-def _coordinates(layout: RunLayout) -> dict[str, np.ndarray]:
+def run_coordinates(layout: RunLayout) -> dict[str, np.ndarray]:
     """The run's coordinate arrays and its ``attendable`` mask, as they are stored."""
     return {
         "layer": np.arange(layout.n_layers, dtype="int32"),
@@ -135,7 +145,7 @@ async def _create_arrays(run: zarr.Group, layout: RunLayout, n_seq: int) -> None
     # against 48-49 ms one array after another.
     group = await _opened(run)
     existing = {name: member async for name, member in group.members() if isinstance(member, zarr.AsyncArray)}
-    coordinates = _coordinates(layout)
+    coordinates = run_coordinates(layout)
 
     async def create(name: str) -> None:
         arr = existing.get(name)
@@ -218,3 +228,11 @@ async def _every(writes: Iterable[Awaitable[Any]]) -> None:
     for outcome in await asyncio.gather(*writes, return_exceptions=True):
         if isinstance(outcome, BaseException):
             raise outcome
+
+
+def array_metadata_bytes(name: str, layout: RunLayout, n_seq: int) -> bytes:
+    """The ``zarr.json`` that creating run array ``name`` for ``n_seq`` sequences writes (as
+    :func:`create_run` does): what ``validate --repair`` puts back for a damaged one."""
+    memory = zarr.storage.MemoryStore()
+    zarr.create_array(memory, name=name, **_array_options(name, layout, n_seq))
+    return sync(memory.get(f"{name}/zarr.json", prototype=default_buffer_prototype())).to_bytes()

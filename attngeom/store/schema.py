@@ -28,9 +28,11 @@ Two numbers in the root's attributes say what a store is:
   it: a label variable (a regime, a statistic, a method, a table's text column) is an
   integer code whose labels are the variable's attributes (CF ``flag_values`` /
   ``flag_meanings``, and exactly ``attngeom.labels``), where format 2 used zarr-python's
-  ``string`` type and ``vlen-utf8`` codec. ``attngeom.store.open_dataset`` gives the labels
-  back as strings; a plain ``xr.open_zarr`` gives the codes. Every format of schema 1 is
-  read; only the current format is written, and ``attngeom migrate``
+  ``string`` type and ``vlen-utf8`` codec; format 4 gives the labels of a fixed vocabulary
+  (regimes, votes, statistics, methods: ``LABEL_ORDERS``) the same codes in every store,
+  where format 3 numbered them in order of first appearance. ``attngeom.store.open_dataset``
+  gives the labels back as strings; a plain ``xr.open_zarr`` gives the codes. Every format
+  of schema 1 is read; only the current format is written, and ``attngeom migrate``
   (:mod:`attngeom.store.migrate`) brings an older store to it.
 """
 
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 SCHEMA_VERSION = 1
-FORMAT = 3
+FORMAT = 4
 # The key of attngeom's attributes in the root's, a run's and a derived group's attributes.
 ATTR_KEY = "attngeom"
 
@@ -92,6 +94,17 @@ VALUE_STATISTICS = (
 )
 # Statistics across sequences of the ``summary`` group.
 STATS = ("mean", "median", "q05", "q95", "count")
+# Sparsification methods of ``ablation/sweep`` (docs/method.md#sparsification).
+METHODS = (
+    "type_guided", "single_impact", "weight_o", "weight_v", "entropy_low", "entropy_high",
+    "sink_attention", "current_attention", "random",
+)
+# Label variables of a fixed vocabulary, by variable name (a coordinate, a data variable or a
+# table column): code i is vocabulary[i] in every store, whatever labels a store holds, so
+# that a reader of plain Zarr who learns the codes once decodes every store alike. A label
+# outside its vocabulary would follow it, in order of first appearance; so do the labels
+# of every other label variable (a run, a model, a variable name).
+LABEL_ORDERS: dict[str, tuple[str, ...]] = {"regime": REGIMES, "vote": VOTES, "stat": STATS, "method": METHODS}
 
 
 def run_path(run_id: str) -> str:
@@ -245,15 +258,16 @@ def query_attendable(attendable: np.ndarray, q: int) -> np.ndarray:
     return np.asarray(attendable[attendable.shape[-1] - 1 - q :], dtype=bool)
 
 
-def label_codes(values: np.ndarray) -> tuple[list[str], np.ndarray]:
-    """The labels of a string array in order of first appearance, and its codes (int64,
-    same shape): ``values == labels[codes]``, code ``-1`` where a value is no string (None)."""
+def label_codes(values: np.ndarray, order: tuple[str, ...] = ()) -> tuple[list[str], np.ndarray]:
+    """The labels of a string array, ``order`` first (every one of them, held or not), then
+    the others in order of first appearance, and its codes (int64, same shape):
+    ``values == labels[codes]``, code ``-1`` where a value is no string (None)."""
     import pandas as pd
 
     # Distinct values by a hash table in C (a dict filled value by value took 0.3 s of an
     # analyze); only those few are then decoded, merged and checked for being strings.
     codes, uniques = pd.factorize(values.ravel(), use_na_sentinel=True)
-    labels: dict[str, int] = {}
+    labels = {label: i for i, label in enumerate(order)}
     label_of = [labels.setdefault(u, len(labels)) if isinstance(u, str) else -1
                 for u in (u.decode() if isinstance(u, bytes) else u for u in uniques)]
     return list(labels), np.asarray([*label_of, -1], dtype=np.int64)[codes].reshape(values.shape)

@@ -5,19 +5,17 @@ killed writes (``*.partial``), each run against the schema and its commit flags 
 sequence has every stored object, none empty), and with ``deep`` every stored object of every
 array: a shard's index (present, whole, listing every inner chunk) and every chunk decoding
 (its crc32c checksum). :func:`committed_damage` is the cheap check stages run before
-reading a run; :func:`repair` uncommits damaged sequences so that extract rewrites them.
+reading a run; :mod:`~attngeom.store.repair` repairs what they find.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import struct
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-import crc32c
 import numpy as np
 import zarr
 from zarr.core.buffer import default_buffer_prototype
@@ -30,61 +28,30 @@ from attngeom.store.access import (
     damaged_chunk,
     local_path,
     metadata_damage,
-    open_root,
     partials,
     quiet_leftovers,
     read_root_attrs,
     recovery,
+    stale_consolidated,
     stored_grid,
     store_format,
     unreadable_metadata,
     zarr_store,
 )
 from attngeom.store.codecs import has_checksum
+from attngeom.store.objects import chunk_objects, object_damage
 from attngeom.store.derived import derived_problems
-from attngeom.store.runs import completed, open_run_group, run_ids, run_layout
-from attngeom.store.schema import ATTR_KEY, FORMAT, RUN_VARIABLES, RUNS, SEQUENCE_ARRAYS
-
-# A shard index entry of an inner chunk that was never written: offset and length all ones.
-_EMPTY_ENTRY = (2**64 - 1, 2**64 - 1)
-
-
-def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
-    """Stored object key -> size in bytes, for every object under ``prefix`` (one listing
-    for a local or fsspec store)."""
-    if isinstance(zstore, zarr.storage.LocalStore):
-        base = str(zstore.root)
-        top = os.path.join(base, prefix)
-        return {
-            os.path.relpath(os.path.join(folder, name), base).replace(os.sep, "/"): os.path.getsize(os.path.join(folder, name))
-            for folder, _, names in os.walk(top)
-            for name in names
-        }
-    if isinstance(zstore, zarr.storage.FsspecStore):
-        root = zstore.path.rstrip("/")
-
-        async def find() -> dict[str, Any]:
-            return await zstore.fs._find(f"{root}/{prefix}", detail=True)
-
-        return {key[len(root) + 1 :]: int(info["size"]) for key, info in sync(find()).items()}
-
-    async def collect() -> dict[str, int]:
-        return {key: await zstore.getsize(key) async for key in zstore.list_prefix(prefix)}
-
-    return sync(collect())
-
-
-def chunk_objects(arr: zarr.Array) -> dict[tuple[int, ...], int]:
-    """Grid index (of shards, or chunks if unsharded) -> size in bytes of every stored
-    object of ``arr``."""
-    prefix = f"{arr.path}/c/"
-    out = {}
-    for key, size in object_sizes(arr.store, prefix).items():
-        parts = key[len(prefix) :].split("/")
-        if all(p.isdigit() for p in parts) and len(parts) == arr.ndim:
-            out[tuple(int(p) for p in parts)] = size
-    return out
-
+from attngeom.store.runs import completed, open_run_group, run_coordinates, run_ids, run_layout
+from attngeom.store.schema import (
+    ABLATION,
+    ANALYSIS,
+    ATTR_KEY,
+    FORMAT,
+    RUN_VARIABLES,
+    RUNS,
+    SEQUENCE_ARRAYS,
+    RunLayout,
+)
 
 def _written_sequences(run: zarr.Group, name: str) -> set[int]:
     return {index[0] for index in chunk_objects(run[name])}
@@ -126,7 +93,8 @@ def committed_damage(run: zarr.Group) -> dict[int, str]:
 
 def check_committed(url: str, run: zarr.Group, run_id: str) -> None:
     """Raise :class:`DamagedStoreError` for the first committed sequence of the run whose
-    stored objects are missing or empty (see :func:`committed_damage`)."""
+    stored objects are missing or empty (see :func:`committed_damage`), or for a coordinate
+    array not holding what the run's layout records (read whole: they are small)."""
     damage = committed_damage(run)
     if damage:
         s = min(damage)
@@ -134,6 +102,25 @@ def check_committed(url: str, run: zarr.Group, run_id: str) -> None:
         raise DamagedStoreError(
             f"run {run_id}: committed sequence {s}: {damage[s]}{more}; {recovery(url, f'{RUNS}/{run_id}', s)}"
         )
+    try:
+        layout = run_layout(run)
+    except (KeyError, TypeError, *DECODE_ERRORS):
+        return  # an unreadable layout is met, and named, where it is read
+    problems = coordinate_problems(run, layout, _members(run), url)
+    if problems:
+        raise DamagedStoreError(problems[0])
+
+
+def check_run(url: str, run: zarr.Group, run_id: str) -> None:
+    """Raise :class:`DamagedStoreError` for a run whose metadata does not parse (its derived
+    groups aside) or with a committed sequence missing a stored object: what a writer
+    checks before it reports success."""
+    for key in unreadable_metadata(url, run.path):
+        if key.split("/")[2] not in (ANALYSIS, ABLATION):
+            raise DamagedStoreError(
+                f"{key} is empty or truncated (unreadable JSON); {recovery(url, key.rpartition('/')[0], metadata=True)}"
+            )
+    check_committed(url, run, run_id)
 
 
 @contextlib.contextmanager
@@ -170,6 +157,31 @@ def _members(run: zarr.Group) -> dict[str, zarr.Array]:
     return out
 
 
+def wrong_coordinates(run: zarr.Group, layout: RunLayout, members: Mapping[str, zarr.Array]) -> list[str]:
+    """The run's coordinate arrays that do not hold what its layout records (a lost chunk
+    reads as zeros; a damaged one does not decode)."""
+    wrong = []
+    for name, values in run_coordinates(layout).items():
+        if name == "attendable" or name not in members:  # attendable: recorded nowhere else
+            continue
+        try:
+            same = np.array_equal(members[name][...], values)
+        except DECODE_ERRORS:
+            same = False
+        if not same:
+            wrong.append(name)
+    return wrong
+
+
+def coordinate_problems(run: zarr.Group, layout: RunLayout, members: Mapping[str, zarr.Array], url: str) -> list[str]:
+    """One line per coordinate array that does not hold what the run's layout records."""
+    return [
+        f"run {run.path.rsplit('/', 1)[-1]}: coordinate '{name}' does not hold what the run's layout records "
+        f"(a lost or damaged chunk); run `attngeom validate --store {url} --repair` to rewrite it"
+        for name in wrong_coordinates(run, layout, members)
+    ]
+
+
 def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[str] = frozenset()) -> list[str]:
     """Problems of one run of the store at ``url``, one line each (empty when valid);
     ``unreadable``: paths of arrays whose ``zarr.json`` does not parse (named elsewhere,
@@ -203,6 +215,7 @@ def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[s
         expected = layout.shape(name, n_seq if n_seq is not None else arr.shape[0])
         if tuple(arr.shape) != expected:
             problems.append(f"{where}: array '{name}' has shape {tuple(arr.shape)}, expected {expected}")
+    problems += coordinate_problems(run, layout, members, url)
     if problems or n_seq is None:
         return problems
     try:
@@ -232,49 +245,6 @@ def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[s
     if unwritten:
         problems.append(f"{where}: sequences {_ranges(unwritten)} of {n_seq} are not written yet (re-run the same extract command)")
     return problems
-
-
-def _shard_index_problem(arr: zarr.Array, data: bytes) -> str | None:
-    """What is wrong with a shard's index (at its end, with a crc32c checksum, as attngeom
-    writes it), or None: too short, a checksum mismatch, an inner chunk never written or
-    beyond the shard's end."""
-    sharding = arr.metadata.codecs[0]
-    n_chunks = int(np.prod([s // c for s, c in zip(arr.shards, sharding.chunk_shape)]))
-    size = 16 * n_chunks + 4
-    if len(data) < size:
-        return f"is truncated ({len(data)} bytes, shorter than its {size}-byte index)"
-    index, checksum = data[-size:-4], data[-4:]
-    if struct.pack("<I", crc32c.crc32c(index)) != checksum:
-        return "has a damaged index (checksum mismatch): truncated or overwritten"
-    entries = struct.unpack(f"<{2 * n_chunks}Q", index)
-    for i in range(n_chunks):
-        offset, length = entries[2 * i], entries[2 * i + 1]
-        if (offset, length) == _EMPTY_ENTRY:
-            return f"lacks inner chunk {i} of {n_chunks}"
-        if offset + length > len(data) - size:
-            return f"is truncated (inner chunk {i} ends beyond its data)"
-    return None
-
-
-def object_damage(arr: zarr.Array, index: tuple[int, ...], size: int) -> Exception | None:
-    """What is wrong with the stored object (chunk, or shard) at grid ``index`` of ``arr``,
-    ``size`` bytes long, or None: empty, a bad shard index, or a chunk failing to decode
-    (its checksum, its compression). Reads the object."""
-    if size == 0:
-        return EOFError("empty, 0 bytes")
-    if arr.shards is not None:
-        key = f"{arr.path}/c/" + "/".join(map(str, index))
-        data = sync(arr.store.get(key, prototype=default_buffer_prototype())).to_bytes()
-        why = _shard_index_problem(arr, data)
-        if why is not None:
-            return ValueError(f"the shard {why}")
-    grid = stored_grid(arr)
-    region = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, grid, arr.shape))
-    try:
-        arr[region]
-    except DECODE_ERRORS as exc:
-        return exc
-    return None
 
 
 def damaged_objects(
@@ -344,9 +314,23 @@ def arrays_of(root: zarr.Group) -> list[zarr.Array]:
 def metadata_problems(url: str) -> list[str]:
     """One line per ``zarr.json`` that does not parse (empty or truncated)."""
     return [
-        f"{key} is empty or truncated (unreadable JSON); {recovery(url, key.rsplit('/', 1)[0])}"
+        f"{key} is empty or truncated (unreadable JSON); {recovery(url, key.rpartition('/')[0], metadata=True)}"
         for key in unreadable_metadata(url)
     ]
+
+
+def consolidated_problems(url: str, bad_metadata: list[str]) -> list[str]:
+    """One line if the root's consolidated metadata (what ``xr.open_zarr`` reads by default)
+    is out of date: a writer killed before refreshing it. Not checked while metadata is
+    unreadable (named, and repaired, first)."""
+    if bad_metadata:
+        return []
+    stale = stale_consolidated(zarr_store(url, read_only=True))
+    if not stale:
+        return []
+    more = f" and {len(stale) - 1} more" if len(stale) > 1 else ""
+    return [f"the root's consolidated metadata (read by xr.open_zarr) is out of date for {stale[0] or 'the root'}{more} "
+            f"(a writer was interrupted); run `attngeom validate --store {url} --repair` to refresh it"]
 
 
 def leftover_problems(url: str) -> list[str]:
@@ -386,10 +370,12 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
             f"store format {fmt} is older than the one this attngeom writes ({FORMAT}){unseen}; "
             f"run `attngeom migrate --store {url}`"
         )
+    problems += consolidated_problems(url, bad_metadata)
     unreadable = frozenset(k.rsplit("/", 1)[0] for k in bad_metadata)
     committed: dict[str, set[int]] = {}
+    named: set[str] = set()
     with quiet_leftovers():
-        for run_id in _readable_runs(root, unreadable):
+        for run_id in readable_runs(root, unreadable):
             run = open_run_group(root, run_id)
             try:
                 problems += validate_run(run, run_id, url, unreadable)
@@ -399,18 +385,31 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
                 committed[run_id] = set(completed(run).tolist())
             except (KeyError, *DECODE_ERRORS):
                 committed[run_id] = set()
-            problems += derived_problems(url, run_id, sorted(committed[run_id]))
+            # An object named as unreadable metadata above is not named again, nor one
+            # named here by the deep check below.
+            derived = [p for p in derived_problems(url, run_id, sorted(committed[run_id]))
+                       if p.split(" is ", 1)[0] not in bad_metadata]
+            named |= {p.split(" is ", 1)[0] for p in derived}
+            problems += derived
         if deep:
             for arr in arrays_of(root):
                 if not has_checksum(array_metadata(arr)):
                     problems.append(f"array '{arr.path}' has no chunk checksums")
                 sequences = _committed_of(arr, committed)
-                problems += damaged_objects(arr, url, _expected_objects(arr, sequences), sequences)
+                problems += [p for p in damaged_objects(arr, url, _expected_objects(arr, sequences), sequences)
+                             if _object_key(p) not in named]
     return list(dict.fromkeys(problems))
 
 
-def _readable_runs(root: zarr.Group, unreadable: frozenset[str]) -> list[str]:
-    """Ids of the runs whose group metadata reads."""
+def _object_key(line: str) -> str | None:
+    """The key of the object a :func:`damaged_objects` line names."""
+    match = re.match(r"array '([^']+)' chunk (c/\S+)", line)
+    return f"{match[1]}/{match[2]}" if match else None
+
+
+def readable_runs(root: zarr.Group, unreadable: frozenset[str]) -> list[str]:
+    """Ids of the runs whose group metadata reads; ``unreadable``: paths of the nodes whose
+    ``zarr.json`` does not parse."""
     if RUNS in unreadable:
         return []
     try:
@@ -421,31 +420,3 @@ def _readable_runs(root: zarr.Group, unreadable: frozenset[str]) -> list[str]:
             return [name async for name in root.store.list_dir(RUNS)]
 
         return sorted(n for n in sync(names()) if f"{RUNS}/{n}" not in unreadable and "." not in n)
-
-
-def repair(url: str, *, deep: bool = False) -> dict[str, list[int]]:
-    """Uncommit (reset ``complete`` to 0) every committed sequence with a missing or empty
-    stored object (and with ``deep``, one that fails to decode), so that the run's extract
-    command, run again, rewrites it. Run id -> the sequences uncommitted."""
-    root = open_root(url, mode="a")
-    out: dict[str, list[int]] = {}
-    with quiet_leftovers():
-        for run_id in run_ids(root):
-            run = open_run_group(root, run_id)
-            if "complete" not in run:
-                continue
-            bad = set(committed_damage(run))
-            if deep:
-                done = set(completed(run).tolist())
-                for name in SEQUENCE_ARRAYS:
-                    if name in run:
-                        arr = run[name]
-                        bad |= {
-                            index[0] for index, size in chunk_objects(arr).items()
-                            if index[0] in done and object_damage(arr, index, size) is not None
-                        }
-            for s in sorted(bad):
-                run["complete"][s] = 0
-            if bad:
-                out[run_id] = sorted(bad)
-    return out

@@ -1,0 +1,101 @@
+"""The stored objects of an array: listing them with their sizes, and checking one (a
+shard's index, every chunk decoding). Shared by validate and by the derived groups' checks."""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any
+
+import crc32c
+import numpy as np
+import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+
+from attngeom.store.access import DECODE_ERRORS, stored_grid
+
+__all__ = ["chunk_objects", "object_damage", "object_sizes"]
+
+# A shard index entry of an inner chunk that was never written: offset and length all ones.
+_EMPTY_ENTRY = (2**64 - 1, 2**64 - 1)
+
+
+def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
+    """Stored object key -> size in bytes, for every object under ``prefix`` (one listing
+    for a local or fsspec store)."""
+    if isinstance(zstore, zarr.storage.LocalStore):
+        base = str(zstore.root)
+        top = os.path.join(base, prefix)
+        return {
+            os.path.relpath(os.path.join(folder, name), base).replace(os.sep, "/"): os.path.getsize(os.path.join(folder, name))
+            for folder, _, names in os.walk(top)
+            for name in names
+        }
+    if isinstance(zstore, zarr.storage.FsspecStore):
+        root = zstore.path.rstrip("/")
+
+        async def find() -> dict[str, Any]:
+            return await zstore.fs._find(f"{root}/{prefix}", detail=True)
+
+        return {key[len(root) + 1 :]: int(info["size"]) for key, info in sync(find()).items()}
+
+    async def collect() -> dict[str, int]:
+        return {key: await zstore.getsize(key) async for key in zstore.list_prefix(prefix)}
+
+    return sync(collect())
+
+
+def chunk_objects(arr: zarr.Array) -> dict[tuple[int, ...], int]:
+    """Grid index (of shards, or chunks if unsharded) -> size in bytes of every stored
+    object of ``arr``."""
+    prefix = f"{arr.path}/c/"
+    out = {}
+    for key, size in object_sizes(arr.store, prefix).items():
+        parts = key[len(prefix) :].split("/")
+        if all(p.isdigit() for p in parts) and len(parts) == arr.ndim:
+            out[tuple(int(p) for p in parts)] = size
+    return out
+
+
+def _shard_index_problem(arr: zarr.Array, data: bytes) -> str | None:
+    """What is wrong with a shard's index (at its end, with a crc32c checksum, as attngeom
+    writes it), or None: too short, a checksum mismatch, an inner chunk never written or
+    beyond the shard's end."""
+    sharding = arr.metadata.codecs[0]
+    n_chunks = int(np.prod([s // c for s, c in zip(arr.shards, sharding.chunk_shape)]))
+    size = 16 * n_chunks + 4
+    if len(data) < size:
+        return f"is truncated ({len(data)} bytes, shorter than its {size}-byte index)"
+    index, checksum = data[-size:-4], data[-4:]
+    if struct.pack("<I", crc32c.crc32c(index)) != checksum:
+        return "has a damaged index (checksum mismatch): truncated or overwritten"
+    entries = struct.unpack(f"<{2 * n_chunks}Q", index)
+    for i in range(n_chunks):
+        offset, length = entries[2 * i], entries[2 * i + 1]
+        if (offset, length) == _EMPTY_ENTRY:
+            return f"lacks inner chunk {i} of {n_chunks}"
+        if offset + length > len(data) - size:
+            return f"is truncated (inner chunk {i} ends beyond its data)"
+    return None
+
+
+def object_damage(arr: zarr.Array, index: tuple[int, ...], size: int) -> Exception | None:
+    """What is wrong with the stored object (chunk, or shard) at grid ``index`` of ``arr``,
+    ``size`` bytes long, or None: empty, a bad shard index, or a chunk failing to decode
+    (its checksum, its compression). Reads the object."""
+    if size == 0:
+        return EOFError("empty, 0 bytes")
+    if arr.shards is not None:
+        key = f"{arr.path}/c/" + "/".join(map(str, index))
+        data = sync(arr.store.get(key, prototype=default_buffer_prototype())).to_bytes()
+        why = _shard_index_problem(arr, data)
+        if why is not None:
+            return ValueError(f"the shard {why}")
+    grid = stored_grid(arr)
+    region = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, grid, arr.shape))
+    try:
+        arr[region]
+    except DECODE_ERRORS as exc:
+        return exc
+    return None
