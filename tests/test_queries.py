@@ -302,3 +302,17 @@ def test_validate_names_a_missing_row_shard_and_a_missing_query_group(built, tmp
     lost = [p for p in problems if p.startswith("runs/r/analysis/topn_by_query/")]
     assert len(lost) == 1 and " is missing" in lost[0] and "attngeom analyze" in lost[0], problems
 
+
+def test_explore_checks_the_rows_it_reads(built, tmp_path):
+    """A flipped byte in a committed sequence's attn_rows shard: explore ends in one line naming
+    the sequence and how to recover, leaving no page."""
+    from test_damage import flip, one_error
+
+    store = tmp_path / "s.zarr"
+    shutil.copytree(built[1], store)
+    flip(store / "runs" / "r" / "attn_rows" / "c" / "1" / "0" / "0" / "0" / "0", 40)
+    line = one_error("explore", "--store", str(store), "--out", str(tmp_path / "page"), "--no-progress")
+    assert "sequence 1" in line and "attn_rows" in line and line.endswith(
+        f"run `attngeom validate --store {store} --deep --repair` to uncommit sequence 1, then the run's extract "
+        "command again to rewrite it"), line
+    assert not (tmp_path / "page").exists()

@@ -22,10 +22,10 @@ from attngeom.store import (
     RunLayout,
     check_run,
     completed,
-    query_attendable,
     open_derived,
     open_root,
     open_run_group,
+    query_attendable,
     reading_run,
     require_run,
     require_runs,
@@ -151,19 +151,18 @@ def read_layer(run: ExploreRun, layer: int) -> LayerData:
     with reading_run(run.url, run.group, run.run_id):
         attn = np.stack([run.group["attn_last"][int(s), layer] for s in seqs])
         values = np.stack([run.group["values"][int(s), layer] for s in seqs])
-    curves = votes = None
+        query_rows = (np.stack([run.group["attn_rows"][int(s), layer] for s in seqs])
+                      if "attn_rows" in run.group else None)
+    curves = votes = query_curves = None
     if run.topn is not None:
         present = [int(s) for s in seqs if int(s) in set(run.topn["seq"].values.tolist())]
         curves = run.topn[list(CURVES)].isel(layer=layer).sel(seq=present).load()
     if run.taxonomy is not None and "votes" in run.taxonomy:
         present = [int(s) for s in seqs if int(s) in set(run.taxonomy["seq"].values.tolist())]
         votes = run.taxonomy["votes"].isel(layer=layer).sel(seq=present).load()
-    query_rows = query_curves = None
-    if "attn_rows" in run.group:
-        query_rows = np.stack([run.group["attn_rows"][int(s), layer] for s in seqs])
-        if run.by_query is not None:
-            present = [int(s) for s in seqs if int(s) in set(run.by_query["seq"].values.tolist())]
-            query_curves = run.by_query[list(CURVES)].isel(layer=layer).sel(seq=present).load()
+    if query_rows is not None and run.by_query is not None:
+        present = [int(s) for s in seqs if int(s) in set(run.by_query["seq"].values.tolist())]
+        query_curves = run.by_query[list(CURVES)].isel(layer=layer).sel(seq=present).load()
     return LayerData(attn, values, run.group["attendable"][layer], curves, votes, query_rows, query_curves)
 
 
