@@ -303,6 +303,32 @@ def test_validate_names_a_missing_row_shard_and_a_missing_query_group(built, tmp
     assert len(lost) == 1 and " is missing" in lost[0] and "attngeom analyze" in lost[0], problems
 
 
+def test_analyze_heals_damaged_query_groups(built, tmp_path):
+    """A lost topn_by_query chunk and a truncated summary_by_query one, named by validate, are
+    written again by the next analyze with the same parameters, which ends as the undisturbed
+    analysis."""
+    want = {name: ag.open_store(str(built[1])).run("r").analysis(name).load()
+            for name in ("topn", "topn_by_query", "summary_by_query")}
+    store = tmp_path / "s.zarr"
+    shutil.copytree(built[1], store)
+    base = store / "runs" / "r" / "analysis"
+    lost = base / "topn_by_query" / "f_score" / "c" / "0" / "0" / "0" / "0" / "0"
+    truncated = next(p for p in sorted((base / "summary_by_query" / "precision" / "c").rglob("*")) if p.is_file())
+    lost.unlink()
+    truncated.write_bytes(truncated.read_bytes()[:10])
+    problems = validate_store(str(store))
+    assert any(p.startswith("runs/r/analysis/topn_by_query/f_score/c/0/0/0/0/0 is missing") for p in problems)
+    assert any(p.startswith("runs/r/analysis/summary_by_query/precision/c/") and "truncated" in p
+               for p in problems), problems
+    result = analyze(str(store), scheduler="threads", n_grid=GRID, progress=False)[0]
+    assert "topn_by_query/f_score" in result.healed and "summary_by_query/precision" in result.healed
+    assert result.new_sequences == 3  # the lost chunk holds every sequence: computed again in place
+    run = ag.open_store(str(store)).run("r")
+    for name, data in want.items():
+        xr.testing.assert_identical(run.analysis(name).load(), data)
+    assert validate_store(str(store)) == []
+
+
 def test_explore_checks_the_rows_it_reads(built, tmp_path):
     """A flipped byte in a committed sequence's attn_rows shard: explore ends in one line naming
     the sequence and how to recover, leaving no page."""
