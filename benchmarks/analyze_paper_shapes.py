@@ -21,7 +21,8 @@ a heavy sink, Gaussian values) of ``--layers`` layers and ``--sequences`` sequen
 - **busy**: CPU seconds of analyze (this process and its workers) / (wall x cores).
 - **2 cores / 1 core**: the same analyze in a child process allowed one core and in one
   allowed two (``os.sched_setaffinity``), alternating; the ratio of their wall times is the
-  work two workers do for one's (ideal 2).
+  work two workers do for one's (ideal 2). ``threads_s``: the analyze with ``--scheduler
+  threads`` (the compiled kernels release the GIL).
 """
 
 from __future__ import annotations
@@ -128,12 +129,12 @@ def read_inputs(store: str) -> None:
                 array[s, layer]
 
 
-def analyze_once(store: str) -> tuple[float, float]:
+def analyze_once(store: str, scheduler: str | None = None) -> tuple[float, float]:
     """(wall s, CPU s of this process and its children) of a fresh analyze."""
     shutil.rmtree(Path(store) / "runs" / RUN / "analysis", ignore_errors=True)
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     w0 = time.perf_counter()
-    ag.analyze(store, progress=False)
+    ag.analyze(store, progress=False, scheduler=scheduler)
     wall = time.perf_counter() - w0
     after = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     cpu = sum(a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, usage))
@@ -158,13 +159,15 @@ def analyze_pinned(store: str, cores: list[int]) -> float:
 def stage(store: str, reps: int) -> dict:
     cores = sorted(os.sched_getaffinity(0))
     analyze_once(store)  # numba's cache and the OS's file cache warm
-    analyze, read, busy, scale = [], [], [], []
+    analyze, read, busy, scale, threads = [], [], [], [], []
     for rep in range(reps):
-        for which in rotate(["analyze", "read", "pinned"], rep):
+        for which in rotate(["analyze", "read", "pinned", "threads"], rep):
             if which == "analyze":
                 wall, cpu = analyze_once(store)
                 analyze.append(wall)
                 busy.append(cpu / (wall * len(cores)))
+            elif which == "threads":
+                threads.append(analyze_once(store, "threads")[0])
             elif which == "read":
                 w0 = time.perf_counter()
                 read_inputs(store)
@@ -173,7 +176,7 @@ def stage(store: str, reps: int) -> dict:
                 pair = [analyze_pinned(store, c) for c in rotate([cores[:1], cores[:2]], rep)]
                 one, two = pair if rep % 2 == 0 else pair[::-1]
                 scale.append(one / two)
-    return dict(analyze_s=median(analyze), read_s=median(read),
+    return dict(analyze_s=median(analyze), threads_s=median(threads), read_s=median(read),
                 analyze_over_read=median([a / r for a, r in zip(analyze, read)]),
                 busy=median(busy), two_over_one=median(scale), cores=len(cores))
 

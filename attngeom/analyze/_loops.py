@@ -385,7 +385,9 @@ def exact_keys(y, S, ys, orders, points, att, options):
     candidate of a row compared exactly.
 
     An expansion is within e/2 of D_k computed either way, so the other comparisons come out
-    the same whichever way D_k is rounded."""
+    the same whichever way D_k is rounded. A sink-excluded or random row whose scores no
+    exact distance can change gets them here: scores (rows, 3) P, R, F, NaN in the other
+    rows."""
     K = y.shape[0]
     rows = S.shape[0]
     order, rank, ns_order, draw_orders = orders
@@ -403,6 +405,7 @@ def exact_keys(y, S, ys, orders, points, att, options):
     unsure = np.empty(rows, np.bool_)
     point, kind = _rows(P, Pn, R)
     mark = np.zeros((rows, K), np.bool_)
+    scores = np.full((rows, 3), np.nan)
     for row in range(rows):
         err[row], unsure[row] = _expansions(yy, ys[row], _dot(S[row], S[row]), y_max, options[0],
                                             options[1], X[row])
@@ -418,6 +421,26 @@ def exact_keys(y, S, ys, orders, points, att, options):
             xmax = max(xmax, x[sel_order[i]])
         for i in range(n, n_cand):
             xmin = min(xmin, x[sel_order[i]])
+        if kind[row] > 0 and not unsure[row]:
+            # The radii lie within e/2 of xmax and xmin. Every selected key is inside the
+            # r_max ball; an unselected one more than 2e from xmax is inside or outside by its
+            # expansion, and so is a selected key more than 2e from xmin for the r_min ball.
+            # Without a key in those bands the scores need no exact distance.
+            inside, closer, band = n, 0, 0
+            for i in range(n, n_cand):
+                xk = x[sel_order[i]]
+                inside += xk < xmax - 2 * e
+                band += abs(xk - xmax) <= 2 * e
+            for i in range(n):
+                xk = x[sel_order[i]]
+                closer += xk < xmin - 2 * e
+                band += abs(xk - xmin) <= 2 * e
+            if band == 0:
+                precision, recall = n / inside, closer / n
+                scores[row, 0], scores[row, 1] = precision, recall
+                scores[row, 2] = (2 * precision * recall / (precision + recall)
+                                  if precision + recall > 0 else 0.0)
+                continue
         for i in range(n_cand):
             k = sel_order[i]
             near = unsure[row] or abs(x[k] - xmax) <= 2 * e
@@ -428,23 +451,23 @@ def exact_keys(y, S, ys, orders, points, att, options):
             mark[row, k] = near
         if kind[row] == 0:
             # Inversions and the sink's comparisons: the pairs of a selected and an
-            # unselected key (or the sink) whose expansions are within 3e.
+            # unselected key (the sink among them) whose expansions are within 3e.
             mark[row, 0] = att[0]
             chosen = sel_order[:n]
             by_x = np.argsort(x[chosen])
             xs = x[chosen][by_x]
-            for i in range(n, n_cand + 1):
-                k = sel_order[i] if i < n_cand else 0
-                if i == n_cand and not (att[0] and rank[0] < n):
-                    continue
-                lo = np.searchsorted(xs, x[k] - 3 * e, side="left")
-                hi = np.searchsorted(xs, x[k] + 3 * e, side="right")
+            for i in range(n, n_cand):
+                k = sel_order[i]
+                lo = _bisect_left(xs, x[k] - 3 * e)
+                hi = lo
+                while hi < n and xs[hi] <= x[k] + 3 * e:
+                    hi += 1
                 if lo != hi or unsure[row]:
                     mark[row, k] = True
                     for t in range(lo, hi):
                         mark[row, chosen[by_x[t]]] = True
     pairs = np.nonzero(mark)
-    return X, err, unsure, pairs[0], pairs[1]
+    return X, err, unsure, scores, pairs[0], pairs[1]
 
 
 @_jit
@@ -455,7 +478,7 @@ def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orde
     (they arrive NaN / -1).
 
     values (K, D) of the head's kv head, att (K,) bool; y, S, s_plus and orders from
-    :func:`aggregates`, ys (rows, K) = S y^T; expansions = (X, err, unsure) from
+    :func:`aggregates`, ys (rows, K) = S y^T; expansions = (X, err, unsure, scores) from
     :func:`exact_keys` and exact (rows, K) the exact distances of the pairs it names (NaN
     elsewhere); alpha (K,) the attention row; v_norm (K,) ||v_k||; head_constants: C, c_lo,
     c_hi, q05, q95 of the kv head; mu and mu_q95 (P,) from :func:`head_coherence`; options:
@@ -486,7 +509,7 @@ def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orde
             for d in range(D):
                 o[d] += y[k, d]
     o_norm = _norm(o)
-    X, err, unsure_rows = expansions
+    X, err, unsure_rows, row_scores = expansions
 
     # The sink-aware bounds' weights (paper: beta_0 = lambda alpha_0; exact: alpha ||v||).
     paper_defined = not has_sink or C > 0
@@ -607,10 +630,12 @@ def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orde
             floats[NOSINK_F_SCORE, p] = floats[F_SCORE, p]
         elif p < Pn:
             row = P + p
-            scores = _ball(y, S[row], X[row], err[row], unsure_rows[row], ns_order, points[p], n_ns,
-                           exact[row])
+            if np.isnan(row_scores[row, 0]):
+                scores = _ball(y, S[row], X[row], err[row], unsure_rows[row], ns_order, points[p],
+                               n_ns, exact[row])
+                row_scores[row] = scores[0], scores[1], scores[2]
             floats[NOSINK_PRECISION, p], floats[NOSINK_RECALL, p], floats[NOSINK_F_SCORE, p] = (
-                scores[0], scores[1], scores[2])
+                row_scores[row, 0], row_scores[row, 1], row_scores[row, 2])
 
     # The random control: mean over the draws.
     if R:
@@ -618,10 +643,12 @@ def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orde
             total = np.zeros(3)
             for r in range(R):
                 row = P + Pn + r * P + p
-                scores = _ball(y, S[row], X[row], err[row], unsure_rows[row], draw_orders[r],
-                               points[p], n_att, exact[row])
+                if np.isnan(row_scores[row, 0]):
+                    scores = _ball(y, S[row], X[row], err[row], unsure_rows[row], draw_orders[r],
+                                   points[p], n_att, exact[row])
+                    row_scores[row] = scores[0], scores[1], scores[2]
                 for i in range(3):
-                    total[i] += scores[i]
+                    total[i] += row_scores[row, i]
             floats[RANDOM_PRECISION, p] = total[0] / R
             floats[RANDOM_RECALL, p] = total[1] / R
             floats[RANDOM_F_SCORE, p] = total[2] / R
@@ -928,21 +955,23 @@ def group_aggregates(alpha, values, att, points, draw_keys):
 
 @_jit
 def group_exact_keys(y, S, ys, orders, points, att, options):
-    """:func:`exact_keys` of each query head: X (h, rows, K), err and unsure (h, rows), and
-    the (head, row, key) triples to compute exactly."""
+    """:func:`exact_keys` of each query head: X (h, rows, K), err and unsure (h, rows),
+    scores (h, rows, 3), and the (head, row, key) triples to compute exactly."""
     h, rows, K = ys.shape
     X = np.empty((h, rows, K))
     err = np.empty((h, rows))
     unsure = np.empty((h, rows), np.bool_)
+    scores = np.empty((h, rows, 3))
     heads, row_idx, key_idx = [], [], []
     for i in range(h):
         o = (orders[0][i], orders[1][i], orders[2][i], orders[3][i])
-        X[i], err[i], unsure[i], r, k = exact_keys(y[i], S[i], ys[i], o, points, att, options)
+        X[i], err[i], unsure[i], scores[i], r, k = exact_keys(y[i], S[i], ys[i], o, points, att, options)
         for j in range(r.size):
             heads.append(i)
             row_idx.append(r[j])
             key_idx.append(k[j])
-    return X, err, unsure, np.array(heads, np.int64), np.array(row_idx, np.int64), np.array(key_idx, np.int64)
+    return (X, err, unsure, scores, np.array(heads, np.int64), np.array(row_idx, np.int64),
+            np.array(key_idx, np.int64))
 
 
 @_jit
@@ -956,7 +985,8 @@ def group_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, ord
     for i in range(h):
         o = (orders[0][i], orders[1][i], orders[2][i], orders[3][i])
         head_geometry(values, att, points, y[i], S[i], s_plus[i], ys[i],
-                      (expansions[0][i], expansions[1][i], expansions[2][i]), exact[i], o, alpha[i],
+                      (expansions[0][i], expansions[1][i], expansions[2][i], expansions[3][i]),
+                      exact[i], o, alpha[i],
                       v_norm, head_constants, mu[i], mu_q95[i], options, floats[i], counts[i])
     return floats, counts
 

@@ -203,11 +203,11 @@ def _query_heads(out, heads, alpha, values, att, kv, g, gram, pairs, grid, draw_
         mu = mu_q95 = np.full((heads.size, points.size), np.nan)
     # <s, y_k> of every aggregate and key, one product per head.
     ys = S @ y.transpose(0, 2, 1)
-    X, err, unsure, hh, rows, keys = _loops.group_exact_keys(y, S, ys, orders, points, att, options)
+    X, err, unsure, scores, hh, rows, keys = _loops.group_exact_keys(y, S, ys, orders, points, att, options)
     exact = np.full(X.shape, np.nan)
     exact[hh, rows, keys] = _squared_distances(y[hh, keys], S[hh, rows])
     head_constants = np.array([kv.C[g], kv.c_lo[g], kv.c_hi[g], kv.q05[g], kv.q95[g]])
-    floats, counts = _loops.group_geometry(values, att, points, y, S, s_plus, ys, (X, err, unsure),
+    floats, counts = _loops.group_geometry(values, att, points, y, S, s_plus, ys, (X, err, unsure, scores),
                                            exact, orders, alpha, kv.v_norm[g], head_constants, mu,
                                            mu_q95, options)
     valid = np.flatnonzero(grid < n_att)
