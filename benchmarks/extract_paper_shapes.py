@@ -28,7 +28,9 @@ to bfloat16, as a bf16 model on a GPU gives them), written into a fresh run per 
 * "plain write": the very compressed objects the writer stored, written to fresh files.
 
 MB/s are MB (10^6 bytes) of uncompressed sequence arrays per second, for the plain write too,
-so that the columns compare; ratios are medians of per-repetition ratios.
+so that the columns compare; ratios are medians of per-repetition ratios. "writer CPU s" is the
+process CPU time of one "writer" write, and "event loop's share" the part of it spent in the
+thread of zarr's event loop, which no thread pool spreads: it bounds what more cores can gain.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import numpy as np
 import torch
 import zarr
 from common import int_list, median, now, rotate, synchronize, table
+from zarr.core.sync import sync
 
 import attngeom as ag
 from attngeom.extract.capture import capturing
@@ -223,6 +226,12 @@ def sequence_objects(store: Path) -> dict[Path, bytes]:
     return {p.relative_to(store): p.read_bytes() for p in root.rglob("*") if p.is_file() and "/c/" in p.as_posix()}
 
 
+async def loop_thread_cpu() -> float:
+    """CPU seconds of the thread running zarr's event loop (run there by ``sync``): what of a
+    write is not spread over the thread pool (zarr's copies into chunks, checksums, shard assembly)."""
+    return time.thread_time()
+
+
 def plain_write(objects: dict[Path, bytes], folder: Path) -> None:
     """``objects`` written as plain files under ``folder``, as a file copy would."""
     for rel, data in objects.items():
@@ -247,15 +256,19 @@ def writer_times(name: str, args: argparse.Namespace, length: int, workdir: Path
         settings["zarrs"] = zarrs_pipeline
     objects: dict[Path, bytes] = {}
     seconds: dict[str, float] = {}
+    cpu: dict[str, float] = {}
 
     def write(setting: str) -> None:
         store = workdir / f"writer-{setting}.zarr"
         run = create_run(open_or_create_root(str(store)), "r", layout, {"model": {"id": name}}, 1)
         with settings[setting]():
             writer = SequenceWriter(run)
-            w0, _ = now()
+            w0, c0 = now()
+            l0 = sync(loop_thread_cpu())
             writer.write(0, arrays)
             seconds[setting] = now()[0] - w0
+            if setting == "writer":
+                cpu["writer"], cpu["loop"] = now()[1] - c0, sync(loop_thread_cpu()) - l0
         objects.update(sequence_objects(store) if setting == "writer" else {})
         shutil.rmtree(store)
 
@@ -267,7 +280,8 @@ def writer_times(name: str, args: argparse.Namespace, length: int, workdir: Path
         shutil.rmtree(folder)
 
     write("writer")  # warm-up; its objects are what the plain write writes
-    reps = []
+    reps: list[dict[str, float]] = []
+    cpus: list[dict[str, float]] = []
     for rep in range(args.reps):
         seconds = {}
         for variant in rotate([*settings, "plain_write"], rep):
@@ -276,6 +290,7 @@ def writer_times(name: str, args: argparse.Namespace, length: int, workdir: Path
             else:
                 write(variant)
         reps.append(seconds)
+        cpus.append(dict(cpu))
         print(f"  [writer {name} L={length} rep {rep + 1}/{args.reps}] "
               + " ".join(f"{k}={v:.2f}s" for k, v in seconds.items()), file=sys.stderr, flush=True)
     stored = sum(len(b) for b in objects.values())
@@ -284,6 +299,8 @@ def writer_times(name: str, args: argparse.Namespace, length: int, workdir: Path
         out[f"{variant}_mb_s"] = median([raw / 1e6 / r[variant] for r in reps])
         out[f"{variant}_over_plain"] = median([r[variant] / r["plain_write"] for r in reps])
     out["writer_1_thread_over_writer"] = median([r["writer_1_thread"] / r["writer"] for r in reps])
+    out["writer_cpu_s"] = median([c["writer"] for c in cpus])
+    out["loop_share_of_cpu"] = median([c["loop"] / c["writer"] for c in cpus])
     if "zarrs" in reps[0]:
         out["zarrs_over_writer"] = median([r["zarrs"] / r["writer"] for r in reps])
     return out
@@ -304,10 +321,11 @@ def report(results: dict[str, Any]) -> str:
         out.append("\nThe writer on one full-depth sequence (MB/s of uncompressed arrays; medians over reps):\n")
         out.append(table(
             ["shape", "L", "raw MB", "stored MiB", "writer MB/s", "1 thread MB/s", *(["zarrs MB/s"] if zarrs else []),
-             "plain write MB/s", "writer / plain (time)", "1 thread / writer (time)"],
+             "plain write MB/s", "writer / plain (time)", "1 thread / writer (time)", "writer CPU s",
+             "event loop's share of it"],
             [[r["shape"], r["length"], r["raw_mb"], r["stored_mib"], r["writer_mb_s"], r["writer_1_thread_mb_s"],
               *([r["zarrs_mb_s"]] if zarrs else []), r["plain_write_mb_s"], r["writer_over_plain"],
-              r["writer_1_thread_over_writer"]] for r in results["writer"]],
+              r["writer_1_thread_over_writer"], r["writer_cpu_s"], r["loop_share_of_cpu"]] for r in results["writer"]],
         ))
     return "\n".join(out)
 

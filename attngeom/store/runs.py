@@ -197,9 +197,9 @@ class SequenceWriter:
     The run's arrays are opened once. ``submit(seq, arrays)`` hands over a sequence: one
     background thread calls ``arrays()`` (the conversion, e.g. tensors to numpy), writes every
     array at once (zarr compresses the chunks on its thread pool) and then sets the
-    sequence's ``complete`` flag, in the order submitted. At most ``in_flight`` sequences are
-    between submit and commit (``submit`` waits for room), so memory holds at most that many
-    sequences' arrays (and what their ``arrays`` callables keep alive) beside the caller's.
+    sequence's ``complete`` flag, in the order submitted. At most ``in_flight`` (>= 1) sequences
+    are between submit and commit (``submit`` waits for room), so memory holds at most that
+    many sequences' arrays (and what their ``arrays`` callables keep alive) beside the caller's.
 
     The first failed write stops the writer: the sequences after it are dropped uncommitted
     and its error is raised by the next ``submit`` or by ``close``. Leaving the ``with``
@@ -215,7 +215,7 @@ class SequenceWriter:
         config = {"array.write_empty_chunks": True, "codec_pipeline.batch_size": max(1, run["layer"].shape[0])}
         with zarr.config.set(config):
             self._arrays = sync(_sequence_members(run))
-        self._in_flight = max(1, in_flight)
+        self._in_flight = in_flight
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attngeom-writer")
         self._pending: deque[Future[None]] = deque()
         self._stopped = False
