@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import os
 import platform
@@ -57,6 +58,7 @@ from attngeom.store import (
     ATTR_KEY,
     RUN_ID_PATTERN,
     RunLayout,
+    SequenceWriter,
     check_run,
     check_writable,
     completed,
@@ -73,7 +75,6 @@ from attngeom.store import (
     run_ids,
     run_layout,
     run_provenance,
-    write_sequence,
 )
 
 # Provenance keys that must agree before a run may be resumed or appended.
@@ -501,19 +502,21 @@ def _write_sequences(
     length = len(windows[0].tokens)
     bar = tqdm(total=len(seqs), unit="seq", desc=f"extract {run_id}", disable=not request.progress)
     start = time.perf_counter()
-    layout = None
+    writer = None
     try:
-        with _capturing(net, keep_rows=request.store_rows == "all") as record:
+        with _capturing(net, keep_rows=request.store_rows == "all") as record, contextlib.ExitStack() as writing:
             for b0 in range(0, len(seqs), request.batch_size):
                 batch = windows[b0 : b0 + request.batch_size]
                 ids = torch.from_numpy(np.stack([w.tokens for w in batch]).astype("int64")).to(model.device)
                 layers = record(ids)
                 if run is None:
                     run = create_run(root, run_id, _layout(model.config, layers, request, length), provenance, total)
-                if layout is None:  # read once: the run's recorded layout, also when resuming
+                if writer is None:  # opened once: the run's recorded layout, also when resuming
                     layout = run_layout(run)
+                    writer = writing.enter_context(SequenceWriter(run))
+                # Converted, compressed and written beside the next batch's forward.
                 for b, (seq, window) in enumerate(zip(seqs[b0 : b0 + request.batch_size], batch)):
-                    write_sequence(run, seq, _sequence_arrays(layers, b, window, layout))
+                    writer.submit(seq, functools.partial(_sequence_arrays, layers, b, window, layout))
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{bar.n * length / max(time.perf_counter() - start, 1e-9):.0f}")
     except OSError as exc:
