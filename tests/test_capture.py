@@ -90,11 +90,12 @@ def brute_force_row(q, k, v, scaling, allowed):
     return p, best, entropy
 
 
-@pytest.mark.parametrize("block_bytes", [1, 4096, 2**26])
+@pytest.mark.parametrize("tile", [(1, 1), (1, 4), (2, 3), (2, 9)])
 @pytest.mark.parametrize("kind", ["causal", "sliding", "prefix"])
-def test_summaries_match_brute_force_any_block(block_bytes, kind):
-    """Every block size and mask: plain causal (None), a sliding window, and a bidirectional
-    prefix, where early queries see keys after their block (no causal truncation allowed)."""
+def test_summaries_match_brute_force_any_tile(tile, kind):
+    """Every tile (kv heads, queries) and mask: plain causal (None), a sliding window, and a
+    bidirectional prefix, where early queries see keys after their block (no causal truncation
+    allowed)."""
     torch.manual_seed(1)
     bsz, n_heads, n_kv, length, dim = 2, 4, 2, 9, 5
     q = torch.randn(bsz, n_heads, length, dim)
@@ -105,7 +106,7 @@ def test_summaries_match_brute_force_any_block(block_bytes, kind):
     allowed = {"causal": j <= i, "sliding": (j <= i) & (i - j < 4), "prefix": (j <= i) | (j < 4)}[kind]
     mask = allowed[None, None].expand(bsz, 1, length, length)
     cap, out = attention_summaries(q, k, v, None if kind == "causal" else mask, 0.5, keep_rows=True,
-                                   need_output=True, block_bytes=block_bytes)
+                                   need_output=True, tile=tile)
     for b in range(bsz):
         for h in range(n_heads):
             for qi in range(length):
@@ -299,3 +300,22 @@ def test_cpu_scores_are_the_batched_product():
         if rows * keys > 1000:
             assert torch.equal(scores, batched)
         torch.testing.assert_close(scores, batched, rtol=1e-6, atol=1e-6)
+
+
+def test_score_tiles_follow_the_layers_shape():
+    """Layers whose 2 MiB tile of every kv head keeps 128 rows per product keep it (smollm2-135m,
+    gemma3-270m: the tiles their stores were measured and written with); many heads or long
+    rows take fewer kv heads per tile, in even tiles, and never fewer than 128 product rows."""
+    from attngeom.extract.capture import score_tile
+
+    cpu = torch.device("cpu")
+    assert score_tile(1, 9, 3, 1024, cpu) == (3, 56)  # smollm2-135m
+    assert score_tile(1, 9, 3, 512, cpu) == (3, 113)
+    assert score_tile(1, 4, 1, 1024, cpu) == (1, 128)  # gemma3-270m
+    assert score_tile(1, 32, 32, 1024, cpu) == (4, 128)  # Llama-2-7B
+    assert score_tile(1, 32, 8, 4096, cpu) == (1, 32)  # Mistral-7B at L=4096: 4 heads x 32 queries
+    assert score_tile(1, 32, 32, 2048, cpu) == (2, 128)
+    # 8 kv heads fit: tiles of 5 and 4, not 8 and 1; the queries fill the budget again.
+    assert score_tile(1, 9, 9, 1024, cpu, tile_bytes=4 * 2**20) == (5, 204)
+    assert score_tile(1, 12, 12, 1024, cpu, tile_bytes=3 * 2**20) == (6, 128)
+    assert score_tile(2, 9, 3, 64, cpu) == (3, 64)  # the whole layer at once when it is small
