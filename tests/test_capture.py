@@ -11,7 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from attngeom.extract.capture import ATTN_IMPLEMENTATION, output_description, attention_summaries, capturing
+from attngeom.extract.capture import (
+    ATTN_IMPLEMENTATION,
+    Recorder,
+    attention_summaries,
+    capturing,
+    output_description,
+)
 from attngeom.extract.models import ModelSource, load_model
 
 L = 16  # longer than the sliding window (6) of the Mistral and Gemma 3 fixtures
@@ -319,3 +325,33 @@ def test_score_tiles_follow_the_layers_shape():
     assert score_tile(1, 9, 9, 1024, cpu, tile_bytes=4 * 2**20) == (5, 204)
     assert score_tile(1, 12, 12, 1024, cpu, tile_bytes=3 * 2**20) == (6, 128)
     assert score_tile(2, 9, 3, 64, cpu) == (3, 64)  # the whole layer at once when it is small
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")),
+])
+def test_captures_to_host_are_the_captures(device, tiny_model_dir):
+    """``to_host`` hands every layer's capture over in host memory, equal to what the layer
+    computed: on CPU the very tensors (nothing copied, nothing pinned); on CUDA pinned copies
+    made on a side stream while later layers ran, read after ``host_layers`` waited for them."""
+    folder = str(tiny_model_dir("gemma3"))
+    model = load_model(ModelSource(folder, folder), device=device, dtype=torch.float32)
+    ids = tiny_ids().to(device)
+    with torch.no_grad(), capturing(model, keep_rows=True) as kept:
+        model.model(input_ids=ids, use_cache=False)
+    with torch.no_grad(), capturing(model, keep_rows=True, to_host=True) as moved:
+        model.model(input_ids=ids, use_cache=False)
+    host = moved.host_layers()
+    assert sorted(host) == sorted(kept.layers) == list(range(model.config.num_hidden_layers))
+    for layer, capture in host.items():
+        for name in ("values", "attn_last", "winner", "sink_attn", "diag_attn", "top1_attn", "entropy",
+                     "attendable", "rows"):
+            got, want = getattr(capture, name), getattr(kept.layers[layer], name)
+            assert got.device.type == "cpu"
+            assert got.is_pinned() == (device == "cuda")
+            assert torch.equal(got, want.cpu())
+    if device == "cpu":
+        recorder = Recorder(to_host=True)
+        recorder.record(0, kept.layers[0])
+        assert recorder.host_layers()[0] is kept.layers[0]

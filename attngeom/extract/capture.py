@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 
 import torch
@@ -42,9 +42,11 @@ CPU_TILE_BYTES = 2 * 2**20
 # tenth of the speed of the same work in larger pieces; such layers take fewer kv heads per
 # tile instead.
 MIN_PRODUCT_ROWS = 128
-# On CUDA a tile is sized from the free memory: large tiles keep the kernel launches few, and
-# about six tile-sized temporaries live at once beside the model's own activations.
-CUDA_TILE_SHARE = 16
+# On CUDA a tile is sized from the GPU's memory: large tiles keep the kernel launches few, and
+# about six tile-sized temporaries live at once beside the model and its activations (1.25 GiB
+# tiles on an 80 GB GPU). From the total, not the free memory, so that one GPU kind always takes
+# the same tiles and a float32 model's rows @ v the same rounding, run after run.
+CUDA_TILE_SHARE = 64
 CUDA_MIN_TILE_BYTES = 64 * 2**20
 MASKED = -1e30
 
@@ -133,8 +135,8 @@ def score_tile(
 def _tile_bytes(device: torch.device) -> int:
     if device.type != "cuda":
         return CPU_TILE_BYTES
-    free, _ = torch.cuda.mem_get_info(device)
-    return max(CUDA_MIN_TILE_BYTES, free // CUDA_TILE_SHARE)
+    _, total = torch.cuda.mem_get_info(device)
+    return max(CUDA_MIN_TILE_BYTES, total // CUDA_TILE_SHARE)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -294,12 +296,56 @@ def attention_summaries(
     return capture, attn_output
 
 
+def host_copy(t: torch.Tensor, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """``t`` in host memory: ``t`` itself if it is there; else a pinned buffer that a
+    non-blocking copy on ``stream`` fills (read it only after that stream's work has ended)."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    with torch.cuda.stream(stream):
+        host.copy_(t, non_blocking=True)
+    if stream is not None:
+        # The caching allocator must not hand t's memory to the next layer before the copy read it.
+        t.record_stream(stream)
+    return host
+
+
 @dataclass
 class Recorder:
-    """Collects the :class:`LayerCapture` of every layer during one forward pass."""
+    """Collects the :class:`LayerCapture` of every layer during one forward pass.
+
+    With ``to_host``, each layer's capture leaves the GPU as soon as the layer is done: its
+    tensors are copied into pinned host buffers on a stream of their own, which waits for the
+    layer and not the other way round, so the next layer runs meanwhile; :meth:`host_layers`
+    waits for the copies. On CPU the captures are host memory already and stay as they are.
+    """
 
     keep_rows: bool = False
+    to_host: bool = False
     layers: dict[int, LayerCapture] = field(default_factory=dict)
+    _stream: torch.cuda.Stream | None = field(default=None, repr=False)
+    _copied: torch.cuda.Event | None = field(default=None, repr=False)
+
+    def record(self, layer: int, capture: LayerCapture) -> None:
+        """Keep ``capture`` as layer ``layer``'s (on its way to host memory with ``to_host``)."""
+        device = capture.attn_last.device
+        if self.to_host and device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+            capture = replace(capture, **{
+                f.name: host_copy(getattr(capture, f.name), self._stream)
+                for f in fields(capture)
+                if getattr(capture, f.name) is not None
+            })
+            self._copied = self._stream.record_event()
+        self.layers[layer] = capture
+
+    def host_layers(self) -> dict[int, LayerCapture]:
+        """Every layer's capture, once all of it is readable (host memory with ``to_host``)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.layers
 
 
 # The recorder of each attention module captured in this thread (or task), set only by
@@ -340,7 +386,7 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
         need_output=softcap is not None or own_output(query.dtype),
     )
     if recorder is not None:
-        recorder.layers[module.layer_idx] = capture
+        recorder.record(module.layer_idx, capture)
     if output is None:
         output, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -356,18 +402,19 @@ def register_capture() -> None:
 
 
 @contextlib.contextmanager
-def capturing(model: torch.nn.Module, *, keep_rows: bool = False) -> Iterator[Recorder]:
+def capturing(model: torch.nn.Module, *, keep_rows: bool = False, to_host: bool = False) -> Iterator[Recorder]:
     """Within the block, forwards of ``model`` in this thread record into the yielded recorder.
 
     ``model`` is a transformers ``PreTrainedModel``; its attention implementation (e.g. "sdpa"
     or "eager") is set to the capture one for the block and restored on exit. One model object
     is captured by one block at a time: the implementation is the model's, not the thread's.
+    ``to_host``: see :class:`Recorder`.
     """
     register_capture()
     previous = model.config._attn_implementation
     if previous != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    recorder = Recorder(keep_rows=keep_rows)
+    recorder = Recorder(keep_rows=keep_rows, to_host=to_host)
     token = _RECORDERS.set({**_RECORDERS.get(), **dict.fromkeys(model.modules(), recorder)})
     try:
         yield recorder
