@@ -355,3 +355,12 @@ def test_captures_to_host_are_the_captures(device, tiny_model_dir):
         recorder = Recorder(to_host=True)
         recorder.record(0, kept.layers[0])
         assert recorder.host_layers()[0] is kept.layers[0]
+
+
+def test_auto_dtype_is_float32_on_every_device():
+    """bfloat16 moved 1.4-1.9% of the winners of real models (README, "Compute dtype"): a named
+    model computes in float32 unless asked otherwise, on a GPU too."""
+    from attngeom.extract.models import resolve_dtype
+
+    assert resolve_dtype("auto", "cuda") == resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "cuda") == torch.bfloat16
