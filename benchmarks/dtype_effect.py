@@ -100,7 +100,8 @@ def report(results: dict[str, dict[str, Any]], n: int = 8) -> str:
     rows = [[
         model, r["sequences"], f"{r['regimes_agree']}/{r['heads']}",
         f"{r['winners_differ']:,}/{r['winner_entries']:,} ({100 * r['winners_differ_frac']:.2f}%)",
-        f"{r[f'f{n}_median_abs_diff']:.3g} (max {r[f'f{n}_max_abs_diff']:.3g}; {100 * r[f'f{n}_differ_frac']:.0f}% differ)",
+        f"{r[f'f{n}_median_abs_diff']:.3g} (max {r[f'f{n}_max_abs_diff']:.3g}; "
+        f"{100 * r[f'f{n}_differ_frac']:.0f}% differ)",
         f"{r['lambda_median_rel_diff']:.2e} (max {r['lambda_max_rel_diff']:.2e})",
         f"{r['median_cos_median_abs_diff']:.2e} (max {r['median_cos_max_abs_diff']:.2e})",
         f"{r['violations_f32']} / {r['violations_bf16']} of {r['instances']:,} ({r['violations_change_side']} change)",

@@ -29,7 +29,9 @@ def _identity(run: RunData) -> dict[str, object]:
     return {"run": run.run_id, "model": run.model_id, "dataset": run.dataset_id}
 
 
-MODEL_COLUMNS = ("run", "model", "dataset", "L", "dtype", "layers", "heads", "kv heads", "sequences", "analysis", "ablation")
+MODEL_COLUMNS = (
+    "run", "model", "dataset", "L", "dtype", "layers", "heads", "kv heads", "sequences", "analysis", "ablation",
+)
 
 
 def models(runs: Sequence[RunData]) -> pd.DataFrame:
