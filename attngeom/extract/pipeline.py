@@ -367,16 +367,17 @@ def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequ
 @contextlib.contextmanager
 def _capturing(model: torch.nn.Module, *, keep_rows: bool) -> Iterator[Callable[[torch.Tensor], dict[int, LayerCapture]]]:
     """Within the block, ``record(ids)`` runs the model's decoder on ids (B, L) in eval mode
-    with the capture attention and returns every layer's :class:`LayerCapture`. The model's
+    with the capture attention and returns every layer's :class:`LayerCapture` in host memory
+    (copied from a GPU layer by layer while the next layers run). The model's
     own attention implementation (restored by :func:`capturing` after each forward) and its
     train/eval mode are left as they were given, whatever happens."""
     training = model.training
     model.eval()
 
     def record(ids: torch.Tensor) -> dict[int, LayerCapture]:
-        with torch.inference_mode(), capturing(model, keep_rows=keep_rows) as recorder:
+        with torch.inference_mode(), capturing(model, keep_rows=keep_rows, to_host=True) as recorder:
             model.get_decoder()(input_ids=ids, use_cache=False)
-        return recorder.layers
+        return recorder.host_layers()
 
     try:
         yield record
