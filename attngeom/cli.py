@@ -99,7 +99,7 @@ STORE = click.option("--store", required=True, help="Store: a local path or an f
 @click.option("--split", help="Dataset split, for hub datasets.")
 @click.option("--text-field", default="text", show_default=True, help="Text field of .jsonl/.parquet/hub rows.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype; auto is float32 on CPU, bfloat16 on CUDA.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype; auto is float32 on every device (bfloat16 moves results: see README).")
 @click.option("--batch-size", type=click.IntRange(1), default=1, show_default=True, help="Sequences per forward pass.")
 @click.option("--store-rows", type=click.Choice(["last", "all"]), default="last", show_default=True, help="'all' also keeps every full attention row (float16), for small studies.")
 @click.option("--queries", default="last", show_default=True, help="Queries whose attention rows are kept (attn_rows) for analysis/topn_by_query: last (attn_last only), every:K (L-1, L-1-K, ... down to 1) or positions P1,P2,... in 1..L-1.")
@@ -175,7 +175,7 @@ def taxonomy(store: str) -> None:
 @STORE
 @click.option("--run", "run_id", required=True, help="The run whose model and tokens to use.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype; auto is float32 on CPU, bfloat16 on CUDA.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype; auto is float32 on every device (bfloat16 moves results: see README).")
 @click.option("--protect", default="", help="LAYER.HEAD pairs always kept and outside every ranking, e.g. 0.12,3.4.")
 @click.option("--protect-critical", is_flag=True, help="Also hold the automatically found critical heads fixed.")
 @click.option("--retention", callback=_comma_list(float, "comma-separated fractions, e.g. 1.0,0.75,0.5"), help="Fractions of heads kept per layer [default: 1.0,0.9,0.75,0.5,0.25].")

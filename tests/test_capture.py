@@ -11,7 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from attngeom.extract.capture import ATTN_IMPLEMENTATION, output_description, attention_summaries, capturing
+from attngeom.extract.capture import (
+    ATTN_IMPLEMENTATION,
+    Recorder,
+    attention_summaries,
+    capturing,
+    output_description,
+)
 from attngeom.extract.models import ModelSource, load_model
 
 L = 16  # longer than the sliding window (6) of the Mistral and Gemma 3 fixtures
@@ -90,11 +96,12 @@ def brute_force_row(q, k, v, scaling, allowed):
     return p, best, entropy
 
 
-@pytest.mark.parametrize("block_bytes", [1, 4096, 2**26])
+@pytest.mark.parametrize("tile", [(1, 1), (1, 4), (2, 3), (2, 9)])
 @pytest.mark.parametrize("kind", ["causal", "sliding", "prefix"])
-def test_summaries_match_brute_force_any_block(block_bytes, kind):
-    """Every block size and mask: plain causal (None), a sliding window, and a bidirectional
-    prefix, where early queries see keys after their block (no causal truncation allowed)."""
+def test_summaries_match_brute_force_any_tile(tile, kind):
+    """Every tile (kv heads, queries) and mask: plain causal (None), a sliding window, and a
+    bidirectional prefix, where early queries see keys after their block (no causal truncation
+    allowed)."""
     torch.manual_seed(1)
     bsz, n_heads, n_kv, length, dim = 2, 4, 2, 9, 5
     q = torch.randn(bsz, n_heads, length, dim)
@@ -105,7 +112,7 @@ def test_summaries_match_brute_force_any_block(block_bytes, kind):
     allowed = {"causal": j <= i, "sliding": (j <= i) & (i - j < 4), "prefix": (j <= i) | (j < 4)}[kind]
     mask = allowed[None, None].expand(bsz, 1, length, length)
     cap, out = attention_summaries(q, k, v, None if kind == "causal" else mask, 0.5, keep_rows=True,
-                                   need_output=True, block_bytes=block_bytes)
+                                   need_output=True, tile=tile)
     for b in range(bsz):
         for h in range(n_heads):
             for qi in range(length):
@@ -299,3 +306,61 @@ def test_cpu_scores_are_the_batched_product():
         if rows * keys > 1000:
             assert torch.equal(scores, batched)
         torch.testing.assert_close(scores, batched, rtol=1e-6, atol=1e-6)
+
+
+def test_score_tiles_follow_the_layers_shape():
+    """Layers whose 2 MiB tile of every kv head keeps 128 rows per product keep it (smollm2-135m,
+    gemma3-270m: the tiles their stores were measured and written with); many heads or long
+    rows take fewer kv heads per tile, in even tiles, and never fewer than 128 product rows."""
+    from attngeom.extract.capture import score_tile
+
+    cpu = torch.device("cpu")
+    assert score_tile(1, 9, 3, 1024, cpu) == (3, 56)  # smollm2-135m
+    assert score_tile(1, 9, 3, 512, cpu) == (3, 113)
+    assert score_tile(1, 4, 1, 1024, cpu) == (1, 128)  # gemma3-270m
+    assert score_tile(1, 32, 32, 1024, cpu) == (4, 128)  # Llama-2-7B
+    assert score_tile(1, 32, 8, 4096, cpu) == (1, 32)  # Mistral-7B at L=4096: 4 heads x 32 queries
+    assert score_tile(1, 32, 32, 2048, cpu) == (2, 128)
+    # 8 kv heads fit: tiles of 5 and 4, not 8 and 1; the queries fill the budget again.
+    assert score_tile(1, 9, 9, 1024, cpu, tile_bytes=4 * 2**20) == (5, 204)
+    assert score_tile(1, 12, 12, 1024, cpu, tile_bytes=3 * 2**20) == (6, 128)
+    assert score_tile(2, 9, 3, 64, cpu) == (3, 64)  # the whole layer at once when it is small
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")),
+])
+def test_captures_to_host_are_the_captures(device, tiny_model_dir):
+    """``to_host`` hands every layer's capture over in host memory, equal to what the layer
+    computed: on CPU the very tensors (nothing copied, nothing pinned); on CUDA pinned copies
+    made on a side stream while later layers ran, read after ``host_layers`` waited for them."""
+    folder = str(tiny_model_dir("gemma3"))
+    model = load_model(ModelSource(folder, folder), device=device, dtype=torch.float32)
+    ids = tiny_ids().to(device)
+    with torch.no_grad(), capturing(model, keep_rows=True) as kept:
+        model.model(input_ids=ids, use_cache=False)
+    with torch.no_grad(), capturing(model, keep_rows=True, to_host=True) as moved:
+        model.model(input_ids=ids, use_cache=False)
+    host = moved.host_layers()
+    assert sorted(host) == sorted(kept.layers) == list(range(model.config.num_hidden_layers))
+    for layer, capture in host.items():
+        for name in ("values", "attn_last", "winner", "sink_attn", "diag_attn", "top1_attn", "entropy",
+                     "attendable", "rows"):
+            got, want = getattr(capture, name), getattr(kept.layers[layer], name)
+            assert got.device.type == "cpu"
+            assert got.is_pinned() == (device == "cuda")
+            assert torch.equal(got, want.cpu())
+    if device == "cpu":
+        recorder = Recorder(to_host=True)
+        recorder.record(0, kept.layers[0])
+        assert recorder.host_layers()[0] is kept.layers[0]
+
+
+def test_auto_dtype_is_float32_on_every_device():
+    """bfloat16 moved 1.4-1.9% of the winners of real models (README, "Compute dtype"): a named
+    model computes in float32 unless asked otherwise, on a GPU too."""
+    from attngeom.extract.models import resolve_dtype
+
+    assert resolve_dtype("auto", "cuda") == resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "cuda") == torch.bfloat16

@@ -249,18 +249,18 @@ def test_failed_extract_leaves_no_new_store(tiny_model_dir, word_corpus, tmp_pat
     """A failure after the store was created (here: a full disk at the first sequence)
     removes the store it created; one with committed sequences is kept, and its message
     counts them from the store, with or without a progress bar."""
-    import attngeom.extract.pipeline as pipeline
+    from attngeom.store import SequenceWriter
 
-    write = pipeline.write_sequence
+    write = SequenceWriter.write
     budget = {"n": 0}
 
-    def full_disk(run, seq, arrays):
+    def full_disk(writer, seq, arrays):
         if budget["n"] == 0:
             raise OSError(errno.ENOSPC, "No space left on device")
         budget["n"] -= 1
-        write(run, seq, arrays)
+        write(writer, seq, arrays)
 
-    monkeypatch.setattr(pipeline, "write_sequence", full_disk)
+    monkeypatch.setattr(SequenceWriter, "write", full_disk)
     store = tmp_path / "s.zarr"
     args = ["extract", "--model", str(tiny_model_dir("llama")), "--dataset", str(word_corpus), "-L", "16",
             "-S", str(S), "--store", str(store), "--run", "r", "--no-progress"]

@@ -105,12 +105,13 @@ def test_projection_is_a_contraction_with_s_n_in_place():
 @pytest.fixture(scope="module")
 def store(tiny_model_dir, word_corpus, tmp_path_factory) -> str:
     """Run "a": tiny Llama (3 layers x 4 heads, 2 kv heads), analyzed, with an ablation table;
-    run "g": tiny Gemma 3 (layers 0 and 2 slide a window of 6), analyzed; run "raw": never
-    analyzed."""
+    run "g": tiny Gemma 3 (layers 0 and 2 slide a window of 6), analyzed; run "raw": extracted in
+    bfloat16, never analyzed."""
     url = str(tmp_path_factory.mktemp("explore") / "store.zarr")
-    for run_id, arch, n in (("a", "llama", 3), ("g", "gemma3", 1), ("raw", "llama", 2)):
+    for run_id, arch, n, dtype in (("a", "llama", 3, "auto"), ("g", "gemma3", 1, "auto"),
+                                   ("raw", "llama", 2, "bfloat16")):
         extract(ExtractRequest(model=str(tiny_model_dir(arch)), dataset=str(word_corpus), context_length=LENGTH,
-                               num_sequences=n, store=url, run_id=run_id, progress=False))
+                               num_sequences=n, store=url, run_id=run_id, dtype=dtype, progress=False))
     for run_id in ("a", "g"):
         analyze(url, run_id=run_id, scheduler="threads", n_grid=GRID, progress=False)
     # What `attngeom ablate` writes to ablation/single (it needs the model's weights).
@@ -154,6 +155,7 @@ def test_index_carries_the_head_table_and_decoded_tokens(page):
     a, raw = runs["a"], runs["raw"]
     assert (a["layers"], a["heads"], a["kv_heads"], a["head_kv"]) == (3, 4, 2, [0, 0, 1, 1])
     assert a["n_grid"] == GRID and a["sequences"] == [0, 1]
+    assert (a["dtype"], raw["dtype"]) == ("float32", "bfloat16")  # extract's compute dtype, shown per run
     assert set(a["stats"]) == {"regime", "vote_diagonal", "vote_sink", "vote_other", "lambda", "f_score", "delta_nll"}
     assert a["stats"]["delta_nll"][2][3] == pytest.approx(1.1)
     assert np.asarray(a["stats"]["f_score"], dtype=float).shape == (3, 4, len(GRID))

@@ -56,9 +56,9 @@ def test_query_attendable_moves_the_final_querys_mask():
     assert query_attendable(window, 15).tolist() == window.tolist()
 
 
-@pytest.mark.parametrize("block_bytes", [1, 1500, 2**26])  # blocks of 1, 4 and every query
+@pytest.mark.parametrize("tile", [(1, 1), (2, 4), (1, 11)])  # (kv heads, queries): blocks of 1, 4, every query
 @pytest.mark.parametrize("kind", ["causal", "sliding"])
-def test_capture_keeps_the_rows_of_the_asked_queries_at_any_block(block_bytes, kind):
+def test_capture_keeps_the_rows_of_the_asked_queries_at_any_block(tile, kind):
     """The kept rows are the float32 probability rows, 0 after the query (and outside the
     window), whichever block holds each query; at L-1 they are attn_last's bits."""
     torch.manual_seed(2)
@@ -68,7 +68,7 @@ def test_capture_keeps_the_rows_of_the_asked_queries_at_any_block(block_bytes, k
     allowed = (j <= i) & (i - j < 4) if kind == "sliding" else j <= i
     mask = None if kind == "causal" else allowed[None, None].expand(bsz, 1, length, length)
     queries = (1, 4, 5, 9, 10)
-    cap, _ = attention_summaries(q, k, v, mask, 0.5, queries=queries, block_bytes=block_bytes)
+    cap, _ = attention_summaries(q, k, v, mask, 0.5, queries=queries, tile=tile)
     scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.5
     want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)[:, :, list(queries)]
     assert cap.query_rows.shape == (bsz, n_heads, len(queries), length)

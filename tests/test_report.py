@@ -41,10 +41,12 @@ def _write(ds: xr.Dataset, store: str, group: str) -> None:
                consolidated=False, zarr_format=3)
 
 
-def _set_identity(store: str, run_id: str, model: str, dataset: str) -> None:
+def _set_identity(store: str, run_id: str, model: str, dataset: str, dtype: str | None = None) -> None:
     run = open_run_group(open_root(store, mode="a"), run_id)
     meta = dict(run.attrs[ATTR_KEY])
     meta.update(model={"id": model}, dataset={"id": dataset})
+    if dtype is not None:
+        meta["compute_dtype"] = dtype
     run.attrs[ATTR_KEY] = meta
 
 
@@ -87,12 +89,12 @@ def store(tmp_path_factory) -> str:
     """Three runs: "full" (rows kept at 4 queries, analysis and ablation), "plain" (analysis
     only, another model and L) and "raw" (extracted, never analyzed)."""
     url = str(tmp_path_factory.mktemp("report") / "store.zarr")
-    for run_id, length, seed, model, dataset in (("full", 32, 0, "org/model-a", "corpus-a"),
-                                                  ("plain", 24, 1, "model-b", "corpus-b"),
-                                                  ("raw", 32, 2, "model-b", "corpus-a")):
+    for run_id, length, seed, model, dataset, dtype in (("full", 32, 0, "org/model-a", "corpus-a", "bfloat16"),
+                                                         ("plain", 24, 1, "model-b", "corpus-b", "float32"),
+                                                         ("raw", 32, 2, "model-b", "corpus-a", None)):
         queries = (7, 15, 23, 31) if run_id == "full" else ()
         write_synthetic_run(url, run_id, length=length, seed=seed, queries=queries, **SHAPE)
-        _set_identity(url, run_id, model, dataset)
+        _set_identity(url, run_id, model, dataset, dtype)
     for run_id in ("full", "plain"):
         analyze(url, run_id=run_id, scheduler="threads", n_grid=GRID, progress=False)
     _add_ablation(url, "full")
@@ -184,6 +186,7 @@ def test_tables_content(report):
     assert models.loc[0, ["model", "dataset", "L", "layers", "heads", "kv heads", "sequences"]].tolist() == [
         "org/model-a", "corpus-a", 32, 2, 4, 2, 3]
     assert models["analysis"].tolist() == ["yes", "yes", "no"]
+    assert models["dtype"].tolist() == ["bfloat16", "float32", "?"]  # "?": no dtype recorded
     taxonomy = pd.read_csv(out / "taxonomy_distribution.csv")
     assert taxonomy["run"].tolist() == ["full", "plain"]
     assert (taxonomy[list(REGIMES)].sum(axis=1) == taxonomy["total"]).all() and (taxonomy["total"] == 8).all()
@@ -256,6 +259,6 @@ def test_sparsification_figure_says_what_its_curves_hide():
                                "retention": retention})
     notes = ["weight_o = weight_v (one curve)", "retention 0.9 keeps all 4 heads per layer"]
     assert sparsification_notes(sweep, 4) == notes
-    run = RunData("r", "m", "d", 16, 2, 4, 2, 3, ablation={"sweep": sweep})
+    run = RunData("r", "m", "d", 16, "float32", 2, 4, 2, 3, ablation={"sweep": sweep})
     assert [t.get_text() for t in sparsification([run]).axes[0].texts] == ["\n".join(notes)]
     assert sparsification_notes(sweep.isel(method=[0, 2], retention=[0, 2]), 4) == []

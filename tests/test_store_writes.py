@@ -134,3 +134,89 @@ def test_a_failed_sequence_write_commits_nothing_and_ends_every_write(tmp_path):
     assert sorted(key.split("/")[2] for key in slow.ended) == [
         "attn_last", "diag_attn", "doc_index", "entropy", "sink_attn", "tokens", "top1_attn", "window_start", "winner"]
     assert list(run["complete"][:]) == [1, 0]
+
+
+class GatedStore(zarr.storage.WrapperStore):
+    """A local store whose chunk writes wait for ``gate`` and fail for ``failing`` keys; it
+    records the keys written."""
+
+    def __init__(self, store, failing: str | None = None):
+        super().__init__(store)
+        self.gate = __import__("threading").Event()
+        self.failing = failing
+        self.written: list[str] = []
+
+    async def set(self, key, value):
+        import asyncio
+        import errno
+
+        while not self.gate.is_set():  # no thread of zarr's pool held: the test reads meanwhile
+            await asyncio.sleep(0.01)
+        if self.failing and self.failing in key:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        await self._store.set(key, value)
+        self.written.append(key)
+
+
+def gated_run(tmp_path, n_seq: int, failing: str | None = None):
+    from attngeom.store import RUNS, open_root, open_run_group, resize_run
+    from attngeom.synthetic import write_synthetic_run
+
+    store = tmp_path / "s.zarr"
+    write_synthetic_run(str(store), "r", n_seq=1, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, length=16)
+    resize_run(open_run_group(open_root(str(store), mode="r+"), "r"), n_seq)
+    gated = GatedStore(zarr.storage.LocalStore(store), failing)
+    return gated, zarr.open_group(gated, path=f"{RUNS}/r", mode="r+", use_consolidated=False)
+
+
+def test_the_writer_converts_and_writes_beside_the_caller_in_order(tmp_path):
+    """submit returns while the store holds the write back; conversion happens in the writer,
+    one sequence after another; close commits every sequence with its own arrays."""
+    from attngeom.store import SequenceWriter, run_layout
+    from attngeom.synthetic import synthetic_sequence
+
+    gated, run = gated_run(tmp_path, 4)
+    layout = run_layout(run)
+    sequences = {s: synthetic_sequence(np.random.default_rng(s), layout) for s in (1, 2, 3)}
+    converted: list[int] = []
+
+    def arrays(seq):
+        converted.append(seq)
+        return sequences[seq]
+
+    with SequenceWriter(run, in_flight=2) as writer:
+        writer.submit(1, lambda: arrays(1))
+        writer.submit(2, lambda: arrays(2))
+        assert list(zarr.open_array(gated._store, path="runs/r/complete", mode="r")[:]) == [1, 0, 0, 0]
+        assert converted in ([], [1])  # the second waits for the first to be written
+        gated.gate.set()
+        writer.submit(3, lambda: arrays(3))
+    assert converted == [1, 2, 3]
+    reread = zarr.open_group(gated._store, path="runs/r", mode="r", use_consolidated=False)
+    assert list(reread["complete"][:]) == [1, 1, 1, 1]
+    for seq, expected in sequences.items():
+        for name, value in expected.items():
+            np.testing.assert_array_equal(reread[name][seq], value)
+
+
+def test_a_failed_write_stops_the_writer_and_nothing_is_written_after(tmp_path):
+    """Sequence 1's values cannot be stored: the OSError reaches the caller, sequence 0 stays
+    committed, and no sequence after 1 is converted or written."""
+    from attngeom.store import SequenceWriter, run_layout
+    from attngeom.synthetic import synthetic_sequence
+
+    gated, run = gated_run(tmp_path, 5, failing="/values/c/2")
+    gated.gate.set()
+    layout = run_layout(run)
+    converted: list[int] = []
+
+    def arrays(seq):
+        converted.append(seq)
+        return synthetic_sequence(np.random.default_rng(seq), layout)
+
+    with pytest.raises(OSError, match="No space"), SequenceWriter(run, in_flight=2) as writer:
+        for seq in (1, 2, 3, 4):
+            writer.submit(seq, lambda seq=seq: arrays(seq))
+    assert converted == [1, 2]
+    assert not [key for key in gated.written if "/c/3" in key or "/c/4" in key]
+    assert list(zarr.open_array(gated._store, path="runs/r/complete", mode="r")[:]) == [1, 1, 0, 0, 0]

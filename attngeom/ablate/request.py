@@ -22,7 +22,7 @@ class AblateRequest:
     per layer (``round(f * H)`` in every layer). random_masks: seeded random draws (0: none).
     top_n: N of the top-N attention mass diagnostic. max_sequences: use only the first
     completed sequences. batch_size: (sequence, mask) rows per forward. device: "auto",
-    "cpu", "cuda" or "cuda:N"; dtype: "auto" (float32 on CPU, bfloat16 on CUDA),
+    "cpu", "cuda" or "cuda:N"; dtype: "auto" (float32 on every device),
     "float32", "bfloat16" or "float16". model: the run's model when it was extracted from
     a model in memory (its state dict must hash as recorded). out: also write CSV tables there.
     """

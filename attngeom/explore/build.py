@@ -180,6 +180,7 @@ def _run_entry(run: data.ExploreRun, progress: bool) -> dict[str, Any]:
         stats["delta_nll"] = run.ablation["delta_nll_mean"].transpose("layer", "head").values
     return {
         "id": run.run_id, "model": run.model, "dataset": run.dataset, "length": layout.length,
+        "dtype": run.compute_dtype,
         "layers": layout.n_layers, "heads": layout.n_heads, "kv_heads": layout.n_kv_heads,
         "head_dim": layout.head_dim, "head_kv": list(layout.head_kv), "window": list(layout.window),
         "n_grid": run.n_grid, "sequences": run.sequences, "tokens": tokens, "token_ids": ids,

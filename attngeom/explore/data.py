@@ -68,6 +68,11 @@ class ExploreRun:
     def dataset(self) -> str:
         return str(self.provenance.get("dataset", {}).get("id") or "?")
 
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the model computed in at extract (bfloat16 and float32 runs differ)."""
+        return str(self.provenance.get("compute_dtype") or "?")
+
 
 def _open(store: str, run_id: str, kind: str, name: str) -> xr.Dataset | None:
     """A committed analysis or ablation group, None when it was never written; an

@@ -69,7 +69,7 @@
     $("store").textContent = "Store: " + state.index.store;
     var runSelect = $("run-select");
     state.index.runs.forEach(function (run, i) {
-      option(runSelect, i, run.id + " (" + run.model + " · " + run.dataset + " · L=" + run.length + ")");
+      option(runSelect, i, run.id + " (" + run.model + " · " + run.dataset + " · L=" + run.length + " · " + run.dtype + ")");
     });
     runSelect.addEventListener("change", function () { selectRun(Number(runSelect.value)); });
     $("stat-select").addEventListener("change", function () { state.stat = this.value; paintGrid(); });

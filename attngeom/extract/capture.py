@@ -20,7 +20,7 @@ import bisect
 import contextlib
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 
 import torch
@@ -30,13 +30,25 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_IMPLEMENTATION = "attngeom_capture"
 
-# Bytes one block of float32 scores may take; a handful of block-sized temporaries live at
-# once. On CPU, 2 MiB blocks ran 1.9-4.7x faster than 64 MiB ones (smollm2-135m and
-# gemma3-270m layer shapes, L=512-1024) and no slower than 0.5-4 MiB ones: the temporaries
-# stay in cache (4 MiB blocks, in the whole forward at L=512 and 1024: 1.045-1.052 of SDPA
-# against 1.028-1.051 for smollm2-135m, 0.980-1.026 against 0.941-0.978 for gemma3-270m). On
-# CUDA, large blocks keep the kernel launches few.
-BLOCK_BYTES = {"cpu": 2 * 2**20, "cuda": 64 * 2**20}
+# Bytes of float32 scores one tile (a block of queries of some kv heads) may take on CPU; a
+# handful of tile-sized temporaries live at once. 2 MiB tiles ran 1.9-4.7x faster than 64 MiB
+# ones (smollm2-135m and gemma3-270m layer shapes, L=512-1024) and no slower than 0.5-4 MiB
+# ones: the temporaries stay in cache (4 MiB, in the whole forward at L=512 and 1024:
+# 1.045-1.052 of SDPA against 1.028-1.051 for smollm2-135m, 0.980-1.026 against 0.941-0.978
+# for gemma3-270m).
+CPU_TILE_BYTES = 2 * 2**20
+# Fewest rows (queries x the query heads of one kv head) a tile's score product may have: with
+# many heads or long rows a 2 MiB tile of every kv head holds a few queries only (16 for 32
+# heads at L=1024, 4 for 32 heads at L=4096), and products and passes that small ran 3x slower
+# than tiles of 4 kv heads x 128 queries of the same bytes (one 32/32/128 layer at L=1024:
+# 20.8 against 6.8 s, 2 threads on a busy machine); such layers take fewer kv heads per tile.
+MIN_PRODUCT_ROWS = 128
+# On CUDA a tile is sized from the GPU's memory: large tiles keep the kernel launches few, and
+# about six tile-sized temporaries live at once beside the model and its activations (1.25 GiB
+# tiles on an 80 GB GPU). From the total, not the free memory, so that one GPU kind always takes
+# the same tiles and a float32 model's rows @ v the same rounding, run after run.
+CUDA_TILE_SHARE = 64
+CUDA_MIN_TILE_BYTES = 64 * 2**20
 MASKED = -1e30
 
 
@@ -102,6 +114,35 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     return n - x.amax(dim=-1).long()
 
 
+def score_tile(
+    bsz: int, n_heads: int, n_kv: int, length: int, device: torch.device, tile_bytes: int | None = None
+) -> tuple[int, int]:
+    """(kv heads, queries) of one tile of the float32 scores of a layer: B sequences, H query
+    heads reading KV kv heads, L keys. A tile holds at most ``tile_bytes`` of scores (default
+    per device: ``CPU_TILE_BYTES`` on CPU, a share of the GPU's memory on CUDA), every kv head
+    while its products keep ``MIN_PRODUCT_ROWS`` rows, fewer kv heads (in even tiles) where
+    they would not. The tile changes results in rounding only: the entropy's sum, a float32
+    model's rows @ v, and with tiles of a query or two the softmax; winners stayed equal."""
+    if tile_bytes is None:
+        tile_bytes = _tile_bytes(device)
+    group = n_heads // n_kv
+    query_bytes = bsz * group * length * 4  # one query's scores, one kv head
+    kv_tile, block = n_kv, tile_bytes // (n_kv * query_bytes)
+    if block * group < MIN_PRODUCT_ROWS:
+        block = -(-MIN_PRODUCT_ROWS // group)
+        fit = max(1, min(n_kv, tile_bytes // (block * query_bytes)))
+        kv_tile = -(-n_kv // -(-n_kv // fit))
+        block = max(block, tile_bytes // (kv_tile * query_bytes))
+    return kv_tile, max(1, min(length, block))
+
+
+def _tile_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_TILE_BYTES
+    _, total = torch.cuda.mem_get_info(device)
+    return max(CUDA_MIN_TILE_BYTES, total // CUDA_TILE_SHARE)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """q k^T for each of the batch's matrices: q (N, rows, Dh), k (N, keys, Dh) -> (N, rows, keys)."""
     if q.device.type != "cpu":
@@ -127,18 +168,18 @@ def attention_summaries(
     keep_rows: bool = False,
     queries: tuple[int, ...] = (),
     need_output: bool = False,
-    block_bytes: int | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> tuple[LayerCapture, torch.Tensor | None]:
     """Per-query summaries of ``softmax(scaling * q k^T + mask)`` for one layer.
 
     query (B, H, L, Dh), key and value (B, KV, L, Dh) with query head h reading kv head
-    h // (H/KV). Scores are computed in float32, ``block_bytes`` of them at a time (default
-    per device, ``BLOCK_BYTES``). ``winner`` is argmax_j A_ij ||v_j|| with ties to the smaller
+    h // (H/KV). Scores are computed in float32 one ``tile`` at a time: (kv heads, queries),
+    default :func:`score_tile` (memory bounded at any L). ``winner`` is argmax_j A_ij ||v_j|| with ties to the smaller
     j (:func:`first_argmax`). ``queries`` (ascending positions) have their float32 rows
     kept, the same numbers as ``attn_last`` at L-1. With ``need_output`` (a float32 model, or a softcapped one SDPA
     cannot run) the attention output (B, L, H, Dh) is returned too.
 
-    Each block of scores takes a handful of vectorized passes (mask, max, softmax, the
+    Each tile of scores takes a handful of vectorized passes (mask, max, softmax, the
     reductions). On a GPU they belong in one fused kernel beside the flash pass: given the
     row's log-normaliser log Z, which the SDPA/flash forward already computes, p_j =
     exp(s_j - log Z), and sink, diag, top-1, entropy and winner are each a running reduction
@@ -152,38 +193,37 @@ def attention_summaries(
     n_kv = key.shape[1]
     group = n_heads // n_kv
     device = query.device
-    # Query-major rows: the g query heads of one kv head sit side by side for each query, so
-    # a block of queries is one contiguous (B*KV, block*g, Dh) matrix that multiplies its kv
-    # head's keys as it is, one product per kv head shared by the group, with no copy (the
-    # head-major einsum copied every block; 1.13 -> 1.04 of the SDPA forward, smollm2-135m
-    # L=1024). Scaling q costs one pass over L x Dh instead of one over every block of scores.
-    q = torch.empty(bsz * n_kv, length * group, head_dim, device=device)
-    q.view(bsz, n_kv, length, group, head_dim).copy_(
-        query.reshape(bsz, n_kv, group, length, head_dim).transpose(2, 3)
+    # kv-head-major, query-major rows: the g query heads of one kv head sit side by side for
+    # each query, so a tile of queries of some kv heads is one contiguous (kv*B, rows*g, Dh)
+    # block of matrices that multiplies its keys as it is, one product per kv head shared by
+    # the group, with no copy (the head-major einsum copied every block; 1.13 -> 1.04 of the
+    # SDPA forward, smollm2-135m L=1024). Scaling q costs one pass over L x Dh instead of one
+    # over every tile of scores.
+    q = torch.empty(n_kv, bsz, length * group, head_dim, device=device)
+    q.view(n_kv, bsz, length, group, head_dim).copy_(
+        query.reshape(bsz, n_kv, group, length, head_dim).permute(1, 0, 3, 2, 4)
     ).mul_(scaling)
-    k = key.float().reshape(bsz * n_kv, length, head_dim)
-    v = value.float().reshape(bsz * n_kv, length, head_dim)
-    v_norm = v.norm(dim=-1)[:, None, :]
-    if block_bytes is None:
-        block_bytes = BLOCK_BYTES.get(device.type, BLOCK_BYTES["cuda"])
-    block = max(1, min(length, block_bytes // max(1, bsz * n_heads * length * 4)))
-    # Per-query results in query-major order (B, KV, L, g); turned to (B, H, L) at the end.
+    k = key.float().transpose(0, 1).contiguous()
+    v = value.float().transpose(0, 1).contiguous()
+    v_norm = v.norm(dim=-1)[:, :, None, :]
+    kv_tile, block = tile or score_tile(bsz, n_heads, n_kv, length, device)
+    # Per-query results in kv-head-major, query-major order (KV, B, L, g); (B, H, L) at the end.
     out = {
-        name: torch.empty(bsz, n_kv, length, group, device=device, dtype=torch.float32)
+        name: torch.empty(n_kv, bsz, length, group, device=device, dtype=torch.float32)
         for name in ("sink_attn", "diag_attn", "top1_attn", "entropy")
     }
-    winner = torch.empty(bsz, n_kv, length, group, device=device, dtype=torch.int64)
+    winner = torch.empty(n_kv, bsz, length, group, device=device, dtype=torch.int64)
     rows = (
-        torch.zeros(bsz, n_kv, group, length, length, device=device, dtype=torch.float16)
+        torch.zeros(n_kv, bsz, group, length, length, device=device, dtype=torch.float16)
         if keep_rows
         else None
     )
     query_rows = (
-        torch.zeros(bsz, n_kv, len(queries), group, length, device=device, dtype=torch.float32)
+        torch.zeros(n_kv, bsz, len(queries), group, length, device=device, dtype=torch.float32)
         if queries
         else None
     )
-    output = torch.empty(bsz * n_kv, length * group, head_dim, device=device) if need_output else None
+    output = torch.empty(n_kv, bsz, length * group, head_dim, device=device) if need_output else None
     # Causal blocks: keys [q0, q1) are the only ones hidden from some of the block's queries;
     # their floor (block, 1, block) is added like ``masked_floor`` below.
     above_diagonal = (
@@ -191,79 +231,85 @@ def attention_summaries(
         if attention_mask is None
         else None
     )
+    attn_last = torch.empty(n_kv, bsz, group, length, device=device)
     for q0 in range(0, length, block):
         q1 = min(length, q0 + block)
         if attention_mask is None:
             n_keys = q1
         else:
-            allowed = allowed_keys(attention_mask, q0, q1, length, device)
+            # (1, B|1, block, 1, L): the tile's (kv, B, block, g, keys) view broadcasts it.
+            allowed = allowed_keys(attention_mask, q0, q1, length, device)[:, 0][None, :, :, None]
             # A causal mask hides every key after the block's last query from all its queries:
             # scoring only keys [0, q1) halves the work on average and changes no row.
             n_keys = length if bool(allowed[..., q1:].any()) else q1
-        scores = _scores(q[:, q0 * group : q1 * group], k[:, :n_keys])
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        # (B, KV, block, g, keys): the per-query view of the same scores.
-        per_query = scores.view(bsz, n_kv, q1 - q0, group, n_keys)
-        # A finite floor, not -inf, for masked keys: their probability still underflows to 0,
-        # and 0 * floor stays 0 in the entropy below. s + MASKED rounds to MASKED exactly for
-        # any score below 1e22, so adding the floor equals filling it; a broadcast add is a
-        # vectorized pass, a broadcast fill is not.
-        if attention_mask is None:
-            per_query[..., q0:q1].add_(above_diagonal[: q1 - q0, :, : q1 - q0])
-        else:
-            per_query.add_(masked_floor(allowed[:, :, :, None, :n_keys]))
-        scores.sub_(scores.amax(dim=-1, keepdim=True))
-        probs = torch.softmax(scores, dim=-1)
-        top1 = probs.amax(dim=-1)
-        block_probs = probs.view(bsz, n_kv, q1 - q0, group, n_keys)
-        out["sink_attn"][:, :, q0:q1] = block_probs[..., 0]
-        out["diag_attn"][:, :, q0:q1] = block_probs[..., q0:q1].diagonal(dim1=2, dim2=4).permute(0, 1, 3, 2)
-        out["top1_attn"][:, :, q0:q1] = top1.view(bsz, n_kv, q1 - q0, group)
-        # With s the scores less their maximum, log p_j = s_j - log Z and 1/Z = max_j p_j, so
-        # H = -sum_j p_j log p_j = -log max_j p_j - sum_j p_j s_j: two non-negative terms, no log
-        # per key.
-        # The product takes the scores' buffer (``vecdot`` is the same product and sum, with
-        # a block-sized temporary), and so does A_ij ||v_j|| after it.
-        entropy = -torch.log(top1) - scores.mul_(probs).sum(dim=-1)
-        out["entropy"][:, :, q0:q1] = entropy.view(bsz, n_kv, q1 - q0, group)
-        winners = first_argmax(torch.mul(probs, v_norm[..., :n_keys], out=scores))
-        winner[:, :, q0:q1] = winners.view(bsz, n_kv, q1 - q0, group)
-        if rows is not None:
-            rows.transpose(2, 3)[:, :, q0:q1, :, :n_keys] = block_probs
-        if query_rows is not None:
-            # The kept queries inside the block: a slice of the ascending positions.
-            lo, hi = bisect.bisect_left(queries, q0), bisect.bisect_left(queries, q1)
-            if hi > lo:
-                inside = torch.tensor(queries[lo:hi], device=device) - q0
-                query_rows[:, :, lo:hi, :, :n_keys] = block_probs[:, :, inside]
-        if output is not None:
-            torch.bmm(probs, v[:, :n_keys], out=output[:, q0 * group : q1 * group])
-        if q1 == length:
-            attn_last = block_probs[:, :, -1].reshape(bsz, n_heads, length)
+            floor = masked_floor(allowed[..., :n_keys])
+        # The kept queries inside the block: a slice of the ascending positions.
+        lo, hi = bisect.bisect_left(queries, q0), bisect.bisect_left(queries, q1)
+        inside = torch.tensor(queries[lo:hi], device=device) - q0 if query_rows is not None and hi > lo else None
+        for h0 in range(0, n_kv, kv_tile):
+            h1 = min(n_kv, h0 + kv_tile)
+            scores = _scores(q[h0:h1, :, q0 * group : q1 * group].flatten(0, 1), k[h0:h1, :, :n_keys].flatten(0, 1))
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            # (kv, B, block, g, keys): the per-query view of the same scores.
+            per_query = scores.view(h1 - h0, bsz, q1 - q0, group, n_keys)
+            # A finite floor, not -inf, for masked keys: their probability still underflows to 0,
+            # and 0 * floor stays 0 in the entropy below. s + MASKED rounds to MASKED exactly for
+            # any score below 1e22, so adding the floor equals filling it; a broadcast add is a
+            # vectorized pass, a broadcast fill is not.
+            if attention_mask is None:
+                per_query[..., q0:q1].add_(above_diagonal[: q1 - q0, :, : q1 - q0])
+            else:
+                per_query.add_(floor)
+            scores.sub_(scores.amax(dim=-1, keepdim=True))
+            probs = torch.softmax(scores, dim=-1)
+            top1 = probs.amax(dim=-1)
+            tile_probs = probs.view(h1 - h0, bsz, q1 - q0, group, n_keys)
+            at = (slice(h0, h1), slice(None), slice(q0, q1))
+            out["sink_attn"][at] = tile_probs[..., 0]
+            out["diag_attn"][at] = tile_probs[..., q0:q1].diagonal(dim1=2, dim2=4).permute(0, 1, 3, 2)
+            out["top1_attn"][at] = top1.view(h1 - h0, bsz, q1 - q0, group)
+            # With s the scores less their maximum, log p_j = s_j - log Z and 1/Z = max_j p_j, so
+            # H = -sum_j p_j log p_j = -log max_j p_j - sum_j p_j s_j: two non-negative terms, no log
+            # per key.
+            # The product takes the scores' buffer (``vecdot`` is the same product and sum, with
+            # a block-sized temporary), and so does A_ij ||v_j|| after it.
+            entropy = -torch.log(top1) - scores.mul_(probs).sum(dim=-1)
+            out["entropy"][at] = entropy.view(h1 - h0, bsz, q1 - q0, group)
+            weighted = torch.mul(probs, v_norm[h0:h1, :, :, :n_keys].flatten(0, 1), out=scores)
+            winner[at] = first_argmax(weighted).view(h1 - h0, bsz, q1 - q0, group)
+            if rows is not None:
+                rows.transpose(2, 3)[h0:h1, :, q0:q1, :, :n_keys] = tile_probs
+            if inside is not None:
+                query_rows[h0:h1, :, lo:hi, :, :n_keys] = tile_probs[:, :, inside]
+            if output is not None:
+                torch.bmm(probs, v[h0:h1, :, :n_keys].flatten(0, 1),
+                          out=output[h0:h1, :, q0 * group : q1 * group].flatten(0, 1))
+            if q1 == length:
+                attn_last[h0:h1] = tile_probs[:, :, -1]
     last_allowed = allowed_keys(attention_mask, length - 1, length, length, device)[0, 0, -1]
 
     def heads(t: torch.Tensor) -> torch.Tensor:
-        return t.transpose(2, 3).reshape(bsz, n_heads, length)
+        return t.permute(1, 0, 3, 2).reshape(bsz, n_heads, length)
 
     capture = LayerCapture(
         values=value,
-        attn_last=attn_last,
+        attn_last=attn_last.transpose(0, 1).reshape(bsz, n_heads, length),
         winner=heads(winner),
         sink_attn=heads(out["sink_attn"]),
         diag_attn=heads(out["diag_attn"]),
         top1_attn=heads(out["top1_attn"]),
         entropy=heads(out["entropy"]),
         attendable=last_allowed,
-        rows=rows.reshape(bsz, n_heads, length, length) if rows is not None else None,
+        rows=rows.transpose(0, 1).reshape(bsz, n_heads, length, length) if rows is not None else None,
         query_rows=(
-            query_rows.transpose(2, 3).reshape(bsz, n_heads, len(queries), length)
+            query_rows.permute(1, 0, 3, 2, 4).reshape(bsz, n_heads, len(queries), length)
             if query_rows is not None
             else None
         ),
     )
     attn_output = (
-        output.view(bsz, n_kv, length, group, head_dim).transpose(1, 2).reshape(bsz, length, n_heads, head_dim)
+        output.view(n_kv, bsz, length, group, head_dim).permute(1, 2, 0, 3, 4).reshape(bsz, length, n_heads, head_dim)
         .to(query.dtype)
         if output is not None
         else None
@@ -271,13 +317,57 @@ def attention_summaries(
     return capture, attn_output
 
 
+def host_copy(t: torch.Tensor, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """``t`` in host memory: ``t`` itself if it is there; else a pinned buffer that a
+    non-blocking copy on ``stream`` fills (read it only after that stream's work has ended)."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    with torch.cuda.stream(stream):
+        host.copy_(t, non_blocking=True)
+    if stream is not None:
+        # The caching allocator must not hand t's memory to the next layer before the copy read it.
+        t.record_stream(stream)
+    return host
+
+
 @dataclass
 class Recorder:
-    """Collects the :class:`LayerCapture` of every layer during one forward pass."""
+    """Collects the :class:`LayerCapture` of every layer during one forward pass.
+
+    With ``to_host``, each layer's capture leaves the GPU as soon as the layer is done: its
+    tensors are copied into pinned host buffers on a stream of their own, which waits for the
+    layer and not the other way round, so the next layer runs meanwhile; :meth:`host_layers`
+    waits for the copies. On CPU the captures are host memory already and stay as they are.
+    """
 
     keep_rows: bool = False
     queries: tuple[int, ...] = ()
+    to_host: bool = False
     layers: dict[int, LayerCapture] = field(default_factory=dict)
+    _stream: torch.cuda.Stream | None = field(default=None, repr=False)
+    _copied: torch.cuda.Event | None = field(default=None, repr=False)
+
+    def record(self, layer: int, capture: LayerCapture) -> None:
+        """Keep ``capture`` as layer ``layer``'s (on its way to host memory with ``to_host``)."""
+        device = capture.attn_last.device
+        if self.to_host and device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+            capture = replace(capture, **{
+                f.name: host_copy(getattr(capture, f.name), self._stream)
+                for f in fields(capture)
+                if getattr(capture, f.name) is not None
+            })
+            self._copied = self._stream.record_event()
+        self.layers[layer] = capture
+
+    def host_layers(self) -> dict[int, LayerCapture]:
+        """Every layer's capture, once all of it is readable (host memory with ``to_host``)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.layers
 
 
 # The recorder of each attention module captured in this thread (or task), set only by
@@ -319,7 +409,7 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
         need_output=softcap is not None or own_output(query.dtype),
     )
     if recorder is not None:
-        recorder.layers[module.layer_idx] = capture
+        recorder.record(module.layer_idx, capture)
     if output is None:
         output, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -336,7 +426,7 @@ def register_capture() -> None:
 
 @contextlib.contextmanager
 def capturing(
-    model: torch.nn.Module, *, keep_rows: bool = False, queries: tuple[int, ...] = ()
+    model: torch.nn.Module, *, keep_rows: bool = False, queries: tuple[int, ...] = (), to_host: bool = False
 ) -> Iterator[Recorder]:
     """Within the block, forwards of ``model`` in this thread record into the yielded recorder.
 
@@ -344,12 +434,13 @@ def capturing(
     or "eager") is set to the capture one for the block and restored on exit. ``queries``:
     ascending positions whose rows each layer keeps (:attr:`LayerCapture.query_rows`). One model object
     is captured by one block at a time: the implementation is the model's, not the thread's.
+    ``to_host``: see :class:`Recorder`.
     """
     register_capture()
     previous = model.config._attn_implementation
     if previous != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    recorder = Recorder(keep_rows=keep_rows, queries=tuple(queries))
+    recorder = Recorder(keep_rows=keep_rows, queries=tuple(queries), to_host=to_host)
     token = _RECORDERS.set({**_RECORDERS.get(), **dict.fromkeys(model.modules(), recorder)})
     try:
         yield recorder

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import os
 import platform
@@ -58,6 +59,7 @@ from attngeom.store import (
     ATTR_KEY,
     RUN_ID_PATTERN,
     RunLayout,
+    SequenceWriter,
     check_run,
     check_writable,
     completed,
@@ -74,7 +76,6 @@ from attngeom.store import (
     run_ids,
     run_layout,
     run_provenance,
-    write_sequence,
 )
 
 # Provenance keys that must agree before a run may be resumed or appended.
@@ -374,16 +375,18 @@ def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequ
 def _capturing(model: torch.nn.Module, *, keep_rows: bool,
                queries: tuple[int, ...]) -> Iterator[Callable[[torch.Tensor], dict[int, LayerCapture]]]:
     """Within the block, ``record(ids)`` runs the model's decoder on ids (B, L) in eval mode
-    with the capture attention and returns every layer's :class:`LayerCapture`. The model's
+    with the capture attention and returns every layer's :class:`LayerCapture` in host memory
+    (copied from a GPU layer by layer while the next layers run). The model's
     own attention implementation (restored by :func:`capturing` after each forward) and its
     train/eval mode are left as they were given, whatever happens."""
     training = model.training
     model.eval()
 
     def record(ids: torch.Tensor) -> dict[int, LayerCapture]:
-        with torch.inference_mode(), capturing(model, keep_rows=keep_rows, queries=queries) as recorder:
+        with torch.inference_mode(), capturing(model, keep_rows=keep_rows, queries=queries,
+                                               to_host=True) as recorder:
             model.get_decoder()(input_ids=ids, use_cache=False)
-        return recorder.layers
+        return recorder.host_layers()
 
     try:
         yield record
@@ -514,9 +517,10 @@ def _write_sequences(
     length = len(windows[0].tokens)
     bar = tqdm(total=len(seqs), unit="seq", desc=f"extract {run_id}", disable=not request.progress)
     start = time.perf_counter()
-    layout = None
+    writer = None
     try:
-        with _capturing(net, keep_rows=request.store_rows == "all", queries=queries) as record:
+        with (_capturing(net, keep_rows=request.store_rows == "all", queries=queries) as record,
+              contextlib.ExitStack() as writing):
             for b0 in range(0, len(seqs), request.batch_size):
                 batch = windows[b0 : b0 + request.batch_size]
                 ids = torch.from_numpy(np.stack([w.tokens for w in batch]).astype("int64")).to(model.device)
@@ -524,10 +528,12 @@ def _write_sequences(
                 if run is None:
                     shape = _layout(model.config, layers, request, length, queries)
                     run = create_run(root, run_id, shape, provenance, total)
-                if layout is None:  # read once: the run's recorded layout, also when resuming
+                if writer is None:  # opened once: the run's recorded layout, also when resuming
                     layout = run_layout(run)
+                    writer = writing.enter_context(SequenceWriter(run))
+                # Converted, compressed and written beside the next batch's forward.
                 for b, (seq, window) in enumerate(zip(seqs[b0 : b0 + request.batch_size], batch)):
-                    write_sequence(run, seq, _sequence_arrays(layers, b, window, layout))
+                    writer.submit(seq, functools.partial(_sequence_arrays, layers, b, window, layout))
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{bar.n * length / max(time.perf_counter() - start, 1e-9):.0f}")
     except OSError as exc:

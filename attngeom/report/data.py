@@ -41,6 +41,7 @@ class RunData:
     model_id: str
     dataset_id: str
     context_length: int
+    compute_dtype: str
     n_layers: int
     n_heads: int
     n_kv_heads: int
@@ -127,6 +128,8 @@ def load_run(store: str, root: zarr.Group, run_id: str) -> RunData:
         model_id=str(meta.get("model", {}).get("id") or "?"),
         dataset_id=str(meta.get("dataset", {}).get("id") or "?"),
         context_length=int(meta.get("context_length", layout.get("length", 0)) or 0),
+        # bfloat16 and float32 extracts of one model differ (README, "Compute dtype").
+        compute_dtype=str(meta.get("compute_dtype") or "?"),
         n_layers=int(layout.get("n_layers", 0)),
         n_heads=int(layout.get("n_heads", 0)),
         n_kv_heads=int(layout.get("n_kv_heads", 0)),

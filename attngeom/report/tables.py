@@ -29,13 +29,16 @@ def _identity(run: RunData) -> dict[str, object]:
     return {"run": run.run_id, "model": run.model_id, "dataset": run.dataset_id}
 
 
-MODEL_COLUMNS = ("run", "model", "dataset", "L", "layers", "heads", "kv heads", "sequences", "analysis", "ablation")
+MODEL_COLUMNS = (
+    "run", "model", "dataset", "L", "dtype", "layers", "heads", "kv heads", "sequences", "analysis", "ablation",
+)
 
 
 def models(runs: Sequence[RunData]) -> pd.DataFrame:
-    """One row per run: model, dataset, context length, geometry, sequences, stages present."""
+    """One row per run: model, dataset, context length, compute dtype, geometry, sequences,
+    stages present."""
     rows = [
-        {**_identity(r), "L": r.context_length, "layers": r.n_layers, "heads": r.n_heads,
+        {**_identity(r), "L": r.context_length, "dtype": r.compute_dtype, "layers": r.n_layers, "heads": r.n_heads,
          "kv heads": r.n_kv_heads, "sequences": r.sequences,
          "analysis": "yes" if r.summary is not None else "no",
          "ablation": ", ".join(sorted(r.ablation)) or "no"}

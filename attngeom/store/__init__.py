@@ -28,6 +28,7 @@ from attngeom.store.codecs import compressor, compressors, has_checksum, with_ch
 from attngeom.store.derived import derived_problems, derived_state, open_derived, replace_groups
 from attngeom.store.runs import (
     RUN_ID_PATTERN,
+    SequenceWriter,
     completed,
     create_run,
     default_run_id,
@@ -90,9 +91,9 @@ from attngeom.store.validate import (
 )
 
 __all__ = [
-    "Repair", "RunLayout", "Variable", "ABLATION", "ABLATION_GROUPS", "ANALYSIS", "ANALYSIS_GROUPS",
-    "ANALYSIS_SEQUENCE_GROUPS", "ATTR_KEY", "COORDS", "FORMAT", "LABEL_ORDERS", "LABELS", "METHODS",
-    "QUERY_GROUPS", "QUERY_SEQUENCE_GROUPS", "REGIMES",
+    "Repair", "RunLayout", "SequenceWriter", "Variable", "ABLATION", "ABLATION_GROUPS", "ANALYSIS",
+    "ANALYSIS_GROUPS", "ANALYSIS_SEQUENCE_GROUPS", "ATTR_KEY", "COORDS", "FORMAT", "LABEL_ORDERS", "LABELS",
+    "METHODS", "QUERY_GROUPS", "QUERY_SEQUENCE_GROUPS", "REGIMES",
     "RUN_ID_PATTERN", "RUN_VARIABLES", "RUNS", "SCHEMA_VERSION", "SEQUENCE_ARRAYS",
     "SIGNATURE_VARIABLES", "STATS", "SUMMARY_DIMS", "TOPN_COUNTS", "TOPN_FLOATS", "TOPN_VARIABLES",
     "VALUE_STATISTICS", "VOTES", "ablation_path", "analysis_path", "array_metadata", "arrays_of",

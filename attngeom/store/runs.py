@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Iterable, Mapping
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
@@ -196,23 +198,97 @@ def completed(run: zarr.Group) -> np.ndarray:
     return np.flatnonzero(run["complete"][:] == 1)
 
 
+# Sequences a SequenceWriter holds between submit and commit: one written while the next waits,
+# so the model never waits for a write shorter than its own forward.
+IN_FLIGHT = 2
+
+
+class SequenceWriter:
+    """Writes sequences of one run beside the caller, each committed when all of it is stored.
+
+    The run's arrays are opened once. ``submit(seq, arrays)`` hands over a sequence: one
+    background thread calls ``arrays()`` (the conversion, e.g. tensors to numpy), writes every
+    array at once (zarr compresses the chunks on its thread pool) and then sets the
+    sequence's ``complete`` flag, in the order submitted. At most ``in_flight`` (>= 1) sequences
+    are between submit and commit (``submit`` waits for room), so memory holds at most that
+    many sequences' arrays (and what their ``arrays`` callables keep alive) beside the caller's.
+
+    The first failed write stops the writer: the sequences after it are dropped uncommitted
+    and its error is raised by the next ``submit`` or by ``close``. Leaving the ``with``
+    block on an error drops the sequences not begun and waits for the one being written, so
+    nothing is written once the caller sees the error.
+    """
+
+    def __init__(self, run: zarr.Group, *, in_flight: int = IN_FLIGHT) -> None:
+        # Store every chunk, also one equal to the fill value (a window at offset 0): validate
+        # tells a written sequence from an unwritten one by its chunk objects. Encoding a shard's
+        # inner chunks (one per layer) as one batch ran 0.9-1.5x as fast (median 1.3x) as one at
+        # a time, on smollm2-135m and gemma3-270m shapes. Both are read when an array is opened.
+        config = {"array.write_empty_chunks": True, "codec_pipeline.batch_size": max(1, run["layer"].shape[0])}
+        with zarr.config.set(config):
+            self._arrays = sync(_sequence_members(run))
+        self._in_flight = in_flight
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attngeom-writer")
+        self._pending: deque[Future[None]] = deque()
+        self._stopped = False
+
+    def write(self, seq: int, arrays: Mapping[str, np.ndarray]) -> None:
+        """Write sequence ``seq`` and commit it, in the calling thread."""
+        sync(_write_sequence(self._arrays, seq, arrays))
+
+    def submit(self, seq: int, arrays: Callable[[], Mapping[str, np.ndarray]]) -> None:
+        """Queue sequence ``seq``, whose arrays ``arrays()`` returns, for the background thread;
+        raises the error of an earlier write."""
+        while self._pending and (len(self._pending) >= self._in_flight or self._pending[0].done()):
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(self._convert_and_write, seq, arrays))
+
+    def close(self) -> None:
+        """Wait until every submitted sequence is committed; raises the first write's error."""
+        try:
+            while self._pending:
+                self._pending.popleft().result()
+        finally:
+            self._stop()
+
+    def _convert_and_write(self, seq: int, arrays: Callable[[], Mapping[str, np.ndarray]]) -> None:
+        if self._stopped:
+            return
+        try:
+            self.write(seq, arrays())
+        except BaseException:
+            self._stopped = True
+            raise
+
+    def _stop(self) -> None:
+        self._stopped = True
+        self._pending.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> SequenceWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._stop()
+
+
 def write_sequence(run: zarr.Group, seq: int, arrays: Mapping[str, np.ndarray]) -> None:
     """Write one sequence's shards, every array of the run at once, then its ``complete``
     flag (the commit)."""
-    # Store every chunk, also one equal to the fill value (a window at offset 0): validate
-    # tells a written sequence from an unwritten one by its chunk objects. Encoding a shard's
-    # inner chunks (one per layer) as one batch ran 0.9-1.5x as fast (median 1.3x) as one at
-    # a time, on smollm2-135m and gemma3-270m shapes.
-    config = {"array.write_empty_chunks": True, "codec_pipeline.batch_size": max(1, run["layer"].shape[0])}
-    with zarr.config.set(config):
-        sync(_write_sequence(run, seq, arrays))
+    SequenceWriter(run).write(seq, arrays)
 
 
-async def _write_sequence(run: zarr.Group, seq: int, arrays: Mapping[str, np.ndarray]) -> None:
+async def _sequence_members(run: zarr.Group) -> dict[str, zarr.AsyncArray]:
+    group = await _opened(run)
+    return {name: member async for name, member in group.members() if name in (*SEQUENCE_ARRAYS, "complete")}
+
+
+async def _write_sequence(members: Mapping[str, zarr.AsyncArray], seq: int, arrays: Mapping[str, np.ndarray]) -> None:
     # All arrays at once: one array after another took 1.2-1.6x as long (smollm2-135m, L=512
     # and 1024, fresh sequences on a local disk).
-    group = await _opened(run)
-    members = {name: member async for name, member in group.members() if name in (*SEQUENCE_ARRAYS, "complete")}
     await _every(members[name].setitem(seq, arrays[name]) for name in SEQUENCE_ARRAYS if name in members)
     await members["complete"].setitem(seq, 1)
 

@@ -1,0 +1,384 @@
+#!/usr/bin/env python
+"""extract at the paper's model shapes, on random weights, and the store writer alone (run by hand).
+
+    python benchmarks/extract_paper_shapes.py --layers 2 --lengths 1024 --num-sequences 2 --mlp thin
+    python benchmarks/extract_paper_shapes.py --device cuda --dtype bfloat16 --num-sequences 8 --json h100.json
+    python benchmarks/extract_paper_shapes.py --shapes Llama-2-7B --writer-only      # the writer, no model
+
+Models are built from transformers configs with the attention geometry of the paper's five
+models (``SHAPES``) and random weights, ``--mlp full`` (the real intermediate size) or ``thin``
+(64, so attention dominates the forward as it does on a GPU); ``--layers`` keeps the first N
+layers for CPU runs. The vocabulary is 32,000 for all: only the embedding lookup sees it.
+Inputs are random token ids with BOS at position 0, the same for every variant.
+
+Per shape and length, each repetition times side by side in rotated order, after one untimed
+warm-up extract:
+
+* "SDPA fwd": ``model.get_decoder()(input_ids=ids, use_cache=False)``, stock SDPA.
+* "capture fwd": the same forward inside ``capturing(model)`` (nothing written).
+* "extract loop": ``ag.extract(model, token_ids=...)`` into a fresh store, its ``ExtractResult.seconds``
+  (the per-batch loop and the writes beside it).
+
+The writer is measured on one synthetic sequence of the shape at its full depth (values rounded
+to bfloat16, as a bf16 model on a GPU gives them), written into a fresh run per repetition:
+
+* "writer": ``SequenceWriter.write`` as extract runs it (zarr's thread pool compresses);
+* "writer 1 thread": the same with zarr's pool cut to one thread (one-thread compression);
+* "zarrs": the same through the ``zarrs`` codec pipeline, where the package is installed;
+* "plain write": the very compressed objects the writer stored, written to fresh files.
+
+MB/s are MB (10^6 bytes) of uncompressed sequence arrays per second, for the plain write too,
+so that the columns compare; ratios are medians of per-repetition ratios. "writer CPU s" is the
+process CPU time of one "writer" write, and "event loop's share" the part of it spent in the
+thread of zarr's event loop, which no thread pool spreads: it bounds what more cores can gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from common import int_list, median, now, rotate, synchronize, table
+from zarr.core.sync import sync
+
+import attngeom as ag
+from attngeom.extract.capture import capturing
+from attngeom.store import RunLayout, create_run, open_or_create_root
+from attngeom.synthetic import synthetic_sequence
+
+VOCAB = 32_000
+THIN_MLP = 64
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The attention geometry of one paper model and the config that builds it."""
+
+    family: str  # transformers model_type
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+
+
+SHAPES = {
+    "Llama-2-7B": Shape("llama", 32, 32, 32, 128, 4096, 11008),
+    "Llama-3.2-1B": Shape("llama", 16, 32, 8, 64, 2048, 8192),
+    "Mistral-7B": Shape("mistral", 32, 32, 8, 128, 4096, 14336),
+    "Gemma-2B": Shape("gemma", 18, 8, 1, 256, 2048, 16384),
+    "Gemma-7B": Shape("gemma", 28, 16, 16, 256, 3072, 24576),
+}
+
+def build_model(shape: Shape, *, layers: int | None, mlp: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A causal LM of ``shape`` with random weights (seeded), eval mode, stock SDPA attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        shape.family,
+        num_hidden_layers=layers or shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        hidden_size=shape.hidden,
+        intermediate_size=THIN_MLP if mlp == "thin" else shape.intermediate,
+        vocab_size=VOCAB,
+        bos_token_id=1,
+        max_position_embeddings=8192,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+    return model.eval()
+
+
+def token_ids(count: int, length: int, seed: int = 0) -> np.ndarray:
+    """(count, length) random ids of the vocabulary, BOS (1) first."""
+    ids = np.random.default_rng(seed).integers(2, VOCAB, size=(count, length), dtype=np.int64)
+    ids[:, 0] = 1
+    return ids
+
+
+def forward(model: torch.nn.Module, ids: np.ndarray, batch_size: int, device: str, *, capture: bool) -> None:
+    """The decoder over ``ids`` batch by batch, inside ``capturing`` when ``capture``."""
+    with torch.inference_mode(), capturing(model) if capture else contextlib.nullcontext():
+        for b0 in range(0, len(ids), batch_size):
+            model.get_decoder()(input_ids=torch.from_numpy(ids[b0 : b0 + batch_size]).to(device), use_cache=False)
+
+
+def extract_loop(model: torch.nn.Module, ids: np.ndarray, store: str, batch_size: int) -> float:
+    """``ag.extract`` of ``ids`` into a fresh ``store``; the seconds of its loop."""
+    result = ag.extract(model, token_ids=ids, store=store, run_id="r", batch_size=batch_size, progress=False)
+    assert result.written == len(ids), result
+    return result.seconds
+
+
+def store_mib_per_sequence(store: str, count: int) -> float:
+    """MiB of the run's per-sequence objects, per sequence."""
+    root = Path(store, "runs", "r")
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and "/c/" in p.as_posix()) / count / 2**20
+
+
+def model_times(name: str, args: argparse.Namespace, length: int, count: int, workdir: Path) -> dict[str, Any]:
+    """SDPA fwd, capture fwd and extract loop of one shape and length, per repetition."""
+    shape = SHAPES[name]
+    dtype = getattr(torch, args.dtype)
+    model = build_model(shape, layers=args.layers, mlp=args.mlp, device=args.device, dtype=dtype)
+    ids = token_ids(count, length)
+    store = str(workdir / f"{name}-L{length}.zarr")
+    extract_loop(model, ids, store, args.batch_size)  # warm-up: kernels, codecs, page cache
+    mib = store_mib_per_sequence(store, count)
+    shutil.rmtree(store)
+    out: dict[str, float] = {}
+    runs = {
+        "sdpa": lambda: forward(model, ids, args.batch_size, args.device, capture=False),
+        "capture": lambda: forward(model, ids, args.batch_size, args.device, capture=True),
+        "extract": lambda: out.update(loop=extract_loop(model, ids, store, args.batch_size)),
+    }
+    reps = []
+    for rep in range(args.reps):
+        out = {}
+        for variant in rotate(list(runs), rep):
+            synchronize(args.device)
+            w0, _ = now()
+            runs[variant]()
+            synchronize(args.device)
+            out[variant] = now()[0] - w0
+        out["loadavg_1min"] = os.getloadavg()[0]
+        shutil.rmtree(store)
+        reps.append(out)
+        print(f"  [{name} L={length} rep {rep + 1}/{args.reps}] "
+              + " ".join(f"{k}={out[k]:.2f}s" for k in ("sdpa", "capture", "loop")), file=sys.stderr, flush=True)
+    del model
+    return {
+        "shape": name, "layers": args.layers or shape.layers, "mlp": args.mlp, "length": length, "sequences": count,
+        "sdpa_ms_per_seq": median([r["sdpa"] for r in reps]) / count * 1e3,
+        "capture_over_sdpa": median([r["capture"] / r["sdpa"] for r in reps]),
+        "loop_over_sdpa": median([r["loop"] / r["sdpa"] for r in reps]),
+        "store_mib_per_seq": mib,
+        "reps": reps,
+    }
+
+
+def layout_of(shape: Shape, length: int, layers: int | None = None) -> RunLayout:
+    """The run layout extract gives a model of ``shape`` (full causal attention, float32 values)."""
+    n_layers = layers or shape.layers
+    group = shape.heads // shape.kv_heads
+    return RunLayout(
+        n_layers=n_layers, n_heads=shape.heads, n_kv_heads=shape.kv_heads, head_dim=shape.head_dim, length=length,
+        head_kv=tuple(h // group for h in range(shape.heads)), window=(0,) * n_layers,
+        attendable=((True,) * length,) * n_layers,
+    )
+
+
+@contextlib.contextmanager
+def zarr_threads(n: int) -> Iterator[None]:
+    """zarr's codec thread pool cut to ``n`` threads within the block (its event loop's default
+    executor, where ``asyncio.to_thread`` runs each chunk's Blosc)."""
+    from zarr.core.sync import _get_executor, _get_loop
+
+    loop = _get_loop()
+    pool = ThreadPoolExecutor(max_workers=n)
+    loop.set_default_executor(pool)
+    try:
+        yield
+    finally:
+        loop.set_default_executor(_get_executor())
+        pool.shutdown()
+
+
+@contextlib.contextmanager
+def zarrs_pipeline() -> Iterator[None]:
+    """Chunks encoded by the ``zarrs`` codec pipeline (Rust) within the block."""
+    import zarrs  # noqa: F401
+
+    with zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"}):
+        yield
+
+
+def has_zarrs() -> bool:
+    try:
+        import zarrs  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def sequence_objects(store: Path) -> dict[Path, bytes]:
+    """Every per-sequence object of run ``r`` (sequence 0), path relative to ``store`` -> bytes."""
+    root = store / "runs" / "r"
+    return {p.relative_to(store): p.read_bytes() for p in root.rglob("*") if p.is_file() and "/c/" in p.as_posix()}
+
+
+async def loop_thread_cpu() -> float:
+    """CPU seconds of the thread running zarr's event loop (run there by ``sync``): what of a
+    write is not spread over the thread pool (zarr's copies into chunks, checksums, shard assembly)."""
+    return time.thread_time()
+
+
+def plain_write(objects: dict[Path, bytes], folder: Path) -> None:
+    """``objects`` written as plain files under ``folder``, as a file copy would."""
+    for rel, data in objects.items():
+        path = folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def writer_times(name: str, args: argparse.Namespace, length: int, workdir: Path) -> dict[str, Any]:
+    """The writer's throughput on one full-depth sequence of ``name`` against one-thread
+    compression, zarrs (when installed) and a plain write of the same compressed bytes."""
+    # Imported here, so that the model part also runs on an attngeom from before the writer
+    # (PYTHONPATH=<that checkout> ... --no-writer) for a before/after comparison.
+    from attngeom.store import SequenceWriter
+
+    layout = layout_of(SHAPES[name], length)
+    arrays = synthetic_sequence(np.random.default_rng(0), layout)
+    arrays["values"] = torch.from_numpy(arrays["values"]).bfloat16().float().numpy()
+    raw = sum(a.nbytes for a in arrays.values())
+    settings = {"writer": contextlib.nullcontext, "writer_1_thread": lambda: zarr_threads(1)}
+    if has_zarrs() and not args.no_zarrs:
+        settings["zarrs"] = zarrs_pipeline
+    objects: dict[Path, bytes] = {}
+    seconds: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+
+    def write(setting: str) -> None:
+        store = workdir / f"writer-{setting}.zarr"
+        run = create_run(open_or_create_root(str(store)), "r", layout, {"model": {"id": name}}, 1)
+        with settings[setting]():
+            writer = SequenceWriter(run)
+            w0, c0 = now()
+            l0 = sync(loop_thread_cpu())
+            writer.write(0, arrays)
+            seconds[setting] = now()[0] - w0
+            if setting == "writer":
+                cpu["writer"], cpu["loop"] = now()[1] - c0, sync(loop_thread_cpu()) - l0
+        objects.update(sequence_objects(store) if setting == "writer" else {})
+        shutil.rmtree(store)
+
+    def plain() -> None:
+        folder = workdir / "plain"
+        w0, _ = now()
+        plain_write(objects, folder)
+        seconds["plain_write"] = now()[0] - w0
+        shutil.rmtree(folder)
+
+    write("writer")  # warm-up; its objects are what the plain write writes
+    reps: list[dict[str, float]] = []
+    cpus: list[dict[str, float]] = []
+    for rep in range(args.reps):
+        seconds = {}
+        for variant in rotate([*settings, "plain_write"], rep):
+            if variant == "plain_write":
+                plain()
+            else:
+                write(variant)
+        reps.append(seconds)
+        cpus.append(dict(cpu))
+        print(f"  [writer {name} L={length} rep {rep + 1}/{args.reps}] "
+              + " ".join(f"{k}={v:.2f}s" for k, v in seconds.items()), file=sys.stderr, flush=True)
+    stored = sum(len(b) for b in objects.values())
+    out = {"shape": name, "length": length, "raw_mb": raw / 1e6, "stored_mib": stored / 2**20, "reps": reps}
+    for variant in reps[0]:
+        out[f"{variant}_mb_s"] = median([raw / 1e6 / r[variant] for r in reps])
+        out[f"{variant}_over_plain"] = median([r[variant] / r["plain_write"] for r in reps])
+    out["writer_1_thread_over_writer"] = median([r["writer_1_thread"] / r["writer"] for r in reps])
+    out["writer_cpu_s"] = median([c["writer"] for c in cpus])
+    out["loop_share_of_cpu"] = median([c["loop"] / c["writer"] for c in cpus])
+    if "zarrs" in reps[0]:
+        out["zarrs_over_writer"] = median([r["zarrs"] / r["writer"] for r in reps])
+    return out
+
+
+def report(results: dict[str, Any]) -> str:
+    out = [f"## extract at the paper's shapes ({results['device']}, {results['dtype']}, {results['torch_threads']} "
+           f"torch threads, {results['cpu_count']} CPUs, {results['reps']} reps, batch {results['batch_size']})\n"]
+    if results["models"]:
+        out.append(table(
+            ["shape", "layers", "MLP", "L", "seqs", "SDPA fwd ms/seq", "capture fwd / SDPA", "extract loop / SDPA",
+             "store MiB/seq"],
+            [[r["shape"], r["layers"], r["mlp"], r["length"], r["sequences"], r["sdpa_ms_per_seq"],
+              r["capture_over_sdpa"], r["loop_over_sdpa"], r["store_mib_per_seq"]] for r in results["models"]],
+        ))
+    if results["writer"]:
+        zarrs = "zarrs_mb_s" in results["writer"][0]
+        out.append("\nThe writer on one full-depth sequence (MB/s of uncompressed arrays; medians over reps):\n")
+        out.append(table(
+            ["shape", "L", "raw MB", "stored MiB", "writer MB/s", "1 thread MB/s", *(["zarrs MB/s"] if zarrs else []),
+             "plain write MB/s", "writer / plain (time)", "1 thread / writer (time)", "writer CPU s",
+             "event loop's share of it"],
+            [[r["shape"], r["length"], r["raw_mb"], r["stored_mib"], r["writer_mb_s"], r["writer_1_thread_mb_s"],
+              *([r["zarrs_mb_s"]] if zarrs else []), r["plain_write_mb_s"], r["writer_over_plain"],
+              r["writer_1_thread_over_writer"], r["writer_cpu_s"], r["loop_share_of_cpu"]] for r in results["writer"]],
+        ))
+    return "\n".join(out)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--mlp", choices=("full", "thin"), default="full")
+    p.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all)")
+    p.add_argument("--lengths", default="1024", help="comma-separated context lengths")
+    p.add_argument("--num-sequences", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions (default 3)")
+    p.add_argument("--writer-only", action="store_true", help="measure the writer alone, no model")
+    p.add_argument("--no-writer", action="store_true", help="leave the writer out")
+    p.add_argument("--no-zarrs", action="store_true", help="leave the zarrs pipeline out even when installed")
+    p.add_argument("--workdir", default=None, help="folder for the temporary stores (default: a temp dir)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write all figures as JSON")
+    args = p.parse_args(argv)
+    args.shapes = args.shapes.split(",")
+    unknown = sorted(set(args.shapes) - set(SHAPES))
+    if unknown:
+        p.error(f"unknown shapes {unknown}; choose from {', '.join(SHAPES)}")
+    args.lengths = int_list(args.lengths)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    results: dict[str, Any] = {
+        "device": args.device, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(), "platform": platform.platform(), "reps": args.reps,
+        "batch_size": args.batch_size, "torch": torch.__version__, "zarr": zarr.__version__,
+        "models": [], "writer": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="attngeom-bench-", dir=args.workdir) as tmp:
+        for name in args.shapes:
+            for length in args.lengths:
+                if not args.writer_only:
+                    results["models"].append(model_times(name, args, length, args.num_sequences, Path(tmp)))
+                if not args.no_writer:
+                    results["writer"].append(writer_times(name, args, length, Path(tmp)))
+    results["wall_s"] = time.perf_counter() - t_start
+    print(report(results))
+    print(f"\n(total benchmark wall time {results['wall_s']:.0f}s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    return results
+
+
+if __name__ == "__main__":
+    main()
