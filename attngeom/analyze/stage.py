@@ -96,8 +96,6 @@ ANALYSIS_VERSION = 2
 # (sequence, layer) tasks per batch: the analysis records its progress after each batch, so
 # a killed analyze loses at most one; enough tasks to keep every worker busy meanwhile.
 BATCH_TASKS = 128
-# Batches computed at once: one being finished while the next one starts.
-_BATCHES_IN_FLIGHT = 2
 # Largest ``topn`` the cross-sequence reductions load at once (a 7B model with 1,024 heads has
 # about 4 MB a sequence at 12 N): larger ones are reduced one variable at a time.
 _LOADED_TOPN_BYTES = 1 << 28
@@ -638,15 +636,18 @@ def _compute_sequences(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, params:
 
     # Batches in flight beside the one being written: the workers compute the next batch
     # while this process writes one, and are handed the batch after it before the tail of
-    # the one they run ends. Their results are a few kilobytes per task.
-    computing = ThreadPoolExecutor(_BATCHES_IN_FLIGHT)
+    # the one they run ends. Their results are a few kilobytes per task. Dask's threads give
+    # each computing thread a pool of its own, so there one batch at a time keeps one task
+    # per core (and memory to one task per core).
+    in_flight = 1 if dask.config.get("scheduler", None) == "threads" else 2
+    computing = ThreadPoolExecutor(in_flight)
     try:
         with tqdm(total=len(target) - len(keep), unit="seq", desc=f"{run_id}: analyze", disable=not progress) as bar:
-            futures = [computing.submit(compute, batch) for batch in batches[:_BATCHES_IN_FLIGHT]]
+            futures = [computing.submit(compute, batch) for batch in batches[:in_flight]]
             for i, (a, b) in enumerate(batches):
                 computed = futures[i].result()
-                if i + _BATCHES_IN_FLIGHT < len(batches):
-                    futures.append(computing.submit(compute, batches[i + _BATCHES_IN_FLIGHT]))
+                if i + in_flight < len(batches):
+                    futures.append(computing.submit(compute, batches[i + in_flight]))
                 _write_batch(groups, computed, a)
                 pending = replace(pending, sequences=target[:b])
                 write.set_pending(pending, keep_commit=plan.keep_commit)
