@@ -101,6 +101,36 @@ def word_corpus(tmp_path_factory) -> Path:
     return folder
 
 
+# Sequences of the `ablated_store` fixture's run r.
+ABLATED_SEQUENCES = 6
+
+
+@pytest.fixture(scope="session")
+def ablated_store_source(tiny_model_dir, word_corpus, tmp_path_factory) -> Path:
+    """A real store: run r, ABLATED_SEQUENCES sequences of a tiny llama (L = 16), analyzed
+    (n grid 1, 2, 4) and ablated; never changed (see `ablated_store`)."""
+    from attngeom.analyze.stage import analyze
+    from attngeom.api import ablate
+    from attngeom.extract.pipeline import ExtractRequest, extract
+
+    store = tmp_path_factory.mktemp("ablated") / "s.zarr"
+    extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
+                           num_sequences=ABLATED_SEQUENCES, store=str(store), run_id="r", progress=False))
+    analyze(str(store), scheduler="threads", n_grid=[1, 2, 4], progress=False)
+    ablate(str(store), "r", device="cpu", random_masks=2, retention=[1.0, 0.5], progress=False)
+    return store
+
+
+@pytest.fixture
+def ablated_store(ablated_store_source, tmp_path) -> Path:
+    """A copy of `ablated_store_source` of the test's own, to damage."""
+    import shutil
+
+    copy = tmp_path / "s.zarr"
+    shutil.copytree(ablated_store_source, copy)
+    return copy
+
+
 FORMAT1_STORE = Path(__file__).parent / "data" / "store-format1.tar.gz"
 
 

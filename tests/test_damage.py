@@ -18,31 +18,17 @@ import pytest
 import zarr
 from click.testing import CliRunner
 
-from attngeom.analyze.stage import analyze
-from attngeom.api import ablate
 from attngeom.cli import main
-from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.store import validate_store
 
-S = 6
+from conftest import ABLATED_SEQUENCES
 
-
-@pytest.fixture(scope="module")
-def built(tiny_model_dir, word_corpus, tmp_path_factory) -> Path:
-    """A real store: 6 sequences of a tiny llama (L = 16), analyzed and ablated."""
-    store = tmp_path_factory.mktemp("damage") / "s.zarr"
-    extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
-                           num_sequences=S, store=str(store), run_id="r", progress=False))
-    analyze(str(store), scheduler="threads", n_grid=[1, 2, 4], progress=False)
-    ablate(str(store), "r", device="cpu", random_masks=2, retention=[1.0, 0.5], progress=False)
-    return store
+S = ABLATED_SEQUENCES
 
 
 @pytest.fixture
-def store(built, tmp_path) -> Path:
-    copy = tmp_path / "s.zarr"
-    shutil.copytree(built, copy)
-    return copy
+def store(ablated_store) -> Path:
+    return ablated_store
 
 
 def run(*args: str):
@@ -211,7 +197,7 @@ def test_partial_leftover_is_named_ignored_by_readers_and_removed_by_the_next_wr
     assert validate(store) == []
 
 
-def test_repair_then_extract_restores_the_run(store, built, tiny_model_dir, word_corpus):
+def test_repair_then_extract_restores_the_run(store, ablated_store_source, tiny_model_dir, word_corpus):
     (store / VALUES_1).write_bytes(b"")
     flip(store / "runs/r/winner/c/4/0/0/0", 40)
     code, lines = run("validate", "--store", str(store), "--deep", "--repair")
@@ -228,7 +214,7 @@ def test_repair_then_extract_restores_the_run(store, built, tiny_model_dir, word
     assert code == 0 and lines[-1].startswith("run r: wrote 2 sequences in ") and lines[-1].endswith(
         f"the run holds {S} committed of {S}")
     assert validate(store, "--deep") == []
-    a = zarr.open_group(str(built), path="runs/r", mode="r")
+    a = zarr.open_group(str(ablated_store_source), path="runs/r", mode="r")
     b = zarr.open_group(str(store), path="runs/r", mode="r")
     for name in ("values", "winner", "tokens", "attn_last", "complete"):
         np.testing.assert_array_equal(a[name][...], b[name][...], err_msg=name)

@@ -19,32 +19,19 @@ import zarr
 
 from attngeom.analyze.stage import analyze
 from attngeom.api import ablate
-from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.store.derived import DerivedWrite
 from attngeom.store.schema import ANALYSIS
 
+from conftest import ABLATED_SEQUENCES
 from test_damage import flip, one_error, run, validate
 
-S = 6
+S = ABLATED_SEQUENCES
 GRID = ["--n-grid", "1,2,4"]
 
 
-@pytest.fixture(scope="module")
-def built(tiny_model_dir, word_corpus, tmp_path_factory) -> Path:
-    """A real store: 6 sequences of a tiny llama (L = 16), analyzed and ablated."""
-    store = tmp_path_factory.mktemp("recovery") / "s.zarr"
-    extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
-                           num_sequences=S, store=str(store), run_id="r", progress=False))
-    analyze(str(store), scheduler="threads", n_grid=[1, 2, 4], progress=False)
-    ablate(str(store), "r", device="cpu", random_masks=2, retention=[1.0, 0.5], progress=False)
-    return store
-
-
 @pytest.fixture
-def store(built, tmp_path) -> Path:
-    copy = tmp_path / "s.zarr"
-    shutil.copytree(built, copy)
-    return copy
+def store(ablated_store) -> Path:
+    return ablated_store
 
 
 def assert_same_tree(a: Path, b: Path) -> None:
@@ -76,7 +63,7 @@ REWRITE = "run `attngeom analyze --store {url} --run r` again to rewrite it"
     ("summary/f_score/c/0/0/0/0", lambda p: p.write_bytes(b""), "is empty (0 bytes)", "report"),
     ("taxonomy/votes/c/0/0/0/0", truncate, "is truncated (40 of ", "explore"),
 ], ids=["cross-sequence-chunk", "sequence-chunk", "group-metadata", "empty-chunk", "truncated-chunk"])
-def test_analyze_rewrites_a_lost_or_resized_analysis_object(store, built, tmp_path, key, damage, what, reader):
+def test_analyze_rewrites_a_lost_or_resized_analysis_object(store, ablated_store_source, tmp_path, key, damage, what, reader):
     """Seen from the objects the analysis's commit lists: validate names it, readers refuse
     it, a plain rerun rewrites it and ends as an undisturbed analyze."""
     url = str(store)
@@ -90,12 +77,12 @@ def test_analyze_rewrites_a_lost_or_resized_analysis_object(store, built, tmp_pa
     assert one_error(*args).startswith(f"attngeom: error: {line}")
     assert not (tmp_path / "page").exists()
     assert analyze_cli(store)[-1].startswith(f"run r: rewrote the damaged analysis: {line}")
-    assert_same_tree(store, built)
+    assert_same_tree(store, ablated_store_source)
     (again,) = analyze_cli(store)  # healed once: nothing left to rewrite
     assert again.startswith("run r: 0 new sequences")
 
 
-def test_a_corrupt_analysis_chunk_is_rewritten_under_deep_or_after_repair(store, built):
+def test_a_corrupt_analysis_chunk_is_rewritten_under_deep_or_after_repair(store, ablated_store_source):
     """A flipped byte keeps the object's size: validate --deep names it, analyze --deep
     rewrites it; or validate --deep --repair removes it and a plain analyze rewrites it."""
     url = str(store)
@@ -108,18 +95,18 @@ def test_a_corrupt_analysis_chunk_is_rewritten_under_deep_or_after_repair(store,
     assert line.endswith(f"run `attngeom analyze --store {url} --run r --deep` again to rewrite it")
     assert len(analyze_cli(store)) == 1  # the cheap check does not read the objects
     assert analyze_cli(store, "--deep")[-1].startswith(f"run r: rewrote the damaged analysis: {key} is damaged")
-    assert_same_tree(store, built)
+    assert_same_tree(store, ablated_store_source)
 
     code, lines = run("validate", "--store", str(pristine), "--deep", "--repair")
     assert code == 1 and lines[0] == (f"removed damaged {key}; run `attngeom analyze --store {pristine} --run r` "
                                       f"again to rewrite it"), lines
     assert lines[1].startswith(f"{key} is missing")
     analyze_cli(pristine)
-    assert_same_tree(pristine, built)
+    assert_same_tree(pristine, ablated_store_source)
 
 
 @pytest.mark.parametrize("damage", [truncate, lambda p: p.write_text("{}")], ids=["truncated", "not-zarr"])
-def test_an_unreadable_analysis_record_is_named_everywhere_and_rebuilt_by_analyze(store, built, tmp_path, damage):
+def test_an_unreadable_analysis_record_is_named_everywhere_and_rebuilt_by_analyze(store, ablated_store_source, tmp_path, damage):
     url = str(store)
     damage(store / A / "zarr.json")
     message = f"{A}/zarr.json is empty or truncated (unreadable JSON); {REWRITE.format(url=url)}"
@@ -132,14 +119,14 @@ def test_an_unreadable_analysis_record_is_named_everywhere_and_rebuilt_by_analyz
     lines = analyze_cli(store)
     assert lines[0].startswith(f"run r: {S} new sequences") and lines[1] == (
         f"run r: recomputed every sequence: its record {A}/zarr.json did not parse")
-    assert_same_tree(store, built)
+    assert_same_tree(store, ablated_store_source)
 
 
 @pytest.mark.parametrize("key, damage, what", [
     ("single/delta_nll_mean/c/0/0", Path.unlink, "is missing"),
     ("zarr.json", truncate, "is empty or truncated (unreadable JSON)"),
 ], ids=["chunk", "record"])
-def test_ablate_rewrites_a_damaged_ablation(store, built, key, damage, what):
+def test_ablate_rewrites_a_damaged_ablation(store, ablated_store_source, key, damage, what):
     url = str(store)
     damage(store / "runs/r/ablation" / key)
     message = f"runs/r/ablation/{key} {what}; run `attngeom ablate --store {url} --run r` again to rewrite it"
@@ -148,10 +135,10 @@ def test_ablate_rewrites_a_damaged_ablation(store, built, key, damage, what):
         assert one_error("analyze", "--store", url, "--no-progress").endswith(message)
     ablate(url, "r", device="cpu", random_masks=2, retention=[1.0, 0.5], progress=False)
     assert validate(store, "--deep") == []
-    assert_same_tree(store / "runs/r/ablation", built / "runs/r/ablation")
+    assert_same_tree(store / "runs/r/ablation", ablated_store_source / "runs/r/ablation")
 
 
-def test_run_metadata_is_rebuilt_by_repair(store, built, tiny_model_dir, word_corpus, tmp_path):
+def test_run_metadata_is_rebuilt_by_repair(store, ablated_store_source, tiny_model_dir, word_corpus, tmp_path):
     """A run array's zarr.json rebuilt from the run's layout, the runs group's, and the root's
     from its runs: byte for byte what was written. Until then extract refuses to report
     success and explore names it."""
@@ -166,19 +153,19 @@ def test_run_metadata_is_rebuilt_by_repair(store, built, tiny_model_dir, word_co
     code, lines = run("validate", "--store", url, "--deep", "--repair")
     assert code == 0 and lines == ["rebuilt runs/r/values/zarr.json", "refreshed the root's consolidated metadata",
                                    f"{url}: valid"], lines
-    assert_same_tree(store, built)
+    assert_same_tree(store, ablated_store_source)
 
     (store / "zarr.json").write_bytes(b"")
     (store / "runs/zarr.json").write_bytes(b"{")
     assert one_error("taxonomy", "--store", url).endswith(rebuild)
     code, lines = run("validate", "--store", url, "--repair")
     assert code == 0 and lines[:2] == ["rebuilt runs/zarr.json", "rebuilt zarr.json"], lines
-    assert_same_tree(store, built)
+    assert_same_tree(store, ablated_store_source)
     code, lines = run(*extract_args)
     assert code == 0 and lines[-1].endswith(f"the run holds {S} committed of {S}"), lines
 
 
-def test_a_lost_coordinate_chunk_is_refused_and_rewritten_by_repair(store, built):
+def test_a_lost_coordinate_chunk_is_refused_and_rewritten_by_repair(store, ablated_store_source):
     """Read whole, a lost coordinate chunk would be zeros: every layer 0 in the analysis."""
     url = str(store)
     (store / "runs/r/layer/c/0").unlink()
@@ -188,7 +175,7 @@ def test_a_lost_coordinate_chunk_is_refused_and_rewritten_by_repair(store, built
     assert one_error("analyze", "--store", url, "--no-progress") == f"attngeom: error: {message}"
     code, lines = run("validate", "--store", url, "--repair")
     assert code == 0 and lines == ["rebuilt runs/r/layer/c/0", f"{url}: valid"], lines
-    assert_same_tree(store, built)
+    assert_same_tree(store, ablated_store_source)
 
 
 def test_what_cannot_be_rebuilt_is_said_in_one_line(store):
@@ -216,7 +203,7 @@ def test_explore_checks_the_values_it_reads(store, tmp_path, damage):
     assert not (tmp_path / "page").exists()
 
 
-def test_consolidated_metadata_is_refreshed_after_a_killed_extract(built, tiny_model_dir, word_corpus, tmp_path,
+def test_consolidated_metadata_is_refreshed_after_a_killed_extract(ablated_store_source, tiny_model_dir, word_corpus, tmp_path,
                                                                   monkeypatch):
     """An extract appending sequences, interrupted before it refreshes the consolidated
     metadata: validate names it, and the rerun (with nothing left to write) refreshes it,
@@ -224,7 +211,7 @@ def test_consolidated_metadata_is_refreshed_after_a_killed_extract(built, tiny_m
     import attngeom.extract.pipeline as pipeline
 
     store = tmp_path / "s.zarr"
-    shutil.copytree(built, store)
+    shutil.copytree(ablated_store_source, store)
     url = str(store)
     args = ["extract", "--model", str(tiny_model_dir("llama")), "--dataset", str(word_corpus), "-L", "16",
             "-S", str(S + 2), "--store", url, "--run", "r", "--no-progress"]
@@ -245,7 +232,7 @@ def test_consolidated_metadata_is_refreshed_after_a_killed_extract(built, tiny_m
     assert validate(store) == []
 
 
-def test_concurrent_analyzes_of_a_run_run_one_after_the_other(store, built, tmp_path):
+def test_concurrent_analyzes_of_a_run_run_one_after_the_other(store, ablated_store_source, tmp_path):
     """A writer holds an advisory lock on the run's folder: another process cannot take it
     meanwhile. Two analyzes started together both finish, the store as one analyze leaves it."""
     url = str(store)
@@ -256,7 +243,7 @@ def test_concurrent_analyzes_of_a_run_run_one_after_the_other(store, built, tmp_
     assert subprocess.run([sys.executable, "-c", probe, str(store / "runs/r")]).returncode == 0
 
     reference = tmp_path / "reference.zarr"
-    shutil.copytree(built, reference)
+    shutil.copytree(ablated_store_source, reference)
     analyze(str(reference), scheduler="threads", n_grid=[1, 4], progress=False)
     cmd = [sys.executable, "-m", "attngeom.cli", "analyze", "--store", url, "--n-grid", "1,4", "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
@@ -287,12 +274,12 @@ def test_an_unreadable_corpus_file_is_one_line(tiny_model_dir, tmp_path, name, c
     assert not (tmp_path / "s.zarr").exists()
 
 
-def test_the_commit_lists_every_object_of_its_groups(built):
+def test_the_commit_lists_every_object_of_its_groups(ablated_store_source):
     """What the cheap check compares with: every stored object of the committed groups, and
     nothing of staging."""
-    record = json.loads((built / A / "zarr.json").read_text())["attributes"]["attngeom"]["commit"]
-    stored = {str(p.relative_to(built / A)): p.stat().st_size for p in (built / A).rglob("*")
-              if p.is_file() and p.parent != built / A}
+    record = json.loads((ablated_store_source / A / "zarr.json").read_text())["attributes"]["attngeom"]["commit"]
+    stored = {str(p.relative_to(ablated_store_source / A)): p.stat().st_size for p in (ablated_store_source / A).rglob("*")
+              if p.is_file() and p.parent != ablated_store_source / A}
     assert record["objects"] == stored
-    assert zarr.open_group(str(built), path=A, mode="r").attrs["attngeom"]["commit"]["groups"] == [
+    assert zarr.open_group(str(ablated_store_source), path=A, mode="r").attrs["attngeom"]["commit"]["groups"] == [
         "topn", "values", "taxonomy", "heads", "summary", "signatures", "table"]
