@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import zarr
-from common import median, rotate, table
+from common import PAPER_SHAPES as SHAPES, median, rotate, table
 from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,14 +42,6 @@ from attngeom.extract.queries import query_positions  # noqa: E402
 from attngeom.store import TOPN_VARIABLES  # noqa: E402
 from attngeom.synthetic import write_synthetic_run  # noqa: E402
 
-# (heads, kv heads, head_dim) of the paper's five models.
-SHAPES = {
-    "llama2-7b": (32, 32, 128),
-    "llama3.2-1b": (32, 8, 64),
-    "mistral-7b": (32, 8, 128),
-    "gemma-2b": (8, 1, 256),
-    "gemma-7b": (16, 16, 256),
-}
 RUN = "synthetic"
 OTHER = ("values", "attn_last", "winner", "sink_attn", "diag_attn", "top1_attn", "entropy")
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import zarr
-from common import fmt, median, rotate, table
+from common import PAPER_SHAPES as SHAPES, fmt, median, rotate, table
 from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,14 +51,6 @@ from attngeom.analyze.kernels import head_metrics  # noqa: E402
 from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed  # noqa: E402
 from attngeom.synthetic import write_synthetic_run  # noqa: E402
 
-# (heads, kv heads, head_dim) of the paper's five models.
-SHAPES = {
-    "llama2-7b": (32, 32, 128),
-    "llama3.2-1b": (32, 8, 64),
-    "mistral-7b": (32, 8, 128),
-    "gemma-2b": (8, 1, 256),
-    "gemma-7b": (16, 16, 256),
-}
 COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact", "sink_selected")
 RUN = "synthetic"
 

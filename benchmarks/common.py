@@ -17,6 +17,16 @@ from typing import Any
 import numpy as np
 
 
+# (heads, kv heads, head_dim) of the paper's five models, for synthetic stores of their shapes.
+PAPER_SHAPES = {
+    "llama2-7b": (32, 32, 128),
+    "llama3.2-1b": (32, 8, 64),
+    "mistral-7b": (32, 8, 128),
+    "gemma-2b": (8, 1, 256),
+    "gemma-7b": (16, 16, 256),
+}
+
+
 def median(xs: list[float]) -> float:
     """The median, NaN for an empty list."""
     return float(statistics.median(xs)) if xs else float("nan")
