@@ -676,7 +676,7 @@ def _interpolate(below, above, pos, lo):
 
 @_jit
 def _order_pair(x, lo, hi):
-    """The lo-th and hi-th smallest of x (hi = lo or lo + 1), by one partition (x reordered)."""
+    """The lo-th and hi-th smallest of x (hi = lo or lo + 1), by one partition (of a copy)."""
     part = np.partition(x, lo)
     return part[lo], (part[lo] if hi == lo else part[lo + 1:].min())
 
@@ -804,8 +804,8 @@ def pair_statistics(gram, share, min_pairs, bracket_min):
 def head_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_att, mu, mu_q95):
     """mu and mu_q95 (P,) of one query head at the sizes points
     (docs/method.md#sink-aware-bound): mu_N = max |<u_p, u_q>| over the non-sink pairs with
-    p in I_N, mu_q95 their 95%
-    quantile ('linear'); NaN without such a pair, mu_q95 also where N >= |K|.
+    p in I_N, mu_q95 their 95% quantile ('linear'); NaN without such a pair, mu_q95 also where
+    N >= |K|.
 
     rank (k,): the selection rank of each non-sink key (in the kv head's Gram order); the
     pair statistics of :func:`pair_statistics`. A pair is in the set of N iff the smaller
@@ -884,7 +884,7 @@ def head_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_a
 
 @_jit
 def _quantile(x, q):
-    """numpy's 'linear' q-quantile of the 1-D x (reordered), NaN if x is empty."""
+    """numpy's 'linear' q-quantile of the 1-D x, NaN if x is empty."""
     m = x.size
     if m == 0:
         return np.nan
@@ -923,8 +923,8 @@ def kv_head(values, att):
             j += 1
     c_lo = cos.min() if n_ns else np.inf
     c_hi = cos.max() if n_ns else -np.inf
-    stats = np.array([_quantile(norms, 0.5), c_lo, c_hi, _quantile(cos.copy(), 0.5),
-                      _quantile(cos.copy(), 0.05), _quantile(cos.copy(), 0.95)])
+    stats = np.array([_quantile(norms, 0.5), c_lo, c_hi, _quantile(cos, 0.5), _quantile(cos, 0.05),
+                      _quantile(cos, 0.95)])
     return v_norm, unit, sink_cos, stats
 
 
