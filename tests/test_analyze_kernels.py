@@ -675,15 +675,17 @@ def test_ball_scores_are_the_exact_counts(exact):
         s = y[order[:n]].sum(axis=0)
         yy = np.einsum("kd,kd->k", y, y)
         x = np.empty(K)
-        e, unsure = _loops._expansions(yy, y @ s, s @ s, np.sqrt(yy.max()), e_rel,
-                                       1e300 if exact else kernels._TINY, x)
-        got = _loops._ball(y, s, x, e, unsure, order, n, n_cand, np.full(K, np.nan))
+        tiny = 1e300 if exact else kernels._TINY
+        _, unsure = _loops._expansions(yy, y @ s, s @ s, np.sqrt(yy.max()), e_rel, tiny, x)
+        got = _loops._ball(y, s, x, np.sqrt(yy), e_rel, tiny, unsure, order, n, n_cand,
+                           np.full(K, np.nan))
         D_ = ((y - s) ** 2).sum(axis=1)
         sel, uns = order[:n], order[n:n_cand]
         r_max2, r_min2 = D_[sel].max(), D_[uns].min()
         inside = np.count_nonzero(D_[order[:n_cand]] <= r_max2)
         closer = np.count_nonzero(D_[sel] < r_min2)
-        assert got[3:] == (r_max2, r_min2)
+        # The radii to the last ulps of the summation order; the counts exactly.
+        np.testing.assert_allclose(got[3:], (r_max2, r_min2), rtol=1e-13)
         assert got[:2] == (n / inside, closer / n)
 
 
@@ -741,3 +743,26 @@ def test_head_kv_is_checked():
         topn_metrics(alpha, values, attendable, [1])  # 4 query heads, 2 kv heads, no head_kv
     with pytest.raises(ValueError):
         topn_metrics(alpha, values, attendable, [1], head_kv=[0, 1, 2, 0])
+
+
+def test_inputs_of_any_layout_reuse_the_compiled_loops():
+    """After compile_kernels, read-only, broadcast, strided and int32 inputs compile nothing
+    more: each worker would otherwise compile its own copy (tens of seconds)."""
+    from numba.core.registry import CPUDispatcher
+
+    def signatures():
+        return {name: len(f.signatures) for name, f in vars(_loops).items()
+                if isinstance(f, CPUDispatcher)}
+
+    kernels.compile_kernels()
+    before = signatures()
+    rng = np.random.default_rng(5)
+    values = rng.normal(size=(2, 40, 6))
+    values.flags.writeable = False
+    attn = rng.random((8, 80))[::2, ::2]  # strided
+    attendable = np.broadcast_to(np.ones(40, dtype=bool), (2, 40))  # read-only
+    head_kv = np.array([0, 0, 1, 1], dtype=np.int32)
+    topn_metrics(attn, values, attendable, [1, 3, 8], head_kv=head_kv)
+    value_statistics(values, attendable)
+    head_metrics(attn, values, attendable, (2, 4), head_kv=head_kv)
+    assert signatures() == before

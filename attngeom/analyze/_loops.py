@@ -32,17 +32,45 @@ _BUCKETS = 1024
 # Compiled once and cached on disk (numba's cache beside this module); numpy's float rules
 # (x/0 is inf or NaN, not an exception); no fast-math, so every sum adds in the written order.
 _jit = njit(cache=True, nogil=True, error_model="numpy")
+# The inner products alone may reassociate and fuse (SIMD lanes): an expansion's error bound
+# holds whatever the summation order, every distance a comparison depends on comes from
+# `kernels._squared_distances`, and the aggregates, whose bits those distances read, add in
+# the written order.
+_jit_dot = njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
 
 
 # ------------------------------------------------------------------ small vector helpers
 
 
-@_jit
+@_jit_dot
 def _dot(a, b):
     acc = 0.0
     for d in range(a.size):
         acc += a[d] * b[d]
     return acc
+
+
+@_jit_dot
+def _squared_difference(a, b):
+    """||a - b||^2."""
+    acc = 0.0
+    for d in range(a.size):
+        diff = a[d] - b[d]
+        acc += diff * diff
+    return acc
+
+
+@_jit_dot
+def _leave_one_out(y, s):
+    """(<y_i, y_i - s_N>, ||2 y_i - s_N||^2) in one pass: the leave-one-out cosine's
+    numerator, negated, and the squared distance from y_i to s_{N,-i} = s_N - y_i."""
+    a = b = 0.0
+    for d in range(y.size):
+        diff = y[d] - s[d]
+        a += y[d] * diff
+        twice = diff + y[d]
+        b += twice * twice
+    return a, b
 
 
 @_jit
@@ -64,12 +92,21 @@ def _exact(y, k, s, cache):
     not name is more than an error from every key it is compared with, so its last ulps
     cannot change a comparison."""
     if np.isnan(cache[k]):
-        acc = 0.0
-        for d in range(s.size):
-            diff = y[k, d] - s[d]
-            acc += diff * diff
-        cache[k] = acc
+        cache[k] = _squared_difference(y[k], s)
     return cache[k]
+
+
+@_jit
+def _row_cache(named, row, cache):
+    """cache (K,) <- the exact distances that `exact_keys` named for one aggregate row, NaN
+    elsewhere; named = (rows, keys, distances) of one query head, rows ascending."""
+    rows, keys, distances = named
+    cache[:] = np.nan
+    i = np.searchsorted(rows, row)
+    while i < rows.size and rows[i] == row:
+        cache[keys[i]] = distances[i]
+        i += 1
+    return cache
 
 
 # ------------------------------------------------------------------ ranking and aggregates
@@ -167,27 +204,90 @@ def _prefix_sums(y, order, include, points, out, row0):
 
 
 @_jit
-def _ball(y, s, x, e, unsure, order, n, n_cand, cache):
+def _half_bound(yn_k, sn, e_rel, tiny):
+    """How far a key's expansion can lie from its distance computed either way: half of
+    `kernels._error_bound`'s e_rel (||y_k|| + ||s||)^2 + tiny, from the key's own norm (a
+    row's largest ||y_k||, the sink's, would widen every key's band by (||y_0||/||s||)^2)."""
+    return 0.5 * (e_rel * (yn_k + sn) ** 2 + tiny)
+
+
+@_jit
+def _limits(x, yn, sn, e_rel, tiny, order, n, n_cand):
+    """Where the radii can lie: r_max^2 in [lo_max, hi_max] (the selected keys order[:n]),
+    r_min^2 in [lo_min, hi_min] (the unselected candidates order[n:n_cand]), each distance
+    within its half bound of its expansion x."""
+    lo_max = hi_max = -np.inf
+    lo_min = hi_min = np.inf
+    for i in range(n):
+        k = order[i]
+        h = _half_bound(yn[k], sn, e_rel, tiny)
+        lo_max, hi_max = max(lo_max, x[k] - h), max(hi_max, x[k] + h)
+    for i in range(n, n_cand):
+        k = order[i]
+        h = _half_bound(yn[k], sn, e_rel, tiny)
+        lo_min, hi_min = min(lo_min, x[k] - h), min(hi_min, x[k] + h)
+    return lo_max, hi_max, lo_min, hi_min
+
+
+@_jit
+def _screen(x, yn, sn, e_rel, tiny, position, n, n_cand, scores):
+    """Whether a row's ball scores follow from its expansions x; if so, scores (3,) <- P, R,
+    F. The selection is the keys at positions 0..n-1 (position (K,), n_cand and more: not a
+    candidate).
+
+    The radii lie within the limits of :func:`_limits`. A key needs its exact distance where
+    the radius it is compared with could fall within its band (expansion plus or minus
+    `_half_bound`): an unselected key against r_max, a selected one against r_min. Every
+    selected key is inside the r_max ball; an unselected one is not closer than r_min. Two
+    passes in key order, no branch on a key's membership."""
+    lo_max = hi_max = -np.inf
+    lo_min = hi_min = np.inf
+    for k in range(x.size):
+        h = _half_bound(yn[k], sn, e_rel, tiny)
+        chosen = position[k] < n
+        other = (position[k] >= n) & (position[k] < n_cand)
+        lo_max = max(lo_max, x[k] - h if chosen else -np.inf)
+        hi_max = max(hi_max, x[k] + h if chosen else -np.inf)
+        lo_min = min(lo_min, x[k] - h if other else np.inf)
+        hi_min = min(hi_min, x[k] + h if other else np.inf)
+    inside, closer, band = n, 0, 0
+    for k in range(x.size):
+        h = _half_bound(yn[k], sn, e_rel, tiny)
+        lo, hi = x[k] - h, x[k] + h
+        chosen = position[k] < n
+        other = (position[k] >= n) & (position[k] < n_cand)
+        closer += chosen & (hi < lo_min)
+        inside += other & (hi < lo_max)
+        band += (chosen & (hi >= lo_min) & (lo <= hi_min)) | (other & (hi >= lo_max) & (lo <= hi_max))
+    if band:
+        return False
+    precision, recall = n / inside, closer / n
+    scores[0], scores[1] = precision, recall
+    scores[2] = 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
+    return True
+
+
+@_jit
+def _ball(y, s, x, yn, e_rel, tiny, unsure, order, n, n_cand, cache):
     """Ball scores of the selection order[:n] among the candidates order[:n_cand] around s
     (docs/method.md#balls): P(r_max, N), R(r_min, N), F, r_max^2, r_min^2 of the exact
-    distances. x: the row's expansions, e its error bound; unsure: compare every key exactly.
+    distances. x: the row's expansions, yn (K,) the keys' norms ||y_k|| (their error bounds,
+    `_half_bound`); unsure: compare every key exactly.
 
-    The extreme distance is among the keys within 2e of the extreme expansion; a key more
-    than e below (above) a radius is inside (outside) by its expansion, the rest exactly.
-    Loops run over the order's lists, so no branch depends on a key's membership."""
-    xmax, xmin = -np.inf, np.inf
-    for i in range(n):
-        xmax = max(xmax, x[order[i]])
-    for i in range(n, n_cand):
-        xmin = min(xmin, x[order[i]])
+    A radius is the distance of a key whose band (its expansion plus or minus its bound)
+    reaches the extreme of the others' bands; a key whose band lies below (above) a radius
+    is inside (outside) by its expansion, the rest are compared exactly. Loops run over the
+    order's lists, so no branch depends on a key's membership."""
+    sn = np.sqrt(_dot(s, s))
+    lo_max, _, _, hi_min = _limits(x, yn, sn, e_rel, tiny, order, n, n_cand)
     r_max2, r_min2 = -np.inf, np.inf
     for i in range(n):
         k = order[i]
-        if unsure or x[k] >= xmax - 2 * e:
+        if unsure or x[k] + _half_bound(yn[k], sn, e_rel, tiny) >= lo_max:
             r_max2 = max(r_max2, _exact(y, k, s, cache))
     for i in range(n, n_cand):
         k = order[i]
-        if unsure or x[k] <= xmin + 2 * e:
+        if unsure or x[k] - _half_bound(yn[k], sn, e_rel, tiny) <= hi_min:
             r_min2 = min(r_min2, _exact(y, k, s, cache))
     inside = closer = 0
     if unsure:
@@ -196,17 +296,19 @@ def _ball(y, s, x, e, unsure, order, n, n_cand, cache):
         for i in range(n):
             closer += _exact(y, order[i], s, cache) < r_min2
     else:
-        lo, hi = r_max2 - e, r_max2 + e
         for i in range(n_cand):
             k = order[i]
-            inside += x[k] < lo
-            if (x[k] >= lo) & (x[k] <= hi):
+            h = _half_bound(yn[k], sn, e_rel, tiny)
+            if x[k] + h < r_max2:
+                inside += 1
+            elif x[k] - h <= r_max2:
                 inside += _exact(y, k, s, cache) <= r_max2
-        lo, hi = r_min2 - e, r_min2 + e
         for i in range(n):
             k = order[i]
-            closer += x[k] < lo
-            if (x[k] >= lo) & (x[k] <= hi):
+            h = _half_bound(yn[k], sn, e_rel, tiny)
+            if x[k] + h < r_min2:
+                closer += 1
+            elif x[k] - h < r_min2:
                 closer += _exact(y, k, s, cache) < r_min2
     precision = n / inside
     recall = closer / n
@@ -221,9 +323,11 @@ def _expansions(yy, ys, ss, y_max, e_rel, tiny, x):
     compared exactly (a non-finite bound or expansion)."""
     bound = e_rel * (y_max + np.sqrt(ss)) ** 2 + tiny
     finite = np.isfinite(bound)
+    total = 0.0
     for k in range(x.size):
         x[k] = yy[k] - 2 * ys[k] + ss
-        finite = finite and np.isfinite(x[k])
+        total += x[k] * 0.0  # NaN once any expansion is not finite
+    finite = finite and total == 0.0
     return (bound if finite else 0.0), not finite
 
 
@@ -378,14 +482,14 @@ def _rows(P, Pn, R):
 def exact_keys(y, S, ys, orders, points, att, options):
     """The expansions X (rows, K) of every aggregate's distances, each row's error bound e
     (rows,) and whether it is compared exactly (rows,), and the (row, key) pairs whose exact
-    distance the comparisons of :func:`head_geometry` can need: the keys within 2e of the
-    row's extreme selected or unselected expansion (radii and ball counts: each radius lies
-    within e/2 of that extreme), and in the main rows the sink and every selected and
-    unselected key (or the sink) within 3e of one of the other side (inversions); every
-    candidate of a row compared exactly.
+    distance the comparisons of :func:`head_geometry` can need: the candidates for a radius
+    and the keys whose band (expansion plus or minus `_half_bound`) meets the range the
+    radius they are compared with can take (:func:`_ball`), and in the main rows the sink and
+    every selected and unselected key (or the sink) within 3e of one of the other side
+    (inversions); every candidate of a row compared exactly.
 
-    An expansion is within e/2 of D_k computed either way, so the other comparisons come out
-    the same whichever way D_k is rounded. A sink-excluded or random row whose scores no
+    An expansion is within its half bound (within e/2) of D_k computed either way, so the other
+    comparisons come out the same whichever way D_k is rounded. A sink-excluded or random row whose scores no
     exact distance can change gets them here: scores (rows, 3) P, R, F, NaN in the other
     rows."""
     K = y.shape[0]
@@ -400,12 +504,24 @@ def exact_keys(y, S, ys, orders, points, att, options):
     for k in range(K):
         yy[k] = _dot(y[k], y[k])
     y_max = np.sqrt(yy.max()) if K else 0.0
+    yn = np.sqrt(yy)
+    e_rel, tiny = options[0], options[1]
     X = np.empty((rows, K))
     err = np.empty(rows)
     unsure = np.empty(rows, np.bool_)
     point, kind = _rows(P, Pn, R)
-    mark = np.zeros((rows, K), np.bool_)
+    mark = np.zeros(K, np.bool_)
+    pair_rows, pair_keys = [0], [0]
+    pair_rows.pop()
+    pair_keys.pop()
     scores = np.full((rows, 3), np.nan)
+    # Each key's position in the sink-excluded and random selections (K: not a candidate).
+    positions = np.full((1 + R, K), K, np.int64)
+    for i in range(n_att - 1):
+        positions[0, ns_order[i]] = i
+    for r in range(R):
+        for i in range(n_att):
+            positions[1 + r, draw_orders[r, i]] = i
     for row in range(rows):
         err[row], unsure[row] = _expansions(yy, ys[row], _dot(S[row], S[row]), y_max, options[0],
                                             options[1], X[row])
@@ -416,62 +532,50 @@ def exact_keys(y, S, ys, orders, points, att, options):
             sel_order, n_cand = ns_order, n_att - 1
         else:
             sel_order, n_cand = draw_orders[kind[row] - 2], n_att
-        xmax, xmin = -np.inf, np.inf
-        for i in range(n):
-            xmax = max(xmax, x[sel_order[i]])
-        for i in range(n, n_cand):
-            xmin = min(xmin, x[sel_order[i]])
-        if kind[row] > 0 and not unsure[row]:
-            # The radii lie within e/2 of xmax and xmin. Every selected key is inside the
-            # r_max ball; an unselected one more than 2e from xmax is inside or outside by its
-            # expansion, and so is a selected key more than 2e from xmin for the r_min ball.
-            # Without a key in those bands the scores need no exact distance.
-            inside, closer, band = n, 0, 0
-            for i in range(n, n_cand):
-                xk = x[sel_order[i]]
-                inside += xk < xmax - 2 * e
-                band += abs(xk - xmax) <= 2 * e
-            for i in range(n):
-                xk = x[sel_order[i]]
-                closer += xk < xmin - 2 * e
-                band += abs(xk - xmin) <= 2 * e
-            if band == 0:
-                precision, recall = n / inside, closer / n
-                scores[row, 0], scores[row, 1] = precision, recall
-                scores[row, 2] = (2 * precision * recall / (precision + recall)
-                                  if precision + recall > 0 else 0.0)
-                continue
+        sn = np.sqrt(_dot(S[row], S[row]))
+        if kind[row] > 0 and not unsure[row] and _screen(x, yn, sn, e_rel, tiny,
+                                                         positions[kind[row] - 1], n, n_cand,
+                                                         scores[row]):
+            continue
+        lo_max, hi_max, lo_min, hi_min = _limits(x, yn, sn, e_rel, tiny, sel_order, n, n_cand)
+        # Those keys, and the candidates for each radius.
         for i in range(n_cand):
             k = sel_order[i]
-            near = unsure[row] or abs(x[k] - xmax) <= 2 * e
+            h = _half_bound(yn[k], sn, e_rel, tiny)
             if i < n:
-                near = near or abs(x[k] - xmin) <= 2 * e
+                mark[k] = (x[k] + h >= lo_max) or (x[k] + h >= lo_min and x[k] - h <= hi_min)
             else:
-                near = near or x[k] <= xmin + 2 * e
-            mark[row, k] = near
+                mark[k] = (x[k] - h <= hi_min) or (x[k] + h >= lo_max and x[k] - h <= hi_max)
+            mark[k] = mark[k] or unsure[row]
         if kind[row] == 0:
             # Inversions and the sink's comparisons: the pairs of a selected and an
             # unselected key (the sink among them) whose expansions are within 3e.
-            mark[row, 0] = att[0]
+            mark[0] = att[0]
             chosen = sel_order[:n]
             by_x = np.argsort(x[chosen])
             xs = x[chosen][by_x]
             for i in range(n, n_cand):
                 k = sel_order[i]
+                if not unsure[row] and x[k] - 3 * e > xs[n - 1]:
+                    continue  # farther than every selected key
                 lo = _bisect_left(xs, x[k] - 3 * e)
                 hi = lo
                 while hi < n and xs[hi] <= x[k] + 3 * e:
                     hi += 1
                 if lo != hi or unsure[row]:
-                    mark[row, k] = True
+                    mark[k] = True
                     for t in range(lo, hi):
-                        mark[row, chosen[by_x[t]]] = True
-    pairs = np.nonzero(mark)
-    return X, err, unsure, scores, pairs[0], pairs[1]
+                        mark[chosen[by_x[t]]] = True
+        for k in range(K):
+            if mark[k]:
+                pair_rows.append(row)
+                pair_keys.append(k)
+                mark[k] = False
+    return X, err, unsure, scores, np.array(pair_rows, np.int64), np.array(pair_keys, np.int64)
 
 
 @_jit
-def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orders, alpha, v_norm,
+def head_geometry(values, att, points, y, S, s_plus, ys, expansions, named, orders, alpha, v_norm,
                   head_constants, mu, mu_q95, options, floats, counts):
     """Every top-N output of one query head (docs/method.md) at the valid sizes ``points``
     (ascending, each < |K|): floats (N_FLOATS, P) and counts (N_COUNTS, P), filled in place
@@ -479,8 +583,8 @@ def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orde
 
     values (K, D) of the head's kv head, att (K,) bool; y, S, s_plus and orders from
     :func:`aggregates`, ys (rows, K) = S y^T; expansions = (X, err, unsure, scores) from
-    :func:`exact_keys` and exact (rows, K) the exact distances of the pairs it names (NaN
-    elsewhere); alpha (K,) the attention row; v_norm (K,) ||v_k||; head_constants: C, c_lo,
+    :func:`exact_keys` and named = (rows, keys, distances) the exact distances of the pairs it
+    names, rows ascending; alpha (K,) the attention row; v_norm (K,) ||v_k||; head_constants: C, c_lo,
     c_hi, q05, q95 of the kv head; mu and mu_q95 (P,) from :func:`head_coherence`; options:
     e_rel, tiny, l_rtol (`_k_sink`).
     """
@@ -488,7 +592,7 @@ def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orde
     P = points.size
     order, rank, ns_order, draw_orders = orders
     R = draw_orders.shape[0]
-    l_rtol = options[2]
+    e_rel, tiny, l_rtol = options[0], options[1], options[2]
     C, c_lo, c_hi, q05, q95 = (head_constants[0], head_constants[1], head_constants[2],
                                head_constants[3], head_constants[4])
     has_sink = att[0]
@@ -510,6 +614,7 @@ def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orde
                 o[d] += y[k, d]
     o_norm = _norm(o)
     X, err, unsure_rows, row_scores = expansions
+    buffer = np.empty(K)
 
     # The sink-aware bounds' weights (paper: beta_0 = lambda alpha_0; exact: alpha ||v||).
     paper_defined = not has_sink or C > 0
@@ -525,9 +630,9 @@ def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orde
     for p in range(P):
         n = points[p]
         s = S[p]
-        x, e, unsure, cache = X[p], err[p], unsure_rows[p], exact[p]
-        precision, recall, f_score, r_max2, r_min2 = _ball(y, s, x, e, unsure, order, n, n_att,
-                                                          cache)
+        x, e, unsure, cache = X[p], err[p], unsure_rows[p], _row_cache(named, p, buffer)
+        precision, recall, f_score, r_max2, r_min2 = _ball(y, s, x, y_norm, e_rel, tiny, unsure,
+                                                          order, n, n_att, cache)
         floats[PRECISION, p], floats[RECALL, p], floats[F_SCORE, p] = precision, recall, f_score
         for i in range(n):
             selected[order[i]] = True
@@ -540,8 +645,11 @@ def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orde
             d_sel[i] = _exact(y, order[i], s, cache)
         d_sorted = np.sort(d_sel)
         inversions = 0
+        d_top = d_sorted[n - 1]
         for i in range(n, n_att):
             k = order[i]
+            if not unsure and x[k] - 2 * e > d_top:
+                continue  # farther than every selected key: the common case, no inversion
             # With no D_i within 2e of x_k, D_i >= D_k exactly for the D_i above the band.
             lo = _bisect_left(d_sorted, x[k] - 2 * e)
             if not unsure and (lo == n or d_sorted[lo] > x[k] + 2 * e):
@@ -561,19 +669,17 @@ def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orde
         # Leave-one-out: s_{N,-i} = s_N - y_i.
         s_norm = _norm(s)
         loo_sum, loo_pos, loo_n, spread_max = 0.0, 0, 0, -np.inf
-        diff = np.empty(D)
         for i in range(n):
             k = order[i]
-            for d in range(D):
-                diff[d] = y[k, d] - s[d]
-            c = -_dot(y[k], diff) / (y_norm[k] * np.sqrt(d_sel[i]))
+            # cos(y_i, s_{N,-i}) = -<y_i, y_i - s_N> / (||y_i|| ||y_i - s_N||), and
+            # ||y_i - s_{N,-i}|| = ||2 y_i - s_N||.
+            inner, spread2 = _leave_one_out(y[k], s)
+            c = -inner / (y_norm[k] * np.sqrt(d_sel[i]))
             if np.isfinite(c):
                 loo_sum += c
                 loo_pos += c > 0
                 loo_n += 1
-            for d in range(D):
-                diff[d] += y[k, d]
-            spread_max = max(spread_max, _norm(diff))
+            spread_max = max(spread_max, np.sqrt(spread2))
         js_sum, js_n = 0.0, 0
         for i in range(n, n_att):
             k = order[i]
@@ -598,9 +704,7 @@ def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orde
         floats[S_NORM, p] = s_norm / o_norm
         floats[S_NORM_NOSINK, p] = _norm(sp) / o_norm
         if selected[K - 1]:
-            for d in range(D):
-                diff[d] = s[d] - y[K - 1, d]
-            floats[S_NORM_NOCURRENT, p] = _norm(diff) / o_norm
+            floats[S_NORM_NOCURRENT, p] = np.sqrt(_squared_difference(s, y[K - 1])) / o_norm
         else:
             floats[S_NORM_NOCURRENT, p] = s_norm / o_norm
         floats[COS_S_VLAST, p] = _cos(s, values[K - 1])
@@ -631,8 +735,8 @@ def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orde
         elif p < Pn:
             row = P + p
             if np.isnan(row_scores[row, 0]):
-                scores = _ball(y, S[row], X[row], err[row], unsure_rows[row], ns_order, points[p],
-                               n_ns, exact[row])
+                scores = _ball(y, S[row], X[row], y_norm, e_rel, tiny, unsure_rows[row], ns_order,
+                               points[p], n_ns, _row_cache(named, row, buffer))
                 row_scores[row] = scores[0], scores[1], scores[2]
             floats[NOSINK_PRECISION, p], floats[NOSINK_RECALL, p], floats[NOSINK_F_SCORE, p] = (
                 row_scores[row, 0], row_scores[row, 1], row_scores[row, 2])
@@ -644,8 +748,9 @@ def head_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orde
             for r in range(R):
                 row = P + Pn + r * P + p
                 if np.isnan(row_scores[row, 0]):
-                    scores = _ball(y, S[row], X[row], err[row], unsure_rows[row], draw_orders[r],
-                                   points[p], n_att, exact[row])
+                    scores = _ball(y, S[row], X[row], y_norm, e_rel, tiny, unsure_rows[row],
+                                   draw_orders[r], points[p], n_att,
+                                   _row_cache(named, row, buffer))
                     row_scores[row] = scores[0], scores[1], scores[2]
                 for i in range(3):
                     total[i] += row_scores[row, i]
@@ -975,18 +1080,21 @@ def group_exact_keys(y, S, ys, orders, points, att, options):
 
 
 @_jit
-def group_geometry(values, att, points, y, S, s_plus, ys, expansions, exact, orders, alpha,
+def group_geometry(values, att, points, y, S, s_plus, ys, expansions, named, orders, alpha,
                    v_norm, head_constants, mu, mu_q95, options):
     """:func:`head_geometry` of each query head: floats (h, N_FLOATS, P), counts
-    (h, N_COUNTS, P); mu and mu_q95 (h, P)."""
+    (h, N_COUNTS, P); named = (heads, rows, keys, distances) the exact distances of the
+    (head, row, key) triples :func:`group_exact_keys` names, in its order; mu and mu_q95 (h, P)."""
     h, P = alpha.shape[0], points.size
     floats = np.full((h, N_FLOATS, P), np.nan)
     counts = np.full((h, N_COUNTS, P), -1, np.int64)
+    heads, rows, keys, distances = named
     for i in range(h):
         o = (orders[0][i], orders[1][i], orders[2][i], orders[3][i])
+        lo, hi = np.searchsorted(heads, i), np.searchsorted(heads, i + 1)
         head_geometry(values, att, points, y[i], S[i], s_plus[i], ys[i],
                       (expansions[0][i], expansions[1][i], expansions[2][i], expansions[3][i]),
-                      exact[i], o, alpha[i],
+                      (rows[lo:hi], keys[lo:hi], distances[lo:hi]), o, alpha[i],
                       v_norm, head_constants, mu[i], mu_q95[i], options, floats[i], counts[i])
     return floats, counts
 

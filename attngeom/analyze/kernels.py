@@ -204,11 +204,10 @@ def _query_heads(out, heads, alpha, values, att, kv, g, gram, pairs, grid, draw_
     # <s, y_k> of every aggregate and key, one product per head.
     ys = S @ y.transpose(0, 2, 1)
     X, err, unsure, scores, hh, rows, keys = _loops.group_exact_keys(y, S, ys, orders, points, att, options)
-    exact = np.full(X.shape, np.nan)
-    exact[hh, rows, keys] = _squared_distances(y[hh, keys], S[hh, rows])
+    named = (hh, rows, keys, _squared_distances(y[hh, keys], S[hh, rows]))
     head_constants = np.array([kv.C[g], kv.c_lo[g], kv.c_hi[g], kv.q05[g], kv.q95[g]])
     floats, counts = _loops.group_geometry(values, att, points, y, S, s_plus, ys, (X, err, unsure, scores),
-                                           exact, orders, alpha, kv.v_norm[g], head_constants, mu,
+                                           named, orders, alpha, kv.v_norm[g], head_constants, mu,
                                            mu_q95, options)
     valid = np.flatnonzero(grid < n_att)
     at = np.searchsorted(points, grid[valid])
@@ -300,15 +299,17 @@ def _nonsink_gram(kv, g):
 
 
 def _check_batch(attn, values, attendable, head_kv):
-    values = np.ascontiguousarray(values, dtype=np.float64)
-    attendable = np.asarray(attendable, dtype=bool)
+    # Contiguous and writeable: the compiled loops have one signature, loaded from numba's
+    # cache; a read-only input (a broadcast mask) would compile another one in every worker.
+    values = np.require(values, np.float64, ["C", "W"])
+    attendable = np.require(attendable, bool, ["C", "W"])
     if values.ndim != 3 or values.shape[1] < 1:
         raise ValueError(f"values must have shape (G, K, D) with K >= 1, got {values.shape}")
     if attendable.shape != values.shape[:2]:
         raise ValueError(f"attendable has shape {attendable.shape}, expected {values.shape[:2]}")
     if attn is None:
         return None, values, attendable, None
-    attn = np.ascontiguousarray(attn, dtype=np.float64)
+    attn = np.require(attn, np.float64, ["C", "W"])
     if attn.ndim != 2 or attn.shape[1] != values.shape[1]:
         raise ValueError(f"attn has shape {attn.shape}, expected (B, {values.shape[1]})")
     if head_kv is None:
