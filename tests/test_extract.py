@@ -166,6 +166,28 @@ def test_bad_input_exits_2_with_one_line_and_store_untouched(tiny_model_dir, wor
     assert result.exit_code == 2 and "schema version 99" in result.stderr
 
 
+def test_another_compute_dtype_is_refused_and_auto_resumes_a_float32_run(tiny_model_dir, word_corpus, tmp_path):
+    folder = tiny_model_dir("llama")
+    store = tmp_path / "s.zarr"
+    run_extract(folder, word_corpus, store, num_sequences=1, device="cpu", dtype="float32")
+    before = tree(store)
+    args = ["extract", "--model", str(folder), "--dataset", str(word_corpus), "-L", "16", "-S", "2",
+            "--store", str(store), "--run", "r", "--device", "cpu", "--no-progress"]
+    result = CliRunner().invoke(main, [*args, "--dtype", "bfloat16"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attngeom: error: "), result.stderr
+    assert "compute_dtype 'float32' (asked 'bfloat16')" in lines[0]
+    assert tree(store) == before
+    # auto resolves to float32 on CPU: the same run, and its second sequence is appended.
+    result = CliRunner().invoke(main, [*args, "--dtype", "auto"])
+    assert result.exit_code == 0, result.output
+    assert validate_store(str(store)) == []
+    ds = open_run(store)
+    assert ds["complete"].values.tolist() == [1, 1]
+    assert ds.attrs["attngeom"]["compute_dtype"] == "float32"
+
+
 def test_no_bos_token_is_refused(tiny_model_dir, word_corpus, tmp_path):
     folder = tmp_path / "nobos"
     src = tiny_model_dir("llama")

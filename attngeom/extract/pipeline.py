@@ -80,8 +80,11 @@ from attngeom.store import (
 
 # Provenance keys that must agree before a run may be resumed or appended.
 IDENTITY = ("model", "dataset", "context_length", "window_rule", "bos_token_id", "values_dtype", "store_rows",
-            "queries")
-# The value of an identity key in a run that predates it.
+            "queries", "compute_dtype")
+# The value of an identity key in a run that predates it. compute_dtype (the resolved dtype,
+# never "auto") has none: every run extract has written records it, since the first store
+# schema, so an older run is held to the dtype it was written in; a run without it was not
+# written by extract and is refused, as one lacking any other identity key.
 _IDENTITY_BEFORE = {"queries": []}
 
 
@@ -187,8 +190,8 @@ def _bos_token_id(tokenizer: Any, bos_token: str | None, config: Any = None) -> 
 
 
 def _check_existing_run(store: str, run_id: str, identity: dict[str, Any]) -> None:
-    """Refuse to resume a run that holds another model, corpus or L, and a store this
-    attngeom does not write (store untouched)."""
+    """Refuse to resume a run that holds another model, corpus, L or compute dtype, and a
+    store this attngeom does not write (store untouched)."""
     try:
         root = open_root(store, mode="a")
     except StoreNotFoundError:
@@ -456,6 +459,7 @@ def extract(request: ExtractRequest) -> ExtractResult:
         "values_dtype": request.values_dtype,
         "store_rows": request.store_rows,
         "queries": list(queries),
+        "compute_dtype": str(model.dtype).removeprefix("torch."),
     }
     _check_existing_run(request.store, run_id, identity)
     windows = inputs.windows()
@@ -496,7 +500,6 @@ def _run_provenance(request: ExtractRequest, model: _Model, bos_id: int, shard: 
             "name_or_path": getattr(tokenizer, "name_or_path", None) or None,
         },
         "model_type": model.config.model_type,
-        "compute_dtype": str(model.dtype).removeprefix("torch."),
         "device": model.device,
         "attention_implementation": f"{ATTN_IMPLEMENTATION} ({output_description(model.dtype)}; float32 rows recomputed from post-RoPE q/k)",
         "library_versions": _library_versions(),
