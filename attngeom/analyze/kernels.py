@@ -170,20 +170,36 @@ def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with
     out = {name: np.full(shape, np.nan) for name in TOPN_FLOATS}
     out.update({name: np.full(shape, -1, dtype=np.int64) for name in TOPN_COUNTS})
     out["sink_selected"] = np.full(shape, -1, dtype=np.int8)
+    stats = {name: np.full(values.shape[0], np.nan) for name in VALUE_STATISTICS} if with_values else None
     # Degenerate instances (zero vectors, zero norms) give NaN by design, not warnings.
     with np.errstate(divide="ignore", invalid="ignore"):
-        kv = _kv_heads(values, attendable)
-        median_cos = np.full(values.shape[0], np.nan)
         for g in range(values.shape[0]) if with_values else np.unique(head_kv):
-            gram = _nonsink_gram(kv, g)
+            # Keys outside the mask take no part: a sliding-window layer is computed on its
+            # window alone (the first and last positions stay, as the sink and the current
+            # key, whatever the mask says of them).
+            keys = _kept_keys(attendable[g])
+            vals, att = values[g][keys], attendable[g][keys]
+            kv = _kv_heads(vals[None], att[None])
+            gram = _nonsink_gram(kv, 0)
             pairs = _loops.pair_statistics(gram, _TOP_PAIR_SHARE, _TOP_PAIR_MIN, _BRACKET_MIN)
-            median_cos[g] = pairs[0]
             heads = np.flatnonzero(head_kv == g)
             if heads.size:
-                _query_heads(out, heads, alpha[heads], values[g], attendable[g], kv, g, gram, pairs,
-                             grid, draw_keys[:, heads])
-        stats = _value_statistics(kv, median_cos) if with_values else None
+                _query_heads(out, heads, alpha[heads][:, keys], vals, att, kv, 0, gram, pairs, grid,
+                             draw_keys[:, heads][:, :, keys])
+            if with_values:
+                for name, x in _value_statistics(kv, np.array([pairs[0]])).items():
+                    stats[name][g] = x[0]
     return out, stats
+
+
+def _kept_keys(attendable):
+    """The positions a kv head's computation keeps: all (a slice, no copy) unless some key
+    between the first and the last is masked."""
+    if attendable[1:-1].all():
+        return slice(None)
+    keep = attendable.copy()
+    keep[0] = keep[-1] = True
+    return np.flatnonzero(keep)
 
 
 def _query_heads(out, heads, alpha, values, att, kv, g, gram, pairs, grid, draw_keys):
