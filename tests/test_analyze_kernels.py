@@ -734,6 +734,11 @@ def test_ranking_is_the_stable_sort():
         order, rank = _loops.ranked(row, cand)
         np.testing.assert_array_equal(order, np.argsort(np.where(cand, row, np.inf), kind="stable"))
         np.testing.assert_array_equal(rank[order], np.arange(64))
+        # The sink-excluded order, derived from it.
+        nonsink = cand.copy()
+        nonsink[0] = False
+        np.testing.assert_array_equal(_loops._without_sink(order, int(cand.sum()), cand[0]),
+                                      _loops.ranked(row, nonsink)[0])
 
 
 def test_head_kv_is_checked():

@@ -451,7 +451,7 @@ def aggregates(alpha, values, att, points, draw_keys):
         sink_in = has_sink and rank[0] < points[p]
         for d in range(D):
             S[p, d] = s_plus[p, d] + y[0, d] if sink_in else s_plus[p, d]
-    ns_order = ranked(-alpha, nonsink)[0]
+    ns_order = _without_sink(order, n_ns + has_sink, has_sink)
     if Pn:
         _prefix_sums(y, ns_order, nonsink, points[:Pn], S, P)
     draw_orders = np.empty((R, K), dtype=np.int64)
@@ -459,6 +459,24 @@ def aggregates(alpha, values, att, points, draw_keys):
         draw_orders[r] = uniform_ranked(draw_keys[r], att)
         _prefix_sums(y, draw_orders[r], att, points, S, P + Pn + r * P)
     return y, S, s_plus, (order, rank, ns_order, draw_orders)
+
+
+@_jit
+def _without_sink(order, n_att, has_sink):
+    """``ranked(key, candidates without 0)[0]`` from ``order = ranked(key, candidates)[0]``
+    (n_att candidates): the sink leaves the candidates for the head of the others, which
+    follow in position order."""
+    if not has_sink:
+        return order
+    out = np.empty_like(order)
+    j = 0
+    for i in range(n_att):
+        if order[i] != 0:
+            out[j] = order[i]
+            j += 1
+    out[j] = 0
+    out[j + 1:] = order[n_att:]
+    return out
 
 
 @_jit
@@ -918,7 +936,16 @@ def head_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_a
     listed pairs' buckets; a set with too few listed members is gathered whole.
     """
     k, P = rank.size, points.size
-    by_rank = np.argsort(rank)
+    # The keys by rank: ranks are distinct positions in a selection order.
+    slot = np.full(rank.max() + 1 if k else 0, -1, np.int64)
+    for i in range(k):
+        slot[rank[i]] = i
+    by_rank = np.empty(k, np.int64)
+    j = 0
+    for r in range(slot.size):
+        if slot[r] >= 0:
+            by_rank[j] = slot[r]
+            j += 1
     running = np.empty(k)
     best = -np.inf
     for i in range(k):
