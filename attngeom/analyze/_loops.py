@@ -497,9 +497,10 @@ def _rows(P, Pn, R):
 
 
 @_jit
-def exact_keys(y, S, ys, orders, points, att, options):
-    """The expansions X (rows, K) of every aggregate's distances, each row's error bound e
-    (rows,) and whether it is compared exactly (rows,), and the (row, key) pairs whose exact
+def exact_keys(y, S, ys, orders, points, att, options, X, err, unsure, scores):
+    """Fills the expansions X (rows, K) of every aggregate's distances, each row's error bound
+    err (rows,) and whether it is compared exactly, unsure (rows,), and returns the (row, key)
+    pairs whose exact
     distance the comparisons of :func:`head_geometry` can need: the candidates for a radius
     and the keys whose band (expansion plus or minus `_half_bound`) meets the range the
     radius they are compared with can take (:func:`_ball`), and in the main rows the sink and
@@ -509,7 +510,7 @@ def exact_keys(y, S, ys, orders, points, att, options):
     An expansion is within its half bound (within e/2) of D_k computed either way, so the other
     comparisons come out the same whichever way D_k is rounded. A sink-excluded or random row whose scores no
     exact distance can change gets them here: scores (rows, 3) P, R, F, NaN in the other
-    rows."""
+    rows. The outputs are filled in place: a head's share of the group's arrays, not a copy."""
     K = y.shape[0]
     rows = S.shape[0]
     order, rank, ns_order, draw_orders = orders
@@ -524,15 +525,12 @@ def exact_keys(y, S, ys, orders, points, att, options):
     y_max = np.sqrt(yy.max()) if K else 0.0
     yn = np.sqrt(yy)
     e_rel, tiny = options[0], options[1]
-    X = np.empty((rows, K))
-    err = np.empty(rows)
-    unsure = np.empty(rows, np.bool_)
     point, kind = _rows(P, Pn, R)
     mark = np.zeros(K, np.bool_)
     pair_rows, pair_keys = [0], [0]
     pair_rows.pop()
     pair_keys.pop()
-    scores = np.full((rows, 3), np.nan)
+    scores[:] = np.nan
     # Each key's position in the sink-excluded and random selections (K: not a candidate).
     positions = np.full((1 + R, K), K, np.int64)
     for i in range(n_att - 1):
@@ -589,7 +587,7 @@ def exact_keys(y, S, ys, orders, points, att, options):
                 pair_rows.append(row)
                 pair_keys.append(k)
                 mark[k] = False
-    return X, err, unsure, scores, np.array(pair_rows, np.int64), np.array(pair_keys, np.int64)
+    return np.array(pair_rows, np.int64), np.array(pair_keys, np.int64)
 
 
 @_jit
@@ -1097,7 +1095,7 @@ def group_exact_keys(y, S, ys, orders, points, att, options):
     heads, row_idx, key_idx = [], [], []
     for i in range(h):
         o = (orders[0][i], orders[1][i], orders[2][i], orders[3][i])
-        X[i], err[i], unsure[i], scores[i], r, k = exact_keys(y[i], S[i], ys[i], o, points, att, options)
+        r, k = exact_keys(y[i], S[i], ys[i], o, points, att, options, X[i], err[i], unsure[i], scores[i])
         for j in range(r.size):
             heads.append(i)
             row_idx.append(r[j])

@@ -307,11 +307,12 @@ def _kv_heads(values, attendable):
 def _nonsink_gram(kv, g):
     """(k, k) <u_p, u_q> of kv head g over its k non-sink keys, in position order, below
     the diagonal (q > p) only: the symmetric product (BLAS syrk) does half a full product's
-    work."""
+    work. It is handed the transpose, Fortran-ordered as BLAS wants it: the C-ordered unit
+    vectors would be copied first (the same bits either way)."""
     unit = kv.unit[g][kv.nonsink[g]]
     if not unit.shape[0]:
         return np.empty((0, 0))
-    return syrk(1.0, unit).T
+    return syrk(1.0, unit.T, trans=1).T
 
 
 def _check_batch(attn, values, attendable, head_kv):
