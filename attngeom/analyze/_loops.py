@@ -423,42 +423,51 @@ def _count_lt(small, large):
 
 
 @_jit
-def aggregates(alpha, values, att, points, draw_keys):
-    """One query head's contributions y = alpha v (K, D) and aggregates: the rows of S
-    (rows, D) are the main selection's s_N at each of points, then the sink-excluded
-    selection's at the points where it is valid, then each random draw's at every point;
-    s_plus (P, D) the main s_N without the sink. Returns them with the orders (and the main
-    ranks) of the three selections: ``(y, S, s_plus, (order, rank, ns_order, draw_orders))``.
-    alpha (K,), values (K, D), att (K,) bool, points (P,) ascending, draw_keys (R, K)."""
+def aggregates(alpha, values, att, points, draw_keys, y, S, s_plus, orders):
+    """One query head's contributions y = alpha v (K, D) and aggregates, filled in place: the
+    rows of S (rows, D) are the main selection's s_N at each of points, then the
+    sink-excluded selection's at the Pn points where it is valid (:func:`_sink_excluded_sizes`),
+    then each random draw's at every point; s_plus (P, D) the main s_N without the sink; and
+    orders = (order, rank, ns_order, draw_orders), the orders (and the main ranks) of the three
+    selections, (K,) each and (R, K). alpha (K,), values (K, D), att (K,) bool, points (P,)
+    ascending, draw_keys (R, K)."""
     K, D = values.shape
     P, R = points.size, draw_keys.shape[0]
+    Pn = S.shape[0] - P - R * P
+    order, rank, ns_order, draw_orders = orders
     has_sink = att[0]
     nonsink = att.copy()
     nonsink[0] = False
     n_ns = 0
     for k in range(K):
         n_ns += nonsink[k]
-    y = np.empty((K, D))
     for k in range(K):
         for d in range(D):
             y[k, d] = alpha[k] * values[k, d]
-    order, rank = ranked(-alpha, att)
-    Pn = np.sum(points < n_ns) if has_sink else 0
-    S = np.empty((P + Pn + R * P, D))
-    s_plus = np.empty((P, D))
+    order[:], rank[:] = ranked(-alpha, att)
     _prefix_sums(y, order, nonsink, points, s_plus, 0)
     for p in range(P):
         sink_in = has_sink and rank[0] < points[p]
         for d in range(D):
             S[p, d] = s_plus[p, d] + y[0, d] if sink_in else s_plus[p, d]
-    ns_order = _without_sink(order, n_ns + has_sink, has_sink)
+    ns_order[:] = _without_sink(order, n_ns + has_sink, has_sink)
     if Pn:
         _prefix_sums(y, ns_order, nonsink, points[:Pn], S, P)
-    draw_orders = np.empty((R, K), dtype=np.int64)
     for r in range(R):
         draw_orders[r] = uniform_ranked(draw_keys[r], att)
         _prefix_sums(y, draw_orders[r], att, points, S, P + Pn + r * P)
-    return y, S, s_plus, (order, rank, ns_order, draw_orders)
+
+
+@_jit
+def _sink_excluded_sizes(points, att):
+    """Pn: how many of points the sink-excluded selection has (N below the number of
+    non-sink keys; none without a sink)."""
+    if not att[0]:
+        return 0
+    n_ns = 0
+    for k in range(1, att.size):
+        n_ns += att[k]
+    return np.sum(points < n_ns)
 
 
 @_jit
@@ -1068,18 +1077,17 @@ def group_aggregates(alpha, values, att, points, draw_keys):
     """:func:`aggregates` of each query head: alpha (h, K), draw_keys (h, R, K); returns
     y (h, K, D), S (h, rows, D), s_plus (h, P, D) and the orders stacked on a first axis."""
     h, K = alpha.shape
-    y0, S0, sp0, o0 = aggregates(alpha[0], values, att, points, draw_keys[0])
-    y = np.empty((h,) + y0.shape)
-    S = np.empty((h,) + S0.shape)
-    s_plus = np.empty((h,) + sp0.shape)
+    D, P, R = values.shape[1], points.size, draw_keys.shape[1]
+    y = np.empty((h, K, D))
+    S = np.empty((h, P + _sink_excluded_sizes(points, att) + R * P, D))
+    s_plus = np.empty((h, P, D))
     order = np.empty((h, K), np.int64)
     rank = np.empty((h, K), np.int64)
     ns_order = np.empty((h, K), np.int64)
-    draw_orders = np.empty((h,) + o0[3].shape, np.int64)
+    draw_orders = np.empty((h, R, K), np.int64)
     for i in range(h):
-        yi, Si, spi, oi = aggregates(alpha[i], values, att, points, draw_keys[i])
-        y[i], S[i], s_plus[i] = yi, Si, spi
-        order[i], rank[i], ns_order[i], draw_orders[i] = oi[0], oi[1], oi[2], oi[3]
+        aggregates(alpha[i], values, att, points, draw_keys[i], y[i], S[i], s_plus[i],
+                   (order[i], rank[i], ns_order[i], draw_orders[i]))
     return y, S, s_plus, (order, rank, ns_order, draw_orders)
 
 
