@@ -123,8 +123,9 @@ def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np
     _, values, attendable, _ = _check_batch(None, values, attendable, None)
     with np.errstate(divide="ignore", invalid="ignore"):
         kv = _kv_heads(values, attendable)
+        work = np.empty(values.shape[1] ** 2)
         median_cos = np.array([
-            _loops.pair_statistics(_nonsink_gram(kv, g), _TOP_PAIR_SHARE, _TOP_PAIR_MIN, _BRACKET_MIN)[0]
+            _loops.pair_statistics(_nonsink_gram(kv, g, work), _TOP_PAIR_SHARE, _TOP_PAIR_MIN, _BRACKET_MIN)[0]
             for g in range(values.shape[0])])
         return _value_statistics(kv, median_cos)
 
@@ -171,6 +172,7 @@ def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with
     out.update({name: np.full(shape, -1, dtype=np.int64) for name in TOPN_COUNTS})
     out["sink_selected"] = np.full(shape, -1, dtype=np.int8)
     stats = {name: np.full(values.shape[0], np.nan) for name in VALUE_STATISTICS} if with_values else None
+    work = np.empty(K * K)
     # Degenerate instances (zero vectors, zero norms) give NaN by design, not warnings.
     with np.errstate(divide="ignore", invalid="ignore"):
         for g in range(values.shape[0]) if with_values else np.unique(head_kv):
@@ -180,7 +182,7 @@ def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with
             keys = _kept_keys(attendable[g])
             vals, att = values[g][keys], attendable[g][keys]
             kv = _kv_heads(vals[None], att[None])
-            gram = _nonsink_gram(kv, 0)
+            gram = _nonsink_gram(kv, 0, work)
             pairs = _loops.pair_statistics(gram, _TOP_PAIR_SHARE, _TOP_PAIR_MIN, _BRACKET_MIN)
             heads = np.flatnonzero(head_kv == g)
             if heads.size:
@@ -304,15 +306,18 @@ def _kv_heads(values, attendable):
     )
 
 
-def _nonsink_gram(kv, g):
+def _nonsink_gram(kv, g, work):
     """(k, k) <u_p, u_q> of kv head g over its k non-sink keys, in position order, below
     the diagonal (q > p) only: the symmetric product (BLAS syrk) does half a full product's
-    work. It is handed the transpose, Fortran-ordered as BLAS wants it: the C-ordered unit
-    vectors would be copied first (the same bits either way)."""
+    work. It is handed the transpose, Fortran-ordered as BLAS wants it (the C-ordered unit
+    vectors would be copied first), and writes into work, a float64 buffer of at least k*k
+    shared by the kv heads of a call (a fresh output would be zeroed first, page by page):
+    the same bits either way. The result is a view of work, valid until the next kv head."""
     unit = kv.unit[g][kv.nonsink[g]]
-    if not unit.shape[0]:
+    k = unit.shape[0]
+    if not k:
         return np.empty((0, 0))
-    return syrk(1.0, unit.T, trans=1).T
+    return syrk(1.0, unit.T, trans=1, c=work[: k * k].reshape((k, k), order="F"), overwrite_c=1).T
 
 
 def _check_batch(attn, values, attendable, head_kv):
