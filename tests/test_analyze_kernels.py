@@ -771,3 +771,40 @@ def test_inputs_of_any_layout_reuse_the_compiled_loops():
     value_statistics(values, attendable)
     head_metrics(attn, values, attendable, (2, 4), head_kv=head_kv)
     assert signatures() == before
+
+
+@pytest.mark.parametrize("kind", ["uniform", "ties", "equal", "skewed"])
+def test_order_pair_counted_equals_the_partition(kind):
+    """The order statistics of a long array by counting equal those of a partition."""
+    rng = np.random.default_rng(11)
+    for n in (_loops._COUNTED_MIN, 9000, 30000):
+        x = {"uniform": rng.random(n), "ties": np.round(rng.normal(size=n), 2),
+             "equal": np.full(n, 0.3), "skewed": np.abs(rng.normal(size=n)) ** 8}[kind]
+        for lo in (0, 1, n // 2, int(0.95 * (n - 1)), n - 2, n - 1):
+            for hi in {lo, min(lo + 1, n - 1)}:
+                part = np.partition(x, lo)
+                want = (part[lo], part[lo] if hi == lo else part[lo + 1:].min())
+                assert _loops._order_pair(x, lo, hi) == want
+
+
+def test_mu_q95_of_selections_outside_the_listed_pairs():
+    """mu_q95 where the selected keys' pairs are far less coherent than the rest, so that the
+    listed top pairs miss the quantile and the pairs are gathered (several thousand: counted,
+    not partitioned), equals the quantile of |cos| over the pairs touching I_N."""
+    rng = np.random.default_rng(12)
+    K, D, top = 240, 16, 64
+    values = rng.normal(size=(K, D)) * 0.2
+    values[top + 1:] += 3.0 * rng.normal(size=D)  # the unselected keys share a direction
+    attn = np.full(K, 1e-4)
+    attn[1:top + 1] = np.linspace(0.5, 0.1, top)  # the incoherent keys come first
+    attn /= attn.sum()
+    grid = [1, 4, 16, 32, 64, 128]
+    out = topn_metrics(attn[None], values[None], np.ones((1, K), bool), grid, random_draws=0)
+    unit = values[1:] / np.linalg.norm(values[1:], axis=1, keepdims=True)
+    cos = np.abs(unit @ unit.T)
+    rank = np.argsort(np.argsort(-attn, kind="stable"), kind="stable")[1:]  # the sink is key 0
+    for i, n in enumerate(grid):
+        q, p = np.tril_indices(K - 1, -1)
+        members = cos[q, p][np.minimum(rank[q], rank[p]) < n]
+        assert members.size >= _loops._COUNTED_MIN or n < 32
+        np.testing.assert_allclose(out["mu_q95"][0, i], np.quantile(members, 0.95), rtol=1e-12)
