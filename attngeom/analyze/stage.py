@@ -33,6 +33,7 @@ the committed analysis is lost or damaged (:func:`_healing`). One
 
 from __future__ import annotations
 
+import asyncio
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,7 @@ import pandas as pd
 import xarray as xr
 import zarr
 from tqdm.auto import tqdm
+from zarr.core.sync import sync
 
 from attngeom.analyze import by_query, taxonomy
 from attngeom.analyze.kernels import compile_kernels, head_metrics
@@ -551,15 +553,26 @@ def _prepare(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, grid, seed) -> tu
     return keep
 
 
-def _write_batch(groups: dict[str, zarr.Group], computed: dict[str, xr.Dataset], start: int) -> None:
-    """Write computed (seq, ...) Datasets at ``seq`` positions start, start + 1, ..."""
+def _batch_arrays(write: DerivedWrite, staged: bool, names: Sequence[str]) -> dict[str, dict[str, zarr.AsyncArray]]:
+    """The arrays of the per-sequence groups ``names``, by group and variable, opened once
+    for every batch's writes."""
     # Every chunk is stored, also one equal to the fill value: a position written anew
     # never shows an older chunk.
-    with zarr.config.set({"array.write_empty_chunks": True}):
-        for name, data in computed.items():
-            stop = start + data.sizes["seq"]
-            for var in (*data.data_vars, "seq"):
-                groups[name][var][start:stop] = data[var].values
+    return {name: {key: arr.async_array.with_config({"write_empty_chunks": True})
+                   for key, arr in write.group(name, staged=staged).arrays()} for name in names}
+
+
+def _write_batch(arrays: dict[str, dict[str, zarr.AsyncArray]], computed: dict[str, xr.Dataset], start: int) -> None:
+    """Write computed (seq, ...) Datasets at ``seq`` positions start, start + 1, ... of
+    ``arrays`` (:func:`_batch_arrays`), every array at once: one at a time, each array's
+    write waited for its own compression and file (47 arrays, 0.2-0.3 s a batch of 4
+    sequences of a 7B model)."""
+
+    async def write() -> None:
+        await asyncio.gather(*(arrays[name][var].setitem(slice(start, start + data.sizes["seq"]), data[var].values)
+                               for name, data in computed.items() for var in (*data.data_vars, "seq")))
+
+    sync(write())
 
 
 def _cross_sequence_groups(write: DerivedWrite, staged: bool, n_seq: int, provenance: dict,
@@ -627,7 +640,7 @@ def _compute_sequences(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, params:
     write.discard_damaged(_sequence_groups(ds) if not plan.keep_commit else ())
     keep = _prepare(write, ds, plan, params["n_grid"], seed)
     pending = replace(pending, sequences=keep)
-    groups = _open_groups(write, plan.staged, _sequence_groups(ds))
+    arrays = _batch_arrays(write, plan.staged, _sequence_groups(ds))
     target, run_id = plan.target, write.run_id
     batches = list(_batches(len(keep), len(target), ds.sizes["layer"]))
 
@@ -648,7 +661,7 @@ def _compute_sequences(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, params:
                 computed = futures[i].result()
                 if i + in_flight < len(batches):
                     futures.append(computing.submit(compute, batches[i + in_flight]))
-                _write_batch(groups, computed, a)
+                _write_batch(arrays, computed, a)
                 pending = replace(pending, sequences=target[:b])
                 write.set_pending(pending, keep_commit=plan.keep_commit)
                 bar.update(b - a)
