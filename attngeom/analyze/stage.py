@@ -575,14 +575,36 @@ def _write_batch(arrays: dict[str, dict[str, zarr.AsyncArray]], computed: dict[s
     sync(write())
 
 
+def _per_sequence_groups(write: DerivedWrite, staged: bool, n_seq: int, names: Sequence[str],
+                         held: Mapping[str, Sequence[xr.Dataset]] | None) -> dict[str, xr.Dataset]:
+    """The per-sequence groups ``names`` over their first ``n_seq`` sequences: lazy, read from
+    the store; or with ``held`` (group -> the Datasets of the last sequences, computed by this
+    analyze, in ``seq`` order), those in memory after the sequences before them, read here."""
+    if held is None:
+        return {name: write.read(name, staged=staged).isel(seq=slice(0, n_seq)) for name in names}
+    out = {}
+    for name in names:
+        parts = list(held.get(name, ()))
+        first = n_seq - sum(part.sizes["seq"] for part in parts)
+        if first:
+            parts.insert(0, write.read(name, staged=staged).isel(seq=slice(0, first)).load())
+        # The other coordinates and the attributes are the same in every part.
+        out[name] = parts[0] if len(parts) == 1 else xr.concat(
+            parts, "seq", data_vars="all", coords="minimal", compat="override", join="override",
+            combine_attrs="override")
+    return out
+
+
 def _cross_sequence_groups(write: DerivedWrite, staged: bool, n_seq: int, provenance: dict,
-                           names: Sequence[str]) -> tuple[dict[str, xr.Dataset], pd.DataFrame]:
+                           names: Sequence[str], held: Mapping[str, Sequence[xr.Dataset]] | None = None,
+                           ) -> tuple[dict[str, xr.Dataset], pd.DataFrame]:
     """heads, summary, signatures and table (and summary_by_query when ``names``, the
-    per-sequence groups, hold topn_by_query) from the stored per-sequence groups (their
-    first ``n_seq`` sequences), reduced in this process: ``topn`` loaded whole up to
+    per-sequence groups, hold topn_by_query) from the per-sequence groups (their first
+    ``n_seq`` sequences; the last ones from ``held`` when given, see
+    :func:`_per_sequence_groups`), reduced in this process: ``topn`` loaded whole up to
     _LOADED_TOPN_BYTES (each variable read by its own dask compute cost 0.2 s of an analyze
     of 4 sequences), one variable at a time beyond."""
-    stored = {name: write.read(name, staged=staged).isel(seq=slice(0, n_seq)) for name in names}
+    stored = _per_sequence_groups(write, staged, n_seq, names, held)
     topn = stored["topn"]
     # NaN marks "not defined here" (no sink, N too large): all-NaN reductions are expected.
     # The reads are small; a cluster would only add transfers.
@@ -630,11 +652,12 @@ def _checked_input(store: str, run_id: str, n_grid: Sequence[int] | None) -> tup
     return ds, grid
 
 
-def _compute_sequences(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, params: dict[str, Any],
-                       seed: int, progress: bool) -> tuple[Pending, int]:
+def _compute_sequences(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, params: dict[str, Any], seed: int,
+                       progress: bool) -> tuple[Pending, int, dict[str, list[xr.Dataset]] | None]:
     """Compute and write the per-sequence groups of the sequences ``plan`` does not keep,
-    batch by batch, recording progress after each; returns the record of what is written
-    and how many sequences were computed."""
+    batch by batch, recording progress after each; returns the record of what is written,
+    how many sequences were computed, and the computed groups, batch after batch, when
+    they are small enough to keep (None when not)."""
     pending = Pending(params, plan.keep, staged=plan.staged)
     write.set_pending(pending, keep_commit=plan.keep_commit)
     write.discard_damaged(_sequence_groups(ds) if not plan.keep_commit else ())
@@ -653,6 +676,10 @@ def _compute_sequences(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, params:
     # each computing thread a pool of its own, so there one batch at a time keeps one task
     # per core (and memory to one task per core).
     in_flight = 1 if dask.config.get("scheduler", None) == "threads" else 2
+    # The reductions across sequences load the groups whole when small: those computed are
+    # then kept here instead of being read back from the store (they are views of the
+    # blocks' results, which hold the per-head columns at every n too: a third more).
+    held: dict[str, list[xr.Dataset]] | None = {name: [] for name in _sequence_groups(ds)} if batches else None
     computing = ThreadPoolExecutor(in_flight)
     try:
         with tqdm(total=len(target) - len(keep), unit="seq", desc=f"{run_id}: analyze", disable=not progress) as bar:
@@ -662,6 +689,12 @@ def _compute_sequences(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, params:
                 if i + in_flight < len(batches):
                     futures.append(computing.submit(compute, batches[i + in_flight]))
                 _write_batch(arrays, computed, a)
+                if held is not None and sum(d.nbytes for d in computed.values()) * len(target) <= (
+                        _LOADED_TOPN_BYTES * (b - a)):
+                    for name, data in computed.items():
+                        held[name].append(data)
+                else:
+                    held = None
                 pending = replace(pending, sequences=target[:b])
                 write.set_pending(pending, keep_commit=plan.keep_commit)
                 bar.update(b - a)
@@ -669,7 +702,7 @@ def _compute_sequences(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, params:
         # On an error or Ctrl-C, a batch still computing is not waited for: leaving the
         # scheduler's context cancels its tasks.
         computing.shutdown(wait=False, cancel_futures=True)
-    return pending, len(target) - len(keep)
+    return pending, len(target) - len(keep), held
 
 
 def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None, seed: int = 0,
@@ -700,9 +733,9 @@ def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None,
             table = write.read("table").to_dataframe().reset_index(drop=True)
             new = 0
         else:
-            pending, new = _compute_sequences(write, ds, plan, params, seed, progress)
+            pending, new, held = _compute_sequences(write, ds, plan, params, seed, progress)
             cross, table = _cross_sequence_groups(write, plan.staged, len(target), ds.attrs.get("attngeom", {}),
-                                                  sequence_groups)
+                                                  sequence_groups, held)
             for name, dataset in cross.items():
                 write.write(name, dataset)
             write.promote([*(sequence_groups if plan.staged else ()), *cross], pending)
