@@ -543,8 +543,7 @@ def _prepare(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, grid, seed) -> tu
         # A chunk holds a batch's sequences: an uninterrupted analyze writes each chunk once
         # (one chunk per sequence cost 2 ms a chunk, a third of an analyze's writes).
         per_chunk = {"seq": _sequences_per_batch(ds.sizes["layer"])}
-        for name, template in _template_groups(ds, grid, seed).items():
-            write.write(name, template, staged=plan.staged, compute=False, chunks=per_chunk)
+        write.write(_template_groups(ds, grid, seed), staged=plan.staged, compute=False, chunks=per_chunk)
         return keep
     for group in _open_groups(write, plan.staged, _sequence_groups(ds)).values():
         for _, arr in group.arrays():
@@ -736,8 +735,7 @@ def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None,
             pending, new, held = _compute_sequences(write, ds, plan, params, seed, progress)
             cross, table = _cross_sequence_groups(write, plan.staged, len(target), ds.attrs.get("attngeom", {}),
                                                   sequence_groups, held)
-            for name, dataset in cross.items():
-                write.write(name, dataset)
+            write.write(cross)
             write.promote([*(sequence_groups if plan.staged else ()), *cross], pending)
             write.commit(Commit(params, groups, target, sequence_groups))
     if out is not None:
