@@ -25,6 +25,7 @@ from attngeom.analyze import stage
 from attngeom.analyze.stage import (
     _instance_seed,
     _Plan,
+    _kept,
     _prepare,
     analyze,
     nan_median,
@@ -239,7 +240,8 @@ def test_groups_of_a_run_larger_than_a_dask_chunk_are_created(tmp_path):
     zarr.open_group(store, path="runs/r", mode="w")
     plan = _Plan(target=tuple(range(n_seq)), keep=(), staged=False, keep_commit=False, recomputed=None)
     with DerivedWrite(store, "r", ANALYSIS) as write:
-        assert _prepare(write, ds, plan, [1, 2, 4], seed=0) == ()
+        assert _kept(write, ds, plan) == ()
+        _prepare(write, ds, plan, (), [1, 2, 4], seed=0)
     recall = zarr.open_group(store, path="runs/r/analysis/topn", mode="r")["recall"]
     assert recall.shape == (n_seq, layers, heads, 3) and recall.chunks == (4, layers, heads, 3)
     votes = zarr.open_group(store, path="runs/r/analysis/taxonomy", mode="r")["votes"]

@@ -473,22 +473,37 @@ def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = 
     sequences (98 small arrays) took 0.43-0.61 s through it and take 0.31-0.45 s so, most of it
     compressing and writing the objects.
     """
-    dataset = encode_labels(dataset)
-    coordinates = set(dataset.coords) - set(dataset.dims)
-    if coordinates:
-        raise ValueError(f"write_dataset stores dimension coordinates only, not {sorted(coordinates)}")
-    lazy = {name: var.data for name, var in dataset.variables.items() if isinstance(var.data, da.Array)}
-    data = {name: None if name in lazy else np.asarray(var.values) for name, var in dataset.variables.items()}
-    if compute:
-        data.update(zip(lazy, da.compute(*lazy.values())))
+    write_datasets({group: dataset}, url, compute=compute, chunks=chunks, zstore=zstore)
+
+
+def write_datasets(datasets: Mapping[str, xr.Dataset], url: str, *, compute: bool = True,
+                   chunks: Mapping[str, int] | None = None, zstore: Any = None) -> None:
+    """:func:`write_dataset` of each Dataset of ``datasets`` (group -> Dataset), all at once:
+    the groups are assembled together, then copied together, each replacing its own (an
+    analysis's four groups across sequences, a 7B model's shape: 0.37 s one group after the
+    other, 0.31 s together)."""
+    encoded = {group: encode_labels(dataset) for group, dataset in datasets.items()}
+    data = {}
+    for group, dataset in encoded.items():
+        coordinates = set(dataset.coords) - set(dataset.dims)
+        if coordinates:
+            raise ValueError(f"write_dataset stores dimension coordinates only, not {sorted(coordinates)}")
+        lazy = {name: var.data for name, var in dataset.variables.items() if isinstance(var.data, da.Array)}
+        data[group] = {name: None if name in lazy else np.asarray(var.values) for name, var in dataset.variables.items()}
+        if compute:
+            data[group].update(zip(lazy, da.compute(*lazy.values())))
     assembled = zarr.storage.MemoryStore()
-    sync(_assemble(dataset, data, assembled, group, chunks or {}))
     target = zstore if zstore is not None else zarr_store(url, read_only=False)
+
+    async def write() -> None:
+        await asyncio.gather(*(_assemble(dataset, data[group], assembled, group, chunks or {})
+                               for group, dataset in encoded.items()))
+        await asyncio.gather(*(_replace_group(target, group, assembled) for group in encoded))
+
     with writing(url):
-        parent = group.rpartition("/")[0]
-        if parent:
+        for parent in sorted({group.rpartition("/")[0] for group in encoded} - {""}):
             zarr.open_group(target, path=parent, mode="a", use_consolidated=False)
-        sync(_replace_group(target, group, assembled))
+        sync(write())
 
 
 def _chunk_shape(var: xr.Variable, chunks: Mapping[str, int]) -> tuple[int, ...] | str:

@@ -50,7 +50,7 @@ from attngeom.store.access import (
     node_metadata,
     open_dataset,
     read_metadata,
-    write_dataset,
+    write_datasets,
     zarr_store,
 )
 from attngeom.store.objects import chunk_objects, object_damage, object_sizes
@@ -321,7 +321,7 @@ class DerivedWrite:
     a context manager::
 
         with DerivedWrite(url, run_id, ANALYSIS) as write:
-            write.set_pending(...); write.write(name, dataset); write.promote(...); write.commit(...)
+            write.set_pending(...); write.write({name: dataset}); write.promote(...); write.commit(...)
     """
 
     def __init__(self, url: str, run_id: str, kind: str, *, deep: bool = False) -> None:
@@ -369,12 +369,13 @@ class DerivedWrite:
         """The written group ``name``, open for writing."""
         return zarr.open_group(self.zstore, path=self.path(name, staged=staged), mode="r+", use_consolidated=False)
 
-    def write(self, name: str, dataset: xr.Dataset, *, staged: bool = True, compute: bool = True,
+    def write(self, datasets: Mapping[str, xr.Dataset], *, staged: bool = True, compute: bool = True,
               chunks: Mapping[str, int] | None = None) -> None:
-        """Write ``dataset`` as the group ``name`` (in staging by default), replacing it
-        (:func:`~attngeom.store.access.write_dataset`)."""
-        write_dataset(dataset, self.url, self.path(name, staged=staged), compute=compute, chunks=chunks,
-                      zstore=self.zstore)
+        """Write each Dataset of ``datasets`` (name -> Dataset) as the group ``name`` (in
+        staging by default), replacing it, all at once
+        (:func:`~attngeom.store.access.write_datasets`)."""
+        write_datasets({self.path(name, staged=staged): dataset for name, dataset in datasets.items()}, self.url,
+                       compute=compute, chunks=chunks, zstore=self.zstore)
 
     def read(self, name: str, *, staged: bool = False) -> xr.Dataset:
         """The written group ``name`` as a lazy Dataset (not through the commit)."""
@@ -459,8 +460,7 @@ class DerivedWrite:
         params = jsonable(dict(parameters))
         self.set_pending(Pending(params, staged=True), keep_commit=True)
         self._remove(f"{self.base}/{STAGING}")
-        for name, dataset in groups.items():
-            self.write(name, dataset)
+        self.write(groups)
         kept = zarr.open_group(self.zstore, path=self.base, mode="r", use_consolidated=False)
         stale = {name for name in kept.group_keys() if name != STAGING} - set(groups)
         self.promote(list(groups), Pending(params, staged=True))
