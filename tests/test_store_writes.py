@@ -220,3 +220,31 @@ def test_a_failed_write_stops_the_writer_and_nothing_is_written_after(tmp_path):
     assert converted == [1, 2]
     assert not [key for key in gated.written if "/c/3" in key or "/c/4" in key]
     assert list(zarr.open_array(gated._store, path="runs/r/complete", mode="r")[:]) == [1, 1, 0, 0, 0]
+
+
+def test_without_sequences_in_flight_submit_writes_in_the_callers_thread(tmp_path):
+    """in_flight=0 (extract on CPU): each submit returns with its sequence committed, converted
+    in the caller's thread; a failed write is raised by that submit and stops the writer."""
+    import threading
+
+    from attngeom.store import SequenceWriter, run_layout
+    from attngeom.synthetic import synthetic_sequence
+
+    gated, run = gated_run(tmp_path, 4, failing="/values/c/3")
+    gated.gate.set()
+    layout = run_layout(run)
+    converted: list[tuple[int, threading.Thread]] = []
+
+    def arrays(seq):
+        converted.append((seq, threading.current_thread()))
+        return synthetic_sequence(np.random.default_rng(seq), layout)
+
+    complete = zarr.open_array(gated._store, path="runs/r/complete", mode="r")
+    with pytest.raises(OSError, match="No space"), SequenceWriter(run, in_flight=0) as writer:
+        writer.submit(1, lambda: arrays(1))
+        assert list(complete[:]) == [1, 1, 0, 0]
+        writer.submit(2, lambda: arrays(2))
+        assert list(complete[:]) == [1, 1, 1, 0]
+        writer.submit(3, lambda: arrays(3))
+    assert converted == [(s, threading.current_thread()) for s in (1, 2, 3)]
+    assert list(complete[:]) == [1, 1, 1, 0]

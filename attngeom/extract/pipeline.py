@@ -77,6 +77,7 @@ from attngeom.store import (
     run_layout,
     run_provenance,
 )
+from attngeom.store.runs import IN_FLIGHT
 
 # Provenance keys that must agree before a run may be resumed or appended.
 IDENTITY = ("model", "dataset", "context_length", "window_rule", "bos_token_id", "values_dtype", "store_rows",
@@ -533,8 +534,8 @@ def _write_sequences(
                     run = create_run(root, run_id, shape, provenance, total)
                 if writer is None:  # opened once: the run's recorded layout, also when resuming
                     layout = run_layout(run)
-                    writer = writing.enter_context(SequenceWriter(run))
-                # Converted, compressed and written beside the next batch's forward.
+                    writer = writing.enter_context(SequenceWriter(run, in_flight=_in_flight(model.device)))
+                # Converted, compressed and written beside the next batch's forward (on CPU, before it).
                 for b, (seq, window) in enumerate(zip(seqs[b0 : b0 + request.batch_size], batch)):
                     writer.submit(seq, functools.partial(_sequence_arrays, layers, b, window, layout))
                 bar.update(len(batch))
@@ -556,6 +557,17 @@ def _write_sequences(
     finally:
         bar.close()
     return run
+
+
+def _in_flight(device: str) -> int:
+    """Sequences written beside the forward: on an accelerator the forward leaves the CPU to
+    the writer. On CPU the forward's threads take every core and wait for each other: a
+    writer beside them stalls them for longer than its own CPU time (smollm2-135m L=512, 2
+    threads on 2 cores: a sequence's writes take 0.08 CPU s, 5% of the forward's, yet
+    extract/SDPA was 1.34 beside against 1.06 between, OMP_WAIT_POLICY=PASSIVE on a busy
+    host; 1.88 beside on a quiet one), so the caller writes each sequence between its
+    forwards, compressing on every core."""
+    return 0 if torch.device(device).type == "cpu" else IN_FLIGHT
 
 
 def _open_run(root: zarr.Group, run_id: str) -> zarr.Group | None:

@@ -209,9 +209,10 @@ class SequenceWriter:
     The run's arrays are opened once. ``submit(seq, arrays)`` hands over a sequence: one
     background thread calls ``arrays()`` (the conversion, e.g. tensors to numpy), writes every
     array at once (zarr compresses the chunks on its thread pool) and then sets the
-    sequence's ``complete`` flag, in the order submitted. At most ``in_flight`` (>= 1) sequences
+    sequence's ``complete`` flag, in the order submitted. At most ``in_flight`` sequences
     are between submit and commit (``submit`` waits for room), so memory holds at most that
     many sequences' arrays (and what their ``arrays`` callables keep alive) beside the caller's.
+    With ``in_flight=0`` ``submit`` converts, writes and commits in the caller's thread.
 
     The first failed write stops the writer: the sequences after it are dropped uncommitted
     and its error is raised by the next ``submit`` or by ``close``. Leaving the ``with``
@@ -239,6 +240,9 @@ class SequenceWriter:
     def submit(self, seq: int, arrays: Callable[[], Mapping[str, np.ndarray]]) -> None:
         """Queue sequence ``seq``, whose arrays ``arrays()`` returns, for the background thread;
         raises the error of an earlier write."""
+        if not self._in_flight:
+            self._convert_and_write(seq, arrays)
+            return
         while self._pending and (len(self._pending) >= self._in_flight or self._pending[0].done()):
             self._pending.popleft().result()
         self._pending.append(self._pool.submit(self._convert_and_write, seq, arrays))
