@@ -773,18 +773,20 @@ def test_inputs_of_any_layout_reuse_the_compiled_loops():
     assert signatures() == before
 
 
-@pytest.mark.parametrize("kind", ["uniform", "ties", "equal", "skewed"])
+@pytest.mark.parametrize("kind", ["uniform", "ties", "equal", "skewed", "nan"])
 def test_order_pair_counted_equals_the_partition(kind):
-    """The order statistics of a long array by counting equal those of a partition."""
+    """The order statistics of a long array by counting equal those of a partition (an array
+    holding NaN is partitioned, as before)."""
     rng = np.random.default_rng(11)
     for n in (_loops._COUNTED_MIN, 9000, 30000):
         x = {"uniform": rng.random(n), "ties": np.round(rng.normal(size=n), 2),
-             "equal": np.full(n, 0.3), "skewed": np.abs(rng.normal(size=n)) ** 8}[kind]
+             "equal": np.full(n, 0.3), "skewed": np.abs(rng.normal(size=n)) ** 8,
+             "nan": np.where(rng.random(n) < 0.001, np.nan, rng.random(n))}[kind]
         for lo in (0, 1, n // 2, int(0.95 * (n - 1)), n - 2, n - 1):
             for hi in {lo, min(lo + 1, n - 1)}:
                 part = np.partition(x, lo)
                 want = (part[lo], part[lo] if hi == lo else part[lo + 1:].min())
-                assert _loops._order_pair(x, lo, hi) == want
+                np.testing.assert_array_equal(_loops._order_pair(x, lo, hi), want)
 
 
 def test_mu_q95_of_selections_outside_the_listed_pairs():
