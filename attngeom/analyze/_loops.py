@@ -511,8 +511,7 @@ def _rows(P, Pn, R):
 def exact_keys(y, S, ys, orders, points, att, options, X, err, unsure, scores):
     """Fills the expansions X (rows, K) of every aggregate's distances, each row's error bound
     err (rows,) and whether it is compared exactly, unsure (rows,), and returns the (row, key)
-    pairs whose exact
-    distance the comparisons of :func:`head_geometry` can need: the candidates for a radius
+    pairs whose exact distance the comparisons of :func:`head_geometry` can need: the candidates for a radius
     and the keys whose band (expansion plus or minus `_half_bound`) meets the range the
     radius they are compared with can take (:func:`_ball`), and in the main rows the sink and
     every selected and unselected key (or the sink) within 3e of one of the other side
@@ -1065,7 +1064,7 @@ def head_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_a
                 for b_key in range(a_key + 1, k):
                     gathered[j_gathered] = abs(gram[b_key, a_key])
                     j_gathered += rank[b_key] > r_a
-            n_gathered = max(n_gathered, s)
+            n_gathered = s
             stats[0], stats[1] = _order_pair(gathered[:m], lo, hi)
         mu_q95[p] = _interpolate(stats[0], stats[1], pos, lo)
 

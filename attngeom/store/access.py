@@ -489,7 +489,8 @@ def write_datasets(datasets: Mapping[str, xr.Dataset], url: str, *, compute: boo
         if coordinates:
             raise ValueError(f"write_dataset stores dimension coordinates only, not {sorted(coordinates)}")
         lazy = {name: var.data for name, var in dataset.variables.items() if isinstance(var.data, da.Array)}
-        data[group] = {name: None if name in lazy else np.asarray(var.values) for name, var in dataset.variables.items()}
+        data[group] = {name: None if name in lazy else np.asarray(var.values)
+                       for name, var in dataset.variables.items()}
         if compute:
             data[group].update(zip(lazy, da.compute(*lazy.values())))
     assembled = zarr.storage.MemoryStore()
