@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import crc32c
+import dask
 import numpy as np
 import pytest
 import zarr
@@ -284,9 +285,12 @@ def test_impossible_arguments_are_refused(store, tiny_model_dir, word_corpus):
     code, lines = run(*base, "-S", "2", "--values-dtype", "float64")
     assert code == 2 and lines == ["attngeom: error: Invalid value for '--values-dtype': 'float64' is not one of "
                                    "'float32', 'float16'. (see `attngeom extract --help`)"], lines
+    before = dask.config.get("scheduler", None)
     code, lines = run("analyze", "--store", str(store), "--scheduler", "bogus://host:1")
     assert code == 2 and len(lines) == 1 and lines[0].startswith(
         "attngeom: error: cannot reach the Dask scheduler at bogus://host:1 (unknown address scheme 'bogus'"), lines
+    # The failed client is still referenced by the error: the scheduler it set must not outlive the command.
+    assert dask.config.get("scheduler", None) == before
     code, lines = run("analyze", "--store", str(store), "--bogus")
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("attngeom: error: No such option '--bogus'") and lines[0].endswith(

@@ -82,6 +82,16 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
         with dask.config.set(scheduler="threads"), threadpool_limits(limits=1):
             yield None
         return
+    # A Client sets Dask's scheduler to itself when made and resets it only when it closes
+    # as the last client alive: one that fails to connect leaves it set until collected,
+    # and later computations of this process then ask for a client that is gone. This
+    # block's own setting gives the caller's back whatever happens.
+    with dask.config.set(scheduler="dask.distributed"), _client(scheduler) as client:
+        yield client
+
+
+@contextlib.contextmanager
+def _client(scheduler: str) -> Iterator[object]:
     from distributed import Client, LocalCluster
 
     if scheduler == "processes":
