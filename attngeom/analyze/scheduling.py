@@ -94,11 +94,11 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
         with dask.config.set(scheduler="threads"), threadpool_limits(limits=1):
             yield None
         return
-    # A Client sets Dask's scheduler to itself when made and resets it only when it closes
-    # as the last client alive: one that fails to connect leaves it set until collected,
-    # and later computations of this process then ask for a client that is gone. This
-    # block's own setting gives the caller's back whatever happens.
-    with dask.config.set(scheduler="dask.distributed"), _client(scheduler) as client:
+    # The client is this block's scheduler alone: a default client sets Dask's scheduler
+    # when made and resets it only when closed as the last client alive, so one that fails to
+    # connect left it set until collected, and later computations of this process asked
+    # for a client that was gone.
+    with _client(scheduler) as client, dask.config.set(scheduler=client):
         yield client
 
 
@@ -110,11 +110,11 @@ def _client(scheduler: str) -> Iterator[object]:
         # A task's error reaches the client, which reports it in one line; the workers' own
         # error log of it would print the traceback again.
         with LocalCluster(threads_per_worker=1, processes=True, dashboard_address=":0",
-                          silence_logs=logging.CRITICAL) as cluster, Client(cluster) as client:
+                          silence_logs=logging.CRITICAL) as cluster, Client(cluster, set_as_default=False) as client:
             yield client
         return
     try:
-        client = Client(scheduler, timeout="10s")
+        client = Client(scheduler, timeout="10s", set_as_default=False)
     except (OSError, ValueError) as exc:  # ValueError: an address scheme Dask does not know
         raise AttngeomError(f"cannot reach the Dask scheduler at {scheduler} ({exc})") from exc
     with client:
