@@ -6,6 +6,7 @@ commands leave nothing behind; and the messages around them say what is true."""
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import re
 import shutil
@@ -167,16 +168,16 @@ def test_unreadable_metadata_is_one_line_everywhere(store, tmp_path, key, conten
 
 
 def test_damaged_derived_chunk_is_named_with_its_stage(store, tmp_path):
-    (store / "runs/r/analysis/summary/f_score/c/0/0/0/0").write_bytes(b"")
+    (store / "runs/r/analysis/summary/f_score/c.0.0.0.0").write_bytes(b"")
     # Named once, from the objects the analysis's commit lists (analyze sees it so too).
-    assert validate(store, "--deep") == [f"runs/r/analysis/summary/f_score/c/0/0/0/0 is empty (0 bytes); "
+    assert validate(store, "--deep") == [f"runs/r/analysis/summary/f_score/c.0.0.0.0 is empty (0 bytes); "
                                          f"run `attngeom analyze --store {store} --run r` again to rewrite it"]
     code, lines = run(*commands(store, tmp_path)["analyze"], "--n-grid", "1,2,4")
-    assert code == 0 and lines[-1] == ("run r: rewrote the damaged analysis: runs/r/analysis/summary/f_score/c/0/0/0/0 "
+    assert code == 0 and lines[-1] == ("run r: rewrote the damaged analysis: runs/r/analysis/summary/f_score/c.0.0.0.0 "
                                        "is empty (0 bytes)"), lines
-    flip(store / "runs/r/ablation/single/delta_nll_mean/c/0/0", 20)
+    flip(store / "runs/r/ablation/single/delta_nll_mean/c.0.0", 20)
     error = one_error(*commands(store, tmp_path)["report"])
-    assert error.startswith("attngeom: error: array 'runs/r/ablation/single/delta_nll_mean' chunk c/0/0 is damaged")
+    assert error.startswith("attngeom: error: array 'runs/r/ablation/single/delta_nll_mean' chunk c.0.0 is damaged")
     assert error.endswith(f"run `attngeom ablate --store {store} --run r` again to rewrite it")
     assert not (tmp_path / "report").exists()
 
@@ -289,7 +290,9 @@ def test_impossible_arguments_are_refused(store, tiny_model_dir, word_corpus):
     code, lines = run("analyze", "--store", str(store), "--scheduler", "bogus://host:1")
     assert code == 2 and len(lines) == 1 and lines[0].startswith(
         "attngeom: error: cannot reach the Dask scheduler at bogus://host:1 (unknown address scheme 'bogus'"), lines
-    # The failed client is still referenced by the error: the scheduler it set must not outlive the command.
+    # Neither the failed command nor the collection of its client leaves a scheduler set.
+    assert dask.config.get("scheduler", None) == before
+    gc.collect()
     assert dask.config.get("scheduler", None) == before
     code, lines = run("analyze", "--store", str(store), "--bogus")
     assert code == 2 and len(lines) == 1, lines

@@ -99,7 +99,8 @@ def as_format2(store: Path) -> None:
         with zarr.config.set({"array.write_empty_chunks": True}):
             text = zarr.create_array(store=root.store, name=arr.path, shape=arr.shape, dtype=str,
                                      chunks=arr.chunks, compressors=compressors(np.dtype(object)),
-                                     dimension_names=meta["dimension_names"], attributes=attrs, overwrite=True)
+                                     dimension_names=meta["dimension_names"], attributes=attrs, overwrite=True,
+                                     chunk_key_encoding=meta["chunk_key_encoding"])
             if values.size:
                 text[...] = values
     root.attrs["attngeom"] = {**root.attrs["attngeom"], "format": 2}

@@ -312,13 +312,13 @@ def test_analyze_heals_damaged_query_groups(built, tmp_path):
     store = tmp_path / "s.zarr"
     shutil.copytree(built[1], store)
     base = store / "runs" / "r" / "analysis"
-    lost = base / "topn_by_query" / "f_score" / "c" / "0" / "0" / "0" / "0" / "0"
-    truncated = next(p for p in sorted((base / "summary_by_query" / "precision" / "c").rglob("*")) if p.is_file())
+    lost = base / "topn_by_query" / "f_score" / "c.0.0.0.0.0"
+    truncated = next(p for p in sorted((base / "summary_by_query" / "precision").glob("c.*")) if p.is_file())
     lost.unlink()
     truncated.write_bytes(truncated.read_bytes()[:10])
     problems = validate_store(str(store))
-    assert any(p.startswith("runs/r/analysis/topn_by_query/f_score/c/0/0/0/0/0 is missing") for p in problems)
-    assert any(p.startswith("runs/r/analysis/summary_by_query/precision/c/") and "truncated" in p
+    assert any(p.startswith("runs/r/analysis/topn_by_query/f_score/c.0.0.0.0.0 is missing") for p in problems)
+    assert any(p.startswith("runs/r/analysis/summary_by_query/precision/c.") and "truncated" in p
                for p in problems), problems
     result = analyze(str(store), scheduler="threads", n_grid=GRID, progress=False)[0]
     assert "topn_by_query/f_score" in result.healed and "summary_by_query/precision" in result.healed

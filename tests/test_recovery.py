@@ -57,11 +57,11 @@ REWRITE = "run `attngeom analyze --store {url} --run r` again to rewrite it"
 
 
 @pytest.mark.parametrize("key, damage, what, reader", [
-    ("heads/regime/c/0/0", Path.unlink, "is missing", "taxonomy"),
-    ("topn/precision/c/0/0/0/0", Path.unlink, "is missing", "explore"),
+    ("heads/regime/c.0.0", Path.unlink, "is missing", "taxonomy"),
+    ("topn/precision/c.0.0.0.0", Path.unlink, "is missing", "explore"),
     ("topn/zarr.json", truncate, "is truncated (40 of ", "explore"),
-    ("summary/f_score/c/0/0/0/0", lambda p: p.write_bytes(b""), "is empty (0 bytes)", "report"),
-    ("taxonomy/votes/c/0/0/0/0", truncate, "is truncated (40 of ", "explore"),
+    ("summary/f_score/c.0.0.0.0", lambda p: p.write_bytes(b""), "is empty (0 bytes)", "report"),
+    ("taxonomy/votes/c.0.0.0.0", truncate, "is truncated (40 of ", "explore"),
 ], ids=["cross-sequence-chunk", "sequence-chunk", "group-metadata", "empty-chunk", "truncated-chunk"])
 def test_analyze_rewrites_a_lost_or_resized_analysis_object(store, ablated_store_source, tmp_path, key, damage, what, reader):
     """Seen from the objects the analysis's commit lists: validate names it, readers refuse
@@ -86,12 +86,12 @@ def test_a_corrupt_analysis_chunk_is_rewritten_under_deep_or_after_repair(store,
     """A flipped byte keeps the object's size: validate --deep names it, analyze --deep
     rewrites it; or validate --deep --repair removes it and a plain analyze rewrites it."""
     url = str(store)
-    key = f"{A}/topn/recall/c/0/0/0/0"
+    key = f"{A}/topn/recall/c.0.0.0.0"
     flip(store / key, 40)
     pristine = store.parent / "flipped.zarr"
     shutil.copytree(store, pristine)
     (line,) = validate(store, "--deep")
-    assert line.startswith(f"array '{A}/topn/recall' chunk c/0/0/0/0 is damaged (ValueError: Stored and computed")
+    assert line.startswith(f"array '{A}/topn/recall' chunk c.0.0.0.0 is damaged (ValueError: Stored and computed")
     assert line.endswith(f"run `attngeom analyze --store {url} --run r --deep` again to rewrite it")
     assert len(analyze_cli(store)) == 1  # the cheap check does not read the objects
     assert analyze_cli(store, "--deep")[-1].startswith(f"run r: rewrote the damaged analysis: {key} is damaged")
@@ -123,7 +123,7 @@ def test_an_unreadable_analysis_record_is_named_everywhere_and_rebuilt_by_analyz
 
 
 @pytest.mark.parametrize("key, damage, what", [
-    ("single/delta_nll_mean/c/0/0", Path.unlink, "is missing"),
+    ("single/delta_nll_mean/c.0.0", Path.unlink, "is missing"),
     ("zarr.json", truncate, "is empty or truncated (unreadable JSON)"),
 ], ids=["chunk", "record"])
 def test_ablate_rewrites_a_damaged_ablation(store, ablated_store_source, key, damage, what):

@@ -19,12 +19,12 @@ from attngeom.store.codecs import compressors
 
 
 def to_zarr_twin(dataset: xr.Dataset, group: str, *, compute: bool = True, chunks=None) -> zarr.storage.MemoryStore:
-    """The group as ``Dataset.to_zarr`` writes it, with the store's codecs and chunk lengths."""
+    """The group as ``Dataset.to_zarr`` writes it, with the store's codecs, chunk lengths and chunk keys."""
     dataset = encode_labels(dataset)
     chunks = chunks or {}
     encoding = {}
     for name, var in dataset.variables.items():
-        encoding[name] = {"compressors": compressors(var.dtype)}
+        encoding[name] = {"compressors": compressors(var.dtype), "chunk_key_encoding": {"name": "default", "separator": "."}}
         if set(chunks) & set(var.dims):
             encoding[name]["chunks"] = tuple(chunks.get(dim, size) for dim, size in var.sizes.items())
     store = zarr.storage.MemoryStore()

@@ -246,12 +246,12 @@ def recovery(url: str, path: str, seq: int | None = None, *, decoding: bool = Fa
 
 def damaged_chunk(url: str, arr: zarr.Array, index: tuple[int, ...], exc: BaseException) -> CorruptChunkError:
     """The error naming the stored object (chunk or shard) at grid ``index`` of ``arr``."""
-    key = "/".join(str(i) for i in index) or "0"
+    key = arr.metadata.chunk_key_encoding.encode_chunk_key(index)
     seq = index[0] if arr.metadata.dimension_names and arr.metadata.dimension_names[0] == "seq" else None
     where = f" (sequence {seq})" if seq is not None and arr.path.count("/") == 2 else ""
     decoding = not isinstance(exc, (EOFError, FileNotFoundError))  # not a missing or empty object
     return CorruptChunkError(
-        f"array '{arr.path}' chunk c/{key}{where} is damaged ({type(exc).__name__}: {exc}); "
+        f"array '{arr.path}' chunk {key}{where} is damaged ({type(exc).__name__}: {exc}); "
         f"{recovery(url, arr.path, seq if where else None, decoding=decoding)}"
     )
 
@@ -522,6 +522,12 @@ def _chunk_shape(var: xr.Variable, chunks: Mapping[str, int]) -> tuple[int, ...]
 _NAN_FILL_ATTRIBUTE = "AAAAAAAA+H8="
 
 
+# A derived group's chunks are files beside their array's metadata ("c.0.0"), not nested
+# folders ("c/0/0"): an analysis has 160 arrays of one or a few chunks, and the folders were
+# most of the file system's work of writing it.
+_FLAT_CHUNK_KEYS = {"name": "default", "separator": "."}
+
+
 async def _assemble(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], store: Any, group: str,
                     chunks: Mapping[str, int]) -> None:
     """Create the group of ``dataset`` and its arrays in ``store``, writing ``data`` (None:
@@ -534,7 +540,7 @@ async def _assemble(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], 
         arr = await root.create_array(
             name, shape=var.shape, dtype=var.dtype, chunks=_chunk_shape(var, chunks),
             compressors=compressors(var.dtype), fill_value=np.nan if floating else None,
-            dimension_names=var.dims or None,
+            dimension_names=var.dims or None, chunk_key_encoding=_FLAT_CHUNK_KEYS,
             attributes={**var.attrs, **({"_FillValue": _NAN_FILL_ATTRIBUTE} if floating else {})},
         )
         if data[name] is not None:

@@ -53,7 +53,7 @@ from attngeom.store.access import (
     write_datasets,
     zarr_store,
 )
-from attngeom.store.objects import chunk_objects, object_damage, object_sizes
+from attngeom.store.objects import chunk_key, chunk_objects, object_damage, object_sizes
 from attngeom.store.schema import ABLATION, ANALYSIS, ATTR_KEY, run_path
 
 try:
@@ -201,10 +201,11 @@ def _stored(zstore: Any, base: str, group: str | None = None) -> dict[str, int]:
 
 
 def _seq_position(zstore: Any, base: str, key: str) -> int | None:
-    """The first ``seq`` position of the chunk ``key`` (``<group>/<array>/c/<i>/...``) of an
-    array along ``seq``; None for any other object."""
+    """The first ``seq`` position of the chunk ``key`` (``<group>/<array>/c.<i>...``, or
+    ``c/<i>/...`` in groups written earlier) of an array along ``seq``; None for any other object."""
     parts = key.split("/")
-    if len(parts) < 4 or parts[2] != "c" or not parts[3].isdigit():
+    first = (parts[3:4] if parts[2:3] == ["c"] else parts[2].split(".")[1:2]) if len(parts) >= 3 else []
+    if not first or not first[0].isdigit():
         return None
     try:
         arr = zarr.open_array(zstore, path=f"{base}/{parts[0]}/{parts[1]}", mode="r")
@@ -212,7 +213,7 @@ def _seq_position(zstore: Any, base: str, key: str) -> int | None:
         return None
     if tuple(arr.metadata.dimension_names or ())[:1] != ("seq",):
         return None
-    return int(parts[3]) * arr.chunks[0]
+    return int(first[0]) * arr.chunks[0]
 
 
 def _damage(zstore: Any, state: DerivedState, names: Sequence[str], *, deep: bool) -> dict[str, Damage]:
@@ -259,7 +260,7 @@ def _decode_damage(zstore: Any, base: str, group: str, objects: Mapping[str, int
         for index, size in sorted(chunk_objects(arr).items()):
             why = object_damage(arr, index, size)
             if why is not None:
-                problems.append((f"{path}/c/" + "/".join(map(str, index)), f"damaged ({type(why).__name__}: {why})"))
+                problems.append((chunk_key(arr, index)[len(base) + 1:], f"damaged ({type(why).__name__}: {why})"))
     return problems
 
 

@@ -15,7 +15,7 @@ from zarr.core.sync import sync
 
 from attngeom.store.access import DECODE_ERRORS, stored_grid
 
-__all__ = ["chunk_objects", "object_damage", "object_sizes"]
+__all__ = ["chunk_key", "chunk_objects", "object_damage", "object_sizes"]
 
 # A shard index entry of an inner chunk that was never written: offset and length all ones.
 _EMPTY_ENTRY = (2**64 - 1, 2**64 - 1)
@@ -46,15 +46,21 @@ def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
     return sync(collect())
 
 
+def chunk_key(arr: zarr.Array, index: tuple[int, ...]) -> str:
+    """The store key of the object (chunk, or shard) at grid ``index`` of ``arr``."""
+    return f"{arr.path}/{arr.metadata.chunk_key_encoding.encode_chunk_key(index)}"
+
+
 def chunk_objects(arr: zarr.Array) -> dict[tuple[int, ...], int]:
     """Grid index (of shards, or chunks if unsharded) -> size in bytes of every stored
     object of ``arr``."""
-    prefix = f"{arr.path}/c/"
+    separator = arr.metadata.chunk_key_encoding.separator  # "c/0/0" or "c.0.0"
+    prefix = f"{arr.path}/"
     out = {}
     for key, size in object_sizes(arr.store, prefix).items():
-        parts = key[len(prefix) :].split("/")
-        if all(p.isdigit() for p in parts) and len(parts) == arr.ndim:
-            out[tuple(int(p) for p in parts)] = size
+        parts = key[len(prefix):].split(separator)
+        if parts[0] == "c" and len(parts) == arr.ndim + 1 and all(p.isdigit() for p in parts[1:]):
+            out[tuple(int(p) for p in parts[1:])] = size
     return out
 
 
@@ -87,8 +93,7 @@ def object_damage(arr: zarr.Array, index: tuple[int, ...], size: int) -> Excepti
     if size == 0:
         return EOFError("empty, 0 bytes")
     if arr.shards is not None:
-        key = f"{arr.path}/c/" + "/".join(map(str, index))
-        data = sync(arr.store.get(key, prototype=default_buffer_prototype())).to_bytes()
+        data = sync(arr.store.get(chunk_key(arr, index), prototype=default_buffer_prototype())).to_bytes()
         why = _shard_index_problem(arr, data)
         if why is not None:
             return ValueError(f"the shard {why}")

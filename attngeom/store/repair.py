@@ -39,7 +39,7 @@ from attngeom.store.access import (
     zarr_store,
 )
 from attngeom.store.codecs import has_checksum
-from attngeom.store.objects import chunk_objects, object_damage
+from attngeom.store.objects import chunk_key, chunk_objects, object_damage
 from attngeom.store.runs import array_metadata_bytes, completed, open_run_group, run_coordinates, run_layout
 from attngeom.store.validate import arrays_of, committed_damage, readable_runs, wrong_coordinates
 from attngeom.store.schema import (
@@ -239,7 +239,7 @@ def _remove_damaged_derived(root: zarr.Group) -> list[str]:
             continue
         for index, size in sorted(chunk_objects(arr).items()):
             if object_damage(arr, index, size) is not None:
-                key = f"{arr.path}/c/" + "/".join(map(str, index))
+                key = chunk_key(arr, index)
                 sync(root.store.delete(key))
                 removed.append(key)
     return removed

@@ -403,7 +403,7 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
 
 def _object_key(line: str) -> str | None:
     """The key of the object a :func:`damaged_objects` line names."""
-    match = re.match(r"array '([^']+)' chunk (c/\S+)", line)
+    match = re.match(r"array '([^']+)' chunk (c(?:[/.]\S+)?)", line)
     return f"{match[1]}/{match[2]}" if match else None
 
 
