@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -535,18 +536,41 @@ async def _assemble(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], 
     root = await zarr.api.asynchronous.open_group(store=store, path=group, mode="w", zarr_format=3,
                                                    attributes=dataset.attrs)
 
-    async def create(name: str, var: xr.Variable) -> None:
+    def form(var: xr.Variable) -> tuple:
+        return var.dtype.str, var.shape, _chunk_shape(var, chunks), var.dims
+
+    def attributes(var: xr.Variable) -> dict[str, Any]:
+        return {**var.attrs, **({"_FillValue": _NAN_FILL_ATTRIBUTE} if var.dtype.kind == "f" else {})}
+
+    async def create(name: str, var: xr.Variable) -> zarr.AsyncArray:
         floating = var.dtype.kind == "f"
         arr = await root.create_array(
             name, shape=var.shape, dtype=var.dtype, chunks=_chunk_shape(var, chunks),
             compressors=compressors(var.dtype), fill_value=np.nan if floating else None,
-            dimension_names=var.dims or None, chunk_key_encoding=_FLAT_CHUNK_KEYS,
-            attributes={**var.attrs, **({"_FillValue": _NAN_FILL_ATTRIBUTE} if floating else {})},
+            dimension_names=var.dims or None, chunk_key_encoding=_FLAT_CHUNK_KEYS, attributes=attributes(var),
         )
         if data[name] is not None:
             await arr.setitem(Ellipsis, data[name])
+        return arr
 
-    await asyncio.gather(*(create(name, var) for name, var in dataset.variables.items()))
+    async def like(name: str, var: xr.Variable, first: zarr.AsyncArray) -> None:
+        metadata = dataclasses.replace(first.metadata, attributes=attributes(var))
+        await store.set(f"{group}/{name}/zarr.json", metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"])
+        if data[name] is not None:
+            await zarr.AsyncArray(metadata=metadata, store_path=root.store_path / name).setitem(Ellipsis, data[name])
+
+    # zarr makes one array of each form (data type, shape, chunks, dimensions); the others of
+    # that form are its metadata with their own attributes, the same document zarr would
+    # write. zarr's making of an array (parsing the data type, codecs and fill value, writing
+    # every parent group's metadata again) was most of this process's work in a small
+    # analysis: some 160 arrays of a handful of forms.
+    variables = dataset.variables
+    firsts = {}
+    for name, var in variables.items():
+        firsts.setdefault(form(var), name)
+    made = dict(zip(firsts, await asyncio.gather(*(create(name, variables[name]) for name in firsts.values()))))
+    await asyncio.gather(*(like(name, var, made[form(var)]) for name, var in variables.items()
+                           if name not in firsts.values()))
 
 
 async def _replace_group(target: Any, group: str, source: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import crc32c
@@ -23,15 +24,10 @@ _EMPTY_ENTRY = (2**64 - 1, 2**64 - 1)
 
 def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
     """Stored object key -> size in bytes, for every object under ``prefix`` (one listing
-    for a local or fsspec store)."""
+    for a local or fsspec store); a local store's in key order, whatever order its
+    folders list their files in."""
     if isinstance(zstore, zarr.storage.LocalStore):
-        base = str(zstore.root)
-        top = os.path.join(base, prefix)
-        return {
-            os.path.relpath(os.path.join(folder, name), base).replace(os.sep, "/"): os.path.getsize(os.path.join(folder, name))
-            for folder, _, names in os.walk(top)
-            for name in names
-        }
+        return dict(sorted(_local_objects(os.path.join(str(zstore.root), prefix), prefix.rstrip("/"))))
     if isinstance(zstore, zarr.storage.FsspecStore):
         root = zstore.path.rstrip("/")
 
@@ -44,6 +40,22 @@ def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
         return {key: await zstore.getsize(key) async for key in zstore.list_prefix(prefix)}
 
     return sync(collect())
+
+
+def _local_objects(folder: str, key: str) -> Iterator[tuple[str, int]]:
+    """(key, size) of every file under ``folder``, whose key is ``key``: one scandir per
+    folder, the sizes from its entries (os.walk with a stat and a relative path per file
+    took a tenth of a second per analysis)."""
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in entries:
+        name = f"{key}/{entry.name}" if key else entry.name
+        if entry.is_dir(follow_symlinks=False):
+            yield from _local_objects(entry.path, name)
+        else:
+            yield name, entry.stat(follow_symlinks=False).st_size
 
 
 def chunk_key(arr: zarr.Array, index: tuple[int, ...]) -> str:
