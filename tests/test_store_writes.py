@@ -248,3 +248,30 @@ def test_without_sequences_in_flight_submit_writes_in_the_callers_thread(tmp_pat
         writer.submit(3, lambda: arrays(3))
     assert converted == [(s, threading.current_thread()) for s in (1, 2, 3)]
     assert list(complete[:]) == [1, 1, 1, 0]
+
+
+def test_consolidate_writes_what_zarr_writes(tmp_path):
+    """The root's consolidated copy equals zarr.consolidate_metadata's, value for value: a
+    run, a derived group beside it, and a node no group reaches (left out by both)."""
+    import shutil
+    import warnings
+
+    from attngeom.store.access import consolidate
+    from attngeom.synthetic import write_synthetic_run
+
+    ours = tmp_path / "ours.zarr"
+    write_synthetic_run(str(ours), "r", n_seq=2, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, length=8)
+    write_dataset(sample_datasets()["analysis_like"], str(ours), "runs/r/analysis/g")
+    orphan = ours / "runs" / "r" / "loose" / "inner"
+    orphan.mkdir(parents=True)
+    (orphan / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
+    theirs = tmp_path / "theirs.zarr"
+    shutil.copytree(ours, theirs)
+    consolidate(zarr.open_group(str(ours), mode="r+", use_consolidated=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(zarr.storage.LocalStore(str(theirs)))
+    got, want = (json.loads((store / "zarr.json").read_text()) for store in (ours, theirs))
+    assert "runs/r/analysis/g" in got["consolidated_metadata"]["metadata"]
+    assert not any(path.startswith("runs/r/loose") for path in got["consolidated_metadata"]["metadata"])
+    assert got == want
