@@ -107,7 +107,7 @@ def test_topn_equals_brute_force_value_by_value(analyzed, run):
         assert not np.isnan(values["sink_norm_ratio"].sel(layer=1)).any()
 
 
-def test_heads_summary_and_tables(analyzed):
+def test_heads_summary_and_tables(analyzed, tmp_path):
     store, out = analyzed
     heads = group(store, "llama", "heads")
     assert dict(heads.sizes) == {"layer": 3, "head": 4}
@@ -122,6 +122,11 @@ def test_heads_summary_and_tables(analyzed):
     assert (out / "gemma3.topn.csv").exists()
     stored = group(store, "llama", "table").to_dataframe()
     assert len(stored) == len(table)
+    # An analysis already up to date writes the same files from its stored table.
+    again = tmp_path / "again"
+    analyze(str(store), run_id="llama", scheduler="threads", n_grid=GRID, out=again, progress=False)
+    pd.testing.assert_frame_equal(pd.read_parquet(again / "llama.topn.parquet"), table)
+    assert (again / "llama.topn.csv").read_bytes() == (out / "llama.topn.csv").read_bytes()
 
 
 def test_rerun_is_idempotent_and_reads_only_completed(analyzed, cluster, tmp_path):
