@@ -10,6 +10,8 @@ import gc
 import json
 import re
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -294,6 +296,11 @@ def test_impossible_arguments_are_refused(store, tiny_model_dir, word_corpus):
     assert dask.config.get("scheduler", None) == before
     gc.collect()
     assert dask.config.get("scheduler", None) == before
+    # As a command of its own, it says that one line and nothing more at its exit.
+    done = subprocess.run([sys.executable, "-c", "import sys; from attngeom.cli import main; main(sys.argv[1:])",
+                           "analyze", "--store", str(store), "--scheduler", "bogus://host:1"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2 and done.stderr.splitlines() == lines, done.stderr
     code, lines = run("analyze", "--store", str(store), "--bogus")
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("attngeom: error: No such option '--bogus'") and lines[0].endswith(

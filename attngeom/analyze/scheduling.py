@@ -105,6 +105,8 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
 @contextlib.contextmanager
 def _client(scheduler: str) -> Iterator[object]:
     from distributed import Client, LocalCluster
+    from distributed.comm import parse_address
+    from distributed.comm.registry import get_backend
 
     if scheduler == "processes":
         # A task's error reaches the client, which reports it in one line; the workers' own
@@ -114,6 +116,10 @@ def _client(scheduler: str) -> Iterator[object]:
             yield client
         return
     try:
+        # An address of a scheme Dask does not know is refused before a client is made: one
+        # that fails so inside its constructor is closed only when collected, at the
+        # interpreter's exit, where closing waits 20 s and prints a traceback.
+        get_backend(parse_address(scheduler)[0])
         client = Client(scheduler, timeout="10s", set_as_default=False)
     except (OSError, ValueError) as exc:  # ValueError: an address scheme Dask does not know
         raise AttngeomError(f"cannot reach the Dask scheduler at {scheduler} ({exc})") from exc
