@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -203,9 +204,9 @@ def _stored(zstore: Any, base: str, group: str | None = None) -> dict[str, int]:
 def _seq_position(zstore: Any, base: str, key: str) -> int | None:
     """The first ``seq`` position of the chunk ``key`` (``<group>/<array>/c.<i>...``, or
     ``c/<i>/...`` in groups written earlier) of an array along ``seq``; None for any other object."""
-    parts = key.split("/")
-    first = (parts[3:4] if parts[2:3] == ["c"] else parts[2].split(".")[1:2]) if len(parts) >= 3 else []
-    if not first or not first[0].isdigit():
+    parts = key.split("/", 2)
+    chunk = re.split(r"[./]", parts[2]) if len(parts) == 3 else []
+    if chunk[:1] != ["c"] or len(chunk) < 2 or not chunk[1].isdigit():
         return None
     try:
         arr = zarr.open_array(zstore, path=f"{base}/{parts[0]}/{parts[1]}", mode="r")
@@ -213,7 +214,7 @@ def _seq_position(zstore: Any, base: str, key: str) -> int | None:
         return None
     if tuple(arr.metadata.dimension_names or ())[:1] != ("seq",):
         return None
-    return int(first[0]) * arr.chunks[0]
+    return int(chunk[1]) * arr.chunks[0]
 
 
 def _damage(zstore: Any, state: DerivedState, names: Sequence[str], *, deep: bool) -> dict[str, Damage]:
