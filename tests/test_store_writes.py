@@ -83,9 +83,11 @@ def sample_datasets() -> dict[str, xr.Dataset]:
 @pytest.mark.parametrize("name", ["analysis_like", "odd", "lazy"])
 @pytest.mark.parametrize("compute", [True, False])
 @pytest.mark.parametrize("chunks", [None, {"seq": 2, "layer": 2}])
-def test_write_dataset_stores_what_to_zarr_stores(name, compute, chunks):
+@pytest.mark.parametrize("local", [False, True], ids=["fsspec", "local"])
+def test_write_dataset_stores_what_to_zarr_stores(name, compute, chunks, local, tmp_path):
+    """Through the store's own writes (fsspec) and the local folder's (files written directly)."""
     dataset = sample_datasets()[name]
-    url = f"memory://writes-{name}-{compute}-{chunks is None}"
+    url = str(tmp_path / "s.zarr") if local else f"memory://writes-{name}-{compute}-{chunks is None}"
     write_dataset(dataset, url, "runs/r/analysis/g", compute=compute, chunks=chunks)
     got = objects(zarr_store(url, read_only=True), "runs/r/analysis/g")
     want = objects(to_zarr_twin(dataset, "runs/r/analysis/g", compute=compute, chunks=chunks), "runs/r/analysis/g")

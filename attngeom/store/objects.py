@@ -14,7 +14,7 @@ import zarr
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
-from attngeom.store.access import DECODE_ERRORS, stored_grid
+from attngeom.store.access import DECODE_ERRORS, local_files, stored_grid
 
 __all__ = ["chunk_key", "chunk_objects", "object_damage", "object_sizes"]
 
@@ -27,7 +27,8 @@ def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
     for a local or fsspec store); a local store's in key order, whatever order its
     folders list their files in."""
     if isinstance(zstore, zarr.storage.LocalStore):
-        return dict(sorted(_local_objects(os.path.join(str(zstore.root), prefix), prefix.rstrip("/"))))
+        found = local_files(os.path.join(str(zstore.root), prefix), prefix.rstrip("/"))
+        return {key: entry.stat(follow_symlinks=False).st_size for key, entry in sorted(found, key=lambda x: x[0])}
     if isinstance(zstore, zarr.storage.FsspecStore):
         root = zstore.path.rstrip("/")
 
@@ -40,22 +41,6 @@ def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
         return {key: await zstore.getsize(key) async for key in zstore.list_prefix(prefix)}
 
     return sync(collect())
-
-
-def _local_objects(folder: str, key: str) -> Iterator[tuple[str, int]]:
-    """(key, size) of every file under ``folder``, whose key is ``key``: one scandir per
-    folder, the sizes from its entries (os.walk with a stat and a relative path per file
-    took a tenth of a second per analysis)."""
-    try:
-        entries = list(os.scandir(folder))
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    for entry in entries:
-        name = f"{key}/{entry.name}" if key else entry.name
-        if entry.is_dir(follow_symlinks=False):
-            yield from _local_objects(entry.path, name)
-        else:
-            yield name, entry.stat(follow_symlinks=False).st_size
 
 
 def chunk_key(arr: zarr.Array, index: tuple[int, ...]) -> str:
