@@ -84,8 +84,12 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
     """
     local, cores = store.startswith("memory://"), _cores()
     if scheduler is None and not local and _forks() and cores > 1:
+        # One task at a time to each worker: Dask hands them out six at a time, so 16
+        # tasks on 2 workers went 6 + 4 to one and 6 to the other, which then waited for it a
+        # third of the analyze (a task is a tenth of a second or more; handing one out, a
+        # millisecond).
         with threadpool_limits(limits=1), _worker_processes(cores) as pool, \
-                dask.config.set(scheduler="processes", pool=pool):
+                dask.config.set(scheduler="processes", pool=pool, chunksize=1):
             yield None
         return
     if scheduler in (None, "threads") or local:
