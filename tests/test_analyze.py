@@ -34,6 +34,7 @@ from attngeom.analyze.stage import (
 )
 from attngeom.cli import main
 from attngeom.errors import IncompleteGroupError
+from attngeom.store import access
 from attngeom.store.derived import DerivedWrite
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.report.data import load_runs
@@ -272,22 +273,31 @@ KILLER = textwrap.dedent("""
     import zarr
     from attngeom.analyze import stage
     from attngeom.cli import main
+    from attngeom.store import access
 
     # One (sequence, layer) task per batch of the tiny model: many batches, many records.
     stage.BATCH_TASKS = 3
     limit, count = int(os.environ["KILL_AT_WRITE"]), 0
-    set_ = zarr.storage.LocalStore.set
+    set_, put_local = zarr.storage.LocalStore.set, access._put_local
 
-    async def killing(self, key, value):
+    def write():
         global count
         count += 1
         if count == limit:
             with open("children", "w") as f:  # the worker processes, if any
                 f.write(" ".join(open(t).read() for t in glob.glob(f"/proc/{os.getpid()}/task/*/children")))
             os.kill(os.getpid(), signal.SIGKILL)
+
+    async def killing(self, key, value):
+        write()
         await set_(self, key, value)
 
+    def killing_local(path, value, folders):  # an object attngeom writes to a local folder itself
+        write()
+        put_local(path, value, folders)
+
     zarr.storage.LocalStore.set = killing
+    access._put_local = killing_local
     try:
         main(sys.argv[1:], standalone_mode=False)
     finally:
@@ -452,17 +462,25 @@ def test_interrupted_ablation_write_is_reported_and_earlier_kept(tmp_path, monke
     class Crash(Exception):
         pass
 
-    set_ = zarr.storage.LocalStore.set
+    set_, put_local = zarr.storage.LocalStore.set, access._put_local
     keys: list[str] = []
     crash_at = None
 
-    async def crashing(self, key, value):
+    def write(key: str) -> None:
         keys.append(key)
         if len(keys) == crash_at:
             raise Crash(key)
+
+    async def crashing(self, key, value):
+        write(key)
         await set_(self, key, value)
 
+    def crashing_local(path, value, folders):  # an object attngeom writes to a local folder itself
+        write(str(path.relative_to(tmp_path / "s.zarr")))
+        put_local(path, value, folders)
+
     monkeypatch.setattr(zarr.storage.LocalStore, "set", crashing)
+    monkeypatch.setattr(access, "_put_local", crashing_local)
     replace_groups(url, "r", ABLATION, second, {"seed": 1})
     record = [i + 1 for i, k in enumerate(keys) if k == "runs/r/ablation/zarr.json"]
     staging = next(i + 1 for i, k in enumerate(keys) if "/_next/single/x/c" in k)
