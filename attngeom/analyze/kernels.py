@@ -167,10 +167,9 @@ def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with
     B, K = alpha.shape
     draw_keys = np.random.default_rng(seed).random((random_draws, B, K))
 
-    shape = (B, grid.size)
-    out = {name: np.full(shape, np.nan) for name in TOPN_FLOATS}
-    out.update({name: np.full(shape, -1, dtype=np.int64) for name in TOPN_COUNTS})
-    out["sink_selected"] = np.full(shape, -1, dtype=np.int8)
+    # Every head's outputs at once: (B, variable, N), split into variables at the end.
+    floats = np.full((B, len(TOPN_FLOATS), grid.size), np.nan)
+    counts = np.full((B, len(TOPN_COUNTS) + 1, grid.size), -1, dtype=np.int64)
     stats = {name: np.full(values.shape[0], np.nan) for name in VALUE_STATISTICS} if with_values else None
     work = np.empty(K * K)
     # Degenerate instances (zero vectors, zero norms) give NaN by design, not warnings.
@@ -186,11 +185,14 @@ def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with
             pairs = _loops.pair_statistics(gram, _TOP_PAIR_SHARE, _TOP_PAIR_MIN, _BRACKET_MIN)
             heads = np.flatnonzero(head_kv == g)
             if heads.size:
-                _query_heads(out, heads, alpha[heads][:, keys], vals, att, kv, 0, gram, pairs, grid,
+                _query_heads((floats, counts), heads, alpha[heads][:, keys], vals, att, kv, 0, gram, pairs, grid,
                              draw_keys[:, heads][:, :, keys])
             if with_values:
                 for name, x in _value_statistics(kv, np.array([pairs[0]])).items():
                     stats[name][g] = x[0]
+    out = {name: floats[:, i] for i, name in enumerate(TOPN_FLOATS)}
+    out.update({name: counts[:, i] for i, name in enumerate(TOPN_COUNTS)})
+    out["sink_selected"] = counts[:, -1].astype(np.int8)
     return out, stats
 
 
@@ -205,7 +207,8 @@ def _kept_keys(attendable):
 
 
 def _query_heads(out, heads, alpha, values, att, kv, g, gram, pairs, grid, draw_keys):
-    """Rows heads of out: the outputs at every N of grid of the query heads reading kv head g,
+    """Rows heads of out = (floats, counts), (B, variable, len(grid)) each: the outputs at
+    every N of grid of the query heads reading kv head g,
     from their attention rows alpha (h, K), the kv head's values (K, D), mask att (K,), Gram
     matrix and pair statistics; draw_keys (R, h, K)."""
     att = np.ascontiguousarray(att)
@@ -229,11 +232,8 @@ def _query_heads(out, heads, alpha, values, att, kv, g, gram, pairs, grid, draw_
                                            mu_q95, options)
     valid = np.flatnonzero(grid < n_att)
     at = np.searchsorted(points, grid[valid])
-    cells = np.ix_(heads, valid)
-    for i, name in enumerate(TOPN_FLOATS):
-        out[name][cells] = floats[:, i, at]
-    for i, name in enumerate((*TOPN_COUNTS, "sink_selected")):
-        out[name][cells] = counts[:, i, at]
+    for whole, part in zip(out, (floats, counts)):
+        whole[np.ix_(heads, np.arange(part.shape[1]), valid)] = part[..., at]
 
 
 def _squared_distances(y, s):
