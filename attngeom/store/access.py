@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -551,25 +551,35 @@ def _replace_groups(target: Any, objects: Mapping[str, Mapping[str, bytes]]) -> 
             if key != own[group]}
     last = {own[group]: objects[group][own[group]] for group in objects}
     if isinstance(target, zarr.storage.LocalStore):
-        # Written here: through the store, each object took a hop to zarr's thread and one
-        # to a file thread (an analysis writes some 350).
         root = Path(str(target.root))
         for group in objects:
             shutil.rmtree(root / group, ignore_errors=True)
-        folders: set[Path] = set()
-        for key, value in [*rest.items(), *last.items()]:
+    else:
+        _gather(target.delete_dir(group) for group in objects)
+    put_objects(target, rest)
+    put_objects(target, last)
+
+
+def put_objects(zstore: Any, objects: Mapping[str, bytes]) -> None:
+    """Store ``objects`` (key -> bytes) in the zarr Store ``zstore``, all at once."""
+    if isinstance(zstore, zarr.storage.LocalStore):
+        # Written here: through the store, each object took a hop to zarr's thread and one
+        # to a file thread (an analysis writes some 350).
+        root, folders = Path(str(zstore.root)), set()
+        for key, value in objects.items():
             _put_local(root / key, value, folders)
         return
+    prototype = default_buffer_prototype()
+    _gather(zstore.set(key, prototype.buffer.from_bytes(value)) for key, value in objects.items())
 
-    async def write() -> None:
-        def put(key: str, value: bytes) -> Any:
-            return target.set(key, default_buffer_prototype().buffer.from_bytes(value))
 
-        await asyncio.gather(*(target.delete_dir(group) for group in objects))
-        await asyncio.gather(*(put(key, value) for key, value in rest.items()))
-        await asyncio.gather(*(put(key, value) for key, value in last.items()))
+def _gather(coroutines: Iterable[Any]) -> None:
+    """Run the store's coroutines at once, on zarr's event loop."""
 
-    sync(write())
+    async def run() -> None:
+        await asyncio.gather(*coroutines)
+
+    sync(run())
 
 
 def _put_local(path: Path, value: bytes, folders: set[Path]) -> None:
@@ -639,20 +649,39 @@ def _array_metadata(var: xr.Variable, chunks: tuple[int, ...] | str) -> ArrayV3M
 
 
 def _chunks(meta: ArrayV3Metadata, x: np.ndarray) -> Iterator[tuple[str, bytes]]:
-    """(key, stored bytes) of each chunk of the array ``x`` with metadata ``meta``: an edge
-    chunk padded with the fill value to the chunk shape, one all fill value left out."""
+    """(key, stored bytes) of each chunk of the array ``x`` with metadata ``meta``, one all
+    fill value left out."""
     encode = chunk_encoder(meta.to_dict())
-    shape = meta.chunk_grid.chunk_shape
-    fill = meta.fill_value
+    shape, fill = meta.chunk_grid.chunk_shape, meta.fill_value
     for index in np.ndindex(*(-(-size // c) for size, c in zip(x.shape, shape))):
-        block = x[tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, shape))]
-        if block.shape != shape:
-            padded = np.full(shape, fill, dtype=x.dtype)
-            padded[tuple(slice(0, n) for n in block.shape)] = block
-            block = padded
+        block = _whole(meta, x[tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, shape))])
         if np.isnan(block).all() if np.isnan(fill) else (block == fill).all():
             continue
         yield meta.encode_chunk_key(index), encode(block)
+
+
+def _whole(meta: ArrayV3Metadata, block: np.ndarray) -> np.ndarray:
+    """A chunk's values, padded with the fill value past the array's edge to the chunk
+    shape, as zarr stores a chunk it does not hold yet."""
+    shape = meta.chunk_grid.chunk_shape
+    if block.shape == shape:
+        return block
+    padded = np.full(shape, meta.fill_value, dtype=block.dtype)
+    padded[tuple(slice(0, n) for n in block.shape)] = block
+    return padded
+
+
+def write_new_chunks(zstore: Any, blocks: Iterable[tuple[zarr.AsyncArray, tuple[int, ...], np.ndarray]]) -> None:
+    """Store each (array, grid index, values) of ``blocks`` as that chunk of the array, the
+    values filling it up to the array's edge; every chunk is stored, also one all fill
+    value. For chunks the store does not hold yet: zarr would keep a held chunk's values
+    past the edge, this writes the fill value there. What zarr's own writes store, without
+    a hop to zarr's thread and a file thread per chunk."""
+    objects = {}
+    for arr, index, values in blocks:
+        meta = arr.metadata
+        objects[f"{arr.path}/{meta.encode_chunk_key(index)}"] = chunk_encoder(meta.to_dict())(_whole(meta, values))
+    put_objects(zstore, objects)
 
 
 async def copy_group(source: Any, source_group: str, target: Any, target_group: str) -> None:
