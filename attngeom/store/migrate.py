@@ -50,7 +50,7 @@ from attngeom.store import (
     with_checksum,
     zarr_store,
 )
-from attngeom.store.access import local_path, remove_partials
+from attngeom.store.access import local_path, metadata_bytes, remove_partials
 
 TEMPORARY = "_migrating"
 
@@ -239,7 +239,7 @@ def _without_consolidated(store: Any) -> zarr.Group:
     """Drop the root's consolidated metadata; the root reopened."""
     metadata = json.loads(_get(store, "zarr.json"))
     if metadata.pop("consolidated_metadata", None) is not None:
-        _put(store, "zarr.json", json.dumps(metadata, indent=2).encode())
+        _put(store, "zarr.json", metadata_bytes(metadata))
     return zarr.open_group(store, mode="r+", use_consolidated=False)
 
 
@@ -286,7 +286,7 @@ def _copy(
     store = arr.store
     temp = _temporary(arr.path)
     sync(store.delete_dir(temp))
-    _put(store, f"{temp}/zarr.json", json.dumps(new, indent=2).encode())
+    _put(store, f"{temp}/zarr.json", metadata_bytes(new))
     grid = arr.shards or arr.chunks
     keys = _chunk_keys(store, arr.path)
     # The setting is read when an array is opened.

@@ -68,10 +68,11 @@ def _ranges(indices: Iterable[int]) -> str:
     return ", ".join(parts)
 
 
-def committed_damage(run: zarr.Group) -> dict[int, str]:
+def committed_damage(run: zarr.Group, members: Mapping[str, zarr.Array] | None = None) -> dict[int, str]:
     """Committed sequence -> what is wrong with its stored objects: an array with no object
-    (shard) for it, or an empty one. One listing per array; data are not read."""
-    members = _members(run)
+    (shard) for it, or an empty one. One listing per array; data are not read. ``members``:
+    the run's arrays (:func:`_members`) when the caller has them."""
+    members = _members(run) if members is None else members
     done = completed(run)
     damage: dict[int, str] = {}
     for name in SEQUENCE_ARRAYS:
@@ -95,7 +96,8 @@ def check_committed(url: str, run: zarr.Group, run_id: str) -> None:
     """Raise :class:`DamagedStoreError` for the first committed sequence of the run whose
     stored objects are missing or empty (see :func:`committed_damage`), or for a coordinate
     array not holding what the run's layout records (read whole: they are small)."""
-    damage = committed_damage(run)
+    members = _members(run)
+    damage = committed_damage(run, members)
     if damage:
         s = min(damage)
         more = f" (and {len(damage) - 1} more sequences)" if len(damage) > 1 else ""
@@ -106,7 +108,7 @@ def check_committed(url: str, run: zarr.Group, run_id: str) -> None:
         layout = run_layout(run)
     except (KeyError, TypeError, *DECODE_ERRORS):
         return  # an unreadable layout is met, and named, where it is read
-    problems = coordinate_problems(run, layout, _members(run), url)
+    problems = coordinate_problems(run, layout, members, url)
     if problems:
         raise DamagedStoreError(problems[0])
 
