@@ -277,3 +277,59 @@ def test_consolidate_writes_what_zarr_writes(tmp_path):
     assert "runs/r/analysis/g" in got["consolidated_metadata"]["metadata"]
     assert not any(path.startswith("runs/r/loose") for path in got["consolidated_metadata"]["metadata"])
     assert got == want
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["fsspec", "local"])
+def test_new_chunks_are_stored_as_zarr_stores_them(local, tmp_path):
+    """write_new_chunks against zarr's own writes of the same values into chunks it does not
+    hold: a whole chunk, an edge chunk (padded with the fill value) and one all fill value
+    (stored all the same), float and integer."""
+    from attngeom.store.access import write_new_chunks
+
+    url = str(tmp_path / "s.zarr") if local else f"memory://new-chunks-{local}"
+    zstore = zarr_store(url, read_only=False)
+    twin = zarr.storage.MemoryStore()
+    rng = np.random.default_rng(1)
+    blocks = {"f": (rng.normal(size=(5, 3)), np.float64), "i": (rng.integers(-1, 9, size=(5, 3)), np.int64)}
+    for store in (zstore, twin):
+        for name, (_, dtype) in blocks.items():
+            zarr.create_array(store, name=f"g/{name}", shape=(5, 3), chunks=(2, 3), dtype=dtype,
+                              compressors=compressors(np.dtype(dtype)),
+                              fill_value=np.nan if dtype == np.float64 else None,
+                              chunk_key_encoding={"name": "default", "separator": "."})
+    blocks["f"][0][2:4] = np.nan  # the second chunk all fill value
+    blocks["i"][0][2:4] = 0
+    writes = []
+    for name, (values, _) in blocks.items():
+        arr = zarr.open_array(zstore, path=f"g/{name}", mode="r+").async_array
+        writes += [(arr, (i, 0), values[2 * i: 2 * i + 2]) for i in range(3)]
+    write_new_chunks(zstore, writes)
+    with zarr.config.set({"array.write_empty_chunks": True}):  # read when an array is opened
+        for name, (values, _) in blocks.items():
+            theirs = zarr.open_array(twin, path=f"g/{name}", mode="r+")
+            for i in range(3):
+                theirs[2 * i: 2 * i + 2] = values[2 * i: 2 * i + 2]
+    got, want = objects(zstore, "g"), objects(twin, "g")
+    assert sorted(got) == sorted(want) and "g/f/c.1.0" in got and "g/f/c.2.0" in got
+    assert all(got[key] == want[key] for key in want)
+
+
+def test_a_local_store_lists_the_metadata_a_store_lists(tmp_path):
+    """node_metadata reads a local folder itself: the documents the store's own listing
+    gives, an unreadable one as None, whatever the folder order."""
+    from attngeom.store.access import node_metadata
+    from attngeom.synthetic import write_synthetic_run
+
+    url = tmp_path / "s.zarr"
+    write_synthetic_run(str(url), "r", n_seq=2, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, length=8)
+    write_dataset(sample_datasets()["analysis_like"], str(url), "runs/r/analysis/g")
+    (url / "runs" / "r" / "analysis" / "g" / "f" / "zarr.json").write_bytes(b"{")
+    memory = zarr.storage.MemoryStore()
+    for path in url.rglob("*"):
+        if path.is_file():
+            memory._store_dict[str(path.relative_to(url))] = default_buffer_prototype().buffer.from_bytes(path.read_bytes())
+    local = zarr_store(str(url), read_only=True)
+    for group in ("", "runs/r", "runs/r/analysis"):
+        got, want = node_metadata(local, group), node_metadata(memory, group)
+        assert list(got) == list(want) and got == want
+    assert node_metadata(local)["runs/r/analysis/g/f/zarr.json"] is None

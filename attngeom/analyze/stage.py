@@ -290,8 +290,17 @@ def nan_quantiles(x: np.ndarray, qs: Sequence[float]) -> np.ndarray:
     ``np.nanquantile`` equals it value for value but loops in Python over the columns that
     hold a NaN (seconds for a summary); this sorts once (NaN last) and interpolates.
     """
-    ordered = np.sort(x, axis=0)
-    count = np.sum(~np.isnan(x), axis=0)
+    return _sorted_quantiles(np.sort(x, axis=0), np.sum(~np.isnan(x), axis=0), qs)
+
+
+def nan_median(x: np.ndarray) -> np.ndarray:
+    """Median along axis 0 ignoring NaN, as ``np.nanmedian``: the mean of the two middle
+    numbers (one, for an odd count); NaN where a column has no number."""
+    return _sorted_median(np.sort(x, axis=0), np.sum(~np.isnan(x), axis=0))
+
+
+def _sorted_quantiles(ordered: np.ndarray, count: np.ndarray, qs: Sequence[float]) -> np.ndarray:
+    """:func:`nan_quantiles` from x sorted along axis 0 (NaN last) and its count of numbers."""
     last = np.maximum(count - 1, 0)
     out = []
     for q in qs:
@@ -308,14 +317,11 @@ def nan_quantiles(x: np.ndarray, qs: Sequence[float]) -> np.ndarray:
     return np.stack(out)
 
 
-def nan_median(x: np.ndarray) -> np.ndarray:
-    """Median along axis 0 ignoring NaN, as ``np.nanmedian``: the mean of the two middle
-    numbers (one, for an odd count); NaN where a column has no number."""
-    ordered = np.sort(x, axis=0)
-    count = np.sum(~np.isnan(x), axis=0)
+def _sorted_median(ordered: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """:func:`nan_median` from x sorted along axis 0 (NaN last) and its count of numbers."""
     low = np.maximum(count - 1, 0) // 2
     a = np.take_along_axis(ordered, low[None], axis=0)[0]
-    b = np.take_along_axis(ordered, (count // 2)[None], axis=0)[0] if x.shape[0] else a
+    b = np.take_along_axis(ordered, (count // 2)[None], axis=0)[0] if ordered.shape[0] else a
     return np.where(count > 0, (a + b) / 2, np.nan)
 
 
@@ -352,10 +358,12 @@ def summary_dataset(topn: xr.Dataset) -> xr.Dataset:
     """
     out = {}
     for name, x in _summary_inputs(topn):
-        q05, q95 = nan_quantiles(x, [0.05, 0.95])
-        count = np.sum(~np.isnan(x), axis=0)
+        # One sort serves the median and the quantiles: at 1,000 sequences of a 7B model, a
+        # sort is 0.3 s of each of the 42 variables, reduced after the workers are done.
+        ordered, count = np.sort(x, axis=0), np.sum(~np.isnan(x), axis=0)
+        q05, q95 = _sorted_quantiles(ordered, count, [0.05, 0.95])
         mean = np.sum(np.nan_to_num(x), axis=0) / np.where(count > 0, count, np.nan)
-        stats = np.stack([mean, nan_median(x), q05, q95, count.astype(np.float64)])
+        stats = np.stack([mean, _sorted_median(ordered, count), q05, q95, count.astype(np.float64)])
         out[name] = (("stat", "layer", "head", "n"), stats)
     coords = {d: topn[d].values for d in ("layer", "head", "n")}
     coords["stat"] = np.array(STATS, dtype=object)
