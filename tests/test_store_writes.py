@@ -327,7 +327,8 @@ def test_a_local_store_lists_the_metadata_a_store_lists(tmp_path):
     memory = zarr.storage.MemoryStore()
     for path in url.rglob("*"):
         if path.is_file():
-            memory._store_dict[str(path.relative_to(url))] = default_buffer_prototype().buffer.from_bytes(path.read_bytes())
+            raw = default_buffer_prototype().buffer.from_bytes(path.read_bytes())
+            memory._store_dict[str(path.relative_to(url))] = raw
     local = zarr_store(str(url), read_only=True)
     for group in ("", "runs/r", "runs/r/analysis"):
         got, want = node_metadata(local, group), node_metadata(memory, group)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import errno
 import json
 import os
@@ -616,15 +615,17 @@ _FLAT_CHUNK_KEYS = {"name": "default", "separator": "."}
 
 
 def _group_objects(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], group: str,
-                   chunks: Mapping[str, int], forms: dict[tuple, tuple[ArrayV3Metadata, dict[str, Any]]]) -> dict[str, bytes]:
+                   chunks: Mapping[str, int], forms: dict[tuple, tuple[ArrayV3Metadata, dict[str, Any]]],
+                   ) -> dict[str, bytes]:
     """The stored objects of the group ``group`` holding ``dataset``, key -> bytes: its own
     ``zarr.json``, every array's metadata and, where ``data`` holds its values (None:
     metadata only), its chunks, as zarr-python writes them (a chunk all fill value is not
-    stored; the documents on one line, :func:`metadata_bytes`). zarr makes the metadata of one array of each form (data type, shape, chunks,
-    dimensions) in ``forms``, shared by the groups of a write; each array takes a copy with
-    its own attributes. Through zarr, each array made, filled and copied in turn from an
-    assembled store, an analysis's groups across sequences (98 small arrays) took 0.15-0.3 s
-    of this process's time, most of it zarr's own; encoded here, 0.05 s."""
+    stored; the documents on one line, :func:`metadata_bytes`). zarr makes the metadata of
+    one array of each form (data type, shape, chunks, dimensions) in ``forms``, shared by the
+    groups of a write; each array takes a copy with its own attributes. Through zarr, each
+    array made, filled and copied in turn from an assembled store, an analysis's groups
+    across sequences (98 small arrays) took 0.15-0.3 s of this process's time, most of it
+    zarr's own; encoded here, 0.05 s."""
     objects = {f"{group}/zarr.json": metadata_bytes(GroupMetadata(attributes=dict(dataset.attrs)).to_dict())}
     for name, var in dataset.variables.items():
         form = (var.dtype.str, var.shape, _chunk_shape(var, chunks), var.dims)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
 from typing import Any
 
 import crc32c
