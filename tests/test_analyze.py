@@ -348,8 +348,9 @@ def readers_refuse_or_see(store: Path, earlier: dict[str, xr.Dataset], out: Path
 def test_sigkill_then_rerun_equals_uninterrupted(llama_stores, reference, tmp_path, grid):
     """Three sequences analyzed with GRID, extract to five, then ``analyze --n-grid grid``
     killed at store writes spread over it (and once killed again while resuming). Extending
-    keeps the earlier analysis readable until the groups across sequences move into place;
-    a new grid keeps it readable until the new one is complete."""
+    keeps the earlier analysis readable until the groups across sequences move into place,
+    but while its groups grow (readers are refused, not shown arrays of two lengths); a new
+    grid keeps it readable until the new one is complete."""
     three, five, _ = llama_stores
     pristine = tmp_path / "pristine.zarr"
     shutil.copytree(three, pristine)
@@ -370,6 +371,9 @@ def test_sigkill_then_rerun_equals_uninterrupted(llama_stores, reference, tmp_pa
     # The last writes: the record "promoting" (groups being moved into place), the commit,
     # the consolidated metadata.
     points = [1, total // 5, total // 2, 4 * total // 5, total - 2, total - 1]
+    if grid == GRID:
+        # The third write grows the kept groups in place (the second withdrew the commit).
+        points.insert(1, 3)
     for kill_at in points:
         shutil.rmtree(store)
         shutil.copytree(pristine, store)
@@ -383,9 +387,10 @@ def test_sigkill_then_rerun_equals_uninterrupted(llama_stores, reference, tmp_pa
         (result,) = analyze(str(store), scheduler="threads", n_grid=grid, progress=False)
         assert_bitwise(analysis(store), want)
         assert validate_store(str(store)) == [], kill_at
-    # The earlier analysis stays readable through the computation; only once finished
-    # groups are being moved into place, until the commit, are readers refused.
-    assert readable == [True] * 5 + [False], readable
+    # The earlier analysis stays readable through the computation; only while the kept
+    # groups grow in place, and once finished groups are being moved into place, until the
+    # commit, are readers refused.
+    assert readable == [True] + [False] * (grid == GRID) + [True] * 4 + [False], readable
 
 
 def test_worker_processes_equal_threads_and_die_with_analyze(llama_stores, reference, tmp_path):

@@ -34,6 +34,7 @@ the committed analysis is lost or damaged (:func:`_healing`). One
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -590,19 +591,24 @@ def _kept(write: DerivedWrite, ds: xr.Dataset, plan: _Plan) -> tuple[int, ...]:
     return keep
 
 
-def _prepare(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, keep: tuple[int, ...], grid, seed) -> None:
+def _prepare(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, keep: tuple[int, ...], pending: Pending, grid,
+             seed) -> None:
     """Create the per-sequence groups sized for ``plan.target`` (only metadata and the
-    fixed coordinates are written), or grow the kept ones (``keep``, from :func:`_kept`)."""
+    fixed coordinates are written), or grow the kept ones (``keep``, from :func:`_kept`;
+    ``pending`` the update recorded)."""
     if not keep:
         # A chunk holds a batch's sequences: an uninterrupted analyze writes each chunk once
         # (one chunk per sequence cost 2 ms a chunk, a third of an analyze's writes).
         per_chunk = {"seq": _sequences_per_batch(ds.sizes["layer"])}
         write.write(_template_groups(ds, grid, seed), staged=plan.staged, compute=False, chunks=per_chunk)
         return
-    for group in _open_groups(write, plan.staged, _sequence_groups(ds)).values():
-        for _, arr in group.arrays():
-            if tuple(arr.metadata.dimension_names or ())[:1] == ("seq",) and arr.shape[0] != len(plan.target):
-                arr.resize((len(plan.target), *arr.shape[1:]))
+    grow = [arr for group in _open_groups(write, plan.staged, _sequence_groups(ds)).values()
+            for _, arr in group.arrays()
+            if tuple(arr.metadata.dimension_names or ())[:1] == ("seq",) and arr.shape[0] != len(plan.target)]
+    # Groups grown in place are read through the kept commit meanwhile.
+    with contextlib.nullcontext() if plan.staged or not grow else write.commit_withdrawn(pending):
+        for arr in grow:
+            arr.resize((len(plan.target), *arr.shape[1:]))
 
 
 def _batch_arrays(write: DerivedWrite, staged: bool, names: Sequence[str]) -> dict[str, dict[str, zarr.AsyncArray]]:
@@ -744,7 +750,7 @@ def _compute_sequences(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, params:
             futures = [computing.submit(compute, batch) for batch in batches[:in_flight]]
             # The workers start on the first batches while the groups are created (a tenth
             # to a fifth of a second of this process's time, 7B shape).
-            _prepare(write, ds, plan, keep, params["n_grid"], seed)
+            _prepare(write, ds, plan, keep, pending, params["n_grid"], seed)
             arrays = _batch_arrays(write, plan.staged, _sequence_groups(ds))
             for i, (a, b) in enumerate(batches):
                 computed = futures[i].result()

@@ -415,6 +415,21 @@ class DerivedWrite:
                                           if key.split("/", 1)[0] not in done.sequence_groups})
         self._write_record(done, pending)
 
+    @contextlib.contextmanager
+    def commit_withdrawn(self, pending: Pending) -> Iterator[None]:
+        """Withdraw the kept commit for the block and restore it after, ``pending`` recorded
+        throughout: readers are told an update is under way while the block makes a change
+        they must not see half done (a group's arrays resized one after the other hold two
+        lengths meanwhile, which no Dataset opens). Killed in the block, the commit stays
+        withdrawn until the update commits."""
+        done = self.state.commit
+        if done is None:
+            yield
+            return
+        self.set_pending(pending, keep_commit=False)
+        yield
+        self._write_record(done, pending)
+
     def commit(self, done: Commit) -> None:
         """Write the commit record, listing every stored object of its groups (and forget the
         pending update): the writer's last write. Leftover staging is removed first."""
