@@ -35,7 +35,7 @@ from attngeom.analyze.stage import (
 from attngeom.cli import main
 from attngeom.errors import IncompleteGroupError
 from attngeom.store import access
-from attngeom.store.derived import DerivedWrite
+from attngeom.store.derived import DerivedWrite, Pending
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.report.data import load_runs
 from attngeom.store import (
@@ -247,7 +247,7 @@ def test_groups_of_a_run_larger_than_a_dask_chunk_are_created(tmp_path):
     plan = _Plan(target=tuple(range(n_seq)), keep=(), staged=False, keep_commit=False, recomputed=None)
     with DerivedWrite(store, "r", ANALYSIS) as write:
         assert _kept(write, ds, plan) == ()
-        _prepare(write, ds, plan, (), [1, 2, 4], seed=0)
+        _prepare(write, ds, plan, (), Pending({}, ()), [1, 2, 4], seed=0)
     recall = zarr.open_group(store, path="runs/r/analysis/topn", mode="r")["recall"]
     assert recall.shape == (n_seq, layers, heads, 3) and recall.chunks == (4, layers, heads, 3)
     votes = zarr.open_group(store, path="runs/r/analysis/taxonomy", mode="r")["votes"]
