@@ -549,14 +549,19 @@ def _replace_groups(target: Any, objects: Mapping[str, Mapping[str, bytes]]) -> 
     rest = {key: value for group, group_objects in objects.items() for key, value in group_objects.items()
             if key != own[group]}
     last = {own[group]: objects[group][own[group]] for group in objects}
-    if isinstance(target, zarr.storage.LocalStore):
-        root = Path(str(target.root))
-        for group in objects:
-            shutil.rmtree(root / group, ignore_errors=True)
-    else:
-        _gather(target.delete_dir(group) for group in objects)
+    for group in objects:
+        remove_dir(target, group)
     put_objects(target, rest)
     put_objects(target, last)
+
+
+def remove_dir(zstore: Any, path: str) -> None:
+    """Remove every object under ``path`` of the zarr Store ``zstore``: a folder removed
+    whole on a local store."""
+    if isinstance(zstore, zarr.storage.LocalStore):
+        shutil.rmtree(Path(str(zstore.root)) / path, ignore_errors=True)
+        return
+    sync(zstore.delete_dir(path))
 
 
 def put_objects(zstore: Any, objects: Mapping[str, bytes]) -> None:
@@ -731,7 +736,7 @@ def consolidate(root: zarr.Group) -> None:
             for path, meta in by_path.items() if path and reached(path)}
     own = {key: value for key, value in by_path[""].items() if key != "consolidated_metadata"}
     document = {**own, "consolidated_metadata": {**_EMPTY_CONSOLIDATED, "metadata": copy}}
-    sync(zstore.set("zarr.json", default_buffer_prototype().buffer.from_bytes(metadata_bytes(document))))
+    put_objects(zstore, {"zarr.json": metadata_bytes(document)})
 
 
 # A consolidated copy holding no nodes, as zarr writes it.

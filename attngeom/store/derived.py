@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -51,6 +50,7 @@ from attngeom.store.access import (
     node_metadata,
     open_dataset,
     read_metadata,
+    remove_dir,
     write_datasets,
     zarr_store,
 )
@@ -302,16 +302,8 @@ def forget_unreadable(url: str, run_id: str, kind: str) -> bool:
         zstore = zarr_store(url, read_only=False)
         if not _read_state(zstore, run_id, kind).unreadable:
             return False
-        _remove(url, zstore, _kind_path(run_id, kind))
+        remove_dir(zstore, _kind_path(run_id, kind))
         return True
-
-
-def _remove(url: str, zstore: Any, path: str) -> None:
-    local = local_path(url)
-    if local is not None:
-        shutil.rmtree(local / path, ignore_errors=True)
-        return
-    sync(zstore.delete_dir(path))
 
 
 class DerivedWrite:
@@ -489,7 +481,7 @@ class DerivedWrite:
     # (object stores have no rename) a copy of each object through the zarr Store, then a delete.
 
     def _remove(self, path: str) -> None:
-        _remove(self.url, self.zstore, path)
+        remove_dir(self.zstore, path)
 
     def _move(self, source: str, target: str) -> None:
         """Move the group at ``source`` to ``target``, replacing it."""
