@@ -334,3 +334,25 @@ def test_a_local_store_lists_the_metadata_a_store_lists(tmp_path):
         got, want = node_metadata(local, group), node_metadata(memory, group)
         assert list(got) == list(want) and got == want
     assert node_metadata(local)["runs/r/analysis/g/f/zarr.json"] is None
+
+
+def test_a_failed_local_write_leaves_no_partial_object(tmp_path, monkeypatch):
+    """A local object whose write fails half way (a full disk) leaves neither the object nor
+    its ``.partial`` file, and the error goes up."""
+    import errno
+    from pathlib import Path
+
+    from attngeom.store.access import put_objects
+
+    url = tmp_path / "s.zarr"
+    zstore = zarr_store(str(url), read_only=False)
+    written = Path.write_bytes
+
+    def full(self, data):
+        written(self, data[:3])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(OSError, match="No space"):
+        put_objects(zstore, {"g/x/c.0": b"0123456789"})
+    assert [p.name for p in url.rglob("*") if p.is_file()] == []

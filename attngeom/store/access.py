@@ -588,14 +588,18 @@ def _gather(coroutines: Iterable[Any]) -> None:
 
 def _put_local(path: Path, value: bytes, folders: set[Path]) -> None:
     """Write a local store's object as zarr-python does: into ``<name>.<uuid>.partial``,
-    then renamed, so that a killed write leaves no truncated object. ``folders``: those
-    made already."""
+    then renamed, so that a killed write leaves no truncated object (and a failed one, no
+    partial object). ``folders``: those made already."""
     if path.parent not in folders:
         path.parent.mkdir(parents=True, exist_ok=True)
         folders.add(path.parent)
     partial = path.with_name(f"{path.name}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}")
-    partial.write_bytes(value)
-    os.replace(partial, path)
+    try:
+        partial.write_bytes(value)
+        os.replace(partial, path)
+    except BaseException:  # a full disk: no partial object left behind
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def _chunk_shape(var: xr.Variable, chunks: Mapping[str, int]) -> tuple[int, ...] | str:
