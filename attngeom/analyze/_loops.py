@@ -232,35 +232,53 @@ def _limits(x, yn, sn, e_rel, tiny, order, n, n_cand):
 
 
 @_jit
-def _screen(x, yn, sn, e_rel, tiny, position, n, n_cand, scores):
+def _ordered(bits):
+    """An int64 that orders as the float64 whose bits it holds (NaN aside): integer maxima
+    and minima run in SIMD lanes where numba's float ones, kept to IEEE semantics, do not.
+    Its own inverse."""
+    return bits ^ ((bits >> 63) & 0x7FFFFFFFFFFFFFFF)
+
+
+@_jit
+def _screen(x, yn, sn, e_rel, tiny, position, n, n_cand, scores, bands):
     """Whether a row's ball scores follow from its expansions x; if so, scores (3,) <- P, R,
     F. The selection is the keys at positions 0..n-1 (position (K,), n_cand and more: not a
-    candidate).
+    candidate); bands (2, K) a scratch buffer.
 
     The radii lie within the limits of :func:`_limits`. A key needs its exact distance where
     the radius it is compared with could fall within its band (expansion plus or minus
     `_half_bound`): an unselected key against r_max, a selected one against r_min. Every
-    selected key is inside the r_max ball; an unselected one is not closer than r_min. Two
-    passes in key order, no branch on a key's membership."""
-    lo_max = hi_max = -np.inf
-    lo_min = hi_min = np.inf
-    for k in range(x.size):
+    selected key is inside the r_max ball; an unselected one is not closer than r_min. Passes
+    in key order with no branch on a key's membership, the limits taken on the bands' bits
+    (`_ordered`); x is finite here."""
+    K = x.size
+    lo_band, hi_band = bands[0, :K], bands[1, :K]
+    for k in range(K):
         h = _half_bound(yn[k], sn, e_rel, tiny)
+        lo_band[k], hi_band[k] = x[k] - h, x[k] + h
+    lo_bits, hi_bits = lo_band.view(np.int64), hi_band.view(np.int64)
+    infinite = _ordered(np.array([-np.inf, np.inf]).view(np.int64))
+    lo_max = hi_max = infinite[0]
+    lo_min = hi_min = infinite[1]
+    for k in range(K):
         chosen = position[k] < n
         other = (position[k] >= n) & (position[k] < n_cand)
-        lo_max = max(lo_max, x[k] - h if chosen else -np.inf)
-        hi_max = max(hi_max, x[k] + h if chosen else -np.inf)
-        lo_min = min(lo_min, x[k] - h if other else np.inf)
-        hi_min = min(hi_min, x[k] + h if other else np.inf)
+        lo, hi = _ordered(lo_bits[k]), _ordered(hi_bits[k])
+        lo_max = max(lo_max, lo if chosen else infinite[0])
+        hi_max = max(hi_max, hi if chosen else infinite[0])
+        lo_min = min(lo_min, lo if other else infinite[1])
+        hi_min = min(hi_min, hi if other else infinite[1])
+    limits = _ordered(np.array([lo_max, hi_max, lo_min, hi_min])).view(np.float64)
+    r_max_lo, r_max_hi, r_min_lo, r_min_hi = limits[0], limits[1], limits[2], limits[3]
     inside, closer, band = n, 0, 0
-    for k in range(x.size):
-        h = _half_bound(yn[k], sn, e_rel, tiny)
-        lo, hi = x[k] - h, x[k] + h
+    for k in range(K):
+        lo, hi = lo_band[k], hi_band[k]
         chosen = position[k] < n
         other = (position[k] >= n) & (position[k] < n_cand)
-        closer += chosen & (hi < lo_min)
-        inside += other & (hi < lo_max)
-        band += (chosen & (hi >= lo_min) & (lo <= hi_min)) | (other & (hi >= lo_max) & (lo <= hi_max))
+        closer += chosen & (hi < r_min_lo)
+        inside += other & (hi < r_max_lo)
+        band += ((chosen & (hi >= r_min_lo) & (lo <= r_min_hi))
+                 | (other & (hi >= r_max_lo) & (lo <= r_max_hi)))
     if band:
         return False
     precision, recall = n / inside, closer / n
@@ -325,11 +343,10 @@ def _expansions(yy, ys, ss, y_max, e_rel, tiny, x):
     compared exactly (a non-finite bound or expansion)."""
     bound = e_rel * (y_max + np.sqrt(ss)) ** 2 + tiny
     finite = np.isfinite(bound)
-    total = 0.0
     for k in range(x.size):
-        x[k] = yy[k] - 2 * ys[k] + ss
-        total += x[k] * 0.0  # NaN once any expansion is not finite
-    finite = finite and total == 0.0
+        expansion = yy[k] - 2 * ys[k] + ss
+        x[k] = expansion
+        finite &= expansion - expansion == 0.0  # a boolean, not a float sum: SIMD lanes
     return (bound if finite else 0.0), not finite
 
 
@@ -543,6 +560,7 @@ def exact_keys(y, S, ys, orders, points, att, options, X, err, unsure, scores):
     scores[:] = np.nan
     # Each key's position in the sink-excluded and random selections (K: not a candidate).
     positions = np.full((1 + R, K), K, np.int64)
+    bands = np.empty((2, K))
     for i in range(n_att - 1):
         positions[0, ns_order[i]] = i
     for r in range(R):
@@ -561,7 +579,7 @@ def exact_keys(y, S, ys, orders, points, att, options, X, err, unsure, scores):
         sn = np.sqrt(_dot(S[row], S[row]))
         if kind[row] > 0 and not unsure[row] and _screen(x, yn, sn, e_rel, tiny,
                                                          positions[kind[row] - 1], n, n_cand,
-                                                         scores[row]):
+                                                         scores[row], bands):
             continue
         lo_max, hi_max, lo_min, hi_min = _limits(x, yn, sn, e_rel, tiny, sel_order, n, n_cand)
         # Those keys, and the candidates for each radius.
