@@ -689,6 +689,54 @@ def test_ball_scores_are_the_exact_counts(exact):
         assert got[:2] == (n / inside, closer / n)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(allow_nan=False), min_size=2, max_size=50))
+def test_ordered_bits_order_as_their_floats(x):
+    """The screen's limits are integer maxima of `_ordered` bits: the same order as the floats
+    (negative, zero, subnormal and infinite ones), and back to the same bits."""
+    x = np.array(x)
+    bits = x.view(np.int64)
+    ordered = _loops._ordered(bits)
+    for i in range(x.size):
+        assert np.all((ordered[i] < ordered) <= (x[i] <= x)) and np.all((x[i] < x) <= (ordered[i] < ordered))
+    np.testing.assert_array_equal(_loops._ordered(ordered), bits)
+    assert x[np.argmax(ordered)] == x.max() and x[np.argmin(ordered)] == x.min()
+
+
+def test_screened_scores_are_the_exact_counts():
+    """A sink-excluded or random row settled by its expansions alone (`_screen`) has the
+    scores of the exact distances; at N = 1 the selected key's distance is 0 and its band
+    reaches below it."""
+    rng = np.random.default_rng(43)
+    K, D = 60, 5
+    e_rel = kernels._error_bound(D)
+    settled = 0
+    for trial in range(80):
+        y = rng.normal(size=(K, D)) * rng.lognormal(0, 2, size=(K, 1))
+        candidates = rng.random(K) < 0.9
+        order = _loops.ranked(rng.random(K), candidates)[0]
+        n_cand = int(candidates.sum())
+        n = 1 if trial % 4 == 0 else int(rng.integers(1, n_cand))
+        s = y[order[:n]].sum(axis=0)
+        yy = np.einsum("kd,kd->k", y, y)
+        x = np.empty(K)
+        _, unsure = _loops._expansions(yy, y @ s, s @ s, np.sqrt(yy.max()), e_rel, kernels._TINY, x)
+        assert not unsure
+        position = np.full(K, K)
+        position[order[:n_cand]] = np.arange(n_cand)
+        scores = np.full(3, np.nan)
+        if not _loops._screen(x, np.sqrt(yy), np.sqrt(s @ s), e_rel, kernels._TINY, position, n, n_cand,
+                              scores, np.empty((2, K))):
+            continue
+        settled += 1
+        D_ = ((y - s) ** 2).sum(axis=1)
+        sel, uns = order[:n], order[n:n_cand]
+        inside = np.count_nonzero(D_[order[:n_cand]] <= D_[sel].max())
+        closer = np.count_nonzero(D_[sel] < D_[uns].min())
+        assert tuple(scores[:2]) == (n / inside, closer / n)
+    assert settled >= 60
+
+
 def test_uniform_ranking_is_the_stable_sort():
     """The random control's bucket ranking equals a stable sort of its keys, ties included."""
     rng = np.random.default_rng(33)
