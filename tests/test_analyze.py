@@ -425,6 +425,24 @@ def test_worker_processes_equal_threads_and_die_with_analyze(llama_stores, refer
     assert_bitwise(analysis(store), reference["three"])
 
 
+def test_worker_processes_outlive_the_thread_of_the_first_task():
+    """Workers die with the thread that forked them (so that a killed analyze takes them
+    along); they fork with the pool, not at its first task, which the analyze hands them
+    from a batch thread that ends before the pool does."""
+    import threading
+
+    from attngeom.analyze.scheduling import _worker_processes
+
+    with _worker_processes(2) as pool:
+        first = []
+        thread = threading.Thread(target=lambda: first.append(pool.submit(os.getpid).result()))
+        thread.start()
+        thread.join()
+        time.sleep(0.5)  # time for a parent-death signal to land
+        pids = {pool.submit(os.getpid).result() for _ in range(8)}
+    assert first[0] != os.getpid() and len(pids) >= 1 and os.getpid() not in pids
+
+
 def test_batches_in_flight_and_worker_counts_change_nothing(llama_stores, reference, tmp_path, monkeypatch):
     """Batches of one sequence (three of them, two computing at once while one is written),
     and the default scheduler given one core and given two: the same analysis bit for bit."""

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 
 import dask
+import dask.multiprocessing
+import dask.threaded
 from threadpoolctl import threadpool_limits
 
 from attngeom.errors import AttngeomError
@@ -56,6 +58,10 @@ def _start_worker() -> None:
 @contextlib.contextmanager
 def _worker_processes(n: int) -> Iterator[ProcessPoolExecutor]:
     pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"), initializer=_start_worker)
+    # The workers fork now, from this thread: a worker is killed when the thread that forked
+    # it ends (PR_SET_PDEATHSIG, above), and a pool forks at its first task, which can come
+    # from a thread that ends before the pool does (the analyze's batch threads).
+    pool.submit(int)
     try:
         yield pool
     finally:
@@ -82,6 +88,9 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
     1.0-1.3x faster than one and two forked processes 1.7-1.9x; a LocalCluster costs more to
     start and stop than it gains on one machine.
     """
+    # Schedulers are set as functions, not names: for a name, every compute asks whether
+    # dask.distributed is installed, which imports it (0.33 s of an analyze in a fresh
+    # process, most of it parsing its YAML configuration) where no cluster is used.
     local, cores = store.startswith("memory://"), _cores()
     if scheduler is None and not local and _forks() and cores > 1:
         # One task at a time to each worker: Dask hands them out six at a time, so 16
@@ -89,13 +98,13 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
         # third of the analyze (a task is a tenth of a second or more; handing one out, a
         # millisecond).
         with threadpool_limits(limits=1), _worker_processes(cores) as pool, \
-                dask.config.set(scheduler="processes", pool=pool, chunksize=1):
+                dask.config.set(scheduler=dask.multiprocessing.get, pool=pool, chunksize=1):
             yield None
         return
     if scheduler in (None, "threads") or local:
         # Dask's threads already fill the cores; a multi-threaded BLAS under each one
         # oversubscribes them (measured 1.3-1.5x slower). Distributed workers set this too.
-        with dask.config.set(scheduler="threads"), threadpool_limits(limits=1):
+        with dask.config.set(scheduler=dask.threaded.get), threadpool_limits(limits=1):
             yield None
         return
     # The client is this block's scheduler alone: a default client sets Dask's scheduler

@@ -45,6 +45,7 @@ from typing import Any
 
 import dask
 import dask.array as da
+import dask.threaded
 import numpy as np
 import pandas as pd
 import xarray as xr
@@ -675,7 +676,7 @@ def _cross_sequence_groups(write: DerivedWrite, staged: bool, n_seq: int, proven
     topn = stored["topn"]
     # NaN marks "not defined here" (no sink, N too large): all-NaN reductions are expected.
     # The reads are small; a cluster would only add transfers.
-    with warnings.catch_warnings(), dask.config.set(scheduler="threads"):
+    with warnings.catch_warnings(), dask.config.set(scheduler=dask.threaded.get):
         warnings.simplefilter("ignore", RuntimeWarning)
         if topn.nbytes <= _LOADED_TOPN_BYTES:
             topn = topn.load()
@@ -739,7 +740,7 @@ def _compute_sequences(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, params:
     # the one they run ends. Their results are a few kilobytes per task. Dask's threads give
     # each computing thread a pool of its own, so there one batch at a time keeps one task
     # per core (and memory to one task per core).
-    in_flight = 1 if dask.config.get("scheduler", None) == "threads" else 2
+    in_flight = 1 if dask.config.get("scheduler", None) in ("threads", dask.threaded.get) else 2
     # The reductions across sequences load the groups whole when small: those computed are
     # then kept here instead of being read back from the store (they are views of the
     # blocks' results, which hold the per-head columns at every n too: a third more).
@@ -786,8 +787,8 @@ def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None,
     start = time.perf_counter()
     ds, grid = checked if checked is not None else _checked_input(store, run_id, n_grid)
     params = analysis_parameters(grid, seed)
-    # Small arrays every task needs, read once.
-    ds = ds.assign(attendable=ds["attendable"].load(), head_kv=ds["head_kv"].load())
+    # Small arrays every task needs, read once, here: through the workers they cost a round trip.
+    ds = ds.assign(attendable=ds["attendable"].load(scheduler=dask.get), head_kv=ds["head_kv"].load(scheduler=dask.get))
     target = tuple(int(s) for s in ds["seq"].values)
 
     sequence_groups, groups = _sequence_groups(ds), _all_groups(ds)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import dask
+import dask.threaded
 import numpy as np
 import pandas as pd
 import xarray as xr
@@ -123,7 +124,8 @@ def certificate(runs: Sequence[RunData]) -> pd.DataFrame:
         for name, k in bounds.items():
             reduced[f"mean {name}"] = k.where(k >= 0).mean(dims)
         reduced["mean A_N / K_exact"] = (inv / exact.where(exact > 0)).mean(dims)
-        with dask.config.set(scheduler="threads"):
+        # A function, not the name "threads": a name makes dask import dask.distributed.
+        with dask.config.set(scheduler=dask.threaded.get):
             (computed,) = dask.compute(xr.Dataset(reduced))
         rows.append(_with_identity(run, computed.to_dataframe().reset_index().rename(columns={"n": "N"}), ()))
     return pd.concat(rows, ignore_index=True)
