@@ -90,7 +90,7 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
     """
     # Schedulers are set as functions, not names: for a name, every compute asks whether
     # dask.distributed is installed, which imports it (0.33 s of an analyze in a fresh
-    # process, most of it parsing its YAML configuration) where no cluster is used.
+    # process, half of it parsing its YAML configuration) where no cluster is used.
     local, cores = store.startswith("memory://"), _cores()
     if scheduler is None and not local and _forks() and cores > 1:
         # One task at a time to each worker: Dask hands them out six at a time, so 16
