@@ -567,8 +567,8 @@ def exact_keys(y, S, ys, orders, points, att, options, X, err, unsure, scores):
         for i in range(n_att):
             positions[1 + r, draw_orders[r, i]] = i
     for row in range(rows):
-        err[row], unsure[row] = _expansions(yy, ys[row], _dot(S[row], S[row]), y_max, options[0],
-                                            options[1], X[row])
+        ss = _dot(S[row], S[row])
+        err[row], unsure[row] = _expansions(yy, ys[row], ss, y_max, options[0], options[1], X[row])
         x, e, n = X[row], err[row], points[point[row]]
         if kind[row] == 0:
             sel_order, n_cand = order, n_att
@@ -576,7 +576,7 @@ def exact_keys(y, S, ys, orders, points, att, options, X, err, unsure, scores):
             sel_order, n_cand = ns_order, n_att - 1
         else:
             sel_order, n_cand = draw_orders[kind[row] - 2], n_att
-        sn = np.sqrt(_dot(S[row], S[row]))
+        sn = np.sqrt(ss)
         if kind[row] > 0 and not unsure[row] and _screen(x, yn, sn, e_rel, tiny,
                                                          positions[kind[row] - 1], n, n_cand,
                                                          scores[row], bands):
