@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from click.testing import CliRunner
 from test_analyze_kernels import brute_topn, brute_value_statistics
 
 from attngeom.analyze import stage
+from attngeom.analyze.scheduling import _worker_processes
 from attngeom.analyze.stage import (
     _instance_seed,
     _Plan,
@@ -429,10 +431,6 @@ def test_worker_processes_outlive_the_thread_of_the_first_task():
     """Workers die with the thread that forked them (so that a killed analyze takes them
     along); they fork with the pool, not at its first task, which the analyze hands them
     from a batch thread that ends before the pool does."""
-    import threading
-
-    from attngeom.analyze.scheduling import _worker_processes
-
     with _worker_processes(2) as pool:
         first = []
         thread = threading.Thread(target=lambda: first.append(pool.submit(os.getpid).result()))
