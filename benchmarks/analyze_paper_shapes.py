@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -39,14 +37,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-import zarr
-from common import PAPER_SHAPES as SHAPES, fmt, median, rotate, table
+from common import PAPER_SHAPES as SHAPES, analyze_fresh, analyze_in_child, fmt, median, read_inputs, rotate, table
 from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import frozen_kernels_v2 as old  # noqa: E402
 
-import attngeom as ag  # noqa: E402
 from attngeom.analyze.kernels import head_metrics  # noqa: E402
 from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed  # noqa: E402
 from attngeom.synthetic import write_synthetic_run  # noqa: E402
@@ -111,61 +107,24 @@ def kernels(store: str, length: int, reps: int) -> dict:
     )
 
 
-def read_inputs(store: str) -> None:
-    run = zarr.open_group(store, mode="r")[f"runs/{RUN}"]
-    arrays = [run["attn_last"], run["values"], run["winner"]]
-    n_seq, n_layers = arrays[0].shape[:2]
-    for s in range(n_seq):
-        for layer in range(n_layers):
-            for array in arrays:
-                array[s, layer]
-
-
-def analyze_once(store: str, scheduler: str | None = None) -> tuple[float, float]:
-    """(wall s, CPU s of this process and its children) of a fresh analyze."""
-    shutil.rmtree(Path(store) / "runs" / RUN / "analysis", ignore_errors=True)
-    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    w0 = time.perf_counter()
-    ag.analyze(store, progress=False, scheduler=scheduler)
-    wall = time.perf_counter() - w0
-    after = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    cpu = sum(a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, usage))
-    return wall, cpu
-
-
-def _pinned(store: str, cores: list[int], queue) -> None:
-    os.sched_setaffinity(0, cores)
-    queue.put(analyze_once(store))
-
-
-def analyze_pinned(store: str, cores: list[int]) -> float:
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_pinned, args=(store, cores, queue))
-    child.start()
-    wall, _ = queue.get()
-    child.join()
-    return wall
-
-
 def stage(store: str, reps: int) -> dict:
     cores = sorted(os.sched_getaffinity(0))
-    analyze_once(store)  # numba's cache and the OS's file cache warm
+    analyze_fresh(store, RUN)  # numba's cache and the OS's file cache warm
     analyze, read, busy, scale, threads = [], [], [], [], []
     for rep in range(reps):
         for which in rotate(["analyze", "read", "pinned", "threads"], rep):
             if which == "analyze":
-                wall, cpu = analyze_once(store)
+                wall, cpu = analyze_fresh(store, RUN)
                 analyze.append(wall)
                 busy.append(cpu / (wall * len(cores)))
             elif which == "threads":
-                threads.append(analyze_once(store, "threads")[0])
+                threads.append(analyze_fresh(store, RUN, "threads")[0])
             elif which == "read":
                 w0 = time.perf_counter()
-                read_inputs(store)
+                read_inputs(store, RUN)
                 read.append(time.perf_counter() - w0)
             elif len(cores) > 1:
-                pair = [analyze_pinned(store, c) for c in rotate([cores[:1], cores[:2]], rep)]
+                pair = [analyze_in_child(store, RUN, c)[0] for c in rotate([cores[:1], cores[:2]], rep)]
                 one, two = pair if rep % 2 == 0 else pair[::-1]
                 scale.append(one / two)
     return dict(analyze_s=median(analyze), threads_s=median(threads), read_s=median(read),

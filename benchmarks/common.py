@@ -8,6 +8,10 @@ whose folder Python puts first on the import path.
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+import resource
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -181,6 +185,55 @@ def bench_stores(args: Any, workdir: str) -> Any:
             store = f"{workdir}/{name}-L{length}.zarr"
             result = extract_store(loaded, store, dataset=args.dataset, length=length, count=args.num_sequences)
             yield name, length, store, result.seconds / args.num_sequences
+
+
+def read_inputs(store: str, run_id: str) -> None:
+    """Read and decompress analyze's inputs (attn_last, values, winner), a (sequence, layer)
+    block at a time, in this process: the time analyze cannot go below."""
+    import zarr
+
+    run = zarr.open_group(store, mode="r")[f"runs/{run_id}"]
+    arrays = [run["attn_last"], run["values"], run["winner"]]
+    n_seq, n_layers = arrays[0].shape[:2]
+    for s in range(n_seq):
+        for layer in range(n_layers):
+            for array in arrays:
+                array[s, layer]
+
+
+def analyze_fresh(store: str, run_id: str, scheduler: str | None = None) -> tuple[float, float]:
+    """(wall s, CPU s of this process and its worker processes) of ``ag.analyze`` of ``run_id``
+    from scratch: its analysis deleted first."""
+    import attngeom as ag
+    from attngeom.store import analysis_path
+
+    shutil.rmtree(os.path.join(store, analysis_path(run_id)), ignore_errors=True)
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    w0 = time.perf_counter()
+    ag.analyze(store, run_id=run_id, progress=False, scheduler=scheduler)
+    wall = time.perf_counter() - w0
+    after = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu = sum(a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, usage))
+    return wall, cpu
+
+
+def _analyze_child(store: str, run_id: str, cores: list[int] | None, queue: Any) -> None:
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+    queue.put(analyze_fresh(store, run_id))
+
+
+def analyze_in_child(store: str, run_id: str, cores: list[int] | None = None) -> tuple[float, float]:
+    """``analyze_fresh`` in a new interpreter (spawned), as a user's ``attngeom analyze`` runs:
+    its workers fork from a process that holds no model, no GPU context and no caches of this
+    one. ``cores``: the CPUs the child may use (``os.sched_setaffinity``); all when None."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_analyze_child, args=(store, run_id, cores, queue))
+    child.start()
+    result = queue.get()
+    child.join()
+    return result
 
 
 def fmt(x: float | None, digits: int = 3) -> str:

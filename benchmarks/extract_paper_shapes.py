@@ -19,6 +19,12 @@ warm-up extract:
 * "extract loop": ``ag.extract(model, token_ids=...)`` into a fresh store, its ``ExtractResult.seconds``
   (the per-batch loop and the writes beside it).
 
+With ``--analyze``, one more extract of the same ids writes a store that ``ag.analyze`` then
+reads, in a fresh interpreter per repetition (a user's ``attngeom analyze``: default scheduler,
+a worker process per core), alternating with reading analyze's inputs in this process:
+analyze s/seq, analyze / that extract's loop, analyze / read, and busy (CPU seconds of analyze
+and its workers over wall x cores). numba's cache is warmed first on a small synthetic store.
+
 The writer is measured on one synthetic sequence of the shape at its full depth (values rounded
 to bfloat16, as a bf16 model on a GPU gives them), written into a fresh run per repetition:
 
@@ -53,13 +59,13 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
-from common import int_list, median, now, rotate, synchronize, table
+from common import analyze_in_child, int_list, median, now, read_inputs, rotate, synchronize, table
 from zarr.core.sync import sync
 
 import attngeom as ag
 from attngeom.extract.capture import capturing
 from attngeom.store import RunLayout, create_run, open_or_create_root
-from attngeom.synthetic import synthetic_sequence
+from attngeom.synthetic import synthetic_sequence, write_synthetic_run
 
 VOCAB = 32_000
 THIN_MLP = 64
@@ -104,7 +110,8 @@ def build_model(shape: Shape, *, layers: int | None, mlp: str, device: str, dtyp
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+    with torch.device(device):  # weights drawn where they live: a 7B model's CPU init takes minutes
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
 
 
@@ -165,14 +172,47 @@ def model_times(name: str, args: argparse.Namespace, length: int, count: int, wo
         reps.append(out)
         print(f"  [{name} L={length} rep {rep + 1}/{args.reps}] "
               + " ".join(f"{k}={out[k]:.2f}s" for k in ("sdpa", "capture", "loop")), file=sys.stderr, flush=True)
+    analyzed = analyze_times(model, ids, store, args) if args.analyze else {}
     del model
     return {
+        **analyzed,
         "shape": name, "layers": args.layers or shape.layers, "mlp": args.mlp, "length": length, "sequences": count,
         "sdpa_ms_per_seq": median([r["sdpa"] for r in reps]) / count * 1e3,
         "capture_over_sdpa": median([r["capture"] / r["sdpa"] for r in reps]),
         "loop_over_sdpa": median([r["loop"] / r["sdpa"] for r in reps]),
         "store_mib_per_seq": mib,
         "reps": reps,
+    }
+
+
+def analyze_times(model: torch.nn.Module, ids: np.ndarray, store: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``ag.analyze`` of one more extract's store, in a fresh interpreter per repetition (default
+    scheduler: a worker process per core), against that extract's loop and against reading its
+    inputs in this process, alternating."""
+    loop = extract_loop(model, ids, store, args.batch_size)
+    count = len(ids)
+    cores = len(os.sched_getaffinity(0))
+    reps = []
+    for rep in range(args.reps):
+        out = {}
+        for variant in rotate(["analyze", "read"], rep):
+            if variant == "read":
+                w0, _ = now()
+                read_inputs(store, "r")
+                out["read"] = now()[0] - w0
+            else:
+                out["analyze"], cpu = analyze_in_child(store, "r")
+                out["busy"] = cpu / (out["analyze"] * cores)
+        reps.append(out)
+        print(f"  [analyze rep {rep + 1}/{args.reps}] analyze={out['analyze']:.2f}s read={out['read']:.2f}s "
+              f"busy={out['busy']:.2f}", file=sys.stderr, flush=True)
+    shutil.rmtree(store)
+    return {
+        "analyze_s_per_seq": median([r["analyze"] for r in reps]) / count,
+        "analyze_over_loop": median([r["analyze"] for r in reps]) / loop,
+        "analyze_over_read": median([r["analyze"] / r["read"] for r in reps]),
+        "busy": median([r["busy"] for r in reps]),
+        "analyze_reps": reps,
     }
 
 
@@ -316,6 +356,15 @@ def report(results: dict[str, Any]) -> str:
             [[r["shape"], r["layers"], r["mlp"], r["length"], r["sequences"], r["sdpa_ms_per_seq"],
               r["capture_over_sdpa"], r["loop_over_sdpa"], r["store_mib_per_seq"]] for r in results["models"]],
         ))
+    analyzed = [r for r in results["models"] if "analyze_s_per_seq" in r]
+    if analyzed:
+        out.append(f"\nanalyze of one more extract's store ({results['cpu_count']} CPUs, default scheduler, "
+                   "a fresh interpreter per repetition; busy: CPU s / (wall s x cores)):\n")
+        out.append(table(
+            ["shape", "L", "seqs", "analyze s/seq", "analyze / extract loop", "analyze / read", "busy"],
+            [[r["shape"], r["length"], r["sequences"], r["analyze_s_per_seq"], r["analyze_over_loop"],
+              r["analyze_over_read"], r["busy"]] for r in analyzed],
+        ))
     if results["writer"]:
         zarrs = "zarrs_mb_s" in results["writer"][0]
         out.append("\nThe writer on one full-depth sequence (MB/s of uncompressed arrays; medians over reps):\n")
@@ -344,6 +393,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (default 3)")
     p.add_argument("--writer-only", action="store_true", help="measure the writer alone, no model")
     p.add_argument("--no-writer", action="store_true", help="leave the writer out")
+    p.add_argument("--analyze", action="store_true",
+                   help="also analyze one more extract's store: analyze s/seq, / extract loop, / read, busy")
     p.add_argument("--no-zarrs", action="store_true", help="leave the zarrs pipeline out even when installed")
     p.add_argument("--workdir", default=None, help="folder for the temporary stores (default: a temp dir)")
     p.add_argument("--json", default=None, metavar="PATH", help="write all figures as JSON")
@@ -366,6 +417,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "models": [], "writer": [],
     }
     with tempfile.TemporaryDirectory(prefix="attngeom-bench-", dir=args.workdir) as tmp:
+        if args.analyze:
+            warm = f"{tmp}/warm.zarr"
+            write_synthetic_run(warm, "r", n_seq=2, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, length=64)
+            analyze_in_child(warm, "r")  # numba's cache, so that no timed analyze compiles
+            shutil.rmtree(warm)
         for name in args.shapes:
             for length in args.lengths:
                 if not args.writer_only:
