@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import queue as queue_module
 import resource
 import shutil
 import statistics
@@ -231,7 +232,13 @@ def analyze_in_child(store: str, run_id: str, cores: list[int] | None = None) ->
     queue = ctx.Queue()
     child = ctx.Process(target=_analyze_child, args=(store, run_id, cores, queue))
     child.start()
-    result = queue.get()
+    while True:
+        try:
+            result = queue.get(timeout=1)
+            break
+        except queue_module.Empty:
+            if not child.is_alive():
+                raise RuntimeError(f"the analyze in a child process ended with code {child.exitcode}") from None
     child.join()
     return result
 
