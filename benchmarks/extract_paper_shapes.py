@@ -110,7 +110,7 @@ def build_model(shape: Shape, *, layers: int | None, mlp: str, device: str, dtyp
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    with torch.device(device):  # weights drawn where they live: a 7B model's CPU init takes minutes
+    with torch.device(device):  # weights drawn where they live, not drawn on the CPU and copied
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
 
