@@ -189,7 +189,7 @@ def test_partial_leftover_is_named_ignored_by_readers_and_removed_by_the_next_wr
     leftover.write_bytes(b'{"zarr_format": 3')
     assert validate(store) == [
         "runs/zarr.0123456789abcdef.partial is the leftover of an interrupted write (harmless: the next "
-        "extract, analyze, ablate or migrate removes it)"
+        "extract, analyze, ablate or migrate that writes the store alone removes it), or a write in progress"
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")

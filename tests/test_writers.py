@@ -19,7 +19,10 @@ from click.testing import CliRunner
 from attngeom.analyze.stage import analyze
 from attngeom.cli import main
 from attngeom.extract.pipeline import ExtractRequest, extract
-from attngeom.store import open_dataset, open_root, run_ids, validate_store, zarr_store
+from attngeom.store import objects, open_dataset, open_root, open_run_group, run_ids, validate_store, zarr_store
+from attngeom.store.objects import chunk_objects
+from attngeom.store.validate import check_run
+from attngeom.synthetic import write_synthetic_run
 
 S = 10
 
@@ -79,6 +82,54 @@ def test_torchrun_ranks_share_one_run(tiny_model_dir, word_corpus, tmp_path, ref
     assert_same_run(store, reference, run_id)
     prov = xr.open_zarr(str(store), group=f"runs/{run_id}", consolidated=False).attrs["attngeom"]
     assert prov["shard"][1] == 2
+
+
+def test_check_run_meets_a_peers_object_renamed_during_its_listing(tmp_path, monkeypatch):
+    """A writer checks its run (``check_run``) while a peer is still writing (torchrun ranks,
+    ``--shard``): a ``*.partial`` object listed and then renamed into place before its size
+    is read is no error, and the run's objects are all counted (1 of 30 torchrun runs of the test
+    above failed so, with a FileNotFoundError)."""
+    store = tmp_path / "s.zarr"
+    write_synthetic_run(str(store), "r", n_seq=2, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, length=8)
+    run = open_run_group(open_root(str(store)), "r")
+    want = chunk_objects(run["values"])
+    obj = next(p for p in sorted((store / "runs/r/values/c/1").rglob("*")) if p.is_file())
+    partial = obj.with_name(f"{obj.name}.{uuid.uuid4().hex}.partial")
+    shutil.copyfile(obj, partial)
+    listed = objects.local_files
+
+    def renamed_after_listing(folder, key):
+        found = list(listed(folder, key))
+        if any(entry.path == str(partial) for _, entry in found):
+            os.replace(partial, obj)
+        yield from found
+
+    monkeypatch.setattr(objects, "local_files", renamed_after_listing)
+    check_run(str(store), run, "r")
+    assert chunk_objects(run["values"]) == want
+
+
+def test_a_writer_leaves_the_partial_objects_of_another_writer(tmp_path):
+    """A writer opening a store removes the leftovers of killed writes only where no other
+    process writes it: another writer's ``*.partial`` objects are its writes in flight (1 of
+    30 torchrun runs of the test above failed when a rank removed the other's root metadata
+    mid-write). Once that writer has ended, the next one removes them."""
+    store = tmp_path / "s.zarr"
+    write_synthetic_run(str(store), "r", n_seq=1, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, length=8)
+    peer = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from attngeom.store import open_root; root = open_root(sys.argv[1], "
+         "mode='a'); print('writing', flush=True); sys.stdin.read()", str(store)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout.readline() == "writing\n"
+        in_flight = store / "runs/r/zarr.0123456789abcdef.partial"
+        in_flight.write_bytes(b'{"zarr_format": 3')
+        open_root(str(store), mode="a")
+        assert in_flight.exists()
+    finally:
+        peer.communicate("", timeout=60)
+    open_root(str(store), mode="a")
+    assert not in_flight.exists()
 
 
 def test_deep_validate_names_a_corrupt_chunk(tiny_model_dir, word_corpus, tmp_path):

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import uuid
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,11 @@ from attngeom.store.schema import (
     label_codes,
     label_dtype,
 )
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): there a writer removes every leftover it finds
+    fcntl = None
 
 # How a damaged object surfaces from zarr, numcodecs and json: a checksum mismatch or an
 # unparsable zarr.json is a ValueError, a blosc or shard-index failure a RuntimeError or
@@ -116,7 +122,8 @@ def local_path(url: str) -> Path | None:
 def open_root(url: str, *, mode: str = "r") -> zarr.Group:
     """Open an existing attngeom store; ``mode`` is "r" or "a" (which also refuses a store
     of another format, or one that cannot be written, and removes the leftovers of killed
-    writes). Raises :class:`StoreNotFoundError` if there is none, creating nothing, and
+    writes where no other process writes the store: :class:`_WriterHold`). Raises
+    :class:`StoreNotFoundError` if there is none, creating nothing, and
     :class:`DamagedStoreError` for an unreadable root."""
     path = local_path(url)
     if path is not None and not (path / "zarr.json").is_file():
@@ -124,6 +131,7 @@ def open_root(url: str, *, mode: str = "r") -> zarr.Group:
         raise StoreNotFoundError(f"no attngeom store at {url}")
     if mode != "r":
         check_writable(url)
+    hold = _WriterHold(url) if mode != "r" else None
     try:
         root = zarr.open_group(
             zarr_store(url, read_only=mode == "r"), mode="r" if mode == "r" else "r+", use_consolidated=False
@@ -135,9 +143,66 @@ def open_root(url: str, *, mode: str = "r") -> zarr.Group:
             f"{url}: the root's zarr.json is unreadable ({exc}); {recovery(url, '', metadata=True)}"
         ) from exc
     read_root_attrs(root, url, writing=mode != "r")
-    if mode != "r":
-        remove_partials(url)
+    if hold is not None:
+        hold.bind(root)
     return root
+
+
+# The local stores this process writes, by their folder's (device, inode): one open
+# descriptor each, holding a shared advisory lock (flock) on the folder, and the root groups
+# opened for writing through it that are still alive. The descriptor closes, and the lock
+# goes, with the last of them.
+_HOLDS: dict[tuple[int, int], list[Any]] = {}
+
+
+class _WriterHold:
+    """This process as one of the writers of a local store, from before its first write to
+    the end of the root groups it opens (:func:`open_root`, :func:`open_or_create_root`).
+    Taken, it removes the ``*.partial`` leftovers of killed writes, but only where no other
+    process holds the store: another writer's partial objects are its writes in flight
+    (torchrun ranks, ``--shard`` peers, an analyze beside an extract), whose renames fail
+    once they are removed. Leftovers found beside a live writer stay for the next writer
+    that writes alone; validate names them meanwhile."""
+
+    def __init__(self, url: str) -> None:
+        self.key = None
+        path = local_path(url)
+        if path is None:
+            return  # an object store: no leftovers, no lock
+        if fcntl is None:
+            remove_partials(url)
+            return
+        path.mkdir(parents=True, exist_ok=True)
+        st = path.stat()
+        self.key = (st.st_dev, st.st_ino)
+        if self.key not in _HOLDS:
+            _HOLDS[self.key] = [os.open(path, os.O_RDONLY), 0]
+        _HOLDS[self.key][1] += 1
+        fd = _HOLDS[self.key][0]
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # this process's own hold converts
+            remove_partials(url)
+        except BlockingIOError:
+            pass
+        fcntl.flock(fd, fcntl.LOCK_SH)
+
+    def bind(self, root: zarr.Group) -> None:
+        """Keep the store held while ``root`` lives."""
+        if self.key is not None:
+            weakref.finalize(root, _release, self.key)
+            self.key = None
+
+    def __del__(self) -> None:
+        if self.key is not None:  # no root was opened: the hold ends here
+            _release(self.key)
+
+
+def _release(key: tuple[int, int]) -> None:
+    hold = _HOLDS[key]
+    hold[1] -= 1
+    if not hold[1]:
+        os.close(hold[0])
+        del _HOLDS[key]
 
 
 def partials(url: str) -> list[str]:
@@ -154,8 +219,9 @@ def partials(url: str) -> list[str]:
 
 
 def remove_partials(url: str) -> list[str]:
-    """Remove the ``*.partial`` leftovers of a local store; the keys removed. Writers call
-    it when they open a store; readers leave the store as it is (and ignore them)."""
+    """Remove the ``*.partial`` leftovers of a local store; the keys removed. A writer calls
+    it when it opens a store and is its only writer (:class:`_WriterHold`); readers leave the
+    store as it is (and ignore them)."""
     found = partials(url)
     for key in found:
         (local_path(url) / key).unlink(missing_ok=True)
@@ -177,8 +243,8 @@ def open_or_create_root(url: str) -> zarr.Group:
     The root's metadata and attributes are one object, written at once; an empty group
     without them (a store created by hand, or by older code killed mid-way) is adopted.
     """
+    hold = _WriterHold(url)
     zstore = zarr_store(url, read_only=False)
-    remove_partials(url)
     meta = {ATTR_KEY: {"schema_version": SCHEMA_VERSION, "format": FORMAT, "created_by": __version__}}
     try:
         root = zarr.open_group(zstore, mode="r+", use_consolidated=False)
@@ -194,6 +260,7 @@ def open_or_create_root(url: str) -> zarr.Group:
     if ATTR_KEY not in root.attrs and not list(root.keys()):
         root.attrs.update(meta)
     read_root_attrs(root, url, writing=True)
+    hold.bind(root)
     return root
 
 

@@ -27,7 +27,8 @@ def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
     folders list their files in."""
     if isinstance(zstore, zarr.storage.LocalStore):
         found = local_files(os.path.join(str(zstore.root), prefix), prefix.rstrip("/"))
-        return {key: entry.stat(follow_symlinks=False).st_size for key, entry in sorted(found, key=lambda x: x[0])}
+        return {key: size for key, entry in sorted(found, key=lambda x: x[0])
+                if (size := _size(entry)) is not None}
     if isinstance(zstore, zarr.storage.FsspecStore):
         root = zstore.path.rstrip("/")
 
@@ -40,6 +41,15 @@ def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
         return {key: await zstore.getsize(key) async for key in zstore.list_prefix(prefix)}
 
     return sync(collect())
+
+
+def _size(entry: os.DirEntry) -> int | None:
+    """A listed file's size; None when it is gone since the listing: another writer's
+    ``*.partial`` object renamed into place (``extract --shard`` peers, torchrun ranks)."""
+    try:
+        return entry.stat(follow_symlinks=False).st_size
+    except FileNotFoundError:
+        return None
 
 
 def chunk_key(arr: zarr.Array, index: tuple[int, ...]) -> str:

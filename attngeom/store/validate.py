@@ -339,7 +339,7 @@ def leftover_problems(url: str) -> list[str]:
     """One line per ``*.partial`` object: the leftover of a write killed mid-way."""
     return [
         f"{key} is the leftover of an interrupted write (harmless: the next extract, analyze, ablate "
-        f"or migrate removes it)"
+        f"or migrate that writes the store alone removes it), or a write in progress"
         for key in partials(url)
     ]
 
