@@ -174,11 +174,12 @@ class _WriterHold:
             return
         path.mkdir(parents=True, exist_ok=True)
         st = path.stat()
-        self.key = (st.st_dev, st.st_ino)
-        if self.key not in _HOLDS:
-            _HOLDS[self.key] = [os.open(path, os.O_RDONLY), 0]
-        _HOLDS[self.key][1] += 1
-        fd = _HOLDS[self.key][0]
+        key = (st.st_dev, st.st_ino)
+        if key not in _HOLDS:
+            _HOLDS[key] = [os.open(path, os.O_RDONLY), 0]
+        _HOLDS[key][1] += 1
+        self.key = key  # counted: from here on, released by the root or by __del__
+        fd = _HOLDS[key][0]
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # this process's own hold converts
             remove_partials(url)
@@ -220,8 +221,8 @@ def partials(url: str) -> list[str]:
 
 def remove_partials(url: str) -> list[str]:
     """Remove the ``*.partial`` leftovers of a local store; the keys removed. A writer calls
-    it when it opens a store and is its only writer (:class:`_WriterHold`); readers leave the
-    store as it is (and ignore them)."""
+    it when it opens a store and is its only writer (:class:`_WriterHold`), migrate before
+    it rewrites the whole store; readers leave the store as it is (and ignore them)."""
     found = partials(url)
     for key in found:
         (local_path(url) / key).unlink(missing_ok=True)
