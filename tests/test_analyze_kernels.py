@@ -676,7 +676,7 @@ def test_ball_scores_are_the_exact_counts(exact):
         yy = np.einsum("kd,kd->k", y, y)
         x = np.empty(K)
         tiny = 1e300 if exact else kernels._TINY
-        _, unsure = _loops._expansions(yy, y @ s, s @ s, np.sqrt(yy.max()), e_rel, tiny, x)
+        _, unsure = _loops._expansions(yy, y @ s, np.ones(K), s @ s, np.sqrt(yy.max()), e_rel, tiny, x)
         got = _loops._ball(y, s, x, np.sqrt(yy), e_rel, tiny, unsure, order, n, n_cand,
                            np.full(K, np.nan))
         D_ = ((y - s) ** 2).sum(axis=1)
@@ -720,7 +720,7 @@ def test_screened_scores_are_the_exact_counts():
         s = y[order[:n]].sum(axis=0)
         yy = np.einsum("kd,kd->k", y, y)
         x = np.empty(K)
-        _, unsure = _loops._expansions(yy, y @ s, s @ s, np.sqrt(yy.max()), e_rel, kernels._TINY, x)
+        _, unsure = _loops._expansions(yy, y @ s, np.ones(K), s @ s, np.sqrt(yy.max()), e_rel, kernels._TINY, x)
         assert not unsure
         position = np.full(K, K)
         position[order[:n_cand]] = np.arange(n_cand)

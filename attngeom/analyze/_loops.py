@@ -3,8 +3,9 @@ head's pair statistics from its Gram matrix. Pure functions on arrays, no I/O; t
 face and the numpy parts are in :mod:`attngeom.analyze.kernels`.
 
 Distances ``D_k = ||y_k - s||^2`` are compared through their expansions
-``||y_k||^2 - 2 <y_k, s> + ||s||^2`` (the products ``<y_k, s>`` of every aggregate by one BLAS
-call), which are within ``e/2`` of the exact value, ``e`` a bound per aggregate
+``||y_k||^2 - 2 <y_k, s> + ||s||^2`` (``<y_k, s>`` as ``alpha_k <v_k, s>``, the products of a
+kv head's values with every aggregate of its query heads by one BLAS call), which are within
+``e/2`` of the exact value, ``e`` a bound per aggregate
 (:func:`attngeom.analyze.kernels._error_bound`); a key whose expansion lies within ``2e`` of
 a threshold is evaluated exactly, from the difference, the same way every time. Every count
 is therefore that of the exact distances. Aggregates add their keys one at a time in
@@ -337,14 +338,14 @@ def _ball(y, s, x, yn, e_rel, tiny, unsure, order, n, n_cand, cache):
 
 
 @_jit
-def _expansions(yy, ys, ss, y_max, e_rel, tiny, x):
-    """x (K,) <- the expansions of D around one aggregate (its products ys (K,) with the
-    keys, its squared norm ss); returns the row's error bound and whether the row must be
-    compared exactly (a non-finite bound or expansion)."""
+def _expansions(yy, sv, alpha, ss, y_max, e_rel, tiny, x):
+    """x (K,) <- the expansions of D around one aggregate (its products sv (K,) with the
+    values, <y_k, s> = alpha_k <v_k, s>; its squared norm ss); returns the row's error bound
+    and whether the row must be compared exactly (a non-finite bound or expansion)."""
     bound = e_rel * (y_max + np.sqrt(ss)) ** 2 + tiny
     finite = np.isfinite(bound)
     for k in range(x.size):
-        expansion = yy[k] - 2 * ys[k] + ss
+        expansion = yy[k] - 2 * (alpha[k] * sv[k]) + ss
         x[k] = expansion
         finite &= expansion - expansion == 0.0  # a boolean, not a float sum: SIMD lanes
     return (bound if finite else 0.0), not finite
@@ -525,7 +526,7 @@ def _rows(P, Pn, R):
 
 
 @_jit
-def exact_keys(y, S, ys, orders, points, att, options, X, err, unsure, scores):
+def exact_keys(y, S, sv, alpha, orders, points, att, options, X, err, unsure, scores):
     """Fills the expansions X (rows, K) of every aggregate's distances, each row's error bound
     err (rows,) and whether it is compared exactly, unsure (rows,), and returns the (row, key)
     pairs whose exact distance the comparisons of :func:`head_geometry` can need: the candidates for a radius
@@ -568,7 +569,7 @@ def exact_keys(y, S, ys, orders, points, att, options, X, err, unsure, scores):
             positions[1 + r, draw_orders[r, i]] = i
     for row in range(rows):
         ss = _dot(S[row], S[row])
-        err[row], unsure[row] = _expansions(yy, ys[row], ss, y_max, options[0], options[1], X[row])
+        err[row], unsure[row] = _expansions(yy, sv[row], alpha, ss, y_max, options[0], options[1], X[row])
         x, e, n = X[row], err[row], points[point[row]]
         if kind[row] == 0:
             sel_order, n_cand = order, n_att
@@ -619,14 +620,14 @@ def exact_keys(y, S, ys, orders, points, att, options, X, err, unsure, scores):
 
 
 @_jit
-def head_geometry(values, att, points, y, S, s_plus, ys, expansions, named, orders, alpha, v_norm,
+def head_geometry(values, att, points, y, S, s_plus, sv, expansions, named, orders, alpha, v_norm,
                   head_constants, mu, mu_q95, options, floats, counts):
     """Every top-N output of one query head (docs/method.md) at the valid sizes ``points``
     (ascending, each < |K|): floats (N_FLOATS, P) and counts (N_COUNTS, P), filled in place
     (they arrive NaN / -1).
 
     values (K, D) of the head's kv head, att (K,) bool; y, S, s_plus and orders from
-    :func:`aggregates`, ys (rows, K) = S y^T; expansions = (X, err, unsure, scores) from
+    :func:`aggregates`, sv (rows, K) = S values^T; expansions = (X, err, unsure, scores) from
     :func:`exact_keys` and named = (rows, keys, distances) the exact distances of the pairs it
     names, rows ascending; alpha (K,) the attention row; v_norm (K,) ||v_k||; head_constants: C, c_lo,
     c_hi, q05, q95 of the kv head; mu and mu_q95 (P,) from :func:`head_coherence`; options:
@@ -727,7 +728,7 @@ def head_geometry(values, att, points, y, S, s_plus, ys, expansions, named, orde
         js_sum, js_n = 0.0, 0
         for i in range(n, n_att):
             k = order[i]
-            c = ys[p, k] / (y_norm[k] * s_norm)
+            c = alpha[k] * sv[p, k] / (y_norm[k] * s_norm)
             if np.isfinite(c):
                 js_sum += c
                 js_n += 1
@@ -1158,10 +1159,10 @@ def group_aggregates(alpha, values, att, points, draw_keys):
 
 
 @_jit
-def group_exact_keys(y, S, ys, orders, points, att, options):
+def group_exact_keys(y, S, sv, alpha, orders, points, att, options):
     """:func:`exact_keys` of each query head: X (h, rows, K), err and unsure (h, rows),
     scores (h, rows, 3), and the (head, row, key) triples to compute exactly."""
-    h, rows, K = ys.shape
+    h, rows, K = sv.shape
     X = np.empty((h, rows, K))
     err = np.empty((h, rows))
     unsure = np.empty((h, rows), np.bool_)
@@ -1169,7 +1170,7 @@ def group_exact_keys(y, S, ys, orders, points, att, options):
     heads, row_idx, key_idx = [], [], []
     for i in range(h):
         o = (orders[0][i], orders[1][i], orders[2][i], orders[3][i])
-        r, k = exact_keys(y[i], S[i], ys[i], o, points, att, options, X[i], err[i], unsure[i], scores[i])
+        r, k = exact_keys(y[i], S[i], sv[i], alpha[i], o, points, att, options, X[i], err[i], unsure[i], scores[i])
         for j in range(r.size):
             heads.append(i)
             row_idx.append(r[j])
@@ -1179,7 +1180,7 @@ def group_exact_keys(y, S, ys, orders, points, att, options):
 
 
 @_jit
-def group_geometry(values, att, points, y, S, s_plus, ys, expansions, named, orders, alpha,
+def group_geometry(values, att, points, y, S, s_plus, sv, expansions, named, orders, alpha,
                    v_norm, head_constants, mu, mu_q95, options):
     """:func:`head_geometry` of each query head: floats (h, N_FLOATS, P), counts
     (h, N_COUNTS, P); named = (heads, rows, keys, distances) the exact distances of the
@@ -1191,7 +1192,7 @@ def group_geometry(values, att, points, y, S, s_plus, ys, expansions, named, ord
     for i in range(h):
         o = (orders[0][i], orders[1][i], orders[2][i], orders[3][i])
         lo, hi = np.searchsorted(heads, i), np.searchsorted(heads, i + 1)
-        head_geometry(values, att, points, y[i], S[i], s_plus[i], ys[i],
+        head_geometry(values, att, points, y[i], S[i], s_plus[i], sv[i],
                       (expansions[0][i], expansions[1][i], expansions[2][i], expansions[3][i]),
                       (rows[lo:hi], keys[lo:hi], distances[lo:hi]), o, alpha[i],
                       v_norm, head_constants, mu[i], mu_q95[i], options, floats[i], counts[i])

@@ -222,12 +222,14 @@ def _query_heads(out, heads, alpha, values, att, kv, g, gram, pairs, grid, draw_
                                             gram, points, n_att)
     else:
         mu = mu_q95 = np.full((heads.size, points.size), np.nan)
-    # <s, y_k> of every aggregate and key, one product per head.
-    ys = S @ y.transpose(0, 2, 1)
-    X, err, unsure, scores, hh, rows, keys = _loops.group_exact_keys(y, S, ys, orders, points, att, options)
+    # <s, v_k> of every aggregate and key: one product of every head's aggregates with the
+    # values they share (a product per head, of y, took a third longer); the loops take
+    # <s, y_k> as alpha_k <s, v_k>.
+    sv = (S.reshape(-1, S.shape[-1]) @ values.T).reshape(*S.shape[:2], values.shape[0])
+    X, err, unsure, scores, hh, rows, keys = _loops.group_exact_keys(y, S, sv, alpha, orders, points, att, options)
     named = (hh, rows, keys, _squared_distances(y[hh, keys], S[hh, rows]))
     head_constants = np.array([kv.C[g], kv.c_lo[g], kv.c_hi[g], kv.q05[g], kv.q95[g]])
-    floats, counts = _loops.group_geometry(values, att, points, y, S, s_plus, ys, (X, err, unsure, scores),
+    floats, counts = _loops.group_geometry(values, att, points, y, S, s_plus, sv, (X, err, unsure, scores),
                                            named, orders, alpha, kv.v_norm[g], head_constants, mu,
                                            mu_q95, options)
     valid = np.flatnonzero(grid < n_att)
@@ -247,9 +249,10 @@ def _squared_distances(y, s):
 
 def _error_bound(D: int) -> float:
     """The relative error bound e_rel of a distance's expansion: D_k = ||y_k - s||^2 computed
-    from the difference, or expanded as ||y_k||^2 - 2 <y_k, s> + ||s||^2, is within
-    (D + 4) eps (||y_k|| + ||s||)^2 of the real value, whatever the summation order and
-    fused multiply-adds; the bound used for a row of keys, e_rel (max_k ||y_k|| + ||s||)^2
+    from the difference, or expanded as ||y_k||^2 - 2 <y_k, s> + ||s||^2 with <y_k, s> taken
+    as alpha_k <v_k, s> (y_k = alpha_k v_k rounded: two roundings more than <y_k, s>), is
+    within (D + 4) eps (||y_k|| + ||s||)^2 of the real value, whatever the summation order
+    and fused multiply-adds; the bound used for a row of keys, e_rel (max_k ||y_k|| + ||s||)^2
     plus _TINY, is twice what the two ways can differ by, so a comparison may widen a
     threshold by e instead of bounding every key's own rounding."""
     return 4 * (D + 4) * np.finfo(np.float64).eps
