@@ -546,11 +546,13 @@ def _gqa_case(case):
 
 def _no_shortcuts(monkeypatch):
     """Take every exact fallback: the top-pair list holds almost nothing, every quantile comes
-    from a sampled bracket, and no distance is settled by its expansion."""
+    from a sampled bracket, no distance is settled by its expansion, and the Gram matrix is
+    float64."""
     monkeypatch.setattr(kernels, "_TOP_PAIR_MIN", 0)
     monkeypatch.setattr(kernels, "_TOP_PAIR_SHARE", 1e-3)
     monkeypatch.setattr(kernels, "_BRACKET_MIN", 8)
     monkeypatch.setattr(kernels, "_TINY", 1e300)
+    monkeypatch.setattr(kernels, "_GRAM_DTYPE", np.float64)
 
 
 @pytest.mark.parametrize("shortcuts", [True, False], ids=["default", "fallbacks"])
@@ -588,6 +590,31 @@ def test_shortcuts_do_not_change_results_at_a_longer_context(monkeypatch):
     _assert_same(topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=9), fast, fast)
     _assert_same(value_statistics(values, attendable), fast_stats, fast_stats)
 
+
+
+def test_float32_gram_changes_nothing_where_cosines_tie_below_its_resolution(monkeypatch):
+    """Half (and 80%) of a kv head's values within 1e-5 of one direction (their cosines all
+    round to the same float32 value, so the screen orders none of them), a tenth repeated exactly:
+    the median, mu and mu_q95 from the float32 screen equal those of the float64 Gram matrix
+    (and the brute-force twin's), every count equal, with the top-pair list and the brackets
+    live (K = 400)."""
+    rng = np.random.default_rng(22)
+    G, K, D = 2, 400, 16
+    values = rng.normal(size=(G, K, D))
+    near = rng.random((G, K)) < np.array([[0.5], [0.8]])  # the median among the ties in kv head 1
+    direction = rng.normal(size=(G, 1, D))
+    values = np.where(near[..., None], direction + 1e-5 * values, values)
+    values[:, 1::10] = values[:, 2:3]
+    alpha = rng.dirichlet(np.full(K, 0.3), size=2 * G)
+    attendable = np.ones((G, K), bool)
+    head_kv = np.repeat(np.arange(G), 2)
+    grid = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    screened = topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=3)
+    screened_stats = value_statistics(values, attendable)
+    _assert_same(screened_stats, brute_value_statistics(values, attendable), ["median_cos"])
+    monkeypatch.setattr(kernels, "_GRAM_DTYPE", np.float64)
+    _assert_same(screened, topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=3), screened)
+    _assert_same(screened_stats, value_statistics(values, attendable), screened_stats)
 
 
 @pytest.mark.parametrize("shortcuts", [True, False], ids=["default", "fallbacks"])
@@ -754,19 +781,26 @@ def test_uniform_ranking_is_the_stable_sort():
 
 def test_pair_statistics_median_and_row_maxima():
     """The bracketed median of the pair cosines is numpy's, on long and short Gram matrices,
-    with ties; the row maxima are those of |cosine| off the diagonal."""
+    with ties; the row maxima are those of |cosine| off the diagonal. From a float32 screen
+    the median is the exact one's and the row maxima are within the screen's bound."""
     rng = np.random.default_rng(8)
     for k, D in ((3, 2), (60, 4), (500, 3)):
         u = rng.normal(size=(k, D))
         u[::4] = u[1]
         u /= np.linalg.norm(u, axis=1, keepdims=True)
         gram = u @ u.T
+        exact = np.array([[_loops._pair_cos(u, q, p) for p in range(k)] for q in range(k)])
         pairs = gram[np.tril_indices(k, -1)]
+        delta = kernels._screen_bound(D)
         for bracket_min in (8, 1 << 30):
-            median, row_max, *_ = _loops.pair_statistics(gram, 0.08, 64, bracket_min)
+            median, row_max, *_ = _loops.pair_statistics(gram, u, 0.0, 0.08, 64, bracket_min)
             assert median == _sorted_quantile(pairs, 0.5)
             off = np.abs(gram) + np.diag(np.full(k, -np.inf))
             np.testing.assert_array_equal(row_max, off.max(axis=1))
+            screen = gram.astype(np.float32)
+            median, row_max, *_ = _loops.pair_statistics(screen, u, delta, 0.08, 64, bracket_min)
+            assert median == _sorted_quantile(exact[np.tril_indices(k, -1)], 0.5)
+            assert np.all(np.abs(row_max - off.max(axis=1)) <= delta)
 
 
 def test_ranking_is_the_stable_sort():

@@ -808,6 +808,79 @@ def head_geometry(values, att, points, y, S, s_plus, sv, expansions, named, orde
 
 
 @_jit
+def _pair_cos(unit, q, p):
+    """<u_q, u_p> in float64, its terms added in one fixed order (four running sums): the one
+    value a pair's cosine takes wherever an output or a comparison reads it exactly (the
+    float32 Gram matrix only screens for the pairs that need it, see
+    `kernels._screen_bound`)."""
+    a, b = unit[q], unit[p]
+    D = a.size
+    s0 = s1 = s2 = s3 = 0.0
+    d = 0
+    while d + 4 <= D:
+        s0 += a[d] * b[d]
+        s1 += a[d + 1] * b[d + 1]
+        s2 += a[d + 2] * b[d + 2]
+        s3 += a[d + 3] * b[d + 3]
+        d += 4
+    while d < D:
+        s0 += a[d] * b[d]
+        d += 1
+    return (s0 + s1) + (s2 + s3)
+
+
+@_jit
+def _refined_pair(x, at, lo, hi, below, x_lo, x_hi, unit, delta, absolute):
+    """The lo-th and hi-th smallest pair cosines (|cosine| if absolute) of a set, exact
+    (`_pair_cos`), from the screen: x (n,) the float32 values of the set's members within
+    [x_lo, x_hi], ``below`` members below x_lo, at (n,) their pairs (q << 32) + p; every
+    float32 value within delta of its exact one.
+
+    The exact statistics lie within delta of those of x, so a member more than 2 delta below
+    (above) them is below (above) both: only the members of that band are computed. Returns
+    (False, NaN, NaN) where the band reaches outside [x_lo, x_hi] (members not in x)."""
+    f_lo, f_hi = _order_pair(x, lo - below, hi - below)
+    band_lo, band_hi = f_lo - 2 * delta, f_hi + 2 * delta
+    if not (band_lo >= x_lo and band_hi <= x_hi):
+        return False, np.nan, np.nan
+    n_below = below
+    band = np.empty(x.size)
+    j = 0
+    for i in range(x.size):
+        v = x[i]
+        if v < band_lo:
+            n_below += 1
+        elif v <= band_hi:
+            c = _pair_cos(unit, at[i] >> 32, at[i] & 0xFFFFFFFF)
+            band[j] = abs(c) if absolute else c
+            j += 1
+    band = np.sort(band[:j])
+    return True, band[lo - n_below], band[hi - n_below]
+
+
+@_jit
+def _exact_row_max(gram, unit, r, screened, delta):
+    """max_{q != r} |<u_r, u_q>| exact (`_pair_cos`), from the screen's maximum of the row:
+    only its pairs within 2 delta of that maximum can hold the exact one."""
+    best = -np.inf
+    floor = screened - 2 * delta
+    for p in range(r):
+        if abs(gram[r, p]) >= floor:
+            best = max(best, abs(_pair_cos(unit, r, p)))
+    for q in range(r + 1, gram.shape[0]):
+        if abs(gram[q, r]) >= floor:
+            best = max(best, abs(_pair_cos(unit, q, r)))
+    return best
+
+
+@_jit
+def _bucket_of(v, edges):
+    """The bucket of a listed |cosine| v (`pair_statistics`): buckets descend in |cosine|."""
+    a_lo, scale = edges[0], edges[1]
+    return _BUCKETS - 1 - max(min(int((v - a_lo) * scale), _BUCKETS - 1), 0)
+
+
+@_jit
 def _pair_at(t):
     """The t-th pair (q, p), q > p, of the lower triangle in row order."""
     q = int((1.0 + np.sqrt(1.0 + 8.0 * t)) / 2.0)
@@ -881,16 +954,22 @@ def _bracket(sample, lo, hi, m, share, use):
 
 
 @_jit
-def pair_statistics(gram, share, min_pairs, bracket_min):
+def pair_statistics(gram, unit, delta, share, min_pairs, bracket_min):
     """One kv head's pair statistics from its Gram matrix (k, k) of unit non-sink values,
     read below the diagonal only (``gram[q, p]``, q > p):
 
     - the median of the k(k-1)/2 pair cosines (numpy's 'linear' quantile);
     - row_max (k,): max_{q != p} |<u_p, u_q>|;
     - the pairs whose |cosine| is at or above a threshold that keeps about ``share`` of them
-      (all of them up to ``min_pairs`` pairs): (|cos|, p, q) grouped into buckets of
-      descending |cosine| (every pair of a bucket above every pair of a later one), and the
-      buckets' bounds.
+      (all of them up to ``min_pairs`` pairs): (p, q) grouped into buckets of descending
+      |cosine| (every pair of a bucket above every pair of a later one), the buckets'
+      bounds, and edges = (lowest listed |cosine|, buckets per unit |cosine|,
+      threshold) for :func:`_bucket_of`.
+
+    With delta > 0 the Gram matrix is a float32 screen (each entry within delta of the exact
+    `_pair_cos` of unit (k, D)): the median is exact (:func:`_refined_pair`), the rest holds
+    the screen's values, which :func:`head_coherence` refines. With delta = 0 its values are
+    the cosines.
 
     The median is found in a bracket around it taken from a sample of 2,048 pairs (counting
     the pairs below it, selecting among the few inside) once the head has more than
@@ -900,7 +979,8 @@ def pair_statistics(gram, share, min_pairs, bracket_min):
     m = k * (k - 1) // 2
     row_max = np.full(k, -np.inf)
     if m == 0:
-        return np.nan, row_max, np.empty(0), np.empty(0, np.int64), np.empty(0, np.int64), np.zeros(1, np.int64)
+        return (np.nan, row_max, np.empty(0, np.int64), np.empty(0, np.int64), np.zeros(1, np.int64),
+                np.zeros(3))
     golden = 0.6180339887498949
     ns = 2048
     sample = np.empty(ns)
@@ -920,11 +1000,13 @@ def pair_statistics(gram, share, min_pairs, bracket_min):
     # One pass, free of branches: the comparisons go either way at random, and a candidate is
     # written at the end of its list whether or not the list then grows past it.
     inside = np.empty(m + 1)
+    inside_at = np.empty(m + 1, np.int64)  # the pairs (q << 32) + p of inside
     listed = np.empty(m + 1, np.int64)  # p of the listed pairs (q, p), row after row
     row_start = np.zeros(k + 1, np.int64)
     n_in = below = n_top = 0
     for q in range(1, k):
         row = gram[q]
+        at = q << 32
         best = -np.inf
         row_start[q] = n_top
         for p in range(q):
@@ -934,6 +1016,7 @@ def pair_statistics(gram, share, min_pairs, bracket_min):
             best = max(best, a)
             below += c < t_lo
             inside[n_in] = c
+            inside_at[n_in] = at + p
             n_in += (c >= t_lo) & (c <= t_hi)
             listed[n_top] = p
             n_top += a >= threshold
@@ -942,9 +1025,15 @@ def pair_statistics(gram, share, min_pairs, bracket_min):
     median = np.nan
     for attempt in range(3):
         if below <= lo and hi < below + n_in:
-            below_value, above_value = _order_pair(inside[:n_in], lo - below, hi - below)
-            median = _interpolate(below_value, above_value, pos, lo)
-            break
+            if delta > 0:
+                found, below_value, above_value = _refined_pair(
+                    inside[:n_in], inside_at[:n_in], lo, hi, below, t_lo, t_hi, unit, delta, False)
+            else:
+                found = True
+                below_value, above_value = _order_pair(inside[:n_in], lo - below, hi - below)
+            if found:
+                median = _interpolate(below_value, above_value, pos, lo)
+                break
         t_lo, t_hi = _bracket(sample, lo, hi, m, 0.08, attempt == 0 and m > bracket_min)
         n_in = below = 0
         for q in range(1, k):
@@ -952,11 +1041,13 @@ def pair_statistics(gram, share, min_pairs, bracket_min):
                 c = gram[q, p]
                 below += c < t_lo
                 inside[n_in] = c
+                inside_at[n_in] = (q << 32) + p
                 n_in += (c >= t_lo) & (c <= t_hi)
 
     # Bucket the listed pairs by |cosine|, descending (a counting sort): every listed |cosine|
     # lies between the threshold (or the smallest of them, when all are listed) and the
-    # largest row maximum.
+    # largest row maximum. A pair is dealt to its bucket as one word, p and q packed (one
+    # write stream per bucket, not three: the scattered writes took a third of the pass).
     a_hi = row_max.max()
     a_lo = threshold
     if not np.isfinite(a_lo):
@@ -964,40 +1055,115 @@ def pair_statistics(gram, share, min_pairs, bracket_min):
         for q in range(1, k):
             for p in range(q):
                 a_lo = min(a_lo, abs(gram[q, p]))
-    scale = _BUCKETS / (a_hi - a_lo) if a_hi > a_lo else 0.0
+    edges = np.array([a_lo, _BUCKETS / (a_hi - a_lo) if a_hi > a_lo else 0.0, threshold])
     bucket = np.empty(n_top, np.int64)
     bounds = np.zeros(_BUCKETS + 1, np.int64)
     for q in range(1, k):
         for i in range(row_start[q], row_start[q + 1]):
-            b = _BUCKETS - 1 - min(int((abs(gram[q, listed[i]]) - a_lo) * scale), _BUCKETS - 1)
+            b = _bucket_of(abs(gram[q, listed[i]]), edges)
             bucket[i] = b
             bounds[b + 1] += 1
+            listed[i] += q << 32
     for b in range(_BUCKETS):
         bounds[b + 1] += bounds[b]
     fill = bounds[:-1].copy()
-    out_a = np.empty(n_top)
+    packed = np.empty(n_top, np.int64)
+    for i in range(n_top):
+        j = fill[bucket[i]]
+        fill[bucket[i]] += 1
+        packed[j] = listed[i]
     out_p = np.empty(n_top, np.int64)
     out_q = np.empty(n_top, np.int64)
-    for q in range(1, k):
-        for i in range(row_start[q], row_start[q + 1]):
-            j = fill[bucket[i]]
-            fill[bucket[i]] += 1
-            p = listed[i]
-            out_a[j], out_p[j], out_q[j] = abs(gram[q, p]), p, q
-    return median, row_max, out_a, out_p, out_q, bounds
+    for j in range(n_top):
+        out_q[j], out_p[j] = packed[j] >> 32, packed[j] & 0xFFFFFFFF
+    return median, row_max, out_p, out_q, bounds, edges
 
 
 @_jit
-def head_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_att, mu, mu_q95):
+def _exact_mu(gram, unit, delta, row_max, exact_rows, by_rank, s):
+    """max of the exact row maxima (`_exact_row_max`, kept in exact_rows, NaN until needed) of
+    the s keys of lowest rank; row_max are the screen's: a row more than 2 delta below their
+    maximum cannot hold the exact one."""
+    screened = -np.inf
+    for i in range(s):
+        screened = max(screened, row_max[by_rank[i]])
+    best = -np.inf
+    for i in range(s):
+        r = by_rank[i]
+        if row_max[r] >= screened - 2 * delta:
+            if np.isnan(exact_rows[r]):
+                exact_rows[r] = _exact_row_max(gram, unit, r, row_max[r], delta)
+            best = max(best, exact_rows[r])
+    return best
+
+
+@_jit
+def _listed_statistics(stats, ts, bounds, members, p, first, n, top_p, top_q, gram, unit, delta,
+                       edges):
+    """The members ts[0] and ts[1] from the top (|cosine| descending) of the set of points[p]
+    among the listed pairs, into stats; False if fewer are listed. With delta > 0 the
+    buckets locate the screen's values, and the members within 2 delta of them are computed
+    exactly (`_pair_cos`): those above are above both; False if that band reaches below the
+    listing threshold (pairs not listed)."""
+    n_buckets = bounds.size - 1
+    for which in range(2):
+        t = ts[which]
+        seen = 0
+        found = False
+        for b in range(n_buckets):
+            c = members[b, p]
+            if seen + c > t:
+                inb = np.empty(c)
+                j = 0
+                for i in range(bounds[b], bounds[b + 1]):
+                    if first[i] < n:
+                        inb[j] = abs(gram[top_q[i], top_p[i]])
+                        j += 1
+                inb = -np.sort(-inb)
+                stats[which] = inb[t - seen]
+                found = True
+                break
+            seen += c
+        if not found:
+            return False
+    if delta == 0:
+        return True
+    band_lo, band_hi = min(stats[0], stats[1]) - 2 * delta, max(stats[0], stats[1]) + 2 * delta
+    if band_lo < edges[2]:
+        return False
+    b_top, b_bottom = _bucket_of(band_hi, edges), _bucket_of(band_lo, edges)
+    above = 0
+    for b in range(b_top):
+        above += members[b, p]
+    band = np.empty(bounds[b_bottom + 1] - bounds[b_top])
+    j = 0
+    for i in range(bounds[b_top], bounds[b_bottom + 1]):
+        if first[i] < n:
+            a = abs(gram[top_q[i], top_p[i]])
+            if a > band_hi:
+                above += 1
+            elif a >= band_lo:
+                band[j] = abs(_pair_cos(unit, top_q[i], top_p[i]))
+                j += 1
+    band = -np.sort(-band[:j])
+    stats[0], stats[1] = band[ts[0] - above], band[ts[1] - above]
+    return True
+
+
+@_jit
+def head_coherence(rank, row_max, top_p, top_q, bounds, edges, gram, unit, delta, exact_rows,
+                   points, n_att, mu, mu_q95):
     """mu and mu_q95 (P,) of one query head at the sizes points
     (docs/method.md#sink-aware-bound): mu_N = max |<u_p, u_q>| over the non-sink pairs with
     p in I_N, mu_q95 their 95% quantile ('linear'); NaN without such a pair, mu_q95 also where
     N >= |K|.
 
     rank (k,): the selection rank of each non-sink key (in the kv head's Gram order); the
-    pair statistics of :func:`pair_statistics`. A pair is in the set of N iff the smaller
-    rank of its keys is < N. The quantile's order statistics are counted from the top of the
-    listed pairs' buckets; a set with too few listed members is gathered whole.
+    pair statistics of :func:`pair_statistics`, its Gram matrix, unit values and delta;
+    exact_rows (k,) the exact row maxima found so far, shared by the kv head's query heads.
+    A pair is in the set of N iff the smaller rank of its keys is < N. The quantile's order
+    statistics are counted from the top of the listed pairs' buckets; a set with too few
+    listed members is gathered whole.
     """
     k, P = rank.size, points.size
     # The keys by rank: ranks are distinct positions in a selection order.
@@ -1018,7 +1184,7 @@ def head_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_a
     n_buckets = bounds.size - 1
     # members[b, p]: listed pairs of bucket b in the set of points[p].
     members = np.zeros((n_buckets, P + 1), np.int64)
-    first = np.empty(top_a.size, np.int64)
+    first = np.empty(top_p.size, np.int64)
     # The first size at which a key of rank r is selected, for every rank.
     point_of = np.searchsorted(points, np.arange(rank.max() + 1), side="right")
     for b in range(n_buckets):
@@ -1031,7 +1197,10 @@ def head_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_a
             members[b, p + 1] += members[b, p]
     total = k * (k - 1) // 2
     gathered = np.empty(0)
+    gathered_at = np.empty(0, np.int64)
     n_gathered = j_gathered = 0
+    stats = np.empty(2)
+    ts = np.empty(2, np.int64)
     for p in range(P):
         n = points[p]
         s = 0
@@ -1039,7 +1208,8 @@ def head_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_a
             s += rank[i] < n
         if s == 0:
             continue
-        mu[p] = running[s - 1]
+        mu[p] = running[s - 1] if delta == 0 else _exact_mu(gram, unit, delta, row_max, exact_rows,
+                                                            by_rank, s)
         if n >= n_att:
             continue
         m = total - (k - s) * (k - s - 1) // 2
@@ -1047,26 +1217,9 @@ def head_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_a
         lo = int(np.floor(pos))
         hi = min(lo + 1, m - 1)
         # From the top: the lo-th smallest is member number m - 1 - lo.
-        stats = np.empty(2)
-        found = 0
-        for which in range(2):
-            t = m - 1 - (lo if which == 0 else hi)
-            seen = 0
-            for b in range(n_buckets):
-                c = members[b, p]
-                if seen + c > t:
-                    inb = np.empty(c)
-                    j = 0
-                    for i in range(bounds[b], bounds[b + 1]):
-                        if first[i] < n:
-                            inb[j] = top_a[i]
-                            j += 1
-                    inb = -np.sort(-inb)
-                    stats[which] = inb[t - seen]
-                    found += 1
-                    break
-                seen += c
-        if found < 2:
+        ts[0], ts[1] = m - 1 - lo, m - 1 - hi
+        if not _listed_statistics(stats, ts, bounds, members, p, first, n, top_p, top_q, gram,
+                                  unit, delta, edges):
             # Every pair of the set, each once from its key of lower rank; the sets grow with
             # N, so the pairs gathered for a smaller N are kept and only the keys that entered
             # since add theirs. Every |cosine| is written and the count moves on for the
@@ -1074,17 +1227,24 @@ def head_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_a
             # mispredicts.
             if gathered.size == 0:
                 gathered = np.empty(total + 1)
+                gathered_at = np.empty(total + 1, np.int64)
             for i in range(n_gathered, s):
                 a_key = by_rank[i]
                 r_a = rank[a_key]
                 for b_key in range(a_key):
                     gathered[j_gathered] = abs(gram[a_key, b_key])
+                    gathered_at[j_gathered] = (a_key << 32) + b_key
                     j_gathered += rank[b_key] > r_a
                 for b_key in range(a_key + 1, k):
                     gathered[j_gathered] = abs(gram[b_key, a_key])
+                    gathered_at[j_gathered] = (b_key << 32) + a_key
                     j_gathered += rank[b_key] > r_a
             n_gathered = s
-            stats[0], stats[1] = _order_pair(gathered[:m], lo, hi)
+            if delta == 0:
+                stats[0], stats[1] = _order_pair(gathered[:m], lo, hi)
+            else:
+                _, stats[0], stats[1] = _refined_pair(gathered[:m], gathered_at[:m], lo, hi, 0,
+                                                      -np.inf, np.inf, unit, delta, True)
         mu_q95[p] = _interpolate(stats[0], stats[1], pos, lo)
 
 
@@ -1200,12 +1360,13 @@ def group_geometry(values, att, points, y, S, s_plus, sv, expansions, named, ord
 
 
 @_jit
-def group_coherence(rank, row_max, top_a, top_p, top_q, bounds, gram, points, n_att):
+def group_coherence(rank, row_max, top_p, top_q, bounds, edges, gram, unit, delta, points, n_att):
     """:func:`head_coherence` of each query head: rank (h, k) -> mu, mu_q95 (h, P)."""
     h, P = rank.shape[0], points.size
     mu = np.full((h, P), np.nan)
     mu_q95 = np.full((h, P), np.nan)
+    exact_rows = np.full(rank.shape[1], np.nan)
     for i in range(h):
-        head_coherence(rank[i], row_max, top_a, top_p, top_q, bounds, gram, points, n_att, mu[i],
-                       mu_q95[i])
+        head_coherence(rank[i], row_max, top_p, top_q, bounds, edges, gram, unit, delta,
+                       exact_rows, points, n_att, mu[i], mu_q95[i])
     return mu, mu_q95

@@ -15,7 +15,10 @@ functions take a batch on a leading axis:
 Whatever depends only on the values (norms, unit vectors, their Gram matrix, the coherence
 constants' raw material) is computed once per kv head and shared by the query heads reading it.
 
-Arithmetic is float64 throughout. A value vector of norm 0 has no direction: its unit vector is
+Arithmetic is float64 throughout, but for one screen: the Gram matrix of a kv head's unit
+values is computed in float32, within a proven bound of each exact cosine (`_screen_bound`), and
+every pair cosine that an output takes, or that decides one (the median, a row's maximum, the
+pairs around a quantile), is computed again in float64 from the unit vectors. A value vector of norm 0 has no direction: its unit vector is
 taken as 0 (cosine 0 with everything) in the coherence statistics, which keeps the exact
 certificate valid because such a key has ``beta = 0`` there; a cosine reported as an output is
 NaN whenever one of its vectors is 0.
@@ -27,7 +30,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
-from scipy.linalg.blas import dsyrk as syrk
+from scipy.linalg.blas import dsyrk, ssyrk
 
 from attngeom.analyze import _loops
 from attngeom.store.schema import TOPN_COUNTS, TOPN_FLOATS, VALUE_STATISTICS
@@ -42,6 +45,11 @@ _TOP_PAIR_MIN = 4096
 # A kv head with more pairs than this finds its median pair cosine within a bracket from a
 # sample (`_loops.pair_statistics`).
 _BRACKET_MIN = 1 << 16
+
+# The Gram matrix of a kv head's unit values is computed in float32 (twice float64's speed)
+# and read as a screen (`_nonsink_gram`); float64, its entries the cosines, where the unit
+# vectors are not finite, or everywhere with float64 here (the tests' exact fallback).
+_GRAM_DTYPE = np.float32
 
 # An absolute floor under the expansions' error bound (`_error_bound`), far above subnormal
 # rounding.
@@ -123,9 +131,9 @@ def value_statistics(values: np.ndarray, attendable: np.ndarray) -> dict[str, np
     _, values, attendable, _ = _check_batch(None, values, attendable, None)
     with np.errstate(divide="ignore", invalid="ignore"):
         kv = _kv_heads(values, attendable)
-        work = np.empty(values.shape[1] ** 2)
+        work = np.empty(values.shape[1] ** 2, _GRAM_DTYPE)
         median_cos = np.array([
-            _loops.pair_statistics(_nonsink_gram(kv, g, work), _TOP_PAIR_SHARE, _TOP_PAIR_MIN, _BRACKET_MIN)[0]
+            _loops.pair_statistics(*_nonsink_gram(kv, g, work), _TOP_PAIR_SHARE, _TOP_PAIR_MIN, _BRACKET_MIN)[0]
             for g in range(values.shape[0])])
         return _value_statistics(kv, median_cos)
 
@@ -152,8 +160,10 @@ def compile_kernels() -> None:
     forking its workers; otherwise the first call in each process pays it). A cold compile
     takes tens of seconds, a load from the cache under a second."""
     rng = np.random.default_rng(0)
-    head_metrics(rng.random((2, 8)), rng.normal(size=(1, 8, 2)), np.ones((1, 8), dtype=bool),
-                 [1, 2, 4], head_kv=np.zeros(2, dtype=np.int64), random_draws=1)
+    values = rng.normal(size=(2, 8, 2))
+    values[1, 3] = np.nan  # kv head 1 takes the float64 Gram matrix
+    head_metrics(rng.random((2, 8)), values, np.ones((2, 8), dtype=bool), [1, 2, 4],
+                 head_kv=np.arange(2), random_draws=1)
 
 
 def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with_values):
@@ -171,7 +181,7 @@ def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with
     floats = np.full((B, len(TOPN_FLOATS), grid.size), np.nan)
     counts = np.full((B, len(TOPN_COUNTS) + 1, grid.size), -1, dtype=np.int64)
     stats = {name: np.full(values.shape[0], np.nan) for name in VALUE_STATISTICS} if with_values else None
-    work = np.empty(K * K)
+    work = np.empty(K * K, _GRAM_DTYPE)
     # Degenerate instances (zero vectors, zero norms) give NaN by design, not warnings.
     with np.errstate(divide="ignore", invalid="ignore"):
         for g in range(values.shape[0]) if with_values else np.unique(head_kv):
@@ -181,11 +191,11 @@ def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with
             keys = _kept_keys(attendable[g])
             vals, att = values[g][keys], attendable[g][keys]
             kv = _kv_heads(vals[None], att[None])
-            gram = _nonsink_gram(kv, 0, work)
-            pairs = _loops.pair_statistics(gram, _TOP_PAIR_SHARE, _TOP_PAIR_MIN, _BRACKET_MIN)
+            screen = _nonsink_gram(kv, 0, work)
+            pairs = _loops.pair_statistics(*screen, _TOP_PAIR_SHARE, _TOP_PAIR_MIN, _BRACKET_MIN)
             heads = np.flatnonzero(head_kv == g)
             if heads.size:
-                _query_heads((floats, counts), heads, alpha[heads][:, keys], vals, att, kv, 0, gram, pairs, grid,
+                _query_heads((floats, counts), heads, alpha[heads][:, keys], vals, att, kv, 0, screen, pairs, grid,
                              draw_keys[:, heads][:, :, keys])
             if with_values:
                 for name, x in _value_statistics(kv, np.array([pairs[0]])).items():
@@ -206,11 +216,13 @@ def _kept_keys(attendable):
     return np.flatnonzero(keep)
 
 
-def _query_heads(out, heads, alpha, values, att, kv, g, gram, pairs, grid, draw_keys):
+def _query_heads(out, heads, alpha, values, att, kv, g, screen, pairs, grid, draw_keys):
     """Rows heads of out = (floats, counts), (B, variable, len(grid)) each: the outputs at
     every N of grid of the query heads reading kv head g,
     from their attention rows alpha (h, K), the kv head's values (K, D), mask att (K,), Gram
-    matrix and pair statistics; draw_keys (R, h, K)."""
+    matrix screen = (gram, unit, delta) of `_nonsink_gram` and pair statistics; draw_keys
+    (R, h, K)."""
+    gram = screen[0]
     att = np.ascontiguousarray(att)
     n_att = int(att.sum())
     points = np.unique(grid[grid < n_att])
@@ -219,7 +231,7 @@ def _query_heads(out, heads, alpha, values, att, kv, g, gram, pairs, grid, draw_
                                                    np.ascontiguousarray(draw_keys.transpose(1, 0, 2)))
     if gram.shape[0] >= 2:
         mu, mu_q95 = _loops.group_coherence(np.ascontiguousarray(orders[1][:, kv.nonsink[g]]), *pairs[1:],
-                                            gram, points, n_att)
+                                            *screen, points, n_att)
     else:
         mu = mu_q95 = np.full((heads.size, points.size), np.nan)
     # <s, v_k> of every aggregate and key: one product of every head's aggregates with the
@@ -310,17 +322,36 @@ def _kv_heads(values, attendable):
 
 
 def _nonsink_gram(kv, g, work):
-    """(k, k) <u_p, u_q> of kv head g over its k non-sink keys, in position order, below
-    the diagonal (q > p) only: the symmetric product (BLAS syrk) does half a full product's
-    work. It is handed the transpose, Fortran-ordered as BLAS wants it (the C-ordered unit
-    vectors would be copied first), and writes into work, a float64 buffer of at least k*k
-    shared by the kv heads of a call (a fresh output would be zeroed first, page by page):
-    the same bits either way. The result is a view of work, valid until the next kv head."""
+    """The Gram matrix (k, k) <u_p, u_q> of kv head g over its k non-sink keys, in position
+    order, below the diagonal (q > p) only, as a screen: (gram, unit, delta), unit (k, D) the
+    float64 unit vectors and delta the bound on |gram - exact| (`_screen_bound`), 0 where the
+    gram is float64 and its entries are the cosines (unit vectors not finite).
+
+    The symmetric product (BLAS syrk) does half a full product's work. It is handed the
+    transpose, Fortran-ordered as BLAS wants it (the C-ordered unit vectors would be copied
+    first), and writes into work, a buffer of at least k*k shared by the kv heads of a call
+    (a fresh output would be zeroed first, page by page). The result is a view of work,
+    valid until the next kv head."""
     unit = kv.unit[g][kv.nonsink[g]]
-    k = unit.shape[0]
+    k, D = unit.shape
     if not k:
-        return np.empty((0, 0))
-    return syrk(1.0, unit.T, trans=1, c=work[: k * k].reshape((k, k), order="F"), overwrite_c=1).T
+        return np.empty((0, 0), work.dtype), unit, 0.0
+    if work.dtype == np.float32:
+        gram = ssyrk(1.0, unit.astype(np.float32).T, trans=1, c=work[: k * k].reshape((k, k), order="F"),
+                     overwrite_c=1).T
+        if np.isfinite(np.diagonal(gram)).all():
+            return gram, unit, _screen_bound(D)
+        work = np.empty(k * k)
+    return dsyrk(1.0, unit.T, trans=1, c=work[: k * k].reshape((k, k), order="F"), overwrite_c=1).T, unit, 0.0
+
+
+def _screen_bound(D: int) -> float:
+    """delta: how far a float32 Gram entry can lie from the exact cosine `_loops._pair_cos`.
+    The unit vectors (norm at most 1 + D eps64) are rounded to float32 (relative 2^-24 each, or
+    2^-149 absolute below float32's normal range) and their products summed in any order,
+    within (D + 2) 2^-24 (1 + D 2^-24); `_pair_cos` is within D eps64 of the real value. Twice
+    (D + 3) 2^-24 covers both with room."""
+    return 2 * (D + 3) * 2.0**-24
 
 
 def _check_batch(attn, values, attendable, head_kv):
