@@ -315,6 +315,8 @@ def test_empty_batch_and_invalid_n():
         topn_metrics(alpha, values, attendable, [0])
     with pytest.raises(ValueError):
         topn_metrics(alpha[:, :3], values, attendable, [1])
+    with pytest.raises(ValueError):  # more keys than the loops index pairs of (int32)
+        value_statistics(np.zeros((1, (1 << 16) + 1, 1)), np.ones((1, (1 << 16) + 1), bool))
 
 
 # ---------------------------------------------------------------- properties

@@ -833,8 +833,8 @@ def _pair_cos(unit, q, p):
 def _refined_pair(x, at, lo, hi, below, x_lo, x_hi, unit, delta, absolute):
     """The lo-th and hi-th smallest pair cosines (|cosine| if absolute) of a set, exact
     (`_pair_cos`), from the screen: x (n,) the float32 values of the set's members within
-    [x_lo, x_hi], ``below`` members below x_lo, at (n,) their pairs (q << 32) + p; every
-    float32 value within delta of its exact one.
+    [x_lo, x_hi], ``below`` members below x_lo, at (n,) their pairs as indices t
+    (:func:`_pair_at`); every float32 value within delta of its exact one.
 
     The exact statistics lie within delta of those of x, so a member more than 2 delta below
     (above) them is below (above) both: only the members of that band are computed. Returns
@@ -851,7 +851,8 @@ def _refined_pair(x, at, lo, hi, below, x_lo, x_hi, unit, delta, absolute):
         if v < band_lo:
             n_below += 1
         elif v <= band_hi:
-            c = _pair_cos(unit, at[i] >> 32, at[i] & 0xFFFFFFFF)
+            q, p = _pair_at(at[i])
+            c = _pair_cos(unit, q, p)
             band[j] = abs(c) if absolute else c
             j += 1
     band = np.sort(band[:j])
@@ -954,6 +955,21 @@ def _bracket(sample, lo, hi, m, share, use):
 
 
 @_jit
+def _row_pairs(gram, columns, start):
+    """The pairs (q, columns[i]) for i in start[q]:start[q + 1]: their Gram entries (float64)
+    and indices t (:func:`_pair_at`)."""
+    n = start[-1]
+    x = np.empty(n)
+    at = np.empty(n, np.int64)
+    for q in range(1, gram.shape[0]):
+        first = q * (q - 1) // 2
+        for i in range(start[q], start[q + 1]):
+            x[i] = gram[q, columns[i]]
+            at[i] = first + columns[i]
+    return x, at
+
+
+@_jit
 def pair_statistics(gram, unit, delta, share, min_pairs, bracket_min):
     """One kv head's pair statistics from its Gram matrix (k, k) of unit non-sink values,
     read below the diagonal only (``gram[q, p]``, q > p):
@@ -998,51 +1014,55 @@ def pair_statistics(gram, unit, delta, share, min_pairs, bracket_min):
 
     t_lo, t_hi = _bracket(sample, lo, hi, m, 0.02, m > bracket_min)
     # One pass, free of branches: the comparisons go either way at random, and a candidate is
-    # written at the end of its list whether or not the list then grows past it.
-    inside = np.empty(m + 1)
-    inside_at = np.empty(m + 1, np.int64)  # the pairs (q << 32) + p of inside
-    listed = np.empty(m + 1, np.int64)  # p of the listed pairs (q, p), row after row
+    # written at the end of its list whether or not the list then grows past it. Three writes
+    # a pair, the pass's limit: p alone for the pairs inside the bracket and the listed ones,
+    # their rows given by where each row's begin (int32: m < 2^31, `kernels._check_batch`).
+    inside = np.empty(m + 1, np.int32)  # p of the pairs (q, p) inside the bracket
+    in_start = np.zeros(k + 1, np.int64)
+    listed = np.empty(m + 1, np.int32)  # p of the listed pairs (q, p)
     row_start = np.zeros(k + 1, np.int64)
     n_in = below = n_top = 0
     for q in range(1, k):
         row = gram[q]
-        at = q << 32
         best = -np.inf
         row_start[q] = n_top
+        in_start[q] = n_in
         for p in range(q):
             c = row[p]
             a = abs(c)
             row_max[p] = max(row_max[p], a)
             best = max(best, a)
             below += c < t_lo
-            inside[n_in] = c
-            inside_at[n_in] = at + p
+            inside[n_in] = p
             n_in += (c >= t_lo) & (c <= t_hi)
             listed[n_top] = p
             n_top += a >= threshold
         row_max[q] = max(row_max[q], best)
     row_start[k] = n_top
+    in_start[k] = n_in
     median = np.nan
     for attempt in range(3):
         if below <= lo and hi < below + n_in:
+            x, at = _row_pairs(gram, inside, in_start)
             if delta > 0:
-                found, below_value, above_value = _refined_pair(
-                    inside[:n_in], inside_at[:n_in], lo, hi, below, t_lo, t_hi, unit, delta, False)
+                found, below_value, above_value = _refined_pair(x, at, lo, hi, below, t_lo, t_hi, unit,
+                                                                delta, False)
             else:
                 found = True
-                below_value, above_value = _order_pair(inside[:n_in], lo - below, hi - below)
+                below_value, above_value = _order_pair(x, lo - below, hi - below)
             if found:
                 median = _interpolate(below_value, above_value, pos, lo)
                 break
         t_lo, t_hi = _bracket(sample, lo, hi, m, 0.08, attempt == 0 and m > bracket_min)
         n_in = below = 0
         for q in range(1, k):
+            in_start[q] = n_in
             for p in range(q):
                 c = gram[q, p]
                 below += c < t_lo
-                inside[n_in] = c
-                inside_at[n_in] = (q << 32) + p
+                inside[n_in] = p
                 n_in += (c >= t_lo) & (c <= t_hi)
+        in_start[k] = n_in
 
     # Bucket the listed pairs by |cosine|, descending (a counting sort): every listed |cosine|
     # lies between the threshold (or the smallest of them, when all are listed) and the
@@ -1063,15 +1083,15 @@ def pair_statistics(gram, unit, delta, share, min_pairs, bracket_min):
             b = _bucket_of(abs(gram[q, listed[i]]), edges)
             bucket[i] = b
             bounds[b + 1] += 1
-            listed[i] += q << 32
     for b in range(_BUCKETS):
         bounds[b + 1] += bounds[b]
     fill = bounds[:-1].copy()
     packed = np.empty(n_top, np.int64)
-    for i in range(n_top):
-        j = fill[bucket[i]]
-        fill[bucket[i]] += 1
-        packed[j] = listed[i]
+    for q in range(1, k):
+        for i in range(row_start[q], row_start[q + 1]):
+            j = fill[bucket[i]]
+            fill[bucket[i]] += 1
+            packed[j] = (q << 32) + listed[i]
     out_p = np.empty(n_top, np.int64)
     out_q = np.empty(n_top, np.int64)
     for j in range(n_top):
@@ -1197,7 +1217,7 @@ def head_coherence(rank, row_max, top_p, top_q, bounds, edges, gram, unit, delta
             members[b, p + 1] += members[b, p]
     total = k * (k - 1) // 2
     gathered = np.empty(0)
-    gathered_at = np.empty(0, np.int64)
+    gathered_at = np.empty(0, np.int32)
     n_gathered = j_gathered = 0
     stats = np.empty(2)
     ts = np.empty(2, np.int64)
@@ -1227,17 +1247,17 @@ def head_coherence(rank, row_max, top_p, top_q, bounds, edges, gram, unit, delta
             # mispredicts.
             if gathered.size == 0:
                 gathered = np.empty(total + 1)
-                gathered_at = np.empty(total + 1, np.int64)
+                gathered_at = np.empty(total + 1, np.int32)
             for i in range(n_gathered, s):
                 a_key = by_rank[i]
                 r_a = rank[a_key]
                 for b_key in range(a_key):
                     gathered[j_gathered] = abs(gram[a_key, b_key])
-                    gathered_at[j_gathered] = (a_key << 32) + b_key
+                    gathered_at[j_gathered] = a_key * (a_key - 1) // 2 + b_key
                     j_gathered += rank[b_key] > r_a
                 for b_key in range(a_key + 1, k):
                     gathered[j_gathered] = abs(gram[b_key, a_key])
-                    gathered_at[j_gathered] = (b_key << 32) + a_key
+                    gathered_at[j_gathered] = b_key * (b_key - 1) // 2 + a_key
                     j_gathered += rank[b_key] > r_a
             n_gathered = s
             if delta == 0:

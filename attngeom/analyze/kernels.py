@@ -51,6 +51,10 @@ _BRACKET_MIN = 1 << 16
 # vectors are not finite, or everywhere with float64 here (the tests' exact fallback).
 _GRAM_DTYPE = np.float32
 
+# The loops index a kv head's pairs as int32 (`_loops.pair_statistics`); the Gram matrix
+# alone would take 16 GiB here.
+_MAX_KEYS = 1 << 16
+
 # An absolute floor under the expansions' error bound (`_error_bound`), far above subnormal
 # rounding.
 _TINY = 1e-290
@@ -361,6 +365,8 @@ def _check_batch(attn, values, attendable, head_kv):
     attendable = np.require(attendable, bool, ["C", "W"])
     if values.ndim != 3 or values.shape[1] < 1:
         raise ValueError(f"values must have shape (G, K, D) with K >= 1, got {values.shape}")
+    if values.shape[1] > _MAX_KEYS:
+        raise ValueError(f"at most {_MAX_KEYS} keys per instance, got {values.shape[1]}")
     if attendable.shape != values.shape[:2]:
         raise ValueError(f"attendable has shape {attendable.shape}, expected {values.shape[:2]}")
     if attn is None:
