@@ -805,6 +805,18 @@ def test_pair_statistics_median_and_row_maxima():
             assert np.all(np.abs(row_max - off.max(axis=1)) <= delta)
 
 
+@pytest.mark.parametrize("sizes", [(5, 40), (40, 5), (3, 300), (200, 200)])
+def test_pair_counts_are_the_brute_force_counts(sizes):
+    """The certificate's pair counts, by a scan (few values within the other side's range) or
+    by a search of the sorted side (many), equal counting every pair; ties included."""
+    rng = np.random.default_rng(sizes[0] * 1000 + sizes[1])
+    for trial in range(50):
+        small = np.round(rng.normal(size=sizes[0]), 1)
+        large = np.round(rng.normal(size=sizes[1]) * rng.choice([0.1, 1.0, 10.0]), 1)
+        assert _loops._count_le(small, large) == np.sum(large[None, :] <= small[:, None])
+        assert _loops._count_lt(small, large) == np.sum(large[None, :] < small[:, None])
+
+
 def test_ranking_is_the_stable_sort():
     """The selection order equals a stable sort of the candidates' keys, other keys last in
     position order: ties, windows, infinite keys."""

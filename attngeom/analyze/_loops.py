@@ -31,6 +31,9 @@ N_COUNTS = 5
 _BUCKETS = 1024
 # From this many values on, `_order_pair` counts instead of partitioning.
 _COUNTED_MIN = 4096
+# `_count_le` compares up to this many values times log2 of the other side's size with each
+# of the other side's values, and sorts that side beyond.
+_SCAN_PER_LOG = 16
 
 # Compiled once and cached on disk (numba's cache beside this module); numpy's float rules
 # (x/0 is inf or NaN, not an exception); no fast-math, so every sum adds in the written order.
@@ -370,12 +373,43 @@ def _bisect_left(a, v):
 @_jit
 def _count_le(small, large):
     """#{(a, b): b <= a} over a in small, b in large (either order works; the smaller side
-    is sorted)."""
-    a = np.sort(small)
+    is searched)."""
+    n = small.size
+    a_lo, a_hi, finite = _extent(small)
+    if n == 0:
+        return 0
+    # Most of large lies outside small's range (the bounds' weights are far apart): counted
+    # without a search; the few within it against every a (no sort) unless they are many.
     count = 0
+    within = np.empty(large.size)
+    j = 0
     for b in large:
-        count += a.size - _bisect_left(a, b)
+        if finite and b > a_hi:
+            continue
+        if finite and b <= a_lo:
+            count += n
+        else:
+            within[j] = b
+            j += 1
+    if finite and j <= _SCAN_PER_LOG * np.log2(n + 1):
+        for b in within[:j]:
+            for a in small:
+                count += not (a < b)
+    else:
+        a = np.sort(small)
+        for b in within[:j]:
+            count += n - _bisect_left(a, b)
     return count
+
+
+@_jit
+def _extent(x):
+    """(min, max, whether x holds no NaN)."""
+    lo, hi, finite = np.inf, -np.inf, True
+    for v in x:
+        lo, hi = min(lo, v), max(hi, v)
+        finite &= v == v
+    return lo, hi, finite
 
 
 @_jit
@@ -431,11 +465,31 @@ def _k_sink(beta, selected, att, nonsink, has_sink, mu, nu_plus, nu_minus, l_rto
 
 @_jit
 def _count_lt(small, large):
-    """#{(b, a): a < b} over b in small, a in large: the pairs of `_count_le` not counted."""
-    b = np.sort(small)
+    """#{(b, a): a < b} over b in small, a in large: the pairs of `_count_le` not counted (a
+    NaN b sorted last, above every a, as numpy sorts it), searched as `_count_le`."""
+    n = small.size
+    b_lo, b_hi, finite = _extent(small)
+    if n == 0:
+        return 0
     count = 0
+    within = np.empty(large.size)
+    j = 0
     for a in large:
-        count += b.size - np.searchsorted(b, a, side="right")
+        if finite and a >= b_hi:
+            continue
+        if finite and a < b_lo:
+            count += n
+        else:
+            within[j] = a
+            j += 1
+    if finite and j <= _SCAN_PER_LOG * np.log2(n + 1):
+        for a in within[:j]:
+            for b in small:
+                count += b > a
+    else:
+        b = np.sort(small)
+        for a in within[:j]:
+            count += n - np.searchsorted(b, a, side="right")
     return count
 
 
