@@ -580,6 +580,44 @@ def _rows(P, Pn, R):
 
 
 @_jit
+def _mark_near_pairs(x, order, n, n_cand, width, mark):
+    """Marks every selected key order[:n] and unselected candidate order[n:n_cand] whose
+    (finite) expansions x are within width of one of the other side. The candidates above
+    every selected key by more than width are passed over; the few others are compared with
+    every selected key, or, when many, looked up in the selected keys sorted."""
+    x_top = -np.inf
+    for i in range(n):
+        x_top = max(x_top, x[order[i]])
+    near = np.empty(n_cand - n, np.int64)
+    j = 0
+    for i in range(n, n_cand):
+        near[j] = order[i]
+        j += not (x[order[i]] - width > x_top)
+    if j <= _SCAN_PER_LOG * np.log2(n + 1):
+        for t in range(j):
+            k = near[t]
+            lo, hi = x[k] - width, x[k] + width
+            for i in range(n):
+                c = order[i]
+                if x[c] >= lo and x[c] <= hi:
+                    mark[k] = mark[c] = True
+        return
+    chosen = order[:n]
+    by_x = np.argsort(x[chosen])
+    xs = x[chosen][by_x]
+    for t in range(j):
+        k = near[t]
+        lo = _bisect_left(xs, x[k] - width)
+        hi = lo
+        while hi < n and xs[hi] <= x[k] + width:
+            hi += 1
+        if lo != hi:
+            mark[k] = True
+            for i in range(lo, hi):
+                mark[chosen[by_x[i]]] = True
+
+
+@_jit
 def exact_keys(y, S, sv, alpha, orders, points, att, options, X, err, unsure, scores):
     """Fills the expansions X (rows, K) of every aggregate's distances, each row's error bound
     err (rows,) and whether it is compared exactly, unsure (rows,), and returns the (row, key)
@@ -648,29 +686,59 @@ def exact_keys(y, S, sv, alpha, orders, points, att, options, X, err, unsure, sc
             mark[k] = mark[k] or unsure[row]
         if kind[row] == 0:
             # Inversions and the sink's comparisons: the pairs of a selected and an
-            # unselected key (the sink among them) whose expansions are within 3e.
+            # unselected key (the sink among them) whose expansions are within 3e (an unsure
+            # row has marked every candidate already).
             mark[0] = att[0]
-            chosen = sel_order[:n]
-            by_x = np.argsort(x[chosen])
-            xs = x[chosen][by_x]
-            for i in range(n, n_cand):
-                k = sel_order[i]
-                if not unsure[row] and x[k] - 3 * e > xs[n - 1]:
-                    continue  # farther than every selected key
-                lo = _bisect_left(xs, x[k] - 3 * e)
-                hi = lo
-                while hi < n and xs[hi] <= x[k] + 3 * e:
-                    hi += 1
-                if lo != hi or unsure[row]:
-                    mark[k] = True
-                    for t in range(lo, hi):
-                        mark[chosen[by_x[t]]] = True
+            if not unsure[row]:
+                _mark_near_pairs(x, sel_order, n, n_cand, 3 * e, mark)
         for k in range(K):
             if mark[k]:
                 pair_rows.append(row)
                 pair_keys.append(k)
                 mark[k] = False
     return np.array(pair_rows, np.int64), np.array(pair_keys, np.int64)
+
+
+@_jit
+def _inversions(d_sel, x, order, n, n_att, width, unsure, y, s, cache):
+    """A_N = #{(i, j) in I_N x U_N: D_j <= D_i} from the selected keys' exact distances d_sel
+    (n,) and the unselected keys' expansions x (order[n:n_att]), within width of D_j unless
+    unsure: a key above every D_i by more than width makes no inversion (the common case);
+    with no D_i within width of x_j, D_i >= D_j exactly for the D_i above the band; else
+    D_j is taken exactly. The few keys left are compared with every D_i, or, when many,
+    looked up in them sorted."""
+    d_top, finite = _extent(d_sel)[1:]
+    near = np.empty(n_att - n, np.int64)
+    j = 0
+    for i in range(n, n_att):
+        near[j] = order[i]
+        j += unsure or not finite or not (x[order[i]] - width > d_top)
+    inversions = 0
+    if finite and j <= _SCAN_PER_LOG * np.log2(n + 1):
+        for t in range(j):
+            k = near[t]
+            if not unsure:
+                lo, hi = x[k] - width, x[k] + width
+                at_or_above, within = 0, False
+                for d in d_sel:
+                    at_or_above += not (d < lo)
+                    within |= (d >= lo) & (d <= hi)
+                if not within:
+                    inversions += at_or_above
+                    continue
+            d_k = _exact(y, k, s, cache)
+            for d in d_sel:
+                inversions += not (d < d_k)
+        return inversions
+    d_sorted = np.sort(d_sel)
+    for t in range(j):
+        k = near[t]
+        lo = _bisect_left(d_sorted, x[k] - width)
+        if not unsure and (lo == n or d_sorted[lo] > x[k] + width):
+            inversions += n - lo
+        else:
+            inversions += n - _bisect_left(d_sorted, _exact(y, k, s, cache))
+    return inversions
 
 
 @_jit
@@ -742,20 +810,7 @@ def head_geometry(values, att, points, y, S, s_plus, sv, expansions, named, orde
         d_sel = np.empty(n)
         for i in range(n):
             d_sel[i] = _exact(y, order[i], s, cache)
-        d_sorted = np.sort(d_sel)
-        inversions = 0
-        d_top = d_sorted[n - 1]
-        for i in range(n, n_att):
-            k = order[i]
-            if not unsure and x[k] - 2 * e > d_top:
-                continue  # farther than every selected key: the common case, no inversion
-            # With no D_i within 2e of x_k, D_i >= D_k exactly for the D_i above the band.
-            lo = _bisect_left(d_sorted, x[k] - 2 * e)
-            if not unsure and (lo == n or d_sorted[lo] > x[k] + 2 * e):
-                inversions += n - lo
-            else:
-                inversions += n - _bisect_left(d_sorted, _exact(y, k, s, cache))
-        counts[INVERSIONS, p] = inversions
+        counts[INVERSIONS, p] = _inversions(d_sel, x, order, n, n_att, 2 * e, unsure, y, s, cache)
 
         if has_sink and not sigma:
             d0 = _exact(y, 0, s, cache)
