@@ -179,7 +179,8 @@ def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with
     if random_draws < 0:
         raise ValueError(f"random_draws must be >= 0, got {random_draws}")
     B, K = alpha.shape
-    draw_keys = np.random.default_rng(seed).random((random_draws, B, K))
+    # Drawn as documented, (R, B, K); each group of query heads takes its rows as (h, R, K).
+    draw_keys = np.random.default_rng(seed).random((random_draws, B, K)).transpose(1, 0, 2)
 
     # Every head's outputs at once: (B, variable, N), split into variables at the end.
     floats = np.full((B, len(TOPN_FLOATS), grid.size), np.nan)
@@ -200,7 +201,7 @@ def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, with
             heads = np.flatnonzero(head_kv == g)
             if heads.size:
                 _query_heads((floats, counts), heads, alpha[heads][:, keys], vals, att, kv, 0, screen, pairs, grid,
-                             draw_keys[:, heads][:, :, keys])
+                             draw_keys[heads][:, :, keys])
             if with_values:
                 for name, x in _value_statistics(kv, np.array([pairs[0]])).items():
                     stats[name][g] = x[0]
@@ -225,14 +226,13 @@ def _query_heads(out, heads, alpha, values, att, kv, g, screen, pairs, grid, dra
     every N of grid of the query heads reading kv head g,
     from their attention rows alpha (h, K), the kv head's values (K, D), mask att (K,), Gram
     matrix screen = (gram, unit, delta) of `_nonsink_gram` and pair statistics; draw_keys
-    (R, h, K)."""
+    (h, R, K)."""
     gram = screen[0]
     att = np.ascontiguousarray(att)
     n_att = int(att.sum())
     points = np.unique(grid[grid < n_att])
     options = np.array([_error_bound(values.shape[1]), _TINY, _L_RTOL])
-    y, S, s_plus, orders = _loops.group_aggregates(alpha, values, att, points,
-                                                   np.ascontiguousarray(draw_keys.transpose(1, 0, 2)))
+    y, S, s_plus, orders = _loops.group_aggregates(alpha, values, att, points, np.ascontiguousarray(draw_keys))
     if gram.shape[0] >= 2:
         mu, mu_q95 = _loops.group_coherence(np.ascontiguousarray(orders[1][:, kv.nonsink[g]]), *pairs[1:],
                                             *screen, points, n_att)
@@ -248,6 +248,10 @@ def _query_heads(out, heads, alpha, values, att, kv, g, screen, pairs, grid, dra
     floats, counts = _loops.group_geometry(values, att, points, y, S, s_plus, sv, (X, err, unsure, scores),
                                            named, orders, alpha, kv.v_norm[g], head_constants, mu,
                                            mu_q95, options)
+    if np.array_equal(points, grid):  # every size valid, each once, in order: the common case
+        for whole, part in zip(out, (floats, counts)):
+            whole[heads] = part
+        return
     valid = np.flatnonzero(grid < n_att)
     at = np.searchsorted(points, grid[valid])
     for whole, part in zip(out, (floats, counts)):
