@@ -340,7 +340,9 @@ def _nonsink_gram(kv, g, work):
     first), and writes into work, a buffer of at least k*k shared by the kv heads of a call
     (a fresh output would be zeroed first, page by page). The result is a view of work,
     valid until the next kv head."""
-    unit = kv.unit[g][kv.nonsink[g]]
+    nonsink = kv.nonsink[g]
+    # Without a window the non-sink keys are 1..K-1: a view, not a 1 MB copy per kv head.
+    unit = kv.unit[g][1:] if nonsink[1:].all() else kv.unit[g][nonsink]
     k, D = unit.shape
     if not k:
         return np.empty((0, 0), work.dtype), unit, 0.0
