@@ -813,8 +813,8 @@ def test_pair_counts_are_the_brute_force_counts(sizes):
     for trial in range(50):
         small = np.round(rng.normal(size=sizes[0]), 1)
         large = np.round(rng.normal(size=sizes[1]) * rng.choice([0.1, 1.0, 10.0]), 1)
-        assert _loops._count_le(small, large) == np.sum(large[None, :] <= small[:, None])
-        assert _loops._count_lt(small, large) == np.sum(large[None, :] < small[:, None])
+        assert _loops._count_below(small, large, False) == np.sum(large[None, :] <= small[:, None])
+        assert _loops._count_below(small, large, True) == np.sum(large[None, :] < small[:, None])
 
 
 def test_ranking_is_the_stable_sort():

@@ -371,34 +371,37 @@ def _bisect_left(a, v):
 
 
 @_jit
-def _count_le(small, large):
-    """#{(a, b): b <= a} over a in small, b in large (either order works; the smaller side
-    is searched)."""
+def _count_below(small, large, strict):
+    """#{(s, l): l < s} (strict) or #{(s, l): l <= s} (not strict) over s in small and l in
+    large, as a search of small sorted (NaN last) counts them: a NaN s lies above every finite
+    l, and a NaN l below every s when not strict, below none when strict.
+
+    Most of large lies outside small's range (87% on a Mistral-7B block): counted without a
+    search; the few within it are compared with every s, and small is sorted only when they
+    are many, or when small holds a NaN."""
     n = small.size
-    a_lo, a_hi, finite = _extent(small)
+    s_lo, s_hi, finite = _extent(small)
     if n == 0:
         return 0
-    # Most of large lies outside small's range (87% on a Mistral-7B block): counted without a
-    # search; the few within it against every a (no sort) unless they are many.
     count = 0
     within = np.empty(large.size)
     j = 0
-    for b in large:
-        if finite and b > a_hi:
+    for v in large:
+        if finite and (v >= s_hi if strict else v > s_hi):
             continue
-        if finite and b <= a_lo:
+        if finite and (v < s_lo if strict else v <= s_lo):
             count += n
         else:
-            within[j] = b
+            within[j] = v
             j += 1
     if finite and j <= _SCAN_PER_LOG * np.log2(n + 1):
-        for b in within[:j]:
-            for a in small:
-                count += not (a < b)
-    else:
-        a = np.sort(small)
-        for b in within[:j]:
-            count += n - _bisect_left(a, b)
+        for v in within[:j]:
+            for x in small:
+                count += (x > v) if strict else not (x < v)
+        return count
+    ordered = np.sort(small)
+    for v in within[:j]:
+        count += n - (np.searchsorted(ordered, v, side="right") if strict else _bisect_left(ordered, v))
     return count
 
 
@@ -454,43 +457,14 @@ def _k_sink(beta, selected, att, nonsink, has_sink, mu, nu_plus, nu_minus, l_rto
             g[j] = gk
             j += 1
             k_0p += gk + c_0p <= 0
+    # g_j <= -f_i, searched in the smaller side.
     if n_sel <= n_uns:
-        k_pp = _count_le(minus_f, g)
+        k_pp = _count_below(minus_f, g, False)
     else:
-        k_pp = n_sel * n_uns - _count_lt(g, minus_f)
+        k_pp = n_sel * n_uns - _count_below(g, minus_f, True)
     if sigma:
         return k_pp + k_0p
     return k_pp + k_p0 if has_sink else k_pp
-
-
-@_jit
-def _count_lt(small, large):
-    """#{(b, a): a < b} over b in small, a in large: the pairs of `_count_le` not counted (a
-    NaN b sorted last, above every a, as numpy sorts it), searched as `_count_le`."""
-    n = small.size
-    b_lo, b_hi, finite = _extent(small)
-    if n == 0:
-        return 0
-    count = 0
-    within = np.empty(large.size)
-    j = 0
-    for a in large:
-        if finite and a >= b_hi:
-            continue
-        if finite and a < b_lo:
-            count += n
-        else:
-            within[j] = a
-            j += 1
-    if finite and j <= _SCAN_PER_LOG * np.log2(n + 1):
-        for a in within[:j]:
-            for b in small:
-                count += b > a
-    else:
-        b = np.sort(small)
-        for a in within[:j]:
-            count += n - np.searchsorted(b, a, side="right")
-    return count
 
 
 # ------------------------------------------------------------------ one query head
@@ -1002,6 +976,13 @@ def _pair_at(t):
 
 
 @_jit
+def _pair_index(q, p):
+    """The index t of the pair (q, p), q > p, of the lower triangle in row order (`_pair_at`'s
+    inverse)."""
+    return q * (q - 1) // 2 + p
+
+
+@_jit
 def _interpolate(below, above, pos, lo):
     """numpy's 'linear' quantile between the order statistics lo and lo + 1."""
     return below + (pos - lo) * (above - below)
@@ -1071,10 +1052,9 @@ def _row_pairs(gram, columns, start):
     x = np.empty(n)
     at = np.empty(n, np.int64)
     for q in range(1, gram.shape[0]):
-        first = q * (q - 1) // 2
         for i in range(start[q], start[q + 1]):
             x[i] = gram[q, columns[i]]
-            at[i] = first + columns[i]
+            at[i] = _pair_index(q, columns[i])
     return x, at
 
 
@@ -1209,16 +1189,12 @@ def pair_statistics(gram, unit, delta, share, min_pairs, bracket_min):
 
 
 @_jit
-def _exact_mu(gram, unit, delta, row_max, exact_rows, by_rank, s):
+def _exact_mu(gram, unit, delta, row_max, exact_rows, keys, screened):
     """max of the exact row maxima (`_exact_row_max`, kept in exact_rows, NaN until needed) of
-    the s keys of lowest rank; row_max are the screen's: a row more than 2 delta below their
-    maximum cannot hold the exact one."""
-    screened = -np.inf
-    for i in range(s):
-        screened = max(screened, row_max[by_rank[i]])
+    keys; row_max are the screen's and screened their maximum over keys: a row more than
+    2 delta below it cannot hold the exact one."""
     best = -np.inf
-    for i in range(s):
-        r = by_rank[i]
+    for r in keys:
         if row_max[r] >= screened - 2 * delta:
             if np.isnan(exact_rows[r]):
                 exact_rows[r] = _exact_row_max(gram, unit, r, row_max[r], delta)
@@ -1338,7 +1314,7 @@ def head_coherence(rank, row_max, top_p, top_q, bounds, edges, gram, unit, delta
         if s == 0:
             continue
         mu[p] = running[s - 1] if delta == 0 else _exact_mu(gram, unit, delta, row_max, exact_rows,
-                                                            by_rank, s)
+                                                            by_rank[:s], running[s - 1])
         if n >= n_att:
             continue
         m = total - (k - s) * (k - s - 1) // 2
@@ -1362,11 +1338,11 @@ def head_coherence(rank, row_max, top_p, top_q, bounds, edges, gram, unit, delta
                 r_a = rank[a_key]
                 for b_key in range(a_key):
                     gathered[j_gathered] = abs(gram[a_key, b_key])
-                    gathered_at[j_gathered] = a_key * (a_key - 1) // 2 + b_key
+                    gathered_at[j_gathered] = _pair_index(a_key, b_key)
                     j_gathered += rank[b_key] > r_a
                 for b_key in range(a_key + 1, k):
                     gathered[j_gathered] = abs(gram[b_key, a_key])
-                    gathered_at[j_gathered] = b_key * (b_key - 1) // 2 + a_key
+                    gathered_at[j_gathered] = _pair_index(b_key, a_key)
                     j_gathered += rank[b_key] > r_a
             n_gathered = s
             if delta == 0:

@@ -18,10 +18,12 @@ constants' raw material) is computed once per kv head and shared by the query he
 Arithmetic is float64 throughout, but for one screen: the Gram matrix of a kv head's unit
 values is computed in float32, within a proven bound of each exact cosine (`_screen_bound`), and
 every pair cosine that an output takes, or that decides one (the median, a row's maximum, the
-pairs around a quantile), is computed again in float64 from the unit vectors. A value vector of norm 0 has no direction: its unit vector is
-taken as 0 (cosine 0 with everything) in the coherence statistics, which keeps the exact
-certificate valid because such a key has ``beta = 0`` there; a cosine reported as an output is
-NaN whenever one of its vectors is 0.
+pairs around a quantile), is computed again in float64 from the unit vectors.
+
+A value vector of norm 0 has no direction: its unit vector is taken as 0 (cosine 0 with
+everything) in the coherence statistics, which keeps the exact certificate valid because such
+a key has ``beta = 0`` there; a cosine reported as an output is NaN whenever one of its
+vectors is 0.
 """
 
 from __future__ import annotations
