@@ -97,7 +97,7 @@ RANDOM_DRAWS = 8
 COHERENCE_N = 64
 # Part of the parameters an analysis records: bump it with any change to the kernels or to
 # this stage that changes a stored bit, so that a rerun recomputes instead of mixing results.
-ANALYSIS_VERSION = 3
+ANALYSIS_VERSION = 4
 # (sequence, layer) tasks per batch: the analysis records its progress after each batch, so
 # a killed analyze loses at most one; enough tasks to keep every worker busy meanwhile.
 BATCH_TASKS = 128
