@@ -52,3 +52,20 @@ def test_an_out_that_cannot_be_a_folder_is_one_line(command, tmp_path):
     with pytest.raises(ag.InputError, match="cannot be made a folder"):
         getattr(ag, command)(store, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "s.zarr"]
+
+
+def test_a_run_longer_than_the_kernels_take_is_one_line_and_writes_nothing(tmp_path):
+    """analyze refuses a run of more keys per query than its kernels index (MAX_KEYS) before
+    it writes anything."""
+    from attngeom.analyze.kernels import MAX_KEYS
+    from attngeom.synthetic import write_synthetic_run
+
+    store = tmp_path / "s.zarr"
+    write_synthetic_run(str(store), "r", n_seq=1, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2,
+                        length=MAX_KEYS + 2)
+    before = sorted(store.rglob("*"))
+    result = CliRunner().invoke(main, ["analyze", "--store", str(store), "--no-progress"])
+    assert (result.exit_code, result.output) == (
+        2, f"attngeom: error: run 'r' has L = {MAX_KEYS + 2} keys per query; analyze takes at most {MAX_KEYS}\n")
+    assert sorted(store.rglob("*")) == before
+

@@ -55,7 +55,7 @@ _GRAM_DTYPE = np.float32
 
 # The loops index a kv head's pairs as int32 (`_loops.pair_statistics`); the Gram matrix
 # alone would take 16 GiB here.
-_MAX_KEYS = 1 << 16
+MAX_KEYS = 1 << 16
 
 # An absolute floor under the expansions' error bound (`_error_bound`), far above subnormal
 # rounding.
@@ -64,7 +64,7 @@ _TINY = 1e-290
 # Relative margin of the "L <= 0" test of the sink-aware bounds, see `_loops._k_sink`.
 _L_RTOL = 1e-10
 
-__all__ = ["TOPN_COUNTS", "TOPN_FLOATS", "VALUE_STATISTICS", "compile_kernels", "head_metrics",
+__all__ = ["MAX_KEYS", "TOPN_COUNTS", "TOPN_FLOATS", "VALUE_STATISTICS", "compile_kernels", "head_metrics",
            "topn_metrics", "value_statistics"]
 
 
@@ -373,8 +373,8 @@ def _check_batch(attn, values, attendable, head_kv):
     attendable = np.require(attendable, bool, ["C", "W"])
     if values.ndim != 3 or values.shape[1] < 1:
         raise ValueError(f"values must have shape (G, K, D) with K >= 1, got {values.shape}")
-    if values.shape[1] > _MAX_KEYS:
-        raise ValueError(f"at most {_MAX_KEYS} keys per instance, got {values.shape[1]}")
+    if values.shape[1] > MAX_KEYS:
+        raise ValueError(f"at most {MAX_KEYS} keys per instance, got {values.shape[1]}")
     if attendable.shape != values.shape[:2]:
         raise ValueError(f"attendable has shape {attendable.shape}, expected {values.shape[:2]}")
     if attn is None:

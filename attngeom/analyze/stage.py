@@ -54,7 +54,7 @@ from tqdm.auto import tqdm
 from zarr.core.sync import sync
 
 from attngeom.analyze import by_query, taxonomy
-from attngeom.analyze.kernels import compile_kernels, head_metrics
+from attngeom.analyze.kernels import MAX_KEYS, compile_kernels, head_metrics
 from attngeom.analyze.scheduling import dask_client
 from attngeom.errors import GroupNotFoundError, InputError, RunNotFoundError
 from attngeom.store import (
@@ -712,6 +712,8 @@ def _checked_input(store: str, run_id: str, n_grid: Sequence[int] | None) -> tup
     if ds.sizes["seq"] == 0:
         raise RunNotFoundError(f"run '{run_id}' has no complete sequence yet")
     length = ds.sizes["key"]
+    if length > MAX_KEYS:
+        raise InputError(f"run '{run_id}' has L = {length} keys per query; analyze takes at most {MAX_KEYS}")
     grid = sorted(set(n_grid)) if n_grid else default_n_grid(length)
     if grid[0] < 1 or grid[-1] >= length:
         raise InputError(f"--n-grid must hold sizes 1 <= N < L = {length} (run '{run_id}')")
