@@ -10,6 +10,10 @@ kv head's values with every aggregate of its query heads by one BLAS call), whic
 a threshold is evaluated exactly, from the difference, the same way every time. Every count
 is therefore that of the exact distances. Aggregates add their keys one at a time in
 selection order, as ``np.cumsum`` does.
+
+An index read from data, or a count that only grows, is cast to ``np.uint64`` where the
+hottest loops use it: numba wraps a signed index around (``i < 0`` reads ``i + size``), which
+costs each access three instructions more, and the casts change nothing else.
 """
 
 from __future__ import annotations
@@ -161,7 +165,7 @@ def uniform_ranked(key, candidates):
         if candidates[k]:
             b = min(int(key[k] * K), K - 1)
             bucket[k] = b
-            start[b + 1] += 1
+            start[np.uint64(b + 1)] += 1
             n += 1
     for b in range(K):
         start[b + 1] += start[b]
@@ -170,8 +174,9 @@ def uniform_ranked(key, candidates):
     j = n
     for k in range(K):
         if candidates[k]:
-            order[fill[bucket[k]]] = k
-            fill[bucket[k]] += 1
+            at = np.uint64(bucket[k])
+            order[np.uint64(fill[at])] = k
+            fill[at] += 1
         else:
             order[j] = k
             j += 1
@@ -194,14 +199,20 @@ def _prefix_sums(y, order, include, points, out, row0):
     acc = np.zeros(D)
     i = 0
     for p in range(points.size):
+        # Four keys a step, each sum still added one key at a time: acc makes one round trip
+        # through memory per four keys, not one per key (the random rows' loads bound this).
+        while i + 4 <= points[p]:
+            k0, k1, k2, k3 = order[i], order[i + 1], order[i + 2], order[i + 3]
+            w0, w1, w2, w3 = include[k0], include[k1], include[k2], include[k3]
+            for d in range(D):
+                acc[d] = ((((acc[d] + (y[k0, d] if w0 else 0.0)) + (y[k1, d] if w1 else 0.0))
+                           + (y[k2, d] if w2 else 0.0)) + (y[k3, d] if w3 else 0.0))
+            i += 4
         while i < points[p]:
             k = order[i]
-            if include[k]:
-                for d in range(D):
-                    acc[d] += y[k, d]
-            else:
-                for d in range(D):
-                    acc[d] += 0.0
+            w = include[k]
+            for d in range(D):
+                acc[d] += y[k, d] if w else 0.0
             i += 1
         out[row0 + p] = acc
 
@@ -225,11 +236,11 @@ def _limits(x, yn, sn, e_rel, tiny, order, n, n_cand):
     lo_max = hi_max = -np.inf
     lo_min = hi_min = np.inf
     for i in range(n):
-        k = order[i]
+        k = np.uint64(order[i])
         h = _half_bound(yn[k], sn, e_rel, tiny)
         lo_max, hi_max = max(lo_max, x[k] - h), max(hi_max, x[k] + h)
     for i in range(n, n_cand):
-        k = order[i]
+        k = np.uint64(order[i])
         h = _half_bound(yn[k], sn, e_rel, tiny)
         lo_min, hi_min = min(lo_min, x[k] - h), min(hi_min, x[k] + h)
     return lo_max, hi_max, lo_min, hi_min
@@ -306,29 +317,29 @@ def _ball(y, s, x, yn, e_rel, tiny, unsure, order, n, n_cand, cache):
     lo_max, _, _, hi_min = _limits(x, yn, sn, e_rel, tiny, order, n, n_cand)
     r_max2, r_min2 = -np.inf, np.inf
     for i in range(n):
-        k = order[i]
+        k = np.uint64(order[i])
         if unsure or x[k] + _half_bound(yn[k], sn, e_rel, tiny) >= lo_max:
             r_max2 = max(r_max2, _exact(y, k, s, cache))
     for i in range(n, n_cand):
-        k = order[i]
+        k = np.uint64(order[i])
         if unsure or x[k] - _half_bound(yn[k], sn, e_rel, tiny) <= hi_min:
             r_min2 = min(r_min2, _exact(y, k, s, cache))
     inside = closer = 0
     if unsure:
         for i in range(n_cand):
-            inside += _exact(y, order[i], s, cache) <= r_max2
+            inside += _exact(y, np.uint64(order[i]), s, cache) <= r_max2
         for i in range(n):
-            closer += _exact(y, order[i], s, cache) < r_min2
+            closer += _exact(y, np.uint64(order[i]), s, cache) < r_min2
     else:
         for i in range(n_cand):
-            k = order[i]
+            k = np.uint64(order[i])
             h = _half_bound(yn[k], sn, e_rel, tiny)
             if x[k] + h < r_max2:
                 inside += 1
             elif x[k] - h <= r_max2:
                 inside += _exact(y, k, s, cache) <= r_max2
         for i in range(n):
-            k = order[i]
+            k = np.uint64(order[i])
             h = _half_bound(yn[k], sn, e_rel, tiny)
             if x[k] + h < r_min2:
                 closer += 1
@@ -561,18 +572,18 @@ def _mark_near_pairs(x, order, n, n_cand, width, mark):
     every selected key, or, when many, looked up in the selected keys sorted."""
     x_top = -np.inf
     for i in range(n):
-        x_top = max(x_top, x[order[i]])
+        x_top = max(x_top, x[np.uint64(order[i])])
     near = np.empty(n_cand - n, np.int64)
     j = 0
     for i in range(n, n_cand):
-        near[j] = order[i]
-        j += not (x[order[i]] - width > x_top)
+        near[np.uint64(j)] = order[i]
+        j += not (x[np.uint64(order[i])] - width > x_top)
     if j <= _SCAN_PER_LOG * np.log2(n + 1):
         for t in range(j):
             k = near[t]
             lo, hi = x[k] - width, x[k] + width
             for i in range(n):
-                c = order[i]
+                c = np.uint64(order[i])
                 if x[c] >= lo and x[c] <= hi:
                     mark[k] = mark[c] = True
         return
@@ -629,10 +640,10 @@ def exact_keys(y, S, sv, alpha, orders, points, att, options, X, err, unsure, sc
     positions = np.full((1 + R, K), K, np.int64)
     bands = np.empty((2, K))
     for i in range(n_att - 1):
-        positions[0, ns_order[i]] = i
+        positions[0, np.uint64(ns_order[i])] = i
     for r in range(R):
         for i in range(n_att):
-            positions[1 + r, draw_orders[r, i]] = i
+            positions[1 + r, np.uint64(draw_orders[r, i])] = i
     for row in range(rows):
         ss = _dot(S[row], S[row])
         err[row], unsure[row] = _expansions(yy, sv[row], alpha, ss, y_max, options[0], options[1], X[row])
@@ -651,13 +662,13 @@ def exact_keys(y, S, sv, alpha, orders, points, att, options, X, err, unsure, sc
         lo_max, hi_max, lo_min, hi_min = _limits(x, yn, sn, e_rel, tiny, sel_order, n, n_cand)
         # Those keys, and the candidates for each radius.
         for i in range(n_cand):
-            k = sel_order[i]
-            h = _half_bound(yn[k], sn, e_rel, tiny)
+            key = np.uint64(sel_order[i])
+            h = _half_bound(yn[key], sn, e_rel, tiny)
             if i < n:
-                mark[k] = (x[k] + h >= lo_max) or (x[k] + h >= lo_min and x[k] - h <= hi_min)
+                mark[key] = (x[key] + h >= lo_max) or (x[key] + h >= lo_min and x[key] - h <= hi_min)
             else:
-                mark[k] = (x[k] - h <= hi_min) or (x[k] + h >= lo_max and x[k] - h <= hi_max)
-            mark[k] = mark[k] or unsure[row]
+                mark[key] = (x[key] - h <= hi_min) or (x[key] + h >= lo_max and x[key] - h <= hi_max)
+            mark[key] = mark[key] or unsure[row]
         if kind[row] == 0:
             # Inversions and the sink's comparisons: the pairs of a selected and an
             # unselected key (the sink among them) whose expansions are within 3e (an unsure
@@ -685,8 +696,8 @@ def _inversions(d_sel, x, order, n, n_att, width, unsure, y, s, cache):
     near = np.empty(n_att - n, np.int64)
     j = 0
     for i in range(n, n_att):
-        near[j] = order[i]
-        j += unsure or not finite or not (x[order[i]] - width > d_top)
+        near[np.uint64(j)] = order[i]
+        j += unsure or not finite or not (x[np.uint64(order[i])] - width > d_top)
     inversions = 0
     if finite and j <= _SCAN_PER_LOG * np.log2(n + 1):
         for t in range(j):
@@ -1016,7 +1027,7 @@ def _order_pair_counted(x, lo, hi, x_min, x_max):
     scale = n_buckets / (x_max - x_min) if x_max > x_min else 0.0
     count = np.zeros(n_buckets + 1, np.int64)
     for v in x:
-        count[min(int((v - x_min) * scale), n_buckets - 1) + 1] += 1
+        count[np.uint64(min(int((v - x_min) * scale), n_buckets - 1) + 1)] += 1
     for b in range(n_buckets):
         count[b + 1] += count[b]
     # The buckets of the lo-th and hi-th smallest: the last ones whose start is at or below.
@@ -1026,7 +1037,7 @@ def _order_pair_counted(x, lo, hi, x_min, x_max):
     j = 0
     for v in x:
         b = min(int((v - x_min) * scale), n_buckets - 1)
-        members[j] = v
+        members[np.uint64(j)] = v
         j += (b >= b_lo) & (b <= b_hi)
     members = np.sort(members[:j])
     return members[lo - count[b_lo]], members[hi - count[b_lo]]
@@ -1106,6 +1117,7 @@ def pair_statistics(gram, unit, delta, share, min_pairs, bracket_min):
     # written at the end of its list whether or not the list then grows past it. Three writes
     # a pair, the pass's limit: p alone for the pairs inside the bracket and the listed ones,
     # their rows given by where each row's begin (int32: m < 2^31, `kernels._check_batch`).
+    # The lists' ends index as unsigned (`_loops` module docstring): a quarter of the pass.
     inside = np.empty(m + 1, np.int32)  # p of the pairs (q, p) inside the bracket
     in_start = np.zeros(k + 1, np.int64)
     listed = np.empty(m + 1, np.int32)  # p of the listed pairs (q, p)
@@ -1122,9 +1134,9 @@ def pair_statistics(gram, unit, delta, share, min_pairs, bracket_min):
             row_max[p] = max(row_max[p], a)
             best = max(best, a)
             below += c < t_lo
-            inside[n_in] = p
+            inside[np.uint64(n_in)] = p
             n_in += (c >= t_lo) & (c <= t_hi)
-            listed[n_top] = p
+            listed[np.uint64(n_top)] = p
             n_top += a >= threshold
         row_max[q] = max(row_max[q], best)
     row_start[k] = n_top
@@ -1149,7 +1161,7 @@ def pair_statistics(gram, unit, delta, share, min_pairs, bracket_min):
             for p in range(q):
                 c = gram[q, p]
                 below += c < t_lo
-                inside[n_in] = p
+                inside[np.uint64(n_in)] = p
                 n_in += (c >= t_lo) & (c <= t_hi)
         in_start[k] = n_in
 
@@ -1169,18 +1181,19 @@ def pair_statistics(gram, unit, delta, share, min_pairs, bracket_min):
     bounds = np.zeros(_BUCKETS + 1, np.int64)
     for q in range(1, k):
         for i in range(row_start[q], row_start[q + 1]):
-            b = _bucket_of(abs(gram[q, listed[i]]), edges)
+            b = _bucket_of(abs(gram[q, np.uint64(listed[i])]), edges)
             bucket[i] = b
-            bounds[b + 1] += 1
+            bounds[np.uint64(b + 1)] += 1
     for b in range(_BUCKETS):
         bounds[b + 1] += bounds[b]
     fill = bounds[:-1].copy()
     packed = np.empty(n_top, np.int64)
     for q in range(1, k):
         for i in range(row_start[q], row_start[q + 1]):
-            j = fill[bucket[i]]
-            fill[bucket[i]] += 1
-            packed[j] = (q << 32) + listed[i]
+            at = np.uint64(bucket[i])
+            j = fill[at]
+            fill[at] += 1
+            packed[np.uint64(j)] = (q << 32) + listed[i]
     out_p = np.empty(n_top, np.int64)
     out_q = np.empty(n_top, np.int64)
     for j in range(n_top):
@@ -1294,9 +1307,9 @@ def head_coherence(rank, row_max, top_p, top_q, bounds, edges, gram, unit, delta
     point_of = np.searchsorted(points, np.arange(rank.max() + 1), side="right")
     for b in range(n_buckets):
         for i in range(bounds[b], bounds[b + 1]):
-            f = min(rank[top_p[i]], rank[top_q[i]])
+            f = min(rank[np.uint64(top_p[i])], rank[np.uint64(top_q[i])])
             first[i] = f
-            members[b, point_of[f]] += 1
+            members[b, np.uint64(point_of[np.uint64(f)])] += 1
     for b in range(n_buckets):
         for p in range(P):
             members[b, p + 1] += members[b, p]
@@ -1337,12 +1350,12 @@ def head_coherence(rank, row_max, top_p, top_q, bounds, edges, gram, unit, delta
                 a_key = by_rank[i]
                 r_a = rank[a_key]
                 for b_key in range(a_key):
-                    gathered[j_gathered] = abs(gram[a_key, b_key])
-                    gathered_at[j_gathered] = _pair_index(a_key, b_key)
+                    gathered[np.uint64(j_gathered)] = abs(gram[a_key, b_key])
+                    gathered_at[np.uint64(j_gathered)] = _pair_index(a_key, b_key)
                     j_gathered += rank[b_key] > r_a
                 for b_key in range(a_key + 1, k):
-                    gathered[j_gathered] = abs(gram[b_key, a_key])
-                    gathered_at[j_gathered] = _pair_index(b_key, a_key)
+                    gathered[np.uint64(j_gathered)] = abs(gram[b_key, a_key])
+                    gathered_at[np.uint64(j_gathered)] = _pair_index(b_key, a_key)
                     j_gathered += rank[b_key] > r_a
             n_gathered = s
             if delta == 0:
