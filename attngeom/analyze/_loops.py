@@ -114,7 +114,7 @@ def _row_cache(named, row, cache):
     cache[:] = np.nan
     i = np.searchsorted(rows, row)
     while i < rows.size and rows[i] == row:
-        cache[keys[i]] = distances[i]
+        cache[np.uint64(keys[i])] = distances[i]
         i += 1
     return cache
 
@@ -604,7 +604,8 @@ def _mark_near_pairs(x, order, n, n_cand, width, mark):
 
 @_jit
 def exact_keys(y, S, sv, alpha, orders, points, att, options, X, err, unsure, scores):
-    """Fills the expansions X (rows, K) of every aggregate's distances, each row's error bound
+    """Fills the expansions X (rows, K) of the aggregates' distances (the rows it leaves a score
+    NaN, which :func:`head_geometry` reads; the others are not written), each row's error bound
     err (rows,) and whether it is compared exactly, unsure (rows,), and returns the (row, key)
     pairs whose exact distance the comparisons of :func:`head_geometry` can need: the candidates for a radius
     and the keys whose band (expansion plus or minus `_half_bound`) meets the range the
@@ -644,10 +645,13 @@ def exact_keys(y, S, sv, alpha, orders, points, att, options, X, err, unsure, sc
     for r in range(R):
         for i in range(n_att):
             positions[1 + r, np.uint64(draw_orders[r, i])] = i
+    scratch = np.empty(K)
     for row in range(rows):
         ss = _dot(S[row], S[row])
-        err[row], unsure[row] = _expansions(yy, sv[row], alpha, ss, y_max, options[0], options[1], X[row])
-        x, e, n = X[row], err[row], points[point[row]]
+        # A row the screen settles is not kept: most random rows' expansions stay in cache.
+        x = X[row] if kind[row] == 0 else scratch
+        err[row], unsure[row] = _expansions(yy, sv[row], alpha, ss, y_max, options[0], options[1], x)
+        e, n = err[row], points[point[row]]
         if kind[row] == 0:
             sel_order, n_cand = order, n_att
         elif kind[row] == 1:
@@ -659,6 +663,9 @@ def exact_keys(y, S, sv, alpha, orders, points, att, options, X, err, unsure, sc
                                                          positions[kind[row] - 1], n, n_cand,
                                                          scores[row], bands):
             continue
+        if kind[row] > 0:
+            X[row] = scratch
+            x = X[row]
         lo_max, hi_max, lo_min, hi_min = _limits(x, yn, sn, e_rel, tiny, sel_order, n, n_cand)
         # Those keys, and the candidates for each radius.
         for i in range(n_cand):
@@ -794,7 +801,7 @@ def head_geometry(values, att, points, y, S, s_plus, sv, expansions, named, orde
         # Inversions #{(i, j): D_j <= D_i} from the selected keys' exact distances.
         d_sel = np.empty(n)
         for i in range(n):
-            d_sel[i] = _exact(y, order[i], s, cache)
+            d_sel[i] = _exact(y, np.uint64(order[i]), s, cache)
         counts[INVERSIONS, p] = _inversions(d_sel, x, order, n, n_att, 2 * e, unsure, y, s, cache)
 
         if has_sink and not sigma:
@@ -809,11 +816,11 @@ def head_geometry(values, att, points, y, S, s_plus, sv, expansions, named, orde
         s_norm = _norm(s)
         loo_sum, loo_pos, loo_n, spread_max = 0.0, 0, 0, -np.inf
         for i in range(n):
-            k = order[i]
+            key = np.uint64(order[i])
             # cos(y_i, s_{N,-i}) = -<y_i, y_i - s_N> / (||y_i|| ||y_i - s_N||), and
             # ||y_i - s_{N,-i}|| = ||2 y_i - s_N||.
-            inner, spread2 = _leave_one_out(y[k], s)
-            c = -inner / (y_norm[k] * np.sqrt(d_sel[i]))
+            inner, spread2 = _leave_one_out(y[key], s)
+            c = -inner / (y_norm[key] * np.sqrt(d_sel[i]))
             if np.isfinite(c):
                 loo_sum += c
                 loo_pos += c > 0
@@ -821,8 +828,8 @@ def head_geometry(values, att, points, y, S, s_plus, sv, expansions, named, orde
             spread_max = max(spread_max, np.sqrt(spread2))
         js_sum, js_n = 0.0, 0
         for i in range(n, n_att):
-            k = order[i]
-            c = alpha[k] * sv[p, k] / (y_norm[k] * s_norm)
+            key = np.uint64(order[i])
+            c = alpha[key] * sv[p, key] / (y_norm[key] * s_norm)
             if np.isfinite(c):
                 js_sum += c
                 js_n += 1
