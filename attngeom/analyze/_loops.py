@@ -427,22 +427,22 @@ def _extent(x):
 
 
 @_jit
-def _k_sink(beta, selected, att, nonsink, has_sink, mu, nu_plus, nu_minus, l_rtol):
+def _k_sink(beta, selected, order, n, n_att, nonsink, has_sink, mu, nu_plus, nu_minus, l_rtol):
     """K_N^sink of the appendix proof (docs/method.md#sink-aware-bound): the
     selected-unselected pairs whose lower bound L <= (D_j - D_i)/C^2 is not positive, each
-    L counted "<= 0" within l_rtol of its scale (beta + A)^2 (see kernels._k_sink)."""
+    L counted "<= 0" within l_rtol of its scale (beta + A)^2 (see kernels._k_sink). The
+    selection is order[:n] (selected (K,) its mask), the unselected candidates order[n:n_att]."""
     K = beta.size
     sigma = selected[0] and has_sink
     beta0 = beta[0] if has_sink else 0.0
+    # A_+ adds in position order, as it always has: its last bit can decide a count.
     a_plus = 0.0
-    n_sel = n_uns = 0
+    n_sel = 0
     for k in range(K):
-        if nonsink[k]:
-            if selected[k]:
-                a_plus += beta[k]
-                n_sel += 1
-            elif att[k]:
-                n_uns += 1
+        if nonsink[k] and selected[k]:
+            a_plus += beta[k]
+            n_sel += 1
+    n_uns = n_att - n - (has_sink and not sigma)
     scale = a_plus + beta0
     tol0 = l_rtol * (beta0 + scale) ** 2
     sink_weight = beta0 if sigma else 0.0
@@ -451,20 +451,25 @@ def _k_sink(beta, selected, att, nonsink, has_sink, mu, nu_plus, nu_minus, l_rto
     c_p0 = beta0**2 - tol0 + 2 * beta0 * nu_minus * a_plus
     c_0p = beta0**2 - tol0 - 2 * beta0 * nu_plus * a_plus
     k_p0 = k_0p = 0
-    i = j = 0
-    for k in range(K):
-        if not nonsink[k] or not (selected[k] or att[k]):
-            continue
-        b = beta[k]
-        tol = l_rtol * (b + scale) ** 2
-        mu_beta = 2 * mu * b
-        if selected[k]:
-            f = b * b - mu_beta * (a_plus - b) - 2 * sink_weight * nu_plus * b - tol
+    # The two sides in selection order: no branch on a key's membership (in position order
+    # it mispredicts), and the counts do not depend on the order.
+    i = 0
+    for t in range(n):
+        k = np.uint64(order[t])
+        if nonsink[k]:
+            b = beta[k]
+            tol = l_rtol * (b + scale) ** 2
+            f = b * b - 2 * mu * b * (a_plus - b) - 2 * sink_weight * nu_plus * b - tol
             minus_f[i] = -f
             i += 1
             k_p0 += f + c_p0 <= 0
-        else:
-            gk = b * b - mu_beta * a_plus + 2 * sink_weight * nu_minus * b - tol
+    j = 0
+    for t in range(n, n_att):
+        k = np.uint64(order[t])
+        if nonsink[k]:
+            b = beta[k]
+            tol = l_rtol * (b + scale) ** 2
+            gk = b * b - 2 * mu * b * a_plus + 2 * sink_weight * nu_minus * b - tol
             g[j] = gk
             j += 1
             k_0p += gk + c_0p <= 0
@@ -859,12 +864,12 @@ def head_geometry(values, att, points, y, S, s_plus, sv, expansions, named, orde
         mu_p = 0.0 if np.isnan(mu[p]) else mu[p]
         mu_q = 0.0 if np.isnan(mu_q95[p]) else mu_q95[p]
         floats[MU, p], floats[MU_Q95, p] = mu[p], mu_q95[p]
-        counts[K_SINK_EXACT, p] = _k_sink(beta_exact, selected, att, nonsink, has_sink, mu_p,
+        counts[K_SINK_EXACT, p] = _k_sink(beta_exact, selected, order, n, n_att, nonsink, has_sink, mu_p,
                                           nu_exact[0], nu_exact[1], l_rtol)
         if paper_defined:
-            k_paper = _k_sink(beta_paper, selected, att, nonsink, has_sink, mu_p,
+            k_paper = _k_sink(beta_paper, selected, order, n, n_att, nonsink, has_sink, mu_p,
                               nu_paper[0], nu_paper[1], l_rtol)
-            k_q95 = _k_sink(beta_paper, selected, att, nonsink, has_sink, mu_q,
+            k_q95 = _k_sink(beta_paper, selected, order, n, n_att, nonsink, has_sink, mu_q,
                             nu_q95[0], nu_q95[1], l_rtol)
             counts[K_SINK, p], counts[K_SINK_Q95, p] = k_paper, k_q95
             floats[PRECISION_BOUND, p] = 1.0 / (1.0 + k_paper / n)
@@ -949,9 +954,9 @@ def _refined_pair(x, at, lo, hi, below, x_lo, x_hi, unit, delta, absolute):
     j = 0
     for i in range(x.size):
         v = x[i]
-        if v < band_lo:
-            n_below += 1
-        elif v <= band_hi:
+        # Half the values lie below: counted without a branch, which would mispredict.
+        n_below += v < band_lo
+        if v >= band_lo and v <= band_hi:
             q, p = _pair_at(at[i])
             c = _pair_cos(unit, q, p)
             band[j] = abs(c) if absolute else c
@@ -1071,7 +1076,7 @@ def _row_pairs(gram, columns, start):
     at = np.empty(n, np.int64)
     for q in range(1, gram.shape[0]):
         for i in range(start[q], start[q + 1]):
-            x[i] = gram[q, columns[i]]
+            x[i] = gram[q, np.uint64(columns[i])]
             at[i] = _pair_index(q, columns[i])
     return x, at
 
