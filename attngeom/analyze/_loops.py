@@ -437,11 +437,10 @@ def _k_sink(beta, selected, order, n, n_att, nonsink, has_sink, mu, nu_plus, nu_
     beta0 = beta[0] if has_sink else 0.0
     # A_+ adds in position order, as it always has: its last bit can decide a count.
     a_plus = 0.0
-    n_sel = 0
     for k in range(K):
         if nonsink[k] and selected[k]:
             a_plus += beta[k]
-            n_sel += 1
+    n_sel = n - sigma
     n_uns = n_att - n - (has_sink and not sigma)
     scale = a_plus + beta0
     tol0 = l_rtol * (beta0 + scale) ** 2
@@ -670,7 +669,6 @@ def exact_keys(y, S, sv, alpha, orders, points, att, options, X, err, unsure, sc
             continue
         if kind[row] > 0:
             X[row] = scratch
-            x = X[row]
         lo_max, hi_max, lo_min, hi_min = _limits(x, yn, sn, e_rel, tiny, sel_order, n, n_cand)
         # Those keys, and the candidates for each radius.
         for i in range(n_cand):
