@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""analyze against extract and against reading analyze's inputs (issue 11, items 2 and 6).
+"""analyze against extract and against reading analyze's inputs (run by hand).
 
     python benchmarks/analyze_vs_extract.py                     # both models, L = 512 and 1024
     python benchmarks/analyze_vs_extract.py --models smollm2-135m --lengths 512 -S 2 --reps 3 --json r.json
@@ -22,7 +22,8 @@ For each model and L, every repetition, side by side:
 Reported: medians of per-repetition ratios analyze/extract and analyze/read, and the
 orchestration overhead: analyze minus the kernel's ideal parallel time (serial kernel time
 divided by the cores), i.e. what the stage adds besides the kernel (graph, reads, writes,
-reductions, cluster start-up). The machine is shared and noisy: compare ratios within a run.
+reductions, cluster start-up). Compare ratios within a run: seconds move with whatever else
+the machine runs.
 """
 
 from __future__ import annotations

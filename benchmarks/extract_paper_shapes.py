@@ -283,8 +283,8 @@ def plain_write(objects: dict[Path, bytes], folder: Path) -> None:
 def writer_times(name: str, args: argparse.Namespace, length: int, workdir: Path) -> dict[str, Any]:
     """The writer's throughput on one full-depth sequence of ``name`` against one-thread
     compression, zarrs (when installed) and a plain write of the same compressed bytes."""
-    # Imported here, so that the model part also runs on an attngeom from before the writer
-    # (PYTHONPATH=<that checkout> ... --no-writer) for a before/after comparison.
+    # Imported here, so that --no-writer also runs on an older attngeom that lacks the writer
+    # (PYTHONPATH=<its checkout>), for a comparison against it.
     from attngeom.store import SequenceWriter
 
     layout = layout_of(SHAPES[name], length)

@@ -95,7 +95,7 @@ def compression_levels(store: str, levels: list[int], reps: int) -> dict[str, An
 
 def choose_level(levels_result: dict[str, Any], loop_s_per_seq: float, budget: float) -> str:
     """The level with the smallest output among those whose compression costs at most
-    ``budget`` of the extract loop's time per sequence (single-threaded Blosc, this machine)."""
+    ``budget`` of the extract loop's time per sequence (single-threaded Blosc, where it runs)."""
     if loop_s_per_seq != loop_s_per_seq:
         return "none (no extract loop time for a --store store)"
     total = levels_result["arrays"]["total"]

@@ -3,7 +3,7 @@
 
     python benchmarks/extract_vs_forward.py --json extract.json
     python benchmarks/extract_vs_forward.py --models smollm2-135m --lengths 512 --num-sequences 2
-    python benchmarks/extract_vs_forward.py --references sdpa        # busy machine: no eager peer
+    python benchmarks/extract_vs_forward.py --references sdpa        # the bare forward only, no eager peer
 
 Per model and context length L, on the first windows of the corpus, each repetition times side
 by side (order rotated per repetition, after one untimed warm-up extract whose tokens give the

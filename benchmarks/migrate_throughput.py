@@ -10,7 +10,7 @@ as attngeom 0.1.0 wrote it (every array rewritten with Blosc only, no chunk chec
 by side: a plain file copy of the store (``shutil.copytree``, the floor for touching every
 byte), ``attngeom validate --deep`` of the copy (decoding every chunk), and ``migrate`` of
 the copy (decode, re-encode with checksums into a temporary array, replace). Ratios are of
-the same repetition; the machine is shared, so read the ratios, not the seconds.
+the same repetition: read the ratios, not the seconds.
 """
 
 from __future__ import annotations
