@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).parents[1]
@@ -152,3 +153,73 @@ def test_tables_have_as_many_cells_in_every_row():
                 uneven.append(f"{page.name}:{table[0][0]}")
             table = []
     assert not uneven, uneven
+
+
+def python_blocks(text: str) -> list[str]:
+    """The ```python blocks of a Markdown text, in order."""
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def readme_offline_example() -> str:
+    """The README's offline script: the one python block that extracts a named model."""
+    blocks = [b for b in python_blocks((ROOT / "README.md").read_text()) if 'ag.extract("smollm2-135m"' in b]
+    assert len(blocks) == 1, len(blocks)
+    return blocks[0]
+
+
+def run_offline_example(block: str, folder: Path, monkeypatch, capsys) -> dict:
+    monkeypatch.chdir(folder)
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    assert sorted(p.name for p in (folder / "notes").iterdir()) == ["for.txt", "try.txt", "while.txt"]
+    assert scope["analyzed"].sequences == 3 and scope["analyzed"].run_id == scope["result"].run_id
+    f8 = scope["f8"]
+    assert f8.dims == ("layer", "head") and np.isfinite(f8.values).all()
+    assert ((0 <= f8.values) & (f8.values <= 1)).all()
+    printed = capsys.readouterr().out
+    assert printed.startswith("3 {'layer': ")
+    return scope
+
+
+def test_readme_offline_example_runs_with_a_tiny_model(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """The README's offline script, its named model swapped for a tiny random Llama's folder
+    (which, named by path, also loads its own tokenizer): it runs as written, input included."""
+    block = readme_offline_example().replace('"smollm2-135m"', repr(str(tiny_model_dir("llama"))))
+    scope = run_offline_example(block, tmp_path, monkeypatch, capsys)
+    assert dict(scope["f8"].sizes) == {"layer": 3, "head": 4}
+    assert scope["run"].text(0).startswith("<bos>")
+
+
+def test_readme_offline_example_runs_as_written_with_the_real_model(tmp_path, monkeypatch, capsys):
+    """A real-model test: the README's offline script exactly as written, smollm2-135m
+    (converted once into the cache on its first use) on three short windows."""
+    scope = run_offline_example(readme_offline_example(), tmp_path, monkeypatch, capsys)
+    assert dict(scope["f8"].sizes) == {"layer": 30, "head": 9}
+    assert scope["run"].provenance["model"]["id"] == "smollm2-135m"
+    assert scope["result"].committed == 3
+
+
+def test_store_md_reading_examples_run_as_written(tmp_path, monkeypatch):
+    """docs/store.md's "Reading a store" blocks (attngeom, xarray, zarr-python, tensorstore)
+    on an analyzed synthetic store of the run they name; every reader gets the same values."""
+    import zarr
+
+    import attngeom as ag
+    from attngeom.synthetic import write_synthetic_run
+
+    blocks = python_blocks(section(DOCS / "store.md", "reading-a-store"))
+    assert len(blocks) == 4 and "import tensorstore" in blocks[3]
+    pytest.importorskip("tensorstore")  # the interop extra
+    monkeypatch.chdir(tmp_path)
+    run_id = "gemma3-270m__wiki-summaries__L128"
+    write_synthetic_run("runs.zarr", run_id, n_seq=2, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, length=16)
+    ag.analyze("runs.zarr", scheduler="threads", progress=False)
+    scope: dict = {}
+    for block in blocks:
+        exec(compile(block, "store.md", "exec"), scope)
+    assert scope["ds"].sizes["seq"] == 2 and scope["topn"].sizes["seq"] == 2
+    assert set(scope["labels"]) == {"Retriever", "Mixer", "Reset"}
+    stored = zarr.open_group("runs.zarr", path=f"runs/{run_id}", mode="r")
+    np.testing.assert_array_equal(scope["first"], stored["attn_last"][0])
+    np.testing.assert_array_equal(scope["values"], stored["values"][0, 0])
+    assert scope["provenance"]["model"]["id"]
