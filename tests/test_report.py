@@ -201,7 +201,7 @@ def test_tables_content(report):
     assert (out / "models.md").read_text().splitlines()[1].startswith("| --- |")
 
 
-def test_store_without_analysis_gives_notes_only(tmp_path):
+def test_store_without_analysis_gives_notes_only(tmp_path, capsys):
     url = str(tmp_path / "s.zarr")
     write_synthetic_run(url, "raw", length=16, **SHAPE)
     index = build_report(url, tmp_path / "out")
@@ -209,6 +209,31 @@ def test_store_without_analysis_gives_notes_only(tmp_path):
     assert "run raw: no analysis/summary" in page
     assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["illustration.png"]
     assert (tmp_path / "out" / "models.csv").exists()
+    # The terminal says what is missing and how to add it: the illustration and the models
+    # table need nothing; the sparsification and critical-head items need only the ablation.
+    assert capsys.readouterr().err.splitlines() == [
+        f"report: {len(FIGURES) - 3} of {len(FIGURES)} figures and 3 of {len(TABLES)} tables need "
+        f"`attngeom analyze --store {url}` (no analysis yet)",
+        f"report: 2 figures and 2 tables need `attngeom ablate --store {url} --run raw` (no ablation yet)",
+    ]
+
+
+def test_an_optional_input_is_named_optional(tmp_path, capsys):
+    """A run analyzed and ablated, extracted without --queries (the demo's): nothing is missing,
+    and the two figures along the context are offered as optional."""
+    url = str(tmp_path / "s.zarr")
+    write_synthetic_run(url, "r", length=24, **SHAPE)
+    analyze(url, run_id="r", scheduler="threads", n_grid=GRID, progress=False)
+    _add_ablation(url, "r")
+    page = build_report(url, tmp_path / "out").read_text()
+    assert "Missing inputs" not in page and 'class="note"' not in page
+    optional = re.findall(r'<p class="optional">([^<]*)</p>', page)
+    assert optional[0] == ("Optional: run r: no analysis/summary_by_query (extract with --queries, then run "
+                           "`attngeom analyze`) — affects separability_by_query, sink_rate_by_query")
+    assert len(optional) == 3  # the page's line and one under each figure
+    assert page.count("(optional)</li>") == 2 and "(missing)" not in page
+    assert capsys.readouterr().err.splitlines() == [
+        "report: 2 figures need a run extracted with --queries (optional)"]
 
 
 def test_a_figure_that_fails_becomes_a_note(runs, tmp_path):
