@@ -6,6 +6,11 @@ plotly.js, ``data/index.js`` (every run's head table: a few values per head) and
 disk may not ``fetch()`` files, so each data file is a script calling a registration function,
 and a head's file is injected only when its cell is clicked: the page starts with the table
 alone whatever the number of heads and the context length.
+
+The folder holds plotly.js (4.6 MB), the head table, and per head, chosen sequence and query
+shown (the final one, then each stored one before it) about 11 bytes per key and 2 kB: weights
+as float16, the picture's points on a uint16 grid, one bit per key and N, in base64. A run of 6
+sequences at L = 512 kept at every 64th query gives about a quarter of its store's size.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from tqdm.auto import tqdm
 from attngeom import __version__
 from attngeom.errors import InputError
 from attngeom.explore import data
-from attngeom.explore.geometry import value_picture
+from attngeom.explore.geometry import Picture, value_picture
 from attngeom.palette import REGIME_COLORS, VOTE_COLORS
 from attngeom.store import VOTES
 
@@ -131,7 +136,9 @@ def _write_script(path: Path, register: str, payload: Any, *args: Any) -> None:
 
 
 def _jsonable(obj: Any) -> Any:
-    """Plain JSON: NumPy scalars and arrays as numbers and lists, NaN and inf as null."""
+    """Plain JSON: NumPy scalars and arrays as numbers and lists, NaN and inf as null, and
+    floats to 5 significant digits (the page shows 3 or 4; a float64's 17 took a third of a
+    head's file)."""
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -141,18 +148,49 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (np.integer, np.bool_)):
         return obj.item()
     if isinstance(obj, (float, np.floating)):
-        return float(obj) if np.isfinite(obj) else None
+        return _digits(obj) if np.isfinite(obj) else None
     return obj
 
 
-def _float32(x: np.ndarray) -> str:
-    """Base64 of little-endian float32: a Float32Array on the page, at a third of JSON's size."""
-    return base64.b64encode(np.ascontiguousarray(x, dtype="<f4").tobytes()).decode("ascii")
+def _digits(x: float) -> float:
+    return float(f"{x:.5g}")
 
 
-def _bits(mask: np.ndarray) -> str:
-    """Base64 of a boolean mask packed 8 keys a byte, key k at bit k % 8 of byte k // 8."""
-    return base64.b64encode(np.packbits(mask, bitorder="little").tobytes()).decode("ascii")
+def _base64(x: np.ndarray, dtype: str) -> str:
+    return base64.b64encode(np.ascontiguousarray(x, dtype=dtype).tobytes()).decode("ascii")
+
+
+def _float16(x: np.ndarray) -> str:
+    """Base64 of little-endian float16: attention weights to 3 significant digits (0 below
+    6e-8), a quarter of their size in JSON."""
+    return _base64(x, "<f2")
+
+
+def _positions(x: np.ndarray, length: int) -> str:
+    """Base64 of key positions as little-endian uint16, or uint32 for a context of more than
+    65,536 keys."""
+    return _base64(x, "<u2" if length <= 2**16 else "<u4")
+
+
+def _plane(xy: np.ndarray) -> dict[str, Any]:
+    """Points (K, 2) on a uint16 grid: x = lo + q * step per axis, one step for both axes (the
+    drawing keeps their scales equal), 65535 for a point not drawn (NaN). The step is 1/65534
+    of the larger extent, far below a pixel; ``lo`` and ``step`` are chosen among the numbers
+    of 5 significant digits that JSON carries, ``lo`` at or below every point."""
+    drawn = np.isfinite(xy).all(axis=1)
+    points = xy[drawn] if drawn.any() else np.zeros((1, 2))
+    lo = [_digits(v - abs(v) * 1e-4) for v in points.min(axis=0)]
+    extent = float((points - lo).max())
+    step = _digits(extent / 65534 * (1 + 1e-4)) if extent > 0 else 1.0
+    grid = np.full(xy.shape, 65535, dtype="<u2")
+    grid[drawn] = np.rint((xy[drawn] - lo) / step)
+    return {"lo": lo, "step": step, "q": _base64(grid, "<u2")}
+
+
+def _bits(masks: np.ndarray) -> str:
+    """Base64 of boolean masks (G, K), each packed 8 keys a byte (key k at bit k % 8 of byte
+    k // 8) and padded to whole bytes, one after the other."""
+    return base64.b64encode(np.packbits(masks, axis=-1, bitorder="little").tobytes()).decode("ascii")
 
 
 def _run_entry(run: data.ExploreRun, progress: bool) -> dict[str, Any]:
@@ -185,7 +223,7 @@ def _run_entry(run: data.ExploreRun, progress: bool) -> dict[str, Any]:
         "head_dim": layout.head_dim, "head_kv": list(layout.head_kv), "window": list(layout.window),
         "n_grid": run.n_grid, "sequences": run.sequences, "tokens": tokens, "token_ids": ids,
         "tokens_note": how, "stats": stats, "notes": run.notes,
-        "query_pos": [int(q) for q in run.layout.queries],
+        "query_pos": [q for _, q in _earlier_queries(run)],
     }
 
 
@@ -205,6 +243,12 @@ def _write_heads(run: data.ExploreRun, folder: Path, progress: bool) -> int:
     return total
 
 
+def _earlier_queries(run: data.ExploreRun) -> list[tuple[int, int]]:
+    """(index among the stored queries, position) of those before the final query: the final
+    query's row is attn_last, which the page shows as its "final" query already."""
+    return [(i, int(q)) for i, q in enumerate(run.layout.queries) if q < run.layout.length - 1]
+
+
 def _head_payload(run: data.ExploreRun, arrays: data.LayerData, layer: int, head: int) -> dict[str, Any]:
     """One head: per chosen sequence its attention row, the value picture and its curves, at
     the final query (``instances``) and at each stored query (``by_query``, one list of
@@ -212,7 +256,7 @@ def _head_payload(run: data.ExploreRun, arrays: data.LayerData, layer: int, head
     by_query = []
     if arrays.query_rows is not None:
         by_query = [_instances(run, arrays.at_query(q, i), head, "analysis/topn_by_query")
-                    for i, q in enumerate(run.layout.queries)]
+                    for i, q in _earlier_queries(run)]
     kv = run.layout.head_kv[head]
     heads = run.heads
     regime = None if heads is None else {
@@ -238,23 +282,33 @@ def _instances(run: data.ExploreRun, arrays: data.LayerData, head: int, source: 
     instances = []
     for b, seq in enumerate(run.sequences):
         curves = _curves(arrays, int(seq), head)
-        per_n = []
-        for g, n in enumerate(run.n_grid):
-            # The store's P and R (analysis/topn) where it has them; else the picture's own.
-            exact = curves is not None and np.isfinite(curves["precision"][g])
-            per_n.append({
-                "n": n, "s": picture.s_xy[b, g], "r_min": picture.r_min[b, g], "r_max": picture.r_max[b, g],
-                "precision": curves["precision"][g] if exact else picture.precision[b, g],
-                "recall": curves["recall"][g] if exact else picture.recall[b, g],
-                "source": source if exact else "distances",
-                "in_r_max": _bits(picture.in_r_max[b, g]), "in_r_min": _bits(picture.in_r_min[b, g]),
-            })
+        # The store's P and R (analysis/topn) where it has them; else the picture's own.
+        precision, recall = picture.precision[b], picture.recall[b]
+        exact = np.zeros(len(run.n_grid), dtype=bool)
+        if curves is not None:
+            exact = np.isfinite(curves["precision"])
+            precision, recall = np.where(exact, curves["precision"], precision), np.where(exact, curves["recall"], recall)
         instances.append({
-            "seq": int(seq), "attn": _float32(attn[b]), "xy": _float32(picture.xy[b].reshape(-1)),
-            "order": picture.order[b, :top], "explained": picture.explained[b],
-            "per_n": per_n, "curves": curves, "votes": _votes(arrays, int(seq), head),
+            "seq": int(seq), "source": source, "attn": _float16(attn[b]), "xy": _plane(picture.xy[b]),
+            "order": _positions(picture.order[b, :top], run.layout.length), "explained": picture.explained[b],
+            "per_n": {
+                "exact": exact, "s": picture.s_xy[b], "r_min": picture.r_min[b], "r_max": picture.r_max[b],
+                "precision": precision, "recall": recall,
+                "misplaced": _bits(_misplaced(picture, b, run.n_grid)),
+            },
+            "curves": curves, "votes": _votes(arrays, int(seq), head),
         })
     return instances
+
+
+def _misplaced(picture: Picture, b: int, n_grid: list[int]) -> np.ndarray:
+    """(G, K) bool: per N, the keys that lower R or P, as the geometry panel marks them: those
+    of I_N outside the open r_min ball, and the others inside the closed r_max ball. One mask
+    where the picture has two: which of the two applies follows from the key's rank."""
+    selected = np.zeros(picture.in_r_max[b].shape, dtype=bool)
+    for g, n in enumerate(n_grid):
+        selected[g, picture.order[b, :n]] = True
+    return np.where(selected, ~picture.in_r_min[b], picture.in_r_max[b])
 
 
 def _curves(arrays: data.LayerData, seq: int, head: int) -> dict[str, np.ndarray] | None:
