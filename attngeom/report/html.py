@@ -60,6 +60,8 @@ def _entry(entry: Entry) -> str:
     if entry.image is not None:
         body = (f'<figure><img src="{escape(entry.image)}" alt="{caption}">'
                 f"<figcaption><b>{escape(entry.name)}.</b> {caption}</figcaption></figure>")
+    elif entry.table is not None and entry.table.empty:
+        body = f'<p class="caption"><b>{escape(entry.name)}.</b> {caption} {links}</p><p>none</p>'
     elif entry.table is not None:
         table = entry.table.to_html(index=False, border=0, classes="data", na_rep="",
                                     float_format=lambda x: f"{x:.4g}")
