@@ -175,6 +175,10 @@ def _plane(xy: dict) -> np.ndarray:
     return np.where(grid == 65535, np.nan, np.asarray(xy["lo"]) + grid * xy["step"])
 
 
+def _float32(b64: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(b64), dtype="<f4")
+
+
 def _masks(b64: str, keys: int) -> np.ndarray:
     packed = np.frombuffer(base64.b64decode(b64), dtype=np.uint8).reshape(len(GRID), -1)
     return np.unpackbits(packed, axis=1, bitorder="little")[:, :keys].astype(bool)
@@ -210,9 +214,10 @@ def test_head_file_matches_the_store(page, store):
             assert set(np.flatnonzero(misplaced[g]).tolist()) == strays | intruders
         row = topn.sel(seq=seq).isel(layer=layer, head=head)
         assert inst["source"] == "analysis/topn" and all(per_n["exact"])
-        assert per_n["precision"] == pytest.approx(row["precision"].values.tolist(), rel=1e-4)
-        assert per_n["recall"] == pytest.approx(row["recall"].values.tolist(), rel=1e-4)
-        assert inst["curves"]["f_score"] == pytest.approx(row["f_score"].values.tolist(), rel=1e-4)
+        for name in ("precision", "recall"):
+            np.testing.assert_array_equal(_float32(per_n[name]), row[name].values.astype(np.float32))
+        np.testing.assert_array_equal(_float32(inst["curves"]["f_score"]), row["f_score"].values.astype(np.float32))
+        np.testing.assert_array_equal(_float32(per_n["r_max"]), picture.r_max[0].astype(np.float32))
         assert sum(inst["votes"]) == LENGTH - 1
 
 
@@ -222,32 +227,67 @@ def test_run_without_analysis_uses_the_pictures_own_scores(page):
     inst = payload["instances"][0]
     assert inst["curves"] is None and inst["votes"] is None
     assert not any(inst["per_n"]["exact"])
-    assert all(0 < p <= 1 for p in inst["per_n"]["precision"])
+    precision = _float32(inst["per_n"]["precision"])
+    assert np.all((precision > 0) & (precision <= 1))
 
 
-def test_the_page_is_a_small_fraction_of_the_store_and_offers_each_query_once(tmp_path):
-    """A run kept at every 16th query of L = 256 (the final one among them), 4 sequences,
-    Gemma 3 270M's head shape (one kv head of dimension 256)."""
+QUERIES = tuple(range(15, 256, 16))
+
+
+@pytest.fixture(scope="module")
+def query_page(tmp_path_factory) -> tuple[str, Path]:
+    """A synthetic run kept at every 16th query of L = 256 (the final one among them), 4
+    sequences, Gemma 3 270M's head shape (one kv head of dimension 256), and its page."""
     from attngeom.synthetic import write_synthetic_run
 
-    url = str(tmp_path / "s.zarr")
-    length, queries = 256, tuple(range(15, 256, 16))
-    write_synthetic_run(url, "q", n_seq=4, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=256, length=length,
-                        queries=queries)
+    folder = tmp_path_factory.mktemp("queries")
+    url = str(folder / "s.zarr")
+    write_synthetic_run(url, "q", n_seq=4, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=256, length=256,
+                        queries=QUERIES)
     analyze(url, run_id="q", scheduler="threads", progress=False)
-    result = explore(url, tmp_path / "page", progress=False)
+    return url, explore(url, folder / "page", progress=False).index
+
+
+def test_the_page_is_a_small_fraction_of_the_store_and_offers_each_query_once(query_page):
+    url, index_html = query_page
+    out = index_html.parent
     store_bytes = sum(p.stat().st_size for p in Path(url).rglob("*") if p.is_file())
-    data_bytes = sum(p.stat().st_size for p in (tmp_path / "page" / "data").rglob("*") if p.is_file())
+    data_bytes = sum(p.stat().st_size for p in (out / "data").rglob("*") if p.is_file())
+    page_bytes = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     # The head files and table scale with the store; the page's own files (plotly.js, 4.6 MB)
     # do not.
     assert data_bytes < 0.45 * store_bytes, (data_bytes, store_bytes)
-    assert result.bytes - data_bytes < 5_000_000
-    (index,) = _load(tmp_path / "page" / "data" / "index.js", "index")
-    assert index["runs"][0]["query_pos"] == list(queries[:-1])  # the final query is the page's "final"
-    *_, payload = _load(tmp_path / "page" / "data" / "q" / "head_1_2.js", "head")
-    assert len(payload["by_query"]) == len(queries) - 1
+    assert page_bytes - data_bytes < 5_000_000
+    (index,) = _load(out / "data" / "index.js", "index")
+    assert index["runs"][0]["query_pos"] == list(QUERIES[:-1])  # the final query is the page's "final"
+    *_, payload = _load(out / "data" / "q" / "head_1_2.js", "head")
+    assert len(payload["by_query"]) == len(QUERIES) - 1
     at = payload["by_query"][2][0]  # q = 47 of sequence 0: its 48 keys
     assert len(base64.b64decode(at["attn"])) == 2 * 48 and at["source"] == "analysis/topn_by_query"
+
+
+def test_query_menu_in_headless_chromium(query_page):
+    chromium, sync_playwright = _browser()
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+        tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        tab.on("pageerror", lambda e: errors.append(str(e)))
+        tab.goto(query_page[1].resolve().as_uri())
+        tab.wait_for_selector("body[data-ready='1']")
+        menu = tab.locator("#query-select option").all_inner_texts()
+        assert menu == ["final (q = 255)", *(f"q = {q}" for q in QUERIES[:-1])]
+        tab.click("#head-grid [data-layer='1'][data-head='2']")
+        tab.wait_for_selector("#head-view[data-rendered='1_2']")
+        assert tab.locator("#panel-geometry .trace path.point").count() >= 256
+        tab.select_option("#query-select", label="q = 47")
+        tab.wait_for_function("() => document.getElementById('head-title').textContent.endsWith('query 47')")
+        assert tab.locator("#panel-tokens .tok").count() == 256
+        assert tab.locator("#panel-tokens .tok:not(.out)").count() == 48  # keys 0..47 of the query
+        assert tab.locator("#panel-tokens .tok[style*='background']").count() == 47  # keys 1..47
+        browser.close()
+    assert not errors, errors
 
 
 def test_bad_inputs_leave_nothing_behind(store, tmp_path):

@@ -7,10 +7,13 @@ disk may not ``fetch()`` files, so each data file is a script calling a registra
 and a head's file is injected only when its cell is clicked: the page starts with the table
 alone whatever the number of heads and the context length.
 
-The folder holds plotly.js (4.6 MB), the head table, and per head, chosen sequence and query
-shown (the final one, then each stored one before it) about 11 bytes per key and 2 kB: weights
-as float16, the picture's points on a uint16 grid, one bit per key and N, in base64. A run of 6
-sequences at L = 512 kept at every 64th query gives about a quarter of its store's size.
+The folder holds plotly.js (4.6 MB), the head table, and for each head, each of the first
+``sequences`` sequences and each query shown (the final one, then each stored one before it)
+about 10 bytes per key plus 1 kB: weights as float16, the picture's points on a uint16 grid, one
+bit per key and N, per-N numbers as float32, in base64. It does not grow with the store's
+sequences beyond ``sequences``. For a run of 6 sequences at L = 512 kept at every 64th query, the
+head files take about half the store's size (a quarter where one kv head of dimension 256
+serves four heads, as in Gemma 3 270M).
 """
 
 from __future__ import annotations
@@ -160,6 +163,12 @@ def _base64(x: np.ndarray, dtype: str) -> str:
     return base64.b64encode(np.ascontiguousarray(x, dtype=dtype).tobytes()).decode("ascii")
 
 
+def _float32(x: np.ndarray) -> str:
+    """Base64 of little-endian float32 (NaN where undefined): per-N numbers, at a third of
+    their size in JSON."""
+    return _base64(x, "<f4")
+
+
 def _float16(x: np.ndarray) -> str:
     """Base64 of little-endian float16: attention weights to 3 significant digits (0 below
     6e-8), a quarter of their size in JSON."""
@@ -292,11 +301,11 @@ def _instances(run: data.ExploreRun, arrays: data.LayerData, head: int, source: 
             "seq": int(seq), "source": source, "attn": _float16(attn[b]), "xy": _plane(picture.xy[b]),
             "order": _positions(picture.order[b, :top], run.layout.length), "explained": picture.explained[b],
             "per_n": {
-                "exact": exact, "s": picture.s_xy[b], "r_min": picture.r_min[b], "r_max": picture.r_max[b],
-                "precision": precision, "recall": recall,
+                "exact": exact, "s": _float32(picture.s_xy[b]), "r_min": _float32(picture.r_min[b]),
+                "r_max": _float32(picture.r_max[b]), "precision": _float32(precision), "recall": _float32(recall),
                 "misplaced": _bits(_misplaced(picture, b, run.n_grid)),
             },
-            "curves": curves, "votes": _votes(arrays, int(seq), head),
+            "curves": _encoded(curves), "votes": _votes(arrays, int(seq), head),
         })
     return instances
 
@@ -316,6 +325,10 @@ def _curves(arrays: data.LayerData, seq: int, head: int) -> dict[str, np.ndarray
         return None
     row = arrays.curves.sel(seq=seq).isel(head=head)
     return {name: row[name].values for name in data.CURVES}
+
+
+def _encoded(curves: dict[str, np.ndarray] | None) -> dict[str, str] | None:
+    return None if curves is None else {name: _float32(v) for name, v in curves.items()}
 
 
 def _votes(arrays: data.LayerData, seq: int, head: int) -> list[int] | None:

@@ -51,6 +51,11 @@
     return out;
   }
 
+  // Little-endian float32, NaN (undefined) as null.
+  function float32(b64) {
+    return Array.from(new Float32Array(bytes(b64).buffer), function (v) { return Number.isNaN(v) ? null : v; });
+  }
+
   // Little-endian IEEE half floats (attention weights), as numbers.
   function float16(b64) {
     var raw = bytes(b64), out = new Float64Array(raw.length >> 1);
@@ -82,10 +87,10 @@
   // r_min, other keys inside r_max; packed 8 keys a byte, key k at bit k % 8 of byte k >> 3,
   // one mask of ceil(K / 8) bytes per N after the other).
   function perN(inst, arrays, run, g) {
-    var p = inst.per_n, width = (arrays.x.length + 7) >> 3;
+    var p = arrays.perN, width = (arrays.x.length + 7) >> 3;
     return {
-      n: run.n_grid[g], s: p.s[g], r_min: p.r_min[g], r_max: p.r_max[g], precision: p.precision[g],
-      recall: p.recall[g], source: p.exact[g] ? inst.source : "distances",
+      n: run.n_grid[g], s: [p.s[2 * g], p.s[2 * g + 1]], r_min: p.r_min[g], r_max: p.r_max[g],
+      precision: p.precision[g], recall: p.recall[g], source: inst.per_n.exact[g] ? inst.source : "distances",
       misplaced: arrays.misplaced.subarray(g * width, (g + 1) * width),
     };
   }
@@ -290,7 +295,14 @@
       var xy = plane(inst.xy);
       state.decoded = {};  // one instance decoded at a time: memory stays flat however many heads are viewed
       state.decoded[dk] = { attn: float16(inst.attn), x: xy.x, y: xy.y, order: positions(inst.order, run.length),
-                            misplaced: bytes(inst.per_n.misplaced) };
+                            misplaced: bytes(inst.per_n.misplaced), perN: {}, curves: null };
+      ["s", "r_min", "r_max", "precision", "recall"].forEach(function (name) {
+        state.decoded[dk].perN[name] = float32(inst.per_n[name]);
+      });
+      if (inst.curves) {
+        state.decoded[dk].curves = {};
+        Object.keys(inst.curves).forEach(function (name) { state.decoded[dk].curves[name] = float32(inst.curves[name]); });
+      }
     }
     var arrays = state.decoded[dk];
     $("head-hint").hidden = true;
@@ -303,7 +315,7 @@
     $("head-meta").textContent = kv + " · " + (data.window ? "sliding window " + data.window : "full causal attention") +
       " · head_dim " + run.head_dim + " · L = " + run.length;
     renderGeometry(run, inst, arrays, g);
-    renderCurves(run, inst, g);
+    renderCurves(run, arrays, g);
     renderRegime(data, inst);
     renderTokens(run, inst, arrays, g);
     $("head-view").setAttribute("data-rendered", cur.layer + "_" + cur.head);
@@ -379,16 +391,16 @@
       "; distances in full dimension " + run.head_dim + "."));
   }
 
-  function renderCurves(run, inst, g) {
+  function renderCurves(run, arrays, g) {
     var div = $("panel-curves");
-    if (!inst.curves) {
+    if (!arrays.curves) {
       Plotly.purge(div);
       div.innerHTML = "";
       div.appendChild(el("p", { class: "note" }, "No analysis of this sequence in the store: run `attngeom analyze`."));
       return;
     }
     if (div.firstChild && div.firstChild.className === "note") div.innerHTML = "";
-    var c = inst.curves, x = run.n_grid;
+    var c = arrays.curves, x = run.n_grid;
     function line(name, y, color, dash, width) {
       return { type: "scatter", mode: "lines+markers", name: name, x: x, y: y,
         line: { color: color, dash: dash || "solid", width: width || 2 }, marker: { size: dash ? 3 : 5 } };
