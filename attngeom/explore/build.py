@@ -7,7 +7,7 @@ disk may not ``fetch()`` files, so each data file is a script calling a registra
 and a head's file is injected only when its cell is clicked: the page starts with the table
 alone whatever the number of heads and the context length.
 
-The folder holds plotly.js (4.6 MB), the head table, and for each head, each of the first
+Its size: plotly.js (4.6 MB), the head table, and for each head, each of the first
 ``sequences`` sequences and each query shown (the final one, then each stored one before it)
 about 10 bytes per key plus 1 kB: weights as float16, the picture's points on a uint16 grid, one
 bit per key and N, per-N numbers as float32, in base64. It does not grow with the store's
