@@ -38,6 +38,11 @@ def test_assembly_says_what_it_does_once(tmp_path, capsys):
     assert [p.name for p in target.parent.iterdir()] == ["m.gguf"]
     models.assemble_parts(parts, target, hashlib.sha256(whole).hexdigest())
     assert capsys.readouterr().err == ""
+    # A truncated file in its place (an assembler that wrote in place, stopped midway).
+    target.write_bytes(whole[:100])
+    models.assemble_parts(parts, target, hashlib.sha256(whole).hexdigest())
+    assert target.read_bytes() == whole
+    assert "is not the published file (sha256 differs): assembling it again" in capsys.readouterr().err
 
 
 def test_assembly_that_fails_or_is_interrupted_leaves_no_file(tmp_path):

