@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xarray as xr
 from threadpoolctl import threadpool_limits
 from tqdm.auto import tqdm
 
@@ -288,9 +289,10 @@ def _instances(run: data.ExploreRun, arrays: data.LayerData, head: int, source: 
     attendable = np.broadcast_to(arrays.attendable, attn.shape)
     picture = value_picture(attn, arrays.values[:, kv], attendable, run.n_grid)
     top = max(run.n_grid)
+    all_curves, all_votes = _by_sequence(arrays.curves, head), _by_sequence(arrays.votes, head)
     instances = []
     for b, seq in enumerate(run.sequences):
-        curves = _curves(arrays, int(seq), head)
+        curves, votes = all_curves.get(int(seq)), all_votes.get(int(seq))
         # The store's P and R (analysis/topn) where it has them; else the picture's own.
         precision, recall = picture.precision[b], picture.recall[b]
         exact = np.zeros(len(run.n_grid), dtype=bool)
@@ -305,7 +307,7 @@ def _instances(run: data.ExploreRun, arrays: data.LayerData, head: int, source: 
                 "r_max": _float32(picture.r_max[b]), "precision": _float32(precision), "recall": _float32(recall),
                 "misplaced": _bits(_misplaced(picture, b, run.n_grid)),
             },
-            "curves": _encoded(curves), "votes": _votes(arrays, int(seq), head),
+            "curves": _encoded(curves), "votes": None if votes is None else votes.astype(int).tolist(),
         })
     return instances
 
@@ -320,18 +322,20 @@ def _misplaced(picture: Picture, b: int, n_grid: list[int]) -> np.ndarray:
     return np.where(selected, ~picture.in_r_min[b], picture.in_r_max[b])
 
 
-def _curves(arrays: data.LayerData, seq: int, head: int) -> dict[str, np.ndarray] | None:
-    if arrays.curves is None or seq not in arrays.curves["seq"].values:
-        return None
-    row = arrays.curves.sel(seq=seq).isel(head=head)
-    return {name: row[name].values for name in data.CURVES}
+def _by_sequence(ds: xr.Dataset | xr.DataArray | None, head: int) -> dict[int, Any]:
+    """Head ``head``'s rows of ``ds`` (seq, head, ...) by sequence id, as NumPy: indexing an
+    xarray object per instance cost half of explore's time."""
+    if ds is None:
+        return {}
+    ds = ds.isel(head=head).transpose("seq", ...)
+    if isinstance(ds, xr.DataArray):
+        rows = ds.values
+        return {int(s): rows[i] for i, s in enumerate(ds["seq"].values)}
+    columns = {name: ds[name].values for name in data.CURVES}
+    return {int(s): {name: v[i] for name, v in columns.items()} for i, s in enumerate(ds["seq"].values)}
 
 
 def _encoded(curves: dict[str, np.ndarray] | None) -> dict[str, str] | None:
     return None if curves is None else {name: _float32(v) for name, v in curves.items()}
 
 
-def _votes(arrays: data.LayerData, seq: int, head: int) -> list[int] | None:
-    if arrays.votes is None or seq not in arrays.votes["seq"].values:
-        return None
-    return arrays.votes.sel(seq=seq).isel(head=head).values.astype(int).tolist()
