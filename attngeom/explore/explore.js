@@ -21,8 +21,18 @@
 
   window.attngeomExplore = {
     index: function (payload) { state.index = payload; },
-    head: function (runId, layer, head, payload) {
-      state.heads[key(runId, layer, head)] = payload;
+    // A head's payload comes gzipped in base64; it is inflated as it arrives, then drawn.
+    head: function (runId, layer, head, packed) {
+      var k = key(runId, layer, head);
+      state.heads[k] = "inflating";
+      inflate(packed).then(function (payload) {
+        state.heads[k] = payload;
+        if (state.run && state.run.id === runId && isCurrent(state.run, layer, head)) renderHead();
+      }, function (error) {
+        delete state.heads[k];
+        $("head-hint").hidden = false;
+        $("head-hint").textContent = "Could not read the data of layer " + layer + ", head " + head + ": " + error;
+      });
     },
   };
 
@@ -49,6 +59,14 @@
     var bin = atob(b64), out = new Uint8Array(bin.length);
     for (var i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
     return out;
+  }
+
+  function inflate(b64) {
+    if (typeof DecompressionStream === "undefined") {
+      return Promise.reject("this browser lacks DecompressionStream (Chrome 80, Firefox 113, Safari 16.4 have it)");
+    }
+    var stream = new Blob([bytes(b64)]).stream().pipeThrough(new DecompressionStream("gzip"));
+    return new Response(stream).text().then(JSON.parse);
   }
 
   // Little-endian float32, NaN (undefined) as null.
@@ -285,7 +303,7 @@
     var run = state.run, cur = state.current;
     if (!cur) return;
     var data = state.heads[key(run.id, cur.layer, cur.head)];
-    if (!data || state.plotly !== "ready") return;
+    if (!data || data === "inflating" || state.plotly !== "ready") return;
     var atQuery = state.query >= 0 && data.by_query && data.by_query.length > state.query;
     var inst = atQuery ? data.by_query[state.query][state.seq] : data.instances[state.seq];
     var q = atQuery ? run.query_pos[state.query] : run.length - 1;
