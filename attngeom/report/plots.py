@@ -6,6 +6,7 @@ global state and needs no display; ``savefig`` renders them with Agg.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -186,8 +187,8 @@ def draw_boxes(ax: Axes, runs: Sequence[RunData], panel: BoxPanel) -> None:
     if not ax.patches:
         no_data(ax, panel.undefined)
     elif notes:
-        ax.text(0.02, 0.98, "\n".join(notes), transform=ax.transAxes, ha="left", va="top", fontsize=7,
-                color="0.25", zorder=4)
+        # Below the run labels, where it hides no box.
+        ax.set_xlabel("\n".join(textwrap.fill(n, 60) for n in notes), fontsize=7, color="0.25")
     ax.set_xticks(range(len(runs)), [short_label(r) for r in runs])
     ax.set_xlim(-0.6, len(runs) - 0.4)
     ax.grid(axis="x", visible=False)
