@@ -322,6 +322,6 @@ def test_small_things_said_plainly(runs, tmp_path):
     axes = {ax.get_title(): ax for ax in coherence([one]).axes}
     degenerate = axes[r"CV across sequences of $\nu_N^{-,(0.95)}$"]
     assert degenerate.get_xlabel().replace("\n", " ") == (
-        "4 of 8 heads defined (elsewhere 0 in every sequence (CV 0/0), or no sink); all 4 equal 0.678")
+        "4 of 8 heads defined, elsewhere 0 in every sequence (CV 0/0), or no sink; all 4 equal 0.678")
     assert [t.get_text() for t in axes[r"CV across sequences of $\nu_N^{+,(0.95)}$"].texts] == [
         "no defined values\n(0 in every sequence (CV 0/0), or no sink)"]

@@ -209,7 +209,7 @@ def _degenerate(values: np.ndarray, heads: int, undefined: str) -> str:
     drawn as a line; "" when it hides nothing."""
     parts = []
     if 0 < values.size < heads:
-        parts.append(f"{values.size} of {heads} heads defined" + (f" (elsewhere {undefined})" if undefined else ""))
+        parts.append(f"{values.size} of {heads} heads defined" + (f", elsewhere {undefined}" if undefined else ""))
     if values.size > 1 and np.ptp(values) == 0:
         parts.append(f"all {values.size} equal {values[0]:.3g}")
     return "; ".join(parts)
