@@ -220,7 +220,7 @@ def _one_reading(path: Path) -> Iterator[Any]:
     opener = gguf.GGUFReader
 
     def shared(file: os.PathLike[str] | str, mode: str = "r") -> Any:
-        return reader if mode == "r" and Path(file) == path else opener(file, mode)
+        return reader if mode == "r" and Path(file).resolve() == path.resolve() else opener(file, mode)
 
     gguf.GGUFReader = shared
     try:
