@@ -118,3 +118,24 @@ def test_an_interrupted_conversion_leaves_no_folder(fake_gguf, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         models._converted_folder(source)
     assert list(models.converted_path(source.gguf_file, source.file_sha256).parent.iterdir()) == []
+
+
+def test_a_step_on_a_terminal_keeps_its_line_and_ends_it(monkeypatch):
+    """On a terminal a step without a bar of its own shows its seconds beside its text; the
+    line is ended when the step ends, failed or not."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    with models._step("  2/4 building the tokenizer"):
+        pass
+    with pytest.raises(KeyboardInterrupt), models._step("  3/4 stopped"):
+        raise KeyboardInterrupt
+    lines = terminal.getvalue().replace("\r", "\n").split("\n")
+    assert any(line.startswith("  2/4 building the tokenizer (") for line in lines)
+    assert any(line.startswith("  3/4 stopped (") for line in lines)
+    assert terminal.getvalue().endswith("\n")

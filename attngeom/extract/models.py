@@ -18,6 +18,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -207,16 +208,40 @@ def converted_path(gguf_file: str, file_sha256: str) -> Path:
 
 
 @contextlib.contextmanager
-def _one_reading(path: Path) -> Iterator[Any]:
-    """The GGUF's reader, shared by every transformers call within the block.
+def _step(text: str) -> Iterator[None]:
+    """Say ``text``; on a terminal, count the step's seconds beside it while it runs (for the
+    steps that have no bar of their own)."""
+    if not sys.stderr.isatty():
+        _say(text)
+        yield
+        return
+    bar = tqdm(desc=text, bar_format="{desc} ({elapsed})", file=sys.stderr)
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(1.0):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join()
+        bar.close()
+
+
+@contextlib.contextmanager
+def _shared_reader(reader: Any, path: Path) -> Iterator[None]:
+    """Every transformers call within the block gets ``reader`` for the GGUF at ``path``.
 
     transformers opens the file anew for the config, the tokenizer and the weights, four
     times in all, and each opening parses every field (about 25 s for Gemma 3's 262k-token
-    vocabulary); within the block each gets the reader opened here.
+    vocabulary).
     """
     import gguf
 
-    reader = gguf.GGUFReader(path)
     opener = gguf.GGUFReader
 
     def shared(file: os.PathLike[str] | str, mode: str = "r") -> Any:
@@ -224,7 +249,7 @@ def _one_reading(path: Path) -> Iterator[Any]:
 
     gguf.GGUFReader = shared
     try:
-        yield reader
+        yield
     finally:
         gguf.GGUFReader = opener
 
@@ -240,11 +265,14 @@ def _converted_folder(source: ModelSource) -> Path:
     gguf_path = Path(source.path) / source.gguf_file
     name = source.gguf_file if source.name.endswith(".gguf") else source.name
     _say(f"converting {name} once into {_home(target.parent)} (first run only; later runs read the copy)")
-    _say(f"  1/4 reading {source.gguf_file} ({_size(gguf_path.stat().st_size)})")
-    with _one_reading(gguf_path) as reader:
+    with _step(f"  1/4 reading {source.gguf_file} ({_size(gguf_path.stat().st_size)})"):
+        import gguf
+
+        reader = gguf.GGUFReader(gguf_path)
+    with _shared_reader(reader, gguf_path):
         n_bytes = 4 * sum(int(t.n_elements) for t in reader.tensors)
-        _say("  2/4 building the tokenizer from its vocabulary")
-        tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+        with _step("  2/4 building the tokenizer from its vocabulary"):
+            tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
         _say(f"  3/4 de-quantizing {len(reader.tensors)} tensors into float32 ({_size(n_bytes)})")
         model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
     config = model.config
