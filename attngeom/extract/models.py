@@ -4,7 +4,8 @@ The offline names (docs/cli.md#models) point at GGUF files shipped in PyPI packa
 de-quantizes a GGUF on every load (about a minute for Gemma 3's 262k-token vocabulary), so the
 first load converts it once into a plain transformers folder under the cache and later loads
 read that folder. Each one-time step says on stderr what it is and where it writes, with a bar
-where it can count (bytes assembled, tensors de-quantized); a cached copy is read silently.
+where it can count (bytes assembled, tensors de-quantized) and, on a terminal, its seconds
+where it cannot; a cached copy is read silently.
 """
 
 from __future__ import annotations
