@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import os
 import re
@@ -133,7 +134,10 @@ def _load(path: Path, register: str) -> list:
     """The arguments of the registration call a data file makes."""
     text = path.read_text()
     assert text.startswith(f"attngeomExplore.{register}(") and text.rstrip().endswith(");")
-    return json.loads("[" + text.strip()[len(f"attngeomExplore.{register}("):-2] + "]")
+    args = json.loads("[" + text.strip()[len(f"attngeomExplore.{register}("):-2] + "]")
+    if register == "head":  # gzipped JSON in base64
+        args[-1] = json.loads(gzip.decompress(base64.b64decode(args[-1])))
+    return args
 
 
 def test_folder_holds_the_page_plotly_and_one_file_per_head(page):
@@ -169,6 +173,21 @@ def test_index_carries_the_head_table_and_decoded_tokens(page):
     assert index["palette"] == {"regime": REGIME_COLORS, "vote": VOTE_COLORS}
 
 
+def _plane(xy: dict) -> np.ndarray:
+    """The points of a head file's uint16 grid (NaN for a point not drawn), as the page decodes them."""
+    grid = np.frombuffer(base64.b64decode(xy["q"]), dtype="<u2").reshape(-1, 2)
+    return np.where(grid == 65535, np.nan, np.asarray(xy["lo"]) + grid * xy["step"])
+
+
+def _float32(b64: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(b64), dtype="<f4")
+
+
+def _masks(b64: str, keys: int) -> np.ndarray:
+    packed = np.frombuffer(base64.b64decode(b64), dtype=np.uint8).reshape(len(GRID), -1)
+    return np.unpackbits(packed, axis=1, bitorder="little")[:, :keys].astype(bool)
+
+
 def test_head_file_matches_the_store(page, store):
     layer, head = 1, 3
     run_id, l, h, payload = _load(page.parent / "data" / "a" / f"head_{layer}_{head}.js", "head")
@@ -179,16 +198,30 @@ def test_head_file_matches_the_store(page, store):
     assert payload["regime"]["regime"] == str(heads["regime"].values[layer, head])
     for inst in payload["instances"]:
         seq = inst["seq"]
-        attn = np.frombuffer(base64.b64decode(inst["attn"]), dtype="<f4")
-        np.testing.assert_array_equal(attn, ds["attn_last"].values[seq, layer, head])
-        xy = np.frombuffer(base64.b64decode(inst["xy"]), dtype="<f4").reshape(LENGTH, 2)
-        assert np.isfinite(xy).all()
+        stored = ds["attn_last"].values[seq, layer, head]
+        attn = np.frombuffer(base64.b64decode(inst["attn"]), dtype="<f2")
+        np.testing.assert_array_equal(attn, stored.astype(np.float16))
+        order = np.frombuffer(base64.b64decode(inst["order"]), dtype="<u2")
+        assert order.tolist() == sorted(range(LENGTH), key=lambda k: (-stored[k], k))[: max(GRID)]
+        values = ds["values"].values[seq, layer, payload["kv_head"]].astype(np.float64)
+        picture = value_picture(stored[None], values[None], np.ones((1, LENGTH), dtype=bool), GRID)
+        xy = _plane(inst["xy"])
+        assert inst["xy"]["step"] <= np.ptp(picture.xy[0], axis=0).max() / 65000
+        np.testing.assert_allclose(xy, picture.xy[0], rtol=0, atol=inst["xy"]["step"] / 2 * (1 + 1e-9))
+        per_n = inst["per_n"]
+        # Per N: the top-N keys outside the r_min ball (strays), the others inside the r_max ball.
+        misplaced = _masks(per_n["misplaced"], LENGTH)
+        for g, n in enumerate(GRID):
+            top = set(order[:n].tolist())
+            strays = {k for k in top if not picture.in_r_min[0, g, k]}
+            intruders = {k for k in range(LENGTH) if k not in top and picture.in_r_max[0, g, k]}
+            assert set(np.flatnonzero(misplaced[g]).tolist()) == strays | intruders
         row = topn.sel(seq=seq).isel(layer=layer, head=head)
-        for g, per in enumerate(inst["per_n"]):
-            assert per["source"] == "analysis/topn"
-            assert per["precision"] == pytest.approx(float(row["precision"][g]))
-            assert per["recall"] == pytest.approx(float(row["recall"][g]))
-        assert inst["curves"]["f_score"] == pytest.approx(row["f_score"].values.tolist())
+        assert inst["source"] == "analysis/topn" and all(per_n["exact"])
+        for name in ("precision", "recall"):
+            np.testing.assert_array_equal(_float32(per_n[name]), row[name].values.astype(np.float32))
+        np.testing.assert_array_equal(_float32(inst["curves"]["f_score"]), row["f_score"].values.astype(np.float32))
+        np.testing.assert_array_equal(_float32(per_n["r_max"]), picture.r_max[0].astype(np.float32))
         assert sum(inst["votes"]) == LENGTH - 1
 
 
@@ -197,8 +230,68 @@ def test_run_without_analysis_uses_the_pictures_own_scores(page):
     assert payload["regime"] is None
     inst = payload["instances"][0]
     assert inst["curves"] is None and inst["votes"] is None
-    assert {per["source"] for per in inst["per_n"]} == {"distances"}
-    assert all(0 < per["precision"] <= 1 for per in inst["per_n"])
+    assert not any(inst["per_n"]["exact"])
+    precision = _float32(inst["per_n"]["precision"])
+    assert np.all((precision > 0) & (precision <= 1))
+
+
+QUERIES = tuple(range(15, 256, 16))
+
+
+@pytest.fixture(scope="module")
+def query_page(tmp_path_factory) -> tuple[str, Path]:
+    """A synthetic run kept at every 16th query of L = 256 (the final one among them), 4
+    sequences, Gemma 3 270M's head shape (one kv head of dimension 256), and its page."""
+    from attngeom.synthetic import write_synthetic_run
+
+    folder = tmp_path_factory.mktemp("queries")
+    url = str(folder / "s.zarr")
+    write_synthetic_run(url, "q", n_seq=4, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=256, length=256,
+                        queries=QUERIES)
+    analyze(url, run_id="q", scheduler="threads", progress=False)
+    return url, explore(url, folder / "page", progress=False).index
+
+
+def test_the_page_is_a_small_fraction_of_the_store_and_offers_each_query_once(query_page):
+    url, index_html = query_page
+    out = index_html.parent
+    store_bytes = sum(p.stat().st_size for p in Path(url).rglob("*") if p.is_file())
+    data_bytes = sum(p.stat().st_size for p in (out / "data").rglob("*") if p.is_file())
+    page_bytes = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    # The head files and table scale with the store; the page's own files (plotly.js, 4.6 MB)
+    # do not.
+    assert data_bytes < 0.3 * store_bytes, (data_bytes, store_bytes)
+    assert page_bytes - data_bytes < 5_000_000
+    (index,) = _load(out / "data" / "index.js", "index")
+    assert index["runs"][0]["query_pos"] == list(QUERIES[:-1])  # the final query is the page's "final"
+    *_, payload = _load(out / "data" / "q" / "head_1_2.js", "head")
+    assert len(payload["by_query"]) == len(QUERIES) - 1
+    at = payload["by_query"][2][0]  # q = 47 of sequence 0: its 48 keys
+    assert len(base64.b64decode(at["attn"])) == 2 * 48 and at["source"] == "analysis/topn_by_query"
+
+
+def test_query_menu_in_headless_chromium(query_page):
+    chromium, sync_playwright = _browser()
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+        tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        tab.on("pageerror", lambda e: errors.append(str(e)))
+        tab.goto(query_page[1].resolve().as_uri())
+        tab.wait_for_selector("body[data-ready='1']")
+        menu = tab.locator("#query-select option").all_inner_texts()
+        assert menu == ["final (q = 255)", *(f"q = {q}" for q in QUERIES[:-1])]
+        tab.click("#head-grid [data-layer='1'][data-head='2']")
+        tab.wait_for_selector("#head-view[data-rendered='1_2']")
+        assert tab.locator("#panel-geometry .trace path.point").count() >= 256
+        tab.select_option("#query-select", label="q = 47")
+        tab.wait_for_function("() => document.getElementById('head-title').textContent.endsWith('query 47')")
+        assert tab.locator("#panel-tokens .tok").count() == 256
+        assert tab.locator("#panel-tokens .tok:not(.out)").count() == 48  # keys 0..47 of the query
+        assert tab.locator("#panel-tokens .tok[style*='background']").count() == 47  # keys 1..47
+        browser.close()
+    assert not errors, errors
 
 
 def test_bad_inputs_leave_nothing_behind(store, tmp_path):

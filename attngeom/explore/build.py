@@ -6,11 +6,20 @@ plotly.js, ``data/index.js`` (every run's head table: a few values per head) and
 disk may not ``fetch()`` files, so each data file is a script calling a registration function,
 and a head's file is injected only when its cell is clicked: the page starts with the table
 alone whatever the number of heads and the context length.
+
+Its size: plotly.js (4.6 MB), the head table, and for each head, each of the first
+``sequences`` sequences and each query shown (the final one, then each stored one before it)
+about 10 bytes per key plus 1 kB before compression: weights as float16, the picture's points on
+a uint16 grid, one bit per key and N, per-N numbers as float32; a head's file is that JSON,
+gzipped, in base64. It does not grow with the store's sequences beyond ``sequences``. For a run
+of 6 sequences at L = 512 kept at every 64th query, the head files take about a third of the
+store's size (a sixth where one kv head of dimension 256 serves four heads, as in Gemma 3 270M).
 """
 
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import re
 import shutil
@@ -22,13 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xarray as xr
 from threadpoolctl import threadpool_limits
 from tqdm.auto import tqdm
 
 from attngeom import __version__
 from attngeom.errors import InputError
 from attngeom.explore import data
-from attngeom.explore.geometry import value_picture
+from attngeom.explore.geometry import Picture, value_picture
 from attngeom.palette import REGIME_COLORS, VOTE_COLORS
 from attngeom.store import VOTES
 
@@ -124,14 +134,21 @@ def _vendor_plotly(target: Path) -> str:
     return found.group(1).decode() if found else "unknown"
 
 
-def _write_script(path: Path, register: str, payload: Any, *args: Any) -> None:
-    """A data file: one call ``attngeomExplore.<register>(*args, payload)``."""
-    call = ", ".join([*(json.dumps(a) for a in args), json.dumps(_jsonable(payload), separators=(",", ":"))])
+def _write_script(path: Path, register: str, payload: Any, *args: Any, packed: bool = False) -> None:
+    """A data file: one call ``attngeomExplore.<register>(*args, payload)``; ``packed``, the
+    payload's JSON gzipped in base64 (the page inflates it with DecompressionStream): a head's
+    file shrinks by about 30%."""
+    text = json.dumps(_jsonable(payload), separators=(",", ":"))
+    if packed:
+        text = json.dumps(base64.b64encode(gzip.compress(text.encode(), mtime=0)).decode("ascii"))
+    call = ", ".join([*(json.dumps(a) for a in args), text])
     path.write_text(f"attngeomExplore.{register}({call});\n", encoding="utf-8")
 
 
 def _jsonable(obj: Any) -> Any:
-    """Plain JSON: NumPy scalars and arrays as numbers and lists, NaN and inf as null."""
+    """Plain JSON: NumPy scalars and arrays as numbers and lists, NaN and inf as null, and
+    floats to 5 significant digits (the page shows 3 or 4; a float64's 17 took a third of a
+    head's file)."""
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -141,18 +158,55 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (np.integer, np.bool_)):
         return obj.item()
     if isinstance(obj, (float, np.floating)):
-        return float(obj) if np.isfinite(obj) else None
+        return _digits(obj) if np.isfinite(obj) else None
     return obj
 
 
+def _digits(x: float) -> float:
+    return float(f"{x:.5g}")
+
+
+def _base64(x: np.ndarray, dtype: str) -> str:
+    return base64.b64encode(np.ascontiguousarray(x, dtype=dtype).tobytes()).decode("ascii")
+
+
 def _float32(x: np.ndarray) -> str:
-    """Base64 of little-endian float32: a Float32Array on the page, at a third of JSON's size."""
-    return base64.b64encode(np.ascontiguousarray(x, dtype="<f4").tobytes()).decode("ascii")
+    """Base64 of little-endian float32 (NaN where undefined): per-N numbers, at a third of
+    their size in JSON."""
+    return _base64(x, "<f4")
 
 
-def _bits(mask: np.ndarray) -> str:
-    """Base64 of a boolean mask packed 8 keys a byte, key k at bit k % 8 of byte k // 8."""
-    return base64.b64encode(np.packbits(mask, bitorder="little").tobytes()).decode("ascii")
+def _float16(x: np.ndarray) -> str:
+    """Base64 of little-endian float16: attention weights to 3 significant digits (0 below
+    6e-8), a quarter of their size in JSON."""
+    return _base64(x, "<f2")
+
+
+def _positions(x: np.ndarray, length: int) -> str:
+    """Base64 of key positions as little-endian uint16, or uint32 for a context of more than
+    65,536 keys."""
+    return _base64(x, "<u2" if length <= 2**16 else "<u4")
+
+
+def _plane(xy: np.ndarray) -> dict[str, Any]:
+    """Points (K, 2) on a uint16 grid: x = lo + q * step per axis, one step for both axes (the
+    drawing keeps their scales equal), 65535 for a point not drawn (NaN). The step is 1/65534
+    of the larger extent, far below a pixel; ``lo`` and ``step`` are chosen among the numbers
+    of 5 significant digits that JSON carries, ``lo`` at or below every point."""
+    drawn = np.isfinite(xy).all(axis=1)
+    points = xy[drawn] if drawn.any() else np.zeros((1, 2))
+    lo = [_digits(v - abs(v) * 1e-4) for v in points.min(axis=0)]
+    extent = float((points - lo).max())
+    step = _digits(extent / 65534 * (1 + 1e-4)) if extent > 0 else 1.0
+    grid = np.full(xy.shape, 65535, dtype="<u2")
+    grid[drawn] = np.rint((xy[drawn] - lo) / step)
+    return {"lo": lo, "step": step, "q": _base64(grid, "<u2")}
+
+
+def _bits(masks: np.ndarray) -> str:
+    """Base64 of boolean masks (G, K), each packed 8 keys a byte (key k at bit k % 8 of byte
+    k // 8) and padded to whole bytes, one after the other."""
+    return base64.b64encode(np.packbits(masks, axis=-1, bitorder="little").tobytes()).decode("ascii")
 
 
 def _run_entry(run: data.ExploreRun, progress: bool) -> dict[str, Any]:
@@ -185,7 +239,7 @@ def _run_entry(run: data.ExploreRun, progress: bool) -> dict[str, Any]:
         "head_dim": layout.head_dim, "head_kv": list(layout.head_kv), "window": list(layout.window),
         "n_grid": run.n_grid, "sequences": run.sequences, "tokens": tokens, "token_ids": ids,
         "tokens_note": how, "stats": stats, "notes": run.notes,
-        "query_pos": [int(q) for q in run.layout.queries],
+        "query_pos": [q for _, q in _earlier_queries(run)],
     }
 
 
@@ -200,9 +254,16 @@ def _write_heads(run: data.ExploreRun, folder: Path, progress: bool) -> int:
             arrays = data.read_layer(run, layer)
             for head in range(layout.n_heads):
                 payload = _head_payload(run, arrays, layer, head)
-                _write_script(folder / f"head_{layer}_{head}.js", "head", payload, run.run_id, layer, head)
+                _write_script(folder / f"head_{layer}_{head}.js", "head", payload, run.run_id, layer, head,
+                              packed=True)
                 bar.update()
     return total
+
+
+def _earlier_queries(run: data.ExploreRun) -> list[tuple[int, int]]:
+    """(index among the stored queries, position) of those before the final query: the final
+    query's row is attn_last, which the page shows as its "final" query already."""
+    return [(i, int(q)) for i, q in enumerate(run.layout.queries) if q < run.layout.length - 1]
 
 
 def _head_payload(run: data.ExploreRun, arrays: data.LayerData, layer: int, head: int) -> dict[str, Any]:
@@ -212,7 +273,7 @@ def _head_payload(run: data.ExploreRun, arrays: data.LayerData, layer: int, head
     by_query = []
     if arrays.query_rows is not None:
         by_query = [_instances(run, arrays.at_query(q, i), head, "analysis/topn_by_query")
-                    for i, q in enumerate(run.layout.queries)]
+                    for i, q in _earlier_queries(run)]
     kv = run.layout.head_kv[head]
     heads = run.heads
     regime = None if heads is None else {
@@ -235,36 +296,53 @@ def _instances(run: data.ExploreRun, arrays: data.LayerData, head: int, source: 
     attendable = np.broadcast_to(arrays.attendable, attn.shape)
     picture = value_picture(attn, arrays.values[:, kv], attendable, run.n_grid)
     top = max(run.n_grid)
+    all_curves, all_votes = _by_sequence(arrays.curves, head), _by_sequence(arrays.votes, head)
     instances = []
     for b, seq in enumerate(run.sequences):
-        curves = _curves(arrays, int(seq), head)
-        per_n = []
-        for g, n in enumerate(run.n_grid):
-            # The store's P and R (analysis/topn) where it has them; else the picture's own.
-            exact = curves is not None and np.isfinite(curves["precision"][g])
-            per_n.append({
-                "n": n, "s": picture.s_xy[b, g], "r_min": picture.r_min[b, g], "r_max": picture.r_max[b, g],
-                "precision": curves["precision"][g] if exact else picture.precision[b, g],
-                "recall": curves["recall"][g] if exact else picture.recall[b, g],
-                "source": source if exact else "distances",
-                "in_r_max": _bits(picture.in_r_max[b, g]), "in_r_min": _bits(picture.in_r_min[b, g]),
-            })
+        curves, votes = all_curves.get(int(seq)), all_votes.get(int(seq))
+        # The store's P and R (analysis/topn) where it has them; else the picture's own.
+        precision, recall = picture.precision[b], picture.recall[b]
+        exact = np.zeros(len(run.n_grid), dtype=bool)
+        if curves is not None:
+            exact = np.isfinite(curves["precision"])
+            precision, recall = np.where(exact, curves["precision"], precision), np.where(exact, curves["recall"], recall)
         instances.append({
-            "seq": int(seq), "attn": _float32(attn[b]), "xy": _float32(picture.xy[b].reshape(-1)),
-            "order": picture.order[b, :top], "explained": picture.explained[b],
-            "per_n": per_n, "curves": curves, "votes": _votes(arrays, int(seq), head),
+            "seq": int(seq), "source": source, "attn": _float16(attn[b]), "xy": _plane(picture.xy[b]),
+            "order": _positions(picture.order[b, :top], run.layout.length), "explained": picture.explained[b],
+            "per_n": {
+                "exact": exact, "s": _float32(picture.s_xy[b]), "r_min": _float32(picture.r_min[b]),
+                "r_max": _float32(picture.r_max[b]), "precision": _float32(precision), "recall": _float32(recall),
+                "misplaced": _bits(_misplaced(picture, b, run.n_grid)),
+            },
+            "curves": _encoded(curves), "votes": None if votes is None else votes.astype(int).tolist(),
         })
     return instances
 
 
-def _curves(arrays: data.LayerData, seq: int, head: int) -> dict[str, np.ndarray] | None:
-    if arrays.curves is None or seq not in arrays.curves["seq"].values:
-        return None
-    row = arrays.curves.sel(seq=seq).isel(head=head)
-    return {name: row[name].values for name in data.CURVES}
+def _misplaced(picture: Picture, b: int, n_grid: list[int]) -> np.ndarray:
+    """(G, K) bool: per N, the keys that lower R or P, as the geometry panel marks them: those
+    of I_N outside the open r_min ball, and the others inside the closed r_max ball. One mask
+    where the picture has two: which of the two applies follows from the key's rank."""
+    selected = np.zeros(picture.in_r_max[b].shape, dtype=bool)
+    for g, n in enumerate(n_grid):
+        selected[g, picture.order[b, :n]] = True
+    return np.where(selected, ~picture.in_r_min[b], picture.in_r_max[b])
 
 
-def _votes(arrays: data.LayerData, seq: int, head: int) -> list[int] | None:
-    if arrays.votes is None or seq not in arrays.votes["seq"].values:
-        return None
-    return arrays.votes.sel(seq=seq).isel(head=head).values.astype(int).tolist()
+def _by_sequence(ds: xr.Dataset | xr.DataArray | None, head: int) -> dict[int, Any]:
+    """Head ``head``'s rows of ``ds`` (seq, head, ...) by sequence id, as NumPy: indexing an
+    xarray object per instance cost half of explore's time."""
+    if ds is None:
+        return {}
+    ds = ds.isel(head=head).transpose("seq", ...)
+    if isinstance(ds, xr.DataArray):
+        rows = ds.values
+        return {int(s): rows[i] for i, s in enumerate(ds["seq"].values)}
+    columns = {name: ds[name].values for name in data.CURVES}
+    return {int(s): {name: v[i] for name, v in columns.items()} for i, s in enumerate(ds["seq"].values)}
+
+
+def _encoded(curves: dict[str, np.ndarray] | None) -> dict[str, str] | None:
+    return None if curves is None else {name: _float32(v) for name, v in curves.items()}
+
+

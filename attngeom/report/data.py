@@ -76,7 +76,23 @@ class RunData:
         return getattr(self, name)
 
 
-Requirement = Callable[[RunData], "str | None"]
+@dataclass(frozen=True)
+class Missing:
+    """Why a run lacks an input: ``reason``, as the page says it, and the ``stage`` whose
+    output it is: "analyze", "ablate", or "queries" (an extract with --queries, optional)."""
+
+    reason: str
+    stage: str
+
+    @property
+    def optional(self) -> bool:
+        return self.stage == "queries"
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+Requirement = Callable[[RunData], "Missing | None"]
 
 
 def requires(group: str, *variables: str) -> Requirement:
@@ -84,13 +100,13 @@ def requires(group: str, *variables: str) -> Requirement:
     stage = "ablate" if group in ABLATION_GROUPS else "analyze"
     where = f"{ABLATION}/{group}" if group in ABLATION_GROUPS else f"{ANALYSIS}/{group}"
 
-    def check(run: RunData) -> str | None:
+    def check(run: RunData) -> Missing | None:
         ds = run.group(group)
         if ds is None:
-            return f"no {where} (run `attngeom {stage}`)"
+            return Missing(f"no {where} (run `attngeom {stage}`)", stage)
         lacking = [v for v in variables if v not in ds.variables]
         if lacking:
-            return f"{where} lacks {', '.join(lacking)}"
+            return Missing(f"{where} lacks {', '.join(lacking)} (run `attngeom {stage}` again)", stage)
         return None
 
     return check
@@ -99,7 +115,7 @@ def requires(group: str, *variables: str) -> Requirement:
 def all_of(*checks: Requirement) -> Requirement:
     """A check passing when every one of ``checks`` passes (the first failure's reason)."""
 
-    def check(run: RunData) -> str | None:
+    def check(run: RunData) -> Missing | None:
         return next((reason for c in checks if (reason := c(run)) is not None), None)
 
     return check

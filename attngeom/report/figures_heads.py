@@ -105,7 +105,7 @@ def sparsification(runs: Sequence[RunData]) -> Figure:
                 if np.any(np.nan_to_num(std) > 0):
                     ax.fill_between(retention, mean - std, mean + std, color=color, alpha=0.15, linewidth=0)
         ax.set_xlabel("retained fraction of heads per layer")
-        ax.set_ylabel(r"$\Delta$NLL (decode)")
+        ax.set_ylabel(r"$\Delta$NLL (decode, nats)")
         ax.set_title(run.label)
         notes = sparsification_notes(sweep, run.n_heads)
         if notes:
@@ -166,7 +166,7 @@ def critical(runs: Sequence[RunData]) -> Figure:
             # Ablating a head can lower the NLL: a symmetric log scale keeps both signs.
             ax.set_yscale("symlog", linthresh=max(1e-3, 1e-3 * float(np.abs(finite_values).max(initial=0))))
         ax.set_xlabel("head rank by single-head impact")
-        ax.set_ylabel(r"single-head $\Delta$NLL")
+        ax.set_ylabel(r"single-head $\Delta$NLL (nats)")
         ax.set_title(f"{run.label}\n{len(marked)} critical head(s)")
     return fig
 

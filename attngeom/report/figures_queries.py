@@ -11,7 +11,7 @@ import pandas as pd
 import xarray as xr
 from matplotlib.figure import Figure
 
-from attngeom.report.data import RunData, all_of, labels, requires
+from attngeom.report.data import Missing, RunData, all_of, labels, requires
 from attngeom.report.plots import UNIT, new_figure, no_data, run_legend, style_legend
 from attngeom.report.spec import FigureSpec
 from attngeom.store import REGIMES
@@ -83,10 +83,11 @@ def sink_rate_by_query(runs: Sequence[RunData]) -> Figure:
                       "sink selection rate")
 
 
-def _with_queries(run: RunData) -> str | None:
+def _with_queries(run: RunData) -> Missing | None:
     """Why a run has no geometry along the context, or None."""
     if run.summary_by_query is None:
-        return "no analysis/summary_by_query (extract with --queries, then run `attngeom analyze`)"
+        return Missing("no analysis/summary_by_query (extract with --queries, then run `attngeom analyze`)",
+                       "queries")
     return None
 
 

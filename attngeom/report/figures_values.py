@@ -45,7 +45,8 @@ def coherence(runs: Sequence[RunData]) -> Figure:
     panels = []
     for var, name in COHERENCE:
         panels.append(BoxPanel(f"{name} per head", name, (var,)))
-        panels.append(BoxPanel(f"CV across sequences of {name}", "CV", (f"{var}_cv",)))
+        panels.append(BoxPanel(f"CV across sequences of {name}", "CV", (f"{var}_cv",),
+                               undefined="0 in every sequence (CV 0/0), or no sink"))
     fig = boxes_figure(runs, panels, ncols=2)
     at = {n for r in runs if r.heads is not None and (n := r.heads.attrs.get("coherence_n")) is not None}
     if at:

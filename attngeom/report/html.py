@@ -22,6 +22,7 @@ h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ccc; padding-bottom:
 figure { margin: 1.5em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
 figcaption, .caption { font-size: 0.92em; color: #444; margin: 0.3em 0; }
 .note { background: #fff6e0; border-left: 4px solid #e0a000; padding: 0.4em 0.8em; font-size: 0.9em; }
+.optional { color: #666; font-size: 0.9em; margin: 0.3em 0; }
 .scroll { overflow-x: auto; max-height: 32em; overflow-y: auto; }
 table.data { border-collapse: collapse; font-size: 0.85em; }
 table.data th, table.data td { border-bottom: 1px solid #ddd; padding: 0.2em 0.6em; text-align: left; }
@@ -33,19 +34,24 @@ table.data th { background: #f4f4f4; position: sticky; top: 0; }
 @dataclass(frozen=True)
 class Entry:
     """One item of the page: a figure (``image``) or a table (``table``), or neither when its
-    inputs are missing; ``notes`` say what is missing."""
+    inputs are missing; ``notes`` say what is missing, ``optional`` what an optional input
+    (an extract with --queries) would add, and ``stages`` name the stages (analyze, ablate,
+    queries; error for a failure) whose output it lacks."""
 
     name: str
     section: str
     caption: str
+    kind: str = "figure"
     image: str | None = None
     table: pd.DataFrame | None = None
     files: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+    stages: frozenset[str] = frozenset()
 
 
-def _notes(notes: Sequence[str]) -> str:
-    return "".join(f'<p class="note">{escape(n)}</p>' for n in notes)
+def _notes(notes: Sequence[str], css: str = "note") -> str:
+    return "".join(f'<p class="{css}">{escape(n)}</p>' for n in notes)
 
 
 def _entry(entry: Entry) -> str:
@@ -54,6 +60,8 @@ def _entry(entry: Entry) -> str:
     if entry.image is not None:
         body = (f'<figure><img src="{escape(entry.image)}" alt="{caption}">'
                 f"<figcaption><b>{escape(entry.name)}.</b> {caption}</figcaption></figure>")
+    elif entry.table is not None and entry.table.empty:
+        body = f'<p class="caption"><b>{escape(entry.name)}.</b> {caption} {links}</p><p>none</p>'
     elif entry.table is not None:
         table = entry.table.to_html(index=False, border=0, classes="data", na_rep="",
                                     float_format=lambda x: f"{x:.4g}")
@@ -61,25 +69,33 @@ def _entry(entry: Entry) -> str:
                 f'<div class="scroll">{table}</div>')
     else:
         body = f'<p class="caption"><b>{escape(entry.name)}.</b> {caption}</p>'
-    return f'<section id="{escape(entry.name)}">{body}{_notes(entry.notes)}</section>'
+    notes = _notes(entry.notes) + _notes([f"Optional: {n}" for n in entry.optional], "optional")
+    return f'<section id="{escape(entry.name)}">{body}{notes}</section>'
 
 
-def render(store: str, n_runs: int, entries: Sequence[Entry], notes: Sequence[str]) -> str:
-    """The page: header, missing-input notes, then the entries section by section."""
+def _absent(entry: Entry) -> str:
+    """The navigation's mark of an item not drawn: missing, or optional when only an optional
+    input would add it."""
+    if entry.image is not None or entry.table is not None:
+        return ""
+    return " (missing)" if entry.notes else " (optional)"
+
+
+def render(store: str, n_runs: int, entries: Sequence[Entry], notes: Sequence[str],
+           optional: Sequence[str] = ()) -> str:
+    """The page: header, missing-input notes, optional inputs, then the entries section by section."""
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     order = {name: i for i, name in enumerate(SECTIONS)}
     ordered = sorted(entries, key=lambda e: order.get(e.section, len(order)))
     sections: dict[str, list[Entry]] = {}
     for entry in ordered:
         sections.setdefault(entry.section, []).append(entry)
-    nav = "".join(
-        f'<li><a href="#{escape(e.name)}">{escape(e.name)}</a>{" (missing)" if e.image is None and e.table is None else ""}</li>'
-        for e in ordered
-    )
+    nav = "".join(f'<li><a href="#{escape(e.name)}">{escape(e.name)}</a>{_absent(e)}</li>' for e in ordered)
     body = "".join(
         f"<h2>{escape(title)}</h2>" + "".join(_entry(e) for e in items) for title, items in sections.items()
     )
     missing = f"<h2>Missing inputs</h2>{_notes(notes)}" if notes else ""
+    missing += _notes([f"Optional: {n}" for n in optional], "optional")
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>

@@ -6,6 +6,7 @@ global state and needs no display; ``savefig`` renders them with Agg.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,9 +55,11 @@ def n_axis(ax: Axes, grid: Sequence[int]) -> None:
     ax.set_xlabel(N_LABEL)
 
 
-def no_data(ax: Axes) -> None:
-    """Say so on an axes left empty: every value of it is undefined (NaN) in these runs."""
-    ax.text(0.5, 0.5, "no defined values", transform=ax.transAxes, ha="center", va="center", color="0.4")
+def no_data(ax: Axes, why: str = "") -> None:
+    """Say so on an axes left empty: every value of it is undefined (NaN) in these runs, and
+    ``why``, when known."""
+    ax.text(0.5, 0.5, "no defined values" + (f"\n({why})" if why else ""), transform=ax.transAxes,
+            ha="center", va="center", color="0.4")
 
 
 def short_label(run: RunData) -> str:
@@ -155,6 +158,7 @@ class BoxPanel:
     variables: tuple[str, ...]
     meanings: tuple[str, ...] = ()
     hline: float | None = None
+    undefined: str = ""  # why a head may have no value, said when some have none
 
 
 HATCHES = ("", "///", "...")
@@ -163,10 +167,14 @@ HATCHES = ("", "///", "...")
 def draw_boxes(ax: Axes, runs: Sequence[RunData], panel: BoxPanel) -> None:
     """Boxes of each run's per-head values, grouped by run; variables told apart by hatching."""
     width = 0.8 / len(panel.variables)
+    notes = []
     for i, run in enumerate(runs):
         assert run.heads is not None
         for k, var in enumerate(panel.variables):
             values = finite(run.heads[var]) if var in run.heads else np.array([])
+            note = _degenerate(values, run.heads[var].size if var in run.heads else 0, panel.undefined)
+            if note:
+                notes.append(note if len(runs) == 1 else f"{run.model} L={run.context_length}: {note}")
             if values.size == 0:
                 continue
             position = i + (k - (len(panel.variables) - 1) / 2) * width
@@ -177,7 +185,10 @@ def draw_boxes(ax: Axes, runs: Sequence[RunData], panel: BoxPanel) -> None:
             for median in box["medians"]:
                 median.set_color("black")
     if not ax.patches:
-        no_data(ax)
+        no_data(ax, panel.undefined)
+    elif notes:
+        # Below the run labels, where it hides no box.
+        ax.set_xlabel("\n".join(textwrap.fill(n, 60) for n in notes), fontsize=7, color="0.25")
     ax.set_xticks(range(len(runs)), [short_label(r) for r in runs])
     ax.set_xlim(-0.6, len(runs) - 0.4)
     ax.grid(axis="x", visible=False)
@@ -186,9 +197,22 @@ def draw_boxes(ax: Axes, runs: Sequence[RunData], panel: BoxPanel) -> None:
     if panel.hline is not None:
         ax.axhline(panel.hline, color="0.5", linewidth=0.8)
     if len(panel.variables) > 1:
-        handles = [Patch(facecolor="0.85", edgecolor="0.3", hatch=HATCHES[k % len(HATCHES)], label=m)
+        # One run: its colour, as its boxes; several: neutral, the colours being the runs'.
+        face = dict(facecolor=runs[0].color, alpha=0.6) if len(runs) == 1 else dict(facecolor="0.85")
+        handles = [Patch(**face, edgecolor="0.3", hatch=HATCHES[k % len(HATCHES)], label=m)
                    for k, m in enumerate(panel.meanings)]
         ax.legend(handles=handles, loc="best", frameon=False)
+
+
+def _degenerate(values: np.ndarray, heads: int, undefined: str) -> str:
+    """What a box hides: heads without a value (and why, if known), and a box of one value
+    drawn as a line; "" when it hides nothing."""
+    parts = []
+    if 0 < values.size < heads:
+        parts.append(f"{values.size} of {heads} heads defined" + (f", elsewhere {undefined}" if undefined else ""))
+    if values.size > 1 and np.ptp(values) == 0:
+        parts.append(f"all {values.size} equal {values[0]:.3g}")
+    return "; ".join(parts)
 
 
 def boxes_figure(runs: Sequence[RunData], panels: Sequence[BoxPanel], ncols: int | None = None) -> Figure:

@@ -91,8 +91,8 @@ def regime_impact(runs: Sequence[RunData]) -> pd.DataFrame:
         for name in REGIMES:
             chosen = values[(regimes == name) & np.isfinite(values)]
             rows.append({**_identity(run), "regime": name, "heads": int(np.sum(regimes == name)),
-                         "mean ΔNLL": float(chosen.mean()) if chosen.size else math.nan,
-                         "median ΔNLL": float(np.median(chosen)) if chosen.size else math.nan})
+                         "mean ΔNLL (nats)": float(chosen.mean()) if chosen.size else math.nan,
+                         "median ΔNLL (nats)": float(np.median(chosen)) if chosen.size else math.nan})
     return pd.DataFrame(rows)
 
 

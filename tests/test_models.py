@@ -1,0 +1,141 @@
+"""The one-time preparation of a GGUF model: the assembly of a chunked file and the conversion
+into a plain transformers folder say what they do, and an interrupted one leaves nothing a
+later run would take for the model."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from attngeom.errors import InputError
+from attngeom.extract import models
+from conftest import tiny_config, tiny_tokenizer
+
+
+def _parts(folder: Path, sizes=(3000, 5000, 1)) -> tuple[list[Path], bytes]:
+    folder.mkdir()
+    rng = torch.Generator().manual_seed(0)
+    whole = b""
+    parts = []
+    for i, size in enumerate(sizes):
+        data = bytes(torch.randint(0, 256, (size,), generator=rng, dtype=torch.uint8).tolist())
+        (folder / f"part{i}").write_bytes(data)
+        parts.append(folder / f"part{i}")
+        whole += data
+    return parts, whole
+
+
+def test_assembly_says_what_it_does_once(tmp_path, capsys):
+    parts, whole = _parts(tmp_path / "parts")
+    target = tmp_path / "cache" / "gguf" / "m.gguf"
+    assert models.assemble_parts(parts, target, hashlib.sha256(whole).hexdigest()) == target
+    assert target.read_bytes() == whole
+    assert "assembling m.gguf once from 3 parts into " in capsys.readouterr().err
+    assert [p.name for p in target.parent.iterdir()] == ["m.gguf"]
+    models.assemble_parts(parts, target, hashlib.sha256(whole).hexdigest())
+    assert capsys.readouterr().err == ""
+    # A truncated file in its place (an assembler that wrote in place, stopped midway).
+    target.write_bytes(whole[:100])
+    models.assemble_parts(parts, target, hashlib.sha256(whole).hexdigest())
+    assert target.read_bytes() == whole
+    assert "is not the published file (sha256 differs): assembling it again" in capsys.readouterr().err
+
+
+def test_assembly_that_fails_or_is_interrupted_leaves_no_file(tmp_path):
+    parts, whole = _parts(tmp_path / "parts")
+    target = tmp_path / "gguf" / "m.gguf"
+    with pytest.raises(InputError, match="do not add up to the published file"):
+        models.assemble_parts(parts, target, "0" * 64)
+    assert list(target.parent.iterdir()) == []
+
+    # A part that cannot be read after others were written: an assembly stopped midway.
+    (tmp_path / "parts" / "gone").mkdir()
+    with pytest.raises(IsADirectoryError):
+        models.assemble_parts([*parts, tmp_path / "parts" / "gone"], target, hashlib.sha256(whole).hexdigest())
+    assert list(target.parent.iterdir()) == []
+
+
+class _Quantized:
+    """What transformers gives for a GGUF, without one: a tiny Llama carrying the
+    quantization_config that the conversion drops."""
+
+    @staticmethod
+    def from_pretrained(path, gguf_file, dtype):
+        torch.manual_seed(0)
+        config = tiny_config("llama")
+        config.quantization_config = {"quant_method": "gguf"}
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+@pytest.fixture
+def fake_gguf(tmp_path, monkeypatch):
+    """A GGUF source whose reading, tokenizer and weights are faked (tiny Llama, 100 tokens)."""
+    import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("ATTNGEOM_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(2000))
+    n_elements = sum(p.numel() for p in _Quantized.from_pretrained(None, None, torch.float32).parameters())
+    reader = SimpleNamespace(tensors=[SimpleNamespace(n_elements=n_elements)])
+    opened = []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path, mode="r": opened.append(path) or reader)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer())
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", _Quantized.from_pretrained)
+    source = models.ModelSource("tiny", str(tmp_path), gguf_file="m.gguf", file_sha256="cd" * 32)
+    return source, opened
+
+
+def test_conversion_says_each_step_once_and_reads_the_file_once(fake_gguf, capsys):
+    source, opened = fake_gguf
+    folder = models._converted_folder(source)
+    err = capsys.readouterr().err
+    assert err.splitlines()[0].startswith("converting tiny once into ")
+    steps = [line.strip()[:3] for line in err.splitlines() if line.startswith("  ")]
+    assert steps == ["1/4", "2/4", "3/4", "4/4"]
+    assert "de-quantizing 1 tensors into float32" in err
+    assert len(opened) == 1  # transformers' own openings get the shared reader
+    assert (folder / "config.json").exists() and (folder / "tokenizer.json").exists()
+    assert not hasattr(models.load_config(source), "quantization_config")
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]
+    assert models._converted_folder(source) == folder
+    assert capsys.readouterr().err == ""
+
+
+def test_an_interrupted_conversion_leaves_no_folder(fake_gguf, monkeypatch):
+    source, _ = fake_gguf
+    from transformers import PreTrainedModel
+
+    def killed(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        models._converted_folder(source)
+    assert list(models.converted_path(source.gguf_file, source.file_sha256).parent.iterdir()) == []
+
+
+def test_a_step_on_a_terminal_keeps_its_line_and_ends_it(monkeypatch):
+    """On a terminal a step without a bar of its own shows its seconds beside its text; the
+    line is ended when the step ends, failed or not."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    with models._step("  2/4 building the tokenizer"):
+        pass
+    with pytest.raises(KeyboardInterrupt), models._step("  3/4 stopped"):
+        raise KeyboardInterrupt
+    lines = terminal.getvalue().replace("\r", "\n").split("\n")
+    assert any(line.startswith("  2/4 building the tokenizer (") for line in lines)
+    assert any(line.startswith("  3/4 stopped (") for line in lines)
+    assert terminal.getvalue().endswith("\n")
