@@ -51,7 +51,10 @@ class _Group(click.Group):
 def main() -> None:
     """Geometric analysis of token selection in multi-head attention.
 
-    extract runs the model once into a Zarr store; every other command reads the store.
+    extract runs the model once into a Zarr store. analyze, taxonomy, report, explore,
+    validate and migrate read the store and need no model; ablate loads the run's model
+    again; demo runs extract, validate, analyze, ablate and report on the offline default
+    model. Mistakes in the arguments, names or store are answered before any model loads.
     """
 
 
@@ -251,9 +254,10 @@ def validate(store: str, deep: bool, repair: bool) -> None:
     follows lists them as not written yet.
     """
     from attngeom import api
-    from attngeom.store.access import recovery
 
     if repair:
+        from attngeom.store.access import recovery
+
         done = api.repair(store, deep=deep)
         for key in done.rebuilt:
             click.echo(f"rebuilt {key}")
@@ -299,7 +303,7 @@ def migrate(store: str, no_progress: bool) -> None:
 
 @main.command(short_help="The whole pipeline on the offline default model and corpus.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"), show_default=True, help="Folder for the demo store and its outputs.")
-@click.option("--num-sequences", "-S", type=click.IntRange(1), default=4, show_default=True, help="Sequences to extract.")
+@click.option("--num-sequences", "-S", type=int, default=4, show_default=True, help="Sequences to extract; at least 2 (analyze compares sequences).")
 @click.option("--context-length", "-L", type=click.IntRange(2), default=128, show_default=True, help="L: BOS plus L-1 tokens of one document.")
 def demo(out: Path, num_sequences: int, context_length: int) -> None:
     """The whole pipeline on the offline default model (gemma3-270m) and corpus (wiki-summaries).
