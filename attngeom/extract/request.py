@@ -176,6 +176,11 @@ def preflight(request: ExtractRequest) -> Preflight:
     diffs = [f"{key} {held.get(key)!r} (asked {value!r})" for key, value in asked.items()
              if value is not None and held.get(key) != value]
     if diffs:
+        # A store this attngeom may not write (another format, a migration under way) is
+        # the first thing to fix: said before the run's parameters, as the store says it.
+        from attngeom.store import open_root
+
+        open_root(request.store, mode="a")
         raise InputError(
             f"run '{run_id}' in {request.store} already holds " + "; ".join(diffs) + "; choose another --run"
         )
