@@ -310,3 +310,17 @@ def test_a_finished_run_is_answered_from_the_store_and_the_demo_says_so(extracte
     assert lines[1] == f"extract: nothing to do, 2 sequences already in {out / 'store.zarr'}", lines
     assert f"analyze: nothing to do, the 2 sequences of run {default} are analyzed already" in lines, lines
     assert (result.exit_code, lines[-1]) == (2, "attngeom: error: stop here")
+
+
+def test_a_finished_run_over_a_changed_corpus_is_not_answered_from_its_record(extracted, tmp_path):
+    model, corpus, _ = extracted
+    copy = tmp_path / "corpus"
+    shutil.copytree(corpus, copy)
+    store = tmp_path / "s.zarr"
+    args = extract_args(extracted, dataset=str(copy), store=str(store))
+    assert CliRunner().invoke(main, args).exit_code == 0
+    with (copy / "doc00.txt").open("a") as f:
+        f.write(" w1")
+    message = refusal(*args)
+    assert message.startswith(f"run 'r' in {store} already holds dataset {{'id': '{copy}', 'split': None, "
+                              "'fingerprint': "), message

@@ -10,10 +10,11 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from attngeom.errors import InputError
-from attngeom.extract.corpora import check_window_args, corpus_id
+from attngeom.extract.corpora import OFFLINE_CORPORA, check_window_args, corpus_id, open_corpus
 from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
 from attngeom.extract.sources import model_name
@@ -132,9 +133,10 @@ def preflight(request: ExtractRequest) -> Preflight:
     existing path, a hub id it can reach or has cached) and L against its positions; the
     corpus's name; an existing run's identity as its record states it (model and corpus ids,
     L, window rule, dtypes, rows, queries). When that run already holds every sequence asked
-    for (of a named model, with no BOS token named: only the tokenizer tells its id),
-    ``done`` is the answer: its record and commit flags are read (the store's package loads,
-    no model or corpus), and the run is checked as a finished extract checks it.
+    for (of a named model, an offline or local corpus whose fingerprint is the recorded one,
+    and no BOS token named: only the tokenizer tells its id), ``done`` is the answer: its
+    record and commit flags are read (the store's package loads, no model), and the run is
+    checked as a finished extract checks it.
     :class:`InputError` or a :class:`StoreError` otherwise, with the store untouched."""
     shard = check_arguments(request)
     length = request.context_length
@@ -187,11 +189,22 @@ def preflight(request: ExtractRequest) -> Preflight:
     total = request.num_sequences
     if total is None and request.token_ids is not None and shape is not None:
         total = int(shape[0])
-    # A model given in memory is checked by its weights' hash, a BOS token by the tokenizer:
-    # only the full check reads them.
-    light = named and request.bos_token is None
+    # A model given in memory is checked by its weights' hash, a BOS token by the tokenizer,
+    # a hub corpus by `datasets`: only the full check reads them.
+    light = named and request.bos_token is None and _same_corpus(request, record)
     done = _finished(request.store, run_id, total, shard) if total is not None and light else None
     return Preflight(shard, done)
+
+
+def _same_corpus(request: ExtractRequest, record: dict[str, Any]) -> bool:
+    """Whether the request's corpus is offline or local and still reads as the run recorded
+    it (its fingerprint over the documents, its text field)."""
+    name = request.dataset
+    if name is None or not (name in OFFLINE_CORPORA or Path(name).expanduser().exists()):
+        return False
+    corpus = open_corpus(name, split=request.split, text_field=request.text_field)
+    held = record.get("dataset") or {}
+    return held.get("fingerprint") == corpus.fingerprint and held.get("text_field") == request.text_field
 
 
 def _default_run_id(model: str, dataset: str, length: int) -> str:
