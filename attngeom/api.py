@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from attngeom.ablate.stage import AblateResult
     from attngeom.analyze.stage import AnalyzeResult
     from attngeom.explore.build import ExploreResult
-    from attngeom.extract.pipeline import ExtractResult
+    from attngeom.extract.request import ExtractResult
     from attngeom.open import Store
     from attngeom.store import Repair
     from attngeom.store.migrate import MigrationReport

@@ -7,16 +7,29 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from attngeom.errors import InputError, StoreError, StoreNotFoundError, StoreWriteError
 
-__all__ = ["local_path", "require_store", "require_writable", "run_record"]
+__all__ = ["RUN_ID_PATTERN", "default_run_id", "local_path", "require_store", "require_writable", "run_record"]
 
 # The store's attributes key (docs/store.md), in the root's and each run's zarr.json.
 _ATTR_KEY = "attngeom"
+
+# What a run id may hold (docs/store.md): the name of its folder, an HTML id, a file name.
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def default_run_id(model: str, dataset: str, length: int) -> str:
+    """A readable run id: model, dataset and context length (the last part of a path each)."""
+
+    def slug(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", text.rstrip("/").split("/")[-1]).strip("-") or "x"
+
+    return f"{slug(model)}__{slug(dataset)}__L{length}"
 
 
 def local_path(url: str) -> Path | None:

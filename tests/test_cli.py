@@ -324,3 +324,11 @@ def test_a_finished_run_over_a_changed_corpus_is_not_answered_from_its_record(ex
     message = refusal(*args)
     assert message.startswith(f"run 'r' in {store} already holds dataset {{'id': '{copy}', 'split': None, "
                               "'fingerprint': "), message
+
+
+def test_run_ids_are_named_before_the_store_package_loads_as_it_names_them():
+    from attngeom import peek, store
+
+    for names in [("gemma3-270m", "wiki-summaries", 128), ("/m/x.gguf", "/data/notes/", 16), ("a b", "ü/", 2)]:
+        assert peek.default_run_id(*names) == store.default_run_id(*names), names
+    assert peek.RUN_ID_PATTERN.pattern == store.RUN_ID_PATTERN.pattern

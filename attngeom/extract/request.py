@@ -5,7 +5,6 @@ reads names, metadata files and the store's records, never a model or a corpus."
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -18,13 +17,9 @@ from attngeom.extract.corpora import OFFLINE_CORPORA, check_window_args, corpus_
 from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
 from attngeom.extract.sources import model_name
-from attngeom.peek import require_writable, run_record
+from attngeom.peek import RUN_ID_PATTERN, default_run_id, require_writable, run_record
 
 __all__ = ["ExtractRequest", "ExtractResult", "Preflight", "check_arguments", "launcher_shard", "preflight"]
-
-# Run ids as the store names them (attngeom.store.runs: RUN_ID_PATTERN, default_run_id).
-RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]+$")
-
 
 @dataclass(frozen=True)
 class ExtractRequest:
@@ -160,7 +155,7 @@ def preflight(request: ExtractRequest) -> Preflight:
         input_id = "texts" if request.texts is not None else "token_ids"
     run_id = request.run_id
     if run_id is None and model_id is not None and length is not None:
-        run_id = _default_run_id(model_id, input_id, length)
+        run_id = default_run_id(model_id, input_id, length)
     record = run_record(request.store, run_id) if run_id is not None else None
     if not record or not record.get("initialized"):
         return Preflight(shard)
@@ -205,16 +200,6 @@ def _same_corpus(request: ExtractRequest, record: dict[str, Any]) -> bool:
     corpus = open_corpus(name, split=request.split, text_field=request.text_field)
     held = record.get("dataset") or {}
     return held.get("fingerprint") == corpus.fingerprint and held.get("text_field") == request.text_field
-
-
-def _default_run_id(model: str, dataset: str, length: int) -> str:
-    """The run id extract names a run by: model, dataset and context length (as
-    :func:`attngeom.store.default_run_id`)."""
-
-    def slug(text: str) -> str:
-        return re.sub(r"[^A-Za-z0-9._-]+", "-", text.rstrip("/").split("/")[-1]).strip("-") or "x"
-
-    return f"{slug(model)}__{slug(dataset)}__L{length}"
 
 
 def _finished(store: str, run_id: str, total: int, shard: tuple[int, int] | None) -> ExtractResult | None:
