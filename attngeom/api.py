@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attngeom.errors import GroupNotFoundError, InputError, StoreNotFoundError
-from attngeom.peek import local_path, require_store
+from attngeom.peek import local_path, require_run, require_store
 
 if TYPE_CHECKING:
     import numpy as np
@@ -139,7 +139,7 @@ def analyze(
     stores). Returns the result of ``run_id`` (sequences, head instances, seconds, what was
     healed), or without ``run_id`` a list of one result per run.
     """
-    _check_analyze(store, scheduler=scheduler, seed=seed, out=out)
+    _check_analyze(store, run_id=run_id, scheduler=scheduler, seed=seed, out=out)
     from attngeom.analyze.stage import analyze as run
     from attngeom.store import writing
 
@@ -153,7 +153,8 @@ def analyze(
 _SCHEDULER_ADDRESS = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^\s:/]+:\d+$|^[A-Za-z][A-Za-z0-9+.-]*://\S+$")
 
 
-def _check_analyze(store: str | Path, *, scheduler: str | None, seed: int, out: Path | None) -> None:
+def _check_analyze(store: str | Path, *, run_id: str | None, scheduler: str | None, seed: int,
+                   out: Path | None) -> None:
     """Refuse analyze's arguments that cannot be used, before Dask, xarray or numba load."""
     if scheduler not in (None, "threads", "processes") and not _SCHEDULER_ADDRESS.match(scheduler):
         raise InputError(
@@ -161,7 +162,10 @@ def _check_analyze(store: str | Path, *, scheduler: str | None, seed: int, out: 
         )
     if seed < 0:
         raise InputError(f"--seed {seed}: the seed of the random-N control is a non-negative integer")
-    require_store(str(store))
+    if run_id is None:
+        require_store(str(store))
+    else:
+        require_run(str(store), run_id)
     if out is not None:
         _check_out(out)
 
@@ -277,7 +281,7 @@ def ablate(
     retention[, draw, seq, layer, head])) with the sweep as a table. See
     :class:`~attngeom.ablate.request.AblateRequest` for every option.
     """
-    require_store(str(store))
+    require_run(str(store), run_id)
     if out is not None:
         _check_out(out)
     from attngeom.ablate.request import DEFAULT_RETENTION, AblateRequest
@@ -309,7 +313,10 @@ def explore(
     """Write an offline, interactive page of every head's geometry (``out/index.html``) for
     every run of ``store`` (or ``run_id``), showing each head's first ``sequences`` committed
     sequences; needs no model. Head data load when a head is clicked."""
-    require_store(str(store))
+    if run_id is None:
+        require_store(str(store))
+    else:
+        require_run(str(store), run_id)
     _check_out(out)
     from attngeom.explore.build import explore as run
 

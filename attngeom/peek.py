@@ -12,9 +12,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from attngeom.errors import InputError, StoreError, StoreNotFoundError, StoreWriteError
+from attngeom.errors import InputError, RunNotFoundError, StoreError, StoreNotFoundError, StoreWriteError
 
-__all__ = ["RUN_ID_PATTERN", "default_run_id", "local_path", "require_store", "require_writable", "run_record"]
+__all__ = [
+    "RUN_ID_PATTERN", "default_run_id", "local_path", "require_run", "require_store", "require_writable", "run_record",
+]
 
 # The store's attributes key (docs/store.md), in the root's and each run's zarr.json.
 _ATTR_KEY = "attngeom"
@@ -49,6 +51,23 @@ def require_store(url: str) -> None:
         return
     if _read_remote(url, "zarr.json") is None:
         raise StoreNotFoundError(f"no attngeom store at {url}")
+
+
+def require_run(url: str, run_id: str) -> None:
+    """:func:`require_store`, then :class:`RunNotFoundError` naming the runs there are (as
+    the store package says it) unless a local store holds run ``run_id``; a remote store's
+    runs are left to the store package, which lists them once."""
+    require_store(url)
+    path = local_path(url)
+    if path is None:
+        return
+    folder = path / "runs"
+    runs = sorted(p.name for p in folder.iterdir() if (p / "zarr.json").is_file()) if folder.is_dir() else []
+    if run_id in runs:
+        return
+    if not runs:
+        raise RunNotFoundError(f"{url} holds no run yet; run `attngeom extract --store {url}` first")
+    raise RunNotFoundError(f"no run '{run_id}' in {url} (runs: {', '.join(runs)})")
 
 
 def require_writable(url: str) -> None:

@@ -204,6 +204,8 @@ def test_each_reader_mistake_is_one_line(extracted, tmp_path):
     for command in (["analyze"], ["taxonomy"], ["ablate", "--run", "r"], ["migrate"], ["report", "--out", "o"],
                     ["explore", "--out", "o"]):
         assert refusal(*command, "--store", missing) == f"no attngeom store at {missing}", command
+    for command in (["analyze"], ["ablate"], ["explore", "--out", "o"]):
+        assert refusal(*command, "--store", store, "--run", "q") == f"no run 'q' in {store} (runs: r)", command
     assert refusal("analyze", "--store", store, "--seed", "-1") == (
         "--seed -1: the seed of the random-N control is a non-negative integer")
     assert refusal("analyze", "--store", store, "--scheduler", "bogus") == (
@@ -244,6 +246,7 @@ def test_refusals_come_before_the_model_and_heavy_libraries_load(extracted, tmp_
         extract_args(extracted, context_length="300", store=str(tmp_path / "new.zarr")),
         ["analyze", "--store", str(tmp_path / "none.zarr")],
         ["analyze", "--store", store, "--scheduler", "bogus"],
+        ["ablate", "--store", store, "--run", "q"],
         ["report", "--store", str(tmp_path / "none.zarr"), "--out", str(tmp_path / "r")],
         ["validate", "--store", str(tmp_path / "none.zarr")],
         ["demo", "-S", "1", "--out", str(tmp_path / "demo")],
