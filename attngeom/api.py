@@ -11,13 +11,18 @@ Shapes: S sequences, L context length (BOS plus L-1 tokens), layers, heads, N se
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
+import re
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from attngeom.errors import GroupNotFoundError
+from attngeom.errors import GroupNotFoundError, InputError, StoreNotFoundError
+from attngeom.peek import local_path, require_run, require_store
 
 if TYPE_CHECKING:
     import numpy as np
@@ -26,7 +31,7 @@ if TYPE_CHECKING:
     from attngeom.ablate.stage import AblateResult
     from attngeom.analyze.stage import AnalyzeResult
     from attngeom.explore.build import ExploreResult
-    from attngeom.extract.pipeline import ExtractResult
+    from attngeom.extract.request import ExtractResult
     from attngeom.open import Store
     from attngeom.store import Repair
     from attngeom.store.migrate import MigrationReport
@@ -90,16 +95,22 @@ def extract(
     query_pos, L) float32, which analyze turns into analysis/topn_by_query
     (docs/method.md#any-query).
     """
-    from attngeom.extract.pipeline import ExtractRequest
-    from attngeom.extract.pipeline import extract as run
+    from attngeom.extract.request import ExtractRequest, preflight
 
-    return run(ExtractRequest(
+    request = ExtractRequest(
         model=model, store=str(store), dataset=dataset, texts=texts, token_ids=token_ids, tokenizer=tokenizer,
         context_length=context_length, num_sequences=num_sequences, run_id=run_id, split=split,
         text_field=text_field, device=device, dtype=dtype, batch_size=batch_size, store_rows=store_rows,
         queries=queries, values_dtype=values_dtype, window_rule=window_rule, seed=seed, bos_token=bos_token,
         shard=shard, progress=progress,
-    ))
+    )
+    # Mistakes, and a run that holds every sequence already, are answered before torch loads.
+    checked = preflight(request)
+    if checked.done is not None:
+        return checked.done
+    from attngeom.extract.pipeline import extract as run
+
+    return run(request, checked)
 
 
 def analyze(
@@ -128,6 +139,7 @@ def analyze(
     stores). Returns the result of ``run_id`` (sequences, head instances, seconds, what was
     healed), or without ``run_id`` a list of one result per run.
     """
+    _check_analyze(store, run_id=run_id, scheduler=scheduler, seed=seed, out=out)
     from attngeom.analyze.stage import analyze as run
     from attngeom.store import writing
 
@@ -135,6 +147,43 @@ def analyze(
         results = run(str(store), run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
                       progress=progress, deep=deep)
     return results[0] if run_id is not None else results
+
+
+# A Dask scheduler's address: scheme://host:port or host:port (distributed.comm.parse_address).
+_SCHEDULER_ADDRESS = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^\s:/]+:\d+$|^[A-Za-z][A-Za-z0-9+.-]*://\S+$")
+
+
+def _check_analyze(store: str | Path, *, run_id: str | None, scheduler: str | None, seed: int,
+                   out: Path | None) -> None:
+    """Refuse analyze's arguments that cannot be used, before Dask, xarray or numba load."""
+    if scheduler not in (None, "threads", "processes") and not _SCHEDULER_ADDRESS.match(scheduler):
+        raise InputError(
+            f"--scheduler {scheduler!r}: use threads, processes, or a Dask scheduler's address (tcp://host:8786)"
+        )
+    if seed < 0:
+        raise InputError(f"--seed {seed}: the seed of the random-N control is a non-negative integer")
+    if run_id is None:
+        require_store(str(store))
+    else:
+        require_run(str(store), run_id)
+    if out is not None:
+        _check_out(out)
+
+
+def _check_out(out: str | Path) -> None:
+    """Refuse an ``--out`` folder that cannot be made or written, creating nothing: probes its
+    nearest existing folder with a file made and removed."""
+    probe = Path(out).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".attngeom-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        raise InputError(f"--out {out} cannot be made a folder ({exc.strerror or exc})") from exc
 
 
 @contextlib.contextmanager
@@ -192,9 +241,10 @@ class Taxonomy:
 def taxonomy(store: str | Path) -> Taxonomy:
     """The Retriever / Mixer / Reset regimes of every analyzed run of ``store``; raises
     :class:`GroupNotFoundError` when no run is analyzed yet."""
+    store = str(store)
+    require_store(store)
     from attngeom.analyze.stage import run_regimes
 
-    store = str(store)
     labels = run_regimes(store)
     if not labels:
         raise GroupNotFoundError(f"no analyzed run in {store}: run 'attngeom analyze --store {store}' first")
@@ -231,6 +281,9 @@ def ablate(
     retention[, draw, seq, layer, head])) with the sweep as a table. See
     :class:`~attngeom.ablate.request.AblateRequest` for every option.
     """
+    require_run(str(store), run_id)
+    if out is not None:
+        _check_out(out)
     from attngeom.ablate.request import DEFAULT_RETENTION, AblateRequest
     from attngeom.ablate.stage import ablate as run
     from attngeom.store import writing
@@ -247,6 +300,8 @@ def ablate(
 def report(store: str | Path, out: str | Path) -> Path:
     """Draw every figure (PNG) and table (Markdown, CSV) of the paper from ``store`` into
     ``out``, with an offline index.html; needs no model. Returns the path of index.html."""
+    require_store(str(store))
+    _check_out(out)
     from attngeom.report import build_report
 
     return build_report(str(store), Path(out))
@@ -258,6 +313,11 @@ def explore(
     """Write an offline, interactive page of every head's geometry (``out/index.html``) for
     every run of ``store`` (or ``run_id``), showing each head's first ``sequences`` committed
     sequences; needs no model. Head data load when a head is clicked."""
+    if run_id is None:
+        require_store(str(store))
+    else:
+        require_run(str(store), run_id)
+    _check_out(out)
     from attngeom.explore.build import explore as run
 
     return run(str(store), Path(out), run_id=run_id, sequences=sequences, progress=progress)
@@ -279,6 +339,12 @@ def validate(store: str | Path, *, deep: bool = False) -> Validation:
     """Check ``store`` against schema version 1 and its format; ``deep`` also reads every
     chunk, naming any corrupt one (checksums). A store that cannot be opened is a problem
     found, not an error."""
+    path = local_path(str(store))
+    if path is not None and not path.is_dir():
+        return Validation(str(store), (f"no Zarr store at {store}",))  # as validate_store says, without loading it
+    if path is None:
+        with contextlib.suppress(StoreNotFoundError):  # a problem found, named below
+            require_store(str(store))  # a store that cannot be reached is an error: credentials, network
     from attngeom.store import validate_store
 
     return Validation(str(store), tuple(validate_store(str(store), deep=deep)))
@@ -299,6 +365,7 @@ def repair(store: str | Path, *, deep: bool = False) -> Repair:
 def migrate(store: str | Path, *, progress: bool = True) -> MigrationReport:
     """Bring a store of an older format up to the one this attngeom writes (data unchanged);
     an interrupted migration is finished by running it again."""
+    require_store(str(store))
     from attngeom.store.migrate import migrate as run
 
     return run(str(store), progress=progress)
@@ -308,6 +375,7 @@ def open_store(url: str | Path) -> Store:
     """The store at ``url``, to read from Python: ``.runs``, ``.run(id)`` -> a Run with
     ``.provenance``, ``.dataset()``, ``.analysis(name)``, ``.ablation(name)``, ``.text(seq)``.
     Raises :class:`StoreNotFoundError` or :class:`SchemaError`."""
+    require_store(str(url))
     from attngeom.open import open_store as run
 
     return run(url)

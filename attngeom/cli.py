@@ -51,7 +51,10 @@ class _Group(click.Group):
 def main() -> None:
     """Geometric analysis of token selection in multi-head attention.
 
-    extract runs the model once into a Zarr store; every other command reads the store.
+    extract runs the model once into a Zarr store. analyze, taxonomy, report, explore,
+    validate and migrate read the store and need no model; ablate loads the run's model
+    again; demo runs extract, validate, analyze, ablate and report on the offline default
+    model. Mistakes in the arguments, names or store are answered before any model loads.
     """
 
 
@@ -92,7 +95,7 @@ STORE = click.option("--store", required=True, help="Store: a local path or an f
 @main.command(short_help="Run the model once; write attention rows, values and per-query summaries into a Zarr store (GPU where there is one).")
 @click.option("--model", required=True, help="Offline name (gemma3-270m, smollm2-135m), hub id, local folder or .gguf file.")
 @click.option("--dataset", required=True, help="wiki-summaries, python-docs, wikitext-103, openwebtext, a datasets name, or a local .txt/.jsonl/.parquet file or folder.")
-@click.option("--context-length", "-L", type=click.IntRange(2), required=True, help="L: BOS plus L-1 tokens of one document.")
+@click.option("--context-length", "-L", type=click.IntRange(2), required=True, help="L: BOS plus L-1 tokens of one document; at most the model's positions (8192 for smollm2-135m).")
 @click.option("--num-sequences", "-S", type=click.IntRange(1), required=True, help="Sequences wanted in the run; a larger number later appends.")
 @STORE
 @click.option("--run", "run_id", help="Run id inside the store [default: <model>__<dataset>__L<L>].")
@@ -112,8 +115,12 @@ STORE = click.option("--store", required=True, help="Store: a local path or an f
 def extract(**kwargs) -> None:
     """Run the model once over equalized single-document windows into the store.
 
-    Resumable: a run killed at any point and started again with the same command
-    finishes with every sequence exactly once. Sequences become visible to readers
+    Loads the model (the first use of an offline name converts it once into
+    ~/.cache/attngeom). Arguments, model and dataset names, L against the model's
+    positions and a rerun's parameters against the stored run are checked first, before
+    the model loads. Resumable: a run killed at any point and started again with the same
+    command finishes with every sequence exactly once; a run that already holds every
+    sequence asked for is answered from the store. Sequences become visible to readers
     only when all of their arrays are written.
     """
     from attngeom import api
@@ -165,7 +172,9 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
 @STORE
 def taxonomy(store: str) -> None:
     """Print the head-regime distribution (Retriever / Mixer / Reset) of every analyzed run,
-    and for runs of one model on two corpora the per-regime difference and label agreement."""
+    and for runs of one model on two corpora the per-regime difference and label agreement.
+
+    Reads the analysis that analyze wrote; needs no model."""
     from attngeom import api
 
     click.echo(str(api.taxonomy(store)))
@@ -188,7 +197,7 @@ def taxonomy(store: str) -> None:
 def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, **kwargs) -> None:
     """Single-head ablation and head sparsification of a run (docs/method.md#ablation); needs the model.
 
-    Prefills L-1 tokens of each stored sequence and scores the next one; heads are zeroed
+    Loads the run's model again by its recorded name, on --device. Prefills L-1 tokens of each stored sequence and scores the next one; heads are zeroed
     at the input of the output projection, many masks per batched forward. Writes
     runs/<id>/ablation/{single,sweep,correlations,critical,regimes}.
     """
@@ -210,8 +219,9 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
 def report(store: str, out: Path) -> None:
     """Draw every figure and table of the paper from the store, no model needed.
 
-    Writes DIR/index.html (works offline) with the PNG figures and the tables beside it;
-    inputs a run lacks (no analysis, no ablation) become notes in the report.
+    Writes DIR/index.html (works offline) with the PNG figures and the tables beside it.
+    Run analyze (and ablate) first for every figure: inputs a run lacks become notes in
+    the report.
     """
     from attngeom import api
 
@@ -247,13 +257,15 @@ def explore(store: str, out: Path, run_id: str | None, sequences: int, no_progre
 def validate(store: str, deep: bool, repair: bool) -> None:
     """Check the store against schema version 1 and its format; one line per problem, exit 1 if any.
 
-    With --repair, damaged committed sequences are uncommitted first; the check that
+    Exit 0 when valid; 2 for a store that cannot be reached at all (credentials, network).
+    Reads the store only; needs no model. With --repair, damaged committed sequences are uncommitted first; the check that
     follows lists them as not written yet.
     """
     from attngeom import api
-    from attngeom.store.access import recovery
 
     if repair:
+        from attngeom.store.access import recovery
+
         done = api.repair(store, deep=deep)
         for key in done.rebuilt:
             click.echo(f"rebuilt {key}")
@@ -299,14 +311,15 @@ def migrate(store: str, no_progress: bool) -> None:
 
 @main.command(short_help="The whole pipeline on the offline default model and corpus.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"), show_default=True, help="Folder for the demo store and its outputs.")
-@click.option("--num-sequences", "-S", type=click.IntRange(1), default=4, show_default=True, help="Sequences to extract.")
+@click.option("--num-sequences", "-S", type=int, default=4, show_default=True, help="Sequences to extract; at least 2 (analyze compares sequences).")
 @click.option("--context-length", "-L", type=click.IntRange(2), default=128, show_default=True, help="L: BOS plus L-1 tokens of one document.")
 def demo(out: Path, num_sequences: int, context_length: int) -> None:
     """The whole pipeline on the offline default model (gemma3-270m) and corpus (wiki-summaries).
 
-    Writes its store, tables and report under --out (./demo-out). The first run assembles
+    Runs extract, validate, analyze, ablate (the model again, on CPU) and report, and
+    writes the store, tables and report under --out (./demo-out). The first run assembles
     the model's GGUF and de-quantizes it into ~/.cache/attngeom ($ATTNGEOM_CACHE), about
-    1.4 GB; later runs read it from there.
+    1.4 GB; later runs read it from there. Run again, it says which steps had nothing to do.
     """
     from attngeom.demo import run_demo
 

@@ -8,8 +8,7 @@ import click
 import numpy as np
 
 from attngeom import api
-from attngeom.errors import DamagedStoreError
-from attngeom.store import SEQUENCE_ARRAYS, open_root, open_run_group
+from attngeom.errors import DamagedStoreError, InputError
 
 DEMO_MODEL = "gemma3-270m"
 DEMO_DATASET = "wiki-summaries"
@@ -17,6 +16,8 @@ DEMO_DATASET = "wiki-summaries"
 
 def store_summary(store: str, run_id: str) -> str:
     """A few lines describing a run: shape, bytes, and where the final query looks."""
+    from attngeom.store import SEQUENCE_ARRAYS, open_root, open_run_group
+
     run = open_run_group(open_root(store), run_id)
     ds = api.open_store(store).run(run_id).dataset()
     done = ds["seq"].values
@@ -61,20 +62,30 @@ def analysis_table(store: str, run_id: str) -> str:
 
 def run_demo(out: Path, *, num_sequences: int, context_length: int) -> None:
     """Extract a few sequences of gemma3-270m on wiki-summaries, validate, analyze, ablate
-    and write the report."""
-    out.mkdir(parents=True, exist_ok=True)
+    and write the report. A rerun says which steps had nothing to do."""
+    if num_sequences < 2:
+        raise InputError(f"the demo needs at least 2 sequences (got -S {num_sequences}): analyze compares sequences")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"--out {out} cannot be made a folder ({exc.strerror or exc})") from exc
     store = str(out / "store.zarr")
     click.echo(f"extract: {DEMO_MODEL} on {DEMO_DATASET}, L={context_length}, {num_sequences} sequences -> {store}")
     result = api.extract(
         DEMO_MODEL, dataset=DEMO_DATASET, context_length=context_length, num_sequences=num_sequences, store=store
     )
+    if result.written == 0:
+        click.echo(f"extract: nothing to do, {result.committed} sequences already in {store}")
     validation = api.validate(store)
     if not validation.valid:
         raise DamagedStoreError("the demo store is invalid: " + "; ".join(validation.problems))
     click.echo(f"validate: {store} is valid")
     click.echo(store_summary(store, result.run_id))
     click.echo("analyze: out of core with Dask, every head at the final query")
-    api.analyze(store, run_id=result.run_id, out=out / "tables")
+    analyzed = api.analyze(store, run_id=result.run_id, out=out / "tables")
+    if analyzed.new_sequences == 0 and not analyzed.recomputed and not analyzed.healed:
+        click.echo(f"analyze: nothing to do, the {analyzed.sequences} sequences of run {result.run_id} "
+                   "are analyzed already")
     click.echo(analysis_table(store, result.run_id))
     click.echo("ablate: single-head ablation and sparsification, decode NLL on CPU")
     ablation = api.ablate(store, result.run_id, device="cpu", out=out / "tables")

@@ -3,7 +3,14 @@ that cannot be used."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import click
 import pytest
@@ -17,7 +24,10 @@ def test_help_lists_each_command_once_in_pipeline_order_and_every_option_has_hel
     top = CliRunner().invoke(main, ["--help"]).output
     listed = re.findall(r"^  (\w+) ", top.split("Commands:", 1)[1], flags=re.M)
     assert listed == ["extract", "analyze", "taxonomy", "ablate", "report", "explore", "validate", "migrate", "demo"]
-    assert top.count("analyze") == 1, top
+    # Which commands need the model, as the code does: extract, ablate and demo load it.
+    intro = " ".join(top.split("Options:", 1)[0].split())
+    assert "analyze, taxonomy, report, explore, validate and migrate read the store and need no model" in intro
+    assert "ablate loads the run's model again" in intro and "demo runs extract" in intro
     for name, command in main.commands.items():
         assert all(p.help for p in command.params if isinstance(p, click.Option)), name
         text = CliRunner().invoke(main, [name, "--help"], terminal_width=200).output
@@ -69,3 +79,259 @@ def test_a_run_longer_than_the_kernels_take_is_one_line_and_writes_nothing(tmp_p
         2, f"attngeom: error: run 'r' has L = {MAX_KEYS + 2} keys per query; analyze takes at most {MAX_KEYS}\n")
     assert sorted(store.rglob("*")) == before
 
+
+
+# --- mistakes answered before anything heavy loads --------------------------------------------
+
+HEAVY = ("torch", "transformers", "dask", "numba", "xarray", "pandas", "zarr", "datasets")
+
+
+def refusal(*args: str) -> str:
+    """The one line the CLI refuses ``args`` with (exit code 2)."""
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == 2, (args, result.output)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attngeom: error: "), (args, result.output)
+    return lines[0].removeprefix("attngeom: error: ")
+
+
+@pytest.fixture(scope="module")
+def extracted(tiny_model_dir, word_corpus, tmp_path_factory):
+    """(model folder, corpus folder, store) with run r: 2 sequences of a tiny llama at L = 16."""
+    from attngeom.extract.pipeline import ExtractRequest, extract
+
+    model = tiny_model_dir("llama")
+    store = tmp_path_factory.mktemp("extracted") / "s.zarr"
+    extract(ExtractRequest(model=str(model), dataset=str(word_corpus), context_length=16, num_sequences=2,
+                           store=str(store), run_id="r", progress=False))
+    return model, word_corpus, store
+
+
+def extract_args(extracted, **options: str) -> list[str]:
+    model, corpus, store = extracted
+    given = {"model": str(model), "dataset": str(corpus), "context-length": "16", "num-sequences": "2",
+             "store": str(store), "run": "r", **{k.replace("_", "-"): v for k, v in options.items()}}
+    return ["extract", *(x for key, value in given.items() for x in (f"--{key}", value)), "--no-progress"]
+
+
+def tree(path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}
+
+
+def test_each_extract_mistake_is_one_line_with_the_store_untouched(extracted, tmp_path):
+    store = extracted[2]
+    before = tree(store)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    expected = {
+        "--queries every:0": ({"queries": "every:0"}, "--queries 'every:0': the step K of every:K must be at least 1"),
+        "--queries 600 at L = 16": ({"queries": "600"}, "--queries '600': positions must lie in 1..15 (L = 16); got 600"),
+        "a store under a file": ({"store": str(afile / "s.zarr")},
+                                 f"cannot create store {afile / 's.zarr'}: {afile} is a file, not a folder"),
+        "another L for the run": ({"context_length": "12"},
+                                  f"run 'r' in {store} already holds context_length 16 (asked 12); choose another --run"),
+        "another values dtype": ({"values_dtype": "float16"}, f"run 'r' in {store} already holds values_dtype "
+                                 "'float32' (asked 'float16'); choose another --run"),
+        "another window rule": ({"window": "random"}, f"run 'r' in {store} already holds window_rule "
+                                "{'rule': 'first', 'seed': 0} (asked {'rule': 'random', 'seed': 0}); choose another --run"),
+        "a misspelled model": ({"model": "smollm2-13m"}, "unknown model 'smollm2-13m': not an offline name "
+                               "(gemma3-270m, smollm2-135m), not a local folder or .gguf file, is not in the local "
+                               "hub cache, and the hub cannot be reached (offline)"),
+        "a missing GGUF file": ({"model": str(tmp_path / "m.gguf")}, f"GGUF file {tmp_path / 'm.gguf'} does not exist"),
+        "a misspelled dataset": ({"dataset": "wiki-sumaries"}, "unknown dataset 'wiki-sumaries': not an offline "
+                                 "corpus (wiki-summaries, python-docs), not a local file or folder, and the hub could "
+                                 "not load it (it is not in the local datasets cache, and HF_HUB_OFFLINE is set)"),
+        "a missing corpus file": ({"dataset": str(tmp_path / "c.txt")}, f"no such file or folder: {tmp_path / 'c.txt'}"),
+        "a bad run id": ({"run": "<svg>"}, "run id '<svg>' may hold only letters, digits, '.', '_' and '-'"),
+        "a negative window seed": ({"seed": "-1"}, "the window seed must be a non-negative integer, got -1"),
+    }
+    for case, (options, message) in expected.items():
+        assert refusal(*extract_args(extracted, **options)) == message, case
+    assert tree(store) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_context_longer_than_the_model_positions_is_refused_naming_the_limit(tiny_model_dir, extracted, tmp_path):
+    # The tiny models' configs take 256 positions; Mistral's slides a window of 6 keys.
+    store = str(tmp_path / "s.zarr")
+    assert refusal(*extract_args(extracted, context_length="300", store=store)) == (
+        "--context-length 300 is more than the 256 positions " f"{extracted[0]} takes; use -L 256 or less")
+    mistral = str(tiny_model_dir("mistral"))
+    assert refusal(*extract_args(extracted, model=mistral, context_length="257", store=store)) == (
+        f"--context-length 257 is more than the 256 positions {mistral} takes (its sliding window of 6 keys "
+        "bounds its local layers' attention, not the positions); use -L 256 or less")
+    # An offline name: the limit from its GGUF header, read from the pieces its package ships.
+    assert refusal(*extract_args(extracted, model="gemma3-270m", context_length="40000", store=store)) == (
+        "--context-length 40,000 is more than the 32,768 positions gemma3-270m takes (its sliding window of "
+        "512 keys bounds its local layers' attention, not the positions); use -L 32768 or less")
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_gguf_positions_read_the_header_only(tmp_path):
+    """A GGUF header written by hand (version 3, no tensors), split in two pieces at an odd byte."""
+    import struct
+
+    from attngeom.extract.positions import Positions, gguf_positions
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    entries = [
+        string("general.architecture") + struct.pack("<I", 8) + string("mistral"),
+        string("general.tags") + struct.pack("<IIQ", 9, 8, 2) + string("a") + string("bc"),
+        string("mistral.block_count") + struct.pack("<II", 4, 3),
+        string("mistral.context_length") + struct.pack("<II", 4, 4096),
+        string("mistral.attention.sliding_window") + struct.pack("<II", 4, 1024),
+        string("tokenizer.ggml.scores") + struct.pack("<IIQ", 9, 6, 3) + struct.pack("<3f", 0, 1, 2),
+    ]
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, len(entries)) + b"".join(entries)
+    (tmp_path / "a").write_bytes(header[:37])
+    (tmp_path / "b").write_bytes(header[37:])
+    assert gguf_positions([tmp_path / "a", tmp_path / "b"]) == Positions(4096, 1024)
+    (tmp_path / "c").write_bytes(header.replace(string("mistral.attention.sliding_window"),
+                                                string("mistral.attention.other_number")))
+    assert gguf_positions([tmp_path / "c"]) == Positions(4096, None)
+    (tmp_path / "d").write_bytes(b"PK\x03\x04" + header[4:])
+    with pytest.raises(ag.InputError, match="is not a GGUF file"):
+        gguf_positions([tmp_path / "d"])
+
+
+def test_each_reader_mistake_is_one_line(extracted, tmp_path):
+    store = str(extracted[2])
+    missing = str(tmp_path / "none.zarr")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for command in (["analyze"], ["taxonomy"], ["ablate", "--run", "r"], ["migrate"], ["report", "--out", "o"],
+                    ["explore", "--out", "o"]):
+        assert refusal(*command, "--store", missing) == f"no attngeom store at {missing}", command
+    for command in (["analyze"], ["ablate"], ["explore", "--out", "o"]):
+        assert refusal(*command, "--store", store, "--run", "q") == f"no run 'q' in {store} (runs: r)", command
+    assert refusal("analyze", "--store", store, "--seed", "-1") == (
+        "--seed -1: the seed of the random-N control is a non-negative integer")
+    assert refusal("analyze", "--store", store, "--scheduler", "bogus") == (
+        "--scheduler 'bogus': use threads, processes, or a Dask scheduler's address (tcp://host:8786)")
+    assert refusal("analyze", "--store", store, "--out", str(afile / "t")) == (
+        f"--out {afile / 't'} cannot be made a folder (Not a directory)")
+    assert refusal("demo", "-S", "1", "--out", str(tmp_path / "demo")) == (
+        "the demo needs at least 2 sequences (got -S 1): analyze compares sequences")
+    result = CliRunner().invoke(main, ["validate", "--store", missing])
+    assert (result.exit_code, result.output) == (1, f"no Zarr store at {missing}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_remote_store_that_cannot_be_reached_is_one_line(tmp_path):
+    """S3 without credentials: refused before any request is sent (no network)."""
+    pytest.importorskip("s3fs")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"),
+               AWS_EC2_METADATA_DISABLED="true", PYTHONPATH=os.pathsep.join(sys.path))
+    for command in (["validate"], ["analyze"], ["report", "--out", str(tmp_path / "r")]):
+        done = subprocess.run([sys.executable, "-m", "attngeom.cli", *command, "--store", "s3://no-bucket/x.zarr"],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stdout) == (2, ""), (command, done.stderr)
+        assert done.stderr == ("attngeom: error: cannot read the store s3://no-bucket/x.zarr: NoCredentialsError: "
+                               "Unable to locate credentials\n"), command
+
+
+def test_refusals_come_before_the_model_and_heavy_libraries_load(extracted, tmp_path):
+    """In a fresh interpreter: each refusal is made with none of torch, transformers, Dask,
+    numba, xarray, pandas, zarr or datasets imported; a rerun with other parameters than its
+    run holds, and a run with nothing to do, without torch or transformers (the store's
+    package checks that the store may be written first)."""
+    store = str(extracted[2])
+    cases = [
+        extract_args(extracted, queries="every:0"),
+        extract_args(extracted, model="smollm2-13m"),
+        extract_args(extracted, dataset="wiki-sumaries"),
+        extract_args(extracted, context_length="300", store=str(tmp_path / "new.zarr")),
+        ["analyze", "--store", str(tmp_path / "none.zarr")],
+        ["analyze", "--store", store, "--scheduler", "bogus"],
+        ["ablate", "--store", store, "--run", "q"],
+        ["report", "--store", str(tmp_path / "none.zarr"), "--out", str(tmp_path / "r")],
+        ["validate", "--store", str(tmp_path / "none.zarr")],
+        ["demo", "-S", "1", "--out", str(tmp_path / "demo")],
+    ]
+    script = (
+        "import json, sys\n"
+        "from click.testing import CliRunner\n"
+        "from attngeom.cli import main\n"
+        "out = []\n"
+        "for args in json.loads(sys.argv[1]):\n"
+        "    code = CliRunner().invoke(main, args).exit_code\n"
+        f"    out.append([code, [m for m in {HEAVY!r} if m in sys.modules]])\n"
+        "print(json.dumps(out))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    answers = json.loads(done.stdout)
+    assert answers == [[1 if args[0] == "validate" else 2, []] for args in cases], list(zip(cases, answers))
+
+    reruns = [extract_args(extracted, context_length="12"), extract_args(extracted)]
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(reruns)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    answers = json.loads(done.stdout)
+    assert [code for code, _ in answers] == [2, 0], done.stderr
+    assert all("torch" not in heavy and "transformers" not in heavy for _, heavy in answers), answers
+
+
+def test_a_finished_run_is_answered_from_the_store_and_the_demo_says_so(extracted, monkeypatch, tmp_path):
+    """A rerun with every sequence committed writes nothing and loads no model; the demo names
+    the steps that had nothing to do."""
+    from attngeom import api, demo
+    from attngeom.extract import pipeline
+
+    model, corpus, store = extracted
+    before = tree(store)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(pipeline, "_model", no_model)
+    result = CliRunner().invoke(main, extract_args(extracted))
+    assert result.exit_code == 0, result.output
+    assert re.fullmatch(r"run r: wrote 0 sequences in \d+\.\d s; the run holds 2 committed of 2\n", result.output)
+    assert {k: v for k, v in tree(store).items() if not k.endswith("zarr.json")} == {
+        k: v for k, v in before.items() if not k.endswith("zarr.json")}
+
+    # The demo on the tiny model, its later steps stood in for: they are the analysis's own tests'.
+    monkeypatch.setattr(demo, "DEMO_MODEL", str(model))
+    monkeypatch.setattr(demo, "DEMO_DATASET", str(corpus))
+    analyzed = types.SimpleNamespace(new_sequences=0, sequences=2, recomputed=None, healed=None)
+    monkeypatch.setattr(api, "analyze", lambda *a, **k: analyzed)
+    monkeypatch.setattr(demo, "store_summary", lambda *a: "(summary)")
+    monkeypatch.setattr(demo, "analysis_table", lambda *a: "(table)")
+    monkeypatch.setattr(api, "ablate", lambda *a, **k: (_ for _ in ()).throw(ag.InputError("stop here")))
+    out = tmp_path / "demo"
+    out.mkdir()
+    shutil.copytree(store, out / "store.zarr")
+    default = f"{Path(str(model)).name}__{Path(str(corpus)).name}__L16"
+    (out / "store.zarr" / "runs" / "r").rename(out / "store.zarr" / "runs" / default)
+    result = CliRunner().invoke(main, ["demo", "-S", "2", "-L", "16", "--out", str(out)])
+    lines = result.output.splitlines()
+    assert lines[1] == f"extract: nothing to do, 2 sequences already in {out / 'store.zarr'}", lines
+    assert f"analyze: nothing to do, the 2 sequences of run {default} are analyzed already" in lines, lines
+    assert (result.exit_code, lines[-1]) == (2, "attngeom: error: stop here")
+
+
+def test_a_finished_run_over_a_changed_corpus_is_not_answered_from_its_record(extracted, tmp_path):
+    model, corpus, _ = extracted
+    copy = tmp_path / "corpus"
+    shutil.copytree(corpus, copy)
+    store = tmp_path / "s.zarr"
+    args = extract_args(extracted, dataset=str(copy), store=str(store))
+    assert CliRunner().invoke(main, args).exit_code == 0
+    with (copy / "doc00.txt").open("a") as f:
+        f.write(" w1")
+    message = refusal(*args)
+    assert message.startswith(f"run 'r' in {store} already holds dataset {{'id': '{copy}', 'split': None, "
+                              "'fingerprint': "), message
+
+
+def test_run_ids_are_named_before_the_store_package_loads_as_it_names_them():
+    from attngeom import peek, store
+
+    for names in [("gemma3-270m", "wiki-summaries", 128), ("/m/x.gguf", "/data/notes/", 16), ("a b", "ü/", 2)]:
+        assert peek.default_run_id(*names) == store.default_run_id(*names), names
+    assert peek.RUN_ID_PATTERN.pattern == store.RUN_ID_PATTERN.pattern

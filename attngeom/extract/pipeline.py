@@ -20,10 +20,9 @@ import os
 import platform
 import shlex
 import shutil
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -54,14 +53,15 @@ from attngeom.extract.models import (
     resolve_model,
     supported_config,
 )
+from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
+from attngeom.extract.request import ExtractRequest, ExtractResult, Preflight, preflight
 from attngeom.store import (
     ATTR_KEY,
     RUN_ID_PATTERN,
     RunLayout,
     SequenceWriter,
     check_run,
-    check_writable,
     completed,
     consolidate,
     create_run,
@@ -87,52 +87,6 @@ IDENTITY = ("model", "dataset", "context_length", "window_rule", "bos_token_id",
 # schema, so an older run is held to the dtype it was written in; a run without it was not
 # written by extract and is refused, as one lacking any other identity key.
 _IDENTITY_BEFORE = {"queries": []}
-
-
-@dataclass(frozen=True)
-class ExtractRequest:
-    """The arguments of ``attngeom extract`` and :func:`attngeom.extract`.
-
-    ``model`` is a name or path, or a loaded transformers causal LM. The input is exactly
-    one of ``dataset`` (a corpus name or path, windowed by docs/method.md#preprocessing), ``texts`` (strings,
-    windowed the same way) or ``token_ids`` (S, L) integers used as given.
-    """
-
-    model: Any = field(repr=False)
-    store: str
-    dataset: str | None = None
-    texts: Iterable[str] | None = field(default=None, repr=False)
-    token_ids: Any = field(default=None, repr=False)
-    tokenizer: Any = field(default=None, repr=False)
-    context_length: int | None = None
-    num_sequences: int | None = None
-    run_id: str | None = None
-    split: str | None = None
-    text_field: str = "text"
-    device: str = "auto"
-    dtype: str = "auto"
-    batch_size: int = 1
-    store_rows: str = "last"
-    queries: str | Sequence[int] = "last"
-    values_dtype: str = "float32"
-    window_rule: str = "first"
-    seed: int = 0
-    bos_token: str | None = None
-    shard: tuple[int, int] | None = None
-    command_line: Sequence[str] = field(default_factory=lambda: list(sys.argv))
-    progress: bool = True
-
-
-@dataclass(frozen=True)
-class ExtractResult:
-    """What :func:`extract` did: sequences it wrote, and those the run holds now (committed,
-    by whichever process, and all it is sized for)."""
-
-    run_id: str
-    written: int
-    committed: int
-    total: int
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -211,40 +165,6 @@ def _check_existing_run(store: str, run_id: str, identity: dict[str, Any]) -> No
         raise InputError(
             f"run '{run_id}' in {store} already holds " + "; ".join(diffs) + "; choose another --run"
         )
-
-
-def _check_request(request: ExtractRequest) -> tuple[int, int] | None:
-    """Refuse arguments that cannot be used, before anything is opened; returns the shard."""
-    given = [name for name in ("dataset", "texts", "token_ids") if getattr(request, name) is not None]
-    if len(given) != 1:
-        raise InputError(
-            "give exactly one input: dataset, texts or token_ids"
-            + (f" (got {' and '.join(given)})" if given else "")
-        )
-    if request.dataset is not None and (request.context_length is None or request.num_sequences is None):
-        raise InputError("a dataset needs context_length and num_sequences")
-    if isinstance(request.texts, str | bytes):
-        # A string is an iterable of strings: it would be read one character per document.
-        raise InputError("texts is a list of documents (strings), not one string: pass texts=[text]")
-    if request.texts is not None and request.context_length is None:
-        raise InputError("texts need a context_length")
-    if request.split is not None and request.dataset is None:
-        raise InputError("split applies to a dataset only")
-    if request.context_length is not None and request.context_length < 2:
-        raise InputError("--context-length must be at least 2 (BOS and one token)")
-    if request.num_sequences is not None and request.num_sequences < 1:
-        raise InputError("--num-sequences must be at least 1")
-    for name, allowed in (("store_rows", ("last", "all")), ("values_dtype", ("float32", "float16"))):
-        if getattr(request, name) not in allowed:
-            raise InputError(f"{name} {getattr(request, name)!r}: use {' or '.join(allowed)}")
-    if request.batch_size < 1:
-        raise InputError("batch_size must be at least 1")
-    shard = request.shard or launcher_shard()
-    if shard is not None and shard[1] < 1:
-        raise InputError(f"--shard {shard[0]}/{shard[1]}: the count of shards must be at least 1")
-    if shard is not None and not 0 <= shard[0] < shard[1]:
-        raise InputError(f"--shard {shard[0]}/{shard[1]}: the index must be in 0..{shard[1] - 1}")
-    return shard
 
 
 def _model(request: ExtractRequest, shard: tuple[int, int] | None) -> _Model:
@@ -428,25 +348,24 @@ def _sequence_arrays(
     return arrays
 
 
-def launcher_shard() -> tuple[int, int] | None:
-    """(rank, world size) when started by torchrun or accelerate (``RANK``/``WORLD_SIZE``)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return (int(os.environ.get("RANK", "0")), world) if world > 1 else None
-
-
-def extract(request: ExtractRequest) -> ExtractResult:
+def extract(request: ExtractRequest, checked: Preflight | None = None) -> ExtractResult:
     """Run ``extract``; raises :class:`InputError` (or a :class:`StoreError`) on bad input
-    with the store untouched.
+    with the store untouched. ``checked``: the request's :func:`preflight`, when the caller
+    ran it already.
 
     With ``shard = (i, n)`` this process writes sequences s with s % n == i, so n processes
     (by hand, or ranks of torchrun) fill one run without touching each other's shards.
     """
-    shard = _check_request(request)
-    check_writable(request.store)
+    checked = checked or preflight(request)
+    if checked.done is not None:
+        return checked.done
+    shard = checked.shard
     source = _corpus(request)  # before the model, which may take minutes to load the first time
     model = _model(request, shard)
     bos_id = _bos_token_id(model.tokenizer, request.bos_token, model.config)
     inputs = _windowed(request, source, model, bos_id) if source is not None else _given(request, model, bos_id)
+    # Also here: a hub model's metadata is known once its config is loaded, before its weights.
+    check_context_length(inputs.length, config_positions(model.config), model.name)
     queries = query_positions(request.queries, inputs.length)
     run_id = request.run_id or default_run_id(model.name, inputs.id, inputs.length)
     if not RUN_ID_PATTERN.match(run_id):

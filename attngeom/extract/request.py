@@ -1,0 +1,221 @@
+"""What an extract is asked to do (:class:`ExtractRequest`), and what can be answered before
+torch, transformers, the store's libraries or the model load: :func:`preflight`. Light: it
+reads names, metadata files and the store's records, never a model or a corpus."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from attngeom.errors import InputError
+from attngeom.extract.corpora import OFFLINE_CORPORA, check_window_args, corpus_id, open_corpus
+from attngeom.extract.positions import check_context_length, config_positions
+from attngeom.extract.queries import query_positions
+from attngeom.extract.sources import model_name
+from attngeom.peek import RUN_ID_PATTERN, default_run_id, require_writable, run_record
+
+__all__ = ["ExtractRequest", "ExtractResult", "Preflight", "check_arguments", "launcher_shard", "preflight"]
+
+@dataclass(frozen=True)
+class ExtractRequest:
+    """The arguments of ``attngeom extract`` and :func:`attngeom.extract`.
+
+    ``model`` is a name or path, or a loaded transformers causal LM. The input is exactly
+    one of ``dataset`` (a corpus name or path, windowed by docs/method.md#preprocessing), ``texts`` (strings,
+    windowed the same way) or ``token_ids`` (S, L) integers used as given.
+    """
+
+    model: Any = field(repr=False)
+    store: str
+    dataset: str | None = None
+    texts: Iterable[str] | None = field(default=None, repr=False)
+    token_ids: Any = field(default=None, repr=False)
+    tokenizer: Any = field(default=None, repr=False)
+    context_length: int | None = None
+    num_sequences: int | None = None
+    run_id: str | None = None
+    split: str | None = None
+    text_field: str = "text"
+    device: str = "auto"
+    dtype: str = "auto"
+    batch_size: int = 1
+    store_rows: str = "last"
+    queries: str | Sequence[int] = "last"
+    values_dtype: str = "float32"
+    window_rule: str = "first"
+    seed: int = 0
+    bos_token: str | None = None
+    shard: tuple[int, int] | None = None
+    command_line: Sequence[str] = field(default_factory=lambda: list(sys.argv))
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class ExtractResult:
+    """What :func:`attngeom.extract` did: sequences it wrote, and those the run holds now
+    (committed, by whichever process, and all it is sized for)."""
+
+    run_id: str
+    written: int
+    committed: int
+    total: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """A request that passed :func:`preflight`: its shard (i, n) or None, and ``done``, the
+    result when the run already holds every sequence asked for (nothing to load or write)."""
+
+    shard: tuple[int, int] | None
+    done: ExtractResult | None = None
+
+
+def launcher_shard() -> tuple[int, int] | None:
+    """(rank, world size) when started by torchrun or accelerate (``RANK``/``WORLD_SIZE``)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return (int(os.environ.get("RANK", "0")), world) if world > 1 else None
+
+
+def check_arguments(request: ExtractRequest) -> tuple[int, int] | None:
+    """Refuse arguments that cannot be used, reading nothing; returns the shard."""
+    given = [name for name in ("dataset", "texts", "token_ids") if getattr(request, name) is not None]
+    if len(given) != 1:
+        raise InputError(
+            "give exactly one input: dataset, texts or token_ids"
+            + (f" (got {' and '.join(given)})" if given else "")
+        )
+    if request.dataset is not None and (request.context_length is None or request.num_sequences is None):
+        raise InputError("a dataset needs context_length and num_sequences")
+    if isinstance(request.texts, str | bytes):
+        # A string is an iterable of strings: it would be read one character per document.
+        raise InputError("texts is a list of documents (strings), not one string: pass texts=[text]")
+    if request.texts is not None and request.context_length is None:
+        raise InputError("texts need a context_length")
+    if request.split is not None and request.dataset is None:
+        raise InputError("split applies to a dataset only")
+    if request.context_length is not None and request.context_length < 2:
+        raise InputError("--context-length must be at least 2 (BOS and one token)")
+    if request.num_sequences is not None and request.num_sequences < 1:
+        raise InputError("--num-sequences must be at least 1")
+    for name, allowed in (("store_rows", ("last", "all")), ("values_dtype", ("float32", "float16")),
+                          ("dtype", ("auto", "float32", "bfloat16", "float16"))):
+        if getattr(request, name) not in allowed:
+            raise InputError(f"{name} {getattr(request, name)!r}: use {' or '.join(allowed)}")
+    if request.batch_size < 1:
+        raise InputError("batch_size must be at least 1")
+    if request.token_ids is None:
+        check_window_args(request.context_length, request.window_rule, request.seed)
+    if request.run_id is not None and not RUN_ID_PATTERN.match(request.run_id):
+        raise InputError(f"run id {request.run_id!r} may hold only letters, digits, '.', '_' and '-'")
+    shard = request.shard or launcher_shard()
+    if shard is not None and shard[1] < 1:
+        raise InputError(f"--shard {shard[0]}/{shard[1]}: the count of shards must be at least 1")
+    if shard is not None and not 0 <= shard[0] < shard[1]:
+        raise InputError(f"--shard {shard[0]}/{shard[1]}: the index must be in 0..{shard[1] - 1}")
+    return shard
+
+
+def preflight(request: ExtractRequest) -> Preflight:
+    """Everything about ``request`` that its arguments, the model's and the corpus's names and
+    metadata, and the store's records decide, before torch, the model or the corpus loads:
+    the arguments; the queries for L; the store's writability; the model (an offline name, an
+    existing path, a hub id it can reach or has cached) and L against its positions; the
+    corpus's name; an existing run's identity as its record states it (model and corpus ids,
+    L, window rule, dtypes, rows, queries). When that run already holds every sequence asked
+    for (of a named model, an offline or local corpus whose fingerprint is the recorded one,
+    and no BOS token named: only the tokenizer tells its id), ``done`` is the answer: its
+    record and commit flags are read (the store's package loads, no model), and the run is
+    checked as a finished extract checks it.
+    :class:`InputError` or a :class:`StoreError` otherwise, with the store untouched."""
+    shard = check_arguments(request)
+    length = request.context_length
+    shape = getattr(request.token_ids, "shape", None)
+    if request.token_ids is not None and shape is not None and len(shape) == 2:
+        length = int(shape[1])
+    queries = query_positions(request.queries, length) if length is not None else None
+    require_writable(request.store)
+    named = isinstance(request.model, str | os.PathLike)
+    model_id = None
+    if named:
+        model = model_name(str(request.model))
+        model_id, positions = model.id, model.positions
+    else:
+        positions = config_positions(getattr(request.model, "config", None) or {})
+    if length is not None and positions is not None:
+        check_context_length(length, positions, str(request.model) if named else "the model")
+    if request.dataset is not None:
+        input_id = corpus_id(request.dataset, split=request.split)
+    else:
+        input_id = "texts" if request.texts is not None else "token_ids"
+    run_id = request.run_id
+    if run_id is None and model_id is not None and length is not None:
+        run_id = default_run_id(model_id, input_id, length)
+    record = run_record(request.store, run_id) if run_id is not None else None
+    if not record or not record.get("initialized"):
+        return Preflight(shard)
+    rule = ({"rule": "given", "seed": None} if request.token_ids is not None
+            else {"rule": request.window_rule, "seed": request.seed})
+    asked = {
+        "model": model_id, "dataset": input_id, "context_length": length, "window_rule": rule,
+        "values_dtype": request.values_dtype, "store_rows": request.store_rows,
+        "queries": None if queries is None else list(queries),
+        # "auto" computes in float32 on every device (models.resolve_dtype).
+        "compute_dtype": ("float32" if request.dtype == "auto" else request.dtype) if named else None,
+    }
+    held = dict(record, model=(record.get("model") or {}).get("id"), dataset=(record.get("dataset") or {}).get("id"))
+    held.setdefault("queries", [])
+    diffs = [f"{key} {held.get(key)!r} (asked {value!r})" for key, value in asked.items()
+             if value is not None and held.get(key) != value]
+    if diffs:
+        # A store this attngeom may not write (another format, a migration under way) is
+        # the first thing to fix: said before the run's parameters, as the store says it.
+        from attngeom.store import open_root
+
+        open_root(request.store, mode="a")
+        raise InputError(
+            f"run '{run_id}' in {request.store} already holds " + "; ".join(diffs) + "; choose another --run"
+        )
+    total = request.num_sequences
+    if total is None and request.token_ids is not None and shape is not None:
+        total = int(shape[0])
+    # A model given in memory is checked by its weights' hash, a BOS token by the tokenizer,
+    # a hub corpus by `datasets`: only the full check reads them.
+    light = named and request.bos_token is None and _same_corpus(request, record)
+    done = _finished(request.store, run_id, total, shard) if total is not None and light else None
+    return Preflight(shard, done)
+
+
+def _same_corpus(request: ExtractRequest, record: dict[str, Any]) -> bool:
+    """Whether the request's corpus is offline or local and still reads as the run recorded
+    it (its fingerprint over the documents, its text field)."""
+    name = request.dataset
+    if name is None or not (name in OFFLINE_CORPORA or Path(name).expanduser().exists()):
+        return False
+    corpus = open_corpus(name, split=request.split, text_field=request.text_field)
+    held = record.get("dataset") or {}
+    return held.get("fingerprint") == corpus.fingerprint and held.get("text_field") == request.text_field
+
+
+def _finished(store: str, run_id: str, total: int, shard: tuple[int, int] | None) -> ExtractResult | None:
+    """The result of an extract with nothing to write: run ``run_id`` holds every sequence of
+    ``range(total)`` (of this shard) committed; None when it does not."""
+    from attngeom.store import check_run, completed, consolidate, n_sequences, open_root, open_run_group
+
+    start = time.perf_counter()
+    root = open_root(store, mode="a")
+    run = open_run_group(root, run_id)
+    if "complete" not in run:
+        return None
+    committed = set(completed(run).tolist())
+    if any(i not in committed for i in range(total) if shard is None or i % shard[1] == shard[0]):
+        return None
+    # As an extract that wrote: an extract killed before refreshing it left it stale.
+    consolidate(root)
+    check_run(store, run, run_id)  # never a success on a run that does not validate
+    return ExtractResult(run_id, 0, len(committed), n_sequences(run), time.perf_counter() - start)

@@ -1,0 +1,130 @@
+"""A first look at a store, before the store package and its libraries (zarr, Dask, xarray)
+load: is there one, can it be written, what does a run's record say. Every command looks
+here first, so that a store that is missing, unreachable or read-only is answered at once;
+what this cannot tell (damage, a schema, a run's arrays) is left to :mod:`attngeom.store`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from attngeom.errors import InputError, RunNotFoundError, StoreError, StoreNotFoundError, StoreWriteError
+
+__all__ = [
+    "RUN_ID_PATTERN", "default_run_id", "local_path", "require_run", "require_store", "require_writable", "run_record",
+]
+
+# The store's attributes key (docs/store.md), in the root's and each run's zarr.json.
+_ATTR_KEY = "attngeom"
+
+# What a run id may hold (docs/store.md): the name of its folder, an HTML id, a file name.
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def default_run_id(model: str, dataset: str, length: int) -> str:
+    """A readable run id: model, dataset and context length (the last part of a path each)."""
+
+    def slug(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", text.rstrip("/").split("/")[-1]).strip("-") or "x"
+
+    return f"{slug(model)}__{slug(dataset)}__L{length}"
+
+
+def local_path(url: str) -> Path | None:
+    """The folder of a local store (a path or a ``file://`` URL); None for a remote one."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    return Path(url.removeprefix("file://")).expanduser().absolute()
+
+
+def require_store(url: str) -> None:
+    """Raise :class:`StoreNotFoundError` unless the store's root metadata is there, and
+    :class:`StoreError` when a remote store cannot be reached (credentials, network, bucket)."""
+    path = local_path(url)
+    if path is not None:
+        if not (path / "zarr.json").is_file():
+            raise StoreNotFoundError(f"no attngeom store at {url}")
+        return
+    if _read_remote(url, "zarr.json") is None:
+        raise StoreNotFoundError(f"no attngeom store at {url}")
+
+
+def require_run(url: str, run_id: str) -> None:
+    """:func:`require_store`, then :class:`RunNotFoundError` naming the runs there are (as
+    the store package says it) unless a local store holds run ``run_id``; a remote store's
+    runs are left to the store package, which lists them once."""
+    require_store(url)
+    path = local_path(url)
+    if path is None:
+        return
+    folder = path / "runs"
+    runs = sorted(p.name for p in folder.iterdir() if (p / "zarr.json").is_file()) if folder.is_dir() else []
+    if run_id in runs:
+        return
+    if not runs:
+        raise RunNotFoundError(f"{url} holds no run yet; run `attngeom extract --store {url}` first")
+    raise RunNotFoundError(f"no run '{run_id}' in {url} (runs: {', '.join(runs)})")
+
+
+def require_writable(url: str) -> None:
+    """Refuse a local store path that cannot be written, before anything is created: probes by
+    creating and removing a file in the store's folder, or in its nearest existing parent
+    (permission bits do not tell: root, read-only mounts). A remote store is not probed."""
+    path = local_path(url)
+    if path is None:
+        return
+    if path.exists() and not path.is_dir():
+        raise StoreWriteError(f"store path {path} exists and is not a folder")
+    if path.is_dir() and any(path.iterdir()) and not (path / "zarr.json").exists():
+        raise StoreWriteError(f"{path} is a non-empty folder that is not a Zarr store")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise StoreWriteError(f"cannot create store {path}: {probe} is a file, not a folder")
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".attngeom-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        raise StoreWriteError(f"store path {path} is not writable ({exc.strerror} in {probe})") from exc
+
+
+def run_record(url: str, run_id: str) -> dict[str, Any] | None:
+    """The attngeom attributes of run ``run_id`` (its provenance and layout), or None when the
+    store holds no such run or its record cannot be read as JSON (then the store package, which
+    names damage, decides)."""
+    key = f"runs/{run_id}/zarr.json"
+    path = local_path(url)
+    try:
+        raw = (path / key).read_bytes() if path is not None else _read_remote(url, key)
+        meta = json.loads(raw) if raw is not None else None
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
+        return None
+    attrs = meta.get("attributes") if isinstance(meta, dict) else None
+    record = attrs.get(_ATTR_KEY) if isinstance(attrs, dict) else None
+    return record if isinstance(record, dict) else None
+
+
+def _read_remote(url: str, key: str) -> bytes | None:
+    """The object ``key`` under a remote store, None when absent; :class:`StoreError` when the
+    store cannot be reached at all."""
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+    except (ValueError, ImportError) as exc:  # an unknown protocol, or its package missing
+        raise InputError(f"cannot open the store {url}: {exc}") from exc
+    try:
+        return fs.cat_file(f"{root.rstrip('/')}/{key}")
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - each filesystem raises its own: credentials, network, bucket
+        text = str(exc).strip().splitlines()
+        raise StoreError(
+            f"cannot read the store {url}: {type(exc).__name__}: {text[0] if text else 'no reason given'}"
+        ) from exc
