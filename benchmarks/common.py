@@ -14,6 +14,8 @@ import queue as queue_module
 import resource
 import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +43,11 @@ def rotate(items: list[Any], k: int) -> list[Any]:
     """``items`` started at position ``k`` (mod its length): variants change order per repetition."""
     k %= len(items)
     return items[k:] + items[:k]
+
+
+def default_n_grid(length: int) -> list[int]:
+    """analyze's default selection sizes at context length ``length``: N in {1, 2, 4, ...} below it."""
+    return [n for n in (2**k for k in range(length.bit_length())) if n < length]
 
 
 def int_list(text: str) -> list[int]:
@@ -250,3 +257,90 @@ def fmt(x: float | None, digits: int = 3) -> str:
     if abs(x) >= 1000:
         return f"{x:,.0f}"
     return f"{x:.{digits}g}"
+
+
+class KernelsAt:
+    """The analysis kernels as they were at a git revision, to compare with the current ones.
+
+    The revision is checked out into a temporary ``git worktree`` and its
+    ``attngeom.analyze.kernels.head_metrics`` runs in a child process (spawned, its import path
+    that checkout first, BLAS on one thread), which compiles that revision's kernels once
+    (their numba cache lives in the checkout). Use as a context manager: the child ends and the
+    worktree is removed on leaving it.
+    """
+
+    def __init__(self, rev: str) -> None:
+        self.rev = rev
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self._repo = repo
+        self._path = tempfile.mkdtemp(prefix="attngeom-kernels-")
+        os.rmdir(self._path)  # git worktree add makes it
+        subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", "--quiet", self._path, rev], check=True)
+        try:
+            ctx = multiprocessing.get_context("spawn")
+            self._conn, theirs = ctx.Pipe()
+            self._child = ctx.Process(target=_serve_kernels, args=(self._path, theirs), daemon=True)
+            self._child.start()
+            theirs.close()
+            self._reply()  # imported and compiled
+        except BaseException:
+            self.close()
+            raise
+
+    def head_metrics(self, *args: Any, **kwargs: Any) -> tuple[Any, float, float]:
+        """(``head_metrics(*args, **kwargs)`` of the revision's kernels, wall s, CPU s of the call
+        in the child)."""
+        self._conn.send((args, kwargs))
+        return self._reply()
+
+    def _reply(self) -> Any:
+        try:
+            reply = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the kernels of {self.rev} ended with code {self._child.exitcode}") from None
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        child = getattr(self, "_child", None)
+        if child is not None and child.is_alive():
+            self._conn.send(None)
+            child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
+        subprocess.run(["git", "-C", self._repo, "worktree", "remove", "--force", self._path], check=False)
+
+    def __enter__(self) -> KernelsAt:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _serve_kernels(path: str, conn: Any) -> None:
+    """The child of `KernelsAt`: head_metrics of the checkout at ``path`` for each request."""
+    import sys
+
+    sys.path.insert(0, path)
+    try:
+        from threadpoolctl import threadpool_limits
+
+        from attngeom.analyze.kernels import compile_kernels, head_metrics
+
+        if not sys.modules["attngeom"].__file__.startswith(path):
+            raise ImportError(f"attngeom imported from {sys.modules['attngeom'].__file__}, not from {path}")
+        threadpool_limits(1)
+        compile_kernels()
+        conn.send(None)
+    except BaseException as error:  # noqa: BLE001 - handed to the parent
+        conn.send(error)
+        return
+    while (request := conn.recv()) is not None:
+        args, kwargs = request
+        try:
+            w0, c0 = time.perf_counter(), time.process_time()
+            result = head_metrics(*args, **kwargs)
+            conn.send((result, time.perf_counter() - w0, time.process_time() - c0))
+        except BaseException as error:  # noqa: BLE001 - handed to the parent
+            conn.send(error)
