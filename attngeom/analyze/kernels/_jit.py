@@ -7,6 +7,10 @@ numba keys a cached function on its own source file alone, while a loop here cal
 the other modules and reads the schema's variable names as constants: every function of the
 package is keyed on all of their sources (`_PackageLocator`), so that a change anywhere
 recompiles everything instead of loading a loop built from older callees.
+
+numba compiles a callee once more for every type an argument takes, a literal constant
+included, and even for the type a counter has before inference unifies it (``Literal[int](0)``
+before int64): counters and indices handed to another loop start as ``np.int64(0)``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ _PACKAGE = Path(__file__).resolve().parent
 _SOURCES = (*sorted(_PACKAGE.glob("*.py")), Path(attngeom.store.schema.__file__).resolve())
 
 jit = njit(cache=True, nogil=True, error_model="numpy")
+# A query head's loop, which one loop over the heads of a group calls: compiled into it, not
+# once more on its own (numba compiles and optimizes every callee as a whole first).
+jit_head = njit(cache=True, nogil=True, error_model="numpy", inline="always")
 # The inner products alone may reassociate and fuse (SIMD lanes): an expansion's error bound
 # holds whatever the summation order, every distance a comparison depends on comes from
 # `balls.squared_distances`, and the aggregates, whose bits those distances read, add in

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from attngeom.analyze.kernels._jit import jit
+from attngeom.analyze.kernels._jit import jit, jit_head
 from attngeom.analyze.kernels.selection import head_aggregates
 from attngeom.analyze.kernels.vectors import SCAN_PER_LOG, bisect_left, dot, exact_distance, extent
 
@@ -225,7 +225,7 @@ def _mark_near_pairs(x, order, n, n_cand, width, mark):
                 mark[chosen[by_x[i]]] = True
 
 
-@jit
+@jit_head
 def exact_keys(agg, sv, alpha, points, att, tol, out):
     """Fills out = `Expansions`: the expansions X (rows, K) of the distances of the aggregates
     agg (`selection.Aggregates`) whose products with the values are sv (rows, K) (the rows it

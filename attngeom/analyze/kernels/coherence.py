@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from attngeom.analyze.kernels._jit import jit
+from attngeom.analyze.kernels._jit import jit, jit_head
 from attngeom.analyze.kernels.pairs import (
     bucket_of,
     exact_row_max,
@@ -96,7 +96,7 @@ def _listed_statistics(stats, ts, members, p, first, n, pairs, screen):
     return True
 
 
-@jit
+@jit_head
 def head_coherence(rank, pairs, screen, exact_rows, points, n_att, out):
     """mu and mu_q95 (P,) of one query head at the sizes points
     (docs/method.md#sink-aware-bound): mu_N = max |<u_p, u_q>| over the non-sink pairs with
@@ -105,7 +105,8 @@ def head_coherence(rank, pairs, screen, exact_rows, points, n_att, out):
 
     rank (k,): the selection rank of each non-sink key (in the kv head's Gram order); pairs
     the kv head's `pairs.PairStatistics` from its `pairs.Screen` screen; out = `Coherence`,
-    filled in place (it arrives NaN); exact_rows (k,) the exact row maxima found so far, shared by the kv head's query heads.
+    filled in place (it arrives NaN); exact_rows (k,) the exact row maxima found so far,
+    shared by the kv head's query heads.
     A pair is in the set of N iff the smaller rank of its keys is < N. The quantile's order
     statistics are counted from the top of the listed pairs' buckets; a set with too few
     listed members is gathered whole.
@@ -190,7 +191,7 @@ def head_coherence(rank, pairs, screen, exact_rows, points, n_att, out):
             if delta == 0:
                 stats[0], stats[1] = order_pair(gathered[:m], lo, hi)
             else:
-                _, stats[0], stats[1] = refined_pair(gathered[:m], gathered_at[:m], lo, hi, 0,
+                _, stats[0], stats[1] = refined_pair(gathered[:m], gathered_at[:m], lo, hi, np.int64(0),
                                                       -np.inf, np.inf, unit, delta, True)
         mu_q95[p] = interpolate(stats[0], stats[1], pos, lo)
 

@@ -13,7 +13,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from attngeom.analyze.kernels._jit import jit
+from attngeom.analyze.kernels._jit import jit, jit_head
 from attngeom.analyze.kernels.balls import ExactDistances, ball, head_expansions, inversions
 from attngeom.analyze.kernels.bounds import k_sink
 from attngeom.analyze.kernels.coherence import Coherence
@@ -36,7 +36,7 @@ FLOAT = namedtuple("FloatRows", TOPN_FLOATS)(*range(len(TOPN_FLOATS)))
 COUNT = namedtuple("CountRows", TOPN_INTEGERS)(*range(len(TOPN_INTEGERS)))
 
 
-@jit
+@jit_head
 def head_geometry(kv, points, alpha, agg, sv, expansions, exact, coherence, tol, floats, counts):
     """Every top-N output of one query head at the valid sizes ``points`` (ascending, each
     < |K|): floats (len(TOPN_FLOATS), P) and counts (len(TOPN_INTEGERS), P), rows by `FLOAT`
@@ -46,6 +46,39 @@ def head_geometry(kv, points, alpha, agg, sv, expansions, exact, coherence, tol,
     `selection.Aggregates`, sv (rows, K) = S values^T; expansions (`balls.Expansions`) and exact
     (`balls.ExactDistances`) from `balls.exact_keys`; coherence (`coherence.Coherence`) mu and
     mu_q95 (P,); tol the `settings.Tolerances`.
+
+    The outputs, by section of docs/method.md. Selection ``I_N``: the N attendable keys of
+    largest alpha, ties to the smaller position; ``U_N = K \\ I_N``, ``s_N = sum_{I_N} y_i`` with
+    ``y_k = alpha_k v_k``, ``D_k = ||y_k - s_N||^2``.
+
+    - #precision-recall-and-f, #inversions: ``precision`` = N / |{k: D_k <= r_max^2}|,
+      ``recall`` = |{i in I_N: D_i < r_min^2}| / N, ``f_score`` = 2PR/(P+R); ``inversions``
+      A_N = #{(i, j) in I_N x U_N: D_j <= D_i}.
+    - ``sink_selected``: 0 in I_N.
+    - #sink-aware-bound, #robust-constants: ``k_sink``, ``precision_bound`` = 1/(1 + k/N),
+      ``recall_bound`` = max(0, 1 - k/N): the appendix bound with beta_i = alpha_i (i > 0),
+      beta_0 = alpha_0 ||v_0||/C, worst-case ``mu`` and nu; ``*_q95`` the same with ``mu_q95``
+      and the 5%/95% sink-cosine quantiles. Undefined (-1/NaN) for an instance with a sink and
+      C = 0. ``mu``/``mu_q95`` range over the unordered non-sink pairs with at least one key in
+      I_N.
+    - #exact-certificate: ``k_sink_exact``: the same algebra with beta_i = alpha_i ||v_i|| / C for every key and
+      signed sink constants; ``inversions <= k_sink_exact`` on every instance.
+    - #random-control: ``random_*``: P, R, F of uniformly random size-N subsets of K, mean over the draws; draw d
+      selects the N attendable keys of smallest
+      ``np.random.default_rng(seed).random((random_draws, B, K))[d]``.
+    - #sink-excluded-variant: ``nosink_*``: P, R, F with the sink removed from the candidate keys before selection.
+    - #sink-diagnostics (NaN without a sink): ``sink_norm_share`` ||y_0||/||s_N|| and
+      ``sink_direction_change`` 1 - cos(s_N, s_N - y_0) when 0 in I_N; ``sink_intrusion``
+      1{D_0 <= r_max^2} and ``sink_pair_inversion_frac`` mean_{I_N} 1{D_0 <= D_i} when not;
+      ``sink_alignment`` cos(y_0, s_{N,+}), s_{N,+} the selected non-sink part of s_N.
+    - #leave-one-out (s_{N,-i} = s_N - y_i): ``loo_cos`` mean_{I_N} cos(y_i, s_{N,-i}),
+      ``loo_margin`` loo_cos - mean_{U_N} cos(y_j, s_N), ``loo_positive_frac`` the fraction of
+      those cosines > 0, ``loo_distance_margin``
+      min_{U_N} ||y_j - s_N|| - max_{I_N} ||y_i - s_{N,-i}||.
+      Means and fractions run over the defined cosines (NaN if none, e.g. N = 1).
+    - #mechanistic-signatures, o = sum_K y_k: ``s_norm`` ||s_N||/||o||, ``s_norm_nosink`` and
+      ``s_norm_nocurrent`` the same without y_0 / y_{K-1} when selected, ``cos_s_v0``
+      cos(s_N, v_0), ``cos_s_vlast`` cos(s_N, v_{K-1}).
     """
     values, att, v_norm, C, c_lo, c_hi, q05, q95 = kv
     y, S, s_plus, orders = agg
@@ -58,7 +91,7 @@ def head_geometry(kv, points, alpha, agg, sv, expansions, exact, coherence, tol,
     has_sink = att[0]
     nonsink = att.copy()
     nonsink[0] = False
-    n_att = n_ns = 0
+    n_att = n_ns = np.int64(0)
     for k in range(K):
         n_att += att[k]
         n_ns += nonsink[k]
@@ -106,7 +139,7 @@ def head_geometry(kv, points, alpha, agg, sv, expansions, exact, coherence, tol,
         counts[COUNT.inversions, p] = inversions(d_sel, x, order, n, n_att, 2 * e, unsure, y, s, cache)
 
         if has_sink and not sigma:
-            d0 = exact_distance(y, 0, s, cache)
+            d0 = exact_distance(y, np.uint64(0), s, cache)
             floats[FLOAT.sink_intrusion, p] = 1.0 if d0 <= r_max2 else 0.0
             beats = 0
             for i in range(n):

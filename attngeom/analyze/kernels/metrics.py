@@ -63,41 +63,16 @@ def topn_metrics(
     """Top-N separability, bounds and diagnostics at the final query (docs/method.md).
 
     attn (B, K), values (G, K, D), attendable (G, K) bool, head_kv (B,) ints in [0, G)
-    (default: G = B, instance b reads values[b]); n_grid: selection sizes N >= 1.
-    Returns arrays of shape (B, len(n_grid)). N is valid for an instance iff N < |K_b|
-    (``nosink_*``: N < |K_b \\ {0}|); invalid entries are NaN, or -1 for the int64 counts
-    and the int8 ``sink_selected``. settings: `KernelSettings` (tolerances and shortcuts).
+    (default: G = B, instance b reads values[b]); n_grid: selection sizes N >= 1; the random
+    control's draw d selects the N attendable keys of smallest
+    ``np.random.default_rng(seed).random((random_draws, B, K))[d]``; settings:
+    `KernelSettings` (tolerances and shortcuts).
 
-    Selection ``I_N``: the N attendable keys of largest alpha, ties to the smaller position;
-    ``U_N = K \\ I_N``, ``s_N = sum_{I_N} y_i`` with ``y_k = alpha_k v_k``,
-    ``D_k = ||y_k - s_N||^2``.
-
-    - ``precision`` = N / |{k: D_k <= r_max^2}|, ``recall`` = |{i in I_N: D_i < r_min^2}| / N,
-      ``f_score`` = 2PR/(P+R); ``inversions`` A_N = #{(i, j) in I_N x U_N: D_j <= D_i}.
-    - ``sink_selected``: 0 in I_N.
-    - ``k_sink``, ``precision_bound`` = 1/(1 + k/N), ``recall_bound`` = max(0, 1 - k/N): the
-      appendix bound with beta_i = alpha_i (i > 0), beta_0 = alpha_0 ||v_0||/C, worst-case
-      ``mu`` and nu; ``*_q95`` the same with ``mu_q95`` and the 5%/95% sink-cosine quantiles.
-      Undefined (-1/NaN) for an instance with a sink and C = 0.
-      ``mu``/``mu_q95`` range over the unordered non-sink pairs with at least one key in I_N.
-    - ``k_sink_exact``: the same algebra with beta_i = alpha_i ||v_i|| / C for every key and
-      signed sink constants; ``inversions <= k_sink_exact`` on every instance.
-    - ``random_*``: P, R, F of uniformly random size-N subsets of K, mean over the draws; draw d
-      selects the N attendable keys of smallest
-      ``np.random.default_rng(seed).random((random_draws, B, K))[d]``.
-    - ``nosink_*``: P, R, F with the sink removed from the candidate keys before selection.
-    - sink diagnostics (NaN without a sink): ``sink_norm_share`` ||y_0||/||s_N|| and
-      ``sink_direction_change`` 1 - cos(s_N, s_N - y_0) when 0 in I_N; ``sink_intrusion``
-      1{D_0 <= r_max^2} and ``sink_pair_inversion_frac`` mean_{I_N} 1{D_0 <= D_i} when not;
-      ``sink_alignment`` cos(y_0, s_{N,+}), s_{N,+} the selected non-sink part of s_N.
-    - leave-one-out (s_{N,-i} = s_N - y_i): ``loo_cos`` mean_{I_N} cos(y_i, s_{N,-i}),
-      ``loo_margin`` loo_cos - mean_{U_N} cos(y_j, s_N), ``loo_positive_frac`` the fraction of
-      those cosines > 0, ``loo_distance_margin``
-      min_{U_N} ||y_j - s_N|| - max_{I_N} ||y_i - s_{N,-i}||.
-      Means and fractions run over the defined cosines (NaN if none, e.g. N = 1).
-    - mechanistic signatures, o = sum_K y_k: ``s_norm`` ||s_N||/||o||, ``s_norm_nosink`` and
-      ``s_norm_nocurrent`` the same without y_0 / y_{K-1} when selected, ``cos_s_v0``
-      cos(s_N, v_0), ``cos_s_vlast`` cos(s_N, v_{K-1}).
+    Returns an array (B, len(n_grid)) per name of ``TOPN_VARIABLES`` (attngeom.store.schema):
+    floats, then int64 counts and the sink's int8 selection flag, each defined in
+    docs/method.md and, with its formula, in `geometry.head_geometry`. N is valid for an
+    instance iff N < |K_b| (``nosink_*``: N < |K_b \\ {0}|); invalid entries are NaN, or -1 for
+    the integers.
     """
     return _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, settings, False)[0]
 
@@ -107,16 +82,10 @@ def value_statistics(
 ) -> dict[str, np.ndarray]:
     """Norm and coherence statistics of each kv head (docs/method.md#norms-and-coherence).
 
-    values (G, K, D), attendable (G, K) bool; returns arrays of shape (G,), over the attendable
-    non-sink keys k (cosines of unit vectors u_k = v_k/||v_k||):
-
-    - ``C``: median ||v_k||; ``norm_cv``: std/mean of ||v_k|| (population std);
-    - ``median_cos``: median <u_p, u_q> over pairs p != q;
-    - sink (NaN without one): ``sink_norm_ratio`` lambda = ||v_0||/C, ``sink_cos_median`` and
-      ``sink_cos_neg_frac`` (fraction < 0) of <u_0, u_k>, ``nu_minus_q95`` = max(0, -q95) and
-      ``nu_plus_q95`` = max(0, -q05) of <u_0, u_k>.
-
-    They depend on the values only: a query head takes those of the kv head it reads.
+    values (G, K, D), attendable (G, K) bool; returns an array (G,) per name of
+    ``VALUE_STATISTICS`` (attngeom.store.schema), each defined, with its formula, in
+    `values.statistics`. They depend on the values only: a query head takes those of the kv
+    head it reads.
     """
     _, values, attendable, _ = check_batch(None, values, attendable, None)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -144,16 +113,20 @@ def head_metrics(
     return _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, settings, True)
 
 
-def compile_kernels() -> None:
+def compile_kernels(*, progress: bool = True) -> None:
     """Compile the kernels' loops, or load them from numba's cache beside the package, in
     this process: worker processes forked after it share them (the stage calls it before
-    forking its workers; otherwise the first call in each process pays it). Where the cache
-    does not hold them yet, says so on stderr: the compile takes a minute or more, a load
-    from the cache under a second."""
-    cold = not cache_is_warm((kv_values.kv_head, pair_statistics, group_aggregates, group_coherence,
-                              group_exact_keys, group_geometry))
+    forking its workers; otherwise the first call in each process pays it). A compile takes
+    about half a minute of one core, once after installing or changing the package; a load
+    from the cache under a second. progress: say on stderr when it compiles (nothing is said
+    when the cache is warm).
+
+    It compiles what a run takes: the loops for the float64 Gram matrix that only non-finite
+    values take (`values.nonsink_gram`) are compiled when a block first needs them."""
+    cold = progress and not cache_is_warm((kv_values.kv_head, pair_statistics, group_aggregates, group_coherence,
+                                           group_exact_keys, group_geometry))
     if cold:
-        print("compiling the analysis kernels (first run only, a minute or more) ...", end="", file=sys.stderr,
+        print("compiling the analysis kernels (first run only, about a minute) ...", end="", file=sys.stderr,
               flush=True)
     start = time.perf_counter()
     rng = np.random.default_rng(0)

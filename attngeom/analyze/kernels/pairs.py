@@ -135,9 +135,11 @@ def interpolate(below, above, pos, lo):
 
 @jit
 def order_pair(x, lo, hi):
-    """The lo-th and hi-th smallest of x (hi = lo or lo + 1): by a partition (of a copy) for
-    a short x or one holding NaN, else by `_order_pair_counted`. Both give the same
-    two values."""
+    """The lo-th and hi-th smallest of x (hi = lo or lo + 1), NaN sorting last, as numpy's
+    ``part = np.partition(x, lo)`` gives them: ``part[lo]`` and ``part[lo + 1:].min()`` (NaN
+    if any value above the lo-th is NaN). By a sort (of a copy) for a short x or one holding
+    NaN, else by `_order_pair_counted`: the same two values. (A sort, not numba's partition,
+    whose compile took a fifth of the kernels'.)"""
     if x.size >= COUNTED_MIN:
         x_min, x_max, finite = np.inf, -np.inf, 0.0
         for v in x:
@@ -145,8 +147,10 @@ def order_pair(x, lo, hi):
             finite += v - v  # NaN once a value is NaN or infinite
         if finite == 0.0 and np.isfinite(x_max - x_min):
             return _order_pair_counted(x, lo, hi, x_min, x_max)
-    part = np.partition(x, lo)
-    return part[lo], (part[lo] if hi == lo else part[lo + 1:].min())
+    ordered = np.sort(x)
+    if hi == lo:
+        return ordered[lo], ordered[lo]
+    return ordered[lo], (ordered[-1] if np.isnan(ordered[-1]) else ordered[hi])
 
 
 @jit
@@ -211,10 +215,10 @@ def pair_statistics(screen, settings):
     - the median of the k(k-1)/2 pair cosines (numpy's 'linear' quantile);
     - row_max (k,): max_{q != p} |<u_p, u_q>|;
     - the pairs whose |cosine| is at or above a threshold that keeps about
-      ``settings.top_pair_share`` of them (all of them up to ``settings.top_pair_min`` pairs): (p, q) grouped into buckets of descending
-      |cosine| (every pair of a bucket above every pair of a later one), the buckets'
-      bounds, and edges = (lowest listed |cosine|, buckets per unit |cosine|,
-      threshold) for `bucket_of`.
+      ``settings.top_pair_share`` of them (all of them up to ``settings.top_pair_min`` pairs):
+      (p, q) grouped into buckets of descending |cosine| (every pair of a bucket above every
+      pair of a later one), the buckets' bounds, and edges = (lowest listed |cosine|, buckets
+      per unit |cosine|, threshold) for `bucket_of`.
 
     With delta > 0 the Gram matrix is a float32 screen (each entry within delta of the exact
     `pair_cos` of unit (k, D)): the median is exact (`refined_pair`), the rest holds
@@ -259,7 +263,7 @@ def pair_statistics(screen, settings):
     in_start = np.zeros(k + 1, np.int64)
     listed = np.empty(m + 1, np.int32)  # p of the listed pairs (q, p)
     row_start = np.zeros(k + 1, np.int64)
-    n_in = below = n_top = 0
+    n_in = below = n_top = np.int64(0)
     for q in range(1, k):
         row = gram[q]
         best = -np.inf
@@ -292,7 +296,7 @@ def pair_statistics(screen, settings):
                 median = interpolate(below_value, above_value, pos, lo)
                 break
         t_lo, t_hi = _bracket(sample, lo, hi, m, 0.08, attempt == 0 and m > bracket_min)
-        n_in = below = 0
+        n_in = below = np.int64(0)
         for q in range(1, k):
             in_start[q] = n_in
             for p in range(q):

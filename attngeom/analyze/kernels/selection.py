@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from attngeom.analyze.kernels._jit import jit
+from attngeom.analyze.kernels._jit import jit, jit_head
 
 
 class Orders(NamedTuple):
@@ -131,7 +131,7 @@ def _prefix_sums(y, order, include, points, out, row0):
 
 
 
-@jit
+@jit_head
 def aggregates(alpha, values, att, points, draw_keys, out):
     """One query head's `Aggregates`, filled into out: alpha (K,), values (K, D), att (K,)
     bool, points (P,) ascending, draw_keys (R, K)."""
@@ -150,7 +150,7 @@ def aggregates(alpha, values, att, points, draw_keys, out):
         for d in range(D):
             y[k, d] = alpha[k] * values[k, d]
     order[:], rank[:] = ranked(-alpha, att)
-    _prefix_sums(y, order, nonsink, points, s_plus, 0)
+    _prefix_sums(y, order, nonsink, points, s_plus, np.int64(0))
     for p in range(P):
         sink_in = has_sink and rank[0] < points[p]
         for d in range(D):

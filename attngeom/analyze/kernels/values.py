@@ -143,7 +143,15 @@ def screen_bound(D: int) -> float:
 
 def statistics(kv: KvHeads, median_cos: np.ndarray) -> dict[str, np.ndarray]:
     """The value statistics (G,) of kv, by name of `VALUE_STATISTICS`, from its kv heads'
-    median pair cosines (G,) (`pairs.pair_statistics`)."""
+    median pair cosines (G,) (`pairs.pair_statistics`); over the attendable non-sink keys k
+    (cosines of unit vectors u_k = v_k/||v_k||, docs/method.md#norms-and-coherence):
+
+    - ``C``: median ||v_k||; ``norm_cv``: std/mean of ||v_k|| (population std);
+    - ``median_cos``: median <u_p, u_q> over pairs p != q;
+    - sink (NaN without one): ``sink_norm_ratio`` lambda = ||v_0||/C, ``sink_cos_median`` and
+      ``sink_cos_neg_frac`` (fraction < 0) of <u_0, u_k>, ``nu_minus_q95`` = max(0, -q95) and
+      ``nu_plus_q95`` = max(0, -q05) of <u_0, u_k>.
+    """
     out = {name: np.full(kv.C.shape, np.nan) for name in VALUE_STATISTICS}
     n_ns = kv.nonsink.sum(axis=1)
     mean = np.sum(kv.v_norm, axis=1, where=kv.nonsink) / n_ns
