@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import pickle
 import queue as queue_module
 import resource
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -263,25 +265,26 @@ class KernelsAt:
     """The analysis kernels as they were at a git revision, to compare with the current ones.
 
     The revision is checked out into a temporary ``git worktree`` and its
-    ``attngeom.analyze.kernels.head_metrics`` runs in a child process (spawned, its import path
-    that checkout first, BLAS on one thread), which compiles that revision's kernels once
-    (their numba cache lives in the checkout). Use as a context manager: the child ends and the
+    ``attngeom.analyze.kernels.head_metrics`` runs in a child interpreter (its import path that
+    checkout first, BLAS on one thread), which compiles that revision's kernels once (their
+    numba cache lives in the checkout). Use as a context manager: the child ends and the
     worktree is removed on leaving it.
     """
 
     def __init__(self, rev: str) -> None:
         self.rev = rev
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        self._repo = repo
+        self._repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self._path = tempfile.mkdtemp(prefix="attngeom-kernels-")
         os.rmdir(self._path)  # git worktree add makes it
-        subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", "--quiet", self._path, rev], check=True)
+        self._child: subprocess.Popen | None = None
+        subprocess.run(["git", "-C", self._repo, "worktree", "add", "--detach", "--quiet", self._path, rev],
+                       check=True)
         try:
-            ctx = multiprocessing.get_context("spawn")
-            self._conn, theirs = ctx.Pipe()
-            self._child = ctx.Process(target=_serve_kernels, args=(self._path, theirs), daemon=True)
-            self._child.start()
-            theirs.close()
+            here = os.path.dirname(os.path.abspath(__file__))
+            self._child = subprocess.Popen(
+                [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import common; "
+                 f"common._serve_kernels({self._path!r})"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             self._reply()  # imported and compiled
         except BaseException:
             self.close()
@@ -290,25 +293,26 @@ class KernelsAt:
     def head_metrics(self, *args: Any, **kwargs: Any) -> tuple[Any, float, float]:
         """(``head_metrics(*args, **kwargs)`` of the revision's kernels, wall s, CPU s of the call
         in the child)."""
-        self._conn.send((args, kwargs))
+        pickle.dump((args, kwargs), self._child.stdin)
+        self._child.stdin.flush()
         return self._reply()
 
     def _reply(self) -> Any:
         try:
-            reply = self._conn.recv()
+            reply = pickle.load(self._child.stdout)
         except EOFError:
-            raise RuntimeError(f"the kernels of {self.rev} ended with code {self._child.exitcode}") from None
+            raise RuntimeError(f"the kernels of {self.rev} ended with code {self._child.wait()}") from None
         if isinstance(reply, BaseException):
             raise reply
         return reply
 
     def close(self) -> None:
-        child = getattr(self, "_child", None)
-        if child is not None and child.is_alive():
-            self._conn.send(None)
-            child.join(timeout=10)
-            if child.is_alive():
-                child.kill()
+        if self._child is not None and self._child.poll() is None:
+            self._child.stdin.close()  # the child's end of input
+            try:
+                self._child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._child.kill()
         subprocess.run(["git", "-C", self._repo, "worktree", "remove", "--force", self._path], check=False)
 
     def __enter__(self) -> KernelsAt:
@@ -318,11 +322,17 @@ class KernelsAt:
         self.close()
 
 
-def _serve_kernels(path: str, conn: Any) -> None:
-    """The child of `KernelsAt`: head_metrics of the checkout at ``path`` for each request."""
-    import sys
-
+def _serve_kernels(path: str) -> None:
+    """The child of `KernelsAt`: head_metrics of the checkout at ``path`` for each request read
+    (pickled) from stdin, the reply pickled to stdout; anything printed goes to stderr."""
+    requests, replies = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr
     sys.path.insert(0, path)
+
+    def reply(obj: Any) -> None:
+        pickle.dump(obj, replies)
+        replies.flush()
+
     try:
         from threadpoolctl import threadpool_limits
 
@@ -332,15 +342,18 @@ def _serve_kernels(path: str, conn: Any) -> None:
             raise ImportError(f"attngeom imported from {sys.modules['attngeom'].__file__}, not from {path}")
         threadpool_limits(1)
         compile_kernels()
-        conn.send(None)
+        reply(None)
     except BaseException as error:  # noqa: BLE001 - handed to the parent
-        conn.send(error)
+        reply(error)
         return
-    while (request := conn.recv()) is not None:
-        args, kwargs = request
+    while True:
+        try:
+            args, kwargs = pickle.load(requests)
+        except EOFError:
+            return
         try:
             w0, c0 = time.perf_counter(), time.process_time()
             result = head_metrics(*args, **kwargs)
-            conn.send((result, time.perf_counter() - w0, time.process_time() - c0))
+            reply((result, time.perf_counter() - w0, time.process_time() - c0))
         except BaseException as error:  # noqa: BLE001 - handed to the parent
-            conn.send(error)
+            reply(error)

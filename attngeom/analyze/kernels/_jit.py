@@ -24,6 +24,8 @@ from numba.core import caching
 
 import attngeom.store.schema
 
+# numba's list of cache locators, tried in order (CacheImpl in recent numba, _CacheImpl before).
+_LOCATORS = getattr(caching, "CacheImpl", None) or caching._CacheImpl
 _PACKAGE = Path(__file__).resolve().parent
 # Every source a compiled loop can read: the package's modules and the schema's names.
 _SOURCES = (*sorted(_PACKAGE.glob("*.py")), Path(attngeom.store.schema.__file__).resolve())
@@ -71,7 +73,7 @@ class _PackageLocator(caching._CacheLocator):
     def from_function(cls, py_func, py_file):
         if Path(py_file).resolve().parent != _PACKAGE:
             return None
-        for other in caching.CacheImpl._locator_classes:
+        for other in _LOCATORS._locator_classes:
             if other is not cls:
                 inner = other.from_function(py_func, py_file)
                 if inner is not None:
@@ -79,8 +81,8 @@ class _PackageLocator(caching._CacheLocator):
         return None
 
 
-if _PackageLocator not in caching.CacheImpl._locator_classes:
-    caching.CacheImpl._locator_classes.insert(0, _PackageLocator)
+if _PackageLocator not in _LOCATORS._locator_classes:
+    _LOCATORS._locator_classes.insert(0, _PackageLocator)
 
 
 def cache_is_warm(dispatchers) -> bool:
