@@ -9,10 +9,11 @@ One (sequence, layer) block of a model's shape is what an analyze task hands the
 H query heads reading KV kv heads of head_dim D at context length L, default N grid (powers
 of two < L), 8 random draws. "old" is ``head_metrics`` of the kernels at the git revision
 ``--against`` (default: the numpy kernels before the compiled ones), checked out into a
-temporary worktree and run in a child process (``common.KernelsAt``; it compiles that
-revision's kernels first, a minute or more where they are compiled); the current kernels run
-through ``head_metrics`` (one call for both outputs, each kv head's Gram matrix computed once:
-"new") and as two calls ``topn_metrics`` + ``value_statistics`` ("new, 2 calls").
+temporary worktree (``common.KernelsAt``; it compiles that revision's kernels first, a minute
+or more where they are compiled); this tree's kernels run through ``head_metrics`` (one call
+for both outputs, each kv head's Gram matrix computed once: "new") and as two calls
+``topn_metrics`` + ``value_statistics`` ("new, 2 calls"). Each side runs in a child process
+of its own (``common.Kernels``), and the times are those of the calls there.
 
 Shapes: smollm2-135m (H = 9, KV = 3, D = 64) and gemma3-270m (H = 4, KV = 1, D = 256), at
 L = 512 and 1024. Inputs are synthetic (softmax of Gaussian scores with a heavy sink; values
@@ -32,7 +33,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -42,10 +42,9 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 
-from common import KernelsAt, default_n_grid  # noqa: E402
+from common import REPO, Kernels, KernelsAt, default_n_grid  # noqa: E402
 
 import attngeom as ag  # noqa: E402
-from attngeom.analyze.kernels import compile_kernels, head_metrics, topn_metrics, value_statistics  # noqa: E402
 
 # The kernels before they were compiled (numba): numpy throughout.
 NUMPY_KERNELS = "1f327e3^"
@@ -70,28 +69,29 @@ def synthetic_block(rng: np.random.Generator, heads: int, kv_heads: int, head_di
     return attn, values, head_kv, np.ones(length, dtype=bool)
 
 
-def run_old(old, attn, values, head_kv, attendable, grid, seed):
+def run_old(kernels, attn, values, head_kv, attendable, grid, seed):
     """The older kernels in one call; value statistics mapped to query heads; (results, wall s,
     CPU s) of the call in their process."""
     att = np.broadcast_to(attendable, values.shape[:2])
-    (topn, stats), wall, cpu = old.head_metrics(attn, values, att, grid, head_kv=head_kv, seed=seed)
+    (topn, stats), wall, cpu = kernels["old"].call("head_metrics", attn, values, att, grid, head_kv=head_kv,
+                                                   seed=seed)
     return (topn, {name: x[head_kv] for name, x in stats.items()}), wall, cpu
 
 
-def run_new(old, attn, values, head_kv, attendable, grid, seed):
-    """The current kernels in one call; value statistics mapped to query heads."""
+def run_new(kernels, attn, values, head_kv, attendable, grid, seed):
+    """This tree's kernels in one call, as run_old."""
     att = np.broadcast_to(attendable, values.shape[:2])
-    (topn, stats), wall, cpu = timed(head_metrics, attn, values, att, grid, head_kv=head_kv, seed=seed)
+    (topn, stats), wall, cpu = kernels["new"].call("head_metrics", attn, values, att, grid, head_kv=head_kv,
+                                                   seed=seed)
     return (topn, {name: x[head_kv] for name, x in stats.items()}), wall, cpu
 
 
-def run_new_two_calls(old, attn, values, head_kv, attendable, grid, seed):
-    """The current kernels as two calls, topn_metrics and value_statistics."""
+def run_new_two_calls(kernels, attn, values, head_kv, attendable, grid, seed):
+    """This tree's kernels as two calls, topn_metrics and value_statistics, as run_old."""
     att = np.broadcast_to(attendable, values.shape[:2])
-    w0, c0 = time.perf_counter(), time.process_time()
-    topn = topn_metrics(attn, values, att, grid, head_kv=head_kv, seed=seed)
-    stats = value_statistics(values, att)
-    return (topn, {name: x[head_kv] for name, x in stats.items()}), time.perf_counter() - w0, time.process_time() - c0
+    topn, wall, cpu = kernels["new"].call("topn_metrics", attn, values, att, grid, head_kv=head_kv, seed=seed)
+    stats, wall2, cpu2 = kernels["new"].call("value_statistics", values, att)
+    return (topn, {name: x[head_kv] for name, x in stats.items()}), wall + wall2, cpu + cpu2
 
 
 RUNS = {"old": run_old, "new": run_new, "new2": run_new_two_calls}
@@ -118,15 +118,8 @@ def differences(got, want) -> dict:
     return dict(mismatched=sorted(set(bad)), max_rel_diff=worst)
 
 
-def timed(f, *args, **kwargs):
-    t0, c0 = time.perf_counter(), time.process_time()
-    result = f(*args, **kwargs)
-    return result, time.perf_counter() - t0, time.process_time() - c0
-
-
-def bench_synthetic(old: KernelsAt, lengths, reps: int, log) -> list[dict]:
+def bench_synthetic(kernels: dict, lengths, reps: int, log) -> list[dict]:
     rows = []
-    compile_kernels()
     for name, shape in SHAPES.items():
         for length in lengths:
             rng = np.random.default_rng(length)
@@ -139,7 +132,7 @@ def bench_synthetic(old: KernelsAt, lengths, reps: int, log) -> list[dict]:
                 results = {}
                 names = list(RUNS)
                 for which in names[rep % 3:] + names[:rep % 3]:
-                    results[which], w, c = RUNS[which](old, *block, grid, rep)
+                    results[which], w, c = RUNS[which](kernels, *block, grid, rep)
                     wall[which].append(w)
                     cpu[which].append(c)
                 checks.append(differences(results["new"], results["old"]))
@@ -167,9 +160,8 @@ def bench_synthetic(old: KernelsAt, lengths, reps: int, log) -> list[dict]:
     return rows
 
 
-def bench_store(old: KernelsAt, store: str, log) -> list[dict]:
+def bench_store(kernels: dict, store: str, log) -> list[dict]:
     rows = []
-    compile_kernels()  # numba's cache loaded outside the timings
     opened = ag.open_store(store)
     for run_id in opened.runs:
         ds = opened.run(run_id).dataset()
@@ -185,8 +177,8 @@ def bench_store(old: KernelsAt, store: str, log) -> list[dict]:
             for layer in range(ds.sizes["layer"]):
                 attendable = ds["attendable"][layer].values
                 block = (attn_seq[layer], values_seq[layer], head_kv, attendable)
-                want, _, c_old = run_old(old, *block, grid, s * 1000 + layer)
-                got, _, c_new = run_new(old, *block, grid, s * 1000 + layer)
+                want, _, c_old = run_old(kernels, *block, grid, s * 1000 + layer)
+                got, _, c_new = run_new(kernels, *block, grid, s * 1000 + layer)
                 d = differences(got, want)
                 bad |= set(d["mismatched"])
                 worst = max(worst, d["max_rel_diff"])
@@ -232,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                                       numpy=np.__version__, load_avg=list(__import__("os").getloadavg())))
     results["against"] = args.against
     out = []
-    with threadpool_limits(limits=1), KernelsAt(args.against) as old:
+    with threadpool_limits(limits=1), Kernels(REPO, "this tree") as new, KernelsAt(args.against) as old:
+        kernels = dict(new=new, old=old)
         log(f"synthetic blocks, old ({args.against}) vs new")
-        results["synthetic"] = bench_synthetic(old, args.lengths, args.reps, log)
+        results["synthetic"] = bench_synthetic(kernels, args.lengths, args.reps, log)
         out += [f"## Kernels old ({args.against}) vs new (one (sequence, layer) block, one thread; median over "
                 f"{args.reps} repetitions)", "", table(
                     ["model", "L", "H/KV/D", "old inst/s", "new inst/s", "new/old", "(min-max)",
@@ -246,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                       "yes" if r["agree"] else f"NO {r['mismatched']}"] for r in results["synthetic"]]), ""]
         if args.store:
             log(f"real stores {args.store}, old vs new")
-            results["store"] = [row for store in args.store for row in bench_store(old, store, log)]
+            results["store"] = [row for store in args.store for row in bench_store(kernels, store, log)]
             out += [f"## Real stores {', '.join(args.store)}", "", table(
                 ["run", "L", "blocks", "instances", "windowed blocks", "results agree",
                  "max rel diff", "CPU-time ratio"],

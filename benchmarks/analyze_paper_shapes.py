@@ -10,13 +10,15 @@ For each shape a synthetic store (``attngeom.synthetic.write_synthetic_run``: so
 a heavy sink, Gaussian values) of ``--layers`` layers and ``--sequences`` sequences at L = 1024:
 
 - **core-ms per instance**, old vs new: ``head_metrics`` on one (sequence, layer) block read
-  from the store, one thread, divided by its heads. "old" is the kernels at the git revision
-  ``--against`` (default: the numpy kernels before the compiled ones), run from a temporary
-  worktree in a child process (``common.KernelsAt``); both run back to back in every
-  repetition, order rotating, and their results are compared (counts exact, floats to 1e-9).
+  from the store, one thread, divided by its heads. "new" is this tree's kernels, "old" those
+  at the git revision ``--against`` (default: the numpy kernels before the compiled ones),
+  checked out into a temporary worktree; each runs in a child process of its own
+  (``common.Kernels``, ``common.KernelsAt``), back to back in every repetition, order
+  rotating, and their results are compared (counts exact, floats to 1e-9).
 - **Gram floor**: the one product analyze cannot avoid, a kv head's unit values times their
-  transpose ((L-1) x head_dim float64, numpy's matmul), timed in the same repetition, shared
-  by the query heads of a kv head: floor per instance = Gram x kv heads / heads.
+  transpose ((L-1) x head_dim float64, numpy's matmul), timed in the same repetition (in this
+  process), shared by the query heads of a kv head: floor per instance = Gram x kv heads /
+  heads.
 - **analyze / read**: ``ag.analyze`` of the whole store (default scheduler: a worker process per
   core) against reading and decompressing its inputs (attn_last, values, winner) chunk by
   chunk in this process, both in the same repetition.
@@ -40,6 +42,8 @@ from pathlib import Path
 import numpy as np
 from common import PAPER_SHAPES as SHAPES
 from common import (
+    REPO,
+    Kernels,
     KernelsAt,
     analyze_fresh,
     analyze_in_child,
@@ -53,7 +57,6 @@ from common import (
 from threadpoolctl import threadpool_limits
 
 import attngeom as ag
-from attngeom.analyze.kernels import compile_kernels, head_metrics
 from attngeom.synthetic import write_synthetic_run
 
 # The kernels before they were compiled (numba): numpy throughout.
@@ -92,25 +95,24 @@ def cpu_ms(fn) -> float:
     return (time.process_time() - c0) * 1e3
 
 
-def kernels(old: KernelsAt, store: str, length: int, reps: int) -> dict:
+def kernels(new: Kernels, old: KernelsAt, store: str, length: int, reps: int) -> dict:
     attn, values, attendable, head_kv = block(store, 0, 0)
     H, KV = attn.shape[0], values.shape[0]
     grid = default_n_grid(length)
     unit = values[0, 1:] / np.linalg.norm(values[0, 1:], axis=-1, keepdims=True)
     runs = {
-        "new": lambda: head_metrics(attn, values, attendable, grid, head_kv=head_kv),
-        "gram": lambda: unit @ unit.T,
+        # CPU time of the call in the kernels' own process
+        "new": lambda: new.call("head_metrics", attn, values, attendable, grid, head_kv=head_kv)[2] * 1e3,
+        "old": lambda: old.call("head_metrics", attn, values, attendable, grid, head_kv=head_kv)[2] * 1e3,
+        "gram": lambda: cpu_ms(lambda: unit @ unit.T),
     }
-    times = {name: [] for name in (*runs, "old")}
+    times = {name: [] for name in runs}
     with threadpool_limits(1):
-        compile_kernels()  # compiled or loaded from numba's cache, outside the timing
-        bad = mismatches(runs["new"](), old.head_metrics(attn, values, attendable, grid, head_kv=head_kv)[0])
+        bad = mismatches(new.call("head_metrics", attn, values, attendable, grid, head_kv=head_kv)[0],
+                         old.call("head_metrics", attn, values, attendable, grid, head_kv=head_kv)[0])
         for rep in range(reps):
-            for name in rotate([*runs, "old"], rep):
-                if name == "old":  # CPU time of the call in the older kernels' process
-                    times[name].append(old.head_metrics(attn, values, attendable, grid, head_kv=head_kv)[2] * 1e3)
-                else:
-                    times[name].append(cpu_ms(runs[name]))
+            for name in rotate(list(runs), rep):
+                times[name].append(runs[name]())
     per = {name: [t / H for t in ts] for name, ts in times.items() if name != "gram"}
     floor = [g * KV / H for g in times["gram"]]
     return dict(
@@ -159,7 +161,7 @@ def main() -> None:
                    help=f"git revision of the older kernels (default {NUMPY_KERNELS}: the numpy kernels)")
     args = p.parse_args()
     rows, results = [], {}
-    with tempfile.TemporaryDirectory() as tmp, KernelsAt(args.against) as old:
+    with tempfile.TemporaryDirectory() as tmp, Kernels(REPO, "this tree") as new, KernelsAt(args.against) as old:
         todo = [(name, args.length) for name in args.shapes.split(",")]
         todo += [(name, 4096) for name in args.long.split(",") if name]
         for name, length in todo:
@@ -167,7 +169,7 @@ def main() -> None:
             store = f"{tmp}/{name}-{length}.zarr"
             write_synthetic_run(store, RUN, n_seq=args.sequences, n_layers=args.layers, n_heads=H,
                                 n_kv_heads=KV, head_dim=D, length=length)
-            r = kernels(old, store, length, args.reps)
+            r = kernels(new, old, store, length, args.reps)
             if not args.no_stage and length == args.length:
                 r.update(stage(store, args.reps))
             results[f"{name} L={length}"] = r

@@ -261,39 +261,31 @@ def fmt(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
-class KernelsAt:
-    """The analysis kernels as they were at a git revision, to compare with the current ones.
-
-    The revision is checked out into a temporary ``git worktree`` and its
-    ``attngeom.analyze.kernels.head_metrics`` runs in a child interpreter (its import path that
-    checkout first, BLAS on one thread), which compiles that revision's kernels once (their
-    numba cache lives in the checkout). Use as a context manager: the child ends and the
-    worktree is removed on leaving it.
+class Kernels:
+    """The analysis kernels of the attngeom source tree at ``path``, run in a child interpreter
+    (its import path that tree first, BLAS on one thread) that compiles them, or loads them from
+    their numba cache, once. Kernels of two trees compared this way run in processes alike
+    (an in-process call and a child's differ by more than two versions of the kernels do).
+    Use as a context manager: the child ends on leaving it.
     """
 
-    def __init__(self, rev: str) -> None:
-        self.rev = rev
-        self._repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        self._path = tempfile.mkdtemp(prefix="attngeom-kernels-")
-        os.rmdir(self._path)  # git worktree add makes it
-        self._child: subprocess.Popen | None = None
-        subprocess.run(["git", "-C", self._repo, "worktree", "add", "--detach", "--quiet", self._path, rev],
-                       check=True)
+    def __init__(self, path: str, name: str | None = None) -> None:
+        self.name = name or path
+        here = os.path.dirname(os.path.abspath(__file__))
+        self._child = subprocess.Popen(
+            [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import common; "
+             f"common._serve_kernels({path!r})"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         try:
-            here = os.path.dirname(os.path.abspath(__file__))
-            self._child = subprocess.Popen(
-                [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import common; "
-                 f"common._serve_kernels({self._path!r})"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             self._reply()  # imported and compiled
         except BaseException:
             self.close()
             raise
 
-    def head_metrics(self, *args: Any, **kwargs: Any) -> tuple[Any, float, float]:
-        """(``head_metrics(*args, **kwargs)`` of the revision's kernels, wall s, CPU s of the call
-        in the child)."""
-        pickle.dump((args, kwargs), self._child.stdin)
+    def call(self, function: str, *args: Any, **kwargs: Any) -> tuple[Any, float, float]:
+        """(``function(*args, **kwargs)`` of ``attngeom.analyze.kernels``, wall s, CPU s of the
+        call in the child)."""
+        pickle.dump((function, args, kwargs), self._child.stdin)
         self._child.stdin.flush()
         return self._reply()
 
@@ -301,30 +293,59 @@ class KernelsAt:
         try:
             reply = pickle.load(self._child.stdout)
         except EOFError:
-            raise RuntimeError(f"the kernels of {self.rev} ended with code {self._child.wait()}") from None
+            raise RuntimeError(f"the kernels of {self.name} ended with code {self._child.wait()}") from None
         if isinstance(reply, BaseException):
             raise reply
         return reply
 
     def close(self) -> None:
-        if self._child is not None and self._child.poll() is None:
+        if self._child.poll() is None:
             self._child.stdin.close()  # the child's end of input
             try:
                 self._child.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self._child.kill()
-        subprocess.run(["git", "-C", self._repo, "worktree", "remove", "--force", self._path], check=False)
 
-    def __enter__(self) -> KernelsAt:
+    def __enter__(self) -> Kernels:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
 
+class KernelsAt(Kernels):
+    """`Kernels` as they were at the git revision ``rev``, checked out into a temporary
+    ``git worktree`` (their numba cache lives there: they compile on every use), removed on
+    leaving the context."""
+
+    def __init__(self, rev: str) -> None:
+        self._repo = REPO
+        self._path = tempfile.mkdtemp(prefix="attngeom-kernels-")
+        os.rmdir(self._path)  # git worktree add makes it
+        subprocess.run(["git", "-C", self._repo, "worktree", "add", "--detach", "--quiet", self._path, rev],
+                       check=True)
+        try:
+            super().__init__(self._path, rev)
+        except BaseException:
+            self._remove()
+            raise
+
+    def close(self) -> None:
+        super().close()
+        self._remove()
+
+    def _remove(self) -> None:
+        subprocess.run(["git", "-C", self._repo, "worktree", "remove", "--force", self._path], check=False)
+
+
+# The source tree these benchmarks belong to.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _serve_kernels(path: str) -> None:
-    """The child of `KernelsAt`: head_metrics of the checkout at ``path`` for each request read
-    (pickled) from stdin, the reply pickled to stdout; anything printed goes to stderr."""
+    """The child of `Kernels`: a function of the tree at ``path``'s ``attngeom.analyze.kernels``
+    for each request read (pickled) from stdin, the reply pickled to stdout; anything printed
+    goes to stderr."""
     requests, replies = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr
     sys.path.insert(0, path)
@@ -336,24 +357,24 @@ def _serve_kernels(path: str) -> None:
     try:
         from threadpoolctl import threadpool_limits
 
-        from attngeom.analyze.kernels import compile_kernels, head_metrics
+        from attngeom.analyze import kernels
 
         if not sys.modules["attngeom"].__file__.startswith(path):
             raise ImportError(f"attngeom imported from {sys.modules['attngeom'].__file__}, not from {path}")
         threadpool_limits(1)
-        compile_kernels()
+        kernels.compile_kernels()
         reply(None)
     except BaseException as error:  # noqa: BLE001 - handed to the parent
         reply(error)
         return
     while True:
         try:
-            args, kwargs = pickle.load(requests)
+            function, args, kwargs = pickle.load(requests)
         except EOFError:
             return
         try:
             w0, c0 = time.perf_counter(), time.process_time()
-            result = head_metrics(*args, **kwargs)
+            result = getattr(kernels, function)(*args, **kwargs)
             reply((result, time.perf_counter() - w0, time.process_time() - c0))
         except BaseException as error:  # noqa: BLE001 - handed to the parent
             reply(error)
