@@ -261,26 +261,36 @@ def fmt(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# The source tree these benchmarks belong to.
+REPO = os.path.dirname(_HERE)
+
+
 class Kernels:
     """The analysis kernels of the attngeom source tree at ``path``, run in a child interpreter
-    (its import path that tree first, BLAS on one thread) that compiles them, or loads them from
-    their numba cache, once. Kernels of two trees compared this way run in processes alike
+    (its import path that tree first, BLAS on one thread) that loads them from their numba
+    cache. Kernels of two trees compared this way run in processes alike
     (an in-process call and a child's differ by more than two versions of the kernels do).
     Use as a context manager: the child ends on leaving it.
     """
 
     def __init__(self, path: str, name: str | None = None) -> None:
         self.name = name or path
-        here = os.path.dirname(os.path.abspath(__file__))
-        self._child = subprocess.Popen(
-            [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import common; "
-             f"common._serve_kernels({path!r})"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        try:
-            self._reply()  # imported and compiled
-        except BaseException:
-            self.close()
-            raise
+        # A first child fills the tree's numba cache and ends; the one that serves loads the
+        # kernels from it, as analyze does: code loaded from numba's cache can run up to a
+        # third slower than code compiled in the process, which would tilt a comparison.
+        for serving in (False, True):
+            self._child = subprocess.Popen(
+                [sys.executable, "-c", f"import sys; sys.path.insert(0, {_HERE!r}); import common; "
+                 f"common._serve_kernels({path!r})"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            try:
+                self._reply()  # imported and compiled, or loaded
+            except BaseException:
+                self.close()
+                raise
+            if not serving:
+                self._stop()
 
     def call(self, function: str, *args: Any, **kwargs: Any) -> tuple[Any, float, float]:
         """(``function(*args, **kwargs)`` of ``attngeom.analyze.kernels``, wall s, CPU s of the
@@ -299,6 +309,9 @@ class Kernels:
         return reply
 
     def close(self) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
         if self._child.poll() is None:
             self._child.stdin.close()  # the child's end of input
             try:
@@ -315,8 +328,8 @@ class Kernels:
 
 class KernelsAt(Kernels):
     """`Kernels` as they were at the git revision ``rev``, checked out into a temporary
-    ``git worktree`` (their numba cache lives there: they compile on every use), removed on
-    leaving the context."""
+    ``git worktree`` (their numba cache lives there: they compile on every use, a minute or
+    more), removed on leaving the context."""
 
     def __init__(self, rev: str) -> None:
         self._repo = REPO
@@ -338,8 +351,6 @@ class KernelsAt(Kernels):
         subprocess.run(["git", "-C", self._repo, "worktree", "remove", "--force", self._path], check=False)
 
 
-# The source tree these benchmarks belong to.
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _serve_kernels(path: str) -> None:
