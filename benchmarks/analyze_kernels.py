@@ -1,17 +1,19 @@
 #!/usr/bin/env python
 """Analyze kernels, old vs new: head-instances per second of topn_metrics + value_statistics.
 
-    python benchmarks/analyze_kernels.py                      # ~5 min on 2 busy cores
-    python benchmarks/analyze_kernels.py --reps 5 --json kernels.json
+    python benchmarks/analyze_kernels.py                      # against the numpy kernels
+    python benchmarks/analyze_kernels.py --against v1.2 --reps 5 --json kernels.json
     python benchmarks/analyze_kernels.py --store a.zarr --store b.zarr   # also real stores
 
 One (sequence, layer) block of a model's shape is what an analyze task hands the kernels:
 H query heads reading KV kv heads of head_dim D at context length L, default N grid (powers
-of two < L), 8 random draws. "old" is the frozen copy of the numpy kernels before the
-compiled ones of issue 24 (``benchmarks/frozen_kernels_v2.py``) through its ``head_metrics``;
-the current kernels run through ``head_metrics`` (one call for both outputs, each kv head's
-Gram matrix computed once: "new") and as two calls ``topn_metrics`` + ``value_statistics``
-("new, 2 calls").
+of two < L), 8 random draws. "old" is ``head_metrics`` of the kernels at the git revision
+``--against`` (default: the numpy kernels before the compiled ones), checked out into a
+temporary worktree (``common.KernelsAt``; it compiles that revision's kernels first, a minute
+or more where they are compiled); this tree's kernels run through ``head_metrics`` (one call
+for both outputs, each kv head's Gram matrix computed once: "new") and as two calls
+``topn_metrics`` + ``value_statistics`` ("new, 2 calls"). Each side runs in a child process
+of its own (``common.Kernels``), and the times are those of the calls there.
 
 Shapes: smollm2-135m (H = 9, KV = 3, D = 64) and gemma3-270m (H = 4, KV = 1, D = 256), at
 L = 512 and 1024. Inputs are synthetic (softmax of Gaussian scores with a heavy sink; values
@@ -31,7 +33,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -41,11 +42,12 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 
-import frozen_kernels_v2 as old  # noqa: E402
+from common import REPO, Kernels, KernelsAt, default_n_grid  # noqa: E402
 
-from attngeom.analyze.kernels import compile_kernels, head_metrics, topn_metrics, value_statistics  # noqa: E402
-from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed  # noqa: E402
-from attngeom.store import open_root, run_ids  # noqa: E402
+import attngeom as ag  # noqa: E402
+
+# The kernels before they were compiled (numba): numpy throughout.
+NUMPY_KERNELS = "1f327e3^"
 
 SHAPES = {
     "smollm2-135m": dict(heads=9, kv_heads=3, head_dim=64),
@@ -67,28 +69,29 @@ def synthetic_block(rng: np.random.Generator, heads: int, kv_heads: int, head_di
     return attn, values, head_kv, np.ones(length, dtype=bool)
 
 
-def run_old(attn, values, head_kv, attendable, grid, seed):
-    """The frozen numpy kernels in one call; value statistics mapped to query heads."""
+def run_old(kernels, attn, values, head_kv, attendable, grid, seed):
+    """The older kernels in one call; value statistics mapped to query heads; (results, wall s,
+    CPU s) of the call in their process."""
     att = np.broadcast_to(attendable, values.shape[:2])
-    topn, stats = old.head_metrics(attn, values, att, grid, head_kv=head_kv, seed=seed,
-                                   random_draws=RANDOM_DRAWS)
-    return topn, {name: x[head_kv] for name, x in stats.items()}
+    (topn, stats), wall, cpu = kernels["old"].call("head_metrics", attn, values, att, grid, head_kv=head_kv,
+                                                   seed=seed)
+    return (topn, {name: x[head_kv] for name, x in stats.items()}), wall, cpu
 
 
-def run_new(attn, values, head_kv, attendable, grid, seed):
-    """The current kernels in one call; value statistics mapped to query heads."""
+def run_new(kernels, attn, values, head_kv, attendable, grid, seed):
+    """This tree's kernels in one call, as run_old."""
     att = np.broadcast_to(attendable, values.shape[:2])
-    topn, stats = head_metrics(attn, values, att, grid, head_kv=head_kv, seed=seed,
-                               random_draws=RANDOM_DRAWS)
-    return topn, {name: x[head_kv] for name, x in stats.items()}
+    (topn, stats), wall, cpu = kernels["new"].call("head_metrics", attn, values, att, grid, head_kv=head_kv,
+                                                   seed=seed)
+    return (topn, {name: x[head_kv] for name, x in stats.items()}), wall, cpu
 
 
-def run_new_two_calls(attn, values, head_kv, attendable, grid, seed):
-    """The current kernels as two calls, as the stage's block functions call them today."""
+def run_new_two_calls(kernels, attn, values, head_kv, attendable, grid, seed):
+    """This tree's kernels as two calls, topn_metrics and value_statistics, as run_old."""
     att = np.broadcast_to(attendable, values.shape[:2])
-    topn = topn_metrics(attn, values, att, grid, head_kv=head_kv, seed=seed, random_draws=RANDOM_DRAWS)
-    stats = value_statistics(values, att)
-    return topn, {name: x[head_kv] for name, x in stats.items()}
+    topn, wall, cpu = kernels["new"].call("topn_metrics", attn, values, att, grid, head_kv=head_kv, seed=seed)
+    stats, wall2, cpu2 = kernels["new"].call("value_statistics", values, att)
+    return (topn, {name: x[head_kv] for name, x in stats.items()}), wall + wall2, cpu + cpu2
 
 
 RUNS = {"old": run_old, "new": run_new, "new2": run_new_two_calls}
@@ -115,15 +118,8 @@ def differences(got, want) -> dict:
     return dict(mismatched=sorted(set(bad)), max_rel_diff=worst)
 
 
-def timed(f, *args):
-    t0, c0 = time.perf_counter(), time.process_time()
-    result = f(*args)
-    return result, time.perf_counter() - t0, time.process_time() - c0
-
-
-def bench_synthetic(lengths, reps: int, log) -> list[dict]:
+def bench_synthetic(kernels: dict, lengths, reps: int, log) -> list[dict]:
     rows = []
-    compile_kernels()
     for name, shape in SHAPES.items():
         for length in lengths:
             rng = np.random.default_rng(length)
@@ -136,7 +132,7 @@ def bench_synthetic(lengths, reps: int, log) -> list[dict]:
                 results = {}
                 names = list(RUNS)
                 for which in names[rep % 3:] + names[:rep % 3]:
-                    results[which], w, c = timed(RUNS[which], *block, grid, rep)
+                    results[which], w, c = RUNS[which](kernels, *block, grid, rep)
                     wall[which].append(w)
                     cpu[which].append(c)
                 checks.append(differences(results["new"], results["old"]))
@@ -164,12 +160,11 @@ def bench_synthetic(lengths, reps: int, log) -> list[dict]:
     return rows
 
 
-def bench_store(store: str, log) -> list[dict]:
+def bench_store(kernels: dict, store: str, log) -> list[dict]:
     rows = []
-    compile_kernels()  # numba's cache loaded outside the timings
-    root = open_root(store)
-    for run_id in run_ids(root):
-        ds = open_completed(store, run_id)
+    opened = ag.open_store(store)
+    for run_id in opened.runs:
+        ds = opened.run(run_id).dataset()
         head_kv = ds["head_kv"].values
         grid = default_n_grid(ds.sizes["key"])
         old_s = new_s = 0.0
@@ -182,8 +177,8 @@ def bench_store(store: str, log) -> list[dict]:
             for layer in range(ds.sizes["layer"]):
                 attendable = ds["attendable"][layer].values
                 block = (attn_seq[layer], values_seq[layer], head_kv, attendable)
-                want, _, c_old = timed(run_old, *block, grid, s * 1000 + layer)
-                got, _, c_new = timed(run_new, *block, grid, s * 1000 + layer)
+                want, _, c_old = run_old(kernels, *block, grid, s * 1000 + layer)
+                got, _, c_new = run_new(kernels, *block, grid, s * 1000 + layer)
                 d = differences(got, want)
                 bad |= set(d["mismatched"])
                 worst = max(worst, d["max_rel_diff"])
@@ -215,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=ints, default=[512, 1024])
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--against", default=NUMPY_KERNELS,
+                   help=f"git revision of the older kernels (default {NUMPY_KERNELS}: the numpy kernels)")
     p.add_argument("--store", action="append", default=[],
                    help="also compare old and new on every block of this store (repeatable)")
     p.add_argument("--json", type=Path, help="also write every figure here")
@@ -225,11 +222,13 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = dict(machine=dict(platform=platform.platform(), python=platform.python_version(),
                                       numpy=np.__version__, load_avg=list(__import__("os").getloadavg())))
+    results["against"] = args.against
     out = []
-    with threadpool_limits(limits=1):
-        log("synthetic blocks, old vs new")
-        results["synthetic"] = bench_synthetic(args.lengths, args.reps, log)
-        out += ["## Kernels old vs new (one (sequence, layer) block, one thread; median over "
+    with threadpool_limits(limits=1), Kernels(REPO, "this tree") as new, KernelsAt(args.against) as old:
+        kernels = dict(new=new, old=old)
+        log(f"synthetic blocks, old ({args.against}) vs new")
+        results["synthetic"] = bench_synthetic(kernels, args.lengths, args.reps, log)
+        out += [f"## Kernels old ({args.against}) vs new (one (sequence, layer) block, one thread; median over "
                 f"{args.reps} repetitions)", "", table(
                     ["model", "L", "H/KV/D", "old inst/s", "new inst/s", "new/old", "(min-max)",
                      "CPU-time ratio", "new, 2 calls/old", "results agree"],
@@ -240,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                       "yes" if r["agree"] else f"NO {r['mismatched']}"] for r in results["synthetic"]]), ""]
         if args.store:
             log(f"real stores {args.store}, old vs new")
-            results["store"] = [row for store in args.store for row in bench_store(store, log)]
+            results["store"] = [row for store in args.store for row in bench_store(kernels, store, log)]
             out += [f"## Real stores {', '.join(args.store)}", "", table(
                 ["run", "L", "blocks", "instances", "windowed blocks", "results agree",
                  "max rel diff", "CPU-time ratio"],

@@ -4,17 +4,21 @@
     python benchmarks/analyze_paper_shapes.py                       # ~10 min on 2 cores
     python benchmarks/analyze_paper_shapes.py --shapes llama2-7b --reps 5 --json out.json
     python benchmarks/analyze_paper_shapes.py --long mistral-7b     # also L = 4096
+    python benchmarks/analyze_paper_shapes.py --against 455de4e     # old: the kernels at that revision
 
 For each shape a synthetic store (``attngeom.synthetic.write_synthetic_run``: softmax rows with
 a heavy sink, Gaussian values) of ``--layers`` layers and ``--sequences`` sequences at L = 1024:
 
 - **core-ms per instance**, old vs new: ``head_metrics`` on one (sequence, layer) block read
-  from the store, one thread, divided by its heads. "old" is the kernels as they were before
-  issue 24 (``frozen_kernels_v2.py``, a verbatim copy); both run back to back in every
-  repetition, order rotating, and their results are compared (counts exact, floats to 1e-9).
+  from the store, one thread, divided by its heads. "new" is this tree's kernels, "old" those
+  at the git revision ``--against`` (default: the numpy kernels before the compiled ones),
+  checked out into a temporary worktree; each runs in a child process of its own
+  (``common.Kernels``, ``common.KernelsAt``), back to back in every repetition, order
+  rotating, and their results are compared (counts exact, floats to 1e-9).
 - **Gram floor**: the one product analyze cannot avoid, a kv head's unit values times their
-  transpose ((L-1) x head_dim float64, numpy's matmul), timed in the same repetition, shared
-  by the query heads of a kv head: floor per instance = Gram x kv heads / heads.
+  transpose ((L-1) x head_dim float64, numpy's matmul), timed in the same repetition (in this
+  process), shared by the query heads of a kv head: floor per instance = Gram x kv heads /
+  heads.
 - **analyze / read**: ``ag.analyze`` of the whole store (default scheduler: a worker process per
   core) against reading and decompressing its inputs (attn_last, values, winner) chunk by
   chunk in this process, both in the same repetition.
@@ -31,21 +35,32 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from common import PAPER_SHAPES as SHAPES, analyze_fresh, analyze_in_child, fmt, median, read_inputs, rotate, table
+from common import PAPER_SHAPES as SHAPES
+from common import (
+    REPO,
+    Kernels,
+    KernelsAt,
+    analyze_fresh,
+    analyze_in_child,
+    default_n_grid,
+    fmt,
+    median,
+    read_inputs,
+    rotate,
+    table,
+)
 from threadpoolctl import threadpool_limits
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import frozen_kernels_v2 as old  # noqa: E402
+import attngeom as ag
+from attngeom.synthetic import write_synthetic_run
 
-from attngeom.analyze.kernels import head_metrics  # noqa: E402
-from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed  # noqa: E402
-from attngeom.synthetic import write_synthetic_run  # noqa: E402
+# The kernels before they were compiled (numba): numpy throughout.
+NUMPY_KERNELS = "1f327e3^"
 
 COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact", "sink_selected")
 RUN = "synthetic"
@@ -67,7 +82,7 @@ def mismatches(got, want) -> list[str]:
 
 
 def block(store: str, seq: int, layer: int):
-    ds = open_completed(store, RUN)
+    ds = ag.open_store(store).run(RUN).dataset()
     attn = ds["attn_last"][seq, layer].values.astype(np.float64)
     values = ds["values"][seq, layer].values.astype(np.float64)
     attendable = np.broadcast_to(ds["attendable"][layer].values, values.shape[:2])
@@ -80,24 +95,24 @@ def cpu_ms(fn) -> float:
     return (time.process_time() - c0) * 1e3
 
 
-def kernels(store: str, length: int, reps: int) -> dict:
+def kernels(new: Kernels, old: KernelsAt, store: str, length: int, reps: int) -> dict:
     attn, values, attendable, head_kv = block(store, 0, 0)
     H, KV = attn.shape[0], values.shape[0]
     grid = default_n_grid(length)
     unit = values[0, 1:] / np.linalg.norm(values[0, 1:], axis=-1, keepdims=True)
     runs = {
-        "new": lambda: head_metrics(attn, values, attendable, grid, head_kv=head_kv, random_draws=RANDOM_DRAWS),
-        "old": lambda: old.head_metrics(attn, values, attendable, grid, head_kv=head_kv,
-                                        random_draws=RANDOM_DRAWS),
-        "gram": lambda: unit @ unit.T,
+        # CPU time of the call in the kernels' own process
+        "new": lambda: new.call("head_metrics", attn, values, attendable, grid, head_kv=head_kv)[2] * 1e3,
+        "old": lambda: old.call("head_metrics", attn, values, attendable, grid, head_kv=head_kv)[2] * 1e3,
+        "gram": lambda: cpu_ms(lambda: unit @ unit.T),
     }
     times = {name: [] for name in runs}
     with threadpool_limits(1):
-        runs["new"]()  # compiled or loaded from numba's cache, outside the timing
-        bad = mismatches(runs["new"](), runs["old"]())
+        bad = mismatches(new.call("head_metrics", attn, values, attendable, grid, head_kv=head_kv)[0],
+                         old.call("head_metrics", attn, values, attendable, grid, head_kv=head_kv)[0])
         for rep in range(reps):
             for name in rotate(list(runs), rep):
-                times[name].append(cpu_ms(runs[name]))
+                times[name].append(runs[name]())
     per = {name: [t / H for t in ts] for name, ts in times.items() if name != "gram"}
     floor = [g * KV / H for g in times["gram"]]
     return dict(
@@ -142,9 +157,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-stage", action="store_true", help="kernels only: no analyze runs")
     p.add_argument("--json", type=Path)
+    p.add_argument("--against", default=NUMPY_KERNELS,
+                   help=f"git revision of the older kernels (default {NUMPY_KERNELS}: the numpy kernels)")
     args = p.parse_args()
     rows, results = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, Kernels(REPO, "this tree") as new, KernelsAt(args.against) as old:
         todo = [(name, args.length) for name in args.shapes.split(",")]
         todo += [(name, 4096) for name in args.long.split(",") if name]
         for name, length in todo:
@@ -152,7 +169,7 @@ def main() -> None:
             store = f"{tmp}/{name}-{length}.zarr"
             write_synthetic_run(store, RUN, n_seq=args.sequences, n_layers=args.layers, n_heads=H,
                                 n_kv_heads=KV, head_dim=D, length=length)
-            r = kernels(store, length, args.reps)
+            r = kernels(new, old, store, length, args.reps)
             if not args.no_stage and length == args.length:
                 r.update(stage(store, args.reps))
             results[f"{name} L={length}"] = r

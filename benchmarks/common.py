@@ -10,10 +10,14 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import pickle
 import queue as queue_module
 import resource
 import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +45,11 @@ def rotate(items: list[Any], k: int) -> list[Any]:
     """``items`` started at position ``k`` (mod its length): variants change order per repetition."""
     k %= len(items)
     return items[k:] + items[:k]
+
+
+def default_n_grid(length: int) -> list[int]:
+    """analyze's default selection sizes at context length ``length``: N in {1, 2, 4, ...} below it."""
+    return [n for n in (2**k for k in range(length.bit_length())) if n < length]
 
 
 def int_list(text: str) -> list[int]:
@@ -250,3 +259,133 @@ def fmt(x: float | None, digits: int = 3) -> str:
     if abs(x) >= 1000:
         return f"{x:,.0f}"
     return f"{x:.{digits}g}"
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# The source tree these benchmarks belong to.
+REPO = os.path.dirname(_HERE)
+
+
+class Kernels:
+    """The analysis kernels of the attngeom source tree at ``path``, run in a child interpreter
+    (its import path that tree first, BLAS on one thread) that loads them from their numba
+    cache. Kernels of two trees compared this way run in processes alike
+    (an in-process call and a child's differ by more than two versions of the kernels do).
+    Use as a context manager: the child ends on leaving it.
+    """
+
+    def __init__(self, path: str, name: str | None = None) -> None:
+        self.name = name or path
+        # A first child fills the tree's numba cache and ends; the one that serves loads the
+        # kernels from it, as analyze does: code loaded from numba's cache can run up to a
+        # third slower than code compiled in the process, which would tilt a comparison.
+        for serving in (False, True):
+            self._child = subprocess.Popen(
+                [sys.executable, "-c", f"import sys; sys.path.insert(0, {_HERE!r}); import common; "
+                 f"common._serve_kernels({path!r})"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            try:
+                self._reply()  # imported and compiled, or loaded
+            except BaseException:
+                self.close()
+                raise
+            if not serving:
+                self._stop()
+
+    def call(self, function: str, *args: Any, **kwargs: Any) -> tuple[Any, float, float]:
+        """(``function(*args, **kwargs)`` of ``attngeom.analyze.kernels``, wall s, CPU s of the
+        call in the child)."""
+        pickle.dump((function, args, kwargs), self._child.stdin)
+        self._child.stdin.flush()
+        return self._reply()
+
+    def _reply(self) -> Any:
+        try:
+            reply = pickle.load(self._child.stdout)
+        except EOFError:
+            raise RuntimeError(f"the kernels of {self.name} ended with code {self._child.wait()}") from None
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._child.poll() is None:
+            self._child.stdin.close()  # the child's end of input
+            try:
+                self._child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._child.kill()
+
+    def __enter__(self) -> Kernels:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class KernelsAt(Kernels):
+    """`Kernels` as they were at the git revision ``rev``, checked out into a temporary
+    ``git worktree`` (their numba cache lives there: they compile on every use, a minute or
+    more), removed on leaving the context."""
+
+    def __init__(self, rev: str) -> None:
+        self._repo = REPO
+        self._path = tempfile.mkdtemp(prefix="attngeom-kernels-")
+        os.rmdir(self._path)  # git worktree add makes it
+        subprocess.run(["git", "-C", self._repo, "worktree", "add", "--detach", "--quiet", self._path, rev],
+                       check=True)
+        try:
+            super().__init__(self._path, rev)
+        except BaseException:
+            self._remove()
+            raise
+
+    def close(self) -> None:
+        super().close()
+        self._remove()
+
+    def _remove(self) -> None:
+        subprocess.run(["git", "-C", self._repo, "worktree", "remove", "--force", self._path], check=False)
+
+
+
+
+def _serve_kernels(path: str) -> None:
+    """The child of `Kernels`: a function of the tree at ``path``'s ``attngeom.analyze.kernels``
+    for each request read (pickled) from stdin, the reply pickled to stdout; anything printed
+    goes to stderr."""
+    requests, replies = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr
+    sys.path.insert(0, path)
+
+    def reply(obj: Any) -> None:
+        pickle.dump(obj, replies)
+        replies.flush()
+
+    try:
+        from threadpoolctl import threadpool_limits
+
+        from attngeom.analyze import kernels
+
+        if not sys.modules["attngeom"].__file__.startswith(path):
+            raise ImportError(f"attngeom imported from {sys.modules['attngeom'].__file__}, not from {path}")
+        threadpool_limits(1)
+        kernels.compile_kernels()
+        reply(None)
+    except BaseException as error:  # noqa: BLE001 - handed to the parent
+        reply(error)
+        return
+    while True:
+        try:
+            function, args, kwargs = pickle.load(requests)
+        except EOFError:
+            return
+        try:
+            w0, c0 = time.perf_counter(), time.process_time()
+            result = getattr(kernels, function)(*args, **kwargs)
+            reply((result, time.perf_counter() - w0, time.process_time() - c0))
+        except BaseException as error:  # noqa: BLE001 - handed to the parent
+            reply(error)

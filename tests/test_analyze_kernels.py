@@ -9,8 +9,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attngeom.analyze import _loops, kernels
-from attngeom.analyze.kernels import head_metrics, topn_metrics, value_statistics
+from attngeom.analyze.kernels import (
+    DEFAULT_SETTINGS,
+    TOPN_FLOATS,
+    KernelSettings,
+    balls,
+    bounds,
+    compile_kernels,
+    head_metrics,
+    pairs,
+    selection,
+    topn_metrics,
+    value_statistics,
+)
+from attngeom.analyze.kernels import values as kv_values
 
 RTOL, ATOL = 1e-9, 1e-12
 COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact", "sink_selected")
@@ -53,7 +65,7 @@ def _brute_k_sink(beta, I, U, has_sink, mu, nu_plus, nu_minus):
     A = A_plus + b0
 
     def tol(bi, bj):
-        return kernels._L_RTOL * ((bi + A) ** 2 + (bj + A) ** 2)
+        return DEFAULT_SETTINGS.l_rtol * ((bi + A) ** 2 + (bj + A) ** 2)
 
     count = 0
     for i in S_plus:
@@ -176,7 +188,7 @@ def _brute_instance(alpha, v, att, grid, keys):
 def brute_topn(attn, values, attendable, grid, seed=0, random_draws=8):
     B, K, _ = values.shape
     keys = np.random.default_rng(seed).random((random_draws, B, K))
-    out = {name: np.full((B, len(grid)), np.nan) for name in kernels.TOPN_FLOATS}
+    out = {name: np.full((B, len(grid)), np.nan) for name in TOPN_FLOATS}
     out.update({name: np.full((B, len(grid)), -1) for name in COUNTS})
     for b in range(B):
         with np.errstate(divide="ignore", invalid="ignore"):  # 0/0 norms: NaN by definition
@@ -385,7 +397,7 @@ def test_extremal_balls_are_trivial(batch):
     B, K, _ = values.shape
     y = alpha[:, :, None] * values
     for b in range(B):
-        rank = _loops.ranked(-alpha[b], attendable[b])[1]
+        rank = selection.ranked(-alpha[b], attendable[b])[1]
         Kset = [k for k in range(K) if attendable[b, k]]
         for N in range(1, len(Kset)):
             I = [k for k in Kset if rank[k] < N]
@@ -546,37 +558,30 @@ def _gqa_case(case):
                           **params)
 
 
-def _no_shortcuts(monkeypatch):
-    """Take every exact fallback: the top-pair list holds almost nothing, every quantile comes
-    from a sampled bracket, no distance is settled by its expansion, and the Gram matrix is
-    float64."""
-    monkeypatch.setattr(kernels, "_TOP_PAIR_MIN", 0)
-    monkeypatch.setattr(kernels, "_TOP_PAIR_SHARE", 1e-3)
-    monkeypatch.setattr(kernels, "_BRACKET_MIN", 8)
-    monkeypatch.setattr(kernels, "_TINY", 1e300)
-    monkeypatch.setattr(kernels, "_GRAM_DTYPE", np.float64)
+# Every exact fallback taken: the top-pair list holds almost nothing, every quantile comes from
+# a sampled bracket, no distance is settled by its expansion, and the Gram matrix is float64.
+NO_SHORTCUTS = KernelSettings(top_pair_min=0, top_pair_share=1e-3, bracket_min=8, tiny=1e300, float32_gram=False)
 
 
 @pytest.mark.parametrize("shortcuts", [True, False], ids=["default", "fallbacks"])
 @pytest.mark.parametrize("case", sorted(GQA_CASES))
-def test_grouped_query_heads_match_brute_force(case, shortcuts, monkeypatch):
+def test_grouped_query_heads_match_brute_force(case, shortcuts):
     """Query heads sharing a kv head against the brute-force twin run on each query head's
     own copy of the values: counts exact, floats to 1e-9 relative."""
     alpha, values, attendable, head_kv = _gqa_case(case)
     K = alpha.shape[1]
-    if not shortcuts:
-        _no_shortcuts(monkeypatch)
+    chosen = DEFAULT_SETTINGS if shortcuts else NO_SHORTCUTS
     grid = list(range(1, K + 1))
-    got = topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=4, random_draws=3)
+    got = topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=4, random_draws=3, settings=chosen)
     want = brute_topn(alpha, values[head_kv], attendable[head_kv], grid, seed=4, random_draws=3)
     _assert_same(got, want, want)
-    stats = value_statistics(values, attendable)
+    stats = value_statistics(values, attendable, settings=chosen)
     want_stats = brute_value_statistics(values, attendable)
     for name in want_stats:
         np.testing.assert_allclose(stats[name], want_stats[name], rtol=RTOL, atol=ATOL, err_msg=name)
 
 
-def test_shortcuts_do_not_change_results_at_a_longer_context(monkeypatch):
+def test_shortcuts_do_not_change_results_at_a_longer_context():
     """At K = 300 every shortcut is live by default (the top-pair list is a sample's share,
     quantiles of the pairs are bracketed); taking every fallback instead changes nothing,
     and both match the kernel run on per-query-head copies of the values."""
@@ -588,13 +593,13 @@ def test_shortcuts_do_not_change_results_at_a_longer_context(monkeypatch):
     fast_stats = value_statistics(values, attendable)
     per_head = topn_metrics(alpha, values[head_kv], attendable[head_kv], grid, seed=9)
     _assert_same(fast, per_head, per_head)
-    _no_shortcuts(monkeypatch)
-    _assert_same(topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=9), fast, fast)
-    _assert_same(value_statistics(values, attendable), fast_stats, fast_stats)
+    _assert_same(topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=9, settings=NO_SHORTCUTS),
+                 fast, fast)
+    _assert_same(value_statistics(values, attendable, settings=NO_SHORTCUTS), fast_stats, fast_stats)
 
 
 
-def test_float32_gram_changes_nothing_where_cosines_tie_below_its_resolution(monkeypatch):
+def test_float32_gram_changes_nothing_where_cosines_tie_below_its_resolution():
     """Half (and 80%) of a kv head's values within 1e-5 of one direction (their cosines all
     round to the same float32 value, so the screen orders none of them), a tenth repeated exactly:
     the median, mu and mu_q95 from the float32 screen equal those of the float64 Gram matrix
@@ -614,26 +619,26 @@ def test_float32_gram_changes_nothing_where_cosines_tie_below_its_resolution(mon
     screened = topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=3)
     screened_stats = value_statistics(values, attendable)
     _assert_same(screened_stats, brute_value_statistics(values, attendable), ["median_cos"])
-    monkeypatch.setattr(kernels, "_GRAM_DTYPE", np.float64)
-    _assert_same(screened, topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=3), screened)
-    _assert_same(screened_stats, value_statistics(values, attendable), screened_stats)
+    exact = KernelSettings(float32_gram=False)
+    _assert_same(screened, topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=3, settings=exact),
+                 screened)
+    _assert_same(screened_stats, value_statistics(values, attendable, settings=exact), screened_stats)
 
 
 @pytest.mark.parametrize("shortcuts", [True, False], ids=["default", "fallbacks"])
-def test_head_metrics_are_the_two_kernels_bit_for_bit(shortcuts, monkeypatch):
+def test_head_metrics_are_the_two_kernels_bit_for_bit(shortcuts):
     """The combined entry point shares each kv head's Gram matrix between the two kernels and
     changes nothing: every output equal, NaN where NaN; a kv head no query head reads still
     gets its value statistics."""
-    if not shortcuts:
-        _no_shortcuts(monkeypatch)
+    chosen = DEFAULT_SETTINGS if shortcuts else NO_SHORTCUTS
     rng = np.random.default_rng(23)
     alpha, values, attendable, head_kv = make_gqa_batch(rng, 6, 3, 300, 8, repeats=0.1,
                                                         zeros=0.02, window=200)
     head_kv = np.where(head_kv == 1, 0, head_kv)  # kv head 1 unread
     grid = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    topn, stats = head_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=9)
-    want_topn = topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=9)
-    want_stats = value_statistics(values, attendable)
+    topn, stats = head_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=9, settings=chosen)
+    want_topn = topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, seed=9, settings=chosen)
+    want_stats = value_statistics(values, attendable, settings=chosen)
     for got, want in ((topn, want_topn), (stats, want_stats)):
         assert set(got) == set(want)
         for name in want:
@@ -668,8 +673,8 @@ def _sorted_quantile(x, q):
        st.floats(0, 1))
 def test_quantile_is_the_sorted_quantile(x, q):
     x = np.array(x)
-    assert _loops._quantile(x.copy(), q) == _sorted_quantile(x, q)
-    np.testing.assert_allclose(_loops._quantile(x.copy(), q), np.quantile(x, q), rtol=1e-12, atol=1e-15)
+    assert pairs.quantile(x.copy(), q) == _sorted_quantile(x, q)
+    np.testing.assert_allclose(pairs.quantile(x.copy(), q), np.quantile(x, q), rtol=1e-12, atol=1e-15)
 
 
 def test_prefix_sums_add_in_selection_order():
@@ -680,7 +685,7 @@ def test_prefix_sums_add_in_selection_order():
     points = np.array([1, 2, 3, 8, 64, 150, 200])
     want = np.cumsum(y[order], axis=0)[points - 1]
     got = np.empty((points.size, 7))
-    _loops._prefix_sums(y, order, np.ones(200, bool), points, got, 0)
+    selection._prefix_sums(y, order, np.ones(200, bool), points, got, 0)
     np.testing.assert_array_equal(got, want)
 
 
@@ -692,22 +697,21 @@ def test_ball_scores_are_the_exact_counts(exact):
     exactly."""
     rng = np.random.default_rng(41)
     K, D = 40, 3
-    e_rel = kernels._error_bound(D)
+    e_rel = balls.error_bound(D)
     for trial in range(60):
         y = np.round(rng.normal(size=(K, D)), 1)
         y[::3] = y[1]  # repeated contributions: equal distances to every aggregate
         y[5:9] = 0.0
         candidates = rng.random(K) < 0.9
-        order = _loops.ranked(rng.random(K), candidates)[0]
+        order = selection.ranked(rng.random(K), candidates)[0]
         n_cand = int(candidates.sum())
         n = int(rng.integers(1, n_cand))
         s = y[order[:n]].sum(axis=0)
         yy = np.einsum("kd,kd->k", y, y)
         x = np.empty(K)
-        tiny = 1e300 if exact else kernels._TINY
-        _, unsure = _loops._expansions(yy, y @ s, np.ones(K), s @ s, np.sqrt(yy.max()), e_rel, tiny, x)
-        got = _loops._ball(y, s, x, np.sqrt(yy), e_rel, tiny, unsure, order, n, n_cand,
-                           np.full(K, np.nan))
+        tiny = 1e300 if exact else DEFAULT_SETTINGS.tiny
+        _, unsure = balls._expansions(yy, y @ s, np.ones(K), s @ s, np.sqrt(yy.max()), e_rel, tiny, x)
+        got = balls.ball(y, s, x, np.sqrt(yy), e_rel, tiny, unsure, order, n, n_cand, np.full(K, np.nan))
         D_ = ((y - s) ** 2).sum(axis=1)
         sel, uns = order[:n], order[n:n_cand]
         r_max2, r_min2 = D_[sel].max(), D_[uns].min()
@@ -725,10 +729,10 @@ def test_ordered_bits_order_as_their_floats(x):
     (negative, zero, subnormal and infinite ones), and back to the same bits."""
     x = np.array(x)
     bits = x.view(np.int64)
-    ordered = _loops._ordered(bits)
+    ordered = balls._ordered(bits)
     for i in range(x.size):
         assert np.all((ordered[i] < ordered) <= (x[i] <= x)) and np.all((x[i] < x) <= (ordered[i] < ordered))
-    np.testing.assert_array_equal(_loops._ordered(ordered), bits)
+    np.testing.assert_array_equal(balls._ordered(ordered), bits)
     assert x[np.argmax(ordered)] == x.max() and x[np.argmin(ordered)] == x.min()
 
 
@@ -738,24 +742,24 @@ def test_screened_scores_are_the_exact_counts():
     reaches below it."""
     rng = np.random.default_rng(43)
     K, D = 60, 5
-    e_rel = kernels._error_bound(D)
+    e_rel = balls.error_bound(D)
     settled = 0
     for trial in range(80):
         y = rng.normal(size=(K, D)) * rng.lognormal(0, 2, size=(K, 1))
         candidates = rng.random(K) < 0.9
-        order = _loops.ranked(rng.random(K), candidates)[0]
+        order = selection.ranked(rng.random(K), candidates)[0]
         n_cand = int(candidates.sum())
         n = 1 if trial % 4 == 0 else int(rng.integers(1, n_cand))
         s = y[order[:n]].sum(axis=0)
         yy = np.einsum("kd,kd->k", y, y)
         x = np.empty(K)
-        _, unsure = _loops._expansions(yy, y @ s, np.ones(K), s @ s, np.sqrt(yy.max()), e_rel, kernels._TINY, x)
+        _, unsure = balls._expansions(yy, y @ s, np.ones(K), s @ s, np.sqrt(yy.max()), e_rel, DEFAULT_SETTINGS.tiny, x)
         assert not unsure
         position = np.full(K, K)
         position[order[:n_cand]] = np.arange(n_cand)
         scores = np.full(3, np.nan)
-        if not _loops._screen(x, np.sqrt(yy), np.sqrt(s @ s), e_rel, kernels._TINY, position, n, n_cand,
-                              scores, np.empty((2, K))):
+        if not balls._screen(x, np.sqrt(yy), np.sqrt(s @ s), e_rel, DEFAULT_SETTINGS.tiny, position, n, n_cand,
+                             scores, np.empty((2, K))):
             continue
         settled += 1
         D_ = ((y - s) ** 2).sum(axis=1)
@@ -774,8 +778,8 @@ def test_uniform_ranking_is_the_stable_sort():
         key[::5] = np.round(key[::5], 1)  # ties
         key[: K // 3] = key[0]
         candidates = rng.random(K) < 0.8
-        want = _loops.ranked(key, candidates)[0]
-        np.testing.assert_array_equal(_loops.uniform_ranked(key, candidates), want)
+        want = selection.ranked(key, candidates)[0]
+        np.testing.assert_array_equal(selection.uniform_ranked(key, candidates), want)
         np.testing.assert_array_equal(
             want[: candidates.sum()],
             np.flatnonzero(candidates)[np.argsort(key[candidates], kind="stable")])
@@ -791,16 +795,17 @@ def test_pair_statistics_median_and_row_maxima():
         u[::4] = u[1]
         u /= np.linalg.norm(u, axis=1, keepdims=True)
         gram = u @ u.T
-        exact = np.array([[_loops._pair_cos(u, q, p) for p in range(k)] for q in range(k)])
-        pairs = gram[np.tril_indices(k, -1)]
-        delta = kernels._screen_bound(D)
+        exact = np.array([[pairs.pair_cos(u, q, p) for p in range(k)] for q in range(k)])
+        cosines = gram[np.tril_indices(k, -1)]
+        delta = kv_values.screen_bound(D)
         for bracket_min in (8, 1 << 30):
-            median, row_max, *_ = _loops.pair_statistics(gram, u, 0.0, 0.08, 64, bracket_min)
-            assert median == _sorted_quantile(pairs, 0.5)
+            listing = KernelSettings(top_pair_share=0.08, top_pair_min=64, bracket_min=bracket_min)
+            median, row_max, *_ = pairs.pair_statistics(pairs.Screen(gram, u, 0.0), listing)
+            assert median == _sorted_quantile(cosines, 0.5)
             off = np.abs(gram) + np.diag(np.full(k, -np.inf))
             np.testing.assert_array_equal(row_max, off.max(axis=1))
             screen = gram.astype(np.float32)
-            median, row_max, *_ = _loops.pair_statistics(screen, u, delta, 0.08, 64, bracket_min)
+            median, row_max, *_ = pairs.pair_statistics(pairs.Screen(screen, u, delta), listing)
             assert median == _sorted_quantile(exact[np.tril_indices(k, -1)], 0.5)
             assert np.all(np.abs(row_max - off.max(axis=1)) <= delta)
 
@@ -813,8 +818,8 @@ def test_pair_counts_are_the_brute_force_counts(sizes):
     for trial in range(50):
         small = np.round(rng.normal(size=sizes[0]), 1)
         large = np.round(rng.normal(size=sizes[1]) * rng.choice([0.1, 1.0, 10.0]), 1)
-        assert _loops._count_below(small, large, False) == np.sum(large[None, :] <= small[:, None])
-        assert _loops._count_below(small, large, True) == np.sum(large[None, :] < small[:, None])
+        assert bounds.count_below(small, large, False) == np.sum(large[None, :] <= small[:, None])
+        assert bounds.count_below(small, large, True) == np.sum(large[None, :] < small[:, None])
 
 
 def test_ranking_is_the_stable_sort():
@@ -827,14 +832,14 @@ def test_ranking_is_the_stable_sort():
     candidates = rng.random((40, 64)) < 0.8
     candidates[::4] = True
     for row, cand in zip(key, candidates):
-        order, rank = _loops.ranked(row, cand)
+        order, rank = selection.ranked(row, cand)
         np.testing.assert_array_equal(order, np.argsort(np.where(cand, row, np.inf), kind="stable"))
         np.testing.assert_array_equal(rank[order], np.arange(64))
         # The sink-excluded order, derived from it.
         nonsink = cand.copy()
         nonsink[0] = False
-        np.testing.assert_array_equal(_loops._without_sink(order, int(cand.sum()), cand[0]),
-                                      _loops.ranked(row, nonsink)[0])
+        np.testing.assert_array_equal(selection._without_sink(order, int(cand.sum()), cand[0]),
+                                      selection.ranked(row, nonsink)[0])
 
 
 def test_head_kv_is_checked():
@@ -851,11 +856,15 @@ def test_inputs_of_any_layout_reuse_the_compiled_loops():
     more: each worker would otherwise compile its own copy (tens of seconds)."""
     from numba.core.registry import CPUDispatcher
 
-    def signatures():
-        return {name: len(f.signatures) for name, f in vars(_loops).items()
-                if isinstance(f, CPUDispatcher)}
+    from attngeom.analyze.kernels import coherence, geometry, vectors
 
-    kernels.compile_kernels()
+    modules = (balls, bounds, coherence, geometry, pairs, selection, kv_values, vectors)
+
+    def signatures():
+        return {(module.__name__, name): len(f.signatures) for module in modules
+                for name, f in vars(module).items() if isinstance(f, CPUDispatcher)}
+
+    compile_kernels()
     before = signatures()
     rng = np.random.default_rng(5)
     values = rng.normal(size=(2, 40, 6))
@@ -874,7 +883,7 @@ def test_order_pair_counted_equals_the_partition(kind):
     """The order statistics of a long array by counting equal those of a partition (an array
     holding NaN is partitioned, as before)."""
     rng = np.random.default_rng(11)
-    for n in (_loops._COUNTED_MIN, 9000, 30000):
+    for n in (pairs.COUNTED_MIN, 9000, 30000):
         x = {"uniform": rng.random(n), "ties": np.round(rng.normal(size=n), 2),
              "equal": np.full(n, 0.3), "skewed": np.abs(rng.normal(size=n)) ** 8,
              "nan": np.where(rng.random(n) < 0.001, np.nan, rng.random(n))}[kind]
@@ -882,7 +891,7 @@ def test_order_pair_counted_equals_the_partition(kind):
             for hi in {lo, min(lo + 1, n - 1)}:
                 part = np.partition(x, lo)
                 want = (part[lo], part[lo] if hi == lo else part[lo + 1:].min())
-                np.testing.assert_array_equal(_loops._order_pair(x, lo, hi), want)
+                np.testing.assert_array_equal(pairs.order_pair(x, lo, hi), want)
 
 
 def test_mu_q95_of_selections_outside_the_listed_pairs():
@@ -904,5 +913,5 @@ def test_mu_q95_of_selections_outside_the_listed_pairs():
     for i, n in enumerate(grid):
         q, p = np.tril_indices(K - 1, -1)
         members = cos[q, p][np.minimum(rank[q], rank[p]) < n]
-        assert members.size >= _loops._COUNTED_MIN or n < 32
+        assert members.size >= pairs.COUNTED_MIN or n < 32
         np.testing.assert_allclose(out["mu_q95"][0, i], np.quantile(members, 0.95), rtol=1e-12)
