@@ -26,9 +26,7 @@ from attngeom.analyze import stage
 from attngeom.analyze.scheduling import _worker_processes
 from attngeom.analyze.stage import (
     _instance_seed,
-    _Plan,
-    _kept,
-    _prepare,
+    _template_groups,
     analyze,
     nan_median,
     nan_quantiles,
@@ -37,7 +35,7 @@ from attngeom.analyze.stage import (
 from attngeom.cli import main
 from attngeom.errors import IncompleteGroupError
 from attngeom.store import access
-from attngeom.store.derived import DerivedWrite, Pending
+from attngeom.store.session import StoreSession
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.report.data import load_runs
 from attngeom.store import (
@@ -50,6 +48,7 @@ from attngeom.store import (
     derived_state,
     open_dataset,
     open_derived,
+    open_or_create_root,
     open_root,
     replace_groups,
     resize_run,
@@ -245,11 +244,11 @@ def test_groups_of_a_run_larger_than_a_dask_chunk_are_created(tmp_path):
     n_seq, layers, heads = 1000, 32, 32
     ds = xr.Dataset(coords={"seq": np.arange(n_seq), "layer": np.arange(layers), "head": np.arange(heads)})
     store = str(tmp_path / "s.zarr")
-    zarr.open_group(store, path="runs/r", mode="w")
-    plan = _Plan(target=tuple(range(n_seq)), keep=(), staged=False, keep_commit=False, recomputed=None)
-    with DerivedWrite(store, "r", ANALYSIS) as write:
-        assert _kept(write, ds, plan) == ()
-        _prepare(write, ds, plan, (), Pending({}, ()), [1, 2, 4], seed=0)
+    open_or_create_root(store).require_group("runs/r")
+    with StoreSession(store, mode="a") as session, session.derived("r", ANALYSIS) as write:
+        plan = write.begin({}, range(n_seq), ("topn", "values", "taxonomy"), ("topn", "values", "taxonomy"))
+        assert plan.keep == () and not plan.up_to_date
+        write.create(_template_groups(ds, [1, 2, 4], seed=0), 4)
     recall = zarr.open_group(store, path="runs/r/analysis/topn", mode="r")["recall"]
     assert recall.shape == (n_seq, layers, heads, 3) and recall.chunks == (4, layers, heads, 3)
     votes = zarr.open_group(store, path="runs/r/analysis/taxonomy", mode="r")["votes"]

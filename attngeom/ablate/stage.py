@@ -86,7 +86,7 @@ from attngeom.store import (
     require_run,
     run_provenance,
 )
-from attngeom.store.derived import DerivedWrite
+from attngeom.store.session import StoreSession
 
 # How each method (schema.METHODS, in that order) orders the heads of a layer, first kept first.
 RANKINGS = {
@@ -606,7 +606,7 @@ def _write_ablation(url: str, run_id: str, groups: dict[str, xr.Dataset]) -> Non
     """Replace the run's previous results as a whole, committed last: no group of an older
     ablation survives, and an interrupted write leaves the older one readable. The commit
     records the protocol and parameters every group carries in its attributes."""
-    with DerivedWrite(url, run_id, ABLATION) as write:
+    with StoreSession(url, mode="a") as session, session.derived(run_id, ABLATION) as write:
         write.replace(groups, groups["single"].attrs[ATTR_KEY])
 
 

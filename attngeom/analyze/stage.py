@@ -27,14 +27,12 @@ parameters computes only the sequences not yet covered, appending them along ``s
 recomputes the groups across sequences; with other parameters everything is recomputed into
 staging while the earlier analysis stays readable. Killed at any moment, the same command
 resumes and ends bit for bit where an uninterrupted one does. A rerun also rewrites what of
-the committed analysis is lost or damaged (:func:`_healing`). One
-:class:`~attngeom.store.derived.DerivedWrite` owns the store from the record to the commit.
+the committed analysis is lost or damaged (:func:`attngeom.store.plan.healing`). One
+:class:`~attngeom.store.derived.DerivedWrite` owns the record from the plan to the commit.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -49,9 +47,7 @@ import dask.threaded
 import numpy as np
 import pandas as pd
 import xarray as xr
-import zarr
 from tqdm.auto import tqdm
-from zarr.core.sync import sync
 
 from attngeom.analyze import by_query, taxonomy
 from attngeom.analyze.kernels import MAX_KEYS, compile_kernels, head_metrics
@@ -74,23 +70,14 @@ from attngeom.store import (
     completed,
     open_dataset,
     open_root,
-    open_run_group,
     read_chunk,
-    require_run,
     require_runs,
     run_path,
     run_provenance,
 )
-from attngeom.store.access import encode_labels, write_new_chunks
-from attngeom.store.derived import (
-    Commit,
-    Damage,
-    DerivedState,
-    DerivedWrite,
-    Pending,
-    forget_unreadable,
-    open_derived,
-)
+from attngeom.store.access import encode_labels
+from attngeom.store.derived import DerivedWrite, forget_unreadable, open_derived
+from attngeom.store.session import StoreSession
 
 RANDOM_DRAWS = 8
 # The paper's appendix reports the coherence constants at N = 64.
@@ -174,23 +161,27 @@ class AnalyzeResult:
 def open_completed(store: str, run_id: str) -> xr.Dataset:
     """The run as a lazy Dataset restricted to committed sequences, with a ``seq`` coordinate;
     :class:`DamagedStoreError` if a committed sequence lacks a stored object."""
-    root = open_root(store)
-    run = open_run_group(root, run_id)
-    check_committed(store, run, run_id)
+    with StoreSession(store) as session:
+        return _completed(session, run_id)
+
+
+def _completed(session: StoreSession, run_id: str) -> xr.Dataset:
+    """:func:`open_completed` of the session's store."""
+    run = session.run(run_id)
+    check_committed(session.url, run, run_id)
     done = completed(run)
-    ds = open_dataset(store, run_path(run_id))
+    ds = open_dataset(session.url, run_path(run_id), zstore=session.zstore)
     return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
 
 
-def _analysis_blocks(store: str, run_id: str, ds: xr.Dataset, grid: np.ndarray, seed: int) -> da.Array:
-    """Lazy (seq, layer, head, n, column) float64 of the sequences of ``ds`` (the run
-    ``run_id`` of ``store``, opened by :func:`open_completed`): :func:`_analysis_block`, one task
+def _analysis_blocks(store: str, run: Any, ds: xr.Dataset, grid: np.ndarray, seed: int) -> da.Array:
+    """Lazy (seq, layer, head, n, column) float64 of the sequences of ``ds`` (the run group
+    ``run`` of ``store``, opened by :func:`open_completed`): :func:`_analysis_block`, one task
     per (sequence, layer). A task reads its own inputs: a graph that read them in tasks of
     their own (and selected the sequences in more) sent every chunk through this process on
     its way to a worker: about 12 ms more for each block of 43 ms (smollm2-135m, L = 512, two
     worker processes). The votes are counted in the same task: in a graph of their own they
     were 361 more tasks for 4 sequences of smollm2-135m (0.2 s computed alone)."""
-    run = open_run_group(open_root(store), run_id)
     return da.map_blocks(
         _analysis_block,
         chunks=((1,) * ds.sizes["seq"], (1,) * ds.sizes["layer"], (ds.sizes["head"],), (len(grid),),
@@ -448,81 +439,6 @@ def analysis_parameters(n_grid: Sequence[int], seed: int) -> dict[str, Any]:
             "analysis_version": ANALYSIS_VERSION}
 
 
-_PARAMETER_NAMES = {"n_grid": "n grid", "seed": "seed", "random_draws": "random draws",
-                    "analysis_version": "analysis code version"}
-
-
-def _changes(old: dict[str, Any], new: dict[str, Any]) -> str:
-    """'n grid 1,2,4 -> 1,4; seed 0 -> 1': the parameters that differ."""
-
-    def show(x: Any) -> str:
-        return ",".join(map(str, x)) if isinstance(x, list) else str(x)
-
-    keys = sorted(set(old) | set(new), key=lambda k: list(_PARAMETER_NAMES).index(k) if k in _PARAMETER_NAMES else 99)
-    return "; ".join(f"{_PARAMETER_NAMES.get(k, k)} {show(old.get(k))} -> {show(new.get(k))}"
-                     for k in keys if old.get(k) != new.get(k))
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How to bring one run's analysis to ``target`` (its committed sequences, in order):
-    ``keep`` is the prefix already written with these parameters (in staging when
-    ``staged``); the earlier commit stays valid meanwhile when ``keep_commit``; ``heal``
-    the damaged committed groups to write again."""
-
-    target: tuple[int, ...]
-    keep: tuple[int, ...]
-    staged: bool
-    keep_commit: bool
-    recomputed: str | None
-    heal: tuple[str, ...] = ()
-
-
-def _is_prefix(head: Sequence[int], seq: Sequence[int]) -> bool:
-    return tuple(seq[: len(head)]) == tuple(head)
-
-
-def _plan(state: DerivedState, params: dict[str, Any], target: tuple[int, ...]) -> _Plan:
-    done, pending = state.commit, state.pending
-    if done is not None and done.parameters == params and _is_prefix(done.sequences, target):
-        keep = done.sequences
-        if (pending is not None and not pending.staged and pending.parameters == params
-                and _is_prefix(keep, pending.sequences) and _is_prefix(pending.sequences, target)):
-            keep = pending.sequences
-        return _Plan(target, keep, staged=False, keep_commit=True, recomputed=None)
-    if state.legacy:
-        reason = "the earlier analysis records no parameters (written before attngeom recorded them)"
-    elif done is not None and done.parameters != params:
-        reason = _changes(done.parameters, params)
-    elif done is not None:
-        reason = "sequences completed before the last analyzed one, or analyzed sequences are gone from the run"
-    else:
-        reason = None
-    staged = done is not None
-    keep: tuple[int, ...] = ()
-    if (pending is not None and pending.parameters == params and pending.staged == staged
-            and _is_prefix(pending.sequences, target)):
-        keep = pending.sequences
-    elif pending is not None and done is None and pending.parameters != params:
-        reason = f"the interrupted analyze had other parameters ({_changes(pending.parameters, params)})"
-    return _Plan(target, keep, staged=staged, keep_commit=staged, recomputed=reason)
-
-
-def _healing(plan: _Plan, damage: Mapping[str, Damage], sequence_groups: Sequence[str]) -> _Plan:
-    """``plan`` also rewriting the damaged committed groups. A recomputation into staging
-    replaces them all anyway; otherwise the per-sequence groups (``sequence_groups``) are
-    computed again from their first damaged sequence on, in place (so the commit is dropped
-    first), and the groups across sequences, recomputed by any analyze that is not up to
-    date, with them."""
-    if not damage or plan.staged:
-        return plan
-    plan = replace(plan, heal=tuple(sorted(damage)))
-    starts = [d.seq_from or 0 for d in damage.values() if d.group in sequence_groups]
-    if starts:
-        plan = replace(plan, keep=plan.keep[: min(starts)], keep_commit=False)
-    return plan
-
-
 def _sequence_groups(ds: xr.Dataset) -> tuple[str, ...]:
     """The per-sequence groups of the run ``ds``: topn_by_query too for a run with queries."""
     return (*ANALYSIS_SEQUENCE_GROUPS, *(QUERY_SEQUENCE_GROUPS if by_query.has_queries(ds) else ()))
@@ -560,102 +476,33 @@ def _template_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str
                    da.empty(query_shape, dtype=np.float64, chunks=-1) if by_query.has_queries(ds) else None)
 
 
-def _computed_groups(store: str, run_id: str, ds: xr.Dataset, grid: Sequence[int],
+def _computed_groups(store: str, run: Any, ds: xr.Dataset, grid: Sequence[int],
                      seed: int) -> dict[str, xr.Dataset]:
     """The per-sequence groups of ``ds``'s sequences, computed. Only the (sequence, layer)
     blocks are Dask tasks; their results are split into variables here, so that a worker
     process is sent the work, not every variable's slice of the results."""
     grid = np.asarray(grid, dtype=np.int64)
-    blocks = [_analysis_blocks(store, run_id, ds, grid, seed)]
+    blocks = [_analysis_blocks(store, run, ds, grid, seed)]
     if by_query.has_queries(ds):
-        blocks.append(by_query.query_blocks(store, open_run_group(open_root(store), run_id), ds, grid, seed,
+        blocks.append(by_query.query_blocks(store, run, ds, grid, seed,
                                             instance_seed=_instance_seed, random_draws=RANDOM_DRAWS))
     stacked, *per_query = dask.compute(*blocks)
     return _groups(grid.tolist(), seed, stacked, ds, *per_query)
 
 
-def _open_groups(write: DerivedWrite, staged: bool, names: Sequence[str]) -> dict[str, zarr.Group]:
-    return {name: write.group(name, staged=staged) for name in names}
-
-
-def _kept(write: DerivedWrite, ds: xr.Dataset, plan: _Plan) -> tuple[int, ...]:
-    """The prefix of ``plan.keep`` its per-sequence groups hold: all of it, or none when a
-    group is missing or holds other sequences."""
-    keep = plan.keep
-    if keep:
-        try:
-            groups = _open_groups(write, plan.staged, _sequence_groups(ds))
-            if not all(np.array_equal(g["seq"][: len(keep)], keep) for g in groups.values()):
-                keep = ()
-        except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
-            keep = ()
-    return keep
-
-
-def _prepare(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, keep: tuple[int, ...], pending: Pending, grid,
-             seed) -> None:
-    """Create the per-sequence groups sized for ``plan.target`` (only metadata and the
-    fixed coordinates are written), or grow the kept ones (``keep``, from :func:`_kept`;
-    ``pending`` the update recorded)."""
-    if not keep:
-        # A chunk holds a batch's sequences: an uninterrupted analyze writes each chunk once
-        # (one chunk per sequence cost 2 ms a chunk, a third of an analyze's writes).
-        per_chunk = {"seq": _sequences_per_batch(ds.sizes["layer"])}
-        write.write(_template_groups(ds, grid, seed), staged=plan.staged, compute=False, chunks=per_chunk)
-        return
-    grow = [arr for group in _open_groups(write, plan.staged, _sequence_groups(ds)).values()
-            for _, arr in group.arrays()
-            if tuple(arr.metadata.dimension_names or ())[:1] == ("seq",) and arr.shape[0] != len(plan.target)]
-    # Groups grown in place are read through the kept commit meanwhile.
-    with contextlib.nullcontext() if plan.staged or not grow else write.commit_withdrawn(pending):
-        for arr in grow:
-            arr.resize((len(plan.target), *arr.shape[1:]))
-
-
-def _batch_arrays(write: DerivedWrite, staged: bool, names: Sequence[str]) -> dict[str, dict[str, zarr.AsyncArray]]:
-    """The arrays of the per-sequence groups ``names``, by group and variable, opened once
-    for every batch's writes."""
-    # Every chunk is stored, also one equal to the fill value: a position written anew
-    # never shows an older chunk.
-    return {name: {key: arr.async_array.with_config({"write_empty_chunks": True})
-                   for key, arr in write.group(name, staged=staged).arrays()} for name in names}
-
-
-def _write_batch(write: DerivedWrite, arrays: dict[str, dict[str, zarr.AsyncArray]], computed: dict[str, xr.Dataset],
-                 start: int, new_chunks: bool) -> None:
-    """Write computed (seq, ...) Datasets at ``seq`` positions start, start + 1, ... of
-    ``arrays`` (:func:`_batch_arrays`). In groups this analyze made (``new_chunks``) a batch
-    fills chunks the store does not hold yet (a chunk holds a batch's sequences, the others
-    whole): encoded and stored here (:func:`write_new_chunks`), not by zarr array after
-    array (47 arrays, 60 ms a batch of 4 sequences of a 7B model, most of it waiting for
-    zarr's thread). Otherwise zarr merges the batch into the chunks held, every array at
-    once."""
-    parts = [(arrays[name][var], data[var].values) for name, data in computed.items()
-             for var in (*data.data_vars, "seq")]
-    if new_chunks:
-        write_new_chunks(write.zstore, [(arr, (start // arr.chunks[0],) + (0,) * (arr.ndim - 1), values)
-                                        for arr, values in parts])
-        return
-
-    async def write_all() -> None:
-        await asyncio.gather(*(arr.setitem(slice(start, start + len(values)), values) for arr, values in parts))
-
-    sync(write_all())
-
-
-def _per_sequence_groups(write: DerivedWrite, staged: bool, n_seq: int, names: Sequence[str],
+def _per_sequence_groups(write: DerivedWrite, n_seq: int, names: Sequence[str],
                          held: Mapping[str, Sequence[xr.Dataset]] | None) -> dict[str, xr.Dataset]:
     """The per-sequence groups ``names`` over their first ``n_seq`` sequences: lazy, read from
     the store; or with ``held`` (group -> the Datasets of the last sequences, computed by this
     analyze, in ``seq`` order), those in memory after the sequences before them, read here."""
     if held is None:
-        return {name: write.read(name, staged=staged).isel(seq=slice(0, n_seq)) for name in names}
+        return {name: write.read(name).isel(seq=slice(0, n_seq)) for name in names}
     out = {}
     for name in names:
         parts = list(held.get(name, ()))
         first = n_seq - sum(part.sizes["seq"] for part in parts)
         if first:
-            parts.insert(0, write.read(name, staged=staged).isel(seq=slice(0, first)).load())
+            parts.insert(0, write.read(name).isel(seq=slice(0, first)).load())
         # The other coordinates and the attributes are the same in every part.
         out[name] = parts[0] if len(parts) == 1 else xr.concat(
             parts, "seq", data_vars="all", coords="minimal", compat="override", join="override",
@@ -663,7 +510,7 @@ def _per_sequence_groups(write: DerivedWrite, staged: bool, n_seq: int, names: S
     return out
 
 
-def _cross_sequence_groups(write: DerivedWrite, staged: bool, n_seq: int, provenance: dict,
+def _cross_sequence_groups(write: DerivedWrite, n_seq: int, provenance: dict,
                            names: Sequence[str], held: Mapping[str, Sequence[xr.Dataset]] | None = None,
                            ) -> dict[str, xr.Dataset]:
     """heads, summary, signatures and table (and summary_by_query when ``names``, the
@@ -672,7 +519,7 @@ def _cross_sequence_groups(write: DerivedWrite, staged: bool, n_seq: int, proven
     :func:`_per_sequence_groups`), reduced in this process: ``topn`` loaded whole up to
     _LOADED_TOPN_BYTES (each variable read by its own dask compute cost 0.2 s of an analyze
     of 4 sequences), one variable at a time beyond."""
-    stored = _per_sequence_groups(write, staged, n_seq, names, held)
+    stored = _per_sequence_groups(write, n_seq, names, held)
     topn = stored["topn"]
     # NaN marks "not defined here" (no sink, N too large): all-NaN reductions are expected.
     # The reads are small; a cluster would only add transfers.
@@ -706,9 +553,10 @@ def _batches(start: int, stop: int, n_layers: int) -> Iterator[tuple[int, int]]:
         yield a, min(stop, a + size)
 
 
-def _checked_input(store: str, run_id: str, n_grid: Sequence[int] | None) -> tuple[xr.Dataset, list[int]]:
+def _checked_input(session: StoreSession, run_id: str,
+                   n_grid: Sequence[int] | None) -> tuple[xr.Dataset, list[int]]:
     """The run's committed sequences and the N grid, refusing what cannot be analyzed."""
-    ds = open_completed(store, run_id)
+    ds = _completed(session, run_id)
     if ds.sizes["seq"] == 0:
         raise RunNotFoundError(f"run '{run_id}' has no complete sequence yet")
     length = ds.sizes["key"]
@@ -720,22 +568,18 @@ def _checked_input(store: str, run_id: str, n_grid: Sequence[int] | None) -> tup
     return ds, grid
 
 
-def _compute_sequences(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, params: dict[str, Any], seed: int,
-                       progress: bool) -> tuple[Pending, int, dict[str, list[xr.Dataset]] | None]:
-    """Compute and write the per-sequence groups of the sequences ``plan`` does not keep,
-    batch by batch, recording progress after each; returns the record of what is written,
-    how many sequences were computed, and the computed groups, batch after batch, when
-    they are small enough to keep (None when not)."""
-    pending = Pending(params, plan.keep, staged=plan.staged)
-    write.set_pending(pending, keep_commit=plan.keep_commit)
-    write.discard_damaged(_sequence_groups(ds) if not plan.keep_commit else ())
-    keep = _kept(write, ds, plan)
-    pending = replace(pending, sequences=keep)
-    target, run_id = plan.target, write.run_id
+def _compute_sequences(write: DerivedWrite, run: Any, ds: xr.Dataset, grid: Sequence[int], seed: int,
+                       progress: bool) -> tuple[int, dict[str, list[xr.Dataset]] | None]:
+    """Compute and write the per-sequence groups of the sequences the update's plan does not
+    keep, batch by batch (:meth:`DerivedWrite.append` records each); returns how many
+    sequences were computed, and the computed groups, batch after batch, when they are small
+    enough to keep (None when not)."""
+    plan = write.plan
+    keep, target, run_id = plan.keep, plan.target, write.run_id
     batches = list(_batches(len(keep), len(target), ds.sizes["layer"]))
 
     def compute(batch: tuple[int, int]) -> dict[str, xr.Dataset]:
-        return _computed_groups(write.url, run_id, ds.isel(seq=slice(*batch)), params["n_grid"], seed)
+        return _computed_groups(write.url, run, ds.isel(seq=slice(*batch)), grid, seed)
 
     # Batches in flight beside the one being written: the workers compute the next batch
     # while this process writes one, and are handed the batch after it before the tail of
@@ -751,71 +595,55 @@ def _compute_sequences(write: DerivedWrite, ds: xr.Dataset, plan: _Plan, params:
     try:
         with tqdm(total=len(target) - len(keep), unit="seq", desc=f"{run_id}: analyze", disable=not progress) as bar:
             futures = [computing.submit(compute, batch) for batch in batches[:in_flight]]
-            # The workers start on the first batches while the groups are created (a tenth
-            # to a fifth of a second of this process's time, 7B shape).
-            _prepare(write, ds, plan, keep, pending, params["n_grid"], seed)
-            arrays = _batch_arrays(write, plan.staged, _sequence_groups(ds))
+            # The workers start on the first batches while the groups are created.
+            write.create(_template_groups(ds, grid, seed), _sequences_per_batch(ds.sizes["layer"]))
             for i, (a, b) in enumerate(batches):
                 computed = futures[i].result()
                 if i + in_flight < len(batches):
                     futures.append(computing.submit(compute, batches[i + in_flight]))
-                _write_batch(write, arrays, computed, a, new_chunks=not keep)
+                write.append(computed)
                 if held is not None and sum(d.nbytes for d in computed.values()) * len(target) <= (
                         _LOADED_TOPN_BYTES * (b - a)):
                     for name, data in computed.items():
                         held[name].append(data)
                 else:
                     held = None
-                pending = replace(pending, sequences=target[:b])
-                write.set_pending(pending, keep_commit=plan.keep_commit)
                 bar.update(b - a)
     finally:
         # On an error or Ctrl-C, a batch still computing is not waited for: leaving the
         # scheduler's context cancels its tasks.
         computing.shutdown(wait=False, cancel_futures=True)
-    return pending, len(target) - len(keep), held
+    return len(target) - len(keep), held
 
 
-def analyze_run(store: str, run_id: str, *, n_grid: Sequence[int] | None = None, seed: int = 0,
-                out: Path | None = None, progress: bool = True, deep: bool = False,
-                checked: tuple[xr.Dataset, list[int]] | None = None) -> AnalyzeResult:
-    """Bring the analysis of one run up to date with its committed sequences (in the Dask
-    scheduler of the caller's context), rewriting what of it is damaged: measure -> write
-    per batch -> reduce -> commit, one :class:`DerivedWrite` owning the store throughout.
-    The committed groups are checked for lost or resized objects, and with ``deep`` also
-    for objects failing to decode. ``checked``: the run's input as :func:`_checked_input`
-    returned it, when the caller has checked it already (each check opens the run and
-    lists its objects: 0.07 s a 7B model's 4 sequences)."""
+def analyze_run(session: StoreSession, run_id: str, ds: xr.Dataset, grid: Sequence[int], *, seed: int = 0,
+                out: Path | None = None, progress: bool = True, deep: bool = False) -> AnalyzeResult:
+    """Bring the analysis of one run up to date with its committed sequences ``ds`` (as
+    :func:`_checked_input` returned them, with the N grid ``grid``), in the Dask scheduler
+    of the caller's context, rewriting what of it is damaged: measure -> write per batch ->
+    reduce -> commit, one :class:`DerivedWrite` owning the record throughout. The committed
+    groups are checked for lost or resized objects, and with ``deep`` also for objects
+    failing to decode."""
     start = time.perf_counter()
-    ds, grid = checked if checked is not None else _checked_input(store, run_id, n_grid)
     params = analysis_parameters(grid, seed)
     # Small arrays every task needs, read once, here: through the workers they cost a round trip.
     ds = ds.assign(attendable=ds["attendable"].load(scheduler=dask.get), head_kv=ds["head_kv"].load(scheduler=dask.get))
     target = tuple(int(s) for s in ds["seq"].values)
 
-    sequence_groups, groups = _sequence_groups(ds), _all_groups(ds)
-    with DerivedWrite(store, run_id, ANALYSIS, deep=deep) as write:
-        resumed = write.resume_promotion()
-        if resumed is not None:
-            write.commit(Commit(resumed.parameters, groups, resumed.sequences, sequence_groups))
-        state = write.state
-        plan = _healing(_plan(state, params, target), write.damage, sequence_groups)
+    sequence_groups = _sequence_groups(ds)
+    with session.derived(run_id, ANALYSIS, deep=deep) as write:
+        plan = write.begin(params, target, _all_groups(ds), sequence_groups)
         healed = "; ".join(f"{analysis_path(run_id)}/{write.damage[name]}" for name in plan.heal) or None
-        up_to_date = (state.commit is not None and plan.keep == target and state.pending is None
-                      and not plan.staged and not plan.heal)
-        if up_to_date:
+        if plan.up_to_date:
             # In the tidy table's column order, not the order the store lists the arrays in.
             table = (write.read("table").to_dataframe().reset_index(drop=True)[list(_TABLE_COLUMNS)]
                      if out is not None else None)
             new = 0
         else:
-            pending, new, held = _compute_sequences(write, ds, plan, params, seed, progress)
-            cross = _cross_sequence_groups(write, plan.staged, len(target), ds.attrs.get("attngeom", {}),
-                                           sequence_groups, held)
+            new, held = _compute_sequences(write, session.run(run_id), ds, grid, seed, progress)
+            cross = _cross_sequence_groups(write, len(target), ds.attrs.get("attngeom", {}), sequence_groups, held)
             table = tidy_table(cross["summary"], ds.attrs.get("attngeom", {}), run_id) if out is not None else None
-            write.write(cross)
-            write.promote([*(sequence_groups if plan.staged else ()), *cross], pending)
-            write.commit(Commit(params, groups, target, sequence_groups))
+            write.finish(cross)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         table.to_parquet(out / f"{run_id}.topn.parquet", index=False)
@@ -841,18 +669,18 @@ def analyze(
     damaged committed groups written again (see :func:`analyze_run`; ``deep`` also reads
     every committed object). Two analyzes of one run on a local store run one after the
     other."""
-    root = open_root(store, mode="a")
-    runs = require_runs(root, store)
-    if run_id is not None:
-        require_run(root, run_id, store)
-    todo = [run_id] if run_id else runs
-    # An analysis whose record does not parse is none (xarray could not even open the run).
-    dropped = {rid for rid in todo if forget_unreadable(store, rid, ANALYSIS)}
-    # Every run's input checked before any analysis is touched.
-    checked = {rid: _checked_input(store, rid, n_grid) for rid in todo}
-    compile_kernels()
-    with dask_client(scheduler, store):
-        results = [analyze_run(store, rid, n_grid=n_grid, seed=seed, out=out, progress=progress, deep=deep,
-                               checked=checked[rid]) for rid in todo]
+    with StoreSession(store, mode="a") as session:
+        runs = session.runs()
+        if run_id is not None:
+            session.run(run_id)
+        todo = [run_id] if run_id else runs
+        # An analysis whose record does not parse is none (xarray could not even open the run).
+        dropped = {rid for rid in todo if forget_unreadable(session, rid, ANALYSIS)}
+        # Every run's input checked before any analysis is touched.
+        checked = {rid: _checked_input(session, rid, n_grid) for rid in todo}
+        compile_kernels()
+        with dask_client(scheduler, store):
+            results = [analyze_run(session, rid, *checked[rid], seed=seed, out=out, progress=progress, deep=deep)
+                       for rid in todo]
     return [replace(r, recomputed=f"its record {analysis_path(r.run_id)}/zarr.json did not parse")
             if r.run_id in dropped else r for r in results]

@@ -193,6 +193,12 @@ class _WriterHold:
             weakref.finalize(root, _release, self.key)
             self.key = None
 
+    def release(self) -> None:
+        """End the hold now (a :class:`~attngeom.store.session.StoreSession` ending)."""
+        if self.key is not None:
+            _release(self.key)
+            self.key = None
+
     def __del__(self) -> None:
         if self.key is not None:  # no root was opened: the hold ends here
             _release(self.key)
@@ -760,6 +766,39 @@ def write_new_chunks(zstore: Any, blocks: Iterable[tuple[zarr.AsyncArray, tuple[
         meta = arr.metadata
         objects[f"{arr.path}/{meta.encode_chunk_key(index)}"] = chunk_encoder(meta.to_dict())(_whole(meta, values))
     put_objects(zstore, objects)
+
+
+def set_regions(parts: Iterable[tuple[zarr.AsyncArray, np.ndarray]], start: int) -> None:
+    """Write each (array, values) of ``parts`` at positions ``start``, ``start + 1``, ... of
+    its first axis, every array at once (zarr merges them into the chunks held)."""
+    _gather(arr.setitem(slice(start, start + len(values)), values) for arr, values in parts)
+
+
+def delete_objects(zstore: Any, keys: Iterable[str]) -> None:
+    """Remove the objects ``keys`` of the zarr Store ``zstore``, all at once."""
+    _gather(zstore.delete(key) for key in keys)
+
+
+def node_exists(zstore: Any, path: str) -> bool:
+    """Whether the zarr Store ``zstore`` holds a node (its ``zarr.json``) at ``path``."""
+    return sync(zstore.exists(f"{path}/zarr.json"))
+
+
+def move_group(url: str, zstore: Any, source: str, target: str) -> None:
+    """Move the group at ``source`` of the store at ``url`` (``zstore``) to ``target``,
+    replacing it: a folder rename on a local store; on any other store (object stores have
+    no rename) a copy of each object through the zarr Store, then a delete."""
+    remove_dir(zstore, target)
+    local = local_path(url)
+    if local is not None:
+        os.replace(local / source, local / target)
+        return
+
+    async def move() -> None:
+        await copy_group(zstore, source, zstore, target)
+        await zstore.delete_dir(source)
+
+    sync(move())
 
 
 async def copy_group(source: Any, source_group: str, target: Any, target_group: str) -> None:
