@@ -44,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 import frozen_kernels_v2 as old  # noqa: E402
 
 from attngeom.analyze.kernels import compile_kernels, head_metrics, topn_metrics, value_statistics  # noqa: E402
-from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed  # noqa: E402
+from attngeom.analyze.parameters import RANDOM_DRAWS, default_n_grid  # noqa: E402
+from attngeom.analyze.runner import open_completed  # noqa: E402
 from attngeom.store import open_root, run_ids  # noqa: E402
 
 SHAPES = {

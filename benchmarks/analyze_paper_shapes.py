@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import frozen_kernels_v2 as old  # noqa: E402
 
 from attngeom.analyze.kernels import head_metrics  # noqa: E402
-from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed  # noqa: E402
+from attngeom.analyze.parameters import RANDOM_DRAWS, default_n_grid  # noqa: E402
+from attngeom.analyze.runner import open_completed  # noqa: E402
 from attngeom.synthetic import write_synthetic_run  # noqa: E402
 
 COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact", "sink_selected")

@@ -22,16 +22,13 @@ import zarr
 from click.testing import CliRunner
 from test_analyze_kernels import brute_topn, brute_value_statistics
 
-from attngeom.analyze import stage
+from attngeom.analyze import runner
+from attngeom.analyze.blocks import template_groups
+from attngeom.analyze.parameters import instance_seed
+from attngeom.analyze.reductions import _sorted_median, _sorted_quantiles
 from attngeom.analyze.scheduling import _worker_processes
-from attngeom.analyze.stage import (
-    _instance_seed,
-    _template_groups,
-    analyze,
-    nan_median,
-    nan_quantiles,
-    run_regimes,
-)
+from attngeom.api import analyze
+from attngeom.regimes import run_regimes
 from attngeom.cli import main
 from attngeom.errors import IncompleteGroupError
 from attngeom.store import access
@@ -96,7 +93,7 @@ def test_topn_equals_brute_force_value_by_value(analyzed, run):
             attn = ds["attn_last"].values[s, layer].astype(np.float64)
             vals = ds["values"].values[s, layer][head_kv].astype(np.float64)
             att = np.broadcast_to(ds["attendable"].values[layer], attn.shape)
-            want = brute_topn(attn, vals, att, GRID, seed=_instance_seed(0, s, layer))
+            want = brute_topn(attn, vals, att, GRID, seed=instance_seed(0, s, layer))
             got = topn.isel(seq=s, layer=layer)
             for name in TOPN_VARIABLES:
                 np.testing.assert_allclose(got[name].values, want[name], rtol=1e-9, atol=1e-12, err_msg=name)
@@ -248,11 +245,21 @@ def test_groups_of_a_run_larger_than_a_dask_chunk_are_created(tmp_path):
     with StoreSession(store, mode="a") as session, session.derived("r", ANALYSIS) as write:
         plan = write.begin({}, range(n_seq), ("topn", "values", "taxonomy"), ("topn", "values", "taxonomy"))
         assert plan.keep == () and not plan.up_to_date
-        write.create(_template_groups(ds, [1, 2, 4], seed=0), 4)
+        write.create(template_groups(ds, [1, 2, 4], seed=0), 4)
     recall = zarr.open_group(store, path="runs/r/analysis/topn", mode="r")["recall"]
     assert recall.shape == (n_seq, layers, heads, 3) and recall.chunks == (4, layers, heads, 3)
     votes = zarr.open_group(store, path="runs/r/analysis/taxonomy", mode="r")["votes"]
     assert votes.shape == (n_seq, layers, heads, 3) and votes.chunks == (4, layers, heads, 3)
+
+
+def nan_quantiles(x: np.ndarray, qs) -> np.ndarray:
+    """Quantiles along axis 0 ignoring NaN, from the summary's sort-once interpolation."""
+    return _sorted_quantiles(np.sort(x, axis=0), np.sum(~np.isnan(x), axis=0), qs)
+
+
+def nan_median(x: np.ndarray) -> np.ndarray:
+    """Median along axis 0 ignoring NaN, from the summary's sort-once median."""
+    return _sorted_median(np.sort(x, axis=0), np.sum(~np.isnan(x), axis=0))
 
 
 def test_vectorized_quantiles_equal_numpy():
@@ -272,12 +279,12 @@ def test_vectorized_quantiles_equal_numpy():
 KILLER = textwrap.dedent("""
     import glob, os, signal, sys
     import zarr
-    from attngeom.analyze import stage
+    from attngeom.analyze import runner
     from attngeom.cli import main
     from attngeom.store import access
 
     # One (sequence, layer) task per batch of the tiny model: many batches, many records.
-    stage.BATCH_TASKS = 3
+    runner.BATCH_TASKS = 3
     limit, count = int(os.environ["KILL_AT_WRITE"]), 0
     set_, put_local = zarr.storage.LocalStore.set, access._put_local
 
@@ -446,7 +453,7 @@ def test_batches_in_flight_and_worker_counts_change_nothing(llama_stores, refere
     three, _, _ = llama_stores
     store = tmp_path / "s.zarr"
     shutil.copytree(three, store)
-    monkeypatch.setattr(stage, "BATCH_TASKS", 1)
+    monkeypatch.setattr(runner, "BATCH_TASKS", 1)
     analyze(str(store), scheduler="threads", n_grid=GRID, progress=False)
     assert_bitwise(analysis(store), reference["three"])
     monkeypatch.undo()

@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from attngeom.analyze.stage import _template_groups, analysis_parameters, open_completed
+from attngeom.analyze.blocks import template_groups
+from attngeom.analyze.parameters import analysis_parameters
+from attngeom.analyze.runner import open_completed
 from attngeom.api import analyze
 from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError
 from attngeom.store import (
@@ -217,7 +219,7 @@ class DerivedProtocol(RuleBasedStateMachine):
                                ANALYSIS_SEQUENCE_GROUPS)
             if create and not plan.up_to_date:
                 ds = open_completed(self.url, "r")
-                write.create(_template_groups(ds, grid, seed), 1)
+                write.create(template_groups(ds, grid, seed), 1)
             raise Killed
         self.possible = self.possible | {None}
 

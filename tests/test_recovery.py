@@ -17,7 +17,7 @@ import pytest
 import xarray as xr
 import zarr
 
-from attngeom.analyze.stage import analyze
+from attngeom.api import analyze
 from attngeom.api import ablate
 from attngeom.store.session import StoreSession
 from attngeom.store.schema import ANALYSIS

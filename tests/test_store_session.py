@@ -9,7 +9,7 @@ import sys
 import pytest
 import zarr
 
-from attngeom.analyze import stage
+from attngeom.analyze import runner
 from attngeom.api import analyze
 from attngeom.synthetic import write_synthetic_run
 
@@ -22,7 +22,7 @@ def _stores_built(monkeypatch, url: str, batch_tasks: int) -> int:
         built.append(args)
         init(self, *args, **kwargs)
 
-    monkeypatch.setattr(stage, "BATCH_TASKS", batch_tasks)
+    monkeypatch.setattr(runner, "BATCH_TASKS", batch_tasks)
     monkeypatch.setattr(zarr.storage.LocalStore, "__init__", counting)
     analyze(url, scheduler="threads", n_grid=[1, 2, 4], progress=False)
     monkeypatch.undo()
