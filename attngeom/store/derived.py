@@ -41,21 +41,18 @@ import zarr
 
 from attngeom import __version__
 from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError
-from attngeom.store.access import (
-    DECODE_ERRORS,
+from attngeom.store.access import consolidate
+from attngeom.store.damage import DECODE_ERRORS
+from attngeom.store.datasets import open_dataset, set_regions, write_datasets, write_new_chunks
+from attngeom.store.nodes import (
     PARTIAL_SUFFIX,
-    consolidate,
     delete_objects,
     jsonable,
     move_group,
     node_exists,
     node_metadata,
-    open_dataset,
     read_metadata,
     remove_dir,
-    set_regions,
-    write_datasets,
-    write_new_chunks,
     zarr_store,
 )
 from attngeom.store.objects import chunk_key, chunk_objects, object_damage, object_sizes
@@ -472,7 +469,7 @@ class DerivedWrite:
                chunks: Mapping[str, int] | None = None) -> None:
         """Write each Dataset of ``datasets`` (name -> Dataset) as the group ``name`` (in
         staging by default), replacing it, all at once
-        (:func:`~attngeom.store.access.write_datasets`)."""
+        (:func:`~attngeom.store.datasets.write_datasets`)."""
         write_datasets({self.path(name, staged=staged): dataset for name, dataset in datasets.items()}, self.url,
                        compute=compute, chunks=chunks, zstore=self.zstore)
 

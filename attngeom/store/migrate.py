@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import zarr
 from tqdm.auto import tqdm
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
+from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import DamagedStoreError, SchemaError, StoreNotFoundError
+from attngeom.store._zarr import sync
 from attngeom.store import (
     ATTR_KEY,
     FORMAT,
@@ -50,7 +50,8 @@ from attngeom.store import (
     with_checksum,
     zarr_store,
 )
-from attngeom.store.access import local_path, metadata_bytes, remove_partials
+from attngeom.store.access import remove_partials
+from attngeom.store.nodes import local_path, metadata_bytes
 
 TEMPORARY = "_migrating"
 

@@ -12,11 +12,12 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
+from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import RunNotFoundError
-from attngeom.store.access import jsonable, quiet_leftovers
+from attngeom.store._zarr import sync
+from attngeom.store.access import quiet_leftovers
+from attngeom.store.nodes import jsonable
 from attngeom.store.codecs import VALUES_CODEC, compressors
 from attngeom.store.schema import (
     ATTR_KEY,

@@ -22,16 +22,9 @@ import zarr
 
 from attngeom.errors import DamagedStoreError, StoreNotFoundError
 from attngeom.store.derived import DerivedWrite
-from attngeom.store.access import (
-    DECODE_ERRORS,
-    _WriterHold,
-    check_writable,
-    local_path,
-    read_root_attrs,
-    recovery,
-    writing,
-    zarr_store,
-)
+from attngeom.store.access import _WriterHold, check_writable, read_root_attrs, writing
+from attngeom.store.damage import DECODE_ERRORS, recovery
+from attngeom.store.nodes import local_path, zarr_store
 from attngeom.store.runs import open_run_group, require_run, require_runs
 from attngeom.store.schema import run_path
 

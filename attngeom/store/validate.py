@@ -18,26 +18,27 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
+from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import AttngeomError, DamagedStoreError
+from attngeom.store._zarr import sync
 from attngeom.store.access import (
-    DECODE_ERRORS,
-    RESTORE,
-    damaged_chunk,
-    local_path,
-    metadata_damage,
     partials,
     quiet_leftovers,
     read_root_attrs,
-    recovery,
     stale_consolidated,
-    stored_grid,
     store_format,
-    unreadable_metadata,
-    zarr_store,
 )
+from attngeom.store.damage import (
+    DECODE_ERRORS,
+    RESTORE,
+    damaged_chunk,
+    metadata_damage,
+    recovery,
+    stored_grid,
+    unreadable_metadata,
+)
+from attngeom.store.nodes import local_path, zarr_store
 from attngeom.store.codecs import has_checksum
 from attngeom.store.objects import chunk_objects, object_damage
 from attngeom.store.derived import derived_problems
