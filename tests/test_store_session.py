@@ -58,3 +58,14 @@ def test_the_sessions_locks_last_exactly_as_long_as_its_block(tmp_path):
         assert _held(url / "runs" / "r")
     assert session.root is not None  # still referenced: nothing waits for garbage collection
     assert not _held(url) and not _held(url / "runs" / "r")
+
+
+def test_analyze_says_what_it_will_recompute_before_it_starts(tmp_path, capsys):
+    url = str(tmp_path / "s.zarr")
+    write_synthetic_run(url, "r", n_seq=3, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, length=8)
+    analyze(url, scheduler="threads", n_grid=[1, 2], progress=False)
+    capsys.readouterr()
+    analyze(url, scheduler="threads", n_grid=[1, 4], progress=True)
+    err = capsys.readouterr().err
+    said = err.find("r: n grid 1,2 -> 1,4: recomputing all 3 sequences")
+    assert 0 <= said < err.find("r: analyze"), err

@@ -142,8 +142,8 @@ def summary_dataset(topn: xr.Dataset) -> xr.Dataset:
     """
     out = {}
     for name, x in _summary_inputs(topn):
-        # One sort serves the median and the quantiles: at 1,000 sequences of a 7B model, a
-        # sort is 0.3 s of each of the 42 variables, reduced after the workers are done.
+        # One sort serves the median and the quantiles: the sorts are most of the reductions,
+        # which run after the workers are done.
         ordered, count = np.sort(x, axis=0), np.sum(~np.isnan(x), axis=0)
         q05, q95 = _sorted_quantiles(ordered, count, [0.05, 0.95])
         mean = np.sum(np.nan_to_num(x), axis=0) / np.where(count > 0, count, np.nan)

@@ -33,8 +33,8 @@ def tidy_table(summary: xr.Dataset, provenance: dict, run_id: str) -> pd.DataFra
 def table_dataset(summary: xr.Dataset, provenance: dict, run_id: str) -> xr.Dataset:
     """The ``table`` group: :func:`tidy_table` row for row, (variable, layer, head, n) in
     that order, its text columns already label codes (:func:`encode_labels`). Built from
-    the summary's arrays: a frame of strings, then their codes, took half a second for a
-    7B model's 440,000 rows."""
+    the summary's arrays, its text columns coded on their few distinct values: a frame of
+    strings coded row by row grows with the rows (hundreds of thousands for a 7B model)."""
     names = list(summary.data_vars)
     axes = [np.asarray(names, dtype=object), *(summary[d].values for d in ("layer", "head", "n"))]
     rows = int(np.prod([a.size for a in axes]))

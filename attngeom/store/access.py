@@ -269,8 +269,8 @@ def consolidate(root: zarr.Group) -> None:
 
     The copy is what ``zarr.consolidate_metadata`` writes: every node reached from the root
     through groups, each with its stored metadata (a group's with an empty consolidated
-    copy of its own), read in one listing. zarr's walk built every node's object and
-    serialized it again: a tenth of a second per analyze, growing with the store."""
+    copy of its own), read in one listing rather than by zarr's walk, which builds every
+    node's object and serializes it again, a cost growing with the store."""
     zstore = root.store
     nodes = node_metadata(zstore)
     bad = [key for key, meta in nodes.items() if meta is None]

@@ -122,9 +122,9 @@ def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = 
     What is stored is what ``Dataset.to_zarr`` stores (``tests/test_store_writes.py`` holds the two
     side by side): NaN as the fill value of floats, with xarray's ``_FillValue`` attribute;
     0 (False) for integers (booleans). The group's objects are encoded in memory first, all
-    of its arrays, then written to the store concurrently. ``to_zarr`` creates, fills and
-    annotates one array after another: an analysis's four groups across sequences (98 small
-    arrays) took 0.43-0.61 s through it.
+    of its arrays, then written to the store concurrently, where ``to_zarr`` creates, fills
+    and annotates one array after another: an analysis writes many small arrays, whose
+    round trips through zarr would be most of its writing.
     """
     write_datasets({group: dataset}, url, compute=compute, chunks=chunks, zstore=zstore)
 
@@ -198,10 +198,8 @@ def _group_objects(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], g
     metadata only), its chunks, as zarr-python writes them (a chunk all fill value is not
     stored; the documents on one line, :func:`metadata_bytes`). zarr makes the metadata of
     one array of each form (data type, shape, chunks, dimensions) in ``forms``, shared by the
-    groups of a write; each array takes a copy with its own attributes. Through zarr, each
-    array made, filled and copied in turn from an assembled store, an analysis's groups
-    across sequences (98 small arrays) took 0.15-0.3 s of this process's time, most of it
-    zarr's own; encoded here, 0.05 s."""
+    groups of a write; each array takes a copy with its own attributes, rather than each
+    array being made, filled and copied through zarr in turn."""
     objects = {f"{group}/zarr.json": metadata_bytes(GroupMetadata(attributes=dict(dataset.attrs)).to_dict())}
     for name, var in dataset.variables.items():
         form = (var.dtype.str, var.shape, _chunk_shape(var, chunks), var.dims)

@@ -51,15 +51,15 @@ def node_metadata(zstore: Any, group: str = "") -> dict[str, dict[str, Any] | No
     """Key -> parsed ``zarr.json`` of every node at and under ``group`` (None where it is
     no Zarr v3 node's metadata: empty, truncated or overwritten), sorted by key."""
     if isinstance(zstore, zarr.storage.LocalStore):
-        # Read here: through the store, each of an analysis's 160 objects took a hop to
-        # zarr's thread and one to a file thread, a third of a millisecond each.
+        # Read here: through the store, each object takes a hop to zarr's thread and one to a
+        # file thread, and an analysis has many small ones.
         found = local_files(os.path.join(str(zstore.root), group), group)
         return {key: _parsed(_read_bytes(entry.path)) for key, entry in sorted(found, key=lambda x: x[0])
                 if entry.name == "zarr.json"}
     prefix = f"{group}/" if group else ""
 
     async def read() -> dict[str, Any]:
-        # One listing, then every object at once: one at a time took 0.3 s for an analysis.
+        # One listing, then every object at once: one at a time waits on each in turn.
         keys = sorted([k async for k in zstore.list_prefix(prefix) if k.rsplit("/", 1)[-1] == "zarr.json"])
         raws = await asyncio.gather(*(zstore.get(k, prototype=default_buffer_prototype()) for k in keys))
         return dict(zip(keys, raws))
@@ -126,7 +126,7 @@ def node_path(key: str) -> str:
 def put_objects(zstore: Any, objects: Mapping[str, bytes]) -> None:
     """Store ``objects`` (key -> bytes) in the zarr Store ``zstore``, all at once."""
     if isinstance(zstore, zarr.storage.LocalStore):
-        # Written here: through the store, each object took a hop to zarr's thread and one
+        # Written here: through the store, each object takes a hop to zarr's thread and one
         # to a file thread (an analysis writes some 350).
         root, folders = Path(str(zstore.root)), set()
         for key, value in objects.items():

@@ -195,7 +195,7 @@ def _rewrite_coordinates(root: zarr.Group, runs: list[str]) -> list[str]:
         except (KeyError, TypeError, *DECODE_ERRORS):
             continue  # named by validate
         members = {name: run[name] for name in run_coordinates(layout) if name in run}
-        for name in wrong_coordinates(run, layout, members):
+        for name in wrong_coordinates(layout, members):
             members[name][...] = run_coordinates(layout)[name]
             rewritten.append(f"{run.path}/{name}/c/0")
     return rewritten

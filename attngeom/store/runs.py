@@ -144,8 +144,7 @@ def create_run(
 
 
 async def _create_arrays(run: zarr.Group, layout: RunLayout, n_seq: int) -> None:
-    # All arrays at once: creating a run (smollm2-135m, gemma3-270m) took a median 32-34 ms so
-    # against 48-49 ms one array after another.
+    # All arrays at once: their creations wait on the store, not on each other.
     group = await _opened(run)
     existing = {name: member async for name, member in group.members() if isinstance(member, zarr.AsyncArray)}
     coordinates = run_coordinates(layout)

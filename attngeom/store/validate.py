@@ -160,7 +160,7 @@ def _members(run: zarr.Group) -> dict[str, zarr.Array]:
     return out
 
 
-def wrong_coordinates(run: zarr.Group, layout: RunLayout, members: Mapping[str, zarr.Array]) -> list[str]:
+def wrong_coordinates(layout: RunLayout, members: Mapping[str, zarr.Array]) -> list[str]:
     """The run's coordinate arrays that do not hold what its layout records (a lost chunk
     reads as zeros; a damaged one does not decode)."""
     wrong = []
@@ -181,7 +181,7 @@ def coordinate_problems(run: zarr.Group, layout: RunLayout, members: Mapping[str
     return [
         f"run {run.path.rsplit('/', 1)[-1]}: coordinate '{name}' does not hold what the run's layout records "
         f"(a lost or damaged chunk); run `attngeom validate --store {url} --repair` to rewrite it"
-        for name in wrong_coordinates(run, layout, members)
+        for name in wrong_coordinates(layout, members)
     ]
 
 
