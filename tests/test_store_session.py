@@ -69,3 +69,22 @@ def test_analyze_says_what_it_will_recompute_before_it_starts(tmp_path, capsys):
     err = capsys.readouterr().err
     said = err.find("r: n grid 1,2 -> 1,4: recomputing all 3 sequences")
     assert 0 <= said < err.find("r: analyze"), err
+
+
+def test_the_derived_write_refuses_its_verbs_out_of_order(tmp_path):
+    from attngeom.store import ANALYSIS
+    from attngeom.store.session import StoreSession
+
+    url = str(tmp_path / "s.zarr")
+    write_synthetic_run(url, "r", n_seq=1, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2, length=4)
+    with StoreSession(url, mode="a") as session, session.derived("r", ANALYSIS) as write:
+        for early in (lambda: write.append({}), lambda: write.finish({}), lambda: write.create({}, 1)):
+            with pytest.raises(RuntimeError, match="not"):
+                early()
+        write.begin({"seed": 0}, [0], ("topn",), ("topn",))
+        with pytest.raises(RuntimeError):
+            write.begin({"seed": 0}, [0], ("topn",), ("topn",))
+        with pytest.raises(RuntimeError):
+            write.replace({}, {})
+        with pytest.raises(RuntimeError):
+            write.finish({})

@@ -73,7 +73,7 @@ def read_root_attrs(root: zarr.Group, url: str, *, writing: bool, migrating_ok: 
 def open_root(url: str, *, mode: str = "r") -> zarr.Group:
     """Open an existing attngeom store; ``mode`` is "r" or "a" (which also refuses a store
     of another format, or one that cannot be written, and removes the leftovers of killed
-    writes where no other process writes the store: :class:`_WriterHold`). Raises
+    writes where no other process writes the store: :class:`WriterHold`). Raises
     :class:`StoreNotFoundError` if there is none, creating nothing, and
     :class:`DamagedStoreError` for an unreadable root."""
     path = local_path(url)
@@ -82,7 +82,7 @@ def open_root(url: str, *, mode: str = "r") -> zarr.Group:
         raise StoreNotFoundError(f"no attngeom store at {url}")
     if mode != "r":
         check_writable(url)
-    hold = _WriterHold(url) if mode != "r" else None
+    hold = WriterHold(url) if mode != "r" else None
     try:
         root = zarr.open_group(
             zarr_store(url, read_only=mode == "r"), mode="r" if mode == "r" else "r+", use_consolidated=False
@@ -106,7 +106,7 @@ def open_root(url: str, *, mode: str = "r") -> zarr.Group:
 _HOLDS: dict[tuple[int, int], list[Any]] = {}
 
 
-class _WriterHold:
+class WriterHold:
     """This process as one of the writers of a local store, from before its first write to
     the end of the root groups it opens (:func:`open_root`, :func:`open_or_create_root`).
     Taken, it removes the ``*.partial`` leftovers of killed writes, but only where no other
@@ -178,7 +178,7 @@ def partials(url: str) -> list[str]:
 
 def remove_partials(url: str) -> list[str]:
     """Remove the ``*.partial`` leftovers of a local store; the keys removed. A writer calls
-    it when it opens a store and is its only writer (:class:`_WriterHold`), migrate before
+    it when it opens a store and is its only writer (:class:`WriterHold`), migrate before
     it rewrites the whole store; readers leave the store as it is (and ignore them)."""
     found = partials(url)
     for key in found:
@@ -201,7 +201,7 @@ def open_or_create_root(url: str) -> zarr.Group:
     The root's metadata and attributes are one object, written at once; an empty group
     without them (a store created by hand, or by older code killed mid-way) is adopted.
     """
-    hold = _WriterHold(url)
+    hold = WriterHold(url)
     zstore = zarr_store(url, read_only=False)
     meta = {ATTR_KEY: {"schema_version": SCHEMA_VERSION, "format": FORMAT, "created_by": __version__}}
     try:

@@ -32,7 +32,6 @@ from tqdm.auto import tqdm
 from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import DamagedStoreError, SchemaError, StoreNotFoundError
-from attngeom.store._zarr import sync
 from attngeom.store import (
     ATTR_KEY,
     FORMAT,
@@ -50,6 +49,7 @@ from attngeom.store import (
     with_checksum,
     zarr_store,
 )
+from attngeom.store._zarr import sync
 from attngeom.store.access import remove_partials
 from attngeom.store.nodes import local_path, metadata_bytes
 

@@ -17,8 +17,8 @@ from zarr.buffer import default_buffer_prototype
 from attngeom.errors import RunNotFoundError
 from attngeom.store._zarr import sync
 from attngeom.store.access import quiet_leftovers
-from attngeom.store.nodes import jsonable
 from attngeom.store.codecs import VALUES_CODEC, compressors
+from attngeom.store.nodes import jsonable
 from attngeom.store.schema import (
     ATTR_KEY,
     RUN_VARIABLES,

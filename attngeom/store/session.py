@@ -21,9 +21,9 @@ from typing import Any
 import zarr
 
 from attngeom.errors import DamagedStoreError, StoreNotFoundError
-from attngeom.store.derived import DerivedWrite
-from attngeom.store.access import _WriterHold, check_writable, read_root_attrs, writing
+from attngeom.store.access import WriterHold, check_writable, read_root_attrs, writing
 from attngeom.store.damage import DECODE_ERRORS, recovery
+from attngeom.store.derived import DerivedWrite
 from attngeom.store.nodes import local_path, zarr_store
 from attngeom.store.runs import open_run_group, require_run, require_runs
 from attngeom.store.schema import run_path
@@ -60,7 +60,7 @@ class StoreSession:
         with contextlib.ExitStack() as stack:
             if writer:
                 check_writable(self.url)
-                stack.callback(_WriterHold(self.url).release)
+                stack.callback(WriterHold(self.url).release)
                 stack.enter_context(writing(self.url))
             self.zstore = zarr_store(self.url, read_only=not writer)
             try:

@@ -29,6 +29,7 @@ from attngeom.store.access import (
     stale_consolidated,
     store_format,
 )
+from attngeom.store.codecs import has_checksum
 from attngeom.store.damage import (
     DECODE_ERRORS,
     RESTORE,
@@ -38,10 +39,9 @@ from attngeom.store.damage import (
     stored_grid,
     unreadable_metadata,
 )
-from attngeom.store.nodes import local_path, zarr_store
-from attngeom.store.codecs import has_checksum
-from attngeom.store.objects import chunk_objects, object_damage
 from attngeom.store.derived import derived_problems
+from attngeom.store.nodes import local_path, zarr_store
+from attngeom.store.objects import chunk_objects, object_damage
 from attngeom.store.runs import completed, open_run_group, run_coordinates, run_ids, run_layout
 from attngeom.store.schema import (
     ABLATION,
