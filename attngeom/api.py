@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from attngeom.ablate.stage import AblateResult
-    from attngeom.analyze.stage import AnalyzeResult
+    from attngeom.analyze.runner import AnalyzeResult
     from attngeom.explore.build import ExploreResult
     from attngeom.extract.request import ExtractResult
     from attngeom.open import Store
@@ -140,12 +140,13 @@ def analyze(
     healed), or without ``run_id`` a list of one result per run.
     """
     _check_analyze(store, run_id=run_id, scheduler=scheduler, seed=seed, out=out)
-    from attngeom.analyze.stage import analyze as run
+    from attngeom.analyze.parameters import AnalyzeRequest
+    from attngeom.analyze.runner import analyze as run
     from attngeom.store import writing
 
     with _workers_skip_main(), writing(str(store)):
-        results = run(str(store), run_id=run_id, scheduler=scheduler, n_grid=n_grid, out=out, seed=seed,
-                      progress=progress, deep=deep)
+        results = run(AnalyzeRequest(store=str(store), run_id=run_id, scheduler=scheduler, n_grid=n_grid, seed=seed,
+                                     out=out, progress=progress, deep=deep))
     return results[0] if run_id is not None else results
 
 
@@ -219,7 +220,7 @@ class Taxonomy:
         """One row per run: counts and percentages of Retriever, Mixer and Reset heads."""
         import pandas as pd
 
-        from attngeom.analyze.taxonomy import distribution
+        from attngeom.regimes import distribution
 
         return pd.DataFrame(distribution(self.labels))
 
@@ -228,12 +229,12 @@ class Taxonomy:
         per regime and the share of heads whose label agrees."""
         import pandas as pd
 
-        from attngeom.analyze.taxonomy import cross_corpus
+        from attngeom.regimes import cross_corpus
 
         return pd.DataFrame(cross_corpus(self.labels))
 
     def __str__(self) -> str:
-        from attngeom.analyze.taxonomy import format_tables
+        from attngeom.regimes import format_tables
 
         return format_tables(self.labels)
 
@@ -243,7 +244,7 @@ def taxonomy(store: str | Path) -> Taxonomy:
     :class:`GroupNotFoundError` when no run is analyzed yet."""
     store = str(store)
     require_store(store)
-    from attngeom.analyze.stage import run_regimes
+    from attngeom.regimes import run_regimes
 
     labels = run_regimes(store)
     if not labels:

@@ -13,7 +13,7 @@ L = ``--length``, with rows kept at ``every:K`` (the queries L-1, L-1-K, ... dow
   layer (values, attn_last, the per-query summaries); multiply by the model's layers for a
   sequence.
 - **core-ms per instance**: the per-query analysis of one (sequence, layer) block read from
-  the store (``attngeom.analyze.by_query``), one thread, divided by its heads and queries,
+  the store (``attngeom.analyze.blocks``), one thread, divided by its heads and queries,
   against ``topn``'s per instance (``head_metrics`` at the final query) timed in the same
   repetition; their ratio is the cost of one stored query in final-query instances (about
   the mean of q/L over the stored queries, plus what does not shrink with the keys).
@@ -35,9 +35,9 @@ from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attngeom.analyze import by_query  # noqa: E402
+from attngeom.analyze import blocks  # noqa: E402
 from attngeom.analyze.kernels import head_metrics  # noqa: E402
-from attngeom.analyze.stage import RANDOM_DRAWS, _instance_seed, default_n_grid  # noqa: E402
+from attngeom.analyze.parameters import RANDOM_DRAWS, default_n_grid, instance_seed  # noqa: E402
 from attngeom.extract.queries import query_positions  # noqa: E402
 from attngeom.store import TOPN_VARIABLES  # noqa: E402
 from attngeom.synthetic import write_synthetic_run  # noqa: E402
@@ -66,17 +66,16 @@ def measure(store: str, length: int, positions: tuple[int, ...], reps: int) -> d
     H = head_kv.size
 
     def per_query():
-        return by_query._query_block(
+        return blocks._query_block(
             block_id=(0, 0), seqs=np.array([0]), store=store, inputs=(run["attn_rows"], run["values"]),
-            attendable=attendable, head_kv=head_kv, positions=np.asarray(positions), n_grid=grid, seed=0,
-            instance_seed=_instance_seed, random_draws=RANDOM_DRAWS)
+            attendable=attendable, head_kv=head_kv, positions=np.asarray(positions), n_grid=grid, seed=0)
 
     attn = run["attn_last"][0, 0].astype(np.float64)
     values = run["values"][0, 0].astype(np.float64)
 
     def final():
         return head_metrics(attn, values, np.broadcast_to(attendable[0], values.shape[:2]), grid,
-                            head_kv=head_kv, seed=_instance_seed(0, 0, 0), random_draws=RANDOM_DRAWS)
+                            head_kv=head_kv, seed=instance_seed(0, 0, 0), random_draws=RANDOM_DRAWS)
 
     runs = {"by_query": per_query, "final": final}
     times = {name: [] for name in runs}

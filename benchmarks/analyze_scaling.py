@@ -33,7 +33,8 @@ from common import Blas, fmt, int_list, median, table as md_table
 
 import attngeom as ag
 from attngeom.analyze.kernels import topn_metrics, value_statistics
-from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed
+from attngeom.analyze.parameters import RANDOM_DRAWS, default_n_grid
+from attngeom.analyze.runner import open_completed
 from attngeom.synthetic import write_synthetic_run
 
 BLAS = Blas()

@@ -29,7 +29,7 @@ import numpy as np
 from common import Blas, fmt, int_list, median, table as md_table
 
 from attngeom.analyze.kernels import topn_metrics, value_statistics
-from attngeom.analyze.stage import default_n_grid
+from attngeom.analyze.parameters import default_n_grid
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 

@@ -44,7 +44,8 @@ from common import extract_store, int_list, load, timed
 
 import attngeom as ag
 from attngeom.analyze.kernels import head_metrics
-from attngeom.analyze.stage import RANDOM_DRAWS, default_n_grid, open_completed
+from attngeom.analyze.parameters import RANDOM_DRAWS, default_n_grid
+from attngeom.analyze.runner import open_completed
 from attngeom.store import analysis_path
 
 DATASET = "python-docs"

@@ -109,8 +109,7 @@ ABLATED_SEQUENCES = 6
 def ablated_store_source(tiny_model_dir, word_corpus, tmp_path_factory) -> Path:
     """A real store: run r, ABLATED_SEQUENCES sequences of a tiny llama (L = 16), analyzed
     (n grid 1, 2, 4) and ablated; never changed (see `ablated_store`)."""
-    from attngeom.analyze.stage import analyze
-    from attngeom.api import ablate
+    from attngeom.api import ablate, analyze
     from attngeom.extract.pipeline import ExtractRequest, extract
 
     store = tmp_path_factory.mktemp("ablated") / "s.zarr"

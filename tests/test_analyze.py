@@ -22,22 +22,17 @@ import zarr
 from click.testing import CliRunner
 from test_analyze_kernels import brute_topn, brute_value_statistics
 
-from attngeom.analyze import stage
+from attngeom.analyze import runner
+from attngeom.analyze.blocks import template_groups
+from attngeom.analyze.parameters import instance_seed
+from attngeom.analyze.reductions import _sorted_median, _sorted_quantiles
 from attngeom.analyze.scheduling import _worker_processes
-from attngeom.analyze.stage import (
-    _instance_seed,
-    _Plan,
-    _kept,
-    _prepare,
-    analyze,
-    nan_median,
-    nan_quantiles,
-    run_regimes,
-)
+from attngeom.api import analyze
+from attngeom.regimes import run_regimes
 from attngeom.cli import main
 from attngeom.errors import IncompleteGroupError
-from attngeom.store import access
-from attngeom.store.derived import DerivedWrite, Pending
+from attngeom.store import nodes
+from attngeom.store.session import StoreSession
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.report.data import load_runs
 from attngeom.store import (
@@ -50,6 +45,7 @@ from attngeom.store import (
     derived_state,
     open_dataset,
     open_derived,
+    open_or_create_root,
     open_root,
     replace_groups,
     resize_run,
@@ -97,7 +93,7 @@ def test_topn_equals_brute_force_value_by_value(analyzed, run):
             attn = ds["attn_last"].values[s, layer].astype(np.float64)
             vals = ds["values"].values[s, layer][head_kv].astype(np.float64)
             att = np.broadcast_to(ds["attendable"].values[layer], attn.shape)
-            want = brute_topn(attn, vals, att, GRID, seed=_instance_seed(0, s, layer))
+            want = brute_topn(attn, vals, att, GRID, seed=instance_seed(0, s, layer))
             got = topn.isel(seq=s, layer=layer)
             for name in TOPN_VARIABLES:
                 np.testing.assert_allclose(got[name].values, want[name], rtol=1e-9, atol=1e-12, err_msg=name)
@@ -245,15 +241,25 @@ def test_groups_of_a_run_larger_than_a_dask_chunk_are_created(tmp_path):
     n_seq, layers, heads = 1000, 32, 32
     ds = xr.Dataset(coords={"seq": np.arange(n_seq), "layer": np.arange(layers), "head": np.arange(heads)})
     store = str(tmp_path / "s.zarr")
-    zarr.open_group(store, path="runs/r", mode="w")
-    plan = _Plan(target=tuple(range(n_seq)), keep=(), staged=False, keep_commit=False, recomputed=None)
-    with DerivedWrite(store, "r", ANALYSIS) as write:
-        assert _kept(write, ds, plan) == ()
-        _prepare(write, ds, plan, (), Pending({}, ()), [1, 2, 4], seed=0)
+    open_or_create_root(store).require_group("runs/r")
+    with StoreSession(store, mode="a") as session, session.derived("r", ANALYSIS) as write:
+        plan = write.begin({}, range(n_seq), ("topn", "values", "taxonomy"), ("topn", "values", "taxonomy"))
+        assert plan.keep == () and not plan.up_to_date
+        write.create(template_groups(ds, [1, 2, 4], seed=0), 4)
     recall = zarr.open_group(store, path="runs/r/analysis/topn", mode="r")["recall"]
     assert recall.shape == (n_seq, layers, heads, 3) and recall.chunks == (4, layers, heads, 3)
     votes = zarr.open_group(store, path="runs/r/analysis/taxonomy", mode="r")["votes"]
     assert votes.shape == (n_seq, layers, heads, 3) and votes.chunks == (4, layers, heads, 3)
+
+
+def nan_quantiles(x: np.ndarray, qs) -> np.ndarray:
+    """Quantiles along axis 0 ignoring NaN, from the summary's sort-once interpolation."""
+    return _sorted_quantiles(np.sort(x, axis=0), np.sum(~np.isnan(x), axis=0), qs)
+
+
+def nan_median(x: np.ndarray) -> np.ndarray:
+    """Median along axis 0 ignoring NaN, from the summary's sort-once median."""
+    return _sorted_median(np.sort(x, axis=0), np.sum(~np.isnan(x), axis=0))
 
 
 def test_vectorized_quantiles_equal_numpy():
@@ -273,14 +279,14 @@ def test_vectorized_quantiles_equal_numpy():
 KILLER = textwrap.dedent("""
     import glob, os, signal, sys
     import zarr
-    from attngeom.analyze import stage
+    from attngeom.analyze import runner
     from attngeom.cli import main
-    from attngeom.store import access
+    from attngeom.store import nodes
 
     # One (sequence, layer) task per batch of the tiny model: many batches, many records.
-    stage.BATCH_TASKS = 3
+    runner.BATCH_TASKS = 3
     limit, count = int(os.environ["KILL_AT_WRITE"]), 0
-    set_, put_local = zarr.storage.LocalStore.set, access._put_local
+    set_, put_local = zarr.storage.LocalStore.set, nodes._put_local
 
     def write():
         global count
@@ -299,7 +305,7 @@ KILLER = textwrap.dedent("""
         put_local(path, value, folders)
 
     zarr.storage.LocalStore.set = killing
-    access._put_local = killing_local
+    nodes._put_local = killing_local
     try:
         main(sys.argv[1:], standalone_mode=False)
     finally:
@@ -447,7 +453,7 @@ def test_batches_in_flight_and_worker_counts_change_nothing(llama_stores, refere
     three, _, _ = llama_stores
     store = tmp_path / "s.zarr"
     shutil.copytree(three, store)
-    monkeypatch.setattr(stage, "BATCH_TASKS", 1)
+    monkeypatch.setattr(runner, "BATCH_TASKS", 1)
     analyze(str(store), scheduler="threads", n_grid=GRID, progress=False)
     assert_bitwise(analysis(store), reference["three"])
     monkeypatch.undo()
@@ -483,7 +489,7 @@ def test_interrupted_ablation_write_is_reported_and_earlier_kept(tmp_path, monke
     class Crash(Exception):
         pass
 
-    set_, put_local = zarr.storage.LocalStore.set, access._put_local
+    set_, put_local = zarr.storage.LocalStore.set, nodes._put_local
     keys: list[str] = []
     crash_at = None
 
@@ -501,7 +507,7 @@ def test_interrupted_ablation_write_is_reported_and_earlier_kept(tmp_path, monke
         put_local(path, value, folders)
 
     monkeypatch.setattr(zarr.storage.LocalStore, "set", crashing)
-    monkeypatch.setattr(access, "_put_local", crashing_local)
+    monkeypatch.setattr(nodes, "_put_local", crashing_local)
     replace_groups(url, "r", ABLATION, second, {"seed": 1})
     record = [i + 1 for i, k in enumerate(keys) if k == "runs/r/ablation/zarr.json"]
     staging = next(i + 1 for i, k in enumerate(keys) if "/_next/single/x/c" in k)

@@ -258,7 +258,7 @@ def test_import_attngeom_loads_no_torch_and_stage_names_stay_callable():
     code = (
         "import sys, attngeom as ag\n"
         "assert not {'torch', 'transformers', 'zarr', 'matplotlib'} & set(sys.modules), sorted(sys.modules)\n"
-        "import attngeom.extract.pipeline as p, attngeom.analyze.stage, attngeom.report.build\n"
+        "import attngeom.extract.pipeline as p, attngeom.analyze.runner, attngeom.report.build\n"
         "from attngeom.ablate import ablate, AblateRequest\n"
         "assert callable(ag.extract) and callable(ag.analyze) and callable(ag.ablate) and callable(ag.report)\n"
         "assert ag.extract.pipeline is p\n"

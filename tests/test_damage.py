@@ -265,12 +265,12 @@ def test_failed_extract_leaves_no_new_store(tiny_model_dir, word_corpus, tmp_pat
 
 
 def test_ctrl_c_says_how_to_finish(store, monkeypatch):
-    import attngeom.analyze.stage as stage
+    import attngeom.analyze.runner as runner
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(stage, "analyze", interrupted)
+    monkeypatch.setattr(runner, "analyze", interrupted)
     code, lines = run("analyze", "--store", str(store))
     assert code == 130
     assert lines == ["attngeom: interrupted; nothing of the store is lost; run the same command again to finish the analysis"]

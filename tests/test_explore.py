@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
 from attngeom.analyze.kernels import topn_metrics
-from attngeom.analyze.stage import analyze
+from attngeom.api import analyze
 from attngeom.api import explore
 from attngeom.cli import main
 from attngeom.errors import InputError, RunNotFoundError, StoreNotFoundError

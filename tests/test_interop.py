@@ -16,7 +16,7 @@ import pytest
 import xarray as xr
 import zarr
 
-from attngeom.analyze.stage import analyze
+from attngeom.api import analyze
 from attngeom.api import ablate
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.store import (

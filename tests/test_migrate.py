@@ -15,7 +15,7 @@ import xarray as xr
 import zarr
 from click.testing import CliRunner
 
-from attngeom.analyze.stage import analyze
+from attngeom.api import analyze
 from attngeom.cli import main
 from attngeom.errors import AttngeomError
 from attngeom.extract.pipeline import ExtractRequest, extract

@@ -19,7 +19,8 @@ from test_capture import eager_reference
 from test_explore import _browser, _load
 
 import attngeom as ag
-from attngeom.analyze.stage import _instance_seed, analyze
+from attngeom.analyze.parameters import instance_seed
+from attngeom.api import analyze
 from attngeom.cli import main
 from attngeom.errors import InputError
 from attngeom.extract.capture import attention_summaries
@@ -140,7 +141,7 @@ def test_early_queries_match_a_brute_force_twin_on_their_keys(built):
                 alpha = ds["attn_rows"].values[seq, layer, :, i, : q + 1].astype(np.float64)
                 per_head = values[head_kv, : q + 1]
                 masks = np.broadcast_to(att, alpha.shape)
-                want = brute_topn(alpha, per_head, masks, GRID, seed=_instance_seed(0, seq, layer))
+                want = brute_topn(alpha, per_head, masks, GRID, seed=instance_seed(0, seq, layer))
                 got = by_query.isel(seq=seq, layer=layer, query_pos=i)
                 for name, x in want.items():
                     if name in COUNTS:

@@ -56,7 +56,8 @@ def test_real_model_kernels_match_brute_force(name, tmp_path):
     """The analyze kernels on a real store, kv heads shared by their query heads as the stage
     calls them, against the brute-force twin on each query head's own values."""
     from attngeom.analyze.kernels import topn_metrics, value_statistics
-    from attngeom.analyze.stage import default_n_grid, open_completed
+    from attngeom.analyze.parameters import default_n_grid
+    from attngeom.analyze.runner import open_completed
     from test_analyze_kernels import _assert_same, brute_topn, brute_value_statistics
 
     store = str(tmp_path / "s.zarr")

@@ -17,9 +17,9 @@ import pytest
 import xarray as xr
 import zarr
 
-from attngeom.analyze.stage import analyze
+from attngeom.api import analyze
 from attngeom.api import ablate
-from attngeom.store.derived import DerivedWrite
+from attngeom.store.session import StoreSession
 from attngeom.store.schema import ANALYSIS
 
 from conftest import ABLATED_SEQUENCES
@@ -238,7 +238,7 @@ def test_concurrent_analyzes_of_a_run_run_one_after_the_other(store, ablated_sto
     url = str(store)
     probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY)\n"
              "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(3)")
-    with DerivedWrite(url, "r", ANALYSIS):
+    with StoreSession(url, mode="a") as session, session.derived("r", ANALYSIS):
         assert subprocess.run([sys.executable, "-c", probe, str(store / "runs/r")]).returncode == 3
     assert subprocess.run([sys.executable, "-c", probe, str(store / "runs/r")]).returncode == 0
 

@@ -15,7 +15,7 @@ import xarray as xr
 from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
-from attngeom.analyze.stage import analyze
+from attngeom.api import analyze
 from attngeom.palette import REGIME_COLORS
 from attngeom.report import build_report
 from attngeom.report.build import FIGURES, TABLES, draw_figure, select_runs

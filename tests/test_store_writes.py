@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import xarray as xr
 import zarr
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
+from zarr.buffer import default_buffer_prototype
 
+from attngeom.store._zarr import sync
 from attngeom.store import open_dataset, write_dataset, zarr_store
-from attngeom.store.access import encode_labels
+from attngeom.store.datasets import encode_labels
 from attngeom.store.codecs import compressors
 
 
@@ -284,7 +284,7 @@ def test_new_chunks_are_stored_as_zarr_stores_them(local, tmp_path):
     """write_new_chunks against zarr's own writes of the same values into chunks it does not
     hold: a whole chunk, an edge chunk (padded with the fill value) and one all fill value
     (stored all the same), float and integer."""
-    from attngeom.store.access import write_new_chunks
+    from attngeom.store.datasets import write_new_chunks
 
     url = str(tmp_path / "s.zarr") if local else f"memory://new-chunks-{local}"
     zstore = zarr_store(url, read_only=False)
@@ -317,7 +317,7 @@ def test_new_chunks_are_stored_as_zarr_stores_them(local, tmp_path):
 def test_a_local_store_lists_the_metadata_a_store_lists(tmp_path):
     """node_metadata reads a local folder itself: the documents the store's own listing
     gives, an unreadable one as None, whatever the folder order."""
-    from attngeom.store.access import node_metadata
+    from attngeom.store.nodes import node_metadata
     from attngeom.synthetic import write_synthetic_run
 
     url = tmp_path / "s.zarr"
@@ -342,7 +342,7 @@ def test_a_failed_local_write_leaves_no_partial_object(tmp_path, monkeypatch):
     import errno
     from pathlib import Path
 
-    from attngeom.store.access import put_objects
+    from attngeom.store.nodes import put_objects
 
     url = tmp_path / "s.zarr"
     zstore = zarr_store(str(url), read_only=False)

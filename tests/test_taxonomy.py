@@ -2,15 +2,46 @@
 
 from __future__ import annotations
 
+import dask.array as da
 import numpy as np
 import xarray as xr
 from click.testing import CliRunner
 
+from attngeom import regimes
 from attngeom.analyze import taxonomy
-from attngeom.analyze.stage import analyze, votes_dataset
+from attngeom.analyze.blocks import _votes_variables
+from attngeom.api import analyze
 from attngeom.cli import main
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.store import SIGNATURE_VARIABLES, open_dataset
+
+
+def _votes_from_rows_block(rows, values, *, head_kv):
+    """Full rows (1,1,H,Q,K) and values (1,1,KV,K,D) -> vote counts (1,1,H,3)."""
+    winner = taxonomy.winners_from_rows(rows[0, 0], values[0, 0], head_kv)
+    return taxonomy.query_votes(winner)[None, None]
+
+
+def _vote_blocks(ds: xr.Dataset) -> da.Array:
+    """Lazy (seq, layer, head, vote) query-vote counts: from the full rows and values when
+    the run kept them (``--store-rows all``), else from the stored winners."""
+    if "attn" in ds:
+        return da.blockwise(
+            _votes_from_rows_block, "slhv",
+            ds["attn"].data, "slhqk", ds["values"].data, "slgkd",
+            new_axes={"v": 3}, concatenate=True, dtype=np.int64, head_kv=ds["head_kv"].values,
+        )
+    winner = ds["winner"].data
+    return da.map_blocks(taxonomy.query_votes, winner, chunks=winner.chunks[:3] + ((3,),), dtype=np.int64)
+
+
+def votes_dataset(ds: xr.Dataset) -> xr.Dataset:
+    """Lazy (seq, layer, head, vote) query-vote counts (docs/method.md#head-taxonomy) and each sequence's label.
+
+    From the full rows and values when the run kept them (``--store-rows all``), else from
+    the stored winners.
+    """
+    return _votes_variables(_vote_blocks(ds).rechunk({1: -1}), ds)
 
 
 def brute_label(winner_rows: np.ndarray) -> int:
@@ -121,12 +152,12 @@ def test_distribution_and_cross_corpus_tables():
     a = np.array([["Mixer", "Reset"], ["Retriever", "Mixer"]], dtype=object)
     b = np.array([["Mixer", "Mixer"], ["Retriever", "Mixer"]], dtype=object)
     labels = {"m__wiki": ("m", "wiki", a), "m__docs": ("m", "docs", b), "other": ("o", "wiki", a)}
-    rows = {r["run"]: r for r in taxonomy.distribution(labels)}
+    rows = {r["run"]: r for r in regimes.distribution(labels)}
     assert rows["m__wiki"]["Mixer"] == 2 and rows["m__wiki"]["Mixer_pct"] == 50.0
-    (pair,) = taxonomy.cross_corpus(labels)
+    (pair,) = regimes.cross_corpus(labels)
     assert pair["datasets"] == "docs - wiki"
     assert pair["Mixer_pp"] == 25.0 and pair["Reset_pp"] == -25.0 and pair["agreement"] == 0.75
-    assert "agreement" in taxonomy.format_tables(labels)
+    assert "agreement" in regimes.format_tables(labels)
 
 
 def test_taxonomy_command_needs_an_analyzed_run(tmp_path):

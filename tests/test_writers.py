@@ -16,7 +16,7 @@ import pytest
 import xarray as xr
 from click.testing import CliRunner
 
-from attngeom.analyze.stage import analyze
+from attngeom.api import analyze
 from attngeom.cli import main
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.store import objects, open_dataset, open_root, open_run_group, run_ids, validate_store, zarr_store

@@ -80,13 +80,10 @@ from attngeom.store import (
     check_committed,
     completed,
     open_derived,
-    open_root,
-    open_run_group,
     reading_run,
-    require_run,
     run_provenance,
 )
-from attngeom.store.derived import DerivedWrite
+from attngeom.store.session import StoreSession
 
 # How each method (schema.METHODS, in that order) orders the heads of a layer, first kept first.
 RANKINGS = {
@@ -166,7 +163,7 @@ def _store_diagnostics(run: zarr.Group, seqs: np.ndarray, top_n: int) -> dict[st
     return {name: total / len(seqs) for name, total in sums.items()}
 
 
-def _analysis_heads(url: str, run: zarr.Group, run_id: str) -> xr.Dataset | None:
+def _analysis_heads(url: str, run_id: str) -> xr.Dataset | None:
     """analyze's (layer, head) table, or None when the run has not been analyzed."""
     try:
         heads = open_derived(url, run_id, ANALYSIS, "heads")
@@ -370,10 +367,15 @@ def ablate(request: AblateRequest) -> AblateResult:
     Datasets and writes them, replacing any earlier ablation.
     """
     start = time.perf_counter()
-    inputs = _read_run(request)
-    measured = _measure(request, inputs)
-    groups, table = _assemble(request, inputs, measured)
-    _write_ablation(request.store, request.run_id, groups)
+    with StoreSession(request.store, mode="a") as session:
+        inputs = _read_run(request, session)
+        measured = _measure(request, inputs)
+        groups, table = _assemble(request, inputs, measured)
+        # Replaced as a whole, committed last: no group of an older ablation survives, and an
+        # interrupted write leaves the older one readable. The commit records the protocol
+        # and parameters every group carries in its attributes.
+        with session.derived(request.run_id, ABLATION) as write:
+            write.replace(groups, groups["single"].attrs[ATTR_KEY])
     if request.out is not None:
         _write_tables(request.out, request.run_id, groups, table)
     return AblateResult(
@@ -382,19 +384,18 @@ def ablate(request: AblateRequest) -> AblateResult:
     )
 
 
-def _read_run(request: AblateRequest) -> _RunInputs:
-    """Check the request against the run and read what the run provides (no model)."""
+def _read_run(request: AblateRequest, session: StoreSession) -> _RunInputs:
+    """Check the request against the run of the ``session``'s store and read what the run
+    provides (no model)."""
     retention = request.retention
     if not all(0.0 <= f <= 1.0 for f in retention) or not retention:
         raise InputError("--retention takes fractions between 0 and 1")
     if request.random_masks < 0 or request.batch_size < 1 or request.top_n < 1:
         raise InputError("--random-masks must be >= 0, --batch-size and top-N >= 1")
     store, run_id = request.store, request.run_id
-    root = open_root(store, mode="a")
-    require_run(root, run_id, store)
-    run = open_run_group(root, run_id)
+    run = session.run(run_id)
     check_committed(store, run, run_id)
-    provenance = run_provenance(root, run_id)
+    provenance = run_provenance(session.root, run_id)
     _check_model(request, provenance)
     seqs = completed(run)[: request.max_sequences]
     if len(seqs) < 2:
@@ -412,7 +413,7 @@ def _read_run(request: AblateRequest) -> _RunInputs:
     with reading_run(store, run, run_id):
         diagnostics = _store_diagnostics(run, importance, request.top_n)
         tokens = run["tokens"].get_orthogonal_selection((seqs, slice(None))).astype(np.int64)
-    heads = _analysis_heads(store, run, run_id)
+    heads = _analysis_heads(store, run_id)
     skipped: dict[str, str] = {}
     regime = None
     if heads is not None and "regime" in heads:
@@ -600,14 +601,6 @@ def _assemble(
     if inputs.regime is not None:
         groups["regimes"] = _regimes_dataset(inputs.regime, impact, protected).assign_attrs(attrs)
     return groups, table
-
-
-def _write_ablation(url: str, run_id: str, groups: dict[str, xr.Dataset]) -> None:
-    """Replace the run's previous results as a whole, committed last: no group of an older
-    ablation survives, and an interrupted write leaves the older one readable. The commit
-    records the protocol and parameters every group carries in its attributes."""
-    with DerivedWrite(url, run_id, ABLATION) as write:
-        write.replace(groups, groups["single"].attrs[ATTR_KEY])
 
 
 def _write_tables(out: Path, run_id: str, groups: dict[str, xr.Dataset], table: pd.DataFrame) -> None:

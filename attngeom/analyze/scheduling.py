@@ -83,10 +83,9 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
     A ``memory://`` store lives in this process only, so it is always analyzed with threads.
     Each worker (process or thread) runs numpy with one BLAS thread.
 
-    Measured on 2 cores (smollm2-135m, L = 512, 4 sequences, benchmarks/analyze_vs_extract.py):
-    the analysis kernels hold the GIL in many small numpy steps, so two threads run them
-    1.0-1.3x faster than one and two forked processes 1.7-1.9x; a LocalCluster costs more to
-    start and stop than it gains on one machine.
+    Processes are the default because the analysis kernels hold the GIL in many small numpy
+    steps, so threads share a core's worth of them; a LocalCluster costs more to start and
+    stop than it gains on one machine.
     """
     # Schedulers are set as functions, not names: for a name, every compute asks whether
     # dask.distributed is installed, which imports it (0.33 s of an analyze in a fresh

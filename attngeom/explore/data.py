@@ -14,7 +14,7 @@ import numpy as np
 import xarray as xr
 import zarr
 
-from attngeom.analyze.stage import default_n_grid
+from attngeom.analyze.parameters import default_n_grid
 from attngeom.errors import GroupNotFoundError, RunNotFoundError
 from attngeom.store import (
     ABLATION,

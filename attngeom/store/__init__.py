@@ -1,9 +1,13 @@
 """The store: its contract (docs/store.md), opening and writing, validation and migration.
 
 Modules, by concern: :mod:`~attngeom.store.schema` (layout, names, versions),
-:mod:`~attngeom.store.codecs` (chunk encoding), :mod:`~attngeom.store.access` (URLs, the
-root, groups as Datasets), :mod:`~attngeom.store.runs` (runs and the per-sequence commit),
-:mod:`~attngeom.store.derived` (analysis and ablation groups and their commit record),
+:mod:`~attngeom.store.codecs` (chunk encoding), :mod:`~attngeom.store.nodes` (a URL's zarr
+Store, its objects and node metadata), :mod:`~attngeom.store.access` (the root, the writers'
+hold, consolidated metadata), :mod:`~attngeom.store.session` (one command's store),
+:mod:`~attngeom.store.datasets` (groups as Datasets), :mod:`~attngeom.store.damage` (damage
+errors and recovery), :mod:`~attngeom.store.runs` (runs and the per-sequence commit),
+:mod:`~attngeom.store.derived` and :mod:`~attngeom.store.plan` (analysis and ablation groups
+and their commit record), :mod:`~attngeom.store._zarr` (the zarr internals used),
 :mod:`~attngeom.store.objects` (stored objects and their checks),
 :mod:`~attngeom.store.validate`, :mod:`~attngeom.store.repair` and :mod:`~attngeom.store.migrate`.
 Stages import what they use from here.
@@ -12,18 +16,15 @@ Stages import what they use from here.
 from attngeom.store.access import (
     check_writable,
     consolidate,
-    jsonable,
-    local_path,
-    open_dataset,
     open_or_create_root,
     open_root,
-    read_chunk,
     read_root_attrs,
     store_format,
-    write_dataset,
     writing,
-    zarr_store,
 )
+from attngeom.store.damage import read_chunk, recovery
+from attngeom.store.datasets import open_dataset, write_dataset
+from attngeom.store.nodes import jsonable, local_path, zarr_store
 from attngeom.store.codecs import compressor, compressors, has_checksum, with_checksum
 from attngeom.store.derived import derived_problems, derived_state, open_derived, replace_groups
 from attngeom.store.runs import (
@@ -101,7 +102,7 @@ __all__ = [
     "create_run", "damaged_objects", "default_run_id", "derived_problems", "derived_state",
     "has_checksum", "jsonable", "label_codes", "label_dtype", "local_path", "n_sequences",
     "open_dataset", "open_derived", "open_or_create_root", "open_root", "open_run_group", "query_attendable",
-    "read_chunk", "read_root_attrs", "reading_run", "repair", "replace_groups", "require_run",
+    "read_chunk", "read_root_attrs", "recovery", "reading_run", "repair", "replace_groups", "require_run",
     "require_runs", "resize_run",
     "run_ids", "run_layout", "run_path", "run_provenance", "store_format", "validate_run",
     "validate_store", "with_checksum", "write_dataset", "write_sequence", "writing", "zarr_store",

@@ -20,47 +20,47 @@ writes the commit last: a killed writer leaves either the earlier finished resul
 group that every reader refuses as incomplete. A derived group without any record predates
 records (attngeom 0.1.0 stores) and is read as it is.
 
-One writer owns one update from start to commit: :class:`DerivedWrite` opens the store
-once, holds the run's lock (local stores), finds what of the committed groups is damaged,
-stages, writes, promotes and commits. Analyze and ablate both write through it.
+One writer owns one update from start to commit: :class:`DerivedWrite`, made by the
+command's :class:`~attngeom.store.session.StoreSession`, holds the run's lock (local
+stores), finds what of the committed groups is damaged, plans (:mod:`attngeom.store.plan`),
+stages, writes, promotes and commits, through a few verbs that cannot be called in a wrong
+order. Analyze and ablate both write through it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import xarray as xr
 import zarr
-from zarr.core.sync import sync
 
 from attngeom import __version__
 from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError
-from attngeom.store.access import (
-    DECODE_ERRORS,
+from attngeom.store.access import consolidate
+from attngeom.store.damage import DECODE_ERRORS
+from attngeom.store.datasets import open_dataset, set_regions, write_datasets, write_new_chunks
+from attngeom.store.nodes import (
     PARTIAL_SUFFIX,
-    consolidate,
-    copy_group,
+    delete_objects,
     jsonable,
-    local_path,
+    move_group,
+    node_exists,
     node_metadata,
-    open_dataset,
     read_metadata,
     remove_dir,
-    write_datasets,
     zarr_store,
 )
 from attngeom.store.objects import chunk_key, chunk_objects, object_damage, object_sizes
+from attngeom.store.plan import Plan, healing, plan_update
 from attngeom.store.schema import ABLATION, ANALYSIS, ATTR_KEY, run_path
 
-try:
-    import fcntl
-except ImportError:  # no flock (Windows): local stores are not locked there either
-    fcntl = None
+if TYPE_CHECKING:
+    from attngeom.store.session import StoreSession
 
 __all__ = [
     "STAGING",
@@ -275,83 +275,186 @@ def _damaged(url: str, state: DerivedState, damage: Damage) -> DamagedStoreError
     )
 
 
-@contextlib.contextmanager
-def _locked(url: str, run_id: str) -> Iterator[None]:
-    """Hold the run's writer lock: an advisory lock on the run's folder (``flock``), so that
-    two writers of one run's derived groups (two analyzes, an analyze and an ablate) run one
-    after the other. Released when the writer ends or dies. An object store (``s3://``,
-    ``gs://``, ``memory://``) has no such lock: there the caller must not run two at once."""
-    local = local_path(url)
-    if local is None or fcntl is None:
-        yield
-        return
-    fd = os.open(local / run_path(run_id), os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def forget_unreadable(url: str, run_id: str, kind: str) -> bool:
-    """Remove ``runs/<run_id>/<kind>`` if its record does not parse (under the run's lock):
-    it tells nothing of what the groups hold, which are written again. True if removed. A
-    writer does this before opening the run with xarray, which reads every child group's
-    metadata."""
-    with _locked(url, run_id):
-        zstore = zarr_store(url, read_only=False)
-        if not _read_state(zstore, run_id, kind).unreadable:
-            return False
-        remove_dir(zstore, _kind_path(run_id, kind))
-        return True
+def forget_unreadable(session: StoreSession, run_id: str, kind: str) -> bool:
+    """Remove ``runs/<run_id>/<kind>`` if its record does not parse (the run locked for the
+    rest of the session): it tells nothing of what the groups hold, which are written again.
+    True if removed. A writer does this before opening the run with xarray, which reads
+    every child group's metadata."""
+    session.lock(run_id)
+    if not _read_state(session.zstore, run_id, kind).unreadable:
+        return False
+    remove_dir(session.zstore, _kind_path(run_id, kind))
+    return True
 
 
 class DerivedWrite:
-    """One update of ``runs/<run_id>/<kind>``, owned from start to commit: open the store
-    once, lock the run, read the record and check the committed groups (``damage``: object
-    presence and sizes, and with ``deep`` every object decoding), then stage, write, promote
-    and commit; on a normal exit, refresh the root's consolidated metadata. A record that
-    does not parse is dropped with the groups it described (they are written again). Use as
-    a context manager::
+    """One update of ``runs/<run_id>/<kind>``, the one owner of its commit record from start
+    to commit (made by :meth:`StoreSession.derived <attngeom.store.session.StoreSession.derived>`).
+    Entered, it locks the run, reads the record (one that does not parse is dropped with the
+    groups it described) and checks the committed groups (``damage``: object presence and
+    sizes, and with ``deep`` every object decoding); on a normal exit it refreshes the
+    root's consolidated metadata. Its verbs, in this order, keep the protocol (the commit
+    withdrawn before anything it covers is touched, written last)::
 
-        with DerivedWrite(url, run_id, ANALYSIS) as write:
-            write.set_pending(...); write.write({name: dataset}); write.promote(...); write.commit(...)
+        with session.derived(run_id, ANALYSIS) as write:
+            plan = write.begin(parameters, target, groups, sequence_groups)
+            if not plan.up_to_date:
+                write.create(templates, seq_chunk)
+                for batch in ...:
+                    write.append(batch_datasets)
+                write.finish(cross_sequence_datasets)
+
+    or, for groups replaced as a whole, ``write.replace(groups, parameters)``. A verb called
+    out of this order raises :class:`RuntimeError`.
     """
 
-    def __init__(self, url: str, run_id: str, kind: str, *, deep: bool = False) -> None:
-        self.url, self.run_id, self.kind, self.deep = url, run_id, kind, deep
+    def __init__(self, session: StoreSession, run_id: str, kind: str, *, deep: bool = False) -> None:
+        self.session, self.url, self.run_id, self.kind, self.deep = session, session.url, run_id, kind, deep
         self.base = _kind_path(run_id, kind)
-        self.zstore = zarr_store(url, read_only=False)
+        self.zstore = session.zstore
         self.state = DerivedState(run_id, kind)
         self.damage: dict[str, Damage] = {}
-        self._exit = contextlib.ExitStack()
+        self.plan: Plan | None = None
         self._record: zarr.Group | None = None
+        self._step = "closed"
+        self._update: _Update | None = None
 
     def __enter__(self) -> DerivedWrite:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_locked(self.url, self.run_id))
-            self.state = _read_state(self.zstore, self.run_id, self.kind)
-            if self.state.unreadable:  # as forget_unreadable
-                self._remove(self.base)
-                self.state = DerivedState(self.run_id, self.kind)
-            names = self.state.commit.groups if self.state.commit is not None else ()
-            self.damage = _damage(self.zstore, self.state, names, deep=self.deep) if names else {}
-            # A zarr.json of its size that does not parse (overwritten in place): the group
-            # cannot be read, nor, on a rerun that found nothing else, rewritten.
-            for key, meta in node_metadata(self.zstore, self.base).items():
-                relative = key[len(self.base) + 1 :]
-                group = relative.split("/", 1)[0]
-                if meta is None and group in names and group not in self.damage:
-                    self.damage[group] = Damage(group, ((relative, "unreadable JSON"),), None)
-            self._exit = stack.pop_all()
+        self.session.lock(self.run_id)
+        self.state = _read_state(self.zstore, self.run_id, self.kind)
+        if self.state.unreadable:  # as forget_unreadable
+            remove_dir(self.zstore, self.base)
+            self.state = DerivedState(self.run_id, self.kind)
+        names = self.state.commit.groups if self.state.commit is not None else ()
+        self.damage = _damage(self.zstore, self.state, names, deep=self.deep) if names else {}
+        # A zarr.json of its size that does not parse (overwritten in place): the group
+        # cannot be read, nor, on a rerun that found nothing else, rewritten.
+        for key, meta in node_metadata(self.zstore, self.base).items():
+            relative = key[len(self.base) + 1 :]
+            group = relative.split("/", 1)[0]
+            if meta is None and group in names and group not in self.damage:
+                self.damage[group] = Damage(group, ((relative, "unreadable JSON"),), None)
+        self._step = "open"
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        try:
-            if kind is None:  # last, also when nothing was written: a killed writer may have left it stale
-                consolidate(zarr.open_group(self.zstore, mode="r+", use_consolidated=False))
-        finally:
-            self._exit.close()
+        self._step = "closed"
+        if kind is None:  # last, also when nothing was written: a killed writer may have left it stale
+            consolidate(self.session.root)
+
+    def _advance(self, expected: str, to: str) -> None:
+        if self._step != expected:
+            raise RuntimeError(f"{type(self).__name__}: called while {self._step}, not {expected}")
+        self._step = to
+
+    # The verbs.
+
+    def begin(self, parameters: Mapping[str, Any], target: Sequence[int], groups: Sequence[str],
+              sequence_groups: Sequence[str]) -> Plan:
+        """Start an update with ``parameters`` covering the sequences ``target`` (in ``seq``
+        order) in the groups ``groups``, of which ``sequence_groups`` grow along ``seq``:
+        finish a promotion a killed writer left half done, plan (:func:`plan_update`, and
+        :func:`healing` of ``damage``), and unless the plan is up to date record the update,
+        withdrawing the commit first where the plan writes what it covers in place, and
+        remove the damaged objects it rewrites. The plan's ``keep`` is what the written
+        groups hold of it."""
+        self._advance("open", "begun")
+        params, target = jsonable(dict(parameters)), tuple(int(s) for s in target)
+        groups, sequence_groups = tuple(groups), tuple(sequence_groups)
+        resumed = self._resume_promotion()
+        if resumed is not None:
+            self._commit(Commit(resumed.parameters, groups, resumed.sequences, sequence_groups))
+        plan = healing(plan_update(self.state, params, target), self.damage, sequence_groups)
+        if plan.up_to_date:
+            self._step, self.plan = "done", plan
+            return plan
+        pending = Pending(params, plan.keep, staged=plan.staged)
+        self._set_pending(pending, keep_commit=plan.keep_commit)
+        self._discard_damaged(sequence_groups if not plan.keep_commit else ())
+        plan = replace(plan, keep=self._kept(plan, sequence_groups))
+        self.plan = plan
+        self._update = _Update(Commit(params, groups, target, sequence_groups),
+                               replace(pending, sequences=plan.keep), {})
+        return plan
+
+    def create(self, templates: Mapping[str, xr.Dataset], seq_chunk: int) -> None:
+        """Create the per-sequence groups as ``templates`` (name -> Dataset over the
+        ``target`` sequences, its data never computed: only metadata and the fixed
+        coordinates are written), ``seq_chunk`` sequences a chunk; or, when the plan keeps
+        sequences, grow the kept groups to the target."""
+        self._advance("begun", "writing")
+        update, plan = self._update, self.plan
+        if not plan.keep:
+            self._write(templates, staged=plan.staged, compute=False, chunks={"seq": seq_chunk})
+        else:
+            grow = [arr for name in update.done.sequence_groups for _, arr in self._group(name, plan.staged).arrays()
+                    if tuple(arr.metadata.dimension_names or ())[:1] == ("seq",) and arr.shape[0] != len(plan.target)]
+            # Groups grown in place are read through the kept commit meanwhile.
+            with contextlib.nullcontext() if plan.staged or not grow else self._commit_withdrawn(update.pending):
+                for arr in grow:
+                    arr.resize((len(plan.target), *arr.shape[1:]))
+        # Every chunk is stored, also one equal to the fill value: a position written anew
+        # never shows an older chunk.
+        update.arrays.update({name: {key: arr.async_array.with_config({"write_empty_chunks": True})
+                                     for key, arr in self._group(name, plan.staged).arrays()}
+                              for name in update.done.sequence_groups})
+
+    def append(self, datasets: Mapping[str, xr.Dataset]) -> None:
+        """Write the next sequences of the per-sequence groups (name -> Dataset along
+        ``seq``, the target's sequences after those written so far), then record them."""
+        self._advance("writing", "writing")
+        update = self._update
+        start = len(update.pending.sequences)
+        count = next(iter(datasets.values())).sizes["seq"]
+        sequences = update.done.sequences[start : start + count]
+        for name, data in datasets.items():
+            if tuple(int(s) for s in data["seq"].values) != sequences:
+                raise ValueError(f"{name}: sequences {data['seq'].values.tolist()} are not the next {list(sequences)}")
+        parts = [(update.arrays[name][var], data[var].values) for name, data in datasets.items()
+                 for var in (*data.data_vars, "seq")]
+        if not self.plan.keep:
+            # Chunks the store does not hold yet (a chunk holds a batch's sequences, the
+            # others whole): encoded and stored at once.
+            write_new_chunks(self.zstore, [(arr, (start // arr.chunks[0],) + (0,) * (arr.ndim - 1), values)
+                                           for arr, values in parts])
+        else:
+            set_regions(parts, start)
+        update.pending = replace(update.pending, sequences=update.done.sequences[: start + count])
+        self._set_pending(update.pending, keep_commit=self.plan.keep_commit)
+
+    def read(self, name: str) -> xr.Dataset:
+        """The group ``name`` as a lazy Dataset: during an update, as written so far (not
+        through the commit); else as committed last."""
+        staged = self._step == "writing" and self.plan is not None and self.plan.staged
+        return open_dataset(self.url, self.path(name, staged=staged), zstore=self.zstore)
+
+    def finish(self, datasets: Mapping[str, xr.Dataset]) -> None:
+        """Write the groups across sequences (name -> Dataset, computed from every target
+        sequence), move what was staged into place and commit: the update's last write."""
+        self._advance("writing", "done")
+        update = self._update
+        if update.pending.sequences != update.done.sequences:
+            raise RuntimeError(f"{len(update.pending.sequences)} of {len(update.done.sequences)} sequences written")
+        self._write(datasets)
+        staged = update.done.sequence_groups if self.plan.staged else ()
+        self._promote([*staged, *datasets], update.pending)
+        self._commit(update.done)
+
+    def replace(self, groups: Mapping[str, xr.Dataset], parameters: Mapping[str, Any]) -> None:
+        """Replace every group by ``groups``, as a whole: written into staging while the
+        earlier commit (if any) stays readable, then moved into place, groups of the earlier
+        results that ``groups`` lacks removed, then committed."""
+        self._advance("open", "done")
+        params = jsonable(dict(parameters))
+        self._set_pending(Pending(params, staged=True), keep_commit=True)
+        remove_dir(self.zstore, f"{self.base}/{STAGING}")
+        self._write(groups)
+        kept = zarr.open_group(self.zstore, path=self.base, mode="r", use_consolidated=False)
+        stale = {name for name in kept.group_keys() if name != STAGING} - set(groups)
+        self._promote(list(groups), Pending(params, staged=True))
+        for name in stale:
+            remove_dir(self.zstore, self.path(name))
+        self._commit(Commit(params, tuple(groups)))
 
     # Paths and groups.
 
@@ -359,21 +462,29 @@ class DerivedWrite:
         """``runs/<id>/<kind>/<name>``, or its staging place."""
         return staged_path(self.run_id, self.kind, name) if staged else f"{self.base}/{name}"
 
-    def group(self, name: str, *, staged: bool = False) -> zarr.Group:
-        """The written group ``name``, open for writing."""
+    def _group(self, name: str, staged: bool) -> zarr.Group:
         return zarr.open_group(self.zstore, path=self.path(name, staged=staged), mode="r+", use_consolidated=False)
 
-    def write(self, datasets: Mapping[str, xr.Dataset], *, staged: bool = True, compute: bool = True,
-              chunks: Mapping[str, int] | None = None) -> None:
+    def _write(self, datasets: Mapping[str, xr.Dataset], *, staged: bool = True, compute: bool = True,
+               chunks: Mapping[str, int] | None = None) -> None:
         """Write each Dataset of ``datasets`` (name -> Dataset) as the group ``name`` (in
         staging by default), replacing it, all at once
-        (:func:`~attngeom.store.access.write_datasets`)."""
+        (:func:`~attngeom.store.datasets.write_datasets`)."""
         write_datasets({self.path(name, staged=staged): dataset for name, dataset in datasets.items()}, self.url,
                        compute=compute, chunks=chunks, zstore=self.zstore)
 
-    def read(self, name: str, *, staged: bool = False) -> xr.Dataset:
-        """The written group ``name`` as a lazy Dataset (not through the commit)."""
-        return open_dataset(self.url, self.path(name, staged=staged), zstore=self.zstore)
+    def _kept(self, plan: Plan, sequence_groups: Sequence[str]) -> tuple[int, ...]:
+        """The prefix of ``plan.keep`` its per-sequence groups hold: all of it, or none when
+        a group is missing or holds other sequences."""
+        keep = plan.keep
+        if keep:
+            try:
+                groups = [self._group(name, plan.staged) for name in sequence_groups]
+                if not all(np.array_equal(g["seq"][: len(keep)], keep) for g in groups):
+                    keep = ()
+            except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
+                keep = ()
+        return keep
 
     # The record.
 
@@ -395,7 +506,7 @@ class DerivedWrite:
         self._record.attrs[ATTR_KEY] = record
         self.state = replace(self.state, exists=True, legacy=False, commit=done, pending=pending)
 
-    def set_pending(self, pending: Pending, *, keep_commit: bool) -> None:
+    def _set_pending(self, pending: Pending, *, keep_commit: bool) -> None:
         """Record an update under way; ``keep_commit`` False drops the commit first (in the
         same write), as any writer must before touching what it covers. A kept commit of an
         update appending sequences in place no longer lists the objects of its sequence
@@ -408,7 +519,7 @@ class DerivedWrite:
         self._write_record(done, pending)
 
     @contextlib.contextmanager
-    def commit_withdrawn(self, pending: Pending) -> Iterator[None]:
+    def _commit_withdrawn(self, pending: Pending) -> Iterator[None]:
         """Withdraw the kept commit for the block and restore it after, ``pending`` recorded
         throughout: readers are told an update is under way while the block makes a change
         they must not see half done (a group's arrays resized one after the other hold two
@@ -418,41 +529,40 @@ class DerivedWrite:
         if done is None:
             yield
             return
-        self.set_pending(pending, keep_commit=False)
+        self._set_pending(pending, keep_commit=False)
         yield
         self._write_record(done, pending)
 
-    def commit(self, done: Commit) -> None:
+    def _commit(self, done: Commit) -> None:
         """Write the commit record, listing every stored object of its groups (and forget the
         pending update): the writer's last write. Leftover staging is removed first."""
-        self._remove(f"{self.base}/{STAGING}")
+        remove_dir(self.zstore, f"{self.base}/{STAGING}")
         stored = _stored(self.zstore, self.base)
         objects = {key: size for key, size in stored.items() if key.split("/", 1)[0] in done.groups}
         self._write_record(replace(done, objects=objects), None)
         self.damage = {}
 
-    def discard_damaged(self, names: Sequence[str]) -> None:
+    def _discard_damaged(self, names: Sequence[str]) -> None:
         """Remove the damaged objects of the groups ``names`` (their commit dropped first),
         so that a rewrite in place never reads one."""
-        for name in names:
-            for key, _ in self.damage[name].objects if name in self.damage else ():
-                sync(self.zstore.delete(f"{self.base}/{key}"))
+        delete_objects(self.zstore, [f"{self.base}/{key}" for name in names
+                                     for key, _ in (self.damage[name].objects if name in self.damage else ())])
 
     # Moving groups into place.
 
-    def promote(self, names: Sequence[str], pending: Pending) -> None:
+    def _promote(self, names: Sequence[str], pending: Pending) -> None:
         """Move the staged groups ``names``, complete, into place; ``pending`` says what they
         hold. The commit is dropped for this step (readers see an incomplete group); a rerun
-        after a kill finishes it (:meth:`resume_promotion`). The caller commits next."""
-        self.set_pending(replace(pending, promoting=tuple(names)), keep_commit=False)
+        after a kill finishes it (:meth:`_resume_promotion`). The caller commits next."""
+        self._set_pending(replace(pending, promoting=tuple(names)), keep_commit=False)
         self._finish_promotion(names)
 
     def _finish_promotion(self, names: Sequence[str]) -> None:
         for name in names:
-            if self._exists(self.path(name, staged=True)):
-                self._move(self.path(name, staged=True), self.path(name))
+            if node_exists(self.zstore, self.path(name, staged=True)):
+                move_group(self.url, self.zstore, self.path(name, staged=True), self.path(name))
 
-    def resume_promotion(self) -> Pending | None:
+    def _resume_promotion(self) -> Pending | None:
         """Finish a promotion a killed writer left half done, returning its record (None if
         there was none). Its groups are complete in staging (promotion starts only then), so
         the result is the update's, as if uninterrupted; the caller commits it."""
@@ -462,50 +572,24 @@ class DerivedWrite:
         self._finish_promotion(pending.promoting)
         return pending
 
-    def replace(self, groups: Mapping[str, xr.Dataset], parameters: Mapping[str, Any]) -> None:
-        """Replace every group by ``groups``, as a whole: written into staging while the
-        earlier commit (if any) stays readable, then moved into place, groups of the earlier
-        results that ``groups`` lacks removed, then committed."""
-        params = jsonable(dict(parameters))
-        self.set_pending(Pending(params, staged=True), keep_commit=True)
-        self._remove(f"{self.base}/{STAGING}")
-        self.write(groups)
-        kept = zarr.open_group(self.zstore, path=self.base, mode="r", use_consolidated=False)
-        stale = {name for name in kept.group_keys() if name != STAGING} - set(groups)
-        self.promote(list(groups), Pending(params, staged=True))
-        for name in stale:
-            self._remove(self.path(name))
-        self.commit(Commit(params, tuple(groups)))
 
-    # Moving and removing groups: a folder rename on a local store; on any other store
-    # (object stores have no rename) a copy of each object through the zarr Store, then a delete.
+@dataclass
+class _Update:
+    """An update under way: ``done`` the commit it ends with, ``pending`` what is recorded
+    written so far, ``arrays`` the per-sequence groups' arrays (group -> name -> array)."""
 
-    def _remove(self, path: str) -> None:
-        remove_dir(self.zstore, path)
-
-    def _move(self, source: str, target: str) -> None:
-        """Move the group at ``source`` to ``target``, replacing it."""
-        self._remove(target)
-        local = local_path(self.url)
-        if local is not None:
-            os.replace(local / source, local / target)
-            return
-
-        async def move() -> None:
-            await copy_group(self.zstore, source, self.zstore, target)
-            await self.zstore.delete_dir(source)
-
-        sync(move())
-
-    def _exists(self, path: str) -> bool:
-        return sync(self.zstore.exists(f"{path}/zarr.json"))
+    done: Commit
+    pending: Pending
+    arrays: dict[str, dict[str, Any]]
 
 
 def replace_groups(url: str, run_id: str, kind: str, groups: Mapping[str, xr.Dataset],
                    parameters: Mapping[str, Any]) -> None:
     """Replace every group of ``runs/<run_id>/<kind>`` by ``groups``, as a whole
     (:meth:`DerivedWrite.replace`)."""
-    with DerivedWrite(url, run_id, kind) as write:
+    from attngeom.store.session import StoreSession
+
+    with StoreSession(url, mode="a") as session, session.derived(run_id, kind) as write:
         write.replace(groups, parameters)
 
 
@@ -579,7 +663,7 @@ def derived_problems(url: str, run_id: str, committed_sequences: Sequence[int]) 
         for name in state.commit.groups:
             if name in damage:
                 problems.append(str(_damaged(url, state, damage[name])))
-            elif not state.commit.objects and not sync(zstore.exists(f"{_kind_path(run_id, kind)}/{name}/zarr.json")):
+            elif not state.commit.objects and not node_exists(zstore, f"{_kind_path(run_id, kind)}/{name}"):
                 problems.append(f"run {run_id}: {kind} is committed but lacks its group '{name}'")
         unknown = sorted(set(state.commit.sequences) - done)
         if unknown:

@@ -29,8 +29,7 @@ from typing import Any
 import numpy as np
 import zarr
 from tqdm.auto import tqdm
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
+from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import DamagedStoreError, SchemaError, StoreNotFoundError
 from attngeom.store import (
@@ -50,7 +49,9 @@ from attngeom.store import (
     with_checksum,
     zarr_store,
 )
-from attngeom.store.access import local_path, metadata_bytes, remove_partials
+from attngeom.store._zarr import sync
+from attngeom.store.access import remove_partials
+from attngeom.store.nodes import local_path, metadata_bytes
 
 TEMPORARY = "_migrating"
 

@@ -10,10 +10,11 @@ from typing import Any
 import crc32c
 import numpy as np
 import zarr
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
+from zarr.buffer import default_buffer_prototype
 
-from attngeom.store.access import DECODE_ERRORS, local_files, stored_grid
+from attngeom.store._zarr import sync
+from attngeom.store.damage import DECODE_ERRORS, stored_grid
+from attngeom.store.nodes import local_files
 
 __all__ = ["chunk_key", "chunk_objects", "object_damage", "object_sizes"]
 

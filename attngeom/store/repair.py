@@ -21,23 +21,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import zarr
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
+from zarr.buffer import default_buffer_prototype
+from attngeom.store._zarr import sync
 
 from attngeom import __version__
 from attngeom.errors import StoreNotFoundError
 from attngeom.store.access import (
-    DECODE_ERRORS,
     check_writable,
     consolidate,
-    local_path,
-    node_metadata,
     open_root,
     quiet_leftovers,
     stale_consolidated,
     writing,
-    zarr_store,
 )
+from attngeom.store.damage import DECODE_ERRORS
+from attngeom.store.nodes import local_path, node_metadata, zarr_store
 from attngeom.store.codecs import has_checksum
 from attngeom.store.objects import chunk_key, chunk_objects, object_damage
 from attngeom.store.runs import array_metadata_bytes, completed, open_run_group, run_coordinates, run_layout
@@ -197,7 +195,7 @@ def _rewrite_coordinates(root: zarr.Group, runs: list[str]) -> list[str]:
         except (KeyError, TypeError, *DECODE_ERRORS):
             continue  # named by validate
         members = {name: run[name] for name in run_coordinates(layout) if name in run}
-        for name in wrong_coordinates(run, layout, members):
+        for name in wrong_coordinates(layout, members):
             members[name][...] = run_coordinates(layout)[name]
             rewritten.append(f"{run.path}/{name}/c/0")
     return rewritten

@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
+from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import RunNotFoundError
-from attngeom.store.access import jsonable, quiet_leftovers
+from attngeom.store._zarr import sync
+from attngeom.store.access import quiet_leftovers
 from attngeom.store.codecs import VALUES_CODEC, compressors
+from attngeom.store.nodes import jsonable
 from attngeom.store.schema import (
     ATTR_KEY,
     RUN_VARIABLES,
@@ -143,8 +144,7 @@ def create_run(
 
 
 async def _create_arrays(run: zarr.Group, layout: RunLayout, n_seq: int) -> None:
-    # All arrays at once: creating a run (smollm2-135m, gemma3-270m) took a median 32-34 ms so
-    # against 48-49 ms one array after another.
+    # All arrays at once: their creations wait on the store, not on each other.
     group = await _opened(run)
     existing = {name: member async for name, member in group.members() if isinstance(member, zarr.AsyncArray)}
     coordinates = run_coordinates(layout)

@@ -18,29 +18,30 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
+from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import AttngeomError, DamagedStoreError
+from attngeom.store._zarr import sync
 from attngeom.store.access import (
-    DECODE_ERRORS,
-    RESTORE,
-    damaged_chunk,
-    local_path,
-    metadata_damage,
     partials,
     quiet_leftovers,
     read_root_attrs,
-    recovery,
     stale_consolidated,
-    stored_grid,
     store_format,
-    unreadable_metadata,
-    zarr_store,
 )
 from attngeom.store.codecs import has_checksum
-from attngeom.store.objects import chunk_objects, object_damage
+from attngeom.store.damage import (
+    DECODE_ERRORS,
+    RESTORE,
+    damaged_chunk,
+    metadata_damage,
+    recovery,
+    stored_grid,
+    unreadable_metadata,
+)
 from attngeom.store.derived import derived_problems
+from attngeom.store.nodes import local_path, zarr_store
+from attngeom.store.objects import chunk_objects, object_damage
 from attngeom.store.runs import completed, open_run_group, run_coordinates, run_ids, run_layout
 from attngeom.store.schema import (
     ABLATION,
@@ -159,7 +160,7 @@ def _members(run: zarr.Group) -> dict[str, zarr.Array]:
     return out
 
 
-def wrong_coordinates(run: zarr.Group, layout: RunLayout, members: Mapping[str, zarr.Array]) -> list[str]:
+def wrong_coordinates(layout: RunLayout, members: Mapping[str, zarr.Array]) -> list[str]:
     """The run's coordinate arrays that do not hold what its layout records (a lost chunk
     reads as zeros; a damaged one does not decode)."""
     wrong = []
@@ -180,7 +181,7 @@ def coordinate_problems(run: zarr.Group, layout: RunLayout, members: Mapping[str
     return [
         f"run {run.path.rsplit('/', 1)[-1]}: coordinate '{name}' does not hold what the run's layout records "
         f"(a lost or damaged chunk); run `attngeom validate --store {url} --repair` to rewrite it"
-        for name in wrong_coordinates(run, layout, members)
+        for name in wrong_coordinates(layout, members)
     ]
 
 

@@ -1,0 +1,265 @@
+"""Groups as xarray Datasets: opened lazily with damaged chunks named, label variables as
+integer codes, derived groups encoded in memory and written whole."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import dask.array as da
+import numpy as np
+import xarray as xr
+import zarr
+
+from attngeom.store._zarr import ArrayV3Metadata, GroupMetadata
+from attngeom.store.access import quiet_leftovers, writing
+from attngeom.store.codecs import chunk_encoder, compressors
+from attngeom.store.damage import DECODE_ERRORS, locate_damage, metadata_damage
+from attngeom.store.nodes import gather, metadata_bytes, put_objects, remove_dir, zarr_store
+from attngeom.store.schema import ATTR_KEY, LABEL_ORDERS, LABELS, label_codes, label_dtype
+
+class _CheckedArray:
+    """A lazy variable of a group whose reads name a damaged chunk (the chunks dask reads)."""
+
+    def __init__(self, url: str, path: str, variable: xr.Variable) -> None:
+        self.url, self.path, self.variable = url, path, variable
+        self.shape, self.dtype, self.ndim = variable.shape, variable.dtype, variable.ndim
+
+    def __getitem__(self, key: tuple[slice, ...]) -> np.ndarray:
+        try:
+            return np.asarray(self.variable[key].values)
+        except DECODE_ERRORS as exc:
+            arr = zarr.open_array(zarr_store(self.url, read_only=True), path=self.path, mode="r")
+            error = locate_damage(self.url, arr, key)
+            if error is None:
+                raise
+            raise error from exc
+
+
+def open_dataset(url: str, group: str, *, zstore: Any = None) -> xr.Dataset:
+    """The group ``group`` of the store at ``url`` as a lazy Dataset, read from its own
+    metadata (never the consolidated copy, which lags behind writers). The one way attngeom
+    opens a group as a Dataset.
+
+    Label variables, stored as integer codes (see :func:`write_dataset`), come back as
+    strings. Data are read by dask in the arrays' (inner) chunks; a chunk that fails to
+    decode raises :class:`CorruptChunkError` naming it, an unreadable ``zarr.json``
+    :class:`DamagedStoreError`. ``zstore``: the store at ``url`` already open (a writer's).
+    """
+    try:
+        with quiet_leftovers():
+            ds = xr.open_zarr(zstore if zstore is not None else zarr_store(url, read_only=True), group=group,
+                              consolidated=False, chunks=None)
+    except (FileNotFoundError, zarr.errors.NodeNotFoundError):
+        raise  # no such group: the caller decides what absence means
+    except DECODE_ERRORS as exc:
+        raise metadata_damage(url, group, exc) from exc
+    lazy = {}
+    for name, var in ds.variables.items():
+        if name in ds.indexes:
+            continue  # read when opened
+        checked = _CheckedArray(url, f"{group}/{name}", var)
+        data = da.from_array(
+            checked, chunks=var.encoding.get("chunks") or var.shape, name=f"{group}/{name}-{uuid.uuid4().hex}",
+            lock=False, asarray=False, meta=np.empty((0,) * var.ndim, dtype=var.dtype),
+        )
+        lazy[name] = var.copy(deep=False, data=data)
+    ds = ds.assign_coords({n: v for n, v in lazy.items() if n in ds.coords})
+    ds = ds.assign({n: v for n, v in lazy.items() if n not in ds.coords})
+    return _decode_labels(ds)
+
+
+def _decode_labels(ds: xr.Dataset) -> xr.Dataset:
+    """Integer-coded label variables as their labels (object arrays of str)."""
+    decoded = {}
+    for name, var in ds.variables.items():
+        meta = var.attrs.get(ATTR_KEY)
+        if not isinstance(meta, Mapping) or LABELS not in meta:
+            continue
+        table = np.array([*meta[LABELS], None], dtype=object)  # code -1: no label
+        data = var.data
+        data = data.map_blocks(table.__getitem__, dtype=object) if isinstance(data, da.Array) else table[np.asarray(data)]
+        attrs = {k: v for k, v in var.attrs.items() if k not in (ATTR_KEY, "flag_values", "flag_meanings")}
+        decoded[name] = xr.Variable(var.dims, data, attrs)
+    ds = ds.assign_coords({n: v for n, v in decoded.items() if n in ds.coords})
+    return ds.assign({n: v for n, v in decoded.items() if n not in ds.coords})
+
+
+def encode_labels(dataset: xr.Dataset) -> xr.Dataset:
+    """String variables as integer codes of the Zarr v3 core, readable by any implementation:
+    the codes' labels in the variable's attributes, both as CF ``flag_values`` /
+    ``flag_meanings`` (blanks in a label become ``_``) and exactly, as
+    ``attngeom.labels`` (code ``-1``: no label). Labels of a fixed vocabulary
+    (``LABEL_ORDERS``) have the same codes in every store."""
+    encoded = {}
+    for name, var in dataset.variables.items():
+        if var.dtype.kind not in "OUS":
+            continue
+        labels, codes = label_codes(np.asarray(var.values), LABEL_ORDERS.get(str(name), ()))
+        attrs = {
+            **var.attrs,
+            "flag_values": list(range(len(labels))),
+            "flag_meanings": " ".join("_".join(label.split()) or "_" for label in labels),
+            ATTR_KEY: {LABELS: labels},
+        }
+        encoded[name] = xr.Variable(var.dims, codes.astype(label_dtype(len(labels))), attrs)
+    dataset = dataset.assign_coords({n: v for n, v in encoded.items() if n in dataset.coords})
+    return dataset.assign({n: v for n, v in encoded.items() if n not in dataset.coords})
+
+
+def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = True,
+                  chunks: Mapping[str, int] | None = None, zstore: Any = None) -> None:
+    """Write a derived Dataset to ``group``, replacing it, in the store's format: chunk
+    checksums, labels as integer codes (:func:`encode_labels`).
+
+    With ``compute=False`` only the metadata and the numpy-backed variables are written, for
+    later region writes into the dask-backed ones. Arrays are chunked as the data's dask chunks,
+    or as zarr chooses; ``chunks`` gives chunk lengths along some dimensions instead (a
+    variable with one of them is chunked whole along its others). ``zstore``: the store at
+    ``url`` already open for writing (a writer's).
+
+    What is stored is what ``Dataset.to_zarr`` stores (``tests/test_store_writes.py`` holds the two
+    side by side): NaN as the fill value of floats, with xarray's ``_FillValue`` attribute;
+    0 (False) for integers (booleans). The group's objects are encoded in memory first, all
+    of its arrays, then written to the store concurrently, where ``to_zarr`` creates, fills
+    and annotates one array after another: an analysis writes many small arrays, whose
+    round trips through zarr would be most of its writing.
+    """
+    write_datasets({group: dataset}, url, compute=compute, chunks=chunks, zstore=zstore)
+
+
+def write_datasets(datasets: Mapping[str, xr.Dataset], url: str, *, compute: bool = True,
+                   chunks: Mapping[str, int] | None = None, zstore: Any = None) -> None:
+    """:func:`write_dataset` of each Dataset of ``datasets`` (group -> Dataset), all at once:
+    the groups are encoded together, then written together, each replacing its own."""
+    encoded = {group: encode_labels(dataset) for group, dataset in datasets.items()}
+    data = {}
+    for group, dataset in encoded.items():
+        coordinates = set(dataset.coords) - set(dataset.dims)
+        if coordinates:
+            raise ValueError(f"write_dataset stores dimension coordinates only, not {sorted(coordinates)}")
+        lazy = {name: var.data for name, var in dataset.variables.items() if isinstance(var.data, da.Array)}
+        data[group] = {name: None if name in lazy else np.asarray(var.values)
+                       for name, var in dataset.variables.items()}
+        if compute:
+            data[group].update(zip(lazy, da.compute(*lazy.values())))
+    target = zstore if zstore is not None else zarr_store(url, read_only=False)
+    forms: dict[tuple, tuple[ArrayV3Metadata, dict[str, Any]]] = {}
+    objects = {group: _group_objects(dataset, data[group], group, chunks or {}, forms)
+               for group, dataset in encoded.items()}
+
+    with writing(url):
+        for parent in sorted({group.rpartition("/")[0] for group in encoded} - {""}):
+            zarr.open_group(target, path=parent, mode="a", use_consolidated=False)
+        _replace_groups(target, objects)
+
+
+def _replace_groups(target: Any, objects: Mapping[str, Mapping[str, bytes]]) -> None:
+    """Replace each group of ``objects`` (group -> key -> bytes) in the zarr Store
+    ``target`` by those objects, its own ``zarr.json`` last, so that a group with metadata
+    has all of its arrays."""
+    own = {group: f"{group}/zarr.json" for group in objects}
+    rest = {key: value for group, group_objects in objects.items() for key, value in group_objects.items()
+            if key != own[group]}
+    last = {own[group]: objects[group][own[group]] for group in objects}
+    for group in objects:
+        remove_dir(target, group)
+    put_objects(target, rest)
+    put_objects(target, last)
+
+
+def _chunk_shape(var: xr.Variable, chunks: Mapping[str, int]) -> tuple[int, ...] | str:
+    """``chunks`` along its dimensions and whole along the others if it names one of the
+    variable's; else the dask chunks; else zarr's own choice ("auto"), as ``to_zarr``."""
+    if set(chunks) & set(var.dims):
+        return tuple(max(1, chunks.get(dim, size)) for dim, size in var.sizes.items())
+    if isinstance(var.data, da.Array):
+        return tuple(max(1, c[0] if c else 0) for c in var.data.chunks)
+    return "auto"
+
+
+# xarray's ``_FillValue`` attribute of a float variable stored in Zarr v3: the float64 NaN's
+# bytes in base64, whatever the float's width.
+_NAN_FILL_ATTRIBUTE = "AAAAAAAA+H8="
+
+
+# A derived group's chunks are files beside their array's metadata ("c.0.0"), not nested
+# folders ("c/0/0"): an analysis has 160 arrays of one or a few chunks, and the folders were
+# most of the file system's work of writing it.
+_FLAT_CHUNK_KEYS = {"name": "default", "separator": "."}
+
+
+def _group_objects(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], group: str,
+                   chunks: Mapping[str, int], forms: dict[tuple, tuple[ArrayV3Metadata, dict[str, Any]]],
+                   ) -> dict[str, bytes]:
+    """The stored objects of the group ``group`` holding ``dataset``, key -> bytes: its own
+    ``zarr.json``, every array's metadata and, where ``data`` holds its values (None:
+    metadata only), its chunks, as zarr-python writes them (a chunk all fill value is not
+    stored; the documents on one line, :func:`metadata_bytes`). zarr makes the metadata of
+    one array of each form (data type, shape, chunks, dimensions) in ``forms``, shared by the
+    groups of a write; each array takes a copy with its own attributes, rather than each
+    array being made, filled and copied through zarr in turn."""
+    objects = {f"{group}/zarr.json": metadata_bytes(GroupMetadata(attributes=dict(dataset.attrs)).to_dict())}
+    for name, var in dataset.variables.items():
+        form = (var.dtype.str, var.shape, _chunk_shape(var, chunks), var.dims)
+        if form not in forms:
+            made = _array_metadata(var, form[2])
+            forms[form] = (made, made.to_dict())
+        template, document = forms[form]
+        attributes = {**var.attrs, **({"_FillValue": _NAN_FILL_ATTRIBUTE} if var.dtype.kind == "f" else {})}
+        objects[f"{group}/{name}/zarr.json"] = metadata_bytes({**document, "attributes": attributes})
+        if data[name] is not None:
+            objects.update((f"{group}/{name}/{key}", value) for key, value in _chunks(template, data[name]))
+    return objects
+
+
+def _array_metadata(var: xr.Variable, chunks: tuple[int, ...] | str) -> ArrayV3Metadata:
+    """The metadata zarr makes for an array of ``var``'s form, without attributes."""
+    return zarr.create_array(
+        zarr.storage.MemoryStore(), shape=var.shape, dtype=var.dtype, chunks=chunks,
+        compressors=compressors(var.dtype), fill_value=np.nan if var.dtype.kind == "f" else None,
+        dimension_names=var.dims or None, chunk_key_encoding=_FLAT_CHUNK_KEYS,
+    ).metadata
+
+
+def _chunks(meta: ArrayV3Metadata, x: np.ndarray) -> Iterator[tuple[str, bytes]]:
+    """(key, stored bytes) of each chunk of the array ``x`` with metadata ``meta``, one all
+    fill value left out."""
+    encode = chunk_encoder(meta.to_dict())
+    shape, fill = meta.chunk_grid.chunk_shape, meta.fill_value
+    for index in np.ndindex(*(-(-size // c) for size, c in zip(x.shape, shape))):
+        block = _whole(meta, x[tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, shape))])
+        if np.isnan(block).all() if np.isnan(fill) else (block == fill).all():
+            continue
+        yield meta.encode_chunk_key(index), encode(block)
+
+
+def _whole(meta: ArrayV3Metadata, block: np.ndarray) -> np.ndarray:
+    """A chunk's values, padded with the fill value past the array's edge to the chunk
+    shape, as zarr stores a chunk it does not hold yet."""
+    shape = meta.chunk_grid.chunk_shape
+    if block.shape == shape:
+        return block
+    padded = np.full(shape, meta.fill_value, dtype=block.dtype)
+    padded[tuple(slice(0, n) for n in block.shape)] = block
+    return padded
+
+
+def write_new_chunks(zstore: Any, blocks: Iterable[tuple[zarr.AsyncArray, tuple[int, ...], np.ndarray]]) -> None:
+    """Store each (array, grid index, values) of ``blocks`` as that chunk of the array, the
+    values filling it up to the array's edge; every chunk is stored, also one all fill
+    value. For chunks the store does not hold yet: zarr would keep a held chunk's values
+    past the edge, this writes the fill value there. What zarr's own writes store, without
+    a hop to zarr's thread and a file thread per chunk."""
+    objects = {}
+    for arr, index, values in blocks:
+        meta = arr.metadata
+        objects[f"{arr.path}/{meta.encode_chunk_key(index)}"] = chunk_encoder(meta.to_dict())(_whole(meta, values))
+    put_objects(zstore, objects)
+
+
+def set_regions(parts: Iterable[tuple[zarr.AsyncArray, np.ndarray]], start: int) -> None:
+    """Write each (array, values) of ``parts`` at positions ``start``, ``start + 1``, ... of
+    its first axis, every array at once (zarr merges them into the chunks held)."""
+    gather(arr.setitem(slice(start, start + len(values)), values) for arr, values in parts)

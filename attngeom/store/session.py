@@ -1,0 +1,108 @@
+"""One command's store: opened once, passed down to every reader and writer.
+
+A :class:`StoreSession` turns the command's URL into one zarr Store and its root group,
+checks the root (schema, format, writability), holds the store as one of its writers and the
+runs it writes (their locks), translates a full disk or a read-only store into
+:class:`~attngeom.errors.StoreWriteError`, and looks runs up. What it holds lives exactly as
+long as its ``with`` block::
+
+    with StoreSession(url, mode="a") as session:
+        run = session.run(run_id)
+        with session.derived(run_id, ANALYSIS) as write:
+            ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import zarr
+
+from attngeom.errors import DamagedStoreError, StoreNotFoundError
+from attngeom.store.access import WriterHold, check_writable, read_root_attrs, writing
+from attngeom.store.damage import DECODE_ERRORS, recovery
+from attngeom.store.derived import DerivedWrite
+from attngeom.store.nodes import local_path, zarr_store
+from attngeom.store.runs import open_run_group, require_run, require_runs
+from attngeom.store.schema import run_path
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): local stores are not locked there either
+    fcntl = None
+
+__all__ = ["StoreSession"]
+
+
+class StoreSession:
+    """The store at ``url`` for one command: ``mode`` "r" to read, "a" to write (which also
+    refuses a store of another format or one that cannot be written, and holds the store as
+    one of its writers: see :func:`~attngeom.store.access.open_root`). Attributes, inside
+    the ``with`` block: ``url``, ``zstore`` (the zarr Store) and ``root`` (its root group).
+    :class:`StoreNotFoundError` if there is no store, creating nothing;
+    :class:`DamagedStoreError` for an unreadable root."""
+
+    def __init__(self, url: str, *, mode: str = "r") -> None:
+        self.url, self.mode = url, mode
+        self.zstore: Any = None
+        self.root: zarr.Group | None = None
+        self._exit = contextlib.ExitStack()
+        self._locked: set[str] = set()
+
+    def __enter__(self) -> StoreSession:
+        writer = self.mode != "r"
+        path = local_path(self.url)
+        if path is not None and not (path / "zarr.json").is_file():
+            # Opening a local store for writing would create its folder.
+            raise StoreNotFoundError(f"no attngeom store at {self.url}")
+        with contextlib.ExitStack() as stack:
+            if writer:
+                check_writable(self.url)
+                stack.callback(WriterHold(self.url).release)
+                stack.enter_context(writing(self.url))
+            self.zstore = zarr_store(self.url, read_only=not writer)
+            try:
+                self.root = zarr.open_group(self.zstore, mode="r+" if writer else "r", use_consolidated=False)
+            except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
+                raise StoreNotFoundError(f"no attngeom store at {self.url}") from exc
+            except DECODE_ERRORS as exc:
+                raise DamagedStoreError(
+                    f"{self.url}: the root's zarr.json is unreadable ({exc}); {recovery(self.url, '', metadata=True)}"
+                ) from exc
+            read_root_attrs(self.root, self.url, writing=writer)
+            self._exit = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        self._locked.clear()
+        return self._exit.__exit__(*exc)
+
+    def runs(self) -> list[str]:
+        """Ids of the store's runs, sorted; :class:`RunNotFoundError` when it holds none."""
+        return require_runs(self.root, self.url)
+
+    def run(self, run_id: str) -> zarr.Group:
+        """The run's group; :class:`RunNotFoundError`, naming the runs there are, if none."""
+        require_run(self.root, run_id, self.url)
+        return open_run_group(self.root, run_id)
+
+    def lock(self, run_id: str) -> None:
+        """Hold the run's writer lock until the session ends: an advisory lock on the run's
+        folder (``flock``), so that two writers of one run's derived groups (two analyzes,
+        an analyze and an ablate) run one after the other. Released when the session ends or
+        the process dies. An object store (``s3://``, ``gs://``, ``memory://``) has no such
+        lock: there the caller must not run two at once."""
+        local = local_path(self.url)
+        if run_id in self._locked or local is None or fcntl is None:
+            return
+        fd = os.open(local / run_path(run_id), os.O_RDONLY)
+        self._exit.callback(os.close, fd)  # closing releases the lock
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        self._locked.add(run_id)
+
+    def derived(self, run_id: str, kind: str, *, deep: bool = False) -> DerivedWrite:
+        """The update of ``runs/<run_id>/<kind>`` (:class:`~attngeom.store.derived.DerivedWrite`),
+        the run locked for the rest of the session."""
+        return DerivedWrite(self, run_id, kind, deep=deep)

@@ -1,0 +1,253 @@
+"""The derived-write protocol as a state machine (hypothesis), as zarr-python tests its stores.
+
+Rules: a fresh analyze, sequences appended to the run (an extract going on), a recompute
+with other parameters (into staging), damage to a committed object (then a rerun heals it),
+a writer that withdrew the commit and died, and a kill at any chosen store write of any
+analyze. After every step a reader, through the public reading API only, sees either no
+finished analysis or one whose every group equals a fresh analysis of exactly the committed
+sequences with the committed parameters: never a mix. A finished analyze leaves exactly the
+run's committed sequences with its own parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from attngeom.analyze.blocks import template_groups
+from attngeom.analyze.parameters import analysis_parameters
+from attngeom.analyze.runner import open_completed
+from attngeom.api import analyze
+from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError
+from attngeom.store import (
+    ANALYSIS,
+    ANALYSIS_GROUPS,
+    ANALYSIS_SEQUENCE_GROUPS,
+    RunLayout,
+    consolidate,
+    create_run,
+    derived_state,
+    open_derived,
+    open_or_create_root,
+    open_root,
+    open_run_group,
+    write_sequence,
+)
+from attngeom.store.session import StoreSession
+from attngeom.synthetic import synthetic_sequence
+
+CAPACITY = 5
+LENGTH = 12
+LAYOUT = RunLayout(n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, length=LENGTH, head_kv=(0, 0),
+                   window=(0, 0), attendable=((True,) * LENGTH,) * 2)
+# Two parameter sets: (n grid, seed).
+PARAMS = {"a": ([1, 2, 4], 0), "b": ([1, 4, 8], 3)}
+
+
+class Killed(BaseException):
+    """The writer dies here (raised from inside a store write)."""
+
+
+def _make_run(url: str, n: int) -> None:
+    root = open_or_create_root(url)
+    run = create_run(root, "r", LAYOUT, {"model": {"id": "synthetic"}, "dataset": {"id": "synthetic"},
+                                         "context_length": LENGTH}, CAPACITY)
+    for s in range(n):
+        _write(run, s)
+    consolidate(root)
+
+
+def _write(run, seq: int) -> None:
+    write_sequence(run, seq, synthetic_sequence(np.random.default_rng(100 + seq), LAYOUT))
+
+
+def _run_analyze(url: str, params: str) -> None:
+    grid, seed = PARAMS[params]
+    analyze(url, run_id="r", scheduler="threads", n_grid=grid, seed=seed, progress=False)
+
+
+def _groups(url: str) -> dict[str, dict[str, np.ndarray]] | None:
+    """Every committed group of the run's analysis, loaded; None when there is no finished one."""
+    state = derived_state(url, "r", ANALYSIS)
+    if state.commit is None:
+        return None
+    out = {}
+    for name in state.commit.groups:
+        ds = open_derived(url, "r", ANALYSIS, name).load()
+        out[name] = {str(k): np.asarray(v.values) for k, v in ds.variables.items()}
+    return out
+
+
+_REFERENCES: dict[tuple[int, str], dict] = {}
+
+
+def _reference(n: int, params: str) -> dict[str, dict[str, np.ndarray]]:
+    """The groups of a fresh analysis of the run's first ``n`` sequences with ``params``."""
+    if (n, params) not in _REFERENCES:
+        with tempfile.TemporaryDirectory() as tmp:
+            url = str(Path(tmp) / "ref.zarr")
+            _make_run(url, n)
+            _run_analyze(url, params)
+            _REFERENCES[n, params] = _groups(url)
+    return _REFERENCES[n, params]
+
+
+def _same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for name in a:
+        if a[name].keys() != b[name].keys():
+            return False
+        for var in a[name]:
+            x, y = a[name][var], b[name][var]
+            if x.shape != y.shape or x.dtype != y.dtype:
+                return False
+            if not (np.array_equal(x, y, equal_nan=x.dtype.kind == "f") if x.dtype.kind != "O"
+                    else (x == y).all()):
+                return False
+    return True
+
+
+class _Kill:
+    """Raise :class:`Killed` at the ``at``-th store write of its ``family`` while active:
+    "step" counts the protocol's steps (a write of the record, a group moved, a folder
+    removed), "object" every other object put in place."""
+
+    def __init__(self, family: str = "step", at: int | None = None) -> None:
+        self.family, self.at = family, at
+        self.count = {"step": 0, "object": 0}
+
+    def __enter__(self) -> _Kill:
+        self._replace, self._rmtree = os.replace, shutil.rmtree
+
+        def step(family: str) -> None:
+            self.count[family] += 1
+            if family == self.family and self.count[family] == self.at:
+                raise Killed
+
+        def replace(src, dst, *args, **kwargs):
+            record = str(dst).endswith(f"/{ANALYSIS}/zarr.json")
+            step("step" if record or os.path.isdir(src) else "object")
+            return self._replace(src, dst, *args, **kwargs)
+
+        def rmtree(*args, **kwargs):
+            step("step")
+            return self._rmtree(*args, **kwargs)
+
+        os.replace, shutil.rmtree = replace, rmtree
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.replace, shutil.rmtree = self._replace, self._rmtree
+
+
+class DerivedProtocol(RuleBasedStateMachine):
+    """A run growing and being analyzed, killed and damaged; the model: which (sequences,
+    parameters) commits a reader may find."""
+
+    @initialize(n=st.integers(1, 3))
+    def make(self, n: int) -> None:
+        self.folder = tempfile.mkdtemp()
+        self.url = str(Path(self.folder) / "s.zarr")
+        _make_run(self.url, n)
+        self.n = n
+        # The (sequence count, parameters) a reader may find committed; None: no finished analysis.
+        self.possible: set[tuple[int, str] | None] = {None}
+        self.damaged = False
+
+    def teardown(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    @precondition(lambda self: self.n < CAPACITY)
+    @rule(more=st.integers(1, 2))
+    def extract_more(self, more: int) -> None:
+        run = open_run_group(open_root(self.url, mode="a"), "r")
+        for s in range(self.n, min(CAPACITY, self.n + more)):
+            _write(run, s)
+        self.n = min(CAPACITY, self.n + more)
+
+    @rule(params=st.sampled_from(sorted(PARAMS)))
+    def analyze(self, params: str) -> None:
+        _run_analyze(self.url, params)
+        self.possible = {(self.n, params)}
+        self.damaged = False
+
+    @rule(params=st.sampled_from(sorted(PARAMS)),
+          kill=st.one_of(st.tuples(st.just("step"), st.integers(1, 28)), st.tuples(st.just("object"), st.integers(1, 340))))
+    def killed_analyze(self, params: str, kill: tuple[str, int]) -> None:
+        with _Kill(*kill) as killing:
+            try:
+                _run_analyze(self.url, params)
+            except Killed:
+                pass
+            else:
+                self.possible = {(self.n, params)}
+                self.damaged = False
+                return
+        # Killed: the earlier commit, or the new one if the kill came after it.
+        self.possible = self.possible | {None, (self.n, params)}
+        assert killing.count[kill[0]] == kill[1]
+
+    @rule(data=st.data())
+    def damage(self, data) -> None:
+        """Lose or truncate an object the commit lists (what any rerun heals)."""
+        state = derived_state(self.url, "r", ANALYSIS)
+        if state.commit is None or not state.readable or not state.commit.objects:
+            return
+        victim = Path(self.url) / "runs" / "r" / ANALYSIS / data.draw(st.sampled_from(sorted(state.commit.objects)))
+        if data.draw(st.booleans()):
+            victim.unlink()
+        else:
+            victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+        self.damaged = True
+
+    @rule(params=st.sampled_from(sorted(PARAMS)), create=st.booleans())
+    def begin_and_die(self, params: str, create: bool) -> None:
+        """A writer that began an update (and created or grew its groups) and died."""
+        grid, seed = PARAMS[params]
+        with pytest.raises(Killed), StoreSession(self.url, mode="a") as session, \
+                session.derived("r", ANALYSIS) as write:
+            plan = write.begin(analysis_parameters(grid, seed), range(self.n), ANALYSIS_GROUPS,
+                               ANALYSIS_SEQUENCE_GROUPS)
+            if create and not plan.up_to_date:
+                ds = open_completed(self.url, "r")
+                write.create(template_groups(ds, grid, seed), 1)
+            raise Killed
+        self.possible = self.possible | {None}
+
+    @invariant()
+    def reader_sees_a_commit(self) -> None:
+        if not hasattr(self, "url"):
+            return
+        try:
+            found = _groups(self.url)
+        except IncompleteGroupError:
+            assert None in self.possible
+            return
+        except DamagedStoreError:
+            assert self.damaged
+            return
+        except GroupNotFoundError:
+            assert None in self.possible
+            return
+        if found is None:
+            assert None in self.possible
+            return
+        matches = [p for p in self.possible if p is not None and _same(found, _reference(*p))]
+        assert matches, f"the reader sees none of {self.possible}"
+        self.possible = set(matches)
+
+
+DerivedProtocol.TestCase.settings = settings(
+    max_examples=8, stateful_step_count=6, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_derived_protocol = DerivedProtocol.TestCase
