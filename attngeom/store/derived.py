@@ -21,8 +21,8 @@ group that every reader refuses as incomplete. A derived group without any recor
 records (attngeom 0.1.0 stores) and is read as it is.
 
 One writer owns one update from start to commit: :class:`DerivedWrite`, made by the
-command's :class:`~attngeom.store.session.StoreSession`, holds the run's lock (local
-stores), finds what of the committed groups is damaged, plans (:mod:`attngeom.store.plan`),
+command's :class:`~attngeom.store.session.StoreSession`, holds the run's lock (a
+lease on object stores), finds what of the committed groups is damaged, plans (:mod:`attngeom.store.plan`),
 stages, writes, promotes and commits, through a few verbs that cannot be called in a wrong
 order. Analyze and ablate both write through it.
 """
@@ -280,7 +280,7 @@ def forget_unreadable(session: StoreSession, run_id: str, kind: str) -> bool:
     rest of the session): it tells nothing of what the groups hold, which are written again.
     True if removed. A writer does this before opening the run with xarray, which reads
     every child group's metadata."""
-    session.lock(run_id)
+    session.lock(run_id, _STAGE.get(kind, kind))
     if not _read_state(session.zstore, run_id, kind).unreadable:
         return False
     remove_dir(session.zstore, _kind_path(run_id, kind))
@@ -320,7 +320,7 @@ class DerivedWrite:
         self._update: _Update | None = None
 
     def __enter__(self) -> DerivedWrite:
-        self.session.lock(self.run_id)
+        self.session.lock(self.run_id, _STAGE.get(self.kind, self.kind))
         self.state = _read_state(self.zstore, self.run_id, self.kind)
         if self.state.unreadable:  # as forget_unreadable
             remove_dir(self.zstore, self.base)
@@ -489,7 +489,9 @@ class DerivedWrite:
     # The record.
 
     def _write_record(self, done: Commit | None, pending: Pending | None) -> None:
-        """Replace the record: one write of the group's ``zarr.json`` (created with it if absent)."""
+        """Replace the record: one write of the group's ``zarr.json`` (created with it if absent),
+        only while the run's lock is held."""
+        self.session.check_lock(self.run_id)
         record: dict[str, Any] = {}
         if done is not None:
             record["commit"] = jsonable(done.__dict__)

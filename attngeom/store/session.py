@@ -20,17 +20,18 @@ from typing import Any
 
 import zarr
 
-from attngeom.errors import DamagedStoreError, StoreNotFoundError
+from attngeom.errors import DamagedStoreError, StoreNotFoundError, StoreWriteError
 from attngeom.store.access import WriterHold, check_writable, read_root_attrs, writing
 from attngeom.store.damage import DECODE_ERRORS, recovery
 from attngeom.store.derived import DerivedWrite
+from attngeom.store.lease import Lease, lease_seconds
 from attngeom.store.nodes import local_path, zarr_store
 from attngeom.store.runs import open_run_group, require_run, require_runs
 from attngeom.store.schema import run_path
 
 try:
     import fcntl
-except ImportError:  # no flock (Windows): local stores are not locked there either
+except ImportError:  # no flock (Windows): local runs are not locked there
     fcntl = None
 
 __all__ = ["StoreSession"]
@@ -42,14 +43,17 @@ class StoreSession:
     one of its writers: see :func:`~attngeom.store.access.open_root`). Attributes, inside
     the ``with`` block: ``url``, ``zstore`` (the zarr Store) and ``root`` (its root group).
     :class:`StoreNotFoundError` if there is no store, creating nothing;
-    :class:`DamagedStoreError` for an unreadable root."""
+    :class:`DamagedStoreError` for an unreadable root. ``lease_seconds``: how long the lease
+    of a run written on an object store lasts (:func:`~attngeom.store.lease.lease_seconds`)."""
 
-    def __init__(self, url: str, *, mode: str = "r") -> None:
+    def __init__(self, url: str, *, mode: str = "r", lease_seconds: float | None = None) -> None:
         self.url, self.mode = url, mode
+        self.lease_seconds = lease_seconds
         self.zstore: Any = None
         self.root: zarr.Group | None = None
         self._exit = contextlib.ExitStack()
         self._locked: set[str] = set()
+        self._leases: dict[str, Lease] = {}
 
     def __enter__(self) -> StoreSession:
         writer = self.mode != "r"
@@ -76,8 +80,13 @@ class StoreSession:
         return self
 
     def __exit__(self, *exc: Any) -> bool | None:
+        lost = next((lease.lost for lease in self._leases.values() if lease.lost), None)
         self._locked.clear()
-        return self._exit.__exit__(*exc)
+        self._leases.clear()
+        suppress = self._exit.__exit__(*exc)
+        if lost and exc[0] is None:
+            raise StoreWriteError(lost)
+        return suppress
 
     def runs(self) -> list[str]:
         """Ids of the store's runs, sorted; :class:`RunNotFoundError` when it holds none."""
@@ -88,19 +97,32 @@ class StoreSession:
         require_run(self.root, run_id, self.url)
         return open_run_group(self.root, run_id)
 
-    def lock(self, run_id: str) -> None:
-        """Hold the run's writer lock until the session ends: an advisory lock on the run's
-        folder (``flock``), so that two writers of one run's derived groups (two analyzes,
-        an analyze and an ablate) run one after the other. Released when the session ends or
-        the process dies. An object store (``s3://``, ``gs://``, ``memory://``) has no such
-        lock: there the caller must not run two at once."""
-        local = local_path(self.url)
-        if run_id in self._locked or local is None or fcntl is None:
+    def lock(self, run_id: str, what: str = "writer") -> None:
+        """Hold the run's writer lock until the session ends, so that two writers of one run's
+        derived groups (two analyzes, an analyze and an ablate: ``what``, named to a writer
+        waiting for it) run one after the other. On a local store an advisory lock on the
+        run's folder (``flock``), released when the session ends or the process dies; on an
+        object store (``s3://``, ``memory://``) a :class:`~attngeom.store.lease.Lease`,
+        renewed while held, removed when the session ends and taken over once expired."""
+        if run_id in self._locked:
             return
-        fd = os.open(local / run_path(run_id), os.O_RDONLY)
-        self._exit.callback(os.close, fd)  # closing releases the lock
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        local = local_path(self.url)
+        if local is None:
+            lease = Lease(self.zstore, run_id, what, lease_seconds(self.lease_seconds))
+            lease.acquire()
+            self._exit.callback(lease.release)
+            self._leases[run_id] = lease
+        elif fcntl is not None:
+            fd = os.open(local / run_path(run_id), os.O_RDONLY)
+            self._exit.callback(os.close, fd)  # closing releases the lock
+            fcntl.flock(fd, fcntl.LOCK_EX)
         self._locked.add(run_id)
+
+    def check_lock(self, run_id: str) -> None:
+        """:class:`StoreWriteError` if the run's lease was lost (taken over by another writer
+        after it expired unrenewed): a writer checks before each write of a commit record."""
+        if run_id in self._leases:
+            self._leases[run_id].check()
 
     def derived(self, run_id: str, kind: str, *, deep: bool = False) -> DerivedWrite:
         """The update of ``runs/<run_id>/<kind>`` (:class:`~attngeom.store.derived.DerivedWrite`),

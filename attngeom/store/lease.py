@@ -1,0 +1,190 @@
+"""A run's writer lease on an object store: the ``flock`` of a store without files.
+
+A lease is one small object, ``leases/<run_id>.json`` under the store's root, naming its
+holder (a token, host, pid, the command) and when it expires. It is created only where it
+is absent (S3's ``If-None-Match: *``, fsspec's ``mode="create"``), renewed by a background
+thread before it expires, and removed when its holder is done. A writer that finds it held
+waits, saying so once; a lease past its expiry (its holder killed) is taken over. Where the
+store replaces an object only if it is still the one read (S3's ``If-Match``), a takeover and
+each renewal are such conditional replaces, so two writers never both hold it; elsewhere
+(``memory://`` and other fsspec stores) the expired lease is removed, created again and read
+back, and each renewal first reads that the lease is still its holder's.
+
+The lease lasts ``ATTNGEOM_LEASE_SECONDS`` seconds (default 60): a killed writer's run is
+taken over that long after its last renewal. Renewals come every third of it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Any
+
+from attngeom.errors import InputError, StoreWriteError
+from attngeom.store._zarr import sync
+
+__all__ = ["LEASES", "Lease", "lease_seconds"]
+
+# The folder of the leases, under the store's root: no Zarr node, so no reader lists it.
+LEASES = "leases"
+
+_DEFAULT_SECONDS = 60.0
+
+
+def lease_seconds(seconds: float | None = None) -> float:
+    """How long a lease lasts: ``seconds`` if given, else ``ATTNGEOM_LEASE_SECONDS``, else 60."""
+    if seconds is None:
+        raw = os.environ.get("ATTNGEOM_LEASE_SECONDS")
+        if raw is None:
+            return _DEFAULT_SECONDS
+        try:
+            seconds = float(raw)
+        except ValueError:
+            raise InputError(f"ATTNGEOM_LEASE_SECONDS={raw!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise InputError(f"a lease must last a positive number of seconds, not {seconds}")
+    return float(seconds)
+
+
+class Lease:
+    """The lease of the run ``run_id`` in the fsspec store ``zstore`` (a zarr ``FsspecStore``),
+    held for ``what`` (the command, in the message a waiting writer prints) from
+    :meth:`acquire` to :meth:`release`, each lasting ``seconds`` unless renewed."""
+
+    def __init__(self, zstore: Any, run_id: str, what: str, seconds: float) -> None:
+        self.fs, self.run_id, self.seconds = zstore.fs, run_id, seconds
+        self.path = f"{zstore.path.rstrip('/')}/{LEASES}/{run_id}.json"
+        self.token = uuid.uuid4().hex
+        self.holder = {"token": self.token, "host": socket.gethostname(), "pid": os.getpid(), "command": what}
+        # An S3 store replaces an object only if its ETag is still the one read (If-Match).
+        self._conditional = hasattr(self.fs, "_call_s3")
+        self._etag: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost: str | None = None
+
+    def acquire(self) -> None:
+        """Wait until the lease is this writer's, then renew it in the background."""
+        told = None
+        while True:
+            if self._create():
+                break
+            current = self._read()
+            if current is None:  # released between the attempt and the read
+                continue
+            body, etag = current
+            if _expires(body) <= time.time() and self._take_over(etag):
+                break
+            held = f"{body.get('host')}:{body.get('pid')}"
+            if told != (held, body.get("since")):
+                told = (held, body.get("since"))
+                print(f"attngeom: waiting for the {body.get('command', 'writer')} of run {self.run_id} held by "
+                      f"{held} since {body.get('since')}", file=sys.stderr, flush=True)
+            time.sleep(min(max(_expires(body) - time.time(), 0.05), self.seconds / 6, 2.0) + 0.05)
+        self._thread = threading.Thread(target=self._renew_loop, name=f"attngeom-lease-{self.run_id}", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop renewing and remove the lease if it is still this writer's."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        current = self._read()
+        if current is not None and current[0].get("token") == self.token:
+            try:
+                sync(self.fs._rm_file(self.path))
+            except FileNotFoundError:
+                pass
+
+    def check(self) -> None:
+        """:class:`StoreWriteError` if the lease was lost (not renewed in time, taken over)."""
+        if self.lost:
+            raise StoreWriteError(self.lost)
+
+    def _body(self) -> bytes:
+        now = time.time()
+        since = self.holder.setdefault("since", datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"))
+        return json.dumps({**self.holder, "since": since, "expires": now + self.seconds}).encode()
+
+    def _create(self) -> bool:
+        try:
+            out = sync(self.fs._pipe_file(self.path, self._body(), mode="create"))
+        except FileExistsError:
+            return False
+        self._etag = (out or {}).get("ETag") if isinstance(out, dict) else None
+        return self._conditional or self._mine()
+
+    def _take_over(self, etag: str | None) -> bool:
+        if self._conditional:
+            return self._replace(etag)
+        try:
+            sync(self.fs._rm_file(self.path))
+        except FileNotFoundError:
+            pass
+        return self._create()
+
+    def _replace(self, etag: str | None) -> bool:
+        """Write a renewed lease over the one whose ETag is ``etag``; False if it changed."""
+        try:
+            out = sync(self.fs._pipe_file(self.path, self._body(), IfMatch=etag))
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # s3fs's 412 Precondition Failed
+                return False
+            raise
+        self._etag = out.get("ETag")
+        return True
+
+    def _renew(self) -> bool:
+        if self._conditional:
+            return self._replace(self._etag)
+        if not self._mine():
+            return False
+        sync(self.fs._pipe_file(self.path, self._body()))
+        return True
+
+    def _renew_loop(self) -> None:
+        renewed = time.time()
+        while not self._stop.wait(self.seconds / 3):
+            try:
+                if not self._renew():
+                    self.lost = (f"the lease of run {self.run_id} ({self.path}) was taken over by another writer: "
+                                 f"it was not renewed within {self.seconds:g} s; run the command again")
+                    return
+                renewed = time.time()
+            except OSError as exc:  # the store unreachable for a moment: tried again at the next renewal
+                if time.time() - renewed > self.seconds:
+                    self.lost = f"the lease of run {self.run_id} could not be renewed ({exc}); run the command again"
+                    return
+
+    def _mine(self) -> bool:
+        current = self._read()
+        return current is not None and current[0].get("token") == self.token
+
+    def _read(self) -> tuple[dict[str, Any], str | None] | None:
+        """The lease's body and ETag (read before the body, so a replace conditional on it
+        fails if the body read is not the one it names); None if there is none."""
+        try:
+            etag = sync(self.fs._info(self.path, refresh=True)).get("ETag") if self._conditional else None
+            body = json.loads(sync(self.fs._cat_file(self.path)))
+        except FileNotFoundError:
+            return None
+        except ValueError:  # a lease cut short: treated as expired
+            body = {}
+        return (body if isinstance(body, dict) else {}), etag
+
+
+def _expires(body: dict[str, Any]) -> float:
+    try:
+        return float(body.get("expires", 0))
+    except (TypeError, ValueError):
+        return 0.0

@@ -1,0 +1,180 @@
+"""Writers of one run on an object store (moto's S3 server on loopback): the run's lease
+serializes analyzes, an extract appends beside an analyze, a killed analyze's lease is taken
+over once expired; each store ends valid and equal, object for object, to a serial run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from attngeom.api import analyze
+from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.store import validate_store, zarr_store
+from attngeom.store.lease import Lease, lease_seconds
+from attngeom.errors import InputError
+
+from conftest import ABLATED_SEQUENCES
+from test_recovery import assert_same_tree
+
+S = ABLATED_SEQUENCES
+LEASE = "2"  # seconds: a killed writer's run is taken over that long after its last renewal
+
+
+@pytest.fixture(scope="module")
+def s3_env():
+    """moto's S3 server on loopback and the environment that points s3fs (here and in
+    subprocesses) at it, with short leases."""
+    moto_server = pytest.importorskip("moto.server")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": endpoint, "FSSPEC_S3_ENDPOINT_URL": endpoint, "ATTNGEOM_LEASE_SECONDS": LEASE}
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="attngeom")
+        yield {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    server.stop()
+
+
+def s3_fs():
+    return fsspec.filesystem("s3", skip_instance_cache=True)
+
+
+@pytest.fixture
+def s3_store(s3_env, ablated_store_source) -> str:
+    """A copy of `ablated_store_source` in the bucket, of the test's own."""
+    url = f"s3://attngeom/{uuid.uuid4().hex}.zarr"
+    s3_fs().put(f"{ablated_store_source}/", url.removeprefix("s3://"), recursive=True)
+    return url
+
+
+def downloaded(url: str, folder: Path) -> Path:
+    s3_fs().get(url.removeprefix("s3://") + "/", str(folder), recursive=True)
+    return folder
+
+
+def local_copy(source: Path, folder: Path) -> Path:
+    shutil.copytree(source, folder)
+    return folder
+
+
+def analyze_cmd(url: str, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "attngeom.cli", "analyze", "--store", url, "--scheduler", "threads",
+            "--no-progress", *flags]
+
+
+def test_lease_seconds_come_from_the_argument_or_the_environment(monkeypatch):
+    monkeypatch.setenv("ATTNGEOM_LEASE_SECONDS", "7.5")
+    assert lease_seconds() == 7.5 and lease_seconds(3) == 3.0
+    monkeypatch.delenv("ATTNGEOM_LEASE_SECONDS")
+    assert lease_seconds() == 60.0
+    for bad in ("soon", "0"):
+        monkeypatch.setenv("ATTNGEOM_LEASE_SECONDS", bad)
+        with pytest.raises(InputError, match="ATTNGEOM_LEASE_SECONDS|positive"):
+            lease_seconds()
+
+
+def test_an_expired_lease_goes_to_one_writer_at_a_time(s3_env, capsys):
+    """Writers racing for a lease its killed holder left: each holds it alone, in turn."""
+    zstore = zarr_store(f"s3://attngeom/{uuid.uuid4().hex}.zarr", read_only=False)
+    dead = Lease(zstore, "r", "analyze", 0.5)
+    dead.acquire()
+    dead._stop.set()  # its holder killed: never renewed, never released
+    held: list[tuple[float, float]] = []
+
+    def write() -> None:
+        lease = Lease(zstore, "r", "analyze", 1.0)
+        lease.acquire()
+        start = time.monotonic()
+        time.sleep(0.3)
+        held.append((start, time.monotonic()))
+        lease.release()
+        assert lease.lost is None
+
+    writers = [threading.Thread(target=write) for _ in range(3)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    held.sort()
+    assert len(held) == 3 and all(a[1] <= b[0] for a, b in zip(held, held[1:]))
+    assert "waiting for the analyze of run r held by" in capsys.readouterr().err
+    assert not s3_fs().exists(f"{zstore.path}/leases/r.json")
+
+
+def test_two_analyzes_of_a_run_on_s3_run_one_after_the_other(s3_store, s3_env, ablated_store_source, tmp_path):
+    reference = local_copy(ablated_store_source, tmp_path / "reference.zarr")
+    analyze(str(reference), scheduler="threads", n_grid=[1, 4], progress=False)
+    both = [subprocess.Popen(analyze_cmd(s3_store, "--n-grid", "1,4"), env=s3_env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=600) for p in both]
+    assert [p.returncode for p in both] == [0, 0], outputs
+    # One recomputed every sequence; the other, waiting meanwhile, found the analysis up to date.
+    assert sorted(out.split(" new sequences")[0].rsplit(" ", 1)[-1] for out, _ in outputs) == ["0", str(S)], outputs
+    assert validate_store(s3_store, deep=True) == []
+    assert_same_tree(downloaded(s3_store, tmp_path / "s3.zarr"), reference)
+
+
+def test_an_extract_appending_during_an_analyze_on_s3_ends_valid(s3_store, s3_env, ablated_store_source, tiny_model_dir,
+                                                                 word_corpus, tmp_path):
+    def append(url: str) -> None:
+        extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
+                               num_sequences=S + 2, store=url, run_id="r", progress=False))
+
+    reference = local_copy(ablated_store_source, tmp_path / "reference.zarr")
+    append(str(reference))
+    analyze(str(reference), scheduler="threads", n_grid=[1, 2, 4], progress=False)
+
+    busy = subprocess.Popen(analyze_cmd(s3_store, "--n-grid", "1,4"), env=s3_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    append(s3_store)
+    out, err = busy.communicate(timeout=600)
+    assert busy.returncode == 0, (out, err)
+    assert validate_store(s3_store, deep=True) == []
+    analyze(s3_store, scheduler="threads", n_grid=[1, 2, 4], progress=False)  # what the reference ran last
+    assert validate_store(s3_store, deep=True) == []
+    assert_same_tree(downloaded(s3_store, tmp_path / "s3.zarr"), reference)
+
+
+def test_a_killed_analyze_on_s3_is_taken_over_after_its_lease_and_rerun_to_the_same_store(
+        s3_store, s3_env, ablated_store_source, tmp_path, capsys):
+    reference = local_copy(ablated_store_source, tmp_path / "reference.zarr")
+    analyze(str(reference), scheduler="threads", n_grid=[1, 4], progress=False)
+
+    fs, base = s3_fs(), s3_store.removeprefix("s3://")
+    # A lease long enough that the rerun meets it unexpired, and waits.
+    victim = subprocess.Popen(analyze_cmd(s3_store, "--n-grid", "1,4"), env={**s3_env, "ATTNGEOM_LEASE_SECONDS": "15"},
+                              stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    record = f"{base}/runs/r/analysis/zarr.json"
+    deadline = time.monotonic() + 300
+    # Killed mid-update: its lease held, its record saying an update is under way.
+    while "pending" not in json.loads(fs.cat_file(record))["attributes"]["attngeom"]:
+        assert victim.poll() is None and time.monotonic() < deadline, victim.communicate()
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    lease = json.loads(fs.cat_file(f"{base}/leases/r.json"))
+    assert lease["command"] == "analyze" and lease["pid"] == victim.pid
+
+    analyze(s3_store, scheduler="threads", n_grid=[1, 4], progress=False)
+    assert f"waiting for the analyze of run r held by {lease['host']}:{victim.pid} since {lease['since']}" in (
+        capsys.readouterr().err)
+    assert validate_store(s3_store, deep=True) == []
+    assert_same_tree(downloaded(s3_store, tmp_path / "s3.zarr"), reference)
