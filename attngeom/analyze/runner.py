@@ -245,8 +245,8 @@ def analyze(request: AnalyzeRequest) -> list[AnalyzeResult]:
 
     Incremental: a run's sequences already analyzed with the same parameters are kept, and
     damaged committed groups written again (see :func:`analyze_run`; ``deep`` also reads
-    every committed object). Two analyzes of one run on a local store run one after the
-    other."""
+    every committed object). Two analyzes of one run run one after the other (a lock on a
+    local disk, a lease on an object store: ``StoreSession.lock``)."""
     with StoreSession(request.store, mode="a") as session:
         runs = session.runs()
         if request.run_id is not None:

@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+"""Requests and seconds per command on an S3 server against a local disk (run by hand).
+
+    python benchmarks/s3_requests.py                          # smollm2-135m, wiki-summaries, L = 64, 8 sequences
+    python benchmarks/s3_requests.py --model gemma3-270m --length 128 --num-sequences 16
+
+The same commands, in order, on a local store and on a bucket of moto's S3 server on
+loopback (``moto[server]``, started here): ``extract``, ``analyze``, ``validate --deep``,
+``report``, each through the Python API in this process, after one untimed warm-up extract
+and analyze on a scratch local store (model loading, the kernels' compile). Every S3 request
+is counted where the client makes it (aiobotocore's ``_make_api_call``, which s3fs's calls,
+listings included, go through), by operation and by what it names: ``zarr.json`` (metadata),
+``leases/`` (a writer's lease), anything else (chunks and shards). The table gives each
+command's seconds on either side, their ratio, and the S3 requests.
+
+Loopback S3 has no network latency: each request costs what the server and the client spend
+on it, so the counts, not the seconds, say what a distant bucket would add.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+def classify(params: dict[str, Any]) -> str:
+    key = params.get("Key") or params.get("Prefix") or ""
+    if key.endswith("zarr.json"):
+        return "zarr.json"
+    if "/leases/" in f"/{key}":
+        return "leases"
+    return "other"
+
+
+@contextlib.contextmanager
+def counted() -> Iterator[collections.Counter]:
+    """Count every S3 request made in the block by (operation, what it names)."""
+    from aiobotocore.client import AioBaseClient
+
+    counts: collections.Counter = collections.Counter()
+    original = AioBaseClient._make_api_call
+
+    async def call(self: Any, operation: str, params: dict[str, Any]) -> Any:
+        counts[(operation, classify(params))] += 1
+        return await original(self, operation, params)
+
+    AioBaseClient._make_api_call = call
+    try:
+        yield counts
+    finally:
+        AioBaseClient._make_api_call = original
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def summary(counts: collections.Counter) -> dict[str, int]:
+    """Totals by kind: listings, metadata reads and writes, other reads and writes."""
+    out = collections.Counter()
+    for (operation, what), n in counts.items():
+        if operation.startswith("List"):
+            kind = "list"
+        elif operation in ("GetObject", "HeadObject"):
+            kind = f"read {what}"
+        elif operation in ("PutObject", "CopyObject", "CompleteMultipartUpload", "UploadPart", "CreateMultipartUpload"):
+            kind = f"write {what}"
+        elif operation.startswith("Delete"):
+            kind = "delete"
+        else:
+            kind = operation
+        out[kind] += n
+    out["total"] = sum(counts.values())
+    return dict(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dataset", default="wiki-summaries")
+    p.add_argument("--length", type=int, default=64)
+    p.add_argument("--num-sequences", type=int, default=8)
+    p.add_argument("--json", default=None, metavar="PATH", help="write all figures as JSON")
+    args = p.parse_args()
+
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+                       "AWS_ENDPOINT_URL": endpoint, "FSSPEC_S3_ENDPOINT_URL": endpoint})
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+
+    from attngeom import api
+
+    work = tempfile.mkdtemp(prefix="attngeom-s3-")
+
+    def commands(url: str, out: str) -> dict[str, Callable[[], Any]]:
+        return {
+            "extract": lambda: api.extract(args.model, dataset=args.dataset, context_length=args.length,
+                                           num_sequences=args.num_sequences, store=url, run_id="r", device="cpu",
+                                           progress=False),
+            "analyze": lambda: api.analyze(url, scheduler="threads", progress=False),
+            "validate --deep": lambda: api.validate(url, deep=True),
+            "report": lambda: api.report(url, out),
+        }
+
+    warm = commands(f"{work}/warm.zarr", f"{work}/warm-report")
+    warm["extract"]()
+    warm["analyze"]()
+
+    rows = []
+    local = commands(f"{work}/local.zarr", f"{work}/local-report")
+    remote = commands("s3://bench/store.zarr", f"{work}/s3-report")
+    for name in local:
+        seconds_local = timed(local[name])
+        with counted() as counts:
+            seconds_s3 = timed(remote[name])
+        rows.append({"command": name, "local_s": seconds_local, "s3_s": seconds_s3,
+                     "requests": summary(counts), "by_operation": {f"{o} {w}": n for (o, w), n in sorted(counts.items())}})
+    server.stop()
+
+    kinds = sorted({k for row in rows for k in row["requests"] if k != "total"})
+    print(f"model {args.model}, {args.dataset}, L = {args.length}, {args.num_sequences} sequences; S3: moto on loopback")
+    header = ["command", "local s", "S3 s", "S3/local", "requests", *kinds]
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for row in rows:
+        req = row["requests"]
+        print(" | ".join([row["command"], f"{row['local_s']:.1f}", f"{row['s3_s']:.1f}",
+                          f"{row['s3_s'] / row['local_s']:.1f}x", str(req["total"]),
+                          *(str(req.get(k, 0)) for k in kinds)]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
