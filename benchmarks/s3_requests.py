@@ -5,7 +5,8 @@
     python benchmarks/s3_requests.py --model gemma3-270m --length 128 --num-sequences 16
 
 The same commands, in order, on a local store and on a bucket of moto's S3 server on
-loopback (``moto[server]``, started here): ``extract``, ``analyze``, ``validate --deep``,
+loopback (``moto[server]``, started here in a process of its own, as a real server is):
+``extract``, ``analyze``, ``validate --deep``,
 ``report``, each through the Python API in this process, after one untimed warm-up extract
 and analyze on a scratch local store (model loading, the kernels' compile). Every S3 request
 is counted where the client makes it (aiobotocore's ``_make_api_call``, which s3fs's calls,
@@ -24,6 +25,9 @@ import collections
 import contextlib
 import json
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -92,12 +96,16 @@ def main() -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write all figures as JSON")
     args = p.parse_args()
 
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            break
+        time.sleep(0.1)
     os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
                        "AWS_ENDPOINT_URL": endpoint, "FSSPEC_S3_ENDPOINT_URL": endpoint})
     import boto3
@@ -131,7 +139,8 @@ def main() -> None:
             seconds_s3 = timed(remote[name])
         rows.append({"command": name, "local_s": seconds_local, "s3_s": seconds_s3,
                      "requests": summary(counts), "by_operation": {f"{o} {w}": n for (o, w), n in sorted(counts.items())}})
-    server.stop()
+    server.terminate()
+    server.wait()
 
     kinds = sorted({k for row in rows for k in row["requests"] if k != "total"})
     print(f"model {args.model}, {args.dataset}, L = {args.length}, {args.num_sequences} sequences; S3: moto on loopback")

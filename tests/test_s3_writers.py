@@ -4,6 +4,7 @@ over once expired; each store ends valid and equal, object for object, to a seri
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -18,19 +19,18 @@ from pathlib import Path
 import fsspec
 import pytest
 import xarray as xr
-
-from attngeom.api import analyze, open_store
-from attngeom.extract.pipeline import ExtractRequest, extract
-from attngeom.store import validate_store, zarr_store
-from attngeom.store.lease import Lease, lease_seconds
-from attngeom.errors import InputError
-
 from conftest import ABLATED_SEQUENCES
 from test_recovery import assert_same_tree
 
+from attngeom.api import analyze, open_store
+from attngeom.errors import InputError
+from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.store import validate_store, zarr_store
+from attngeom.store.lease import Lease, lease_seconds
+
 S = ABLATED_SEQUENCES
 ANALYSIS_GROUPS = ("topn", "values", "taxonomy", "heads", "summary", "signatures", "table")
-LEASE = "2"  # seconds: a killed writer's run is taken over that long after its last renewal
+LEASE = "10"  # seconds: a killed writer's run is taken over that long after its last renewal
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_an_expired_lease_goes_to_one_writer_at_a_time(s3_env, capsys):
     for w in writers:
         w.join()
     held.sort()
-    assert len(held) == 3 and all(a[1] <= b[0] for a, b in zip(held, held[1:]))
+    assert len(held) == 3 and all(a[1] <= b[0] for a, b in itertools.pairwise(held))
     assert "waiting for the analyze of run r held by" in capsys.readouterr().err
     assert not s3_fs().exists(f"{zstore.path}/leases/r.json")
 

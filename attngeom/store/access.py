@@ -17,6 +17,7 @@ import zarr
 
 from attngeom import __version__
 from attngeom.errors import DamagedStoreError, SchemaError, StoreNotFoundError, StoreWriteError
+from attngeom.store.cache import cached, uncached
 from attngeom.store.damage import DECODE_ERRORS, recovery
 from attngeom.store.nodes import (
     PARTIAL_SUFFIX,
@@ -85,7 +86,7 @@ def open_root(url: str, *, mode: str = "r") -> zarr.Group:
     hold = WriterHold(url) if mode != "r" else None
     try:
         root = zarr.open_group(
-            zarr_store(url, read_only=mode == "r"), mode="r" if mode == "r" else "r+", use_consolidated=False
+            cached(zarr_store(url, read_only=mode == "r")), mode="r" if mode == "r" else "r+", use_consolidated=False
         )
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
         raise StoreNotFoundError(f"no attngeom store at {url}") from exc
@@ -202,7 +203,7 @@ def open_or_create_root(url: str) -> zarr.Group:
     without them (a store created by hand, or by older code killed mid-way) is adopted.
     """
     hold = WriterHold(url)
-    zstore = zarr_store(url, read_only=False)
+    zstore = cached(zarr_store(url, read_only=False))
     meta = {ATTR_KEY: {"schema_version": SCHEMA_VERSION, "format": FORMAT, "created_by": __version__}}
     try:
         root = zarr.open_group(zstore, mode="r+", use_consolidated=False)
@@ -272,7 +273,7 @@ def consolidate(root: zarr.Group) -> None:
     copy of its own), read in one listing rather than by zarr's walk, which builds every
     node's object and serializes it again, a cost growing with the store."""
     zstore = root.store
-    nodes = node_metadata(zstore)
+    nodes = node_metadata(uncached(zstore))  # as stored now, also what a peer writer changed
     bad = [key for key, meta in nodes.items() if meta is None]
     if bad:
         local = isinstance(zstore, zarr.storage.LocalStore)

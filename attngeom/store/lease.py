@@ -24,11 +24,10 @@ import sys
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from attngeom.errors import InputError, StoreWriteError
-from attngeom.store._zarr import sync
 
 __all__ = ["LEASES", "Lease", "lease_seconds"]
 
@@ -59,7 +58,7 @@ class Lease:
     :meth:`acquire` to :meth:`release`, each lasting ``seconds`` unless renewed."""
 
     def __init__(self, zstore: Any, run_id: str, what: str, seconds: float) -> None:
-        self.fs, self.run_id, self.seconds = zstore.fs, run_id, seconds
+        self.fs, self.run_id, self.seconds = _own_filesystem(zstore.fs), run_id, seconds
         self.path = f"{zstore.path.rstrip('/')}/{LEASES}/{run_id}.json"
         self.token = uuid.uuid4().hex
         self.holder = {"token": self.token, "host": socket.gethostname(), "pid": os.getpid(), "command": what}
@@ -100,7 +99,7 @@ class Lease:
         current = self._read()
         if current is not None and current[0].get("token") == self.token:
             try:
-                sync(self.fs._rm_file(self.path))
+                self.fs.rm_file(self.path)
             except FileNotFoundError:
                 pass
 
@@ -111,12 +110,12 @@ class Lease:
 
     def _body(self) -> bytes:
         now = time.time()
-        since = self.holder.setdefault("since", datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"))
+        since = self.holder.setdefault("since", datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds"))
         return json.dumps({**self.holder, "since": since, "expires": now + self.seconds}).encode()
 
     def _create(self) -> bool:
         try:
-            out = sync(self.fs._pipe_file(self.path, self._body(), mode="create"))
+            out = self.fs.pipe_file(self.path, self._body(), mode="create")
         except FileExistsError:
             return False
         self._etag = (out or {}).get("ETag") if isinstance(out, dict) else None
@@ -126,7 +125,7 @@ class Lease:
         if self._conditional:
             return self._replace(etag)
         try:
-            sync(self.fs._rm_file(self.path))
+            self.fs.rm_file(self.path)
         except FileNotFoundError:
             pass
         return self._create()
@@ -134,7 +133,7 @@ class Lease:
     def _replace(self, etag: str | None) -> bool:
         """Write a renewed lease over the one whose ETag is ``etag``; False if it changed."""
         try:
-            out = sync(self.fs._pipe_file(self.path, self._body(), IfMatch=etag))
+            out = self.fs.pipe_file(self.path, self._body(), IfMatch=etag)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -149,7 +148,7 @@ class Lease:
             return self._replace(self._etag)
         if not self._mine():
             return False
-        sync(self.fs._pipe_file(self.path, self._body()))
+        self.fs.pipe_file(self.path, self._body())
         return True
 
     def _renew_loop(self) -> None:
@@ -174,13 +173,22 @@ class Lease:
         """The lease's body and ETag (read before the body, so a replace conditional on it
         fails if the body read is not the one it names); None if there is none."""
         try:
-            etag = sync(self.fs._info(self.path, refresh=True)).get("ETag") if self._conditional else None
-            body = json.loads(sync(self.fs._cat_file(self.path)))
+            etag = self.fs.info(self.path, refresh=True).get("ETag") if self._conditional else None
+            body = json.loads(self.fs.cat_file(self.path))
         except FileNotFoundError:
             return None
         except ValueError:  # a lease cut short: treated as expired
             body = {}
         return (body if isinstance(body, dict) else {}), etag
+
+
+def _own_filesystem(fs: Any) -> Any:
+    """A synchronous twin of the zarr Store's file system, with its own connections: a
+    renewal must not wait behind the requests of the command's reads and writes."""
+    wrapped = getattr(fs, "sync_fs", None)  # a synchronous file system made async for zarr (memory://)
+    if wrapped is not None:
+        return wrapped
+    return type(fs)(**{**fs.storage_options, "asynchronous": False, "skip_instance_cache": True})
 
 
 def _expires(body: dict[str, Any]) -> float:

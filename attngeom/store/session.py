@@ -1,9 +1,11 @@
 """One command's store: opened once, passed down to every reader and writer.
 
-A :class:`StoreSession` turns the command's URL into one zarr Store and its root group,
-checks the root (schema, format, writability), holds the store as one of its writers and the
-runs it writes (their locks), translates a full disk or a read-only store into
-:class:`~attngeom.errors.StoreWriteError`, and looks runs up. What it holds lives exactly as
+A :class:`StoreSession` turns the command's URL into one zarr Store (on an object store one
+that reads each node's metadata, shard index and small object once: :mod:`~attngeom.store.cache`)
+and its root group, checks the root (schema, format, writability), holds the store as one of
+its writers and the runs it writes (their locks, or leases: :mod:`~attngeom.store.lease`),
+translates a full disk or a read-only store into :class:`~attngeom.errors.StoreWriteError`,
+and looks runs up. What it holds lives exactly as
 long as its ``with`` block::
 
     with StoreSession(url, mode="a") as session:
@@ -22,6 +24,7 @@ import zarr
 
 from attngeom.errors import DamagedStoreError, StoreNotFoundError, StoreWriteError
 from attngeom.store.access import WriterHold, check_writable, read_root_attrs, writing
+from attngeom.store.cache import cached
 from attngeom.store.damage import DECODE_ERRORS, recovery
 from attngeom.store.derived import DerivedWrite
 from attngeom.store.lease import Lease, lease_seconds
@@ -66,7 +69,7 @@ class StoreSession:
                 check_writable(self.url)
                 stack.callback(WriterHold(self.url).release)
                 stack.enter_context(writing(self.url))
-            self.zstore = zarr_store(self.url, read_only=not writer)
+            self.zstore = cached(zarr_store(self.url, read_only=not writer))
             try:
                 self.root = zarr.open_group(self.zstore, mode="r+" if writer else "r", use_consolidated=False)
             except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
