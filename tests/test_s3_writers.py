@@ -184,3 +184,38 @@ def test_a_killed_analyze_on_s3_is_taken_over_after_its_lease_and_rerun_to_the_s
         capsys.readouterr().err)
     assert validate_store(s3_store, deep=True) == []
     assert_same_tree(downloaded(s3_store, tmp_path / "s3.zarr"), reference)
+
+
+def test_a_commands_object_store_keeps_what_it_read_never_an_absence():
+    """A cached store answers a second read of metadata from what it read or wrote, forgets
+    what it removes, and reads again what it found absent (a peer may create it)."""
+    from zarr.core.buffer import default_buffer_prototype
+
+    from attngeom.store._zarr import sync
+    from attngeom.store.cache import cached, uncached
+
+    url = f"memory://attngeom-{uuid.uuid4().hex}/s.zarr"
+    mine, peer = cached(zarr_store(url, read_only=False)), zarr_store(url, read_only=False)
+    assert uncached(mine) is not mine and cached(uncached(mine)) is not mine
+
+    def get(store, key):
+        value = sync(store.get(key, prototype=default_buffer_prototype()))
+        return None if value is None else value.to_bytes()
+
+    def put(store, key, value):
+        sync(store.set(key, default_buffer_prototype().buffer.from_bytes(value)))
+
+    assert get(mine, "a/zarr.json") is None
+    put(peer, "a/zarr.json", b"1")
+    assert get(mine, "a/zarr.json") == b"1"  # absence was not kept
+    put(peer, "a/zarr.json", b"2")
+    assert get(mine, "a/zarr.json") == b"1" and get(uncached(mine), "a/zarr.json") == b"2"
+    put(mine, "a/zarr.json", b"3")
+    assert get(mine, "a/zarr.json") == b"3"
+    put(peer, "a/zarr.json", b"4")
+    sync(mine.delete_dir("a"))
+    assert get(mine, "a/zarr.json") is None
+    put(peer, "a/c/0", b"x" * 10)
+    assert get(mine, "a/c/0") == b"x" * 10
+    put(mine, "a/c/0", b"y")
+    assert get(mine, "a/c/0") == b"y"  # its own write is never hidden by what it read before
