@@ -73,6 +73,7 @@ class Lease:
         """Wait until the lease is this writer's, then renew it in the background."""
         told = None
         while True:
+            self.holder.pop("since", None)  # held since it is created, not since the first try
             if self._create():
                 break
             current = self._read()
