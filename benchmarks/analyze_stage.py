@@ -12,13 +12,17 @@ repetition, in this process, order rotating:
   thread; the marginal CPU time per (sequence, layer, head) instance is the difference of the
   two stores' CPU times over the difference of their instances;
 - **kernels**: ``attngeom.analyze.kernels.head_metrics`` on every (sequence, layer) block of
-  the larger store, its inputs read beforehand, one thread: CPU time per instance.
+  the larger store, its inputs read beforehand, one thread: CPU time per instance;
+- **read**: reading and decompressing the larger store's inputs (attn_last, values, winner) a
+  block at a time (``common.read_inputs``): CPU time per instance, zarr's own threads included.
 
 stage / kernels is the ratio the stage should keep near 1. The phases of the larger store's
 analyze are timed too (thread CPU time inside wrappers around the public steps the stage
 calls: reading a block's inputs, the kernels, the rest of a block, computing a batch, writing
 it, the reductions across sequences, the commit), and so is the call's fixed cost: the CPU
-time of the 1-sequence store's analyze beyond its kernels.
+time of the 1-sequence store's analyze beyond its kernels. zarr decodes chunks on threads of
+its own, which a thread's timer does not see: "block: read inputs" is the calling side alone,
+the decoding is in **read**.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import time
 
 import numpy as np
 from common import PAPER_SHAPES as SHAPES
-from common import analyze_fresh, default_n_grid, fmt, median, rotate, table
+from common import analyze_fresh, default_n_grid, fmt, median, read_inputs, rotate, table
 from threadpoolctl import threadpool_limits
 
 import attngeom as ag
@@ -116,12 +120,16 @@ def measure(name: str, tmp: str, args) -> dict:
     per_block = H
     extra = (args.sequences - 1) * args.layers * H
     analyze_fresh(small, RUN, "threads")  # caches warm
-    cpu = {"small": [], "large": [], "kernels": []}
+    cpu = {"small": [], "large": [], "kernels": [], "read": []}
     phases = []
     with threadpool_limits(1):
         for rep in range(args.reps):
             for which in rotate(list(cpu), rep):
-                if which == "kernels":
+                if which == "read":
+                    c0 = time.process_time()
+                    read_inputs(large, RUN)
+                    cpu[which].append((time.process_time() - c0) / (len(inputs) * per_block))
+                elif which == "kernels":
                     cpu[which].append(kernels_cpu(inputs, grid) / (len(inputs) * per_block))
                 elif which == "large":
                     with phase_timers() as spent:
@@ -133,7 +141,7 @@ def measure(name: str, tmp: str, args) -> dict:
     instances_large = args.sequences * args.layers * H
     result = dict(
         stage_ms=median(marginal) * 1e3, kernels_ms=median(cpu["kernels"]) * 1e3,
-        ratio=median([m / k for m, k in zip(marginal, cpu["kernels"])]),
+        ratio=median([m / k for m, k in zip(marginal, cpu["kernels"])]), read_ms=median(cpu["read"]) * 1e3,
         small_s=median(cpu["small"]), large_s=median(cpu["large"]),
         fixed_s=median([s - k * args.layers * H for s, k in zip(cpu["small"], cpu["kernels"])]),
     )
@@ -155,13 +163,13 @@ def main() -> None:
         for name in args.shapes.split(","):
             r = measure(name, tmp, args)
             H, KV, D = SHAPES[name]
-            rows.append([f"{name} ({H}/{KV}/{D})", r["stage_ms"], r["kernels_ms"], r["ratio"], r["small_s"],
+            rows.append([f"{name} ({H}/{KV}/{D})", r["stage_ms"], r["kernels_ms"], r["ratio"], r["read_ms"], r["small_s"],
                          r["large_s"], r["fixed_s"]])
             phase_rows.append([name, *(r["phases_ms_per_instance"][phase] for _, _, phase in PHASES)])
             print(f"{name}: " + ", ".join(f"{k}={fmt(v) if isinstance(v, float) else v}" for k, v in r.items()),
                   flush=True)
     print()
-    print(table(["shape (H/KV/D)", "stage core-ms/inst", "kernels core-ms/inst", "stage/kernels",
+    print(table(["shape (H/KV/D)", "stage core-ms/inst", "kernels core-ms/inst", "stage/kernels", "read core-ms/inst",
                  "1-seq analyze CPU s", f"{args.sequences}-seq analyze CPU s", "fixed CPU s (1 seq - kernels)"],
                 rows))
     print()
