@@ -35,13 +35,11 @@ import tempfile
 import time
 
 import numpy as np
-from common import PAPER_SHAPES as SHAPES
-from common import analyze_fresh, default_n_grid, fmt, median, read_inputs, rotate, table
+from common import PAPER_SHAPES as SHAPES, analyze_fresh, default_n_grid, fmt, median, read_inputs, rotate, table
 from threadpoolctl import threadpool_limits
 
 import attngeom as ag
-import attngeom.analyze.blocks as blocks
-import attngeom.analyze.runner as runner
+from attngeom.analyze import blocks, runner
 from attngeom.analyze.kernels import head_metrics
 from attngeom.analyze.parameters import RANDOM_DRAWS
 from attngeom.store.derived import DerivedWrite
@@ -139,12 +137,12 @@ def measure(name: str, tmp: str, args) -> dict:
                     cpu[which].append(analyze_fresh(small, RUN, "threads")[1])
     marginal = [(b - a) / extra for a, b in zip(cpu["small"], cpu["large"])]
     instances_large = args.sequences * args.layers * H
-    result = dict(
-        stage_ms=median(marginal) * 1e3, kernels_ms=median(cpu["kernels"]) * 1e3,
-        ratio=median([m / k for m, k in zip(marginal, cpu["kernels"])]), read_ms=median(cpu["read"]) * 1e3,
-        small_s=median(cpu["small"]), large_s=median(cpu["large"]),
-        fixed_s=median([s - k * args.layers * H for s, k in zip(cpu["small"], cpu["kernels"])]),
-    )
+    result = {
+        "stage_ms": median(marginal) * 1e3, "kernels_ms": median(cpu["kernels"]) * 1e3,
+        "ratio": median([m / k for m, k in zip(marginal, cpu["kernels"])]), "read_ms": median(cpu["read"]) * 1e3,
+        "small_s": median(cpu["small"]), "large_s": median(cpu["large"]),
+        "fixed_s": median([s - k * args.layers * H for s, k in zip(cpu["small"], cpu["kernels"])]),
+    }
     result["phases_ms_per_instance"] = {
         phase: median([p.get(phase, 0.0) for p in phases]) * 1e3 / instances_large for _, _, phase in PHASES}
     return result

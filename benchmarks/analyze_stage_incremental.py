@@ -91,12 +91,12 @@ def measure(name: str, tmp: str, args) -> dict:
             if rep:  # the first repetition warms caches
                 times[which].append(t)
     inc, full = times["incremental"], times["full"]
-    return dict(
-        incremental_wall=median([w for w, _ in inc]), full_wall=median([w for w, _ in full]),
-        wall_ratio=median([a[0] / b[0] for a, b in zip(inc, full)]),
-        cpu_ratio=median([a[1] / b[1] for a, b in zip(inc, full)]),
-        incremental_cpu=median([c for _, c in inc]), full_cpu=median([c for _, c in full]),
-    )
+    return {
+        "incremental_wall": median([w for w, _ in inc]), "full_wall": median([w for w, _ in full]),
+        "wall_ratio": median([a[0] / b[0] for a, b in zip(inc, full)]),
+        "cpu_ratio": median([a[1] / b[1] for a, b in zip(inc, full)]),
+        "incremental_cpu": median([c for _, c in inc]), "full_cpu": median([c for _, c in full]),
+    }
 
 
 def main() -> None:
