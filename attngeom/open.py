@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import xarray as xr
+import zarr
 
 from attngeom.errors import AttngeomError, InputError
 from attngeom.store import (
@@ -102,7 +103,7 @@ class Run:
         (method, retention, ...), "correlations", "critical", "table" or "regimes"."""
         return self._group(ABLATION, ABLATION_GROUPS, name)
 
-    def _checked(self) -> Any:
+    def _checked(self) -> zarr.Group:
         """The run's group, once its arrays' metadata agree with its records (:class:`DamagedStoreError`
         names the first that does not)."""
         run = open_run_group(open_root(self.url), self.id)
