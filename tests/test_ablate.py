@@ -7,7 +7,7 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 import xarray as xr
 from scipy import stats
 

@@ -8,7 +8,7 @@ import sys
 import threading
 
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 from transformers import AutoModelForCausalLM
 
 from attngeom.extract.capture import (

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 import xarray as xr
 from click.testing import CliRunner
 from test_analyze_kernels import COUNTS, RTOL, ATOL, brute_topn, brute_value_statistics

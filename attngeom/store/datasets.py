@@ -12,11 +12,11 @@ import numpy as np
 import xarray as xr
 import zarr
 
-from attngeom.store._zarr import ArrayV3Metadata, GroupMetadata
+from attngeom.store._zarr import ArrayV3Metadata
 from attngeom.store.access import quiet_leftovers, writing
 from attngeom.store.codecs import chunk_encoder, compressors
 from attngeom.store.damage import DECODE_ERRORS, damaged_chunk, locate_damage, metadata_damage, stored_grid
-from attngeom.store.nodes import gather, metadata_bytes, put_objects, remove_dir, zarr_store
+from attngeom.store.nodes import gather, group_document, metadata_bytes, put_objects, remove_dir, zarr_store
 from attngeom.store.schema import ATTR_KEY, LABEL_ORDERS, LABELS, label_codes, label_dtype
 
 
@@ -222,7 +222,7 @@ def _group_objects(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], g
     one array of each form (data type, shape, chunks, dimensions) in ``forms``, shared by the
     groups of a write; each array takes a copy with its own attributes, rather than each
     array being made, filled and copied through zarr in turn."""
-    objects = {f"{group}/zarr.json": metadata_bytes(GroupMetadata(attributes=dict(dataset.attrs)).to_dict())}
+    objects = {f"{group}/zarr.json": metadata_bytes(group_document(dataset.attrs))}
     for name, var in dataset.variables.items():
         form = (var.dtype.str, var.shape, _chunk_shape(var, chunks), var.dims)
         if form not in forms:

@@ -145,6 +145,12 @@ def metadata_bytes(document: Mapping[str, Any]) -> bytes:
     return json.dumps(document, allow_nan=True).encode()
 
 
+def group_document(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """A group's ``zarr.json`` document (Zarr v3) with ``attributes``, its keys in the order
+    zarr-python writes them."""
+    return {"attributes": dict(attributes), "zarr_format": 3, "node_type": "group"}
+
+
 def read_metadata(zstore: Any, path: str) -> dict[str, Any] | None:
     """The ``zarr.json`` of the node at ``path``, parsed; None if it is no Zarr v3 node's
     metadata (empty, truncated or overwritten). :class:`FileNotFoundError` when absent."""
