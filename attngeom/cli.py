@@ -264,7 +264,7 @@ def validate(store: str, deep: bool, repair: bool) -> None:
     from attngeom import api
 
     if repair:
-        from attngeom.store.access import recovery
+        from attngeom.store import recovery
 
         done = api.repair(store, deep=deep)
         for key in done.rebuilt:

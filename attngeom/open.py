@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import xarray as xr
+import zarr
 
 from attngeom.errors import AttngeomError, InputError
 from attngeom.store import (
@@ -19,7 +20,10 @@ from attngeom.store import (
     ANALYSIS,
     ANALYSIS_GROUPS,
     QUERY_GROUPS,
+    check_arrays,
     completed,
+    damaged_chunk,
+    lost_objects,
     open_dataset,
     open_derived,
     open_root,
@@ -76,14 +80,15 @@ class Run:
 
     def sequences(self) -> np.ndarray:
         """Indices (S,) of the committed sequences, sorted."""
-        return completed(open_run_group(open_root(self.url), self.id))
+        return completed(self._checked())
 
     def dataset(self) -> xr.Dataset:
         """The committed sequences as a lazy Dataset, ``seq`` labelled by sequence index:
         tokens (seq, pos), values (seq, layer, kv_head, pos, head_dim), attn_last (seq,
         layer, head, key), winner and the per-query summaries (seq, layer, head, query)."""
-        done = self.sequences()
-        ds = open_dataset(self.url, run_path(self.id))
+        run = self._checked()
+        done = completed(run)
+        ds = open_dataset(self.url, run_path(self.id), lost=lost_objects(run))
         return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
 
     def analysis(self, name: str) -> xr.Dataset:
@@ -97,6 +102,13 @@ class Run:
         """The lazy Dataset of ``ablation/<name>``: "single" (layer, head[, seq]), "sweep"
         (method, retention, ...), "correlations", "critical", "table" or "regimes"."""
         return self._group(ABLATION, ABLATION_GROUPS, name)
+
+    def _checked(self) -> zarr.Group:
+        """The run's group, once its arrays' metadata agree with its records (:class:`DamagedStoreError`
+        names the first that does not)."""
+        run = open_run_group(open_root(self.url), self.id)
+        check_arrays(self.url, run, self.id)
+        return run
 
     def _group(self, kind: str, groups: tuple[str, ...], name: str) -> xr.Dataset:
         """A derived group, read only once its writer committed it (GroupNotFoundError when
@@ -112,6 +124,9 @@ class Run:
         run = open_run_group(open_root(self.url), self.id)
         if not 0 <= seq < run["complete"].shape[0] or run["complete"][seq] != 1:
             raise InputError(f"sequence {seq} of run '{self.id}' is not committed")
+        for index, why in lost_objects(run).get("tokens", {}).items():
+            if index[0] == seq:
+                raise damaged_chunk(self.url, run["tokens"], index, why)
         tokens = run["tokens"][seq]
         return (tokenizer or self._tokenizer()).decode(tokens.tolist())
 

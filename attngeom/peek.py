@@ -62,7 +62,8 @@ def require_run(url: str, run_id: str) -> None:
     if path is None:
         return
     folder = path / "runs"
-    runs = sorted(p.name for p in folder.iterdir() if (p / "zarr.json").is_file()) if folder.is_dir() else []
+    runs = sorted(p.name for p in folder.iterdir() if RUN_ID_PATTERN.match(p.name) and (p / "zarr.json").is_file()
+                  ) if folder.is_dir() else []
     if run_id in runs:
         return
     if not runs:

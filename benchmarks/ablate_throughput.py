@@ -65,7 +65,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype)
     source = resolve_model(args.model)
     model = load_model(source, device=device, dtype=dtype)
     geo = head_geometry(model)

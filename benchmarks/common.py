@@ -121,7 +121,7 @@ def load(name: str, device: str = "auto", dtype: str = "auto") -> Loaded:
 
     t0 = time.perf_counter()
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    dt = resolve_dtype(dtype)
     source = resolve_model(name)
     model = load_model(source, device=dev, dtype=dt)
     model.set_attn_implementation("sdpa")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -16,6 +17,31 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault(var, "1")
 
 WORDS = [f"w{i}" for i in range(90)]
+
+# A test needs the model stack (torch, transformers, datasets, the offline model and corpus
+# packages) when it uses `tiny_model_dir`, directly or through another fixture, or is marked
+# `needs_model`. Where torch is not installed those tests are skipped and the rest (store,
+# analysis, report) run: .ci/run runs them so on Python 3.12 with the newest zarr.
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tiny_model_dir" in item.fixturenames:
+            item.add_marker(pytest.mark.needs_model)
+    if not HAS_TORCH:
+        skip = pytest.mark.skip(reason="needs a model: torch is not installed")
+        for item in items:
+            if item.get_closest_marker("needs_model"):
+                item.add_marker(skip)
+
+
+def extract(request):
+    """The extract stage on an ``ExtractRequest``, imported when called: a test module that
+    imports this, not ``attngeom.extract.pipeline``, is collected without torch."""
+    from attngeom.extract.pipeline import extract as run
+
+    return run(request)
 
 
 def tiny_config(arch: str):

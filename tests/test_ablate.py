@@ -7,7 +7,7 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 import xarray as xr
 from scipy import stats
 
@@ -43,8 +43,8 @@ REGIMES = np.array(
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny models gain nothing from threads, and on a busy machine two spinning threads make
-    each small forward many times slower."""
+    """Tiny models gain nothing from threads, and two threads spinning beside other tests'
+    workers make each small forward many times slower."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

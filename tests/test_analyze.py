@@ -20,6 +20,7 @@ import pytest
 import xarray as xr
 import zarr
 from click.testing import CliRunner
+from conftest import extract
 from test_analyze_kernels import brute_topn, brute_value_statistics
 
 from attngeom.analyze import runner
@@ -33,7 +34,7 @@ from attngeom.cli import main
 from attngeom.errors import IncompleteGroupError
 from attngeom.store import nodes
 from attngeom.store.session import StoreSession
-from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.extract.request import ExtractRequest
 from attngeom.report.data import load_runs
 from attngeom.store import (
     ABLATION,

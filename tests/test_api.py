@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 import xarray as xr
 from click.testing import CliRunner
 from conftest import WORDS, tiny_config, tiny_tokenizer
@@ -244,7 +244,7 @@ def test_open_store_reads_runs_and_errors_by_kind(tiny_model_dir, word_corpus, t
     assert text.startswith("<bos>") and len(text.split()) >= L - 1
     with pytest.raises(ag.RunNotFoundError, match="runs: r"):
         st.run("nope")
-    with pytest.raises(ag.GroupNotFoundError, match="has no analysis \(run `attngeom analyze --store "):
+    with pytest.raises(ag.GroupNotFoundError, match=r"has no analysis \(run `attngeom analyze --store "):
         run.analysis("topn")
     with pytest.raises(ag.InputError, match="no group 'nope'"):
         run.analysis("nope")

@@ -8,7 +8,7 @@ import sys
 import threading
 
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 from transformers import AutoModelForCausalLM
 
 from attngeom.extract.capture import (
@@ -362,5 +362,5 @@ def test_auto_dtype_is_float32_on_every_device():
     model computes in float32 unless asked otherwise, on a GPU too."""
     from attngeom.extract.models import resolve_dtype
 
-    assert resolve_dtype("auto", "cuda") == resolve_dtype("auto", "cpu") == torch.float32
-    assert resolve_dtype("bfloat16", "cuda") == torch.bfloat16
+    assert resolve_dtype("auto") == torch.float32
+    assert resolve_dtype("bfloat16") == torch.bfloat16

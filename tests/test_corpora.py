@@ -191,6 +191,7 @@ def test_local_bad_inputs(tmp_path):
 
 # --- offline corpora ----------------------------------------------------------
 
+@pytest.mark.needs_model
 def test_wiki_summaries_offline():
     corpus = open_corpus("wiki-summaries")
     docs = list(corpus.documents())
@@ -202,6 +203,7 @@ def test_wiki_summaries_offline():
     assert len(corpus.fingerprint) == 64 and corpus.id == "wiki-summaries" and corpus.split is None
 
 
+@pytest.mark.needs_model
 def test_wiki_summaries_window_selection_is_fast():
     started = time.perf_counter()
     windows = select_windows(open_corpus("wiki-summaries"), WhitespaceTokenizer(), BOS, 128, 16)
@@ -218,6 +220,7 @@ def test_python_docs_offline():
 
 # --- hub ----------------------------------------------------------------------
 
+@pytest.mark.needs_model
 def test_unknown_dataset_fails_fast_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     # The libraries read the variable at import; another test may have imported them already.
@@ -229,6 +232,7 @@ def test_unknown_dataset_fails_fast_offline(monkeypatch):
     assert time.perf_counter() - started < 15
 
 
+@pytest.mark.needs_model
 def test_unreachable_hub_fails_fast_without_offline_mode(monkeypatch):
     def no_network():
         raise OSError("Name or service not known")

@@ -21,11 +21,10 @@ import numpy as np
 import pytest
 import zarr
 from click.testing import CliRunner
+from conftest import ABLATED_SEQUENCES
 
 from attngeom.cli import main
-from attngeom.store import validate_store
-
-from conftest import ABLATED_SEQUENCES
+from attngeom.store import SEQUENCE_ARRAYS, validate_store
 
 S = ABLATED_SEQUENCES
 
@@ -265,7 +264,7 @@ def test_failed_extract_leaves_no_new_store(tiny_model_dir, word_corpus, tmp_pat
 
 
 def test_ctrl_c_says_how_to_finish(store, monkeypatch):
-    import attngeom.analyze.runner as runner
+    from attngeom.analyze import runner
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -333,3 +332,48 @@ def test_an_unwritable_chunk_path_is_one_line(tiny_model_dir, word_corpus, tmp_p
     blocker.unlink()
     assert run(*args, "-S", "2")[0] == 0
     assert list(zarr.open_array(str(store), path="runs/r/complete", mode="r")[...]) == [1, 1]
+
+
+@pytest.fixture(scope="module")
+def synthetic_source(tmp_path_factory) -> Path:
+    """A synthetic run of 4 sequences holding every per-sequence array (rows at queries too)."""
+    from attngeom.synthetic import write_synthetic_run
+
+    url = tmp_path_factory.mktemp("synthetic") / "s.zarr"
+    write_synthetic_run(str(url), "syn", n_seq=4, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, length=8,
+                        queries=(3, 7))
+    return url
+
+
+@pytest.mark.parametrize("how", ["missing", "empty"])
+# Every per-sequence array a synthetic run holds: all but the full attention matrices
+# (``attn``, stored by ``extract --store-rows all`` only), which are read the same way.
+@pytest.mark.parametrize("name", [n for n in SEQUENCE_ARRAYS if n != "attn"])
+def test_the_api_never_reads_a_lost_object_as_fill_values(synthetic_source, tmp_path, name, how):
+    """A committed sequence's stored object deleted (or emptied) reads through the API as the
+    damage error validate gives for it, not as the fill value; the other sequences read as
+    before, and validate names the same object."""
+    import attngeom as ag
+    from attngeom.errors import CorruptChunkError
+
+    store = tmp_path / "s.zarr"
+    shutil.copytree(synthetic_source, store)
+    before = ag.open_store(store).run("syn").dataset()[name].values
+    folder = store / "runs" / "syn" / name / "c"
+    victim = sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).parts[0] == "2")[0]
+    if how == "missing":
+        victim.unlink()
+    else:
+        victim.write_bytes(b"")
+    ds = ag.open_store(store).run("syn").dataset()
+    assert ds.sizes["seq"] == 4
+    np.testing.assert_array_equal(ds[name].sel(seq=[0, 1, 3]).values, before[[0, 1, 3]])
+    with pytest.raises(CorruptChunkError) as caught:
+        ds[name].sel(seq=2).values
+    message = str(caught.value)
+    key = victim.relative_to(store / "runs" / "syn" / name).as_posix()
+    assert message.startswith(f"array 'runs/syn/{name}' chunk {key} (sequence 2) is damaged") and "\n" not in message
+    assert message in validate_store(str(store), deep=True)
+    if name == "tokens":
+        with pytest.raises(CorruptChunkError):
+            ag.open_store(store).run("syn").text(2, tokenizer=object())

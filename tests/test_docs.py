@@ -190,6 +190,7 @@ def test_readme_offline_example_runs_with_a_tiny_model(tiny_model_dir, tmp_path,
     assert scope["run"].text(0).startswith("<bos>")
 
 
+@pytest.mark.needs_model
 def test_readme_offline_example_runs_as_written_with_the_real_model(tmp_path, monkeypatch, capsys):
     """A real-model test: the README's offline script exactly as written, smollm2-135m
     (converted once into the cache on its first use) on three short windows."""

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner
+from conftest import extract
 from hypothesis import given, settings, strategies as st
 
 from attngeom.analyze.kernels import topn_metrics
@@ -25,7 +26,7 @@ from attngeom.cli import main
 from attngeom.errors import InputError, RunNotFoundError, StoreNotFoundError
 from attngeom.explore.geometry import value_picture
 from attngeom.palette import REGIME_COLORS
-from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.extract.request import ExtractRequest
 from attngeom.store import open_dataset
 
 GRID = [1, 2, 4, 8]
@@ -399,6 +400,7 @@ def test_page_in_headless_chromium(page, tmp_path):
     assert (tmp_path / "explore.png").stat().st_size > 10_000
 
 
+@pytest.mark.needs_model
 def test_a_gguf_runs_tokens_are_decoded_from_the_converted_folder(tmp_path, monkeypatch):
     """The tokenizer extract cached beside the converted model is read, not the GGUF again
     (here the GGUF is not even there); every distinct id is decoded as on its own."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 import xarray as xr
 import zarr
 from click.testing import CliRunner

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import xarray as xr
 import zarr
+from conftest import extract
 
 from attngeom.api import analyze
 from attngeom.api import ablate
-from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.extract.request import ExtractRequest
 from attngeom.store import (
     FORMAT,
     LABEL_ORDERS,

@@ -14,11 +14,12 @@ import pytest
 import xarray as xr
 import zarr
 from click.testing import CliRunner
+from conftest import extract
 
 from attngeom.api import analyze
 from attngeom.cli import main
 from attngeom.errors import AttngeomError
-from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.extract.request import ExtractRequest
 from attngeom.store import (
     FORMAT,
     array_metadata,

@@ -1,4 +1,4 @@
-"""Damage after the extract (issue 26): analysis and ablation groups, metadata, consolidated
+"""Damage after the extract: analysis and ablation groups, metadata, consolidated
 metadata, concurrent analyzes and bad input. Each case: the damage, what validate says
 (exit 1), what a command meets it with (one line, exit 2), the command that recovers, and
 the store afterwards equal, object for object, to an undisturbed one."""

@@ -6,13 +6,14 @@ import dask.array as da
 import numpy as np
 import xarray as xr
 from click.testing import CliRunner
+from conftest import extract
 
 from attngeom import regimes
 from attngeom.analyze import taxonomy
 from attngeom.analyze.blocks import _votes_variables
 from attngeom.api import analyze
 from attngeom.cli import main
-from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.extract.request import ExtractRequest
 from attngeom.store import SIGNATURE_VARIABLES, open_dataset
 
 

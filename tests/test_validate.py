@@ -9,9 +9,10 @@ import pytest
 import xarray as xr
 import zarr
 from click.testing import CliRunner
+from conftest import extract
 
 from attngeom.cli import main
-from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.extract.request import ExtractRequest
 from attngeom.store import resize_run
 
 

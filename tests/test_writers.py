@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner
+from conftest import extract
 
 from attngeom.api import analyze
 from attngeom.cli import main
-from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.extract.request import ExtractRequest
 from attngeom.store import objects, open_dataset, open_root, open_run_group, run_ids, validate_store, zarr_store
 from attngeom.store.objects import chunk_objects
 from attngeom.store.validate import check_run

@@ -471,7 +471,7 @@ def _model(request: AblateRequest, provenance: dict[str, Any]) -> tuple[torch.nn
     if request.model is None:
         source = _model_source(provenance, request.run_id)
         device = resolve_device(request.device)
-        compute_dtype = resolve_dtype(request.dtype, device)
+        compute_dtype = resolve_dtype(request.dtype)
         return load_model(source, device=device, dtype=compute_dtype), device, compute_dtype
     device, compute_dtype = model_placement(request.model, request.device, request.dtype)
     return request.model, device, compute_dtype

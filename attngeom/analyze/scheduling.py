@@ -1,4 +1,4 @@
-"""Where analyze's tasks run: worker processes of this machine, Dask's threads, or a cluster."""
+"""Where analyze's tasks run: local worker processes, Dask's threads, or a cluster."""
 
 from __future__ import annotations
 

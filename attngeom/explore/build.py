@@ -246,8 +246,8 @@ def _run_entry(run: data.ExploreRun, progress: bool) -> dict[str, Any]:
 def _write_heads(run: data.ExploreRun, folder: Path, progress: bool) -> int:
     layout = run.layout
     total = layout.n_layers * layout.n_heads
-    # Single-threaded BLAS: each call is small (a D x D eigenproblem per instance), and a
-    # multi-threaded BLAS spent 7-10x longer on them (smollm2-135m, L=1024, 2 busy cores).
+    # Single-threaded BLAS: each call is small (a D x D eigenproblem per instance), too small
+    # for a multi-threaded BLAS to gain anything but its threads' synchronization.
     with threadpool_limits(limits=1), \
             tqdm(total=total, unit="head", desc=f"{run.run_id}: heads", disable=not progress) as bar:
         for layer in range(layout.n_layers):

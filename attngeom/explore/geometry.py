@@ -57,8 +57,7 @@ def principal_plane(y: np.ndarray, attendable: np.ndarray) -> tuple[np.ndarray, 
     centre = np.sum(np.where(weight, y, 0.0), axis=1) / count
     centred = np.where(weight, y - centre[:, None, :], 0.0)
     # Eigenvectors of the D x D scatter matrix rather than an SVD of the K x D data: the same
-    # directions, at a small fraction of the cost for K >> D (the SVD took ~1 s per head at
-    # K = 1024 on this machine).
+    # directions, at a small fraction of the cost for K >> D.
     scatter = centred.transpose(0, 2, 1) @ centred
     power, vectors = np.linalg.eigh(scatter)
     power, vectors = np.maximum(power[:, ::-1], 0.0), vectors[:, :, ::-1]

@@ -39,9 +39,9 @@ ATTN_IMPLEMENTATION = "attngeom_capture"
 CPU_TILE_BYTES = 2 * 2**20
 # Fewest rows (queries x the query heads of one kv head) a tile's score product may have: with
 # many heads or long rows a 2 MiB tile of every kv head holds a few queries only (16 for 32
-# heads at L=1024, 4 for 32 heads at L=4096), and products and passes that small ran 3x slower
-# than tiles of 4 kv heads x 128 queries of the same bytes (one 32/32/128 layer at L=1024:
-# 20.8 against 6.8 s, 2 threads on a busy machine); such layers take fewer kv heads per tile.
+# heads at L=1024, 4 for 32 heads at L=4096), and products and passes that small run about 3x
+# slower than tiles of 4 kv heads x 128 queries of the same bytes; such layers take fewer kv
+# heads per tile.
 MIN_PRODUCT_ROWS = 128
 # On CUDA a tile is sized from the GPU's memory: large tiles keep the kernel launches few, and
 # about six tile-sized temporaries live at once beside the model and its activations (1.25 GiB

@@ -382,7 +382,7 @@ def model_placement(model: torch.nn.Module, device: str, dtype: str) -> tuple[st
             f"the model is on {have_device} and attngeom does not move a model: call model.to({device!r}) "
             "first, or leave device='auto'"
         )
-    if dtype != "auto" and resolve_dtype(dtype, have_device.type) != have_dtype:
+    if dtype != "auto" and resolve_dtype(dtype) != have_dtype:
         raise InputError(
             f"the model computes in {str(have_dtype).removeprefix('torch.')} and attngeom does not cast a "
             f"model: call model.to(torch.{dtype}) first, or leave dtype='auto'"
@@ -398,11 +398,11 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+def resolve_dtype(dtype: str) -> torch.dtype:
     """The compute dtype of a named model: "auto" is float32 on every device. In bfloat16,
     1.4-1.9% of the stored winners and a third of the F_8 values moved, and near-tie regimes
     flipped (smollm2-135m, gemma3-270m; README, benchmarks/dtype_effect.py); float32 is what
-    CPU and GPU agree on. ``device`` is kept for callers that choose by it."""
+    CPU and GPU agree on."""
     if dtype == "auto":
         return torch.float32
     if dtype not in COMPUTE_DTYPES:

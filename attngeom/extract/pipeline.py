@@ -180,7 +180,7 @@ def _model(request: ExtractRequest, shard: tuple[int, int] | None) -> _Model:
     if shard is not None and device == "cuda":
         # One GPU per local rank under a launcher; all ranks share one GPU if there is one.
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', shard[0])) % torch.cuda.device_count()}"
-    dtype = resolve_dtype(request.dtype, device)
+    dtype = resolve_dtype(request.dtype)
     source = resolve_model(str(request.model))
     config = load_config(source)
     tokenizer = request.tokenizer if request.tokenizer is not None else load_tokenizer(source)

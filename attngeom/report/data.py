@@ -21,6 +21,7 @@ from attngeom.store import (
     ABLATION_GROUPS,
     ANALYSIS,
     REGIMES,
+    check_arrays,
     completed,
     open_derived,
     open_root,
@@ -139,6 +140,7 @@ def load_run(store: str, root: zarr.Group, run_id: str) -> RunData:
     meta = run_provenance(root, run_id)
     layout = meta.get("layout", {})
     run = open_run_group(root, run_id)
+    check_arrays(store, run, run_id)
     data = RunData(
         run_id=run_id,
         model_id=str(meta.get("model", {}).get("id") or "?"),

@@ -13,6 +13,7 @@ and their commit record), :mod:`~attngeom.store._zarr` (the zarr internals used)
 Stages import what they use from here.
 """
 
+from attngeom.peek import RUN_ID_PATTERN, default_run_id
 from attngeom.store.access import (
     check_writable,
     consolidate,
@@ -22,17 +23,15 @@ from attngeom.store.access import (
     store_format,
     writing,
 )
-from attngeom.store.damage import read_chunk, recovery
+from attngeom.store.damage import damaged_chunk, read_chunk, recovery
 from attngeom.store.datasets import open_dataset, write_dataset
 from attngeom.store.nodes import jsonable, local_path, zarr_store
 from attngeom.store.codecs import compressor, compressors, has_checksum, with_checksum
 from attngeom.store.derived import derived_problems, derived_state, open_derived, replace_groups
 from attngeom.store.runs import (
-    RUN_ID_PATTERN,
     SequenceWriter,
     completed,
     create_run,
-    default_run_id,
     n_sequences,
     open_run_group,
     require_run,
@@ -83,9 +82,11 @@ from attngeom.store.repair import Repair, repair
 from attngeom.store.validate import (
     array_metadata,
     arrays_of,
+    check_arrays,
     check_committed,
     check_run,
     damaged_objects,
+    lost_objects,
     reading_run,
     validate_run,
     validate_store,
@@ -98,9 +99,10 @@ __all__ = [
     "RUN_ID_PATTERN", "RUN_VARIABLES", "RUNS", "SCHEMA_VERSION", "SEQUENCE_ARRAYS",
     "SIGNATURE_VARIABLES", "STATS", "SUMMARY_DIMS", "TOPN_COUNTS", "TOPN_FLOATS", "TOPN_VARIABLES",
     "VALUE_STATISTICS", "VOTES", "ablation_path", "analysis_path", "array_metadata", "arrays_of",
-    "check_committed", "check_run", "check_writable", "completed", "compressor", "compressors", "consolidate",
-    "create_run", "damaged_objects", "default_run_id", "derived_problems", "derived_state",
-    "has_checksum", "jsonable", "label_codes", "label_dtype", "local_path", "n_sequences",
+    "check_arrays", "check_committed", "check_run", "check_writable", "completed", "compressor", "compressors",
+    "consolidate",
+    "create_run", "damaged_chunk", "damaged_objects", "default_run_id", "derived_problems", "derived_state",
+    "has_checksum", "jsonable", "label_codes", "label_dtype", "local_path", "lost_objects", "n_sequences",
     "open_dataset", "open_derived", "open_or_create_root", "open_root", "open_run_group", "query_attendable",
     "read_chunk", "read_root_attrs", "recovery", "reading_run", "repair", "replace_groups", "require_run",
     "require_runs", "resize_run",

@@ -6,11 +6,6 @@ API (``zarr.buffer``, ``zarr.storage``, ``zarr.api``) wherever it serves.
 
 from __future__ import annotations
 
-# The document zarr writes for a group (``zarr.json``), made without creating a group: the
-# public ``zarr.create_group`` writes it to a store, and attngeom encodes a derived group's
-# objects in memory before writing them all at once.
-from zarr.core.group import GroupMetadata
-
 # The type of a Zarr v3 array's ``metadata``, which attngeom reads (chunk grid, fill value,
 # chunk key encoding) and copies; zarr exports it from no public module.
 from zarr.core.metadata import ArrayV3Metadata
@@ -20,4 +15,4 @@ from zarr.core.metadata import ArrayV3Metadata
 # only, not on FsspecStore, whose async file systems are bound to zarr's loop.
 from zarr.core.sync import sync
 
-__all__ = ["ArrayV3Metadata", "GroupMetadata", "sync"]
+__all__ = ["ArrayV3Metadata", "sync"]

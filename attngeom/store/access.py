@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import tempfile
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -17,6 +16,7 @@ import zarr
 
 from attngeom import __version__
 from attngeom.errors import DamagedStoreError, SchemaError, StoreNotFoundError, StoreWriteError
+from attngeom.peek import require_writable
 from attngeom.store.cache import cached, uncached
 from attngeom.store.damage import DECODE_ERRORS, recovery
 from attngeom.store.nodes import (
@@ -25,7 +25,10 @@ from attngeom.store.nodes import (
     metadata_bytes,
     node_metadata,
     node_path,
+    outside_link_problem,
+    outside_links,
     put_objects,
+    store_url,
     zarr_store,
 )
 from attngeom.store.schema import ATTR_KEY, FORMAT, SCHEMA_VERSION
@@ -202,6 +205,7 @@ def open_or_create_root(url: str) -> zarr.Group:
     The root's metadata and attributes are one object, written at once; an empty group
     without them (a store created by hand, or by older code killed mid-way) is adopted.
     """
+    check_writable(url)
     hold = WriterHold(url)
     zstore = cached(zarr_store(url, read_only=False))
     meta = {ATTR_KEY: {"schema_version": SCHEMA_VERSION, "format": FORMAT, "created_by": __version__}}
@@ -224,29 +228,14 @@ def open_or_create_root(url: str) -> zarr.Group:
 
 
 def check_writable(url: str) -> None:
-    """Refuse a local store path that cannot be written, before anything is created.
-
-    Probes by creating and removing a temporary file in the store folder, or in its nearest
-    existing parent: permission bits do not tell (root, read-only mounts).
-    """
-    path = local_path(url)
-    if path is None:
-        return
-    if path.exists() and not path.is_dir():
-        raise StoreWriteError(f"store path {path} exists and is not a folder")
-    if path.is_dir() and any(path.iterdir()) and not (path / "zarr.json").exists():
-        raise StoreWriteError(f"{path} is a non-empty folder that is not a Zarr store")
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise StoreWriteError(f"cannot create store {path}: {probe} is a file, not a folder")
-    try:
-        fd, name = tempfile.mkstemp(dir=probe, prefix=".attngeom-probe-")
-        os.close(fd)
-        os.unlink(name)
-    except OSError as exc:
-        raise StoreWriteError(f"store path {path} is not writable ({exc.strerror} in {probe})") from exc
+    """Refuse a local store path that cannot be written, before anything is created
+    (:func:`attngeom.peek.require_writable`), and a store holding a link that leads outside
+    its folder, through which a write would land in someone else's files."""
+    require_writable(url)
+    links = outside_links(url, whole=False)
+    if links:
+        key, target = next(iter(links.items()))
+        raise StoreWriteError(outside_link_problem(url, key, target))
 
 
 @contextlib.contextmanager
@@ -276,8 +265,7 @@ def consolidate(root: zarr.Group) -> None:
     nodes = node_metadata(uncached(zstore))  # as stored now, also what a peer writer changed
     bad = [key for key, meta in nodes.items() if meta is None]
     if bad:
-        local = isinstance(zstore, zarr.storage.LocalStore)
-        url = str(zstore.root) if local else zstore.fs.unstrip_protocol(zstore.path)
+        url = store_url(zstore)
         raise DamagedStoreError(
             f"{bad[0]} is empty or truncated (unreadable JSON), so the store's consolidated metadata cannot "
             f"be refreshed; {recovery(url, node_path(bad[0]), metadata=True)}"

@@ -12,32 +12,51 @@ import numpy as np
 import xarray as xr
 import zarr
 
-from attngeom.store._zarr import ArrayV3Metadata, GroupMetadata
+from attngeom.store._zarr import ArrayV3Metadata
 from attngeom.store.access import quiet_leftovers, writing
 from attngeom.store.codecs import chunk_encoder, compressors
-from attngeom.store.damage import DECODE_ERRORS, locate_damage, metadata_damage
-from attngeom.store.nodes import gather, metadata_bytes, put_objects, remove_dir, zarr_store
+from attngeom.store.damage import DECODE_ERRORS, damaged_chunk, locate_damage, metadata_damage, stored_grid
+from attngeom.store.nodes import gather, group_document, metadata_bytes, put_objects, remove_dir, zarr_store
 from attngeom.store.schema import ATTR_KEY, LABEL_ORDERS, LABELS, label_codes, label_dtype
 
-class _CheckedArray:
-    """A lazy variable of a group whose reads name a damaged chunk (the chunks dask reads)."""
 
-    def __init__(self, url: str, path: str, variable: xr.Variable) -> None:
-        self.url, self.path, self.variable = url, path, variable
+class _CheckedArray:
+    """A lazy variable of a group whose reads name a damaged chunk (the chunks dask reads),
+    and a stored object known to be ``lost`` (grid index -> why) before reading it."""
+
+    def __init__(self, url: str, path: str, variable: xr.Variable,
+                 lost: Mapping[tuple[int, ...], Exception]) -> None:
+        self.url, self.path, self.variable, self.lost = url, path, variable, lost
         self.shape, self.dtype, self.ndim = variable.shape, variable.dtype, variable.ndim
 
     def __getitem__(self, key: tuple[slice, ...]) -> np.ndarray:
+        if self.lost:
+            arr = self._array()
+            grid = stored_grid(arr)
+            for index, why in sorted(self.lost.items()):
+                if all(_overlaps(k, i * c, (i + 1) * c) for k, i, c in zip(key, index, grid)):
+                    raise damaged_chunk(self.url, arr, index, why)
         try:
             return np.asarray(self.variable[key].values)
         except DECODE_ERRORS as exc:
-            arr = zarr.open_array(zarr_store(self.url, read_only=True), path=self.path, mode="r")
-            error = locate_damage(self.url, arr, key)
+            error = locate_damage(self.url, self._array(), key)
             if error is None:
                 raise
             raise error from exc
 
+    def _array(self) -> zarr.Array:
+        return zarr.open_array(zarr_store(self.url, read_only=True), path=self.path, mode="r")
 
-def open_dataset(url: str, group: str, *, zstore: Any = None) -> xr.Dataset:
+
+def _overlaps(key: slice | int, start: int, stop: int) -> bool:
+    """Whether the selection ``key`` along one dimension reaches ``[start, stop)``."""
+    if isinstance(key, slice):
+        return (key.start or 0) < stop and (key.stop is None or key.stop > start)
+    return start <= key < stop
+
+
+def open_dataset(url: str, group: str, *, zstore: Any = None,
+                 lost: Mapping[str, Mapping[tuple[int, ...], Exception]] | None = None) -> xr.Dataset:
     """The group ``group`` of the store at ``url`` as a lazy Dataset, read from its own
     metadata (never the consolidated copy, which lags behind writers). The one way attngeom
     opens a group as a Dataset.
@@ -46,6 +65,9 @@ def open_dataset(url: str, group: str, *, zstore: Any = None) -> xr.Dataset:
     strings. Data are read by dask in the arrays' (inner) chunks; a chunk that fails to
     decode raises :class:`CorruptChunkError` naming it, an unreadable ``zarr.json``
     :class:`DamagedStoreError`. ``zstore``: the store at ``url`` already open (a writer's).
+    ``lost``: variable -> grid index -> why, the stored objects known to be missing or empty
+    (:func:`~attngeom.store.validate.lost_objects`), whose reads raise
+    :class:`CorruptChunkError` naming them rather than returning the fill value.
     """
     try:
         with quiet_leftovers():
@@ -59,7 +81,7 @@ def open_dataset(url: str, group: str, *, zstore: Any = None) -> xr.Dataset:
     for name, var in ds.variables.items():
         if name in ds.indexes:
             continue  # read when opened
-        checked = _CheckedArray(url, f"{group}/{name}", var)
+        checked = _CheckedArray(url, f"{group}/{name}", var, (lost or {}).get(str(name), {}))
         data = da.from_array(
             checked, chunks=var.encoding.get("chunks") or var.shape, name=f"{group}/{name}-{uuid.uuid4().hex}",
             lock=False, asarray=False, meta=np.empty((0,) * var.ndim, dtype=var.dtype),
@@ -200,7 +222,7 @@ def _group_objects(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], g
     one array of each form (data type, shape, chunks, dimensions) in ``forms``, shared by the
     groups of a write; each array takes a copy with its own attributes, rather than each
     array being made, filled and copied through zarr in turn."""
-    objects = {f"{group}/zarr.json": metadata_bytes(GroupMetadata(attributes=dict(dataset.attrs)).to_dict())}
+    objects = {f"{group}/zarr.json": metadata_bytes(group_document(dataset.attrs))}
     for name, var in dataset.variables.items():
         form = (var.dtype.str, var.shape, _chunk_shape(var, chunks), var.dims)
         if form not in forms:

@@ -22,6 +22,7 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import InputError
+from attngeom.peek import local_path
 from attngeom.store._zarr import sync
 
 # zarr-python's LocalStore writes each object as ``<name>.<uuid>.partial`` and renames it; a
@@ -29,11 +30,39 @@ from attngeom.store._zarr import sync
 PARTIAL_SUFFIX = ".partial"
 
 
-def local_path(url: str) -> Path | None:
-    """The folder of a local store (a path or a ``file://`` URL); None for a remote one."""
-    if "://" in url and not url.startswith("file://"):
-        return None
-    return Path(url.removeprefix("file://")).expanduser().absolute()
+def outside_links(url: str, *, whole: bool) -> dict[str, str]:
+    """Key -> resolved target of each link under a local store's folder that leads outside
+    it (empty for a remote store), sorted by key; links are not followed. ``whole``: every
+    folder of the store (validate); else where writers go: every folder but a run array's
+    chunk grid, whose first level (``c/<seq>``) alone is looked at."""
+    path = local_path(url)
+    if path is None or not path.is_dir():
+        return {}
+    root = path.resolve()
+    found: dict[str, str] = {}
+
+    def walk(folder: Path, key: str, descend: bool) -> None:
+        try:
+            entries = list(os.scandir(folder))
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            return
+        for entry in entries:
+            name = f"{key}/{entry.name}" if key else entry.name
+            if entry.is_symlink():
+                target = Path(entry.path).resolve()
+                if not target.is_relative_to(root):
+                    found[name] = str(target)
+            elif descend and entry.is_dir(follow_symlinks=False):
+                walk(Path(entry.path), name, whole or entry.name != "c")
+
+    walk(path, "", True)
+    return dict(sorted(found.items()))
+
+
+def outside_link_problem(url: str, key: str, target: str) -> str:
+    """The one line naming a link of the store at ``url`` that leads outside it."""
+    return (f"{key} in {url} is a link to {target}, outside the store; attngeom writes nothing outside a "
+            f"store's folder: replace the link by a copy of what it leads to, or remove it")
 
 
 def zarr_store(url: str, *, read_only: bool) -> Any:
@@ -45,6 +74,13 @@ def zarr_store(url: str, *, read_only: bool) -> Any:
         except (ValueError, ImportError) as exc:  # an unknown protocol, or its package missing
             raise InputError(f"cannot open the store {url}: {exc}") from exc
     return zarr.storage.LocalStore(local, read_only=read_only)
+
+
+def store_url(zstore: Any) -> str:
+    """The URL of the store a zarr Store is opened on."""
+    if isinstance(zstore, zarr.storage.LocalStore):
+        return str(zstore.root)
+    return zstore.fs.unstrip_protocol(zstore.path)
 
 
 def node_metadata(zstore: Any, group: str = "") -> dict[str, dict[str, Any] | None]:
@@ -107,6 +143,12 @@ def metadata_bytes(document: Mapping[str, Any]) -> bytes:
     indents, through Python's pure-Python JSON encoder, a quarter of the analyzing process's
     time in a small analysis; the C encoder writes one line)."""
     return json.dumps(document, allow_nan=True).encode()
+
+
+def group_document(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """A group's ``zarr.json`` document (Zarr v3) with ``attributes``, its keys in the order
+    zarr-python writes them."""
+    return {"attributes": dict(attributes), "zarr_format": 3, "node_type": "group"}
 
 
 def read_metadata(zstore: Any, path: str) -> dict[str, Any] | None:

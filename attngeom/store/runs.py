@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,10 +14,12 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import RunNotFoundError
+from attngeom.peek import RUN_ID_PATTERN
 from attngeom.store._zarr import sync
 from attngeom.store.access import quiet_leftovers
 from attngeom.store.codecs import VALUES_CODEC, compressors
-from attngeom.store.nodes import jsonable
+from attngeom.store.damage import DECODE_ERRORS, metadata_damage
+from attngeom.store.nodes import jsonable, node_exists, store_url
 from attngeom.store.schema import (
     ATTR_KEY,
     RUN_VARIABLES,
@@ -29,24 +30,29 @@ from attngeom.store.schema import (
     run_path,
 )
 
-RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]+$")
-
-
-def default_run_id(model: str, dataset: str, length: int) -> str:
-    """A readable run id: model, dataset and context length."""
-
-    def slug(text: str) -> str:
-        return re.sub(r"[^A-Za-z0-9._-]+", "-", text.rstrip("/").split("/")[-1]).strip("-") or "x"
-
-    return f"{slug(model)}__{slug(dataset)}__L{length}"
-
 
 def run_ids(root: zarr.Group) -> list[str]:
-    """Ids of the store's runs, sorted."""
+    """Ids of the store's runs, sorted: the groups under ``runs/`` named as run ids are
+    (:data:`~attngeom.peek.RUN_ID_PATTERN`); a folder of another name is no run, and
+    validate names it (:func:`misnamed_runs`). :class:`DamagedStoreError` names a run's
+    ``zarr.json`` that does not parse."""
     with quiet_leftovers():
-        if RUNS not in root:
-            return []
-        return sorted(name for name, _ in root[RUNS].groups())
+        try:
+            if RUNS not in root:
+                return []
+            return sorted(name for name, _ in root[RUNS].groups() if RUN_ID_PATTERN.match(name))
+        except DECODE_ERRORS as exc:
+            raise metadata_damage(store_url(root.store), RUNS, exc) from exc
+
+
+def misnamed_runs(root: zarr.Group) -> list[str]:
+    """Names of the groups under ``runs/`` that are not run ids, sorted."""
+
+    async def names() -> list[str]:
+        return [name async for name in root.store.list_dir(RUNS)]
+
+    return sorted(name for name in sync(names()) if not RUN_ID_PATTERN.match(name)
+                  and node_exists(root.store, f"{RUNS}/{name}"))
 
 
 def require_runs(root: zarr.Group, url: str) -> list[str]:

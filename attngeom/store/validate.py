@@ -21,6 +21,7 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import AttngeomError, DamagedStoreError
+from attngeom.peek import RUN_ID_PATTERN
 from attngeom.store._zarr import sync
 from attngeom.store.access import (
     partials,
@@ -40,9 +41,9 @@ from attngeom.store.damage import (
     unreadable_metadata,
 )
 from attngeom.store.derived import derived_problems
-from attngeom.store.nodes import local_path, zarr_store
+from attngeom.store.nodes import local_path, outside_link_problem, outside_links, read_metadata, zarr_store
 from attngeom.store.objects import chunk_objects, object_damage
-from attngeom.store.runs import completed, open_run_group, run_coordinates, run_ids, run_layout
+from attngeom.store.runs import completed, misnamed_runs, open_run_group, run_coordinates, run_ids, run_layout
 from attngeom.store.schema import (
     ABLATION,
     ANALYSIS,
@@ -53,6 +54,7 @@ from attngeom.store.schema import (
     SEQUENCE_ARRAYS,
     RunLayout,
 )
+
 
 def _written_sequences(run: zarr.Group, name: str) -> set[int]:
     return {index[0] for index in chunk_objects(run[name])}
@@ -69,35 +71,63 @@ def _ranges(indices: Iterable[int]) -> str:
     return ", ".join(parts)
 
 
-def committed_damage(run: zarr.Group, members: Mapping[str, zarr.Array] | None = None) -> dict[int, str]:
-    """Committed sequence -> what is wrong with its stored objects: an array with no object
-    (shard) for it, or an empty one. One listing per array; data are not read. ``members``:
-    the run's arrays (:func:`_members`) when the caller has them."""
+def lost_objects(run: zarr.Group, members: Mapping[str, zarr.Array] | None = None,
+                 ) -> dict[str, dict[tuple[int, ...], Exception]]:
+    """Per-sequence array -> grid index -> why (:class:`FileNotFoundError`: missing,
+    :class:`EOFError`: empty) for each stored object (shard, or chunk) that a committed
+    sequence must have and that is missing or empty: read, it would be the fill value. One
+    listing per array; data are not read. ``members``: the run's arrays (:func:`_members`)
+    when the caller has them."""
     members = _members(run) if members is None else members
-    done = completed(run)
-    damage: dict[int, str] = {}
+    done = set(completed(run).tolist())
+    lost: dict[str, dict[tuple[int, ...], Exception]] = {}
     for name in SEQUENCE_ARRAYS:
         if name not in members:
             continue
-        arr = members[name]
-        objects: dict[int, list[int]] = {}
-        for index, size in chunk_objects(arr).items():
-            objects.setdefault(index[0], []).append(size)
-        expected = int(np.prod([-(-n // c) for n, c in zip(arr.shape[1:], stored_grid(arr)[1:])]))
-        for s in done.tolist():
-            sizes = objects.get(s, [])
-            if len(sizes) < expected:
-                damage.setdefault(s, f"its '{name}' chunk is missing")
-            elif min(sizes) == 0:
-                damage.setdefault(s, f"its '{name}' chunk is empty (0 bytes)")
+        objects = chunk_objects(members[name])
+        for index in _expected_objects(members[name], done):
+            size = objects.get(index)
+            if not size:
+                why = FileNotFoundError("missing") if size is None else EOFError("empty, 0 bytes")
+                lost.setdefault(name, {})[index] = why
+    return lost
+
+
+def committed_damage(run: zarr.Group, members: Mapping[str, zarr.Array] | None = None) -> dict[int, str]:
+    """Committed sequence -> what is wrong with its stored objects: an array with no object
+    (shard) for it, or an empty one (:func:`lost_objects`)."""
+    damage: dict[int, str] = {}
+    for name, lost in lost_objects(run, members).items():
+        for index, why in lost.items():
+            what = "missing" if isinstance(why, FileNotFoundError) else "empty (0 bytes)"
+            damage.setdefault(index[0], f"its '{name}' chunk is {what}")
     return damage
 
 
+def check_arrays(url: str, run: zarr.Group, run_id: str, members: Mapping[str, zarr.Array] | None = None,
+                 ) -> RunLayout | None:
+    """Raise :class:`DamagedStoreError` for the first array of the run that is missing,
+    unreadable or contradicts the run's layout (:func:`array_problems`): metadata only, before
+    anything is read by a shape it gives. Returns the layout (None when it does not read:
+    that is met, and named, where it is read). ``members``: the run's arrays when the
+    caller has them."""
+    try:
+        layout = run_layout(run)
+    except (KeyError, TypeError, *DECODE_ERRORS):
+        return None
+    problems = array_problems(run, run_id, layout, _members(run) if members is None else members, url)
+    if problems:
+        raise DamagedStoreError(problems[0] if problems[0].startswith(RUNS) else f"{problems[0]}; {RESTORE}")
+    return layout
+
+
 def check_committed(url: str, run: zarr.Group, run_id: str) -> None:
-    """Raise :class:`DamagedStoreError` for the first committed sequence of the run whose
-    stored objects are missing or empty (see :func:`committed_damage`), or for a coordinate
-    array not holding what the run's layout records (read whole: they are small)."""
+    """Raise :class:`DamagedStoreError` for an array of the run that is missing, unreadable or
+    contradicts the run's layout (:func:`array_problems`), for the first committed sequence
+    whose stored objects are missing or empty (see :func:`committed_damage`), or for a
+    coordinate array not holding what the run's layout records (read whole: they are small)."""
     members = _members(run)
+    layout = check_arrays(url, run, run_id, members)
     damage = committed_damage(run, members)
     if damage:
         s = min(damage)
@@ -105,11 +135,7 @@ def check_committed(url: str, run: zarr.Group, run_id: str) -> None:
         raise DamagedStoreError(
             f"run {run_id}: committed sequence {s}: {damage[s]}{more}; {recovery(url, f'{RUNS}/{run_id}', s)}"
         )
-    try:
-        layout = run_layout(run)
-    except (KeyError, TypeError, *DECODE_ERRORS):
-        return  # an unreadable layout is met, and named, where it is read
-    problems = coordinate_problems(run, layout, members, url)
+    problems = coordinate_problems(run, layout, members, url) if layout is not None else []
     if problems:
         raise DamagedStoreError(problems[0])
 
@@ -185,6 +211,62 @@ def coordinate_problems(run: zarr.Group, layout: RunLayout, members: Mapping[str
     ]
 
 
+def array_problems(run: zarr.Group, run_id: str, layout: RunLayout, members: Mapping[str, zarr.Array], url: str,
+                   unreadable: frozenset[str] = frozenset()) -> list[str]:
+    """One line per array of the run's ``layout`` that is missing, whose metadata cannot be
+    read as an array (an unknown codec), or whose dims, dtype or shape contradict the layout
+    and the run's other arrays (:func:`sequence_count`). Metadata only.
+    ``unreadable``: paths of arrays whose ``zarr.json`` does not parse (named elsewhere)."""
+    where = f"run {run_id}"
+    n_seq = sequence_count(members)
+    problems = []
+    for name in layout.names():
+        var = RUN_VARIABLES[name]
+        if name not in members:
+            if f"{run.path}/{name}" in unreadable:
+                continue
+            path = f"{run.path}/{name}"
+            why = _member_error(run, name)
+            if why is None:
+                problems.append(f"{where}: missing array '{name}'")
+            elif read_metadata(run.store, path) is None:
+                problems.append(f"{path}/zarr.json is empty or truncated (unreadable JSON); "
+                                f"{recovery(url, path, metadata=True)}")
+            else:
+                problems.append(f"{path}/zarr.json is not an array this attngeom reads ({type(why).__name__}: "
+                                f"{why}); {RESTORE}")
+            continue
+        arr = members[name]
+        dims = tuple(arr.metadata.dimension_names or ())
+        if dims != var.dims:
+            problems.append(f"{where}: array '{name}' has dims {dims}, expected {var.dims}")
+        if str(arr.dtype) not in var.dtypes:
+            problems.append(f"{where}: array '{name}' has dtype {arr.dtype}, expected {' or '.join(var.dtypes)}")
+        expected = layout.shape(name, n_seq if n_seq is not None else arr.shape[0])
+        if tuple(arr.shape) != expected:
+            problems.append(f"{where}: array '{name}' has shape {tuple(arr.shape)}, expected {expected}")
+    return problems
+
+
+def sequence_count(members: Mapping[str, zarr.Array]) -> int | None:
+    """The sequences the run's arrays are sized for: the shortest of its per-sequence arrays
+    (``complete`` included), so that one array claiming more than the others is named rather
+    than read; None for a run with none."""
+    lengths = [int(arr.shape[0]) for name, arr in members.items() if RUN_VARIABLES[name].per_sequence]
+    return min(lengths) if lengths else None
+
+
+def _member_error(run: zarr.Group, name: str) -> Exception | None:
+    """Why the run's member ``name`` does not open as an array; None when it is absent."""
+    try:
+        run[name]
+    except KeyError:
+        return None
+    except DECODE_ERRORS as exc:
+        return exc
+    return None
+
+
 def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[str] = frozenset()) -> list[str]:
     """Problems of one run of the store at ``url``, one line each (empty when valid);
     ``unreadable``: paths of arrays whose ``zarr.json`` does not parse (named elsewhere,
@@ -203,21 +285,7 @@ def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[s
     except (KeyError, TypeError, *DECODE_ERRORS) as exc:
         return problems + [f"{where}: unreadable layout in provenance ({exc})"]
     n_seq = int(members["complete"].shape[0]) if "complete" in members else None
-    for name in layout.names():
-        var = RUN_VARIABLES[name]
-        if name not in members:
-            if f"{run.path}/{name}" not in unreadable:
-                problems.append(f"{where}: missing array '{name}'")
-            continue
-        arr = members[name]
-        dims = tuple(arr.metadata.dimension_names or ())
-        if dims != var.dims:
-            problems.append(f"{where}: array '{name}' has dims {dims}, expected {var.dims}")
-        if str(arr.dtype) not in var.dtypes:
-            problems.append(f"{where}: array '{name}' has dtype {arr.dtype}, expected {' or '.join(var.dtypes)}")
-        expected = layout.shape(name, n_seq if n_seq is not None else arr.shape[0])
-        if tuple(arr.shape) != expected:
-            problems.append(f"{where}: array '{name}' has shape {tuple(arr.shape)}, expected {expected}")
+    problems += array_problems(run, run_id, layout, members, url, unreadable)
     problems += coordinate_problems(run, layout, members, url)
     if problems or n_seq is None:
         return problems
@@ -286,7 +354,7 @@ def _expected_objects(arr: zarr.Array, sequences: set[int] | None) -> list[tuple
     if sequences is None:
         return []
     counts = [-(-n // c) for n, c in zip(arr.shape, stored_grid(arr))]
-    return [i for i in np.ndindex(*counts) if i[0] in sequences]
+    return [(s, *rest) for s in sorted(sequences) if s < counts[0] for rest in np.ndindex(*counts[1:])]
 
 
 def array_metadata(arr: zarr.Array) -> dict[str, Any]:
@@ -336,6 +404,11 @@ def consolidated_problems(url: str, bad_metadata: list[str]) -> list[str]:
             f"(a writer was interrupted); run `attngeom validate --store {url} --repair` to refresh it"]
 
 
+def link_problems(url: str) -> list[str]:
+    """One line per link in the store's folder that leads outside it."""
+    return [outside_link_problem(url, key, target) for key, target in outside_links(url, whole=True).items()]
+
+
 def leftover_problems(url: str) -> list[str]:
     """One line per ``*.partial`` object: the leftover of a write killed mid-way."""
     return [
@@ -355,7 +428,7 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
     if path is not None and not path.is_dir():
         return [f"no Zarr store at {url}"]
     bad_metadata = unreadable_metadata(url)
-    problems = metadata_problems(url) + leftover_problems(url)
+    problems = metadata_problems(url) + leftover_problems(url) + link_problems(url)
     if "zarr.json" in bad_metadata:
         return problems
     try:
@@ -378,16 +451,23 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
     committed: dict[str, set[int]] = {}
     named: set[str] = set()
     with quiet_leftovers():
+        problems += [f"{RUNS}/{name} is no run: run ids are letters, digits, '.', '_' and '-' (the group is not "
+                     f"read); rename or remove it" for name in misnamed_runs(root)]
         for run_id in readable_runs(root, unreadable):
             run = open_run_group(root, run_id)
             try:
                 problems += validate_run(run, run_id, url, unreadable)
             except DECODE_ERRORS as exc:  # a damaged flag or layout chunk: named by --deep
                 problems.append(f"run {run_id}: cannot be checked ({type(exc).__name__}: {exc}); run validate --deep")
+            members = _members(run)
             try:
-                committed[run_id] = set(completed(run).tolist())
+                # Flags longer than the run's arrays are named above, not read.
+                fits = "complete" not in members or members["complete"].shape[0] == sequence_count(members)
+                committed[run_id] = set(completed(run).tolist()) if fits else set()
             except (KeyError, *DECODE_ERRORS):
-                committed[run_id] = set()
+                fits, committed[run_id] = True, set()
+            if not fits:
+                continue  # its derived groups are checked against flags that can be read
             # An object named as unreadable metadata above is not named again, nor one
             # named here by the deep check below.
             derived = [p for p in derived_problems(url, run_id, sorted(committed[run_id]))
@@ -417,9 +497,10 @@ def readable_runs(root: zarr.Group, unreadable: frozenset[str]) -> list[str]:
         return []
     try:
         return run_ids(root)
-    except DECODE_ERRORS:
+    except DamagedStoreError:
 
         async def names() -> list[str]:
             return [name async for name in root.store.list_dir(RUNS)]
 
-        return sorted(n for n in sync(names()) if f"{RUNS}/{n}" not in unreadable and "." not in n)
+        return sorted(n for n in sync(names()) if f"{RUNS}/{n}" not in unreadable and "." not in n
+                      and RUN_ID_PATTERN.match(n))

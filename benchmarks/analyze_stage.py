@@ -1,0 +1,180 @@
+#!/usr/bin/env python
+"""Where analyze's time goes beyond its kernels, at the paper's shapes (run by hand).
+
+    python benchmarks/analyze_stage.py                          # ~10 min on 2 cores
+    python benchmarks/analyze_stage.py --shapes llama2-7b --reps 5
+
+For each shape, two synthetic stores (``attngeom.synthetic.write_synthetic_run``) of
+``--layers`` layers at L = ``--length``, one of 1 sequence and one of ``--sequences``. In every
+repetition, in this process, order rotating:
+
+- **stage**: ``ag.analyze(store, scheduler="threads")`` of each store from scratch, BLAS on one
+  thread; the marginal CPU time per (sequence, layer, head) instance is the difference of the
+  two stores' CPU times over the difference of their instances;
+- **kernels**: ``attngeom.analyze.kernels.head_metrics`` on every (sequence, layer) block of
+  the larger store, its inputs read beforehand, one thread: CPU time per instance;
+- **read**: reading and decompressing the larger store's inputs (attn_last, values, winner) a
+  block at a time (``common.read_inputs``): CPU time per instance, zarr's own threads included.
+
+stage / kernels is the ratio the stage should keep near 1. The phases of the larger store's
+analyze are timed too (thread CPU time inside wrappers around the public steps the stage
+calls: reading a block's inputs, the kernels, the rest of a block, computing a batch, writing
+it, the reductions across sequences, the commit), and so is the call's fixed cost: the CPU
+time of the 1-sequence store's analyze beyond its kernels. zarr decodes chunks on threads of
+its own, which a thread's timer does not see: "block: read inputs" is the calling side alone,
+the decoding is in **read**.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import functools
+import tempfile
+import time
+
+import numpy as np
+from common import PAPER_SHAPES as SHAPES, analyze_fresh, default_n_grid, fmt, median, read_inputs, rotate, table
+from threadpoolctl import threadpool_limits
+
+import attngeom as ag
+from attngeom.analyze import blocks, runner
+from attngeom.analyze.kernels import head_metrics
+from attngeom.analyze.parameters import RANDOM_DRAWS
+from attngeom.store.derived import DerivedWrite
+from attngeom.synthetic import write_synthetic_run
+
+RUN = "synthetic"
+
+# (module or class, attribute, phase): the steps timed, each by the CPU time of its thread.
+PHASES = (
+    (blocks, "read_chunk", "block: read inputs"),
+    (blocks, "head_metrics", "block: kernels"),
+    (blocks, "_analysis_block", "block: whole"),
+    (runner, "computed_groups", "batch: compute (this thread)"),
+    (DerivedWrite, "begin", "record: begin"),
+    (DerivedWrite, "create", "write: create groups"),
+    (DerivedWrite, "append", "write: append batch"),
+    (runner, "cross_sequence_groups", "reduce across sequences"),
+    (DerivedWrite, "finish", "write: finish + commit"),
+    (runner, "_checked_input", "open + check input"),
+)
+
+
+@contextlib.contextmanager
+def phase_timers():
+    """Wrap the PHASES; yields a dict phase -> CPU seconds (summed over threads)."""
+    spent = collections.defaultdict(float)
+    saved = []
+    for owner, name, phase in PHASES:
+        original = getattr(owner, name)
+
+        def wrapper(*args, _original=original, _phase=phase, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                spent[_phase] += time.thread_time() - t0
+
+        saved.append((owner, name, original))
+        setattr(owner, name, functools.wraps(original)(wrapper))
+    try:
+        yield spent
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def blocks_of(store: str) -> list[tuple]:
+    """Every (sequence, layer) block's kernel inputs, read through the public API."""
+    ds = ag.open_store(store).run(RUN).dataset()
+    head_kv = ds["head_kv"].values
+    attn_all, values_all = ds["attn_last"].values, ds["values"].values
+    out = []
+    for s in range(ds.sizes["seq"]):
+        for layer in range(ds.sizes["layer"]):
+            values = values_all[s, layer].astype(np.float64)
+            out.append((attn_all[s, layer].astype(np.float64), values,
+                        np.broadcast_to(ds["attendable"][layer].values, values.shape[:2]), head_kv))
+    return out
+
+
+def kernels_cpu(inputs: list[tuple], grid: list[int]) -> float:
+    c0 = time.process_time()
+    for i, (attn, values, attendable, head_kv) in enumerate(inputs):
+        head_metrics(attn, values, attendable, grid, head_kv=head_kv, seed=i, random_draws=RANDOM_DRAWS)
+    return time.process_time() - c0
+
+
+def measure(name: str, tmp: str, args) -> dict:
+    H, KV, D = SHAPES[name]
+    small, large = f"{tmp}/{name}-1.zarr", f"{tmp}/{name}-{args.sequences}.zarr"
+    for store, n in ((small, 1), (large, args.sequences)):
+        write_synthetic_run(store, RUN, n_seq=n, n_layers=args.layers, n_heads=H, n_kv_heads=KV, head_dim=D,
+                            length=args.length)
+    grid = default_n_grid(args.length)
+    inputs = blocks_of(large)
+    per_block = H
+    extra = (args.sequences - 1) * args.layers * H
+    analyze_fresh(small, RUN, "threads")  # caches warm
+    cpu = {"small": [], "large": [], "kernels": [], "read": []}
+    phases = []
+    with threadpool_limits(1):
+        for rep in range(args.reps):
+            for which in rotate(list(cpu), rep):
+                if which == "read":
+                    c0 = time.process_time()
+                    read_inputs(large, RUN)
+                    cpu[which].append((time.process_time() - c0) / (len(inputs) * per_block))
+                elif which == "kernels":
+                    cpu[which].append(kernels_cpu(inputs, grid) / (len(inputs) * per_block))
+                elif which == "large":
+                    with phase_timers() as spent:
+                        cpu[which].append(analyze_fresh(large, RUN, "threads")[1])
+                    phases.append(dict(spent))
+                else:
+                    cpu[which].append(analyze_fresh(small, RUN, "threads")[1])
+    marginal = [(b - a) / extra for a, b in zip(cpu["small"], cpu["large"])]
+    instances_large = args.sequences * args.layers * H
+    result = {
+        "stage_ms": median(marginal) * 1e3, "kernels_ms": median(cpu["kernels"]) * 1e3,
+        "ratio": median([m / k for m, k in zip(marginal, cpu["kernels"])]), "read_ms": median(cpu["read"]) * 1e3,
+        "small_s": median(cpu["small"]), "large_s": median(cpu["large"]),
+        "fixed_s": median([s - k * args.layers * H for s, k in zip(cpu["small"], cpu["kernels"])]),
+    }
+    result["phases_ms_per_instance"] = {
+        phase: median([p.get(phase, 0.0) for p in phases]) * 1e3 / instances_large for _, _, phase in PHASES}
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="llama2-7b,mistral-7b,gemma-7b", help="comma-separated names of SHAPES")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--sequences", type=int, default=5)
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args()
+    rows, phase_rows = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.shapes.split(","):
+            r = measure(name, tmp, args)
+            H, KV, D = SHAPES[name]
+            rows.append([f"{name} ({H}/{KV}/{D})", r["stage_ms"], r["kernels_ms"], r["ratio"], r["read_ms"], r["small_s"],
+                         r["large_s"], r["fixed_s"]])
+            phase_rows.append([name, *(r["phases_ms_per_instance"][phase] for _, _, phase in PHASES)])
+            print(f"{name}: " + ", ".join(f"{k}={fmt(v) if isinstance(v, float) else v}" for k, v in r.items()),
+                  flush=True)
+    print()
+    print(table(["shape (H/KV/D)", "stage core-ms/inst", "kernels core-ms/inst", "stage/kernels", "read core-ms/inst",
+                 "1-seq analyze CPU s", f"{args.sequences}-seq analyze CPU s", "fixed CPU s (1 seq - kernels)"],
+                rows))
+    print()
+    print(f"phases of the {args.sequences}-sequence analyze, CPU ms per instance (nested: 'block: whole' holds "
+          "'read inputs' and 'kernels'; 'batch: compute' is the batch thread waiting on Dask)")
+    print(table(["shape", *(phase for _, _, phase in PHASES)], phase_rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""A store someone else made, read as a careful collaborator would: metadata that contradicts
+the store's own records (an absurd shape, a non-UTF-8 byte, an unknown codec), links that
+lead outside the store, folders under ``runs/`` that are no run. Every command names them in
+one line (validate: exit 1, the others: exit 2), with no traceback, and nothing is written
+outside the store."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import attngeom as ag
+from attngeom.cli import main
+from attngeom.errors import DamagedStoreError
+from attngeom.store import validate_store
+from attngeom.synthetic import write_synthetic_run
+
+
+def cli(*args: str) -> tuple[int, list[str]]:
+    """The CLI on ``args``: (exit code, output lines)."""
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output.strip().splitlines()
+
+
+@pytest.fixture(scope="module")
+def analyzed(tmp_path_factory) -> Path:
+    """A synthetic run of 4 sequences, analyzed."""
+    url = tmp_path_factory.mktemp("hostile") / "s.zarr"
+    write_synthetic_run(str(url), "syn", n_seq=4, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, length=8)
+    code, lines = cli("analyze", "--store", str(url), "--no-progress")
+    assert code == 0, lines
+    return url
+
+
+def absurd_shape(store: Path, name: str = "values") -> str:
+    """``name`` 10**12 sequences long, in its zarr.json and the consolidated copy alike."""
+    key = f"runs/syn/{name}"
+    meta = json.loads((store / key / "zarr.json").read_text())
+    meta["shape"][0] = 10**12
+    (store / key / "zarr.json").write_text(json.dumps(meta))
+    root = json.loads((store / "zarr.json").read_text())
+    root["consolidated_metadata"]["metadata"][key]["shape"][0] = 10**12
+    (store / "zarr.json").write_text(json.dumps(root))
+    if name == "complete":
+        return "run syn: array 'complete' has shape (1000000000000,), expected (4,)"
+    return "run syn: array 'values' has shape (1000000000000, 2, 1, 8, 4), expected (4, 2, 1, 8, 4)"
+
+
+def not_utf8(store: Path) -> str:
+    """A byte that is no UTF-8 inside a string of the run's zarr.json."""
+    path = store / "runs" / "syn" / "zarr.json"
+    raw = path.read_bytes()
+    at = raw.index(b'"model"') + 2
+    path.write_bytes(raw[:at] + b"\xff" + raw[at:])
+    return "runs/syn/zarr.json is empty or truncated (unreadable JSON)"
+
+
+def unknown_codec(store: Path) -> str:
+    """A codec no zarr knows in an array's metadata (and the consolidated copy)."""
+    key = "runs/syn/values"
+    for path, get in ((store / key / "zarr.json", lambda m: m),
+                      (store / "zarr.json", lambda m: m["consolidated_metadata"]["metadata"][key])):
+        meta = json.loads(path.read_text())
+        get(meta)["codecs"][0]["name"] = "no_such_codec"
+        path.write_text(json.dumps(meta))
+    return "runs/syn/values/zarr.json is not an array this attngeom reads (UnknownCodecError"
+
+
+HOSTILE = {
+    "absurd shape": absurd_shape,
+    "absurd flags": lambda store: absurd_shape(store, "complete"),
+    "not UTF-8": not_utf8,
+    "unknown codec": unknown_codec,
+}
+COMMANDS = ["validate", "validate --deep", "analyze", "report", "explore", "api"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_hostile_metadata_is_one_line_everywhere(analyzed, tmp_path, hostile, command):
+    store = tmp_path / "s.zarr"
+    shutil.copytree(analyzed, store)
+    expected = HOSTILE[hostile](store)
+    if command == "api":
+        with pytest.raises(DamagedStoreError) as caught:
+            ag.open_store(store).run("syn").dataset()
+        assert str(caught.value).startswith(expected) and "\n" not in str(caught.value)
+        return
+    name, *flags = command.split()
+    out = {"report": ["--out", str(tmp_path / "report")], "explore": ["--out", str(tmp_path / "page")]}.get(name, [])
+    progress = ["--no-progress"] if name in ("analyze", "explore") else []
+    code, lines = cli(name, "--store", str(store), *flags, *out, *progress)
+    assert not any("Traceback" in line for line in lines), lines
+    if name == "validate":
+        assert code == 1 and any(line.startswith(expected) for line in lines), lines
+        return
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"attngeom: error: {expected}"), lines
+
+
+def test_a_link_leading_outside_the_store_is_refused_before_any_write(analyzed, tmp_path):
+    """A run folder linked to another store's run: analyze, repair and extract refuse it in
+    one line (exit 2) and the other store is left as it was; validate names the link. A
+    link inside a run's chunk grid is refused the same way."""
+    victim, store = tmp_path / "victim.zarr", tmp_path / "shared.zarr"
+    write_synthetic_run(str(victim), "syn", n_seq=2, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, length=8)
+    shutil.copytree(analyzed, store)
+    before = sorted(p.relative_to(victim) for p in victim.rglob("*"))
+    (store / "runs" / "evil").symlink_to(victim / "runs" / "syn")
+    line = (f"runs/evil in {store} is a link to {victim / 'runs' / 'syn'}, outside the store; attngeom writes "
+            f"nothing outside a store's folder: replace the link by a copy of what it leads to, or remove it")
+    for args in (["analyze", "--no-progress"], ["analyze", "--run", "evil", "--no-progress"],
+                 ["validate", "--deep", "--repair"]):
+        assert cli(args[0], "--store", str(store), *args[1:]) == (2, [f"attngeom: error: {line}"])
+    assert line in validate_store(str(store))
+    assert sorted(p.relative_to(victim) for p in victim.rglob("*")) == before
+
+    (store / "runs" / "evil").unlink()
+    grid = store / "runs" / "syn" / "winner" / "c" / "3"
+    shutil.rmtree(grid)
+    grid.symlink_to(victim / "runs" / "syn" / "winner" / "c" / "1")
+    code, lines = cli("analyze", "--store", str(store), "--no-progress")
+    assert code == 2 and lines[0].startswith("attngeom: error: runs/syn/winner/c/3 in "), lines
+    assert any(p.startswith("runs/syn/winner/c/3 in ") for p in validate_store(str(store)))
+    assert sorted(p.relative_to(victim) for p in victim.rglob("*")) == before
+
+
+def test_a_folder_that_is_no_run_is_named_and_never_read(analyzed, tmp_path):
+    """A copy of a run under a name run ids cannot have: validate names it; readers list
+    and read only the run ids."""
+    store = tmp_path / "s.zarr"
+    shutil.copytree(analyzed, store)
+    shutil.copytree(store / "runs" / "syn", store / "runs" / "<svg onload=alert(1)>")
+    problems = validate_store(str(store))
+    assert ("runs/<svg onload=alert(1)> is no run: run ids are letters, digits, '.', '_' and '-' (the group is "
+            "not read); rename or remove it") in problems
+    assert ag.open_store(store).runs == ["syn"]
+    code, lines = cli("analyze", "--store", str(store), "--no-progress")
+    assert code == 0 and all("svg" not in line for line in lines), lines
+
+
+def test_a_scheduler_nobody_answers_is_one_line(analyzed, tmp_path):
+    """A well-formed scheduler address where nothing listens: one line, exit 2, and nothing
+    more at the interpreter's exit (no "Exception ignored in Client.__del__" from the client
+    that failed to connect)."""
+    done = subprocess.run([sys.executable, "-c", "import sys; from attngeom.cli import main; main(sys.argv[1:])",
+                           "analyze", "--store", str(analyzed), "--scheduler", "tcp://127.0.0.1:1", "--no-progress"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "attngeom: error: cannot reach the Dask scheduler at tcp://127.0.0.1:1 (Timed out trying to connect to "
+        "tcp://127.0.0.1:1 after 10 s)"], done.stderr
