@@ -30,6 +30,7 @@ from attngeom.store.access import (
     stale_consolidated,
     store_format,
 )
+from attngeom.store.cache import cached
 from attngeom.store.codecs import has_checksum
 from attngeom.store.damage import (
     DECODE_ERRORS,
@@ -432,7 +433,7 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
     if "zarr.json" in bad_metadata:
         return problems
     try:
-        root = zarr.open_group(zarr_store(url, read_only=True), mode="r", use_consolidated=False)
+        root = zarr.open_group(cached(zarr_store(url, read_only=True)), mode="r", use_consolidated=False)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError):
         return [f"no Zarr store at {url}"]
     try:
