@@ -225,7 +225,8 @@ def node_exists(zstore: Any, path: str) -> bool:
 def move_group(url: str, zstore: Any, source: str, target: str) -> None:
     """Move the group at ``source`` of the store at ``url`` (``zstore``) to ``target``,
     replacing it: a folder rename on a local store; on any other store (object stores have
-    no rename) a copy of each object through the zarr Store, then a delete."""
+    no rename) a copy of each object, then a delete. An fsspec store copies each object on
+    the server (one request, where reading and writing it back takes two)."""
     remove_dir(zstore, target)
     local = local_path(url)
     if local is not None:
@@ -233,7 +234,10 @@ def move_group(url: str, zstore: Any, source: str, target: str) -> None:
         return
 
     async def move() -> None:
-        await copy_group(zstore, source, zstore, target)
+        if isinstance(zstore, zarr.storage.FsspecStore):
+            await _copy_group_on_server(zstore, source, target)
+        else:
+            await copy_group(zstore, source, zstore, target)
         await zstore.delete_dir(source)
 
     sync(move())
@@ -249,6 +253,20 @@ async def copy_group(source: Any, source_group: str, target: Any, target_group: 
     async def copy(key: str) -> None:
         value = await source.get(key, prototype=default_buffer_prototype())
         await target.set(f"{target_group}{key[len(source_group):]}", value)
+
+    await asyncio.gather(*(copy(key) for key in keys))
+    await copy(own)
+
+
+async def _copy_group_on_server(zstore: zarr.storage.FsspecStore, source: str, target: str) -> None:
+    """:func:`copy_group` within one fsspec store, each object copied by its filesystem; the
+    group's own ``zarr.json`` last."""
+    own = f"{source}/zarr.json"
+    keys = [key async for key in zstore.list_prefix(f"{source}/") if key != own]
+    root = zstore.path.rstrip("/")
+
+    async def copy(key: str) -> None:
+        await zstore.fs._cp_file(f"{root}/{key}", f"{root}/{target}{key[len(source):]}")
 
     await asyncio.gather(*(copy(key) for key in keys))
     await copy(own)
