@@ -122,11 +122,11 @@ def all_of(*checks: Requirement) -> Requirement:
     return check
 
 
-def _open(store: str, run_id: str, kind: str, name: str) -> xr.Dataset | None:
-    """A finished derived group, None when the run lacks it; an unfinished one raises
-    :class:`~attngeom.errors.IncompleteGroupError`."""
+def _open(store: str, root: zarr.Group, run_id: str, kind: str, name: str) -> xr.Dataset | None:
+    """A finished derived group, read through the report's store ``root``, None when the run
+    lacks it; an unfinished one raises :class:`~attngeom.errors.IncompleteGroupError`."""
     try:
-        return open_derived(store, run_id, kind, name)
+        return open_derived(store, run_id, kind, name, zstore=root.store)
     except GroupNotFoundError:
         return None
 
@@ -154,13 +154,13 @@ def load_run(store: str, root: zarr.Group, run_id: str) -> RunData:
         sequences=int(completed(run).size) if "complete" in run else 0,
     )
     for name in SMALL_GROUPS:
-        ds = _open(store, run_id, ANALYSIS, name)
+        ds = _open(store, root, run_id, ANALYSIS, name)
         setattr(data, name, ds.load() if ds is not None else None)
-    data.topn = _open(store, run_id, ANALYSIS, "topn")
+    data.topn = _open(store, root, run_id, ANALYSIS, "topn")
     # Lazy as topn: (stat, layer, head, query_pos, n) grows with the stored queries.
-    data.summary_by_query = _open(store, run_id, ANALYSIS, "summary_by_query")
+    data.summary_by_query = _open(store, root, run_id, ANALYSIS, "summary_by_query")
     for name in ABLATION_GROUPS:
-        ds = _open(store, run_id, ABLATION, name)
+        ds = _open(store, root, run_id, ABLATION, name)
         if ds is not None:
             data.ablation[name] = ds
     return data

@@ -609,7 +609,7 @@ def _unreadable_record(url: str, state: DerivedState) -> DamagedStoreError:
     )
 
 
-def open_derived(url: str, run_id: str, kind: str, name: str) -> xr.Dataset:
+def open_derived(url: str, run_id: str, kind: str, name: str, *, zstore: Any = None) -> xr.Dataset:
     """The finished group ``runs/<run_id>/<kind>/<name>`` as a lazy Dataset, through its
     commit record: the one way attngeom reads derived results.
 
@@ -617,9 +617,10 @@ def open_derived(url: str, run_id: str, kind: str, name: str) -> xr.Dataset:
     :class:`GroupNotFoundError` when the run has no such results,
     :class:`IncompleteGroupError` when they are not finished (an interrupted writer) and
     :class:`DamagedStoreError` when the record does not parse or an object the commit lists
-    is missing or of another size (one listing of the group).
+    is missing or of another size (one listing of the group). ``zstore``: the store's zarr
+    Store if one command already opened it (its metadata then read once for all groups).
     """
-    zstore = zarr_store(url, read_only=True)
+    zstore = zstore if zstore is not None else zarr_store(url, read_only=True)
     state = _read_state(zstore, run_id, kind)
     if not state.exists:
         raise GroupNotFoundError(
@@ -645,14 +646,15 @@ def open_derived(url: str, run_id: str, kind: str, name: str) -> xr.Dataset:
     return ds
 
 
-def derived_problems(url: str, run_id: str, committed_sequences: Sequence[int]) -> list[str]:
+def derived_problems(url: str, run_id: str, committed_sequences: Sequence[int], *, zstore: Any = None) -> list[str]:
     """Problems of a run's derived groups, one line each: an incomplete one (interrupted
     writer), a committed group that is missing or whose objects are (or have another size),
     or an analysis covering a sequence the run does not hold as committed. An unreadable
-    record is named by the metadata check."""
+    record is named by the metadata check. ``zstore``: the store's zarr Store if the caller
+    opened it."""
     problems = []
     done = set(int(s) for s in committed_sequences)
-    zstore = zarr_store(url, read_only=True)
+    zstore = zstore if zstore is not None else zarr_store(url, read_only=True)
     for kind in (ANALYSIS, ABLATION):
         state = _read_state(zstore, run_id, kind)
         if not state.exists or state.legacy or state.unreadable:

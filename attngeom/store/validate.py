@@ -471,7 +471,7 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
                 continue  # its derived groups are checked against flags that can be read
             # An object named as unreadable metadata above is not named again, nor one
             # named here by the deep check below.
-            derived = [p for p in derived_problems(url, run_id, sorted(committed[run_id]))
+            derived = [p for p in derived_problems(url, run_id, sorted(committed[run_id]), zstore=root.store)
                        if p.split(" is ", 1)[0] not in bad_metadata]
             named |= {p.split(" is ", 1)[0] for p in derived}
             problems += derived
