@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from pathlib import Path
@@ -168,3 +169,32 @@ def format1_store(tmp_path) -> Path:
     with tarfile.open(FORMAT1_STORE) as archive:
         archive.extractall(tmp_path, filter="data")
     return tmp_path / "store"
+
+
+@contextlib.contextmanager
+def moto_s3(**env: str):
+    """moto's S3 server on loopback, a bucket ``attngeom`` on it, and the environment that
+    points s3fs and boto3 (here and in subprocesses) at it, plus ``env``. s3fs keeps one
+    file system per set of arguments whatever the environment, so its instances are dropped
+    on entry and exit: another module's server, since stopped, is never asked."""
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+    import s3fs
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                               "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
+                               "FSSPEC_S3_ENDPOINT_URL": endpoint, **env}.items():
+                mp.setenv(key, value)
+            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="attngeom")
+            yield endpoint
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+

@@ -19,7 +19,7 @@ from pathlib import Path
 import fsspec
 import pytest
 import xarray as xr
-from conftest import ABLATED_SEQUENCES
+from conftest import ABLATED_SEQUENCES, moto_s3
 from test_recovery import assert_same_tree
 
 from attngeom.api import analyze, open_store
@@ -37,21 +37,8 @@ LEASE = "10"  # seconds: a killed writer's run is taken over that long after its
 def s3_env():
     """moto's S3 server on loopback and the environment that points s3fs (here and in
     subprocesses) at it, with short leases."""
-    moto_server = pytest.importorskip("moto.server")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": endpoint, "FSSPEC_S3_ENDPOINT_URL": endpoint, "ATTNGEOM_LEASE_SECONDS": LEASE}
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
-            mp.setenv(key, value)
-        import boto3
-
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="attngeom")
+    with moto_s3(ATTNGEOM_LEASE_SECONDS=LEASE):
         yield {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    server.stop()
 
 
 def s3_fs():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner
-from conftest import extract
+from conftest import extract, moto_s3
 
 from attngeom.api import analyze
 from attngeom.cli import main
@@ -161,28 +161,10 @@ def test_memory_store_pipeline(tiny_model_dir, word_corpus):
 
 
 @pytest.fixture(scope="module")
-def s3_url(monkeypatch_module):
+def s3_url():
     """A bucket on moto's S3 server on loopback, as s3fs's own tests use it."""
-    moto_server = pytest.importorskip("moto.server")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
-                       "FSSPEC_S3_ENDPOINT_URL": endpoint}.items():
-        monkeypatch_module.setenv(key, value)
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="attngeom")
-    yield "s3://attngeom/store.zarr"
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
+    with moto_s3():
+        yield "s3://attngeom/store.zarr"
 
 
 def test_s3_store_every_stage(tiny_model_dir, word_corpus, s3_url, reference, tmp_path):
