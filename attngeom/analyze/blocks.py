@@ -1,11 +1,9 @@
-"""The tasks of the analysis and the per-sequence groups they make.
+"""The per-(sequence, layer) tasks of the analysis and the per-sequence groups they make.
 
-Each ``topn`` task reads one sequence's shard of ``attn_last``, ``values`` and the votes'
-source (``winner``, or the full rows of a run that kept them), each in one read (a request
-each on an object store, where a read per layer costs one per layer), evaluates every head of
-every layer, and returns a few kilobytes per layer; memory per worker is bounded by one
-sequence's shards whatever the store's size. Its results become ``topn``, ``values`` and
-``taxonomy``.
+Each task reads one (sequence, layer) chunk of ``attn_last``, ``values`` and the votes' source
+(``winner``, or the full rows of a run that kept them) (the store's inner chunks), evaluates
+every head of it, and returns a few kilobytes; memory per worker is bounded by one such chunk
+whatever the store's size. Its results become ``topn``, ``values`` and ``taxonomy``.
 
 ``topn_by_query``, the analysis at every stored query (docs/method.md#any-query): a run
 extracted with ``--queries`` keeps ``attn_rows`` (seq, layer, head, query_pos, key), the
@@ -17,7 +15,7 @@ constants are taken over those keys only. The mask is the final query's, moved w
 (sequence, layer) seed, ``random((draws, heads, q + 1))``: at ``q = L-1`` every input is the
 final query's, so every value equals ``topn``'s bit for bit.
 
-One task per (sequence, layer): it reads that chunk of ``attn_rows`` (heads x
+One task per (sequence, layer), like ``topn``'s: it reads that chunk of ``attn_rows`` (heads x
 queries x L float32) and of ``values`` and returns a few kilobytes per query. Each task draws
 its random control from its own seed (:func:`~attngeom.analyze.parameters.instance_seed`),
 so results do not depend on chunking or order.
@@ -77,30 +75,20 @@ def all_groups(ds: xr.Dataset) -> tuple[str, ...]:
 
 
 def _analysis_block(*, block_id, seqs, store, inputs, attendable, head_kv, n_grid, seed):
-    """The sequence block ``block_id[0]`` (sequence seqs[block_id[0]] of the run), read here
-    from the run's zarr arrays ``inputs``, each sequence's shard whole (one read of each
-    object where a read per layer costs a request each on an object store): per layer,
-    attn_last (H, K), values (KV, K, D) and the votes' source, winner (H, Q) or the full rows
-    attn (H, Q, K) of a run that kept them; attendable (layer, K) -> (1, layer, H, n, column)
-    float64: :func:`_layer_columns` of each layer."""
-    seq = int(seqs[block_id[0]])
-    attn, kv_values, source = (read_chunk(store, arr, (seq,)) for arr in inputs)
-    return np.stack([_layer_columns(attn[layer], kv_values[layer], source[layer], attendable[layer], seq,
-                                    layer, head_kv=head_kv, n_grid=n_grid, seed=seed)
-                     for layer in range(attn.shape[0])])[None]
-
-
-def _layer_columns(attn, kv_values, source, attendable, seq, layer, *, head_kv, n_grid, seed):
-    """The (sequence, layer) columns from attn_last (H, K), values (KV, K, D), the votes'
-    source and attendable (K,) -> (H, n, column) float64: the _BLOCK_COLUMNS, the value
+    """The (sequence, layer) block ``block_id[:2]`` (sequence seqs[block_id[0]] of the run),
+    read here from the run's zarr arrays ``inputs``: attn_last (H, K), values (KV, K, D) and
+    the votes' source, winner (H, Q) or the full rows attn (H, Q, K) of a run that kept them;
+    attendable (layer, K) -> (1, 1, H, n, column) float64: the _BLOCK_COLUMNS, the value
     statistics and votes the same at every n; query head h takes the statistics of kv head
     head_kv[h]. One kernel call serves both geometry outputs, so each kv head's Gram matrix is
     computed once."""
+    seq, layer = int(seqs[block_id[0]]), block_id[1]
+    attn, kv_values, source = (read_chunk(store, arr, (seq, layer)) for arr in inputs)
     kv_values = kv_values.astype(np.float64)
     topn, stats = head_metrics(
         attn.astype(np.float64),
         kv_values,
-        np.broadcast_to(attendable, kv_values.shape[:2]),
+        np.broadcast_to(attendable[layer], kv_values.shape[:2]),
         n_grid,
         head_kv=head_kv,
         seed=instance_seed(seed, seq, layer),
@@ -111,18 +99,18 @@ def _layer_columns(attn, kv_values, source, attendable, seq, layer, *, head_kv, 
     per_head = np.concatenate([np.stack([stats[name][head_kv] for name in VALUE_STATISTICS], axis=-1),
                                taxonomy.query_votes(winner)], axis=-1)
     per_head = np.broadcast_to(per_head[:, None], (*per_n.shape[:2], per_head.shape[-1]))
-    return np.concatenate([per_n, per_head], axis=-1)
+    return np.concatenate([per_n, per_head], axis=-1)[None, None]
 
 
 def _analysis_blocks(store: str, run: Any, ds: xr.Dataset, grid: np.ndarray, seed: int) -> da.Array:
     """Lazy (seq, layer, head, n, column) float64 of the sequences of ``ds`` (the run group
     ``run`` of ``store``, opened by :func:`open_completed`): :func:`_analysis_block`, one task
-    per sequence. A task reads its own inputs, so that no chunk passes through this process
-    on its way to a worker; it also counts the votes, so that they add no tasks to the
-    graph."""
+    per (sequence, layer). A task reads its own inputs, so that no chunk passes through this
+    process on its way to a worker; it also counts the votes, so that they add no tasks to
+    the graph."""
     return da.map_blocks(
         _analysis_block,
-        chunks=((1,) * ds.sizes["seq"], (ds.sizes["layer"],), (ds.sizes["head"],), (len(grid),),
+        chunks=((1,) * ds.sizes["seq"], (1,) * ds.sizes["layer"], (ds.sizes["head"],), (len(grid),),
                 (len(_BLOCK_COLUMNS),)),
         dtype=np.float64, meta=np.empty((0,) * 5),
         seqs=ds["seq"].values, store=store,

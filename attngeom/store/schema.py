@@ -11,8 +11,7 @@ Layout decisions, made for what reads and writes the store:
 * Every per-sequence array is sharded with one shard per sequence (all layers) and one
   inner chunk per (sequence, layer). A writer always writes whole shards, so two processes
   extracting different sequences never touch the same object, and a resumed run rewrites
-  whole shards. Analyze reads a sequence's shard whole (its ``topn`` task: every layer) or
-  one inner chunk, one sequence x one layer, at a time (its per-query task).
+  whole shards. Analyze reads one inner chunk, i.e. one sequence x one layer, at a time.
 * ``complete`` (seq) is written last for each sequence: a sequence exists for readers only
   once its flag is 1, so a killed run never exposes half a sequence.
 * The run's provenance is written after its arrays; ``initialized`` in it marks a run
