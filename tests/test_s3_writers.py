@@ -19,12 +19,12 @@ from pathlib import Path
 import fsspec
 import pytest
 import xarray as xr
-from conftest import ABLATED_SEQUENCES, moto_s3
+from conftest import ABLATED_SEQUENCES, extract, moto_s3
 from test_recovery import assert_same_tree
 
 from attngeom.api import analyze, open_store
 from attngeom.errors import InputError
-from attngeom.extract.pipeline import ExtractRequest, extract
+from attngeom.extract.request import ExtractRequest
 from attngeom.store import validate_store, zarr_store
 from attngeom.store.lease import Lease, lease_seconds
 
