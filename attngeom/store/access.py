@@ -74,6 +74,22 @@ def read_root_attrs(root: zarr.Group, url: str, *, writing: bool, migrating_ok: 
     return dict(meta)
 
 
+def checked_root(zstore: Any, url: str, *, writing: bool) -> zarr.Group:
+    """The root group of an existing store through ``zstore``, its attributes checked
+    (:func:`read_root_attrs`): :class:`StoreNotFoundError` if there is none,
+    :class:`DamagedStoreError` for an unreadable root."""
+    try:
+        root = zarr.open_group(zstore, mode="r+" if writing else "r", use_consolidated=False)
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
+        raise StoreNotFoundError(f"no attngeom store at {url}") from exc
+    except DECODE_ERRORS as exc:
+        raise DamagedStoreError(
+            f"{url}: the root's zarr.json is unreadable ({exc}); {recovery(url, '', metadata=True)}"
+        ) from exc
+    read_root_attrs(root, url, writing=writing)
+    return root
+
+
 def open_root(url: str, *, mode: str = "r") -> zarr.Group:
     """Open an existing attngeom store; ``mode`` is "r" or "a" (which also refuses a store
     of another format, or one that cannot be written, and removes the leftovers of killed
@@ -87,17 +103,7 @@ def open_root(url: str, *, mode: str = "r") -> zarr.Group:
     if mode != "r":
         check_writable(url)
     hold = WriterHold(url) if mode != "r" else None
-    try:
-        root = zarr.open_group(
-            cached(zarr_store(url, read_only=mode == "r")), mode="r" if mode == "r" else "r+", use_consolidated=False
-        )
-    except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
-        raise StoreNotFoundError(f"no attngeom store at {url}") from exc
-    except DECODE_ERRORS as exc:
-        raise DamagedStoreError(
-            f"{url}: the root's zarr.json is unreadable ({exc}); {recovery(url, '', metadata=True)}"
-        ) from exc
-    read_root_attrs(root, url, writing=mode != "r")
+    root = checked_root(cached(zarr_store(url, read_only=mode == "r")), url, writing=mode != "r")
     if hold is not None:
         hold.bind(root)
     return root

@@ -22,10 +22,9 @@ from typing import Any
 
 import zarr
 
-from attngeom.errors import DamagedStoreError, StoreNotFoundError, StoreWriteError
-from attngeom.store.access import WriterHold, check_writable, read_root_attrs, writing
+from attngeom.errors import StoreNotFoundError, StoreWriteError
+from attngeom.store.access import WriterHold, check_writable, checked_root, writing
 from attngeom.store.cache import cached
-from attngeom.store.damage import DECODE_ERRORS, recovery
 from attngeom.store.derived import DerivedWrite
 from attngeom.store.lease import Lease, lease_seconds
 from attngeom.store.nodes import local_path, zarr_store
@@ -70,15 +69,7 @@ class StoreSession:
                 stack.callback(WriterHold(self.url).release)
                 stack.enter_context(writing(self.url))
             self.zstore = cached(zarr_store(self.url, read_only=not writer))
-            try:
-                self.root = zarr.open_group(self.zstore, mode="r+" if writer else "r", use_consolidated=False)
-            except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
-                raise StoreNotFoundError(f"no attngeom store at {self.url}") from exc
-            except DECODE_ERRORS as exc:
-                raise DamagedStoreError(
-                    f"{self.url}: the root's zarr.json is unreadable ({exc}); {recovery(self.url, '', metadata=True)}"
-                ) from exc
-            read_root_attrs(self.root, self.url, writing=writer)
+            self.root = checked_root(self.zstore, self.url, writing=writer)
             self._exit = stack.pop_all()
         return self
 
