@@ -210,11 +210,12 @@ def _workers_skip_main() -> Iterator[None]:
 class Taxonomy:
     """The head regimes of every analyzed run (docs/method.md#head-taxonomy).
 
-    labels: run id -> (model id, dataset id, regime names (layers, heads)). ``str()`` gives
-    the tables ``attngeom taxonomy`` prints.
+    labels: run id -> (model id, dataset id, regime names (layers, heads)); store: where
+    they were read. ``str()`` gives the tables ``attngeom taxonomy`` prints.
     """
 
     labels: dict[str, tuple[str, str, np.ndarray]]
+    store: str = ""
 
     def distribution(self) -> pd.DataFrame:
         """One row per run: counts and percentages of Retriever, Mixer and Reset heads."""
@@ -233,23 +234,65 @@ class Taxonomy:
 
         return pd.DataFrame(cross_corpus(self.labels))
 
+    def heads(self) -> pd.DataFrame:
+        """Every head of the analyzed runs, a row per (run, layer, head): model, dataset, L,
+        kv_head, regime, vote fractions, value statistics, the mechanistic signatures at
+        N = ``signature_n``, the field's scores and classes (docs/method.md#field-classes);
+        a score a run lacks is empty (NaN, <NA>)."""
+        from attngeom.field import head_table
+
+        return head_table(self.store, list(self.labels))
+
+    def kv_scores(self, score: str, run_id: str | None = None) -> np.ndarray:
+        """(layers, kv_heads) in [0, 1], 1 = keep the full KV cache: ``score`` of run
+        ``run_id`` (the store's only run by default), a kv head taking the largest of its
+        query heads' (docs/cli.md#taxonomy)."""
+        from attngeom.field import kv_scores
+
+        return kv_scores(self.store, score, run_id)
+
     def __str__(self) -> str:
         from attngeom.regimes import format_tables
 
         return format_tables(self.labels)
 
 
-def taxonomy(store: str | Path) -> Taxonomy:
+def taxonomy(store: str | Path, *, export: str | Path | None = None, export_kv: str | Path | None = None,
+             score: str | None = None, run_id: str | None = None) -> Taxonomy:
     """The Retriever / Mixer / Reset regimes of every analyzed run of ``store``; raises
-    :class:`GroupNotFoundError` when no run is analyzed yet."""
+    :class:`GroupNotFoundError` when no run is analyzed yet.
+
+    export: also write :meth:`Taxonomy.heads` there (``.csv`` or ``.parquet``). export_kv:
+    also write :meth:`Taxonomy.kv_scores` of ``score`` and ``run_id`` there (``.tsv``, the
+    layout of DuoAttention's ``full_attention_heads.tsv``). Paths and ``score`` are checked
+    before the store is read.
+    """
     store = str(store)
+    from attngeom.field import TABLE_SUFFIXES, check_kv_score, check_path
+
+    if export is not None:
+        check_path(export, "--export", TABLE_SUFFIXES)
+    if export_kv is not None:
+        check_path(export_kv, "--export-kv", (".tsv",))
+        check_kv_score(score)
+    elif score is not None or run_id is not None:
+        raise InputError("--score and --run choose what --export-kv writes: give --export-kv too")
     require_store(store)
     from attngeom.regimes import run_regimes
 
     labels = run_regimes(store)
     if not labels:
         raise GroupNotFoundError(f"no analyzed run in {store}: run 'attngeom analyze --store {store}' first")
-    return Taxonomy(labels)
+    result = Taxonomy(labels, store)
+    if export_kv is not None:
+        from attngeom.field import write_kv
+
+        write_kv(result.kv_scores(score, run_id), export_kv)
+    if export is not None:
+        from attngeom.field import write_table
+
+        write_table(result.heads(), export)
+    return result
 
 
 def ablate(

@@ -168,16 +168,28 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
             click.echo(f"run {r.run_id}: rewrote the damaged analysis: {r.healed}")
 
 
-@main.command(short_help="Print the Retriever / Mixer / Reset distribution of the heads.")
+@main.command(short_help="Print the Retriever / Mixer / Reset distribution of the heads; export every head's scores.")
 @STORE
-def taxonomy(store: str) -> None:
+@click.option("--export", type=click.Path(path_type=Path), help="Also write every head's regime, signatures and field scores as one table: a .csv or .parquet file.")
+@click.option("--export-kv", type=click.Path(path_type=Path), help="Also write one run's --score per layer and kv head, in [0, 1] (1 = keep the full KV cache), as DuoAttention's full_attention_heads.tsv.")
+@click.option("--score", help="The score of --export-kv: distant_mass_w16, distant_mass_w64, distant_mass_w256, retrieval_score, induction_score or duplicate_score.")
+@click.option("--run", "run_id", help="The run of --export-kv [default: the store's only run].")
+def taxonomy(store: str, export: Path | None, export_kv: Path | None, score: str | None, run_id: str | None) -> None:
     """Print the head-regime distribution (Retriever / Mixer / Reset) of every analyzed run,
     and for runs of one model on two corpora the per-regime difference and label agreement.
 
-    Reads the analysis that analyze wrote; needs no model."""
+    With --export, also write every head (run, layer, head, kv head, regime, signatures,
+    the field's scores and classes) as one tidy table; with --export-kv, a run's chosen
+    score per layer and kv head for KV-cache tools. Reads the analysis that analyze (and
+    detect) wrote; needs no model."""
     from attngeom import api
 
-    click.echo(str(api.taxonomy(store)))
+    result = api.taxonomy(store, export=export, export_kv=export_kv, score=score, run_id=run_id)
+    click.echo(str(result))
+    if export_kv is not None:
+        click.echo(f"wrote {export_kv}: {score} per layer and kv head")
+    if export is not None:
+        click.echo(f"wrote {export}: every head of {len(result.labels)} run(s)")
 
 
 @main.command(short_help="Measure single-head ablation and head sparsification (needs the model).")

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import xarray as xr
+from field_groups import add_detect, add_head_scores, detect_scores, head_scores
 from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
@@ -86,7 +87,7 @@ def _add_ablation(store: str, run_id: str) -> None:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
-    """Three runs: "full" (rows kept at 4 queries, analysis and ablation), "plain" (analysis
+    """Three runs: "full" (rows kept at 4 queries, analysis, field scores and ablation), "plain" (analysis
     only, another model and L) and "raw" (extracted, never analyzed)."""
     url = str(tmp_path_factory.mktemp("report") / "store.zarr")
     for run_id, length, seed, model, dataset, dtype in (("full", 32, 0, "org/model-a", "corpus-a", "bfloat16"),
@@ -98,6 +99,10 @@ def store(tmp_path_factory) -> str:
     for run_id in ("full", "plain"):
         analyze(url, run_id=run_id, scheduler="threads", n_grid=GRID, progress=False)
     _add_ablation(url, "full")
+    rng = np.random.default_rng(2)
+    shape = (SHAPE["n_layers"], SHAPE["n_heads"])
+    add_head_scores(url, "full", head_scores(rng.random(shape), rng.random(shape), rng.random((*shape, 3))))
+    add_detect(url, "full", detect_scores(*rng.random((4, *shape))))
     return url
 
 
@@ -150,7 +155,7 @@ def test_figures_have_axes_labels_and_data(runs, spec):
     for ax in axes:
         assert ax.get_ylabel(), (spec.name, ax.get_title())
         # Data, or the statement that there is none (e.g. a CV of constants is undefined).
-        drawn = ax.lines or ax.patches or ax.collections
+        drawn = ax.lines or ax.patches or ax.collections or ax.images
         texts = [t.get_text() for t in ax.texts]
         assert drawn or (len(texts) == 1 and texts[0].startswith("no defined values")), (spec.name, ax.get_title())
 
@@ -213,19 +218,22 @@ def test_store_without_analysis_gives_notes_only(tmp_path, capsys):
     # The terminal says what is missing and how to add it: the illustration and the models
     # table need nothing; the sparsification and critical-head items need only the ablation.
     assert capsys.readouterr().err.splitlines() == [
-        f"report: {len(FIGURES) - 3} of {len(FIGURES)} figures and 3 of {len(TABLES)} tables need "
-        f"`attngeom analyze --store {url}` (no analysis yet)",
+        f"report: {len(FIGURES) - 3} of {len(FIGURES)} figures and 5 of {len(TABLES)} tables and 1 of 1 lists of "
+        f"statements need `attngeom analyze --store {url}` (no analysis yet)",
         f"report: 2 figures and 2 tables need `attngeom ablate --store {url} --run raw` (no ablation yet)",
     ]
 
 
 def test_an_optional_input_is_named_optional(tmp_path, capsys):
-    """A run analyzed and ablated, extracted without --queries (the demo's): nothing is missing,
+    """A run analyzed, ablated and detected, extracted without --queries: nothing is missing,
     and the two figures along the context are offered as optional."""
     url = str(tmp_path / "s.zarr")
     write_synthetic_run(url, "r", length=24, **SHAPE)
     analyze(url, run_id="r", scheduler="threads", n_grid=GRID, progress=False)
     _add_ablation(url, "r")
+    shape = (SHAPE["n_layers"], SHAPE["n_heads"])
+    add_head_scores(url, "r", head_scores(np.zeros(shape), np.zeros(shape), np.zeros((*shape, 3))))
+    add_detect(url, "r", detect_scores(*np.zeros((4, *shape))))
     page = build_report(url, tmp_path / "out").read_text()
     assert "Missing inputs" not in page and 'class="note"' not in page
     optional = re.findall(r'<p class="optional">([^<]*)</p>', page)

@@ -39,6 +39,7 @@ from attngeom import __version__
 from attngeom.errors import InputError
 from attngeom.explore import data
 from attngeom.explore.geometry import Picture, value_picture
+from attngeom.field import CRITERIA, SCORES, run_scores
 from attngeom.palette import REGIME_COLORS, VOTE_COLORS
 from attngeom.store import VOTES
 
@@ -232,6 +233,8 @@ def _run_entry(run: data.ExploreRun, progress: bool) -> dict[str, Any]:
         stats["f_score"] = run.summary["f_score"].sel(stat="mean").transpose("layer", "head", "n").values
     if run.ablation is not None and "delta_nll_mean" in run.ablation:
         stats["delta_nll"] = run.ablation["delta_nll_mean"].transpose("layer", "head").values
+    scores = {name: x.values for name, x in run_scores(run.head_scores, run.detect).items()}
+    stats.update(scores)
     return {
         "id": run.run_id, "model": run.model, "dataset": run.dataset, "length": layout.length,
         "dtype": run.compute_dtype,
@@ -239,7 +242,20 @@ def _run_entry(run: data.ExploreRun, progress: bool) -> dict[str, Any]:
         "head_dim": layout.head_dim, "head_kv": list(layout.head_kv), "window": list(layout.window),
         "n_grid": run.n_grid, "sequences": run.sequences, "tokens": tokens, "token_ids": ids,
         "tokens_note": how, "stats": stats, "notes": run.notes,
+        "field": _field_entry(scores, run.field_missing),
         "query_pos": [q for _, q in _earlier_queries(run)],
+    }
+
+
+def _field_entry(scores: dict[str, np.ndarray], missing: list[str]) -> dict[str, Any]:
+    """The field's scores of every head (name -> (layer, head)), with their labels, the
+    criteria that make classes of them (docs/method.md#field-classes), and what the run lacks."""
+    return {
+        "scores": scores,
+        "labels": {s.name: s.label for s in SCORES if s.name in scores},
+        "criteria": [{"name": c.name, "column": c.column, "score": c.score, "threshold": c.threshold,
+                      "above": c.above, "rule": c.rule, "source": c.source} for c in CRITERIA],
+        "missing": missing,
     }
 
 

@@ -16,6 +16,7 @@ import zarr
 
 from attngeom.analyze.parameters import default_n_grid
 from attngeom.errors import GroupNotFoundError, RunNotFoundError
+from attngeom.field import DETECT, DETECT_GROUP, HEAD_SCORES, open_groups
 from attngeom.store import (
     ABLATION,
     ANALYSIS,
@@ -58,7 +59,10 @@ class ExploreRun:
     taxonomy: xr.Dataset | None = None      # analysis/taxonomy (seq, layer, head, vote), lazy
     by_query: xr.Dataset | None = None      # analysis/topn_by_query (seq, layer, head, query_pos, n), lazy
     ablation: xr.Dataset | None = None      # ablation/single (layer, head[, seq])
+    head_scores: xr.Dataset | None = None   # analysis/head_scores (layer, head[, recent])
+    detect: xr.Dataset | None = None        # detect/scores (layer, head)
     notes: list[str] = field(default_factory=list)
+    field_missing: list[str] = field(default_factory=list)
 
     @property
     def model(self) -> str:
@@ -123,6 +127,13 @@ def _open_run(store: str, root: zarr.Group, run_id: str, sequences: int) -> Expl
                          "recall are computed here from the picture's distances")
     if run.ablation is None:
         run.notes.append("no ablation (run `attngeom ablate`): no delta NLL")
+    run.head_scores, run.detect = open_groups(store, run_id)
+    if run.head_scores is None:
+        run.field_missing.append(f"no analysis/{HEAD_SCORES} (run `attngeom analyze`): no sink, previous-token "
+                                 "or distant-mass scores")
+    if run.detect is None:
+        run.field_missing.append(f"no {DETECT}/{DETECT_GROUP} (run `attngeom detect`): no duplicate-token, "
+                                 "induction or retrieval scores")
     return run
 
 

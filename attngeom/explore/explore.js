@@ -161,8 +161,12 @@
 
     var statSelect = $("stat-select");
     statSelect.innerHTML = "";
-    var available = STATS.filter(function (s) { return run.stats[s.needs] !== undefined; });
-    STATS.forEach(function (s) {
+    // The field's scores the run has (analysis/head_scores, detect) colour the grid too.
+    var stats = STATS.concat(Object.keys(run.field.labels).map(function (name) {
+      return { key: name, label: run.field.labels[name], needs: name };
+    }));
+    var available = stats.filter(function (s) { return run.stats[s.needs] !== undefined; });
+    stats.forEach(function (s) {
       var has = run.stats[s.needs] !== undefined;
       option(statSelect, s.key, s.label + (has ? "" : " (not in this store)"), !has);
     });
@@ -266,7 +270,8 @@
         legend.appendChild(item);
       });
     } else {
-      var label = STATS.filter(function (s) { return s.key === state.stat; })[0].label;
+      var label = state.run.field.labels[state.stat] ||
+        STATS.filter(function (s) { return s.key === state.stat; })[0].label;
       if (state.stat === "f_score") label = "mean F at N = " + run.n_grid[state.n];
       var bar = el("span", { class: "bar" });
       bar.style.background = "linear-gradient(to right," + [0, 0.25, 0.5, 0.75, 1].map(viridis).join(",") + ")";
@@ -335,6 +340,7 @@
     renderGeometry(run, inst, arrays, g);
     renderCurves(run, arrays, g);
     renderRegime(data, inst);
+    renderField(run, cur.layer, cur.head);
     renderTokens(run, inst, arrays, g);
     $("head-view").setAttribute("data-rendered", cur.layer + "_" + cur.head);
   }
@@ -488,6 +494,38 @@
       box.appendChild(el("p", { class: "caption" }, "This sequence:"));
       box.appendChild(voteBar(seqFractions));
     }
+  }
+
+  // The head's field scores and the classes they put it in (docs/method.md#field-classes).
+  function renderField(run, layer, head) {
+    var box = $("panel-field"), field = run.field;
+    box.innerHTML = "";
+    var names = Object.keys(field.labels);
+    if (names.length) {
+      var table = el("table");
+      var top = el("tr");
+      ["score", "value", "class", "rule", ""].forEach(function (t) { top.appendChild(el("td", {}, t)); });
+      table.appendChild(top);
+      names.forEach(function (name) {
+        var v = field.scores[name][layer][head];
+        var criteria = field.criteria.filter(function (c) { return c.score === name; });
+        var tr = el("tr");
+        tr.appendChild(el("td", {}, field.labels[name]));
+        tr.appendChild(el("td", {}, fmt(v)));
+        if (criteria.length) {
+          var c = criteria[0];
+          var passes = v !== null && (c.above ? v > c.threshold : v < c.threshold);
+          tr.appendChild(el("td", {}, c.name));
+          tr.appendChild(el("td", { title: c.source }, c.rule));
+          tr.appendChild(el("td", { class: passes ? "pass" : "" }, v === null ? "n/a" : passes ? "yes" : "no"));
+        }
+        table.appendChild(tr);
+      });
+      box.appendChild(table);
+      box.appendChild(el("p", { class: "caption" }, "The field's scores of this head, averaged over the run's " +
+        "sequences (text) or over detect's probes; a class is a threshold on one score (hover a rule for its source)."));
+    }
+    field.missing.forEach(function (n) { box.appendChild(el("p", { class: "note" }, n)); });
   }
 
   function renderTokens(run, inst, arrays, g) {

@@ -16,16 +16,27 @@ from pathlib import Path
 import matplotlib
 
 from attngeom.errors import DamagedStoreError, InputError
-from attngeom.report import figures_geometry, figures_heads, figures_queries, figures_sink, figures_values, html, tables
+from attngeom.report import (
+    agreement,
+    figures_field,
+    figures_geometry,
+    figures_heads,
+    figures_queries,
+    figures_sink,
+    figures_values,
+    html,
+    tables,
+)
 from attngeom.report.data import Missing, Requirement, RunData, load_runs
 from attngeom.report.plots import RC
-from attngeom.report.spec import FigureSpec, TableSpec
+from attngeom.report.spec import FigureSpec, TableSpec, TextSpec
 
 FIGURES: tuple[FigureSpec, ...] = (
     *figures_geometry.FIGURES, *figures_sink.FIGURES, *figures_values.FIGURES, *figures_heads.FIGURES,
-    *figures_queries.FIGURES,
+    *figures_queries.FIGURES, *figures_field.FIGURES,
 )
 TABLES: tuple[TableSpec, ...] = tables.TABLES
+TEXTS: tuple[TextSpec, ...] = agreement.TEXTS
 
 
 def select_runs(needs: Requirement | None, runs: Sequence[RunData]) -> tuple[list[RunData], dict[str, Missing]]:
@@ -44,7 +55,7 @@ def _failure(kind: str, exc: Exception) -> str:
     return f"this {kind} could not be made from the store's data ({type(exc).__name__}: {exc})"
 
 
-def _entry(spec: FigureSpec | TableSpec, runs: Sequence[RunData], kind: str, make) -> html.Entry:
+def _entry(spec: FigureSpec | TableSpec | TextSpec, runs: Sequence[RunData], kind: str, make) -> html.Entry:
     """The page entry of ``spec``: ``make(chosen runs)`` gives its content (Entry fields).
 
     Later stages' groups are read as they are found; an unexpected layout must cost this
@@ -91,6 +102,18 @@ def make_table(spec: TableSpec, runs: Sequence[RunData], out: Path) -> html.Entr
     return _entry(spec, runs, "table", make)
 
 
+def make_text(spec: TextSpec, runs: Sequence[RunData], out: Path) -> html.Entry:
+    """Make ``spec``'s sentences from the runs that have its inputs; write ``<name>.md``, a
+    sentence per item."""
+
+    def make(chosen: Sequence[RunData]) -> dict:
+        lines = tuple(spec.make(chosen))
+        (out / f"{spec.name}.md").write_text("".join(f"- {line}\n" for line in lines), encoding="utf-8")
+        return {"text": lines, "files": (f"{spec.name}.md",)}
+
+    return _entry(spec, runs, "text", make)
+
+
 def build_report(store: str, out: Path) -> Path:
     """Write every figure (PNG), table (Markdown, CSV) and ``index.html`` into ``out``.
 
@@ -107,6 +130,7 @@ def build_report(store: str, out: Path) -> Path:
     try:
         entries = [draw_figure(spec, runs, out) for spec in FIGURES]
         entries += [make_table(spec, runs, out) for spec in TABLES]
+        entries += [make_text(spec, runs, out) for spec in TEXTS]
         index = out / "index.html"
         page = html.render(store, len(runs), entries, _summary_notes(entries, "notes"),
                            _summary_notes(entries, "optional"))
@@ -133,23 +157,27 @@ def _summary_notes(entries: Sequence[html.Entry], field: str) -> list[str]:
 def _count(entries: Sequence[html.Entry], of: Sequence[html.Entry] | None = None) -> str:
     """"3 of 29 figures and 1 table": the entries by kind, each "of" its kind's total in ``of``."""
     parts = []
-    for kind in ("figure", "table"):
+    for kind, one, many in (("figure", "figure", "figures"), ("table", "table", "tables"),
+                            ("text", "list of statements", "lists of statements")):
         n = sum(e.kind == kind for e in entries)
         if n:
             total = f" of {sum(e.kind == kind for e in of)}" if of is not None else ""
-            parts.append(f"{n}{total} {kind}{'s' if n > 1 or total else ''}")
+            parts.append(f"{n}{total} {many if n > 1 or total else one}")
     return " and ".join(parts)
 
 
 def missing_summary(store: str, runs: Sequence[RunData], entries: Sequence[html.Entry]) -> list[str]:
     """What the page lacks, one line per command that adds it: the items drawn from no run
     (absent from the page), counted, and the command to run."""
-    absent = [e for e in entries if e.image is None and e.table is None]
+    absent = [e for e in entries if e.image is None and e.table is None and e.text is None]
     unablated = sorted(r.run_id for r in runs if not r.ablation)
+    undetected = sorted(r.run_id for r in runs if r.detect is None)
     remedies = {
         "analyze": (f"`attngeom analyze --store {store}`", "no analysis yet"),
         "ablate": (" or ".join(f"`attngeom ablate --store {store} --run {r}`" for r in unablated),
                    "no ablation yet"),
+        "detect": (" or ".join(f"`attngeom detect --store {store} --run {r}`" for r in undetected),
+                   "no detect yet"),
         "queries": ("a run extracted with --queries", "optional"),
     }
     lines = []

@@ -16,6 +16,7 @@ import xarray as xr
 import zarr
 
 from attngeom.errors import GroupNotFoundError
+from attngeom.field import DETECT, DETECT_GROUP, HEAD_SCORES, open_groups
 from attngeom.store import (
     ABLATION,
     ABLATION_GROUPS,
@@ -53,6 +54,8 @@ class RunData:
     signatures: xr.Dataset | None = None
     topn: xr.Dataset | None = None
     summary_by_query: xr.Dataset | None = None
+    head_scores: xr.Dataset | None = None   # analysis/head_scores (layer, head[, recent])
+    detect: xr.Dataset | None = None        # the detect stage's scores (layer, head)
     ablation: dict[str, xr.Dataset] = field(default_factory=dict)
 
     @property
@@ -71,7 +74,7 @@ class RunData:
 
     def group(self, name: str) -> xr.Dataset | None:
         """An analysis group (``summary``, ``heads``, ``signatures``, ``topn``,
-        ``summary_by_query``) or an ablation one."""
+        ``summary_by_query``, ``head_scores``), an ablation one, or ``detect``."""
         if name in ABLATION_GROUPS:
             return self.ablation.get(name)
         return getattr(self, name)
@@ -80,7 +83,8 @@ class RunData:
 @dataclass(frozen=True)
 class Missing:
     """Why a run lacks an input: ``reason``, as the page says it, and the ``stage`` whose
-    output it is: "analyze", "ablate", or "queries" (an extract with --queries, optional)."""
+    output it is: "analyze", "ablate", "detect", or "queries" (an extract with --queries,
+    optional)."""
 
     reason: str
     stage: str
@@ -98,8 +102,12 @@ Requirement = Callable[[RunData], "Missing | None"]
 
 def requires(group: str, *variables: str) -> Requirement:
     """A check that ``group`` exists and holds ``variables``; returns why not, or None."""
-    stage = "ablate" if group in ABLATION_GROUPS else "analyze"
-    where = f"{ABLATION}/{group}" if group in ABLATION_GROUPS else f"{ANALYSIS}/{group}"
+    if group == DETECT:
+        stage, where = "detect", f"{DETECT}/{DETECT_GROUP}"
+    elif group in ABLATION_GROUPS:
+        stage, where = "ablate", f"{ABLATION}/{group}"
+    else:
+        stage, where = "analyze", f"{ANALYSIS}/{group}"
 
     def check(run: RunData) -> Missing | None:
         ds = run.group(group)
@@ -113,6 +121,18 @@ def requires(group: str, *variables: str) -> Requirement:
     return check
 
 
+def any_of(*checks: Requirement) -> Requirement:
+    """A check passing when one of ``checks`` passes; else every reason, joined."""
+
+    def check(run: RunData) -> Missing | None:
+        reasons = [c(run) for c in checks]
+        if any(r is None for r in reasons):
+            return None
+        return Missing(" and ".join(str(r) for r in reasons), reasons[0].stage)
+
+    return check
+
+
 def all_of(*checks: Requirement) -> Requirement:
     """A check passing when every one of ``checks`` passes (the first failure's reason)."""
 
@@ -120,6 +140,12 @@ def all_of(*checks: Requirement) -> Requirement:
         return next((reason for c in checks if (reason := c(run)) is not None), None)
 
     return check
+
+
+def has_field_scores() -> Requirement:
+    """A check that a run has regimes and field scores: ``analysis/head_scores``, detect's, or both."""
+    return all_of(requires("heads", "regime"),
+                  any_of(requires(HEAD_SCORES, "sink_score"), requires(DETECT, "induction_score")))
 
 
 def _open(store: str, root: zarr.Group, run_id: str, kind: str, name: str) -> xr.Dataset | None:
@@ -159,6 +185,7 @@ def load_run(store: str, root: zarr.Group, run_id: str) -> RunData:
     data.topn = _open(store, root, run_id, ANALYSIS, "topn")
     # Lazy as topn: (stat, layer, head, query_pos, n) grows with the stored queries.
     data.summary_by_query = _open(store, root, run_id, ANALYSIS, "summary_by_query")
+    data.head_scores, data.detect = open_groups(store, run_id, zstore=root.store)
     for name in ABLATION_GROUPS:
         ds = _open(store, root, run_id, ABLATION, name)
         if ds is not None:

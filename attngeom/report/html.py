@@ -28,13 +28,14 @@ table.data { border-collapse: collapse; font-size: 0.85em; }
 table.data th, table.data td { border-bottom: 1px solid #ddd; padding: 0.2em 0.6em; text-align: left; }
 table.data th { background: #f4f4f4; position: sticky; top: 0; }
 .meta { color: #666; font-size: 0.9em; } nav ul { columns: 2; }
+ul.said { font-size: 0.92em; } ul.said li { margin: 0.2em 0; }
 """
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One item of the page: a figure (``image``) or a table (``table``), or neither when its
-    inputs are missing; ``notes`` say what is missing, ``optional`` what an optional input
+    """One item of the page: a figure (``image``), a table (``table``) or sentences (``text``),
+    or none when its inputs are missing; ``notes`` say what is missing, ``optional`` what an optional input
     (an extract with --queries) would add, and ``stages`` name the stages (analyze, ablate,
     queries; error for a failure) whose output it lacks."""
 
@@ -44,6 +45,7 @@ class Entry:
     kind: str = "figure"
     image: str | None = None
     table: pd.DataFrame | None = None
+    text: tuple[str, ...] | None = None
     files: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     optional: tuple[str, ...] = ()
@@ -60,6 +62,9 @@ def _entry(entry: Entry) -> str:
     if entry.image is not None:
         body = (f'<figure><img src="{escape(entry.image)}" alt="{caption}">'
                 f"<figcaption><b>{escape(entry.name)}.</b> {caption}</figcaption></figure>")
+    elif entry.text is not None:
+        items = "".join(f"<li>{escape(line)}</li>" for line in entry.text) or "<li>none</li>"
+        body = f'<p class="caption"><b>{escape(entry.name)}.</b> {caption} {links}</p><ul class="said">{items}</ul>'
     elif entry.table is not None and entry.table.empty:
         body = f'<p class="caption"><b>{escape(entry.name)}.</b> {caption} {links}</p><p>none</p>'
     elif entry.table is not None:
@@ -76,7 +81,7 @@ def _entry(entry: Entry) -> str:
 def _absent(entry: Entry) -> str:
     """The navigation's mark of an item not drawn: missing, or optional when only an optional
     input would add it."""
-    if entry.image is not None or entry.table is not None:
+    if entry.image is not None or entry.table is not None or entry.text is not None:
         return ""
     return " (missing)" if entry.notes else " (optional)"
 

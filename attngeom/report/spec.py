@@ -21,6 +21,7 @@ SECTIONS = (
     "Exact certificate",
     "Head taxonomy",
     "Geometry along the context",
+    "Heads of the field",
     "Ablation and sparsification",
 )
 
@@ -46,4 +47,16 @@ class TableSpec:
     section: str
     caption: str
     make: Callable[[Sequence[RunData]], pd.DataFrame]
+    needs: Requirement | None = None
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """Generated sentences: ``make`` receives the runs meeting ``needs`` (at least one) and
+    returns the sentences, each said on the page as one item."""
+
+    name: str
+    section: str
+    caption: str
+    make: Callable[[Sequence[RunData]], list[str]]
     needs: Requirement | None = None

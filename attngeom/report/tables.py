@@ -12,9 +12,11 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
+from attngeom.field import CRITERIA, SCORES, class_counts, regimes_of, run_scores, share
 from attngeom.report.data import (
     RunData,
     all_of,
+    has_field_scores,
     labels,
     regime_counts,
     requires,
@@ -131,6 +133,54 @@ def certificate(runs: Sequence[RunData]) -> pd.DataFrame:
     return pd.concat(rows, ignore_index=True)
 
 
+def field_medians(runs: Sequence[RunData]) -> pd.DataFrame:
+    """Per run and regime: the regime's heads and the median of each field score over them
+    (NaN where the run lacks the score or no head of the regime has a value)."""
+    rows = []
+    for run in runs:
+        assert run.heads is not None
+        regimes = regimes_of(run.heads).ravel()
+        scores = run_scores(run.head_scores, run.detect)
+        for regime in REGIMES:
+            chosen = regimes == regime
+            row: dict[str, object] = {**_identity(run), "regime": regime, "heads": int(chosen.sum())}
+            for score in SCORES:
+                values = scores[score.name].values.ravel()[chosen] if score.name in scores else np.array([])
+                values = values[np.isfinite(values)]
+                row[score.name] = float(np.median(values)) if values.size else math.nan
+            rows.append(row)
+    frame = pd.DataFrame(rows)
+    # A score no run has is no column.
+    return frame.dropna(axis=1, how="all")
+
+
+def field_classes(runs: Sequence[RunData]) -> pd.DataFrame:
+    """Per run and field class: its rule, how many heads pass it, how many of them are of each
+    regime, and which share of each regime's heads passes it."""
+    rows = []
+    for run in runs:
+        assert run.heads is not None
+        regimes = regimes_of(run.heads).ravel()
+        sizes = {r: int(np.sum(regimes == r)) for r in REGIMES}
+        scores = run_scores(run.head_scores, run.detect)
+        for c in CRITERIA:
+            if c.score not in scores:
+                continue
+            passes = c.passes(scores[c.score].values.ravel())
+            counts = class_counts(regimes, passes)
+            row: dict[str, object] = {**_identity(run), "class": c.name, "rule": c.rule, "heads": int(passes.sum())}
+            row.update({regime: counts[regime] for regime in REGIMES})
+            row.update({f"% of {regime}": share(counts[regime], sizes[regime]) for regime in REGIMES})
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def field_criteria(_: Sequence[RunData]) -> pd.DataFrame:
+    """The field's classes: rule, group and where the threshold comes from."""
+    return pd.DataFrame([{"class": c.name, "rule": c.rule, "regime read beside": c.regime or "",
+                          "source of the threshold": c.source} for c in CRITERIA])
+
+
 def _cell(x: object) -> str:
     if isinstance(x, (float, np.floating)):
         return "" if math.isnan(x) else f"{x:.4g}"
@@ -163,6 +213,15 @@ TABLES = (
     TableSpec("taxonomy_distribution", "Head taxonomy",
               "Distribution of the parameter-free head regimes per model and corpus.",
               taxonomy_distribution, requires("heads", "regime")),
+    TableSpec("field_criteria", "Heads of the field",
+              "The field's head classes, each a threshold on one score, and where each threshold comes from "
+              "(docs/method.md#field-classes).", field_criteria),
+    TableSpec("field_medians", "Heads of the field",
+              "Median of each field score over the heads of each regime.",
+              field_medians, has_field_scores()),
+    TableSpec("field_classes", "Heads of the field",
+              "Heads passing each field criterion: in all, per regime, and as a share of each regime's heads.",
+              field_classes, has_field_scores()),
     TableSpec("ablation_correlations", "Ablation and sparsification",
               "Correlations (Spearman, Pearson) between head diagnostics and single-head ablation ΔNLL.",
               ablation_correlations, requires("correlations")),
