@@ -315,7 +315,7 @@ def detect(
     batch_size: int = 8,
     progress: bool = True,
 ) -> DetectResult:
-    """The field's head scores of run ``run_id`` (docs/method.md#heads-of-the-field); needs the model.
+    """The field's head scores of run ``run_id`` (docs/method.md#head-detectors); needs the model.
 
     duplicate_score, induction_score and prev_token_score from ``probes`` seeded sequences
     ``[BOS] + r + r`` of random tokens; retrieval_score, teacher-forced, from the run's first

@@ -227,7 +227,7 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
 @click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True, help="Sequences per forward pass.")
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
 def detect(store: str, run_id: str, depths, no_progress: bool, **kwargs) -> None:
-    """The field's head scores of a run (docs/method.md#heads-of-the-field); needs the model.
+    """The field's head scores of a run (docs/method.md#head-detectors); needs the model.
 
     Loads the run's model again by its recorded name, on --device, and reads every head's
     attention from its own forward. Repeated random tokens give each head its

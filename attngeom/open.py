@@ -106,7 +106,7 @@ class Run:
         return self._group(ABLATION, ABLATION_GROUPS, name)
 
     def detect(self, name: str = "scores") -> xr.Dataset:
-        """The lazy Dataset of ``detect/<name>`` (docs/method.md#heads-of-the-field): "scores"
+        """The lazy Dataset of ``detect/<name>`` (docs/method.md#head-detectors): "scores"
         (layer, head) holds duplicate_score, induction_score, prev_token_score and
         retrieval_score; "probes" (probe, pos) the probe_tokens; "retrieval" (sample, pos)
         the retrieval_tokens, needle_start, needle_length, depth and retrieval_hits."""

@@ -1,4 +1,4 @@
-"""The detect stage: the field's head detectors with the run's model (docs/method.md#heads-of-the-field).
+"""The detect stage: the field's head detectors with the run's model (docs/method.md#head-detectors).
 
 Called, ``attngeom.detect(store, run_id, ...)`` is :func:`attngeom.api.detect`. Its names load
 on first use: the request is light, the stage loads torch and transformers.

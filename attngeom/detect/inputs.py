@@ -1,4 +1,4 @@
-"""The inputs detect feeds the model (docs/method.md#heads-of-the-field): repeated random-token
+"""The inputs detect feeds the model (docs/method.md#head-detectors): repeated random-token
 probes and needle-in-a-haystack samples. Pure numpy, seeded, deterministic.
 
 Seeding: the probes draw from ``numpy.random.default_rng([seed, 0])``, the needles from

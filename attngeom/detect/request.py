@@ -1,4 +1,4 @@
-"""What a detect is asked to do (docs/method.md#heads-of-the-field): :class:`DetectRequest`. Light: no model code."""
+"""What a detect is asked to do (docs/method.md#head-detectors): :class:`DetectRequest`. Light: no model code."""
 
 from __future__ import annotations
 

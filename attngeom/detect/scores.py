@@ -1,4 +1,4 @@
-"""The field's head scores from attention rows (docs/method.md#heads-of-the-field).
+"""The field's head scores from attention rows (docs/method.md#head-detectors).
 
 ``A[p, j]`` is the float32 weight of query ``p`` on key ``j`` of one (sequence, layer, head),
 as the capture computes it (:mod:`attngeom.extract.capture`): causal mask, sliding window and

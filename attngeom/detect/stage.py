@@ -1,4 +1,4 @@
-"""The detect stage (docs/method.md#heads-of-the-field): the field's head detectors, run with the run's model.
+"""The detect stage (docs/method.md#head-detectors): the field's head detectors, run with the run's model.
 
 Loads the run's model, checked against the run's provenance as ablate does, feeds it two
 sets of inputs in batches and reads every head's attention rows from the model's own

@@ -69,7 +69,7 @@ QUERY_SEQUENCE_GROUPS = ("topn_by_query",)
 QUERY_GROUPS = (*QUERY_SEQUENCE_GROUPS, "summary_by_query")
 # The groups ablate writes under runs/<id>/ablation; ``regimes`` only when the run has regimes.
 ABLATION_GROUPS = ("single", "sweep", "correlations", "critical", "table", "regimes")
-# The groups detect writes under runs/<id>/detect (docs/method.md#heads-of-the-field): the
+# The groups detect writes under runs/<id>/detect (docs/method.md#head-detectors): the
 # scores (layer, head), the probe sequences (probe, pos) and the retrieval samples (sample, pos).
 DETECT_GROUPS = ("scores", "probes", "retrieval")
 
