@@ -4,7 +4,8 @@ The Python API (docs/api.md), one function per command, each returning its resul
 
     import attngeom as ag
     ag.extract(model, store=..., texts=... | token_ids=... | dataset=..., context_length=...)
-    ag.analyze(store), ag.taxonomy(store), ag.ablate(store, run_id), ag.report(store, out)
+    ag.analyze(store), ag.taxonomy(store), ag.ablate(store, run_id), ag.detect(store, run_id)
+    ag.report(store, out)
     ag.explore(store, out), ag.validate(store), ag.migrate(store)
     run = ag.open_store(store).run(run_id); run.analysis("topn")
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
         Validation,
         ablate,
         analyze,
+        detect,
         explore,
         extract,
         migrate,
@@ -59,12 +61,12 @@ __all__ = [
     "AttngeomError", "CorruptChunkError", "DamagedStoreError", "GroupNotFoundError", "IncompleteGroupError",
     "InputError",
     "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreWriteError",
-    "Taxonomy", "Validation", "__version__", "ablate", "analyze", "explore", "extract", "migrate", "open_store",
+    "Taxonomy", "Validation", "__version__", "ablate", "analyze", "detect", "explore", "extract", "migrate", "open_store",
     "repair", "report", "taxonomy", "validate",
 ]
 
 # Commands whose name is also a stage's package (attngeom/extract/, ...).
-STAGES = ("extract", "analyze", "ablate", "report", "explore")
+STAGES = ("extract", "analyze", "ablate", "detect", "report", "explore")
 # The API's other names, loaded with attngeom.api on first use (dataclasses and inspect alone
 # would triple the time `import attngeom` takes).
 _API_NAMES = ("Taxonomy", "Validation", "migrate", "open_store", "repair", "taxonomy", "validate")

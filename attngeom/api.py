@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from attngeom.ablate.stage import AblateResult
+    from attngeom.detect.stage import DetectResult
     from attngeom.analyze.runner import AnalyzeResult
     from attngeom.explore.build import ExploreResult
     from attngeom.extract.request import ExtractResult
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from attngeom.store.migrate import MigrationReport
 
 __all__ = [
-    "Taxonomy", "Validation", "ablate", "analyze", "explore", "extract", "migrate", "open_store", "repair",
+    "Taxonomy", "Validation", "ablate", "analyze", "detect", "explore", "extract", "migrate", "open_store", "repair",
     "report", "taxonomy", "validate",
 ]
 
@@ -341,6 +342,52 @@ def ablate(
         ))
 
 
+def detect(
+    store: str | Path,
+    run_id: str,
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    probes: int = 16,
+    needle_length: int = 16,
+    haystacks: int = 16,
+    depths: Sequence[float] | None = None,
+    seed: int = 0,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> DetectResult:
+    """The field's head scores of run ``run_id`` (docs/method.md#head-detectors); needs the model.
+
+    duplicate_score, induction_score and prev_token_score from ``probes`` seeded sequences
+    ``[BOS] + r + r`` of random tokens; retrieval_score, teacher-forced, from the run's first
+    ``haystacks`` windows with a needle of ``needle_length`` tokens of another window
+    inserted at each of ``depths`` (default 0.1, 0.3, 0.5, 0.7, 0.9) and repeated at the
+    end. The run's model is loaded by its recorded name; pass ``model`` (and, where the run
+    records no tokenizer that loads, ``tokenizer``) for a run extracted from a model in
+    memory. Writes runs/<id>/detect/{scores, probes, retrieval} and returns them as
+    in-memory Datasets (scores: (layer, head)); a rerun with the same parameters keeps the
+    committed results. See :class:`~attngeom.detect.request.DetectRequest` for every option.
+    """
+    require_run(str(store), run_id)
+    from attngeom.detect.request import DEFAULT_DEPTHS, DetectRequest, check_request
+    from attngeom.peek import run_record
+
+    request = DetectRequest(
+        store=str(store), run_id=run_id, model=model, tokenizer=tokenizer, device=device, dtype=dtype, probes=probes,
+        needle_length=needle_length, haystacks=haystacks, depths=DEFAULT_DEPTHS if depths is None else tuple(depths),
+        seed=seed, batch_size=batch_size, progress=progress,
+    )
+    length = (run_record(str(store), run_id) or {}).get("context_length")
+    check_request(request, length if isinstance(length, int) else None)
+    from attngeom.detect.stage import detect as run
+    from attngeom.store import writing
+
+    with writing(str(store)):
+        return run(request)
+
+
 def report(store: str | Path, out: str | Path) -> Path:
     """Draw every figure (PNG) and table (Markdown, CSV) of the paper from ``store`` into
     ``out``, with an offline index.html; needs no model. Returns the path of index.html."""
@@ -417,7 +464,7 @@ def migrate(store: str | Path, *, progress: bool = True) -> MigrationReport:
 
 def open_store(url: str | Path) -> Store:
     """The store at ``url``, to read from Python: ``.runs``, ``.run(id)`` -> a Run with
-    ``.provenance``, ``.dataset()``, ``.analysis(name)``, ``.ablation(name)``, ``.text(seq)``.
+    ``.provenance``, ``.dataset()``, ``.analysis(name)``, ``.ablation(name)``, ``.detect(name)``, ``.text(seq)``.
     Raises :class:`StoreNotFoundError` or :class:`SchemaError`."""
     require_store(str(url))
     from attngeom.open import open_store as run

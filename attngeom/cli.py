@@ -17,6 +17,7 @@ RESUME = {
     "extract": "committed sequences are kept; run the same command again to write the rest",
     "analyze": "nothing of the store is lost; run the same command again to finish the analysis",
     "ablate": "nothing of the store is lost; run the same command again to finish the ablation",
+    "detect": "nothing of the store is lost; run the same command again to finish the head scores",
     "migrate": "the store is refused until its migration ends; run the same command again to finish it",
 }
 
@@ -52,8 +53,8 @@ def main() -> None:
     """Geometric analysis of token selection in multi-head attention.
 
     extract runs the model once into a Zarr store. analyze, taxonomy, report, explore,
-    validate and migrate read the store and need no model; ablate loads the run's model
-    again; demo runs extract, validate, analyze, ablate and report on the offline default
+    validate and migrate read the store and need no model; ablate and detect load the run's
+    model again; demo runs extract, validate, analyze, ablate and report on the offline default
     model. Mistakes in the arguments, names or store are answered before any model loads.
     """
 
@@ -223,6 +224,46 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
                f"{critical.sizes.get('critical', 0)} critical head(s)")
     for what, why in result.skipped.items():
         click.echo(f"skipped {what}: {why}")
+
+
+@main.command(short_help="Score every head as the field's detectors do: induction, duplicate, previous-token, retrieval (needs the model).")
+@STORE
+@click.option("--run", "run_id", required=True, help="The run whose model and stored windows to use.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype of the model; auto is float32 on every device (attention rows are float32 in any case).")
+@click.option("--probes", type=click.IntRange(1), default=16, show_default=True, help="P: repeated random-token sequences [BOS] + r + r, r of k = min(128, (L-1)//2) tokens.")
+@click.option("--needle-length", type=click.IntRange(2), default=16, show_default=True, help="n: tokens of the retrieval needle, taken from another stored window (needs L >= 2n+2).")
+@click.option("--haystacks", type=click.IntRange(1), default=16, show_default=True, help="How many of the run's committed windows (the first ones) serve as haystacks.")
+@click.option("--depths", callback=_comma_list(float, "comma-separated fractions, e.g. 0.1,0.5,0.9"), help="Depths of the inserted needle in each haystack [default: 0.1,0.3,0.5,0.7,0.9].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the probe tokens and the needles.")
+@click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True, help="Sequences per forward pass.")
+@click.option("--no-progress", is_flag=True, help="Hide progress bars.")
+def detect(store: str, run_id: str, depths, no_progress: bool, **kwargs) -> None:
+    """The field's head scores of a run (docs/method.md#head-detectors); needs the model.
+
+    Loads the run's model again by its recorded name, on --device, and reads every head's
+    attention from its own forward. Repeated random tokens give each head its
+    duplicate_score, induction_score and prev_token_score; the run's own windows, with a
+    needle from another window inserted at each depth and repeated at the end, its
+    teacher-forced retrieval_score. Writes runs/<id>/detect/{scores,probes,retrieval}, the
+    inputs included, so that every score can be recomputed. A rerun with the same options
+    keeps the results; other options compute them again.
+
+    \b
+    Example:
+      attngeom detect --store runs.zarr --run smollm2-135m__wiki-summaries__L512
+    """
+    from attngeom import api
+
+    result = api.detect(store, run_id, depths=depths, progress=not no_progress, **kwargs)
+    how = "kept (same parameters)" if result.kept else f"written in {result.seconds:.1f} s"
+    click.echo(f"run {result.run_id}: head scores {how}")
+    scores = result.scores
+    for name in ("induction_score", "retrieval_score", "duplicate_score", "prev_token_score"):
+        values = scores[name].values
+        best = ", ".join(f"{scores['layer'].values[i]}.{scores['head'].values[j]} {values[i, j]:.2f}"
+                         for i, j in zip(*divmod(values.argsort(axis=None)[::-1][:3], values.shape[1])))
+        click.echo(f"  {name}: top heads (layer.head) {best}")
 
 
 @main.command(short_help="Draw the paper's figures and tables from a store.")

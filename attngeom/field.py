@@ -24,6 +24,7 @@ import xarray as xr
 from attngeom.errors import GroupNotFoundError, InputError
 from attngeom.store import (
     ANALYSIS,
+    DETECT,
     REGIMES,
     SIGNATURE_VARIABLES,
     VALUE_STATISTICS,
@@ -42,7 +43,6 @@ __all__ = [
 ]
 
 HEAD_SCORES = "head_scores"
-DETECT = "detect"
 DETECT_GROUP = "scores"
 RECENT = (16, 64, 256)
 

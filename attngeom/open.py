@@ -19,6 +19,8 @@ from attngeom.store import (
     ABLATION_GROUPS,
     ANALYSIS,
     ANALYSIS_GROUPS,
+    DETECT,
+    DETECT_GROUPS,
     QUERY_GROUPS,
     check_arrays,
     completed,
@@ -102,6 +104,13 @@ class Run:
         """The lazy Dataset of ``ablation/<name>``: "single" (layer, head[, seq]), "sweep"
         (method, retention, ...), "correlations", "critical", "table" or "regimes"."""
         return self._group(ABLATION, ABLATION_GROUPS, name)
+
+    def detect(self, name: str = "scores") -> xr.Dataset:
+        """The lazy Dataset of ``detect/<name>`` (docs/method.md#head-detectors): "scores"
+        (layer, head) holds duplicate_score, induction_score, prev_token_score and
+        retrieval_score; "probes" (probe, pos) the probe_tokens; "retrieval" (sample, pos)
+        the retrieval_tokens, needle_start, needle_length, depth and retrieval_hits."""
+        return self._group(DETECT, DETECT_GROUPS, name)
 
     def _checked(self) -> zarr.Group:
         """The run's group, once its arrays' metadata agree with its records (:class:`DamagedStoreError`

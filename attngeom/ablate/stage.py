@@ -31,10 +31,9 @@ Protocol, recorded in every group's attributes:
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,16 +61,7 @@ from attngeom.ablate.kernels import (
 from attngeom.ablate.masking import head_geometry, head_weight_norms, masked_nll
 from attngeom.ablate.request import AblateRequest
 from attngeom.errors import GroupNotFoundError, InputError
-from attngeom.extract.models import (
-    ModelSource,
-    load_model,
-    loaded_model,
-    model_placement,
-    resolve_device,
-    resolve_dtype,
-    resolve_model,
-    state_dict_sha256,
-)
+from attngeom.runmodel import check_run_model, evaluating, run_model
 from attngeom.store import (
     ABLATION,
     ANALYSIS,
@@ -129,22 +119,6 @@ class AblateResult:
 def split_sequences(seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted completed sequence indices (S,) -> (importance, evaluation), see SPLIT_RULE."""
     return seqs[0::2], seqs[1::2]
-
-
-def _model_source(provenance: dict[str, Any], run_id: str) -> ModelSource:
-    """The run's model, refused if its weights differ from those the run was extracted with."""
-    model = provenance.get("model") or {}
-    if "id" not in model:
-        raise InputError(f"run '{run_id}' records no model in its provenance")
-    source = resolve_model(model["id"])
-    recorded = model.get("file_sha256") or model.get("revision")
-    current = source.file_sha256 or source.revision
-    if recorded and current and recorded != current:
-        raise InputError(
-            f"model '{model['id']}' is not the one run '{run_id}' was extracted with "
-            f"(weights {current[:12]}, recorded {recorded[:12]})"
-        )
-    return source
 
 
 def _store_diagnostics(run: zarr.Group, seqs: np.ndarray, top_n: int) -> dict[str, np.ndarray]:
@@ -396,7 +370,7 @@ def _read_run(request: AblateRequest, session: StoreSession) -> _RunInputs:
     run = session.run(run_id)
     check_committed(store, run, run_id)
     provenance = run_provenance(session.root, run_id)
-    _check_model(request, provenance)
+    check_run_model(request.model, provenance, run_id, "ablate")
     seqs = completed(run)[: request.max_sequences]
     if len(seqs) < 2:
         raise InputError(
@@ -445,53 +419,12 @@ def _read_run(request: AblateRequest, session: StoreSession) -> _RunInputs:
     )
 
 
-def _check_model(request: AblateRequest, provenance: dict[str, Any]) -> None:
-    """Refuse, before anything is read, a model that is not the run's: a run of a model in
-    memory needs it as ``model`` (its state dict hashing as recorded); a run of a named model
-    is loaded by ablate itself."""
-    recorded = provenance.get("model") or {}
-    from_memory = recorded.get("source") == "memory"
-    if request.model is None:
-        if from_memory:
-            raise InputError(
-                f"run '{request.run_id}' was extracted from a model in memory ({recorded.get('class')}): pass it as model="
-            )
-        return
-    if not from_memory:
-        raise InputError(
-            f"run '{request.run_id}' was extracted from '{recorded.get('id')}', which ablate loads itself: drop model="
-        )
-    if state_dict_sha256(loaded_model(request.model)) != recorded.get("state_dict_sha256"):
-        raise InputError(f"the model given is not the one run '{request.run_id}' was extracted with (state dict differs)")
-
-
-def _model(request: AblateRequest, provenance: dict[str, Any]) -> tuple[torch.nn.Module, str, torch.dtype]:
-    """The run's model with its own attention implementation: loaded by its recorded name,
-    or the caller's model in memory (used where it is, never moved or cast)."""
-    if request.model is None:
-        source = _model_source(provenance, request.run_id)
-        device = resolve_device(request.device)
-        compute_dtype = resolve_dtype(request.dtype)
-        return load_model(source, device=device, dtype=compute_dtype), device, compute_dtype
-    device, compute_dtype = model_placement(request.model, request.device, request.dtype)
-    return request.model, device, compute_dtype
-
-
-@contextlib.contextmanager
-def _evaluating(model: torch.nn.Module) -> Iterator[None]:
-    """The model in eval mode for the block, then back in the mode it was given in."""
-    training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(training)
-
-
 def _measure(request: AblateRequest, inputs: _RunInputs) -> _Measured:
     """Single-head impacts on the importance split, the critical heads they single out, and
     the sparsification sweep on the evaluation split."""
-    model, device, compute_dtype = _model(request, inputs.provenance)
+    model, device, compute_dtype = run_model(
+        request.model, inputs.provenance, request.run_id, request.device, request.dtype
+    )
     n_layers, n_heads = inputs.protected.shape
     geometry = head_geometry(model)
     if (geometry.n_layers, geometry.n_heads) != (n_layers, n_heads):
@@ -500,7 +433,7 @@ def _measure(request: AblateRequest, inputs: _RunInputs) -> _Measured:
         )
     weight_o, weight_v = (w.numpy().astype(np.float64) for w in head_weight_norms(model))
     tokens, batch_size = inputs.importance_tokens, request.batch_size
-    with _evaluating(model):
+    with evaluating(model):
         intact = masked_nll(model, tokens, torch.ones(1, n_layers, n_heads), batch_size=batch_size)[:, 0].double().numpy()
         nll = masked_nll(
             model, tokens, _single_masks(n_layers, n_heads), batch_size=batch_size, progress=request.progress,

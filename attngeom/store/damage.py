@@ -8,7 +8,7 @@ import zarr
 
 from attngeom.errors import CorruptChunkError, DamagedStoreError
 from attngeom.store.nodes import node_metadata, node_path, zarr_store
-from attngeom.store.schema import ABLATION, ANALYSIS, RUNS
+from attngeom.store.schema import ANALYSIS, DERIVED, RUNS
 
 # How a damaged object surfaces from zarr, numcodecs and json: a checksum mismatch or an
 # unparsable zarr.json is a ValueError, a blosc or shard-index failure a RuntimeError or
@@ -26,8 +26,8 @@ def recovery(url: str, path: str, seq: int | None = None, *, decoding: bool = Fa
     uncommitted by ``validate --repair`` and rewritten by the run's extract command; the
     ``zarr.json`` of any other node (``metadata``) is rebuilt by ``validate --repair``."""
     parts = path.split("/")
-    if len(parts) >= 3 and parts[0] == RUNS and parts[2] in (ANALYSIS, ABLATION):
-        stage = "analyze" if parts[2] == ANALYSIS else "ablate"
+    if len(parts) >= 3 and parts[0] == RUNS and parts[2] in DERIVED:
+        stage = DERIVED[parts[2]]
         deep = " --deep" if decoding and parts[2] == ANALYSIS else ""
         return f"run `attngeom {stage} --store {url} --run {parts[1]}{deep}` again to rewrite it"
     if len(parts) >= 2 and parts[0] == RUNS and seq is not None:

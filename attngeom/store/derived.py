@@ -1,4 +1,4 @@
-"""Derived groups (``analysis``, ``ablation``) and their commit record (docs/store.md#commit-protocol).
+"""Derived groups (``analysis``, ``ablation``, ``detect``) and their commit record (docs/store.md#commit-protocol).
 
 A derived group ``runs/<id>/<kind>`` carries a record in its attributes, under ``attngeom``:
 
@@ -24,7 +24,7 @@ One writer owns one update from start to commit: :class:`DerivedWrite`, made by 
 command's :class:`~attngeom.store.session.StoreSession`, holds the run's lock (a
 lease on object stores), finds what of the committed groups is damaged, plans (:mod:`attngeom.store.plan`),
 stages, writes, promotes and commits, through a few verbs that cannot be called in a wrong
-order. Analyze and ablate both write through it.
+order. Analyze, ablate and detect all write through it.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from attngeom.store.nodes import (
 )
 from attngeom.store.objects import chunk_key, chunk_objects, object_damage, object_sizes
 from attngeom.store.plan import Plan, healing, plan_update
-from attngeom.store.schema import ABLATION, ANALYSIS, ATTR_KEY, run_path
+from attngeom.store.schema import ATTR_KEY, DERIVED, run_path
 
 if TYPE_CHECKING:
     from attngeom.store.session import StoreSession
@@ -80,7 +80,6 @@ __all__ = [
 # The staging group inside a derived group: results replacing committed ones are written
 # here first, then moved into place.
 STAGING = "_next"
-_STAGE = {ANALYSIS: "analyze", ABLATION: "ablate"}
 
 
 @dataclass(frozen=True)
@@ -266,7 +265,7 @@ def _decode_damage(zstore: Any, base: str, group: str, objects: Mapping[str, int
 
 
 def _rerun(url: str, run_id: str, kind: str) -> str:
-    return f"run `attngeom {_STAGE.get(kind, kind)} --store {url} --run {run_id}` again to rewrite it"
+    return f"run `attngeom {DERIVED.get(kind, kind)} --store {url} --run {run_id}` again to rewrite it"
 
 
 def _damaged(url: str, state: DerivedState, damage: Damage) -> DamagedStoreError:
@@ -280,7 +279,7 @@ def forget_unreadable(session: StoreSession, run_id: str, kind: str) -> bool:
     rest of the session): it tells nothing of what the groups hold, which are written again.
     True if removed. A writer does this before opening the run with xarray, which reads
     every child group's metadata."""
-    session.lock(run_id, _STAGE.get(kind, kind))
+    session.lock(run_id, DERIVED.get(kind, kind))
     if not _read_state(session.zstore, run_id, kind).unreadable:
         return False
     remove_dir(session.zstore, _kind_path(run_id, kind))
@@ -320,7 +319,7 @@ class DerivedWrite:
         self._update: _Update | None = None
 
     def __enter__(self) -> DerivedWrite:
-        self.session.lock(self.run_id, _STAGE.get(self.kind, self.kind))
+        self.session.lock(self.run_id, DERIVED.get(self.kind, self.kind))
         self.state = _read_state(self.zstore, self.run_id, self.kind)
         if self.state.unreadable:  # as forget_unreadable
             remove_dir(self.zstore, self.base)
@@ -597,8 +596,8 @@ def replace_groups(url: str, run_id: str, kind: str, groups: Mapping[str, xr.Dat
 
 def _incomplete(url: str, state: DerivedState) -> IncompleteGroupError:
     return IncompleteGroupError(
-        f"{state.kind} of run {state.run_id} is incomplete (interrupted {_STAGE.get(state.kind, 'writer')}); "
-        f"re-run `attngeom {_STAGE.get(state.kind, '')} --store {url} --run {state.run_id}`"
+        f"{state.kind} of run {state.run_id} is incomplete (interrupted {DERIVED.get(state.kind, 'writer')}); "
+        f"re-run `attngeom {DERIVED.get(state.kind, '')} --store {url} --run {state.run_id}`"
     )
 
 
@@ -624,7 +623,7 @@ def open_derived(url: str, run_id: str, kind: str, name: str, *, zstore: Any = N
     state = _read_state(zstore, run_id, kind)
     if not state.exists:
         raise GroupNotFoundError(
-            f"run {run_id} has no {kind} (run `attngeom {_STAGE.get(kind, '')} --store {url} --run {run_id}`)"
+            f"run {run_id} has no {kind} (run `attngeom {DERIVED.get(kind, '')} --store {url} --run {run_id}`)"
         )
     if state.unreadable:
         raise _unreadable_record(url, state)
@@ -655,7 +654,7 @@ def derived_problems(url: str, run_id: str, committed_sequences: Sequence[int], 
     problems = []
     done = set(int(s) for s in committed_sequences)
     zstore = zstore if zstore is not None else zarr_store(url, read_only=True)
-    for kind in (ANALYSIS, ABLATION):
+    for kind in DERIVED:
         state = _read_state(zstore, run_id, kind)
         if not state.exists or state.legacy or state.unreadable:
             continue

@@ -41,9 +41,8 @@ from attngeom.store.objects import chunk_key, chunk_objects, object_damage
 from attngeom.store.runs import array_metadata_bytes, completed, open_run_group, run_coordinates, run_layout
 from attngeom.store.validate import arrays_of, committed_damage, readable_runs, wrong_coordinates
 from attngeom.store.schema import (
-    ABLATION,
-    ANALYSIS,
     ATTR_KEY,
+    DERIVED,
     FORMAT,
     RUN_VARIABLES,
     RUNS,
@@ -112,7 +111,7 @@ def _rebuild_metadata(zstore: Any) -> tuple[list[str], dict[str, str]]:
     for key in sorted((k for k, m in nodes.items() if m is None), key=_depth):
         node = key.rpartition("/")[0]
         parts = node.split("/")
-        if len(parts) >= 3 and parts[0] == RUNS and parts[2] in (ANALYSIS, ABLATION):
+        if len(parts) >= 3 and parts[0] == RUNS and parts[2] in DERIVED:
             continue  # rewritten by its stage, as validate says
         if key == "zarr.json":
             data = _root_metadata(nodes)
@@ -233,7 +232,7 @@ def _remove_damaged_derived(root: zarr.Group) -> list[str]:
     removed = []
     for arr in arrays_of(root):
         parts = arr.path.split("/")
-        if len(parts) < 3 or parts[0] != RUNS or parts[2] not in (ANALYSIS, ABLATION):
+        if len(parts) < 3 or parts[0] != RUNS or parts[2] not in DERIVED:
             continue
         for index, size in sorted(chunk_objects(arr).items()):
             if object_damage(arr, index, size) is not None:

@@ -3,8 +3,8 @@
 A store is a Zarr v3 group. Each run lives in ``runs/<run_id>`` and holds one array per
 captured quantity, with named dimensions (``dimension_names``) so that
 ``xr.open_zarr(url, group="runs/<run_id>")`` gives a Dataset. Derived groups live beside a
-run's arrays: ``runs/<run_id>/analysis/<name>`` (analyze) and ``runs/<run_id>/ablation/<name>``
-(ablate). Every name that more than one stage uses is defined here, once.
+run's arrays: ``runs/<run_id>/analysis/<name>`` (analyze), ``runs/<run_id>/ablation/<name>``
+(ablate) and ``runs/<run_id>/detect/<name>`` (detect). Every name that more than one stage uses is defined here, once.
 
 Layout decisions, made for what reads and writes the store:
 
@@ -54,6 +54,10 @@ LABELS = "labels"
 RUNS = "runs"
 ANALYSIS = "analysis"
 ABLATION = "ablation"
+DETECT = "detect"
+# The derived kinds, groups beside a run's arrays, and the stage (command) that writes each
+# through the commit protocol (attngeom.store.derived).
+DERIVED = {ANALYSIS: "analyze", ABLATION: "ablate", DETECT: "detect"}
 
 # The groups analyze writes under runs/<id>/analysis: per sequence (seq, ...), then across
 # sequences.
@@ -65,6 +69,9 @@ QUERY_SEQUENCE_GROUPS = ("topn_by_query",)
 QUERY_GROUPS = (*QUERY_SEQUENCE_GROUPS, "summary_by_query")
 # The groups ablate writes under runs/<id>/ablation; ``regimes`` only when the run has regimes.
 ABLATION_GROUPS = ("single", "sweep", "correlations", "critical", "table", "regimes")
+# The groups detect writes under runs/<id>/detect (docs/method.md#head-detectors): the
+# scores (layer, head), the probe sequences (probe, pos) and the retrieval samples (sample, pos).
+DETECT_GROUPS = ("scores", "probes", "retrieval")
 
 # Labels (docs/method.md#head-taxonomy). A query votes for one of VOTES; a head's regime is indexed like VOTES.
 VOTES = ("diagonal", "sink", "other")

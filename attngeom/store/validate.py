@@ -46,9 +46,8 @@ from attngeom.store.nodes import local_path, outside_link_problem, outside_links
 from attngeom.store.objects import chunk_objects, object_damage
 from attngeom.store.runs import completed, misnamed_runs, open_run_group, run_coordinates, run_ids, run_layout
 from attngeom.store.schema import (
-    ABLATION,
-    ANALYSIS,
     ATTR_KEY,
+    DERIVED,
     FORMAT,
     RUN_VARIABLES,
     RUNS,
@@ -146,7 +145,7 @@ def check_run(url: str, run: zarr.Group, run_id: str) -> None:
     groups aside) or with a committed sequence missing a stored object: what a writer
     checks before it reports success."""
     for key in unreadable_metadata(url, run.path):
-        if key.split("/")[2] not in (ANALYSIS, ABLATION):
+        if key.split("/")[2] not in DERIVED:
             raise DamagedStoreError(
                 f"{key} is empty or truncated (unreadable JSON); {recovery(url, key.rpartition('/')[0], metadata=True)}"
             )
