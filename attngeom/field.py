@@ -25,6 +25,7 @@ from attngeom.errors import GroupNotFoundError, InputError
 from attngeom.store import (
     ANALYSIS,
     DETECT,
+    RECENT_WINDOWS,
     REGIMES,
     SIGNATURE_VARIABLES,
     VALUE_STATISTICS,
@@ -44,7 +45,6 @@ __all__ = [
 
 HEAD_SCORES = "head_scores"
 DETECT_GROUP = "scores"
-RECENT = (16, 64, 256)
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Score:
 SCORES: tuple[Score, ...] = (
     Score("sink_score", HEAD_SCORES, "sink_score", "sink score (mean A[i,0])"),
     Score("prev_token_score", HEAD_SCORES, "prev_token_score", "previous-token score (text)"),
-    *(Score(f"distant_mass_w{w}", HEAD_SCORES, "distant_mass", f"distant mass, W = {w}", w) for w in RECENT),
+    *(Score(f"distant_mass_w{w}", HEAD_SCORES, "distant_mass", f"distant mass, W = {w}", w) for w in RECENT_WINDOWS),
     Score("duplicate_score", DETECT, "duplicate_score", "duplicate-token score"),
     Score("induction_score", DETECT, "induction_score", "induction score"),
     Score("detect_prev_token_score", DETECT, "prev_token_score", "previous-token score (probe)"),
@@ -74,7 +74,7 @@ _BY_NAME = {s.name: s for s in SCORES}
 # Scores whose high values mean that a head reads keys outside the sink and a recent window,
 # so that a KV cache should keep its full history: DuoAttention's "retrieval heads" (1 =
 # full KV). Previous-token and sink scores measure the opposite, local or sink-bound heads.
-KV_SCORES = ("distant_mass_w16", "distant_mass_w64", "distant_mass_w256", "retrieval_score", "induction_score",
+KV_SCORES = (*(f"distant_mass_w{w}" for w in RECENT_WINDOWS), "retrieval_score", "induction_score",
              "duplicate_score")
 
 

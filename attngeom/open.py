@@ -13,7 +13,7 @@ import numpy as np
 import xarray as xr
 import zarr
 
-from attngeom.errors import AttngeomError, InputError
+from attngeom.errors import AttngeomError, GroupNotFoundError, InputError
 from attngeom.store import (
     ABLATION,
     ABLATION_GROUPS,
@@ -22,9 +22,12 @@ from attngeom.store import (
     DETECT,
     DETECT_GROUPS,
     QUERY_GROUPS,
+    SCORE_GROUPS,
     check_arrays,
     completed,
     damaged_chunk,
+    lacking_message,
+    lacking_summaries,
     lost_objects,
     open_dataset,
     open_derived,
@@ -97,8 +100,15 @@ class Run:
         """The lazy Dataset of ``analysis/<name>``: "topn" (seq, layer, head, n), "values",
         "taxonomy", "heads" (layer, head), "summary", "signatures" or "table"; for a run
         extracted with ``queries``, "topn_by_query" (seq, layer, head, query_pos, n) and
-        "summary_by_query" (stat, layer, head, query_pos, n)."""
-        return self._group(ANALYSIS, (*ANALYSIS_GROUPS, *QUERY_GROUPS), name)
+        "summary_by_query" (stat, layer, head, query_pos, n); "head_scores" (layer, head[,
+        recent]), the field's head scores, and "sequence_scores" (seq, layer, head[, recent]),
+        those of each sequence (:class:`GroupNotFoundError` for a run migrated from a format
+        before their summaries)."""
+        if name in SCORE_GROUPS:
+            lacking = lacking_summaries(self.provenance)
+            if lacking:
+                raise GroupNotFoundError(lacking_message(self.id, lacking))
+        return self._group(ANALYSIS, (*ANALYSIS_GROUPS, *QUERY_GROUPS, *SCORE_GROUPS), name)
 
     def ablation(self, name: str) -> xr.Dataset:
         """The lazy Dataset of ``ablation/<name>``: "single" (layer, head[, seq]), "sweep"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from attngeom.store import (
+    RECENT_WINDOWS,
     RunLayout,
     consolidate,
     create_run,
@@ -32,6 +33,13 @@ def synthetic_sequence(rng: np.random.Generator, layout: RunLayout) -> dict[str,
     summaries = rng.random((4, n_layers, n_heads, length)).astype(np.float32)
     query = np.arange(length)
     winner = (rng.random((n_layers, n_heads, length)) * (query + 1)).astype(layout.winner_dtype)
+    # The field's summaries follow from the others, with no draw of their own (the draws of
+    # every later sequence stay those of stores written before them): the mass off the sink,
+    # spread evenly over keys 1..i, and A_i,i-1 a share of the last 16 keys' mass.
+    windows = np.asarray(RECENT_WINDOWS, dtype=np.float32)
+    spread = np.minimum(1, windows / np.maximum(query, 1)[:, None]) * (query > 0)[:, None]
+    recent_attn = ((1 - summaries[0])[..., None] * spread).astype(np.float32)
+    prev_attn = (recent_attn[..., 0] * summaries[1] * (query > 0)).astype(np.float32)
     arrays = {
         "tokens": rng.integers(0, 1000, size=length, dtype=np.int32),
         "values": values,
@@ -41,6 +49,8 @@ def synthetic_sequence(rng: np.random.Generator, layout: RunLayout) -> dict[str,
         "diag_attn": summaries[1],
         "top1_attn": summaries[2],
         "entropy": summaries[3],
+        "prev_attn": prev_attn,
+        "recent_attn": recent_attn,
         "doc_index": np.asarray(0, dtype=np.int64),
         "window_start": np.asarray(0, dtype=np.int64),
     }

@@ -39,7 +39,8 @@ def detect_scores(duplicate: np.ndarray, induction: np.ndarray, prev: np.ndarray
 
 def add_head_scores(url: str, run_id: str, ds: xr.Dataset) -> None:
     """``ds`` as ``runs/<run_id>/analysis/head_scores`` of a run analyze has committed: the
-    group written, then listed in the analysis's commit record."""
+    group written (in place of analyze's own, if any), then listed in the analysis's commit
+    record."""
     base = f"runs/{run_id}/analysis"
     zstore = zarr_store(url, read_only=False)
     ds.to_zarr(zstore, group=f"{base}/head_scores", mode="w", consolidated=False, zarr_format=3)
@@ -48,9 +49,29 @@ def add_head_scores(url: str, run_id: str, ds: xr.Dataset) -> None:
     commit = dict(record["commit"])
     commit["groups"] = [*(g for g in commit["groups"] if g != "head_scores"), "head_scores"]
     objects = object_sizes(zstore, f"{base}/head_scores/")
-    commit["objects"] = {**commit["objects"], **{k[len(base) + 1:]: v for k, v in objects.items()}}
+    kept = {k: v for k, v in commit["objects"].items() if not k.startswith("head_scores/")}
+    commit["objects"] = {**kept, **{k[len(base) + 1:]: v for k, v in objects.items()}}
     record["commit"] = commit
     group.attrs[ATTR_KEY] = record
+
+
+def drop_head_scores(url: str, run_id: str) -> None:
+    """Remove ``analysis/head_scores`` from a committed analysis, as analyze leaves a run that
+    lacks prev_attn and recent_attn (extracted before attngeom kept them)."""
+    base = f"runs/{run_id}/analysis"
+    zstore = zarr_store(url, read_only=False)
+    group = zarr.open_group(zstore, path=base, mode="r+", use_consolidated=False)
+    record = dict(group.attrs[ATTR_KEY])
+    commit = dict(record["commit"])
+    commit["groups"] = [g for g in commit["groups"] if g not in ("head_scores", "sequence_scores")]
+    commit["sequence_groups"] = [g for g in commit.get("sequence_groups", []) if g != "sequence_scores"]
+    commit["objects"] = {k: v for k, v in commit["objects"].items()
+                         if not k.startswith(("head_scores/", "sequence_scores/"))}
+    record["commit"] = commit
+    group.attrs[ATTR_KEY] = record
+    for name in ("head_scores", "sequence_scores"):
+        if name in group:
+            del group[name]
 
 
 def add_detect(url: str, run_id: str, ds: xr.Dataset) -> None:

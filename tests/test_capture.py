@@ -346,7 +346,7 @@ def test_captures_to_host_are_the_captures(device, tiny_model_dir):
     assert sorted(host) == sorted(kept.layers) == list(range(model.config.num_hidden_layers))
     for layer, capture in host.items():
         for name in ("values", "attn_last", "winner", "sink_attn", "diag_attn", "top1_attn", "entropy",
-                     "attendable", "rows"):
+                     "prev_attn", "recent_attn", "attendable", "rows"):
             got, want = getattr(capture, name), getattr(kept.layers[layer], name)
             assert got.device.type == "cpu"
             assert got.is_pinned() == (device == "cuda")

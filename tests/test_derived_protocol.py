@@ -22,15 +22,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from attngeom.analyze.blocks import template_groups
+from attngeom.analyze.blocks import all_groups, sequence_groups, template_groups
 from attngeom.analyze.parameters import analysis_parameters
 from attngeom.analyze.runner import open_completed
 from attngeom.api import analyze
 from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError
 from attngeom.store import (
     ANALYSIS,
-    ANALYSIS_GROUPS,
-    ANALYSIS_SEQUENCE_GROUPS,
     RunLayout,
     consolidate,
     create_run,
@@ -97,6 +95,8 @@ def _reference(n: int, params: str) -> dict[str, dict[str, np.ndarray]]:
             _make_run(url, n)
             _run_analyze(url, params)
             _REFERENCES[n, params] = _groups(url)
+            # Every group is under the protocol, the field's head scores too.
+            assert {"sequence_scores", "head_scores"} <= _REFERENCES[n, params].keys()
     return _REFERENCES[n, params]
 
 
@@ -215,10 +215,9 @@ class DerivedProtocol(RuleBasedStateMachine):
         grid, seed = PARAMS[params]
         with pytest.raises(Killed), StoreSession(self.url, mode="a") as session, \
                 session.derived("r", ANALYSIS) as write:
-            plan = write.begin(analysis_parameters(grid, seed), range(self.n), ANALYSIS_GROUPS,
-                               ANALYSIS_SEQUENCE_GROUPS)
+            ds = open_completed(self.url, "r")
+            plan = write.begin(analysis_parameters(grid, seed), range(self.n), all_groups(ds), sequence_groups(ds))
             if create and not plan.up_to_date:
-                ds = open_completed(self.url, "r")
                 write.create(template_groups(ds, grid, seed), 1)
             raise Killed
         self.possible = self.possible | {None}

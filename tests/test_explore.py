@@ -161,7 +161,12 @@ def test_index_carries_the_head_table_and_decoded_tokens(page):
     assert (a["layers"], a["heads"], a["kv_heads"], a["head_kv"]) == (3, 4, 2, [0, 0, 1, 1])
     assert a["n_grid"] == GRID and a["sequences"] == [0, 1]
     assert (a["dtype"], raw["dtype"]) == ("float32", "bfloat16")  # extract's compute dtype, shown per run
-    assert set(a["stats"]) == {"regime", "vote_diagonal", "vote_sink", "vote_other", "lambda", "f_score", "delta_nll"}
+    # The field's text scores (analysis/head_scores) colour the grid too; no detect, no probe scores.
+    assert set(a["stats"]) == {"regime", "vote_diagonal", "vote_sink", "vote_other", "lambda", "f_score", "delta_nll",
+                               "sink_score", "prev_token_score", "distant_mass_w16", "distant_mass_w64",
+                               "distant_mass_w256"}
+    assert a["field"]["missing"] == ["no detect/scores (run `attngeom detect`): no duplicate-token, induction or "
+                                     "retrieval scores"]
     assert a["stats"]["delta_nll"][2][3] == pytest.approx(1.1)
     assert np.asarray(a["stats"]["f_score"], dtype=float).shape == (3, 4, len(GRID))
     # The tiny model's word-level tokenizer decodes the corpus words.

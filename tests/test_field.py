@@ -13,7 +13,15 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
-from field_groups import add_detect, add_head_scores, detect_scores, head_scores, plant_regimes, regimes
+from field_groups import (
+    add_detect,
+    add_head_scores,
+    detect_scores,
+    drop_head_scores,
+    head_scores,
+    plant_regimes,
+    regimes,
+)
 
 from attngeom.api import analyze, taxonomy
 from attngeom.errors import GroupNotFoundError, InputError
@@ -78,13 +86,15 @@ def _scores_from_regimes(regime: np.ndarray):
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
     """Runs "both" (analysis, head_scores, detect), "text" (head_scores only), "plain"
-    (analysis only) and "raw" (extracted only)."""
+    (an analysis without head_scores, as of a run extracted before prev_attn) and "raw"
+    (extracted only)."""
     url = str(tmp_path_factory.mktemp("field") / "store.zarr")
     for seed, run_id in enumerate(("both", "text", "plain", "raw")):
         write_synthetic_run(url, run_id, length=40, seed=seed, **SHAPE)
         plant_regimes(url, run_id, PLAN)
         if run_id != "raw":
             analyze(url, run_id=run_id, scheduler="threads", n_grid=GRID, progress=False)
+    drop_head_scores(url, "plain")
     for run_id in ("both", "text"):
         text, probe = _scores_from_regimes(regimes(url, run_id))
         add_head_scores(url, run_id, text)
@@ -158,6 +168,7 @@ def test_report_without_any_score_group_says_so(tmp_path, capsys):
     url = str(tmp_path / "s.zarr")
     write_synthetic_run(url, "r", length=24, **SHAPE)
     analyze(url, run_id="r", scheduler="threads", n_grid=GRID, progress=False)
+    drop_head_scores(url, "r")
     page = build_report(url, tmp_path / "out").read_text()
     assert "<h2>Heads of the field</h2>" in page and "could not be made" not in page
     assert "run r: no analysis/head_scores (run `attngeom analyze`) and no detect/scores (run `attngeom detect`)" in page

@@ -134,7 +134,8 @@ def test_a_failed_sequence_write_commits_nothing_and_ends_every_write(tmp_path):
     with pytest.raises(OSError):
         write_sequence(run, 1, synthetic_sequence(np.random.default_rng(1), run_layout(run)))
     assert sorted(key.split("/")[2] for key in slow.ended) == [
-        "attn_last", "diag_attn", "doc_index", "entropy", "sink_attn", "tokens", "top1_attn", "window_start", "winner"]
+        "attn_last", "diag_attn", "doc_index", "entropy", "prev_attn", "recent_attn", "sink_attn", "tokens",
+        "top1_attn", "window_start", "winner"]
     assert list(run["complete"][:]) == [1, 0]
 
 

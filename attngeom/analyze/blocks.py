@@ -19,6 +19,11 @@ One task per (sequence, layer), like ``topn``'s: it reads that chunk of ``attn_r
 queries x L float32) and of ``values`` and returns a few kilobytes per query. Each task draws
 its random control from its own seed (:func:`~attngeom.analyze.parameters.instance_seed`),
 so results do not depend on chunking or order.
+
+``sequence_scores``, the field's head scores of each sequence (docs/method.md#the-fields-head-scores),
+for a run that holds ``prev_attn`` and ``recent_attn``: one task per sequence reads its
+``sink_attn``, ``prev_attn`` and ``recent_attn`` (one chunk each) and returns their means per
+head, from which ``head_scores`` is reduced across sequences.
 """
 
 from __future__ import annotations
@@ -32,13 +37,15 @@ import numpy as np
 import xarray as xr
 
 from attngeom.analyze import taxonomy
-from attngeom.analyze.kernels import head_metrics
+from attngeom.analyze.kernels import head_metrics, sequence_scores
 from attngeom.analyze.parameters import RANDOM_DRAWS, instance_seed
 from attngeom.store import (
     ANALYSIS_GROUPS,
     ANALYSIS_SEQUENCE_GROUPS,
     QUERY_GROUPS,
     QUERY_SEQUENCE_GROUPS,
+    SCORE_GROUPS,
+    SCORE_SEQUENCE_GROUPS,
     TOPN_COUNTS,
     TOPN_VARIABLES,
     VALUE_STATISTICS,
@@ -47,7 +54,7 @@ from attngeom.store import (
     read_chunk,
 )
 
-__all__ = ["all_groups", "computed_groups", "has_queries", "sequence_groups", "template_groups"]
+__all__ = ["all_groups", "computed_groups", "has_queries", "has_scores", "sequence_groups", "template_groups"]
 
 # The columns of a (sequence, layer) block's results (`_analysis_block`).
 _BLOCK_COLUMNS = (*TOPN_VARIABLES, *VALUE_STATISTICS, *(f"votes_{vote}" for vote in VOTES))
@@ -64,14 +71,22 @@ def has_queries(ds: xr.Dataset) -> bool:
     return ds["query_pos"].values.tolist() != [ds.sizes["key"] - 1]
 
 
+def has_scores(ds: xr.Dataset) -> bool:
+    """Whether a run holds the summaries of the field's head scores (one migrated from a
+    format before them does not)."""
+    return "prev_attn" in ds and "recent_attn" in ds
+
+
 def sequence_groups(ds: xr.Dataset) -> tuple[str, ...]:
-    """The per-sequence groups of the run ``ds``: topn_by_query too for a run with queries."""
-    return (*ANALYSIS_SEQUENCE_GROUPS, *(QUERY_SEQUENCE_GROUPS if has_queries(ds) else ()))
+    """The per-sequence groups of the run ``ds``: topn_by_query too for a run with queries,
+    sequence_scores for a run with the field's summaries."""
+    return (*ANALYSIS_SEQUENCE_GROUPS, *(QUERY_SEQUENCE_GROUPS if has_queries(ds) else ()),
+            *(SCORE_SEQUENCE_GROUPS if has_scores(ds) else ()))
 
 
 def all_groups(ds: xr.Dataset) -> tuple[str, ...]:
     """Every group an analysis of the run ``ds`` commits."""
-    return (*ANALYSIS_GROUPS, *(QUERY_GROUPS if has_queries(ds) else ()))
+    return (*ANALYSIS_GROUPS, *(QUERY_GROUPS if has_queries(ds) else ()), *(SCORE_GROUPS if has_scores(ds) else ()))
 
 
 def _analysis_block(*, block_id, seqs, store, inputs, attendable, head_kv, n_grid, seed):
@@ -160,6 +175,40 @@ def _query_blocks(store: str, run: Any, ds: xr.Dataset, grid: np.ndarray, seed: 
     )
 
 
+def _score_block(*, block_id, seqs, store, inputs, windows) -> np.ndarray:
+    """The sequence ``seqs[block_id[0]]`` of the run, read here from its zarr arrays ``inputs``:
+    sink_attn, prev_attn (layer, head, L) and recent_attn (layer, head, L, R) -> (1, layer,
+    head, 2 + R) float64: sink_score, prev_token_score, then distant_mass at each window."""
+    seq = int(seqs[block_id[0]])
+    scores = sequence_scores(*(read_chunk(store, arr, (seq,)) for arr in inputs), windows)
+    return np.concatenate([scores.sink_score[..., None], scores.prev_token_score[..., None],
+                           scores.distant_mass], axis=-1)[None]
+
+
+def _score_blocks(store: str, run: Any, ds: xr.Dataset) -> da.Array:
+    """Lazy (seq, layer, head, 2 + R) float64 of the sequences of ``ds``: :func:`_score_block`,
+    one task per sequence."""
+    windows = ds["recent"].values
+    return da.map_blocks(
+        _score_block,
+        chunks=((1,) * ds.sizes["seq"], (ds.sizes["layer"],), (ds.sizes["head"],), (2 + len(windows),)),
+        dtype=np.float64, meta=np.empty((0,) * 4),
+        seqs=ds["seq"].values, store=store, inputs=(run["sink_attn"], run["prev_attn"], run["recent_attn"]),
+        windows=windows,
+    )
+
+
+def _score_groups(stacked: Any, ds: xr.Dataset) -> xr.Dataset:
+    """The ``sequence_scores`` Dataset from the stacked columns of the score blocks (numpy or dask)."""
+    dims = ("seq", "layer", "head")
+    return xr.Dataset(
+        {"sink_score": (dims, stacked[..., 0]), "prev_token_score": (dims, stacked[..., 1]),
+         "distant_mass": ((*dims, "recent"), stacked[..., 2:])},
+        coords={"seq": ds["seq"].values, "layer": ds["layer"].values, "head": ds["head"].values,
+                "recent": ds["recent"].values.astype(np.int64)},
+    )
+
+
 def _query_groups(stacked: Any, ds: xr.Dataset, grid: np.ndarray) -> xr.Dataset:
     """The ``topn_by_query`` Dataset from the stacked columns (numpy or dask): every topn
     variable (seq, layer, head, query_pos, n), typed as in ``topn``, and the value statistics
@@ -212,9 +261,10 @@ def _votes_variables(votes: Any, ds: xr.Dataset) -> xr.Dataset:
 
 
 def _groups(grid: Sequence[int], seed: int, stacked: Any, ds: xr.Dataset,
-            by_query_stacked: Any = None) -> dict[str, xr.Dataset]:
-    """The per-sequence groups from the stacked columns of the blocks (numpy or dask), and
-    topn_by_query from those of the query blocks when given."""
+            by_query_stacked: Any = None, score_stacked: Any = None) -> dict[str, xr.Dataset]:
+    """The per-sequence groups from the stacked columns of the blocks (numpy or dask),
+    topn_by_query from those of the query blocks and sequence_scores from those of the score
+    blocks when given."""
     topn, values, votes = _block_variables(stacked, ds, np.asarray(grid, dtype=np.int64))
     attrs = {"n_grid": list(grid), "random_draws": RANDOM_DRAWS, "seed": seed}
     topn.attrs["attngeom"] = attrs
@@ -222,6 +272,8 @@ def _groups(grid: Sequence[int], seed: int, stacked: Any, ds: xr.Dataset,
     if by_query_stacked is not None:
         groups["topn_by_query"] = _query_groups(by_query_stacked, ds, np.asarray(grid, dtype=np.int64))
         groups["topn_by_query"].attrs["attngeom"] = attrs
+    if score_stacked is not None:
+        groups["sequence_scores"] = _score_groups(score_stacked, ds)
     return groups
 
 
@@ -234,8 +286,10 @@ def template_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str,
     sequences of a 7B model. Never computed, a chunk costs no memory."""
     shape = (ds.sizes["seq"], ds.sizes["layer"], ds.sizes["head"], len(grid), len(_BLOCK_COLUMNS))
     query_shape = (*shape[:3], ds.sizes.get("query_pos", 0), len(grid), len(_QUERY_COLUMNS))
+    score_shape = (*shape[:3], 2 + ds.sizes.get("recent", 0))
     return _groups(grid, seed, da.empty(shape, dtype=np.float64, chunks=-1), ds,
-                   da.empty(query_shape, dtype=np.float64, chunks=-1) if has_queries(ds) else None)
+                   da.empty(query_shape, dtype=np.float64, chunks=-1) if has_queries(ds) else None,
+                   da.empty(score_shape, dtype=np.float64, chunks=-1) if has_scores(ds) else None)
 
 
 def computed_groups(store: str, run: Any, ds: xr.Dataset, grid: Sequence[int],
@@ -245,8 +299,10 @@ def computed_groups(store: str, run: Any, ds: xr.Dataset, grid: Sequence[int],
     blocks are Dask tasks; their results are split into variables here, so that a worker
     process is sent the work, not every variable's slice of the results."""
     grid = np.asarray(grid, dtype=np.int64)
-    blocks = [_analysis_blocks(store, run, ds, grid, seed)]
+    blocks = {"stacked": _analysis_blocks(store, run, ds, grid, seed)}
     if has_queries(ds):
-        blocks.append(_query_blocks(store, run, ds, grid, seed))
-    stacked, *per_query = dask.compute(*blocks)
-    return _groups(grid.tolist(), seed, stacked, ds, *per_query)
+        blocks["by_query_stacked"] = _query_blocks(store, run, ds, grid, seed)
+    if has_scores(ds):
+        blocks["score_stacked"] = _score_blocks(store, run, ds)
+    (computed,) = dask.compute(blocks)
+    return _groups(grid.tolist(), seed, ds=ds, **computed)

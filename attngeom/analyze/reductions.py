@@ -1,5 +1,5 @@
-"""The groups across sequences: ``heads``, ``summary``, ``signatures`` and
-``summary_by_query``, reduced from the per-sequence groups in the analyzing process."""
+"""The groups across sequences: ``heads``, ``summary``, ``signatures``, ``summary_by_query``
+and ``head_scores``, reduced from the per-sequence groups in the analyzing process."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import numpy as np
 import xarray as xr
 
 from attngeom.analyze import taxonomy
+from attngeom.analyze.kernels import SINK_THRESHOLD, FieldScores, head_scores
 from attngeom.analyze.tables import table_dataset
 from attngeom.store import SIGNATURE_VARIABLES, STATS, TOPN_COUNTS, TOPN_VARIABLES, VALUE_STATISTICS, VOTES
 
-__all__ = ["LOADED_TOPN_BYTES", "cross_sequence_groups", "heads_dataset", "summary_by_query", "summary_dataset"]
+__all__ = ["LOADED_TOPN_BYTES", "cross_sequence_groups", "head_scores_dataset", "heads_dataset", "summary_by_query",
+           "summary_dataset"]
 
 # The paper's appendix reports the coherence constants at N = 64.
 COHERENCE_N = 64
@@ -28,7 +30,8 @@ LOADED_TOPN_BYTES = 1 << 28
 
 def cross_sequence_groups(stored: Mapping[str, xr.Dataset], provenance: dict, run_id: str) -> dict[str, xr.Dataset]:
     """heads, summary, signatures and table (and summary_by_query when the per-sequence
-    groups ``stored`` (name -> Dataset, lazy or loaded) hold topn_by_query), reduced in this
+    groups ``stored`` (name -> Dataset, lazy or loaded) hold topn_by_query, head_scores when
+    they hold sequence_scores), reduced in this
     process: ``topn`` loaded whole up to LOADED_TOPN_BYTES (a read per variable, each its
     own dask compute, costs more than the whole load), one variable at a time beyond;
     ``provenance`` and ``run_id`` label the table."""
@@ -52,7 +55,26 @@ def cross_sequence_groups(stored: Mapping[str, xr.Dataset], provenance: dict, ru
               "table": table_dataset(summary, provenance, run_id)}
     if "topn_by_query" in stored:
         groups["summary_by_query"] = summary_query
+    if "sequence_scores" in stored:
+        groups["head_scores"] = head_scores_dataset(stored["sequence_scores"].load(scheduler=dask.threaded.get))
     return groups
+
+
+def head_scores_dataset(sequence_scores: xr.Dataset) -> xr.Dataset:
+    """(layer, head[, recent]): the field's head scores across sequences
+    (docs/method.md#the-fields-head-scores), from each sequence's (``sequence_scores``):
+    sink_score, sink_head, prev_token_score and distant_mass."""
+    per_sequence = FieldScores(*(sequence_scores[name].transpose("seq", "layer", "head", ...).values
+                                 for name in FieldScores._fields))
+    scores, sink_head = head_scores(per_sequence)
+    dims = ("layer", "head")
+    return xr.Dataset(
+        {"sink_score": (dims, scores.sink_score), "sink_head": (dims, sink_head),
+         "prev_token_score": (dims, scores.prev_token_score),
+         "distant_mass": ((*dims, "recent"), scores.distant_mass)},
+        coords={d: sequence_scores[d].values for d in ("layer", "head", "recent")},
+        attrs={"sink_threshold": SINK_THRESHOLD},
+    )
 
 
 def _cv(x: xr.DataArray, dim: str) -> xr.DataArray:

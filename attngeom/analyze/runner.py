@@ -18,7 +18,11 @@ back to the store under ``runs/<id>/analysis/``:
 - ``table``   (row): the same as a tidy table (also Parquet and CSV with ``--out``);
 - ``topn_by_query`` (seq, layer, head, query_pos, n) and ``summary_by_query``: the same at each
   stored query of a run extracted with ``--queries``,
-  committed, healed and resumed with the other groups.
+  committed, healed and resumed with the other groups;
+- ``sequence_scores`` (seq, layer, head[, recent]) and ``head_scores`` (layer, head[, recent]):
+  the field's head scores (docs/method.md#the-fields-head-scores) of each sequence and across
+  them, for a run that holds ``prev_attn`` and ``recent_attn`` (one migrated from a format
+  before them is analyzed without, and analyze says so).
 
 The analysis is committed last (:mod:`attngeom.store.derived`): its record says which
 sequences and which parameters (:func:`~attngeom.analyze.parameters.analysis_parameters`) it covers. A rerun with the same
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -44,14 +49,23 @@ import dask.threaded
 import xarray as xr
 from tqdm.auto import tqdm
 
-from attngeom.analyze.blocks import all_groups, computed_groups, sequence_groups, template_groups
+from attngeom.analyze.blocks import all_groups, computed_groups, has_scores, sequence_groups, template_groups
 from attngeom.analyze.kernels import MAX_KEYS, compile_kernels
 from attngeom.analyze.parameters import AnalyzeRequest, analysis_parameters, default_n_grid
 from attngeom.analyze.reductions import LOADED_TOPN_BYTES, cross_sequence_groups
 from attngeom.analyze.scheduling import dask_client
 from attngeom.analyze.tables import TABLE_COLUMNS, tidy_table
 from attngeom.errors import InputError, RunNotFoundError
-from attngeom.store import ANALYSIS, analysis_path, check_committed, completed, open_dataset, run_path
+from attngeom.store import (
+    ANALYSIS,
+    analysis_path,
+    check_committed,
+    completed,
+    lacking_message,
+    lacking_summaries,
+    open_dataset,
+    run_path,
+)
 from attngeom.store.derived import DerivedWrite, forget_unreadable
 from attngeom.store.session import StoreSession
 
@@ -256,6 +270,9 @@ def analyze(request: AnalyzeRequest) -> list[AnalyzeResult]:
         dropped = {rid for rid in todo if forget_unreadable(session, rid, ANALYSIS)}
         # Every run's input checked before any analysis is touched.
         checked = {rid: _checked_input(session, rid, request.n_grid) for rid in todo}
+        for rid, (ds, _) in checked.items():
+            if not has_scores(ds):  # the rest of its analysis goes on
+                warnings.warn(lacking_message(rid, lacking_summaries(ds.attrs.get("attngeom", {}))), stacklevel=3)
         compile_kernels(progress=request.progress)
         with dask_client(request.scheduler, request.store):
             results = [analyze_run(session, rid, *checked[rid], request) for rid in todo]

@@ -28,6 +28,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from attngeom.store.schema import RECENT_WINDOWS
+
 ATTN_IMPLEMENTATION = "attngeom_capture"
 
 # Bytes of float32 scores one tile (a block of queries of some kv heads) may take on CPU; a
@@ -58,7 +60,9 @@ class LayerCapture:
 
     values (B, KV, L, Dh) in the model dtype; attn_last (B, H, L) float32, the final query's
     row; winner (B, H, L) int64, j* (docs/method.md#head-taxonomy) per query; sink_attn, diag_attn, top1_attn,
-    entropy (B, H, L) float32 per query (entropy in nats); attendable (L,) bool, keys the
+    entropy, prev_attn (B, H, L) float32 per query (entropy in nats); recent_attn (B, H, L, R)
+    float32, the mass on the last W keys but the sink for each window W of ``recent``
+    (docs/method.md#the-fields-head-scores); attendable (L,) bool, keys the
     final query may attend; rows (B, H, L, L) float16 when full rows are kept; query_rows
     (B, H, Q, L) float32, the rows of the Q queries asked for (--queries), 0 after each query.
     """
@@ -70,6 +74,8 @@ class LayerCapture:
     diag_attn: torch.Tensor
     top1_attn: torch.Tensor
     entropy: torch.Tensor
+    prev_attn: torch.Tensor
+    recent_attn: torch.Tensor
     attendable: torch.Tensor
     rows: torch.Tensor | None = None
     query_rows: torch.Tensor | None = None
@@ -157,6 +163,20 @@ def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return scores
 
 
+def recent_bands(q0: int, q1: int, recent: tuple[int, ...], device: torch.device) -> list[tuple[int, torch.Tensor]]:
+    """For each window W of ``recent``, the keys of the queries [q0, q1) in their last W
+    keys but the sink: (first key, float32 mask (q1-q0, 1, keys)), key ``first + k`` of query
+    ``q0 + r`` in it where mask[r, 0, k] is 1, i.e. ``max(1, q0+r-W+1) <= first + k <= q0+r``
+    (docs/method.md#the-fields-head-scores)."""
+    query = torch.arange(q0, q1, device=device)[:, None, None]
+    bands = []
+    for w in recent:
+        first = max(1, q0 - w + 1)
+        key = torch.arange(first, q1, device=device)[None, None, :]
+        bands.append((first, ((key > query - w) & (key <= query)).float()))
+    return bands
+
+
 def attention_summaries(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -169,6 +189,7 @@ def attention_summaries(
     queries: tuple[int, ...] = (),
     need_output: bool = False,
     tile: tuple[int, int] | None = None,
+    recent: tuple[int, ...] = RECENT_WINDOWS,
 ) -> tuple[LayerCapture, torch.Tensor | None]:
     """Per-query summaries of ``softmax(scaling * q k^T + mask)`` for one layer.
 
@@ -177,7 +198,10 @@ def attention_summaries(
     default :func:`score_tile` (memory bounded at any L). ``winner`` is argmax_j A_ij ||v_j|| with ties to the smaller
     j (:func:`first_argmax`). ``queries`` (ascending positions) have their float32 rows
     kept, the same numbers as ``attn_last`` at L-1. With ``need_output`` (a float32 model, or a softcapped one SDPA
-    cannot run) the attention output (B, L, H, Dh) is returned too.
+    cannot run) the attention output (B, L, H, Dh) is returned too. ``prev_attn`` is
+    A_i,i-1 (0 at i = 0) and ``recent_attn`` the sum of A_ij over j in max(1, i-W+1)..i for
+    each W of ``recent``: masked keys have probability 0, so only attendable keys count
+    (docs/method.md#the-fields-head-scores).
 
     Each tile of scores takes a handful of vectorized passes (mask, max, softmax, the
     reductions). On a GPU they belong in one fused kernel beside the flash pass: given the
@@ -212,6 +236,9 @@ def attention_summaries(
         name: torch.empty(n_kv, bsz, length, group, device=device, dtype=torch.float32)
         for name in ("sink_attn", "diag_attn", "top1_attn", "entropy")
     }
+    # Query 0 has no previous key: its prev_attn is the 0 here, the only entry no tile writes.
+    out["prev_attn"] = torch.zeros(n_kv, bsz, length, group, device=device)
+    recent_attn = torch.empty(n_kv, bsz, length, group, len(recent), device=device)
     winner = torch.empty(n_kv, bsz, length, group, device=device, dtype=torch.int64)
     rows = (
         torch.zeros(n_kv, bsz, group, length, length, device=device, dtype=torch.float16)
@@ -246,6 +273,8 @@ def attention_summaries(
         # The kept queries inside the block: a slice of the ascending positions.
         lo, hi = bisect.bisect_left(queries, q0), bisect.bisect_left(queries, q1)
         inside = torch.tensor(queries[lo:hi], device=device) - q0 if query_rows is not None and hi > lo else None
+        bands = recent_bands(q0, q1, recent, device)
+        first_prev = max(q0, 1)
         for h0 in range(0, n_kv, kv_tile):
             h1 = min(n_kv, h0 + kv_tile)
             scores = _scores(q[h0:h1, :, q0 * group : q1 * group].flatten(0, 1), k[h0:h1, :, :n_keys].flatten(0, 1))
@@ -268,6 +297,13 @@ def attention_summaries(
             at = (slice(h0, h1), slice(None), slice(q0, q1))
             out["sink_attn"][at] = tile_probs[..., 0]
             out["diag_attn"][at] = tile_probs[..., q0:q1].diagonal(dim1=2, dim2=4).permute(0, 1, 3, 2)
+            out["prev_attn"][h0:h1, :, first_prev:q1] = tile_probs[:, :, first_prev - q0 :, :, first_prev - 1 : q1 - 1
+                                                                  ].diagonal(dim1=2, dim2=4).permute(0, 1, 3, 2)
+            # Each window's band of keys, at most W + block wide: a product and a sum over
+            # those keys, not the row (a cumulative sum over the row would lose the band's few
+            # digits beside the mass before it).
+            for r, (first, band) in enumerate(bands):
+                recent_attn[h0:h1, :, q0:q1, :, r] = (tile_probs[..., first:q1] * band).sum(dim=-1)
             out["top1_attn"][at] = top1.view(h1 - h0, bsz, q1 - q0, group)
             # With s the scores less their maximum, log p_j = s_j - log Z and 1/Z = max_j p_j, so
             # H = -sum_j p_j log p_j = -log max_j p_j - sum_j p_j s_j: two non-negative terms, no log
@@ -300,6 +336,8 @@ def attention_summaries(
         diag_attn=heads(out["diag_attn"]),
         top1_attn=heads(out["top1_attn"]),
         entropy=heads(out["entropy"]),
+        prev_attn=heads(out["prev_attn"]),
+        recent_attn=recent_attn.permute(1, 0, 3, 2, 4).reshape(bsz, n_heads, length, len(recent)),
         attendable=last_allowed,
         rows=rows.transpose(0, 1).reshape(bsz, n_heads, length, length) if rows is not None else None,
         query_rows=(

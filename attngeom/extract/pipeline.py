@@ -338,6 +338,8 @@ def _sequence_arrays(
         "diag_attn": stack("diag_attn", "float32"),
         "top1_attn": stack("top1_attn", "float32"),
         "entropy": stack("entropy", "float32"),
+        "prev_attn": stack("prev_attn", "float32"),
+        "recent_attn": stack("recent_attn", "float32"),
         "doc_index": np.asarray(window.doc_index, dtype="int64"),
         "window_start": np.asarray(window.start, dtype="int64"),
     }

@@ -188,6 +188,12 @@ def preflight(request: ExtractRequest) -> Preflight:
     # a hub corpus by `datasets`: only the full check reads them.
     light = named and request.bos_token is None and _same_corpus(request, record)
     done = _finished(request.store, run_id, total, shard) if total is not None and light else None
+    lacking = (record.get("layout") or {}).get("lacking")
+    if done is None and lacking:
+        raise InputError(
+            f"run '{run_id}' in {request.store} was extracted before attngeom kept {' and '.join(lacking)} "
+            "(migrated from an earlier store format) and takes no new sequences; choose another --run"
+        )
     return Preflight(shard, done)
 
 

@@ -13,8 +13,10 @@ migration killed at any moment loses nothing and is finished by running it again
    another step follows, replaced by that step's in the same write.
 
 An array in ``copied`` is resumed at step 3 (its own objects may be partly replaced); any
-other is decoded again from its untouched objects. Migrations chain, one format at a time
-(a format-1 store goes 1 -> 2 -> 3 -> 4 in one ``migrate``).
+other is decoded again from its untouched objects. A step may also record something in
+each run's attributes (format 5: the summaries a run lacks), after its arrays and before
+the format is raised, idempotently. Migrations chain, one format at a time (a format-1
+store goes 1 -> 2 -> 3 -> 4 -> 5 in one ``migrate``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from zarr.buffer import default_buffer_prototype
 from attngeom.errors import DamagedStoreError, SchemaError, StoreNotFoundError
 from attngeom.store import (
     ATTR_KEY,
+    FIELD_SUMMARIES,
     FORMAT,
     LABEL_ORDERS,
     LABELS,
@@ -44,7 +47,9 @@ from attngeom.store import (
     has_checksum,
     label_codes,
     label_dtype,
+    open_run_group,
     read_root_attrs,
+    run_ids,
     store_format,
     with_checksum,
     zarr_store,
@@ -59,16 +64,20 @@ TEMPORARY = "_migrating"
 @dataclass(frozen=True)
 class Migration:
     """One step from format ``source`` to ``source + 1``: which arrays it rewrites (by their
-    path and ``zarr.json``), their new ``zarr.json`` (from the old one and the array), and
-    how the values of a chunk read with the old one become those written with the new one."""
+    path and ``zarr.json``), their new ``zarr.json`` (from the old one and the array), how
+    the values of a chunk read with the old one become those written with the new one, and
+    what it records in each run."""
 
     source: int
     doc: str
-    needs: Callable[[str, Mapping[str, Any]], bool]
-    rewrite: Callable[[Mapping[str, Any], zarr.Array], dict[str, Any]]
+    needs: Callable[[str, Mapping[str, Any]], bool] = lambda path, meta: False
+    rewrite: Callable[[Mapping[str, Any], zarr.Array], dict[str, Any]] = lambda meta, arr: dict(meta)
     convert: Callable[[Mapping[str, Any], Mapping[str, Any], np.ndarray], np.ndarray] = (
         lambda old, new, values: values
     )
+    # What the step records in each run's group, once its arrays are done; it must be
+    # idempotent, for a killed migration does it again.
+    run: Callable[[zarr.Group], None] = lambda run: None
 
 
 def _is_text(path: str, meta: Mapping[str, Any]) -> bool:
@@ -141,6 +150,18 @@ def _recoded(old: Mapping[str, Any], new: Mapping[str, Any], values: np.ndarray)
     return table[np.asarray(values)]
 
 
+def _mark_lacking(run: zarr.Group) -> None:
+    """Record in a run's layout the per-query summaries of format 5 it lacks: the model is
+    needed to compute them, and readers say so (``lacking_summaries``). A run whose
+    creation never finished has no layout: the extract that finishes it writes them."""
+    meta = run.attrs.get(ATTR_KEY)
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("layout"), Mapping):
+        return
+    lacking = [name for name in FIELD_SUMMARIES if name not in run]
+    if lacking and meta["layout"].get("lacking") != lacking:
+        run.attrs[ATTR_KEY] = {**meta, "layout": {**meta["layout"], "lacking": lacking}}
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -161,6 +182,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         needs=_out_of_order,
         rewrite=_in_order,
         convert=_recoded,
+    ),
+    Migration(
+        4,
+        "runs extracted before prev_attn and recent_attn marked as lacking them",
+        run=_mark_lacking,
     ),
 )
 
@@ -222,6 +248,8 @@ def migrate(url: str, *, progress: bool = True) -> MigrationReport:
             report.arrays += 1
             report.chunks += chunks
             report.bytes_written += size
+        for run_id in run_ids(root):
+            step.run(open_run_group(root, run_id))
         # The next step's mark goes with the raised format, in one write: a store between
         # two steps is never taken for a finished one.
         meta["format"] = step.source + 1

@@ -22,6 +22,8 @@ from attngeom.store.damage import DECODE_ERRORS, metadata_damage
 from attngeom.store.nodes import jsonable, node_exists, store_url
 from attngeom.store.schema import (
     ATTR_KEY,
+    FIELD_SUMMARIES,
+    RECENT_WINDOWS,
     RUN_VARIABLES,
     RUNS,
     SEQUENCE_ARRAYS,
@@ -98,7 +100,7 @@ def _array_options(name: str, layout: RunLayout, n_seq: int) -> dict[str, Any]:
         # analyze reads attn_last, values and attn one (sequence, layer) block at a time: a shard
         # per sequence, an inner chunk per layer. The per-query summaries are read whole; one
         # chunk per sequence writes each 3-4x faster (smollm2-135m, L=512: 2-3 against 8-10 ms).
-        layered = var.dims[1] == "layer" and var.dims != SUMMARY_DIMS
+        layered = var.dims[1] == "layer" and var.dims[:4] != SUMMARY_DIMS
         chunking: dict[str, Any] = {"chunks": (1, 1, *shape[2:]), "shards": whole} if layered else {"chunks": whole}
     elif var.per_sequence:
         chunking = {"chunks": (1,)}
@@ -126,6 +128,7 @@ def run_coordinates(layout: RunLayout) -> dict[str, np.ndarray]:
         "window": np.asarray(layout.window, dtype="int32"),
         "attendable": np.asarray(layout.attendable, dtype=bool),
         "query_pos": np.asarray(layout.queries, dtype="int32"),
+        "recent": np.asarray(RECENT_WINDOWS, dtype="int32"),
     }
 
 
@@ -176,14 +179,30 @@ async def _create_arrays(run: zarr.Group, layout: RunLayout, n_seq: int) -> None
 
 
 def run_layout(run: zarr.Group) -> RunLayout:
-    """The layout recorded in a run's provenance, with its ``attendable`` keys."""
+    """The layout recorded in a run's provenance, with its ``attendable`` keys. A layout
+    recorded before format 5 names no ``lacking``: such a run lacks the summaries it does not
+    hold (``attngeom migrate`` records them)."""
     meta = run.attrs[ATTR_KEY]["layout"]
     attendable = tuple(tuple(bool(x) for x in row) for row in run["attendable"][:])
+    lacking = meta["lacking"] if "lacking" in meta else [name for name in FIELD_SUMMARIES if name not in run]
     return RunLayout(
         **{**meta, "head_kv": tuple(meta["head_kv"]), "window": tuple(meta["window"]),
-           "queries": tuple(meta.get("queries", ()))},
+           "queries": tuple(meta.get("queries", ())), "lacking": tuple(lacking)},
         attendable=attendable,
     )
+
+
+def lacking_summaries(provenance: Mapping[str, Any]) -> tuple[str, ...]:
+    """The per-query summaries a run lacks, from its provenance (its layout's ``lacking``):
+    those of a later format than the one it was extracted in (``attngeom migrate`` records
+    them; the model is needed to compute them)."""
+    return tuple(provenance.get("layout", {}).get("lacking", ()))
+
+
+def lacking_message(run_id: str, lacking: Iterable[str]) -> str:
+    """One line saying that run ``run_id`` has no head scores, lacking the summaries ``lacking``."""
+    return (f"run {run_id} has no head scores: it was extracted before attngeom kept {' and '.join(lacking)} "
+            "(migrated from an earlier store format); extract it again into a new run to score its heads")
 
 
 def n_sequences(run: zarr.Group) -> int:

@@ -30,7 +30,10 @@ Two numbers in the root's attributes say what a store is:
   ``flag_meanings``, and exactly ``attngeom.labels``), where format 2 used zarr-python's
   ``string`` type and ``vlen-utf8`` codec; format 4 gives the labels of a fixed vocabulary
   (regimes, votes, statistics, methods: ``LABEL_ORDERS``) the same codes in every store,
-  where format 3 numbered them in order of first appearance. ``attngeom.store.open_dataset``
+  where format 3 numbered them in order of first appearance; format 5 adds the per-query
+  summaries ``prev_attn`` and ``recent_attn`` (docs/method.md#the-fields-head-scores), which
+  a run migrated from an earlier format lacks: its layout's ``lacking`` names them, for they
+  cannot be computed without the model. ``attngeom.store.open_dataset``
   gives the labels back as strings; a plain ``xr.open_zarr`` gives the codes. Every format
   of schema 1 is read; only the current format is written, and ``attngeom migrate``
   (:mod:`attngeom.store.migrate`) brings an older store to it.
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 SCHEMA_VERSION = 1
-FORMAT = 4
+FORMAT = 5
 # The key of attngeom's attributes in the root's, a run's and a derived group's attributes.
 ATTR_KEY = "attngeom"
 
@@ -63,6 +66,10 @@ DERIVED = {ANALYSIS: "analyze", ABLATION: "ablate", DETECT: "detect"}
 # sequences.
 ANALYSIS_SEQUENCE_GROUPS = ("topn", "values", "taxonomy")
 ANALYSIS_GROUPS = (*ANALYSIS_SEQUENCE_GROUPS, "heads", "summary", "signatures", "table")
+# The groups of the field's head scores (docs/method.md#the-fields-head-scores), for a run
+# that holds prev_attn and recent_attn: per sequence, then across sequences.
+SCORE_SEQUENCE_GROUPS = ("sequence_scores",)
+SCORE_GROUPS = (*SCORE_SEQUENCE_GROUPS, "head_scores")
 # The groups analyze adds for a run extracted at more queries than the last
 # (docs/method.md#any-query): per sequence, then across sequences.
 QUERY_SEQUENCE_GROUPS = ("topn_by_query",)
@@ -120,8 +127,8 @@ def run_path(run_id: str) -> str:
 
 
 def analysis_path(run_id: str, name: str | None = None) -> str:
-    """``runs/<run_id>/analysis``, or its group ``name`` (one of ANALYSIS_GROUPS or QUERY_GROUPS)."""
-    return _derived_path(run_id, ANALYSIS, (*ANALYSIS_GROUPS, *QUERY_GROUPS), name)
+    """``runs/<run_id>/analysis``, or its group ``name`` (one of ANALYSIS_GROUPS, QUERY_GROUPS or SCORE_GROUPS)."""
+    return _derived_path(run_id, ANALYSIS, (*ANALYSIS_GROUPS, *QUERY_GROUPS, *SCORE_GROUPS), name)
 
 
 def ablation_path(run_id: str, name: str | None = None) -> str:
@@ -148,6 +155,10 @@ class Variable:
 
 
 SUMMARY_DIMS = ("seq", "layer", "head", "query")
+# The windows W of recent_attn, its coordinate ``recent`` (docs/method.md#the-fields-head-scores).
+RECENT_WINDOWS = (16, 64, 256)
+# The per-query summaries format 5 added: a run migrated from an earlier format lacks them.
+FIELD_SUMMARIES = ("prev_attn", "recent_attn")
 
 RUN_VARIABLES: dict[str, Variable] = {
     "tokens": Variable(("seq", "pos"), ("int32",), doc="token ids, BOS at pos 0"),
@@ -166,6 +177,11 @@ RUN_VARIABLES: dict[str, Variable] = {
     "diag_attn": Variable(SUMMARY_DIMS, ("float32",), doc="A_ii, per query"),
     "top1_attn": Variable(SUMMARY_DIMS, ("float32",), doc="max_j A_ij, per query"),
     "entropy": Variable(SUMMARY_DIMS, ("float32",), doc="-sum_j A_ij log A_ij (nats), per query"),
+    "prev_attn": Variable(SUMMARY_DIMS, ("float32",), doc="A_i,i-1 (0 at i = 0), per query"),
+    "recent_attn": Variable(
+        (*SUMMARY_DIMS, "recent"), ("float32",),
+        doc="sum of A_ij over attendable j in max(1, i-W+1)..i, per query and window W",
+    ),
     "attn": Variable(
         ("seq", "layer", "head", "query", "key"),
         ("float16",),
@@ -192,13 +208,14 @@ RUN_VARIABLES: dict[str, Variable] = {
     "attendable": Variable(
         ("layer", "key"), ("bool",), per_sequence=False, doc="keys the final query may attend"
     ),
+    "recent": Variable(("recent",), ("int32",), per_sequence=False, doc="windows W of recent_attn, in keys"),
     "query_pos": Variable(
         ("query_pos",), ("int32",), per_sequence=False, optional=True,
         doc="positions of the queries whose rows attn_rows keeps, ascending",
     ),
 }
 
-COORDS = ("layer", "head", "kv_head", "pos", "head_kv", "window")
+COORDS = ("layer", "head", "kv_head", "pos", "head_kv", "window", "recent")
 # Arrays carrying one shard per sequence; `complete` is the commit flag written after them.
 SEQUENCE_ARRAYS = tuple(
     n for n, v in RUN_VARIABLES.items() if v.per_sequence and n != "complete"
@@ -221,6 +238,9 @@ class RunLayout:
     store_rows: str = "last"
     # Positions of the queries whose rows attn_rows keeps, ascending; () keeps none.
     queries: tuple[int, ...] = ()
+    # The FIELD_SUMMARIES a run migrated from an earlier format lacks (the model is needed to
+    # compute them); () for a run extracted with them.
+    lacking: tuple[str, ...] = ()
 
     @property
     def winner_dtype(self) -> str:
@@ -237,6 +257,7 @@ class RunLayout:
             "query": self.length,
             "query_pos": len(self.queries),
             "head_dim": self.head_dim,
+            "recent": len(RECENT_WINDOWS),
         }
         return tuple(sizes[d] for d in RUN_VARIABLES[name].dims)
 
@@ -248,12 +269,14 @@ class RunLayout:
         return RUN_VARIABLES[name].dtypes[0]
 
     def names(self) -> list[str]:
+        lacking = {*self.lacking, *(("recent",) if "recent_attn" in self.lacking else ())}
         return [
             n
             for n, v in RUN_VARIABLES.items()
-            if not v.optional
-            or (n == "attn" and self.store_rows == "all")
-            or (n in ("attn_rows", "query_pos") and self.queries)
+            if (not v.optional
+                or (n == "attn" and self.store_rows == "all")
+                or (n in ("attn_rows", "query_pos") and self.queries))
+            and n not in lacking
         ]
 
 
