@@ -28,8 +28,10 @@ Each repetition times, side by side in rotated order, into a fresh run each:
 * "fsync'd write": the very objects the writer stored, written to fresh files and fsync'd.
 
 The limit is max(compress, fsync'd write): the writer cannot be faster than either. Ratios are
-medians of per-repetition ratios; "stored MiB" the size of the sequence's objects. The
-writer's objects are checked equal to zarr's before timing.
+medians of per-repetition ratios; "stored MiB" the size of the sequence's objects. "CPU: X /
+work" is X's process CPU time over that of compress plus the fsync'd write, the work any
+writer does: steadier than wall time on a machine doing other work. The writer's objects are
+checked equal to zarr's before timing.
 """
 
 from __future__ import annotations
@@ -182,13 +184,15 @@ def writer_times(name: str, length: int, values: str, args: argparse.Namespace, 
         out: dict[str, float] = {}
         for variant in rotate([*variants, "compress", "fsync"], rep):
             if variant == "compress":
-                w0, _ = now()
+                w0, c0 = now()
                 list(pool.map(lambda task: task[0](task[1]), tasks))
-                out["compress"] = now()[0] - w0
+                w1, c1 = now()
+                out["compress"], out["compress_cpu"] = w1 - w0, c1 - c0
             elif variant == "fsync":
-                w0, _ = now()
+                w0, c0 = now()
                 fsync_write(reference, work / "plain")
-                out["fsync"] = now()[0] - w0
+                w1, c1 = now()
+                out["fsync"], out["fsync_cpu"] = w1 - w0, c1 - c0
                 shutil.rmtree(work / "plain")
             else:
                 out[variant], cpu, _ = written(variant)
@@ -210,6 +214,8 @@ def writer_times(name: str, length: int, values: str, args: argparse.Namespace, 
         result[f"{variant}_s"] = median([r[variant] for r in reps])
         result[f"{variant}_over_limit"] = median([r[variant] / r["limit"] for r in reps])
         result[f"{variant}_cpu_s"] = median([r[f"{variant}_cpu"] for r in reps])
+        result[f"{variant}_cpu_over_work"] = median([r[f"{variant}_cpu"] / (r["compress_cpu"] + r["fsync_cpu"])
+                                                     for r in reps])
     return result
 
 
@@ -220,10 +226,12 @@ def report(results: dict[str, Any]) -> str:
             f"{results['cpu_count']} CPUs, {results['reps']} reps; medians)\n")
     return head + table(
         ["shape", "L", "values", "raw MB", "stored MiB", "compress s", "fsync'd write s", "writer s",
-         "writer / limit", "zarr / limit", *(["zarr fused / limit"] if fused else []), "writer CPU s"],
+         "writer / limit", "zarr / limit", *(["zarr fused / limit"] if fused else []), "writer CPU s",
+         "CPU: writer / work", "CPU: zarr / work"],
         [[r["shape"], r["length"], r["values"], r["raw_mb"], r["stored_mib"], r["compress_s"], r["fsync_s"],
           r["writer_s"], r["writer_over_limit"], r["zarr_over_limit"],
-          *([r.get("zarr_fused_over_limit", "")] if fused else []), r["writer_cpu_s"]] for r in rows],
+          *([r.get("zarr_fused_over_limit", "")] if fused else []), r["writer_cpu_s"],
+          r["writer_cpu_over_work"], r["zarr_cpu_over_work"]] for r in rows],
     )
 
 
