@@ -59,7 +59,7 @@ def extract(
     batch_size: int = 1,
     store_rows: str = "last",
     queries: str | Sequence[int] = "last",
-    values_dtype: str = "float32",
+    values_dtype: str = "auto",
     split: str | None = None,
     text_field: str = "text",
     window_rule: str = "first",
@@ -90,6 +90,12 @@ def extract(
     token_ids. Writes runs/<run_id> with tokens (S, L), values (S, layers, kv_heads, L,
     head_dim), attn_last (S, layers, heads, L) and the per-query summaries (S, layers,
     heads, L); resumable (a rerun writes only uncommitted sequences) and appendable.
+
+    dtype: "auto" (float32), "float32", "float32-tf32" (float32, its matmuls in TF32 on a GPU,
+    inside the forward only), "bfloat16" or "float16". values_dtype: "auto" stores a bfloat16
+    model's values as bfloat16 (2 bytes, exact: their bit patterns as uint16, read back as
+    float32) and any other model's as float32; "float32", "float16" (rounded) or "bfloat16"
+    (a bfloat16 model only) choose.
 
     queries: "last" (default), "every:K" (L-1, L-1-K, ... down to 1) or positions in 1..L-1
     (a list, or "P1,P2,..."): also keeps those queries' rows, attn_rows (S, layers, heads,

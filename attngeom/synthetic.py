@@ -16,6 +16,7 @@ from attngeom.store import (
     open_or_create_root,
     write_sequence,
 )
+from attngeom.store.schema import BFLOAT16
 
 
 def synthetic_sequence(rng: np.random.Generator, layout: RunLayout) -> dict[str, np.ndarray]:
@@ -28,8 +29,11 @@ def synthetic_sequence(rng: np.random.Generator, layout: RunLayout) -> dict[str,
     scores[..., 0] += 4.0
     attn_last = np.exp(scores - scores.max(-1, keepdims=True))
     attn_last /= attn_last.sum(-1, keepdims=True)
-    values = rng.normal(size=(n_layers, n_kv, length, dim)).astype(layout.values_dtype)
+    values = rng.normal(size=(n_layers, n_kv, length, dim)).astype(np.float32)
     values[:, :, 0] *= 0.2
+    if layout.values_dtype == BFLOAT16:  # bfloat16 values (the float32's upper half), as stored
+        values = (values.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    values = values.astype(layout.dtype("values"), copy=False)
     summaries = rng.random((4, n_layers, n_heads, length)).astype(np.float32)
     query = np.arange(length)
     winner = (rng.random((n_layers, n_heads, length)) * (query + 1)).astype(layout.winner_dtype)
@@ -78,13 +82,16 @@ def write_synthetic_run(
     length: int,
     seed: int = 0,
     queries: tuple[int, ...] = (),
+    values_dtype: str = "float32",
 ) -> RunLayout:
     """Create ``runs/<run_id>`` in ``store`` holding ``n_seq`` synthetic sequences, with rows
-    at ``queries`` (positions, ascending) when given."""
+    at ``queries`` (positions, ascending) when given, values stored as ``values_dtype``
+    (float32, float16 or bfloat16)."""
     layout = RunLayout(
         n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, length=length,
         head_kv=tuple(h // (n_heads // n_kv_heads) for h in range(n_heads)),
         window=(0,) * n_layers, attendable=((True,) * length,) * n_layers, queries=tuple(queries),
+        values_dtype=values_dtype,
     )
     root = open_or_create_root(store)
     provenance = {

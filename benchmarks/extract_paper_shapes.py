@@ -1,9 +1,8 @@
 #!/usr/bin/env python
-"""extract at the paper's model shapes, on random weights, and the store writer alone (run by hand).
+"""extract at the paper's model shapes, on random weights (run by hand).
 
     python benchmarks/extract_paper_shapes.py --layers 2 --lengths 1024 --num-sequences 2 --mlp thin
     python benchmarks/extract_paper_shapes.py --device cuda --dtype bfloat16 --num-sequences 8 --json h100.json
-    python benchmarks/extract_paper_shapes.py --shapes Llama-2-7B --writer-only      # the writer, no model
 
 Models are built from transformers configs with the attention geometry of the paper's five
 models (``SHAPES``) and random weights, ``--mlp full`` (the real intermediate size) or ``thin``
@@ -25,18 +24,7 @@ a worker process per core), alternating with reading analyze's inputs in this pr
 analyze s/seq, analyze / that extract's loop, analyze / read, and busy (CPU seconds of analyze
 and its workers over wall x cores). numba's cache is warmed first on a small synthetic store.
 
-The writer is measured on one synthetic sequence of the shape at its full depth (values rounded
-to bfloat16, as a bf16 model on a GPU gives them), written into a fresh run per repetition:
-
-* "writer": ``SequenceWriter.write`` as extract runs it (zarr's thread pool compresses);
-* "writer 1 thread": the same with zarr's pool cut to one thread (one-thread compression);
-* "zarrs": the same through the ``zarrs`` codec pipeline, where the package is installed;
-* "plain write": the very compressed objects the writer stored, written to fresh files.
-
-MB/s are MB (10^6 bytes) of uncompressed sequence arrays per second, for the plain write too,
-so that the columns compare; ratios are medians of per-repetition ratios. "writer CPU s" is the
-process CPU time of one "writer" write, and "event loop's share" the part of it spent in the
-thread of zarr's event loop, which no thread pool spreads: it bounds what more cores can gain.
+The store writer alone, against the disk's pace: benchmarks/extract_writer.py.
 """
 
 from __future__ import annotations
@@ -51,7 +39,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,12 +47,10 @@ import numpy as np
 import torch
 import zarr
 from common import analyze_in_child, int_list, median, now, read_inputs, rotate, synchronize, table
-from zarr.core.sync import sync
 
 import attngeom as ag
 from attngeom.extract.capture import capturing
-from attngeom.store import RunLayout, create_run, open_or_create_root
-from attngeom.synthetic import synthetic_sequence, write_synthetic_run
+from attngeom.synthetic import write_synthetic_run
 
 VOCAB = 32_000
 THIN_MLP = 64
@@ -122,16 +107,30 @@ def token_ids(count: int, length: int, seed: int = 0) -> np.ndarray:
     return ids
 
 
-def forward(model: torch.nn.Module, ids: np.ndarray, batch_size: int, device: str, *, capture: bool) -> None:
+@contextlib.contextmanager
+def matmul_precision(dtype: str) -> Iterator[None]:
+    """float32 matmuls in TF32 within the block for ``float32-tf32``, as extract's forward has them."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if dtype == "float32-tf32" else before)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def forward(model: torch.nn.Module, ids: np.ndarray, batch_size: int, device: str, *, capture: bool,
+            dtype: str) -> None:
     """The decoder over ``ids`` batch by batch, inside ``capturing`` when ``capture``."""
-    with torch.inference_mode(), capturing(model) if capture else contextlib.nullcontext():
+    with (torch.inference_mode(), matmul_precision(dtype),
+          capturing(model) if capture else contextlib.nullcontext()):
         for b0 in range(0, len(ids), batch_size):
             model.get_decoder()(input_ids=torch.from_numpy(ids[b0 : b0 + batch_size]).to(device), use_cache=False)
 
 
-def extract_loop(model: torch.nn.Module, ids: np.ndarray, store: str, batch_size: int) -> float:
-    """``ag.extract`` of ``ids`` into a fresh ``store``; the seconds of its loop."""
-    result = ag.extract(model, token_ids=ids, store=store, run_id="r", batch_size=batch_size, progress=False)
+def extract_loop(model: torch.nn.Module, ids: np.ndarray, store: str, batch_size: int, dtype: str) -> float:
+    """``ag.extract`` of ``ids`` (compute ``dtype``) into a fresh ``store``; the seconds of its loop."""
+    result = ag.extract(model, token_ids=ids, store=store, run_id="r", batch_size=batch_size, progress=False,
+                        dtype=dtype)
     assert result.written == len(ids), result
     return result.seconds
 
@@ -145,18 +144,18 @@ def store_mib_per_sequence(store: str, count: int) -> float:
 def model_times(name: str, args: argparse.Namespace, length: int, count: int, workdir: Path) -> dict[str, Any]:
     """SDPA fwd, capture fwd and extract loop of one shape and length, per repetition."""
     shape = SHAPES[name]
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, args.dtype.removesuffix("-tf32"))
     model = build_model(shape, layers=args.layers, mlp=args.mlp, device=args.device, dtype=dtype)
     ids = token_ids(count, length)
     store = str(workdir / f"{name}-L{length}.zarr")
-    extract_loop(model, ids, store, args.batch_size)  # warm-up: kernels, codecs, page cache
+    extract_loop(model, ids, store, args.batch_size, args.dtype)  # warm-up: kernels, codecs, page cache
     mib = store_mib_per_sequence(store, count)
     shutil.rmtree(store)
     out: dict[str, float] = {}
     runs = {
-        "sdpa": lambda: forward(model, ids, args.batch_size, args.device, capture=False),
-        "capture": lambda: forward(model, ids, args.batch_size, args.device, capture=True),
-        "extract": lambda: out.update(loop=extract_loop(model, ids, store, args.batch_size)),
+        "sdpa": lambda: forward(model, ids, args.batch_size, args.device, capture=False, dtype=args.dtype),
+        "capture": lambda: forward(model, ids, args.batch_size, args.device, capture=True, dtype=args.dtype),
+        "extract": lambda: out.update(loop=extract_loop(model, ids, store, args.batch_size, args.dtype)),
     }
     reps = []
     for rep in range(args.reps):
@@ -173,7 +172,6 @@ def model_times(name: str, args: argparse.Namespace, length: int, count: int, wo
         print(f"  [{name} L={length} rep {rep + 1}/{args.reps}] "
               + " ".join(f"{k}={out[k]:.2f}s" for k in ("sdpa", "capture", "loop")), file=sys.stderr, flush=True)
     analyzed = analyze_times(model, ids, store, args) if args.analyze else {}
-    del model
     return {
         **analyzed,
         "shape": name, "layers": args.layers or shape.layers, "mlp": args.mlp, "length": length, "sequences": count,
@@ -189,7 +187,7 @@ def analyze_times(model: torch.nn.Module, ids: np.ndarray, store: str, args: arg
     """``ag.analyze`` of one more extract's store, in a fresh interpreter per repetition (default
     scheduler: a worker process per core), against that extract's loop and against reading its
     inputs in this process, alternating."""
-    loop = extract_loop(model, ids, store, args.batch_size)
+    loop = extract_loop(model, ids, store, args.batch_size, args.dtype)
     count = len(ids)
     cores = len(os.sched_getaffinity(0))
     reps = []
@@ -216,139 +214,9 @@ def analyze_times(model: torch.nn.Module, ids: np.ndarray, store: str, args: arg
     }
 
 
-def layout_of(shape: Shape, length: int, layers: int | None = None) -> RunLayout:
-    """The run layout extract gives a model of ``shape`` (full causal attention, float32 values)."""
-    n_layers = layers or shape.layers
-    group = shape.heads // shape.kv_heads
-    return RunLayout(
-        n_layers=n_layers, n_heads=shape.heads, n_kv_heads=shape.kv_heads, head_dim=shape.head_dim, length=length,
-        head_kv=tuple(h // group for h in range(shape.heads)), window=(0,) * n_layers,
-        attendable=((True,) * length,) * n_layers,
-    )
-
-
-@contextlib.contextmanager
-def zarr_threads(n: int) -> Iterator[None]:
-    """zarr's codec thread pool cut to ``n`` threads within the block (its event loop's default
-    executor, where ``asyncio.to_thread`` runs each chunk's Blosc)."""
-    from zarr.core.sync import _get_executor, _get_loop
-
-    loop = _get_loop()
-    pool = ThreadPoolExecutor(max_workers=n)
-    loop.set_default_executor(pool)
-    try:
-        yield
-    finally:
-        loop.set_default_executor(_get_executor())
-        pool.shutdown()
-
-
-@contextlib.contextmanager
-def zarrs_pipeline() -> Iterator[None]:
-    """Chunks encoded by the ``zarrs`` codec pipeline (Rust) within the block."""
-    import zarrs  # noqa: F401
-
-    with zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"}):
-        yield
-
-
-def has_zarrs() -> bool:
-    try:
-        import zarrs  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def sequence_objects(store: Path) -> dict[Path, bytes]:
-    """Every per-sequence object of run ``r`` (sequence 0), path relative to ``store`` -> bytes."""
-    root = store / "runs" / "r"
-    return {p.relative_to(store): p.read_bytes() for p in root.rglob("*") if p.is_file() and "/c/" in p.as_posix()}
-
-
-async def loop_thread_cpu() -> float:
-    """CPU seconds of the thread running zarr's event loop (run there by ``sync``): what of a
-    write is not spread over the thread pool (zarr's copies into chunks, checksums, shard assembly)."""
-    return time.thread_time()
-
-
-def plain_write(objects: dict[Path, bytes], folder: Path) -> None:
-    """``objects`` written as plain files under ``folder``, as a file copy would."""
-    for rel, data in objects.items():
-        path = folder / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-
-
-def writer_times(name: str, args: argparse.Namespace, length: int, workdir: Path) -> dict[str, Any]:
-    """The writer's throughput on one full-depth sequence of ``name`` against one-thread
-    compression, zarrs (when installed) and a plain write of the same compressed bytes."""
-    # Imported here, so that --no-writer also runs on an older attngeom that lacks the writer
-    # (PYTHONPATH=<its checkout>), for a comparison against it.
-    from attngeom.store import SequenceWriter
-
-    layout = layout_of(SHAPES[name], length)
-    arrays = synthetic_sequence(np.random.default_rng(0), layout)
-    arrays["values"] = torch.from_numpy(arrays["values"]).bfloat16().float().numpy()
-    raw = sum(a.nbytes for a in arrays.values())
-    settings = {"writer": contextlib.nullcontext, "writer_1_thread": lambda: zarr_threads(1)}
-    if has_zarrs() and not args.no_zarrs:
-        settings["zarrs"] = zarrs_pipeline
-    objects: dict[Path, bytes] = {}
-    seconds: dict[str, float] = {}
-    cpu: dict[str, float] = {}
-
-    def write(setting: str) -> None:
-        store = workdir / f"writer-{setting}.zarr"
-        run = create_run(open_or_create_root(str(store)), "r", layout, {"model": {"id": name}}, 1)
-        with settings[setting]():
-            writer = SequenceWriter(run)
-            w0, c0 = now()
-            l0 = sync(loop_thread_cpu())
-            writer.write(0, arrays)
-            seconds[setting] = now()[0] - w0
-            if setting == "writer":
-                cpu["writer"], cpu["loop"] = now()[1] - c0, sync(loop_thread_cpu()) - l0
-        objects.update(sequence_objects(store) if setting == "writer" else {})
-        shutil.rmtree(store)
-
-    def plain() -> None:
-        folder = workdir / "plain"
-        w0, _ = now()
-        plain_write(objects, folder)
-        seconds["plain_write"] = now()[0] - w0
-        shutil.rmtree(folder)
-
-    write("writer")  # warm-up; its objects are what the plain write writes
-    reps: list[dict[str, float]] = []
-    cpus: list[dict[str, float]] = []
-    for rep in range(args.reps):
-        seconds = {}
-        for variant in rotate([*settings, "plain_write"], rep):
-            if variant == "plain_write":
-                plain()
-            else:
-                write(variant)
-        reps.append(seconds)
-        cpus.append(dict(cpu))
-        print(f"  [writer {name} L={length} rep {rep + 1}/{args.reps}] "
-              + " ".join(f"{k}={v:.2f}s" for k, v in seconds.items()), file=sys.stderr, flush=True)
-    stored = sum(len(b) for b in objects.values())
-    out = {"shape": name, "length": length, "raw_mb": raw / 1e6, "stored_mib": stored / 2**20, "reps": reps}
-    for variant in reps[0]:
-        out[f"{variant}_mb_s"] = median([raw / 1e6 / r[variant] for r in reps])
-        out[f"{variant}_over_plain"] = median([r[variant] / r["plain_write"] for r in reps])
-    out["writer_1_thread_over_writer"] = median([r["writer_1_thread"] / r["writer"] for r in reps])
-    out["writer_cpu_s"] = median([c["writer"] for c in cpus])
-    out["loop_share_of_cpu"] = median([c["loop"] / c["writer"] for c in cpus])
-    if "zarrs" in reps[0]:
-        out["zarrs_over_writer"] = median([r["zarrs"] / r["writer"] for r in reps])
-    return out
-
-
 def report(results: dict[str, Any]) -> str:
-    out = [f"## extract at the paper's shapes ({results['device']}, {results['dtype']}, {results['torch_threads']} "
-           f"torch threads, {results['cpu_count']} CPUs, {results['reps']} reps, batch {results['batch_size']})\n"]
+    out = [(f"## extract at the paper's shapes ({results['device']}, {results['dtype']}, {results['torch_threads']} "
+            f"torch threads, {results['cpu_count']} CPUs, {results['reps']} reps, batch {results['batch_size']})\n")]
     if results["models"]:
         out.append(table(
             ["shape", "layers", "MLP", "L", "seqs", "SDPA fwd ms/seq", "capture fwd / SDPA", "extract loop / SDPA",
@@ -365,17 +233,6 @@ def report(results: dict[str, Any]) -> str:
             [[r["shape"], r["length"], r["sequences"], r["analyze_s_per_seq"], r["analyze_over_loop"],
               r["analyze_over_read"], r["busy"]] for r in analyzed],
         ))
-    if results["writer"]:
-        zarrs = "zarrs_mb_s" in results["writer"][0]
-        out.append("\nThe writer on one full-depth sequence (MB/s of uncompressed arrays; medians over reps):\n")
-        out.append(table(
-            ["shape", "L", "raw MB", "stored MiB", "writer MB/s", "1 thread MB/s", *(["zarrs MB/s"] if zarrs else []),
-             "plain write MB/s", "writer / plain (time)", "1 thread / writer (time)", "writer CPU s",
-             "event loop's share of it"],
-            [[r["shape"], r["length"], r["raw_mb"], r["stored_mib"], r["writer_mb_s"], r["writer_1_thread_mb_s"],
-              *([r["zarrs_mb_s"]] if zarrs else []), r["plain_write_mb_s"], r["writer_over_plain"],
-              r["writer_1_thread_over_writer"], r["writer_cpu_s"], r["loop_share_of_cpu"]] for r in results["writer"]],
-        ))
     return "\n".join(out)
 
 
@@ -389,13 +246,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-sequences", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "float32-tf32", "bfloat16", "float16"))
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (default 3)")
-    p.add_argument("--writer-only", action="store_true", help="measure the writer alone, no model")
-    p.add_argument("--no-writer", action="store_true", help="leave the writer out")
     p.add_argument("--analyze", action="store_true",
                    help="also analyze one more extract's store: analyze s/seq, / extract loop, / read, busy")
-    p.add_argument("--no-zarrs", action="store_true", help="leave the zarrs pipeline out even when installed")
     p.add_argument("--workdir", default=None, help="folder for the temporary stores (default: a temp dir)")
     p.add_argument("--json", default=None, metavar="PATH", help="write all figures as JSON")
     args = p.parse_args(argv)
@@ -414,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": args.device, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(), "platform": platform.platform(), "reps": args.reps,
         "batch_size": args.batch_size, "torch": torch.__version__, "zarr": zarr.__version__,
-        "models": [], "writer": [],
+        "models": [],
     }
     with tempfile.TemporaryDirectory(prefix="attngeom-bench-", dir=args.workdir) as tmp:
         if args.analyze:
@@ -424,10 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             shutil.rmtree(warm)
         for name in args.shapes:
             for length in args.lengths:
-                if not args.writer_only:
-                    results["models"].append(model_times(name, args, length, args.num_sequences, Path(tmp)))
-                if not args.no_writer:
-                    results["writer"].append(writer_times(name, args, length, Path(tmp)))
+                results["models"].append(model_times(name, args, length, args.num_sequences, Path(tmp)))
     results["wall_s"] = time.perf_counter() - t_start
     print(report(results))
     print(f"\n(total benchmark wall time {results['wall_s']:.0f}s)")

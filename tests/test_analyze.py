@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -532,3 +533,32 @@ def test_interrupted_ablation_write_is_reported_and_earlier_kept(tmp_path, monke
         assert validate_store(url) == []
         np.testing.assert_array_equal(open_derived(url, "r", ABLATION, "single")["x"].values, np.arange(3.0) + 1)
         assert not (tmp_path / "s.zarr" / "runs" / "r" / "ablation" / "table").exists()
+
+
+def test_bfloat16_values_give_the_analysis_of_their_float32_store(tmp_path):
+    """The same sequences with bfloat16 values, stored as bit patterns (2 bytes) and as
+    float32: every analysis value is the same, bit for bit."""
+    from attngeom.api import open_store
+    from attngeom.store import create_run, write_sequence
+    from attngeom.store.codecs import bfloat16_values
+    from attngeom.synthetic import synthetic_sequence, write_synthetic_run
+
+    shape = dict(n_seq=3, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, length=24, queries=(7, 23))
+    two, four = str(tmp_path / "two.zarr"), str(tmp_path / "four.zarr")
+    layout = write_synthetic_run(two, "r", **shape, values_dtype="bfloat16")
+    provenance = {k: v for k, v in open_store(two).run("r").provenance.items() if k not in ("layout", "initialized")}
+    run = create_run(open_or_create_root(four), "r", replace(layout, values_dtype="float32"), provenance, shape["n_seq"])
+    rng = np.random.default_rng(0)  # write_synthetic_run's draws, sequence by sequence
+    for seq in range(shape["n_seq"]):
+        arrays = synthetic_sequence(rng, layout)
+        write_sequence(run, seq, {**arrays, "values": bfloat16_values(arrays["values"])})
+    for store in (two, four):
+        analyze(store, scheduler="threads", n_grid=[1, 2, 4], progress=False)
+    runs = [open_store(store).run("r") for store in (two, four)]
+    assert [str(r.dataset()["values"].dtype) for r in runs] == ["float32", "float32"]
+    for group in (*ANALYSIS_GROUPS, "topn_by_query", "summary_by_query"):
+        got, want = (r.analysis(group).load() for r in runs)
+        xr.testing.assert_equal(got, want)
+        for name in want.data_vars:  # the numbers bit for bit (NaN where NaN), labels as strings
+            if want[name].dtype.kind in "fiub":
+                assert np.asarray(got[name]).tobytes() == np.asarray(want[name]).tobytes(), (group, name)

@@ -224,3 +224,19 @@ def test_store_md_reading_examples_run_as_written(tmp_path, monkeypatch):
     np.testing.assert_array_equal(scope["first"], stored["attn_last"][0])
     np.testing.assert_array_equal(scope["values"], stored["values"][0, 0])
     assert scope["provenance"]["model"]["id"]
+
+
+def test_store_md_bfloat16_decoding_runs_as_written(tmp_path, monkeypatch):
+    """docs/store.md's decoding of bfloat16 values with zarr-python alone, on a synthetic run
+    of bfloat16 values: it gives the float32 values attngeom reads."""
+    import attngeom as ag
+    from attngeom.synthetic import write_synthetic_run
+
+    (block,) = python_blocks(section(DOCS / "store.md", "values-in-the-models-precision"))
+    monkeypatch.chdir(tmp_path)
+    write_synthetic_run("runs.zarr", "r", n_seq=1, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, length=16,
+                        values_dtype="bfloat16")
+    scope: dict = {}
+    exec(compile(block.replace("<run>", "r"), "store.md", "exec"), scope)
+    want = ag.open_store("runs.zarr").run("r").dataset()["values"][0, 0].values
+    assert scope["v"].dtype == np.float32 and np.array_equal(scope["v"], want)

@@ -201,3 +201,62 @@ def test_no_bos_token_is_refused(tiny_model_dir, word_corpus, tmp_path):
                                        "-L", "16", "-S", "1", "--store", str(tmp_path / "s.zarr")])
     assert result.exit_code == 2 and "no BOS token" in result.stderr
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_bfloat16_models_values_are_stored_at_two_bytes_losing_nothing(tiny_model_dir, word_corpus, tmp_path):
+    """In bfloat16 the values are stored by default as their bfloat16 bit patterns (uint16,
+    the encoding named in the array's attributes): read back as float32 they equal a float32
+    store of the same forward, and so does every analysis value; a rerun keeps the run's
+    values dtype, one asking for another is refused."""
+    import attngeom as ag
+
+    folder = tiny_model_dir("llama")
+    two, four = tmp_path / "two.zarr", tmp_path / "four.zarr"
+    run_extract(folder, word_corpus, two, dtype="bfloat16")
+    run_extract(folder, word_corpus, four, dtype="bfloat16", values_dtype="float32")
+    raw = zarr.open_array(str(two), path="runs/r/values", mode="r")
+    assert raw.dtype == np.uint16 and raw.attrs["attngeom"] == {"encoding": "bfloat16"}
+    runs = [ag.open_store(str(store)).run("r") for store in (two, four)]
+    assert [run.provenance["values_dtype"] for run in runs] == ["bfloat16", "float32"]
+    got, want = (run.dataset()["values"].values for run in runs)
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    assert np.array_equal((raw[:].astype(np.uint32) << 16).view(np.float32), want)  # a plain reader's decoding
+    for store in (two, four):
+        ag.analyze(str(store), scheduler="threads", progress=False)
+    for group in ("topn", "values", "heads"):
+        xr.testing.assert_identical(*(run.analysis(group).load() for run in
+                                      (ag.open_store(str(s)).run("r") for s in (two, four))))
+    assert run_extract(folder, word_corpus, two, dtype="bfloat16", num_sequences=5) == "r"
+    with pytest.raises(ag.InputError, match="values_dtype 'bfloat16'"):
+        run_extract(folder, word_corpus, two, dtype="bfloat16", num_sequences=6, values_dtype="float32")
+
+
+def test_values_dtype_bfloat16_needs_a_bfloat16_model(tiny_model_dir, word_corpus, tmp_path):
+    """A float32 model's values in bfloat16 would lose bits: refused in one line, exit 2,
+    before the model loads and with nothing written."""
+    store = tmp_path / "s.zarr"
+    args = ["extract", "--model", str(tiny_model_dir("llama")), "--dataset", str(word_corpus), "-L", "16", "-S", "2",
+            "--store", str(store), "--values-dtype", "bfloat16"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    assert "--values-dtype bfloat16 stores a bfloat16 model's values exactly; this model computes in float32" in result.output
+    assert not store.exists()
+
+
+def test_float32_tf32_changes_nothing_on_a_cpu_and_is_recorded(tiny_model_dir, word_corpus, tmp_path):
+    """--dtype float32-tf32: TF32 matmuls inside the forward only (torch's precision is the
+    caller's again after), recorded as the run's compute dtype; a CPU computes every array
+    as in float32."""
+    import attngeom as ag
+
+    folder = tiny_model_dir("llama")
+    before = torch.get_float32_matmul_precision()
+    run_extract(folder, word_corpus, tmp_path / "tf32.zarr", dtype="float32-tf32")
+    assert torch.get_float32_matmul_precision() == before
+    run_extract(folder, word_corpus, tmp_path / "f32.zarr", dtype="float32")
+    tf32, f32 = (ag.open_store(str(tmp_path / name)).run("r") for name in ("tf32.zarr", "f32.zarr"))
+    assert (tf32.provenance["compute_dtype"], tf32.provenance["float32_matmul_precision"]) == ("float32-tf32", "high")
+    assert f32.provenance["compute_dtype"] == "float32"
+    xr.testing.assert_equal(tf32.dataset().load(), f32.dataset().load())  # the values; attributes record the dtype
+    with pytest.raises(ag.InputError, match="compute_dtype 'float32-tf32'"):
+        run_extract(folder, word_corpus, tmp_path / "tf32.zarr", dtype="float32", num_sequences=5)

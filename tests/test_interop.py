@@ -177,3 +177,21 @@ def test_format2_store_migrates_to_what_this_attngeom_writes(built, tmp_path):
         for key in ("data_type", "fill_value", "codecs", "attributes", "chunk_grid", "dimension_names"):
             assert new[key] == old[key], (arr.path, key)
         np.testing.assert_array_equal(zarr.open_array(str(store), path=arr.path, mode="r")[...], arr[...])
+
+
+def test_tensorstore_reads_bfloat16_values_as_their_bit_patterns(tmp_path):
+    """A bfloat16 model's values: any Zarr v3 reader (tensorstore here) reads the uint16 bit
+    patterns whose encoding the array's attributes name; shifted into the upper half of a
+    float32 they are the values attngeom gives."""
+    from attngeom.synthetic import write_synthetic_run
+
+    store = tmp_path / "s.zarr"
+    write_synthetic_run(str(store), "r", n_seq=2, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, length=16,
+                        values_dtype="bfloat16")
+    meta = metadata(store, "runs/r/values")
+    assert meta["data_type"] == "uint16" and meta["attributes"]["attngeom"] == {"encoding": "bfloat16"}
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(store / "runs/r/values")}}
+    bits = ts.open(spec, open=True, read=True).result().read().result()
+    values = open_dataset(str(store), "runs/r")["values"].values
+    assert values.dtype == np.float32 and np.array_equal((bits.astype(np.uint32) << 16).view(np.float32), values)
+    assert np.array_equal(bits, zarr.open_array(str(store), path="runs/r/values", mode="r")[:])

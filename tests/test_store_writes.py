@@ -315,6 +315,42 @@ def test_new_chunks_are_stored_as_zarr_stores_them(local, tmp_path):
     assert all(got[key] == want[key] for key in want)
 
 
+@pytest.mark.parametrize("values_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("local", [False, True], ids=["fsspec", "local"])
+def test_a_sequence_is_stored_as_zarr_stores_it(local, values_dtype, tmp_path):
+    """The writer encodes a sequence's chunks and shards itself: every object equals zarr's
+    own write of the same values with write_empty_chunks=True, an inner chunk all fill value
+    (a layer of zero values) and a chunk all fill value (window_start 0) stored too; every
+    run array, attention rows of every query and of chosen queries included."""
+    from attngeom.store import RunLayout, create_run, open_or_create_root, write_sequence
+    from attngeom.synthetic import synthetic_sequence
+
+    layout = RunLayout(n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, length=16, head_kv=(0, 0, 1, 1),
+                       window=(0, 0, 4), attendable=((True,) * 16,) * 3, values_dtype=values_dtype,
+                       store_rows="all", queries=(3, 15))
+    arrays = synthetic_sequence(np.random.default_rng(2), layout)
+    arrays["values"][1] = 0
+    arrays["window_start"] = np.asarray(0, dtype=np.int64)
+    arrays["attn"] = np.random.default_rng(3).random((3, 4, 16, 16)).astype(np.float16)
+    ours = str(tmp_path / "ours.zarr") if local else f"memory://sequence-{values_dtype}"
+    theirs = zarr.storage.MemoryStore()
+    for url in (ours, theirs):
+        run = create_run(open_or_create_root(url) if isinstance(url, str) else zarr.open_group(url, mode="w"),
+                         "r", layout, {"model": {"id": "m"}}, 2)
+        if url is ours:
+            write_sequence(run, 1, arrays)
+            continue
+        with zarr.config.set({"array.write_empty_chunks": True}):  # read when an array is opened
+            reopened = zarr.open_group(theirs, path="runs/r", mode="r+", use_consolidated=False)
+            for name, value in arrays.items():
+                reopened[name][1] = value
+            reopened["complete"][1] = 1
+    got, want = objects(zarr_store(ours, read_only=True), "runs/r"), objects(theirs, "runs/r")
+    assert sorted(got) == sorted(want)
+    assert {"runs/r/values/c/1/0/0/0/0", "runs/r/window_start/c/1", "runs/r/attn/c/1/0/0/0/0"} <= set(got)
+    assert all(got[key] == want[key] for key in want)
+
+
 def test_a_local_store_lists_the_metadata_a_store_lists(tmp_path):
     """node_metadata reads a local folder itself: the documents the store's own listing
     gives, an unreadable one as None, whatever the folder order."""
@@ -356,4 +392,12 @@ def test_a_failed_local_write_leaves_no_partial_object(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "write_bytes", full)
     with pytest.raises(OSError, match="No space"):
         put_objects(zstore, {"g/x/c.0": b"0123456789"})
+    assert [p.name for p in url.rglob("*") if p.is_file()] == []
+
+    def parts():  # an object written part by part, whose second part cannot be had
+        yield b"01234"
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        put_objects(zstore, {"g/x/c.1": parts()})
     assert [p.name for p in url.rglob("*") if p.is_file()] == []

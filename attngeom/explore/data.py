@@ -27,6 +27,7 @@ from attngeom.store import (
     open_root,
     open_run_group,
     query_attendable,
+    read_chunk,
     reading_run,
     require_run,
     require_runs,
@@ -166,7 +167,7 @@ def read_layer(run: ExploreRun, layer: int) -> LayerData:
     seqs = run.sequences
     with reading_run(run.url, run.group, run.run_id):
         attn = np.stack([run.group["attn_last"][int(s), layer] for s in seqs])
-        values = np.stack([run.group["values"][int(s), layer] for s in seqs])
+        values = np.stack([read_chunk(run.url, run.group["values"], (int(s), layer)) for s in seqs])
         query_rows = (np.stack([run.group["attn_rows"][int(s), layer] for s in seqs])
                       if "attn_rows" in run.group else None)
     curves = votes = query_curves = None

@@ -31,7 +31,10 @@ from tqdm.auto import tqdm
 from attngeom.errors import InputError
 from attngeom.extract.sources import OFFLINE_MODELS, cache_dir, hub_address
 SUPPORTED_TYPES = ("llama", "mistral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3")
-COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# float32-tf32: float32 weights and activations, float32 matmuls in TF32 on a GPU (inside
+# extract's forward only: pipeline._matmul_precision).
+COMPUTE_DTYPES = {"float32": torch.float32, "float32-tf32": torch.float32, "bfloat16": torch.bfloat16,
+                  "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -385,7 +388,7 @@ def model_placement(model: torch.nn.Module, device: str, dtype: str) -> tuple[st
     if dtype != "auto" and resolve_dtype(dtype) != have_dtype:
         raise InputError(
             f"the model computes in {str(have_dtype).removeprefix('torch.')} and attngeom does not cast a "
-            f"model: call model.to(torch.{dtype}) first, or leave dtype='auto'"
+            f"model: call model.to(torch.{str(resolve_dtype(dtype)).removeprefix('torch.')}) first, or leave dtype='auto'"
         )
     return str(have_device), have_dtype
 

@@ -55,7 +55,7 @@ from attngeom.extract.models import (
 )
 from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
-from attngeom.extract.request import ExtractRequest, ExtractResult, Preflight, preflight
+from attngeom.extract.request import ExtractRequest, ExtractResult, Preflight, preflight, values_dtype_refusal
 from attngeom.store import (
     ATTR_KEY,
     RUN_ID_PATTERN,
@@ -78,6 +78,7 @@ from attngeom.store import (
     run_provenance,
 )
 from attngeom.store.runs import IN_FLIGHT
+from attngeom.store.schema import BFLOAT16
 
 # Provenance keys that must agree before a run may be resumed or appended.
 IDENTITY = ("model", "dataset", "context_length", "window_rule", "bos_token_id", "values_dtype", "store_rows",
@@ -100,6 +101,13 @@ class _Model:
     device: str
     dtype: torch.dtype
     load: Callable[[], torch.nn.Module]
+    # float32 matmuls in TF32 inside the forward (dtype float32-tf32).
+    tf32: bool = False
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the run records: the torch dtype's name, float32-tf32 with TF32."""
+        return "float32-tf32" if self.tf32 else str(self.dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -144,17 +152,23 @@ def _bos_token_id(tokenizer: Any, bos_token: str | None, config: Any = None) -> 
     return int(tokenizer.bos_token_id)
 
 
-def _check_existing_run(store: str, run_id: str, identity: dict[str, Any]) -> None:
-    """Refuse to resume a run that holds another model, corpus, L or compute dtype, and a
-    store this attngeom does not write (store untouched)."""
+def _existing_provenance(store: str, run_id: str) -> dict[str, Any] | None:
+    """The provenance of run ``run_id`` whose creation finished; None when there is none.
+    Refuses a store this attngeom does not write (store untouched)."""
     try:
         root = open_root(store, mode="a")
     except StoreNotFoundError:
-        return
+        return None
     if run_id not in run_ids(root):
-        return
+        return None
     prov = run_provenance(root, run_id)
-    if not prov.get("initialized"):
+    return prov if prov.get("initialized") else None
+
+
+def _check_existing_run(prov: dict[str, Any] | None, store: str, run_id: str, identity: dict[str, Any]) -> None:
+    """Refuse to resume a run (provenance ``prov``) that holds another model, corpus, L or
+    compute dtype (store untouched)."""
+    if prov is None:
         return
     diffs = [
         f"{key} {prov.get(key)!r} (asked {identity[key]!r})"
@@ -167,6 +181,18 @@ def _check_existing_run(store: str, run_id: str, identity: dict[str, Any]) -> No
         )
 
 
+def _values_dtype(asked: str, model: _Model, prov: dict[str, Any] | None) -> str:
+    """The values' storage dtype: as asked, or for "auto" the one the run holds, else
+    bfloat16 for a bfloat16 model (2 bytes, exact) and float32 for any other."""
+    if asked == "auto":
+        if prov is not None:
+            return prov.get("values_dtype", "float32")
+        return BFLOAT16 if model.dtype == torch.bfloat16 else "float32"
+    if asked == BFLOAT16 and model.dtype != torch.bfloat16:
+        raise InputError(values_dtype_refusal(model.compute_dtype))
+    return asked
+
+
 def _model(request: ExtractRequest, shard: tuple[int, int] | None) -> _Model:
     """The model of the request: resolved by name (loaded later, onto the asked device) or
     given in memory (used where it is, as it is)."""
@@ -175,7 +201,8 @@ def _model(request: ExtractRequest, shard: tuple[int, int] | None) -> _Model:
         device, dtype = model_placement(model, request.device, request.dtype)
         provenance = memory_provenance(model)
         name = provenance["id"]
-        return _Model(name, supported_config(model.config), request.tokenizer, provenance, device, dtype, lambda: model)
+        return _Model(name, supported_config(model.config), request.tokenizer, provenance, device, dtype, lambda: model,
+                      tf32=request.dtype == "float32-tf32")
     device = resolve_device(request.device)
     if shard is not None and device == "cuda":
         # One GPU per local rank under a launcher; all ranks share one GPU if there is one.
@@ -186,7 +213,7 @@ def _model(request: ExtractRequest, shard: tuple[int, int] | None) -> _Model:
     tokenizer = request.tokenizer if request.tokenizer is not None else load_tokenizer(source)
     return _Model(
         source.name, config, tokenizer, source.provenance(), device, dtype,
-        lambda: load_model(source, device=device, dtype=dtype),
+        lambda: load_model(source, device=device, dtype=dtype), tf32=request.dtype == "float32-tf32",
     )
 
 
@@ -273,7 +300,7 @@ def _rows(rows: np.ndarray, shown: int = 10) -> str:
 
 
 def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequest, length: int,
-            queries: tuple[int, ...]) -> RunLayout:
+            queries: tuple[int, ...], values_dtype: str) -> RunLayout:
     n_layers = config.num_hidden_layers
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
@@ -289,26 +316,43 @@ def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequ
         head_kv=tuple(h // (n_heads // n_kv) for h in range(n_heads)),
         window=tuple(window),
         attendable=tuple(tuple(bool(x) for x in a) for a in attendable),
-        values_dtype=request.values_dtype,
+        values_dtype=values_dtype,
         store_rows=request.store_rows,
         queries=queries,
     )
 
 
 @contextlib.contextmanager
-def _capturing(model: torch.nn.Module, *, keep_rows: bool,
-               queries: tuple[int, ...]) -> Iterator[Callable[[torch.Tensor], dict[int, LayerCapture]]]:
+def _matmul_precision(tf32: bool) -> Iterator[None]:
+    """Within the block, float32 matmuls in TF32 when ``tf32`` (torch's "high" precision: on
+    a GPU with tensor cores; a CPU computes as before), the caller's precision restored after.
+    Every float32 matmul of the forward, the recomputed attention rows included."""
+    if not tf32:
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@contextlib.contextmanager
+def _capturing(model: torch.nn.Module, *, keep_rows: bool, queries: tuple[int, ...],
+               tf32: bool = False) -> Iterator[Callable[[torch.Tensor], dict[int, LayerCapture]]]:
     """Within the block, ``record(ids)`` runs the model's decoder on ids (B, L) in eval mode
     with the capture attention and returns every layer's :class:`LayerCapture` in host memory
-    (copied from a GPU layer by layer while the next layers run). The model's
+    (copied from a GPU layer by layer while the next layers run), float32 matmuls in TF32
+    when ``tf32``. The model's
     own attention implementation (restored by :func:`capturing` after each forward) and its
     train/eval mode are left as they were given, whatever happens."""
     training = model.training
     model.eval()
 
     def record(ids: torch.Tensor) -> dict[int, LayerCapture]:
-        with torch.inference_mode(), capturing(model, keep_rows=keep_rows, queries=queries,
-                                               to_host=True) as recorder:
+        with torch.inference_mode(), _matmul_precision(tf32), capturing(model, keep_rows=keep_rows, queries=queries,
+                                                                        to_host=True) as recorder:
             model.get_decoder()(input_ids=ids, use_cache=False)
         return recorder.host_layers()
 
@@ -330,8 +374,7 @@ def _sequence_arrays(
 
     arrays = {
         "tokens": window.tokens.astype("int32"),
-        "values": torch.stack([captures[l].values[b].float() for l in layers]).cpu().numpy().astype(
-            layout.values_dtype, copy=False),
+        "values": _stored_values(torch.stack([captures[l].values[b] for l in layers]), layout.values_dtype),
         "attn_last": stack("attn_last", "float32"),
         "winner": stack("winner", layout.winner_dtype),
         "sink_attn": stack("sink_attn", "float32"),
@@ -348,6 +391,14 @@ def _sequence_arrays(
     if layout.queries:
         arrays["attn_rows"] = stack("query_rows", "float32")
     return arrays
+
+
+def _stored_values(values: torch.Tensor, values_dtype: str) -> np.ndarray:
+    """Values (layer, kv_head, pos, head_dim) as the store holds them: bfloat16 as its bit
+    patterns (uint16; the model's bfloat16 values, so nothing is lost), else numpy's dtype."""
+    if values_dtype == BFLOAT16:
+        return values.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
+    return values.float().cpu().numpy().astype(values_dtype, copy=False)
 
 
 def extract(request: ExtractRequest, checked: Preflight | None = None) -> ExtractResult:
@@ -372,18 +423,19 @@ def extract(request: ExtractRequest, checked: Preflight | None = None) -> Extrac
     run_id = request.run_id or default_run_id(model.name, inputs.id, inputs.length)
     if not RUN_ID_PATTERN.match(run_id):
         raise InputError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-'")
+    existing = _existing_provenance(request.store, run_id)
     identity = {
         "model": model.provenance,
         "dataset": inputs.provenance,
         "context_length": inputs.length,
         "window_rule": inputs.window_rule,
         "bos_token_id": bos_id,
-        "values_dtype": request.values_dtype,
+        "values_dtype": _values_dtype(request.values_dtype, model, existing),
         "store_rows": request.store_rows,
         "queries": list(queries),
-        "compute_dtype": str(model.dtype).removeprefix("torch."),
+        "compute_dtype": model.compute_dtype,
     }
-    _check_existing_run(request.store, run_id, identity)
+    _check_existing_run(existing, request.store, run_id, identity)
     windows = inputs.windows()
     total = len(windows)
 
@@ -423,6 +475,8 @@ def _run_provenance(request: ExtractRequest, model: _Model, bos_id: int, shard: 
         },
         "model_type": model.config.model_type,
         "device": model.device,
+        # What float32 matmuls of the forward computed in: "high" is TF32 on a GPU.
+        "float32_matmul_precision": "high" if model.tf32 else torch.get_float32_matmul_precision(),
         "attention_implementation": f"{ATTN_IMPLEMENTATION} ({output_description(model.dtype)}; float32 rows recomputed from post-RoPE q/k)",
         "library_versions": _library_versions(),
         "attngeom_version": __version__,
@@ -444,14 +498,14 @@ def _write_sequences(
     start = time.perf_counter()
     writer = None
     try:
-        with (_capturing(net, keep_rows=request.store_rows == "all", queries=queries) as record,
+        with (_capturing(net, keep_rows=request.store_rows == "all", queries=queries, tf32=model.tf32) as record,
               contextlib.ExitStack() as writing):
             for b0 in range(0, len(seqs), request.batch_size):
                 batch = windows[b0 : b0 + request.batch_size]
                 ids = torch.from_numpy(np.stack([w.tokens for w in batch]).astype("int64")).to(model.device)
                 layers = record(ids)
                 if run is None:
-                    shape = _layout(model.config, layers, request, length, queries)
+                    shape = _layout(model.config, layers, request, length, queries, provenance["values_dtype"])
                     run = create_run(root, run_id, shape, provenance, total)
                 if writer is None:  # opened once: the run's recorded layout, also when resuming
                     layout = run_layout(run)

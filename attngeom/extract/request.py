@@ -46,7 +46,7 @@ class ExtractRequest:
     batch_size: int = 1
     store_rows: str = "last"
     queries: str | Sequence[int] = "last"
-    values_dtype: str = "float32"
+    values_dtype: str = "auto"
     window_rule: str = "first"
     seed: int = 0
     bos_token: str | None = None
@@ -103,8 +103,8 @@ def check_arguments(request: ExtractRequest) -> tuple[int, int] | None:
         raise InputError("--context-length must be at least 2 (BOS and one token)")
     if request.num_sequences is not None and request.num_sequences < 1:
         raise InputError("--num-sequences must be at least 1")
-    for name, allowed in (("store_rows", ("last", "all")), ("values_dtype", ("float32", "float16")),
-                          ("dtype", ("auto", "float32", "bfloat16", "float16"))):
+    for name, allowed in (("store_rows", ("last", "all")), ("values_dtype", ("auto", "float32", "float16", "bfloat16")),
+                          ("dtype", ("auto", "float32", "float32-tf32", "bfloat16", "float16"))):
         if getattr(request, name) not in allowed:
             raise InputError(f"{name} {getattr(request, name)!r}: use {' or '.join(allowed)}")
     if request.batch_size < 1:
@@ -119,6 +119,13 @@ def check_arguments(request: ExtractRequest) -> tuple[int, int] | None:
     if shard is not None and not 0 <= shard[0] < shard[1]:
         raise InputError(f"--shard {shard[0]}/{shard[1]}: the index must be in 0..{shard[1] - 1}")
     return shard
+
+
+def values_dtype_refusal(compute_dtype: str) -> str:
+    """Why values_dtype bfloat16 is refused for a model computing in ``compute_dtype``."""
+    compute = "float32" if compute_dtype == "auto" else compute_dtype
+    return (f"--values-dtype bfloat16 stores a bfloat16 model's values exactly; this model computes in {compute}: "
+            "use --dtype bfloat16, or --values-dtype float32 or float16")
 
 
 def preflight(request: ExtractRequest) -> Preflight:
@@ -141,6 +148,8 @@ def preflight(request: ExtractRequest) -> Preflight:
     queries = query_positions(request.queries, length) if length is not None else None
     require_writable(request.store)
     named = isinstance(request.model, str | os.PathLike)
+    if named and request.values_dtype == "bfloat16" and request.dtype != "bfloat16":
+        raise InputError(values_dtype_refusal(request.dtype))
     model_id = None
     if named:
         model = model_name(str(request.model))
@@ -163,7 +172,9 @@ def preflight(request: ExtractRequest) -> Preflight:
             else {"rule": request.window_rule, "seed": request.seed})
     asked = {
         "model": model_id, "dataset": input_id, "context_length": length, "window_rule": rule,
-        "values_dtype": request.values_dtype, "store_rows": request.store_rows,
+        # "auto" keeps what a run holds (pipeline._values_dtype).
+        "values_dtype": None if request.values_dtype == "auto" else request.values_dtype,
+        "store_rows": request.store_rows,
         "queries": None if queries is None else list(queries),
         # "auto" computes in float32 on every device (models.resolve_dtype).
         "compute_dtype": ("float32" if request.dtype == "auto" else request.dtype) if named else None,

@@ -1,16 +1,18 @@
 """How arrays are encoded: Blosc with bitshuffle (zstd; lz4 for the value vectors), then a crc32c
-checksum of each chunk."""
+checksum of each chunk; a shard's inner chunks one after another, then its index."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import crc32c
 import numpy as np
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec, Crc32cCodec
+
+from attngeom.store.schema import BFLOAT16
 
 # zstd with bitshuffle at level 3: benchmarks/extract_store_size.py measured levels 1/3/5/9
 # on gemma3-270m and smollm2-135m (L=1024): 3 is 3-7% larger than 9 but compresses 35-65x
@@ -79,6 +81,59 @@ def chunk_encoder(metadata: Mapping[str, Any]) -> Callable[[np.ndarray], bytes]:
         return compressed + crc32c.crc32c(compressed).to_bytes(4, "little")
 
     return encode
+
+
+def bfloat16_values(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 bit patterns ``bits`` (uint16), exactly."""
+    return (np.asarray(bits).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def decoded(x: np.ndarray, encoding: str | None) -> np.ndarray:
+    """A run array's stored values ``x`` as its values: float32 for the ``bfloat16``
+    encoding (schema ``VALUE_ENCODINGS``), ``x`` itself for none."""
+    if encoding is None:
+        return x
+    if encoding != BFLOAT16:
+        raise ValueError(f"unknown values encoding {encoding!r}")
+    return bfloat16_values(x)
+
+
+def object_chunks(metadata: Mapping[str, Any], values: np.ndarray) -> tuple[Callable[[np.ndarray], bytes], list[np.ndarray], bool]:
+    """How the stored object of one whole chunk of the array of this ``zarr.json`` holds
+    ``values`` (the chunk's full shape, or the shard's for a sharded array): the encoder of
+    its chunks (:func:`chunk_encoder`), those chunks in their stored order, and whether they
+    are a shard's inner chunks, to be followed by :func:`shard_index`. Every chunk is stored,
+    also one all fill value. The bytes are zarr-python's own: a shard is the layout its
+    sharding codec writes (inner chunks in Morton order, index at the end, crc32c over the
+    index), for shards whose inner chunks split one dimension only, where Morton order is
+    their order along it (a run's arrays: an inner chunk per layer)."""
+    codecs = metadata["codecs"]
+    shape = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    if values.shape != shape:
+        raise ValueError(f"a chunk of shape {shape} cannot hold values of shape {values.shape}")
+    if codecs[0]["name"] != "sharding_indexed":
+        return chunk_encoder(metadata), [values], False
+    config = codecs[0]["configuration"]
+    index_codecs = [c["name"] for c in config["index_codecs"]]
+    if config.get("index_location", "end") != "end" or index_codecs != ["bytes", "crc32c"]:
+        raise ValueError(f"no encoder for a shard index {index_codecs} at the {config.get('index_location')}")
+    inner = tuple(config["chunk_shape"])
+    split = [axis for axis, (s, c) in enumerate(zip(shape, inner)) if s != c]
+    if len(split) > 1 or any(s % c for s, c in zip(shape, inner)):
+        raise ValueError(f"no encoder for shards of {shape} in inner chunks of {inner}")
+    axis = split[0] if split else 0
+    chunks = [values[(slice(None),) * axis + (slice(i, i + inner[axis]),)]
+              for i in range(0, shape[axis], inner[axis])]
+    return chunk_encoder({**metadata, "codecs": config["codecs"], "data_type": metadata["data_type"]}), chunks, True
+
+
+def shard_index(sizes: Sequence[int]) -> bytes:
+    """The index that ends a shard whose inner chunks of ``sizes`` bytes are stored one after
+    another from its start: (offset, length) as little-endian uint64 per chunk, then the
+    crc32c of those bytes."""
+    lengths = np.asarray(sizes, dtype="<u8")
+    index = np.stack([np.cumsum(lengths) - lengths, lengths], axis=-1).astype("<u8").tobytes()
+    return index + crc32c.crc32c(index).to_bytes(4, "little")
 
 
 # Blosc's shuffle modes by their names in a zarr.json.

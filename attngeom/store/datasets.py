@@ -3,6 +3,7 @@ integer codes, derived groups encoded in memory and written whole."""
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -14,10 +15,10 @@ import zarr
 
 from attngeom.store._zarr import ArrayV3Metadata
 from attngeom.store.access import quiet_leftovers, writing
-from attngeom.store.codecs import chunk_encoder, compressors
+from attngeom.store.codecs import chunk_encoder, compressors, decoded
 from attngeom.store.damage import DECODE_ERRORS, damaged_chunk, locate_damage, metadata_damage, stored_grid
 from attngeom.store.nodes import gather, group_document, metadata_bytes, put_objects, remove_dir, zarr_store
-from attngeom.store.schema import ATTR_KEY, LABEL_ORDERS, LABELS, label_codes, label_dtype
+from attngeom.store.schema import ATTR_KEY, ENCODING, LABEL_ORDERS, LABELS, label_codes, label_dtype
 
 
 class _CheckedArray:
@@ -89,7 +90,22 @@ def open_dataset(url: str, group: str, *, zstore: Any = None,
         lazy[name] = var.copy(deep=False, data=data)
     ds = ds.assign_coords({n: v for n, v in lazy.items() if n in ds.coords})
     ds = ds.assign({n: v for n, v in lazy.items() if n not in ds.coords})
-    return _decode_labels(ds)
+    return _decode_values(_decode_labels(ds))
+
+
+def _decode_values(ds: xr.Dataset) -> xr.Dataset:
+    """Variables stored in an encoding (bfloat16 bit patterns) as their float32 values."""
+    decoded_vars = {}
+    for name, var in ds.data_vars.items():
+        meta = var.attrs.get(ATTR_KEY)
+        if not isinstance(meta, Mapping) or ENCODING not in meta:
+            continue
+        encoding = meta[ENCODING]
+        decode = functools.partial(decoded, encoding=encoding)
+        data = var.data.map_blocks(decode, dtype=np.float32) if isinstance(var.data, da.Array) else decode(var.values)
+        attrs = {k: v for k, v in var.attrs.items() if k != ATTR_KEY}
+        decoded_vars[name] = xr.Variable(var.dims, data, attrs, encoding=var.encoding)
+    return ds.assign(decoded_vars)
 
 
 def _decode_labels(ds: xr.Dataset) -> xr.Dataset:

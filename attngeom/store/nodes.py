@@ -165,8 +165,12 @@ def node_path(key: str) -> str:
     return key.rpartition("/")[0]
 
 
-def put_objects(zstore: Any, objects: Mapping[str, bytes]) -> None:
-    """Store ``objects`` (key -> bytes) in the zarr Store ``zstore``, all at once."""
+def put_objects(zstore: Any, objects: Mapping[str, bytes | Iterable[bytes]]) -> None:
+    """Store ``objects`` (key -> bytes, or an object's parts in order) in the zarr Store
+    ``zstore``; a local store's are written one after another, each part as it comes (a
+    sequence's values shard is written while its last chunks are compressed), any other
+    store's all at once. The first error is raised once every write has ended, so that
+    nothing is written after a failed caller has cleaned up."""
     if isinstance(zstore, zarr.storage.LocalStore):
         # Written here: through the store, each object takes a hop to zarr's thread and one
         # to a file thread (an analysis writes some 350).
@@ -175,7 +179,15 @@ def put_objects(zstore: Any, objects: Mapping[str, bytes]) -> None:
             _put_local(root / key, value, folders)
         return
     prototype = default_buffer_prototype()
-    gather(zstore.set(key, prototype.buffer.from_bytes(value)) for key, value in objects.items())
+
+    async def run() -> None:
+        sets = (zstore.set(key, prototype.buffer.from_bytes(value if isinstance(value, bytes) else b"".join(value)))
+                for key, value in objects.items())
+        for outcome in await asyncio.gather(*sets, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    sync(run())
 
 
 def gather(coroutines: Iterable[Any]) -> None:
@@ -187,16 +199,20 @@ def gather(coroutines: Iterable[Any]) -> None:
     sync(run())
 
 
-def _put_local(path: Path, value: bytes, folders: set[Path]) -> None:
-    """Write a local store's object as zarr-python does: into ``<name>.<uuid>.partial``,
-    then renamed, so that a killed write leaves no truncated object (and a failed one, no
-    partial object). ``folders``: those made already."""
+def _put_local(path: Path, value: bytes | Iterable[bytes], folders: set[Path]) -> None:
+    """Write a local store's object (its bytes, or its parts in order) as zarr-python does:
+    into ``<name>.<uuid>.partial``, then renamed, so that a killed write leaves no truncated
+    object (and a failed one, no partial object). ``folders``: those made already."""
     if path.parent not in folders:
         path.parent.mkdir(parents=True, exist_ok=True)
         folders.add(path.parent)
     partial = path.with_name(f"{path.name}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}")
     try:
-        partial.write_bytes(value)
+        if isinstance(value, bytes):
+            partial.write_bytes(value)
+        else:
+            with partial.open("wb") as file:
+                file.writelines(value)
         os.replace(partial, path)
     except BaseException:  # a full disk: no partial object left behind
         partial.unlink(missing_ok=True)

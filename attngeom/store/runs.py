@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
@@ -17,17 +18,19 @@ from attngeom.errors import RunNotFoundError
 from attngeom.peek import RUN_ID_PATTERN
 from attngeom.store._zarr import sync
 from attngeom.store.access import quiet_leftovers
-from attngeom.store.codecs import VALUES_CODEC, compressors
+from attngeom.store.codecs import VALUES_CODEC, compressors, object_chunks, shard_index
 from attngeom.store.damage import DECODE_ERRORS, metadata_damage
-from attngeom.store.nodes import jsonable, node_exists, store_url
+from attngeom.store.nodes import jsonable, node_exists, put_objects, store_url
 from attngeom.store.schema import (
     ATTR_KEY,
+    ENCODING,
     FIELD_SUMMARIES,
     RECENT_WINDOWS,
     RUN_VARIABLES,
     RUNS,
     SEQUENCE_ARRAYS,
     SUMMARY_DIMS,
+    VALUE_ENCODINGS,
     RunLayout,
     run_path,
 )
@@ -95,6 +98,8 @@ def _array_options(name: str, layout: RunLayout, n_seq: int) -> dict[str, Any]:
     attrs: dict[str, Any] = {"description": var.doc} if var.doc else {}
     if "head" in var.dims and name not in ("head", "head_kv"):
         attrs["coordinates"] = "head_kv"
+    if name == "values" and layout.values_dtype in VALUE_ENCODINGS:
+        attrs[ATTR_KEY] = {ENCODING: layout.values_dtype}
     if var.per_sequence and len(shape) > 1:
         whole = (1, *shape[1:])
         # analyze reads attn_last, values and attn one (sequence, layer) block at a time: a shard
@@ -233,7 +238,7 @@ class SequenceWriter:
 
     The run's arrays are opened once. ``submit(seq, arrays)`` hands over a sequence: one
     background thread calls ``arrays()`` (the conversion, e.g. tensors to numpy), writes every
-    array at once (zarr compresses the chunks on its thread pool) and then sets the
+    array at once (their chunks compressed on a thread per core) and then sets the
     sequence's ``complete`` flag, in the order submitted. At most ``in_flight`` sequences
     are between submit and commit (``submit`` waits for room), so memory holds at most that
     many sequences' arrays (and what their ``arrays`` callables keep alive) beside the caller's.
@@ -246,21 +251,32 @@ class SequenceWriter:
     """
 
     def __init__(self, run: zarr.Group, *, in_flight: int = IN_FLIGHT) -> None:
-        # Store every chunk, also one equal to the fill value (a window at offset 0): validate
-        # tells a written sequence from an unwritten one by its chunk objects. Encoding a shard's
-        # inner chunks (one per layer) as one batch ran 0.9-1.5x as fast (median 1.3x) as one at
-        # a time, on smollm2-135m and gemma3-270m shapes. Both are read when an array is opened.
-        config = {"array.write_empty_chunks": True, "codec_pipeline.batch_size": max(1, run["layer"].shape[0])}
-        with zarr.config.set(config):
-            self._arrays = sync(_sequence_members(run))
+        self._arrays = sync(_sequence_members(run))
+        self._store = run.store
         self._in_flight = in_flight
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attngeom-writer")
+        # Chunks are compressed here on every core, not by zarr: Blosc releases the GIL, and
+        # zarr's writes (one coroutine and thread hop per chunk, the shard assembled in
+        # copies; zarr >= 3.2's fused pipeline compresses a shard's chunks on one thread)
+        # took 1.3-2.3x as long on a Llama-2-7B sequence (benchmarks/extract_writer.py).
+        self._encoders = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="attngeom-encode")
         self._pending: deque[Future[None]] = deque()
         self._stopped = False
 
     def write(self, seq: int, arrays: Mapping[str, np.ndarray]) -> None:
-        """Write sequence ``seq`` and commit it, in the calling thread."""
-        sync(_write_sequence(self._arrays, seq, arrays))
+        """Write sequence ``seq`` and commit it, in the calling thread: every chunk of every
+        array stored (also one all fill value: validate tells a written sequence from an
+        unwritten one by its chunk objects), then the ``complete`` flag."""
+        objects = {}
+        # The largest first: its object is written while the others are still compressed.
+        for name in sorted((n for n in SEQUENCE_ARRAYS if n in self._arrays), key=lambda n: -np.asarray(arrays[n]).nbytes):
+            arr = self._arrays[name]
+            values = np.asarray(arrays[name])[None]
+            encode, chunks, sharded = object_chunks(arr.metadata.to_dict(), values)
+            key = f"{arr.path}/{arr.metadata.encode_chunk_key((seq,) + (0,) * (values.ndim - 1))}"
+            objects[key] = _stored_parts([self._encoders.submit(encode, chunk) for chunk in chunks], sharded)
+        put_objects(self._store, objects)
+        sync(self._arrays["complete"].setitem(seq, 1))
 
     def submit(self, seq: int, arrays: Callable[[], Mapping[str, np.ndarray]]) -> None:
         """Queue sequence ``seq``, whose arrays ``arrays()`` returns, for the background thread;
@@ -293,6 +309,7 @@ class SequenceWriter:
         self._stopped = True
         self._pending.clear()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._encoders.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> SequenceWriter:
         return self
@@ -307,19 +324,26 @@ class SequenceWriter:
 def write_sequence(run: zarr.Group, seq: int, arrays: Mapping[str, np.ndarray]) -> None:
     """Write one sequence's shards, every array of the run at once, then its ``complete``
     flag (the commit)."""
-    SequenceWriter(run).write(seq, arrays)
+    with SequenceWriter(run, in_flight=0) as writer:
+        writer.write(seq, arrays)
+
+
+def _stored_parts(chunks: list[Future[bytes]], sharded: bool) -> Iterator[bytes]:
+    """An object's bytes in order, each part as its encoding ends: its encoded ``chunks``,
+    then, for a shard, its index. Should one fail, the encodings not begun are cancelled."""
+    try:
+        for chunk in chunks:
+            yield chunk.result()
+    finally:
+        for chunk in chunks:
+            chunk.cancel()
+    if sharded:
+        yield shard_index([len(chunk.result()) for chunk in chunks])
 
 
 async def _sequence_members(run: zarr.Group) -> dict[str, zarr.AsyncArray]:
     group = await _opened(run)
     return {name: member async for name, member in group.members() if name in (*SEQUENCE_ARRAYS, "complete")}
-
-
-async def _write_sequence(members: Mapping[str, zarr.AsyncArray], seq: int, arrays: Mapping[str, np.ndarray]) -> None:
-    # All arrays at once: one array after another took 1.2-1.6x as long (smollm2-135m, L=512
-    # and 1024, fresh sequences on a local disk).
-    await _every(members[name].setitem(seq, arrays[name]) for name in SEQUENCE_ARRAYS if name in members)
-    await members["complete"].setitem(seq, 1)
 
 
 async def _opened(run: zarr.Group) -> zarr.AsyncGroup:

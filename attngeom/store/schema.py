@@ -33,8 +33,12 @@ Two numbers in the root's attributes say what a store is:
   where format 3 numbered them in order of first appearance; format 5 adds the per-query
   summaries ``prev_attn`` and ``recent_attn`` (docs/method.md#the-fields-head-scores), which
   a run migrated from an earlier format lacks: its layout's ``lacking`` names them, for they
-  cannot be computed without the model. ``attngeom.store.open_dataset``
-  gives the labels back as strings; a plain ``xr.open_zarr`` gives the codes. Every format
+  cannot be computed without the model. Format 5 may also store the value vectors of a
+  bfloat16 model at 2 bytes losing nothing: their bfloat16 bit patterns as ``uint16``, a
+  core type every implementation reads (zarr-python reads no bfloat16), the array's attngeom
+  attributes naming the encoding (``{"encoding": "bfloat16"}``); attngeom's readers give
+  float32 (``VALUE_ENCODINGS``). ``attngeom.store.open_dataset`` gives the labels back as
+  strings; a plain ``xr.open_zarr`` gives the codes. Every format
   of schema 1 is read; only the current format is written, and ``attngeom migrate``
   (:mod:`attngeom.store.migrate`) brings an older store to it.
 """
@@ -52,6 +56,13 @@ ATTR_KEY = "attngeom"
 
 # The key, in a label variable's attngeom attributes, of its labels (code i is labels[i]).
 LABELS = "labels"
+
+# The key, in a run array's attngeom attributes, of the encoding of its values, and the
+# encodings: name -> stored dtype. "bfloat16": a bfloat16 value's bit pattern as uint16, whose
+# float32 is the pattern in the upper half of a float32's bits, (u16.astype(uint32) << 16).view(float32).
+ENCODING = "encoding"
+BFLOAT16 = "bfloat16"
+VALUE_ENCODINGS = {BFLOAT16: "uint16"}
 
 # Group paths.
 RUNS = "runs"
@@ -164,7 +175,7 @@ RUN_VARIABLES: dict[str, Variable] = {
     "tokens": Variable(("seq", "pos"), ("int32",), doc="token ids, BOS at pos 0"),
     "values": Variable(
         ("seq", "layer", "kv_head", "pos", "head_dim"),
-        ("float16", "float32"),
+        ("float16", "float32", "uint16"),
         doc="value vectors v_j of every kv head",
     ),
     "attn_last": Variable(
@@ -234,6 +245,7 @@ class RunLayout:
     head_kv: tuple[int, ...]
     window: tuple[int, ...]
     attendable: tuple[tuple[bool, ...], ...] = field(repr=False)
+    # float32, float16, or bfloat16 (stored as VALUE_ENCODINGS names).
     values_dtype: str = "float32"
     store_rows: str = "last"
     # Positions of the queries whose rows attn_rows keeps, ascending; () keeps none.
@@ -263,7 +275,7 @@ class RunLayout:
 
     def dtype(self, name: str) -> str:
         if name == "values":
-            return self.values_dtype
+            return VALUE_ENCODINGS.get(self.values_dtype, self.values_dtype)
         if name == "winner":
             return self.winner_dtype
         return RUN_VARIABLES[name].dtypes[0]
