@@ -340,7 +340,7 @@ class DerivedWrite:
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self._step = "closed"
         if kind is None:  # last, also when nothing was written: a killed writer may have left it stale
-            consolidate(self.session.root)
+            consolidate(self.session.root, own=self.base)
 
     def _advance(self, expected: str, to: str) -> None:
         if self._step != expected:
@@ -430,14 +430,21 @@ class DerivedWrite:
 
     def finish(self, datasets: Mapping[str, xr.Dataset]) -> None:
         """Write the groups across sequences (name -> Dataset, computed from every target
-        sequence), move what was staged into place and commit: the update's last write."""
+        sequence) and commit: the update's last write. A staged update writes them into
+        staging too and moves every staged group into place; any other writes them in
+        place, the commit it kept withdrawn first (as a promotion withdraws it): on an
+        object store, where a move is a copy of every object, that halves their writes."""
         self._advance("writing", "done")
         update = self._update
         if update.pending.sequences != update.done.sequences:
             raise RuntimeError(f"{len(update.pending.sequences)} of {len(update.done.sequences)} sequences written")
-        self._write(datasets)
-        staged = update.done.sequence_groups if self.plan.staged else ()
-        self._promote([*staged, *datasets], update.pending)
+        if self.plan.staged:
+            self._write(datasets)
+            self._promote([*update.done.sequence_groups, *datasets], update.pending)
+        else:
+            if self.state.commit is not None:
+                self._set_pending(update.pending, keep_commit=False)
+            self._write(datasets, staged=False)
         self._commit(update.done)
 
     def replace(self, groups: Mapping[str, xr.Dataset], parameters: Mapping[str, Any]) -> None:

@@ -13,6 +13,7 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 
 from attngeom.store._zarr import sync
+from attngeom.store.cache import note_sizes
 from attngeom.store.damage import DECODE_ERRORS, stored_grid
 from attngeom.store.nodes import local_files
 
@@ -33,10 +34,13 @@ def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
     if isinstance(zstore, zarr.storage.FsspecStore):
         root = zstore.path.rstrip("/")
 
-        async def find() -> dict[str, Any]:
-            return await zstore.fs._find(f"{root}/{prefix}", detail=True)
+        async def find() -> dict[str, int]:
+            found = await zstore.fs._find(f"{root}/{prefix}", detail=True)
+            sizes = {key[len(root) + 1 :]: int(info["size"]) for key, info in found.items()}
+            note_sizes(zstore, sizes)
+            return sizes
 
-        return {key[len(root) + 1 :]: int(info["size"]) for key, info in sync(find()).items()}
+        return sync(find())
 
     async def collect() -> dict[str, int]:
         return {key: await zstore.getsize(key) async for key in zstore.list_prefix(prefix)}
