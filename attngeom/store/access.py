@@ -296,11 +296,12 @@ def consolidate(root: zarr.Group, *, own: str | None = None) -> None:
 _EMPTY_CONSOLIDATED = {"kind": "inline", "must_understand": False, "metadata": {}}
 
 
-def stale_consolidated(zstore: Any) -> list[str]:
+def stale_consolidated(zstore: Any, nodes: Mapping[str, Any] | None = None) -> list[str]:
     """Paths of the nodes whose copy in the root's consolidated metadata (what
     ``xr.open_zarr`` reads by default) is not their own metadata, or that it lacks or holds
-    in excess; empty when there is no consolidated copy or it is current."""
-    nodes = node_metadata(zstore)
+    in excess; empty when there is no consolidated copy or it is current. ``nodes``: every
+    node's metadata (:func:`node_metadata` of ``zstore``) when the caller read it."""
+    nodes = node_metadata(zstore) if nodes is None else nodes
     root = nodes.get("zarr.json") or {}
     copy = (root.get("consolidated_metadata") or {}).get("metadata")
     if not isinstance(copy, dict):

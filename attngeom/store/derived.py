@@ -47,10 +47,13 @@ from attngeom.store.datasets import open_dataset, set_regions, write_datasets, w
 from attngeom.store.nodes import (
     PARTIAL_SUFFIX,
     delete_objects,
+    group_document,
     jsonable,
+    metadata_bytes,
     move_group,
     node_exists,
     node_metadata,
+    put_objects,
     read_metadata,
     remove_dir,
     zarr_store,
@@ -504,15 +507,14 @@ class DerivedWrite:
             record["commit"] = jsonable(done.__dict__)
         if pending is not None:
             record["pending"] = jsonable(pending.__dict__)
-        if self._record is None:
-            try:
+        if not self.state.exists:
+            # The group's metadata, written at once: zarr would first look for a node there,
+            # a request on an object store for what the record already told.
+            put_objects(self.zstore, {f"{self.base}/zarr.json": metadata_bytes(group_document({ATTR_KEY: record}))})
+        else:
+            if self._record is None:
                 self._record = zarr.open_group(self.zstore, path=self.base, mode="r+", use_consolidated=False)
-            except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
-                run = zarr.open_group(self.zstore, path=run_path(self.run_id), mode="r+", use_consolidated=False)
-                self._record = run.create_group(self.kind, attributes={ATTR_KEY: record})
-                self.state = replace(self.state, exists=True, legacy=False, commit=done, pending=pending)
-                return
-        self._record.attrs[ATTR_KEY] = record
+            self._record.attrs[ATTR_KEY] = record
         self.state = replace(self.state, exists=True, legacy=False, commit=done, pending=pending)
 
     def _set_pending(self, pending: Pending, *, keep_commit: bool) -> None:

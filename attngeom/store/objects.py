@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Mapping
 from typing import Any
 
 import crc32c
@@ -62,13 +63,16 @@ def chunk_key(arr: zarr.Array, index: tuple[int, ...]) -> str:
     return f"{arr.path}/{arr.metadata.chunk_key_encoding.encode_chunk_key(index)}"
 
 
-def chunk_objects(arr: zarr.Array) -> dict[tuple[int, ...], int]:
+def chunk_objects(arr: zarr.Array, listed: Mapping[str, int] | None = None) -> dict[tuple[int, ...], int]:
     """Grid index (of shards, or chunks if unsharded) -> size in bytes of every stored
-    object of ``arr``."""
+    object of ``arr``: listed here, or found in ``listed`` (:func:`object_sizes` of a
+    prefix holding the array)."""
     separator = arr.metadata.chunk_key_encoding.separator  # "c/0/0" or "c.0.0"
     prefix = f"{arr.path}/"
+    sizes = object_sizes(arr.store, prefix) if listed is None else {
+        key: size for key, size in listed.items() if key.startswith(prefix)}
     out = {}
-    for key, size in object_sizes(arr.store, prefix).items():
+    for key, size in sizes.items():
         parts = key[len(prefix):].split(separator)
         if parts[0] == "c" and len(parts) == arr.ndim + 1 and all(p.isdigit() for p in parts[1:]):
             out[tuple(int(p) for p in parts[1:])] = size
