@@ -1,18 +1,21 @@
 #!/usr/bin/env python
 """Requests and seconds per command on an S3 server against a local disk (run by hand).
 
-    python benchmarks/s3_requests.py                          # smollm2-135m, wiki-summaries, L = 64, 8 sequences
-    python benchmarks/s3_requests.py --model gemma3-270m --length 128 --num-sequences 16
+    python benchmarks/s3_requests.py                          # smollm2-135m, wiki-summaries, L = 64, 8 sequences, 3 reps
+    python benchmarks/s3_requests.py --model gemma3-270m --length 128 --num-sequences 16 --reps 5
 
 The same commands, in order, on a local store and on a bucket of moto's S3 server on
 loopback (``moto[server]``, started here in a process of its own, as a real server is):
-``extract``, ``analyze``, ``validate --deep``,
-``report``, each through the Python API in this process, after one untimed warm-up extract
-and analyze on a scratch local store (model loading, the kernels' compile). Every S3 request
-is counted where the client makes it (aiobotocore's ``_make_api_call``, which s3fs's calls,
-listings included, go through), by operation and by what it names: ``zarr.json`` (metadata),
-``leases/`` (a writer's lease), anything else (chunks and shards). The table gives each
-command's seconds on either side, their ratio, and the S3 requests.
+``extract``, ``analyze``, ``validate --deep``, ``report``, each through the Python API in
+this process, after one untimed warm-up extract and analyze on a scratch local store (model
+loading, the kernels' compile). Each repetition writes fresh stores; within it each command
+runs on both sides one right after the other, in an order that alternates between
+repetitions, so that both see the machine alike. Every S3 request is counted where the
+client makes it (aiobotocore's ``_make_api_call``, which s3fs's calls, listings included, go
+through), by operation and by what it names: ``zarr.json`` (metadata), ``leases/`` (a
+writer's lease), anything else (chunks and shards). The table gives each command's median
+seconds on either side, the median and range of the per-repetition ratios, and the S3
+requests of the last repetition.
 
 Loopback S3 has no network latency: each request costs what the server and the client spend
 on it, so the counts, not the seconds, say what a distant bucket would add.
@@ -26,6 +29,7 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,6 +97,9 @@ def main() -> None:
     p.add_argument("--dataset", default="wiki-summaries")
     p.add_argument("--length", type=int, default=64)
     p.add_argument("--num-sequences", type=int, default=8)
+    p.add_argument("--reps", type=int, default=3, help="repetitions, each on fresh stores (default 3)")
+    p.add_argument("--scheduler", default="threads", help="analyze's scheduler (default threads; "
+                   "'default' for attngeom's own default, worker processes)")
     p.add_argument("--json", default=None, metavar="PATH", help="write all figures as JSON")
     args = p.parse_args()
 
@@ -115,13 +122,14 @@ def main() -> None:
     from attngeom import api
 
     work = tempfile.mkdtemp(prefix="attngeom-s3-")
+    scheduler = None if args.scheduler == "default" else args.scheduler
 
     def commands(url: str, out: str) -> dict[str, Callable[[], Any]]:
         return {
             "extract": lambda: api.extract(args.model, dataset=args.dataset, context_length=args.length,
                                            num_sequences=args.num_sequences, store=url, run_id="r", device="cpu",
                                            progress=False),
-            "analyze": lambda: api.analyze(url, scheduler="threads", progress=False),
+            "analyze": lambda: api.analyze(url, scheduler=scheduler, progress=False),
             "validate --deep": lambda: api.validate(url, deep=True),
             "report": lambda: api.report(url, out),
         }
@@ -130,31 +138,44 @@ def main() -> None:
     warm["extract"]()
     warm["analyze"]()
 
-    rows = []
-    local = commands(f"{work}/local.zarr", f"{work}/local-report")
-    remote = commands("s3://bench/store.zarr", f"{work}/s3-report")
-    for name in local:
-        seconds_local = timed(local[name])
-        with counted() as counts:
-            seconds_s3 = timed(remote[name])
-        rows.append({"command": name, "local_s": seconds_local, "s3_s": seconds_s3,
-                     "requests": summary(counts), "by_operation": {f"{o} {w}": n for (o, w), n in sorted(counts.items())}})
+    reps: list[dict[str, dict[str, Any]]] = []
+    for rep in range(args.reps):
+        sides = {"local": commands(f"{work}/local{rep}.zarr", f"{work}/local{rep}-report"),
+                 "s3": commands(f"s3://bench/store{rep}.zarr", f"{work}/s3-{rep}-report")}
+        figures: dict[str, dict[str, Any]] = {}
+        for name in sides["local"]:
+            row = figures[name] = {}
+            for side in (("local", "s3") if rep % 2 == 0 else ("s3", "local")):
+                if side == "s3":
+                    with counted() as counts:
+                        row["s3_s"] = timed(sides["s3"][name])
+                    row["requests"] = summary(counts)
+                    row["by_operation"] = {f"{o} {w}": n for (o, w), n in sorted(counts.items())}
+                else:
+                    row["local_s"] = timed(sides["local"][name])
+        reps.append(figures)
     server.terminate()
     server.wait()
 
-    kinds = sorted({k for row in rows for k in row["requests"] if k != "total"})
-    print(f"model {args.model}, {args.dataset}, L = {args.length}, {args.num_sequences} sequences; S3: moto on loopback")
-    header = ["command", "local s", "S3 s", "S3/local", "requests", *kinds]
+    names = list(reps[0])
+    last = reps[-1]
+    kinds = sorted({k for row in last.values() for k in row["requests"] if k != "total"})
+    print(f"model {args.model}, {args.dataset}, L = {args.length}, {args.num_sequences} sequences, "
+          f"analyze scheduler {args.scheduler}, {args.reps} repetitions; S3: moto on loopback")
+    header = ["command", "local s", "S3 s", "S3/local", "(range)", "requests", *kinds]
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
-    for row in rows:
-        req = row["requests"]
-        print(" | ".join([row["command"], f"{row['local_s']:.1f}", f"{row['s3_s']:.1f}",
-                          f"{row['s3_s'] / row['local_s']:.1f}x", str(req["total"]),
-                          *(str(req.get(k, 0)) for k in kinds)]))
+    for name in names:
+        local = [rep[name]["local_s"] for rep in reps]
+        remote = [rep[name]["s3_s"] for rep in reps]
+        ratios = [r / loc for r, loc in zip(remote, local)]
+        req = last[name]["requests"]
+        print(" | ".join([name, f"{statistics.median(local):.2f}", f"{statistics.median(remote):.2f}",
+                          f"{statistics.median(ratios):.1f}x", f"{min(ratios):.1f}-{max(ratios):.1f}",
+                          str(req["total"]), *(str(req.get(k, 0)) for k in kinds)]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+            json.dump({"args": vars(args), "reps": reps}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -257,7 +257,7 @@ def writing(url: str) -> Iterator[None]:
         raise
 
 
-def consolidate(root: zarr.Group) -> None:
+def consolidate(root: zarr.Group, *, own: str | None = None) -> None:
     """Refresh the root's consolidated metadata, so that ``xr.open_zarr(url, group=...)``
     opens quickly and quietly. attngeom itself never reads it (it goes stale while a later
     stage writes); every writer refreshes it last, and ``validate`` names a stale one.
@@ -266,9 +266,11 @@ def consolidate(root: zarr.Group) -> None:
     The copy is what ``zarr.consolidate_metadata`` writes: every node reached from the root
     through groups, each with its stored metadata (a group's with an empty consolidated
     copy of its own), read in one listing rather than by zarr's walk, which builds every
-    node's object and serializes it again, a cost growing with the store."""
+    node's object and serializes it again, a cost growing with the store. Every node is
+    read as stored now, also what a peer writer changed, but those of ``own``, a group that
+    only this command writes, read through its store (:func:`node_metadata`)."""
     zstore = root.store
-    nodes = node_metadata(uncached(zstore))  # as stored now, also what a peer writer changed
+    nodes = node_metadata(zstore if own is not None else uncached(zstore), own=own)
     bad = [key for key, meta in nodes.items() if meta is None]
     if bad:
         url = store_url(zstore)
@@ -294,11 +296,12 @@ def consolidate(root: zarr.Group) -> None:
 _EMPTY_CONSOLIDATED = {"kind": "inline", "must_understand": False, "metadata": {}}
 
 
-def stale_consolidated(zstore: Any) -> list[str]:
+def stale_consolidated(zstore: Any, nodes: Mapping[str, Any] | None = None) -> list[str]:
     """Paths of the nodes whose copy in the root's consolidated metadata (what
     ``xr.open_zarr`` reads by default) is not their own metadata, or that it lacks or holds
-    in excess; empty when there is no consolidated copy or it is current."""
-    nodes = node_metadata(zstore)
+    in excess; empty when there is no consolidated copy or it is current. ``nodes``: every
+    node's metadata (:func:`node_metadata` of ``zstore``) when the caller read it."""
+    nodes = node_metadata(zstore) if nodes is None else nodes
     root = nodes.get("zarr.json") or {}
     copy = (root.get("consolidated_metadata") or {}).get("metadata")
     if not isinstance(copy, dict):

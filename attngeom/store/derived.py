@@ -47,10 +47,13 @@ from attngeom.store.datasets import open_dataset, set_regions, write_datasets, w
 from attngeom.store.nodes import (
     PARTIAL_SUFFIX,
     delete_objects,
+    group_document,
     jsonable,
+    metadata_bytes,
     move_group,
     node_exists,
     node_metadata,
+    put_objects,
     read_metadata,
     remove_dir,
     zarr_store,
@@ -339,7 +342,7 @@ class DerivedWrite:
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self._step = "closed"
         if kind is None:  # last, also when nothing was written: a killed writer may have left it stale
-            consolidate(self.session.root)
+            consolidate(self.session.root, own=self.base)
 
     def _advance(self, expected: str, to: str) -> None:
         if self._step != expected:
@@ -429,14 +432,21 @@ class DerivedWrite:
 
     def finish(self, datasets: Mapping[str, xr.Dataset]) -> None:
         """Write the groups across sequences (name -> Dataset, computed from every target
-        sequence), move what was staged into place and commit: the update's last write."""
+        sequence) and commit: the update's last write. A staged update writes them into
+        staging too and moves every staged group into place; any other writes them in
+        place, the commit it kept withdrawn first (as a promotion withdraws it): on an
+        object store, where a move is a copy of every object, that halves their writes."""
         self._advance("writing", "done")
         update = self._update
         if update.pending.sequences != update.done.sequences:
             raise RuntimeError(f"{len(update.pending.sequences)} of {len(update.done.sequences)} sequences written")
-        self._write(datasets)
-        staged = update.done.sequence_groups if self.plan.staged else ()
-        self._promote([*staged, *datasets], update.pending)
+        if self.plan.staged:
+            self._write(datasets)
+            self._promote([*update.done.sequence_groups, *datasets], update.pending)
+        else:
+            if self.state.commit is not None:
+                self._set_pending(update.pending, keep_commit=False)
+            self._write(datasets, staged=False)
         self._commit(update.done)
 
     def replace(self, groups: Mapping[str, xr.Dataset], parameters: Mapping[str, Any]) -> None:
@@ -496,15 +506,14 @@ class DerivedWrite:
             record["commit"] = jsonable(done.__dict__)
         if pending is not None:
             record["pending"] = jsonable(pending.__dict__)
-        if self._record is None:
-            try:
+        if not self.state.exists:
+            # The group's metadata, written at once: zarr would first look for a node there,
+            # a request on an object store for what the record already told.
+            put_objects(self.zstore, {f"{self.base}/zarr.json": metadata_bytes(group_document({ATTR_KEY: record}))})
+        else:
+            if self._record is None:
                 self._record = zarr.open_group(self.zstore, path=self.base, mode="r+", use_consolidated=False)
-            except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
-                run = zarr.open_group(self.zstore, path=run_path(self.run_id), mode="r+", use_consolidated=False)
-                self._record = run.create_group(self.kind, attributes={ATTR_KEY: record})
-                self.state = replace(self.state, exists=True, legacy=False, commit=done, pending=pending)
-                return
-        self._record.attrs[ATTR_KEY] = record
+            self._record.attrs[ATTR_KEY] = record
         self.state = replace(self.state, exists=True, legacy=False, commit=done, pending=pending)
 
     def _set_pending(self, pending: Pending, *, keep_commit: bool) -> None:

@@ -24,6 +24,7 @@ from zarr.buffer import default_buffer_prototype
 from attngeom.errors import InputError
 from attngeom.peek import local_path
 from attngeom.store._zarr import sync
+from attngeom.store.cache import uncached
 
 # zarr-python's LocalStore writes each object as ``<name>.<uuid>.partial`` and renames it; a
 # write killed in between leaves that object behind.
@@ -83,9 +84,12 @@ def store_url(zstore: Any) -> str:
     return zstore.fs.unstrip_protocol(zstore.path)
 
 
-def node_metadata(zstore: Any, group: str = "") -> dict[str, dict[str, Any] | None]:
+def node_metadata(zstore: Any, group: str = "", *, own: str | None = None) -> dict[str, dict[str, Any] | None]:
     """Key -> parsed ``zarr.json`` of every node at and under ``group`` (None where it is
-    no Zarr v3 node's metadata: empty, truncated or overwritten), sorted by key."""
+    no Zarr v3 node's metadata: empty, truncated or overwritten), sorted by key. With
+    ``own``, the path of a group only this command writes (a derived group of a run it
+    holds locked), everything is listed and read afresh but that group's nodes, read
+    through ``zstore``, which keeps what the command wrote (:mod:`~attngeom.store.cache`)."""
     if isinstance(zstore, zarr.storage.LocalStore):
         # Read here: through the store, each object takes a hop to zarr's thread and one to a
         # file thread, and an analysis has many small ones.
@@ -93,11 +97,15 @@ def node_metadata(zstore: Any, group: str = "") -> dict[str, dict[str, Any] | No
         return {key: _parsed(_read_bytes(entry.path)) for key, entry in sorted(found, key=lambda x: x[0])
                 if entry.name == "zarr.json"}
     prefix = f"{group}/" if group else ""
+    fresh = uncached(zstore) if own is not None else zstore
+
+    def reader(key: str) -> Any:
+        return zstore if own is not None and key.startswith(f"{own}/") else fresh
 
     async def read() -> dict[str, Any]:
         # One listing, then every object at once: one at a time waits on each in turn.
-        keys = sorted([k async for k in zstore.list_prefix(prefix) if k.rsplit("/", 1)[-1] == "zarr.json"])
-        raws = await asyncio.gather(*(zstore.get(k, prototype=default_buffer_prototype()) for k in keys))
+        keys = sorted([k async for k in fresh.list_prefix(prefix) if k.rsplit("/", 1)[-1] == "zarr.json"])
+        raws = await asyncio.gather(*(reader(k).get(k, prototype=default_buffer_prototype()) for k in keys))
         return dict(zip(keys, raws))
 
     return {key: _parsed(raw.to_bytes() if raw is not None else None) for key, raw in sync(read()).items()}

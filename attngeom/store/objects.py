@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Mapping
 from typing import Any
 
 import crc32c
@@ -13,6 +14,7 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 
 from attngeom.store._zarr import sync
+from attngeom.store.cache import note_sizes
 from attngeom.store.damage import DECODE_ERRORS, stored_grid
 from attngeom.store.nodes import local_files
 
@@ -33,10 +35,13 @@ def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
     if isinstance(zstore, zarr.storage.FsspecStore):
         root = zstore.path.rstrip("/")
 
-        async def find() -> dict[str, Any]:
-            return await zstore.fs._find(f"{root}/{prefix}", detail=True)
+        async def find() -> dict[str, int]:
+            found = await zstore.fs._find(f"{root}/{prefix}", detail=True)
+            sizes = {key[len(root) + 1 :]: int(info["size"]) for key, info in found.items()}
+            note_sizes(zstore, sizes)
+            return sizes
 
-        return {key[len(root) + 1 :]: int(info["size"]) for key, info in sync(find()).items()}
+        return sync(find())
 
     async def collect() -> dict[str, int]:
         return {key: await zstore.getsize(key) async for key in zstore.list_prefix(prefix)}
@@ -58,13 +63,16 @@ def chunk_key(arr: zarr.Array, index: tuple[int, ...]) -> str:
     return f"{arr.path}/{arr.metadata.chunk_key_encoding.encode_chunk_key(index)}"
 
 
-def chunk_objects(arr: zarr.Array) -> dict[tuple[int, ...], int]:
+def chunk_objects(arr: zarr.Array, listed: Mapping[str, int] | None = None) -> dict[tuple[int, ...], int]:
     """Grid index (of shards, or chunks if unsharded) -> size in bytes of every stored
-    object of ``arr``."""
+    object of ``arr``: listed here, or found in ``listed`` (:func:`object_sizes` of a
+    prefix holding the array)."""
     separator = arr.metadata.chunk_key_encoding.separator  # "c/0/0" or "c.0.0"
     prefix = f"{arr.path}/"
+    sizes = object_sizes(arr.store, prefix) if listed is None else {
+        key: size for key, size in listed.items() if key.startswith(prefix)}
     out = {}
-    for key, size in object_sizes(arr.store, prefix).items():
+    for key, size in sizes.items():
         parts = key[len(prefix):].split(separator)
         if parts[0] == "c" and len(parts) == arr.ndim + 1 and all(p.isdigit() for p in parts[1:]):
             out[tuple(int(p) for p in parts[1:])] = size

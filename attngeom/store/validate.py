@@ -42,8 +42,16 @@ from attngeom.store.damage import (
     unreadable_metadata,
 )
 from attngeom.store.derived import derived_problems
-from attngeom.store.nodes import local_path, outside_link_problem, outside_links, read_metadata, zarr_store
-from attngeom.store.objects import chunk_objects, object_damage
+from attngeom.store.nodes import (
+    local_path,
+    node_metadata,
+    node_path,
+    outside_link_problem,
+    outside_links,
+    read_metadata,
+    zarr_store,
+)
+from attngeom.store.objects import chunk_objects, object_damage, object_sizes
 from attngeom.store.runs import completed, misnamed_runs, open_run_group, run_coordinates, run_ids, run_layout
 from attngeom.store.schema import (
     ATTR_KEY,
@@ -319,13 +327,15 @@ def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[s
 
 
 def damaged_objects(
-    arr: zarr.Array, url: str, expected: Iterable[tuple[int, ...]] = (), sequences: set[int] | None = None
+    arr: zarr.Array, url: str, expected: Iterable[tuple[int, ...]] = (), sequences: set[int] | None = None,
+    *, objects: Mapping[tuple[int, ...], int] | None = None,
 ) -> list[str]:
     """Every stored object of ``arr`` that is damaged (:func:`object_damage`), and every
     one of ``expected`` (grid indices) that is missing. One line each. With ``sequences``,
     only the objects of those (the committed ones of a run's per-sequence array: the
-    others are rewritten by extract, and reported as partly written)."""
-    objects = chunk_objects(arr)
+    others are rewritten by extract, and reported as partly written). ``objects``: the
+    array's stored objects (:func:`chunk_objects`) when the caller listed them."""
+    objects = chunk_objects(arr) if objects is None else objects
     problems = [
         str(damaged_chunk(url, arr, index, FileNotFoundError("missing")))
         for index in sorted(set(expected) - set(objects))
@@ -363,40 +373,39 @@ def array_metadata(arr: zarr.Array) -> dict[str, Any]:
     return json.loads(raw.to_bytes())
 
 
-def arrays_of(root: zarr.Group) -> list[zarr.Array]:
-    """Every array of the store whose ``zarr.json`` reads, run and derived, in path order."""
-    store = root.store
-
-    async def keys() -> list[str]:
-        return [k async for k in store.list_prefix("") if k.rsplit("/", 1)[-1] == "zarr.json" and "/" in k]
-
+def arrays_of(root: zarr.Group, nodes: Mapping[str, Mapping[str, Any] | None] | None = None) -> list[zarr.Array]:
+    """Every array of the store whose ``zarr.json`` reads, run and derived, in path order.
+    ``nodes``: every node's metadata (:func:`~attngeom.store.nodes.node_metadata`) when the
+    caller read it."""
+    nodes = node_metadata(root.store) if nodes is None else nodes
     out = []
-    for key in sorted(sync(keys())):
-        path = key.rsplit("/", 1)[0]
+    for key, meta in nodes.items():
+        if meta is None or meta["node_type"] != "array" or "/" not in key:
+            continue  # unreadable ones are named by the metadata check
         try:
-            meta = json.loads(sync(store.get(key, prototype=default_buffer_prototype())).to_bytes())
-            if meta.get("node_type") == "array":
-                out.append(root[path])
+            out.append(root[node_path(key)])
         except DECODE_ERRORS:
-            continue  # named by the metadata check
+            continue
     return out
 
 
-def metadata_problems(url: str) -> list[str]:
-    """One line per ``zarr.json`` that does not parse (empty or truncated)."""
+def metadata_problems(url: str, bad_metadata: list[str]) -> list[str]:
+    """One line per ``zarr.json`` that does not parse (empty or truncated): ``bad_metadata``,
+    their keys."""
     return [
         f"{key} is empty or truncated (unreadable JSON); {recovery(url, key.rpartition('/')[0], metadata=True)}"
-        for key in unreadable_metadata(url)
+        for key in bad_metadata
     ]
 
 
-def consolidated_problems(url: str, bad_metadata: list[str]) -> list[str]:
+def consolidated_problems(url: str, nodes: Mapping[str, Mapping[str, Any] | None]) -> list[str]:
     """One line if the root's consolidated metadata (what ``xr.open_zarr`` reads by default)
-    is out of date: a writer killed before refreshing it. Not checked while metadata is
-    unreadable (named, and repaired, first)."""
-    if bad_metadata:
+    is out of date: a writer killed before refreshing it. ``nodes``: every node's metadata
+    (:func:`~attngeom.store.nodes.node_metadata`). Not checked while metadata is unreadable
+    (named, and repaired, first)."""
+    if any(meta is None for meta in nodes.values()):
         return []
-    stale = stale_consolidated(zarr_store(url, read_only=True))
+    stale = stale_consolidated(None, nodes)
     if not stale:
         return []
     more = f" and {len(stale) - 1} more" if len(stale) > 1 else ""
@@ -427,12 +436,15 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
     path = local_path(url)
     if path is not None and not path.is_dir():
         return [f"no Zarr store at {url}"]
-    bad_metadata = unreadable_metadata(url)
-    problems = metadata_problems(url) + leftover_problems(url) + link_problems(url)
+    # One store for the whole check: on an object store every object is read once.
+    zstore = cached(zarr_store(url, read_only=True))
+    nodes = node_metadata(zstore)
+    bad_metadata = [key for key, meta in nodes.items() if meta is None]
+    problems = metadata_problems(url, bad_metadata) + leftover_problems(url) + link_problems(url)
     if "zarr.json" in bad_metadata:
         return problems
     try:
-        root = zarr.open_group(cached(zarr_store(url, read_only=True)), mode="r", use_consolidated=False)
+        root = zarr.open_group(zstore, mode="r", use_consolidated=False)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError):
         return [f"no Zarr store at {url}"]
     try:
@@ -446,7 +458,7 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
             f"store format {fmt} is older than the one this attngeom writes ({FORMAT}){unseen}; "
             f"run `attngeom migrate --store {url}`"
         )
-    problems += consolidated_problems(url, bad_metadata)
+    problems += consolidated_problems(url, nodes)
     unreadable = frozenset(k.rsplit("/", 1)[0] for k in bad_metadata)
     committed: dict[str, set[int]] = {}
     named: set[str] = set()
@@ -475,11 +487,13 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
             named |= {p.split(" is ", 1)[0] for p in derived}
             problems += derived
         if deep:
-            for arr in arrays_of(root):
-                if not has_checksum(array_metadata(arr)):
+            listed = object_sizes(zstore, "")  # one listing, not one per array
+            for arr in arrays_of(root, nodes):
+                if not has_checksum(nodes[f"{arr.path}/zarr.json"]):
                     problems.append(f"array '{arr.path}' has no chunk checksums")
                 sequences = _committed_of(arr, committed)
-                problems += [p for p in damaged_objects(arr, url, _expected_objects(arr, sequences), sequences)
+                problems += [p for p in damaged_objects(arr, url, _expected_objects(arr, sequences), sequences,
+                                                        objects=chunk_objects(arr, listed))
                              if _object_key(p) not in named]
     return list(dict.fromkeys(problems))
 
