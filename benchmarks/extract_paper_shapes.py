@@ -16,7 +16,9 @@ warm-up extract:
 * "SDPA fwd": ``model.get_decoder()(input_ids=ids, use_cache=False)``, stock SDPA.
 * "capture fwd": the same forward inside ``capturing(model)`` (nothing written).
 * "extract loop": ``ag.extract(model, token_ids=...)`` into a fresh store, its ``ExtractResult.seconds``
-  (the per-batch loop and the writes beside it).
+  (the per-batch loop and the writes beside it);
+* "fsync'd write": the objects of the warm-up extract's store written to fresh files, each
+  fsync'd: with the forward, the limit of the extract loop, "extract loop / max(SDPA, fsync'd write)".
 
 With ``--analyze``, one more extract of the same ids writes a store that ``ag.analyze`` then
 reads, in a fresh interpreter per repetition (a user's ``attngeom analyze``: default scheduler,
@@ -47,6 +49,7 @@ import numpy as np
 import torch
 import zarr
 from common import analyze_in_child, int_list, median, now, read_inputs, rotate, synchronize, table
+from extract_writer import fsync_write, stored_objects
 
 import attngeom as ag
 from attngeom.extract.capture import capturing
@@ -150,12 +153,19 @@ def model_times(name: str, args: argparse.Namespace, length: int, count: int, wo
     store = str(workdir / f"{name}-L{length}.zarr")
     extract_loop(model, ids, store, args.batch_size, args.dtype)  # warm-up: kernels, codecs, page cache
     mib = store_mib_per_sequence(store, count)
+    objects = stored_objects(Path(store))
     shutil.rmtree(store)
     out: dict[str, float] = {}
+
+    def fsync_written() -> None:
+        fsync_write(objects, workdir / "plain")
+        shutil.rmtree(workdir / "plain")
+
     runs = {
         "sdpa": lambda: forward(model, ids, args.batch_size, args.device, capture=False, dtype=args.dtype),
         "capture": lambda: forward(model, ids, args.batch_size, args.device, capture=True, dtype=args.dtype),
         "extract": lambda: out.update(loop=extract_loop(model, ids, store, args.batch_size, args.dtype)),
+        "fsync": fsync_written,
     }
     reps = []
     for rep in range(args.reps):
@@ -170,7 +180,7 @@ def model_times(name: str, args: argparse.Namespace, length: int, count: int, wo
         shutil.rmtree(store)
         reps.append(out)
         print(f"  [{name} L={length} rep {rep + 1}/{args.reps}] "
-              + " ".join(f"{k}={out[k]:.2f}s" for k in ("sdpa", "capture", "loop")), file=sys.stderr, flush=True)
+              + " ".join(f"{k}={out[k]:.2f}s" for k in ("sdpa", "capture", "loop", "fsync")), file=sys.stderr, flush=True)
     analyzed = analyze_times(model, ids, store, args) if args.analyze else {}
     return {
         **analyzed,
@@ -178,6 +188,8 @@ def model_times(name: str, args: argparse.Namespace, length: int, count: int, wo
         "sdpa_ms_per_seq": median([r["sdpa"] for r in reps]) / count * 1e3,
         "capture_over_sdpa": median([r["capture"] / r["sdpa"] for r in reps]),
         "loop_over_sdpa": median([r["loop"] / r["sdpa"] for r in reps]),
+        "fsync_ms_per_seq": median([r["fsync"] for r in reps]) / count * 1e3,
+        "loop_over_limit": median([r["loop"] / max(r["sdpa"], r["fsync"]) for r in reps]),
         "store_mib_per_seq": mib,
         "reps": reps,
     }
@@ -220,9 +232,10 @@ def report(results: dict[str, Any]) -> str:
     if results["models"]:
         out.append(table(
             ["shape", "layers", "MLP", "L", "seqs", "SDPA fwd ms/seq", "capture fwd / SDPA", "extract loop / SDPA",
-             "store MiB/seq"],
+             "fsync'd write ms/seq", "extract loop / max(SDPA, fsync'd write)", "store MiB/seq"],
             [[r["shape"], r["layers"], r["mlp"], r["length"], r["sequences"], r["sdpa_ms_per_seq"],
-              r["capture_over_sdpa"], r["loop_over_sdpa"], r["store_mib_per_seq"]] for r in results["models"]],
+              r["capture_over_sdpa"], r["loop_over_sdpa"], r["fsync_ms_per_seq"], r["loop_over_limit"],
+              r["store_mib_per_seq"]] for r in results["models"]],
         ))
     analyzed = [r for r in results["models"] if "analyze_s_per_seq" in r]
     if analyzed:

@@ -17,8 +17,8 @@ Per values encoding (``--values``):
 
 Each repetition times, side by side in rotated order, into a fresh run each:
 
-* "writer": ``SequenceWriter.write`` as extract runs it (the chunks compressed on a thread per
-  core, shards assembled and written by attngeom);
+* "writer": ``write_sequence``, ``SequenceWriter.write`` as extract runs it (the chunks
+  compressed on a thread per core, shards assembled and written by attngeom);
 * "zarr": zarr-python writing the same arrays, all at once, with ``write_empty_chunks`` (its
   default codec pipeline, a shard's inner chunks encoded as one batch);
 * "zarr fused": the same through zarr's ``FusedCodecPipeline`` on a thread per core, where the
@@ -29,11 +29,11 @@ Each repetition times, side by side in rotated order, into a fresh run each:
 * "fsync'd write": the very objects the writer stored, written to fresh files and fsync'd.
 
 A variant that stores other objects than the writer (a chunk all fill value left out breaks
-the commit rule) is named and not timed. The limit is max(compress, fsync'd write): the writer cannot be faster than either. Ratios are
-medians of per-repetition ratios; "stored MiB" the size of the sequence's objects. "CPU: X /
-work" is X's process CPU time over that of compress plus the fsync'd write, the work any
-writer does: steadier than wall time on a machine doing other work. The writer's objects are
-checked equal to zarr's before timing.
+the commit rule) is named and not timed. The limit is max(compress, fsync'd write): the
+writer cannot be faster than either. Ratios are medians of per-repetition ratios; "stored
+MiB" the size of the sequence's objects. "CPU: X / work" is X's process CPU time over that of
+compress plus the fsync'd write, the work any writer does: steadier than wall time on a
+machine doing other work.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import numpy as np
 import zarr
 from common import median, now, rotate, table
 
-from attngeom.store import RunLayout, SequenceWriter, create_run, open_or_create_root, open_run_group
+from attngeom.store import RunLayout, create_run, open_or_create_root, open_run_group, write_sequence
 from attngeom.store._zarr import sync
 from attngeom.store.codecs import object_chunks
 from attngeom.synthetic import synthetic_sequence
@@ -162,10 +162,10 @@ def has_fused() -> bool:
 def writer_times(name: str, length: int, values: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     layout, arrays = sequence(name, length, values)
     raw = sum(a.nbytes for a in arrays.values())
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))
     layers = layout.n_layers
     variants: dict[str, Any] = {
-        "writer": lambda run: SequenceWriter(run, in_flight=0).write(0, arrays),
+        "writer": lambda run: write_sequence(run, 0, arrays),
         "zarr": lambda run: zarr_write(run, arrays, {"codec_pipeline.batch_size": layers}),
     }
     if has_fused() and not args.no_fused:
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if set(shapes) - set(SHAPES) or set(encodings) - set(VALUES):
         p.error(f"shapes: {', '.join(SHAPES)}; values: {', '.join(VALUES)}")
     results: dict[str, Any] = {
-        "zarr": zarr.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
+        "zarr": zarr.__version__, "python": platform.python_version(), "cpu_count": len(os.sched_getaffinity(0)),
         "platform": platform.platform(), "reps": args.reps, "writer": [],
     }
     t0 = time.perf_counter()

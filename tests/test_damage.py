@@ -286,7 +286,7 @@ def test_impossible_arguments_are_refused(store, tiny_model_dir, word_corpus):
         assert code == 2 and "has an empty entry" in lines[-1], lines
     code, lines = run(*base, "-S", "2", "--values-dtype", "float64")
     assert code == 2 and lines == ["attngeom: error: Invalid value for '--values-dtype': 'float64' is not one of "
-                                   "'float32', 'float16'. (see `attngeom extract --help`)"], lines
+                                   "'auto', 'float32', 'float16', 'bfloat16'. (see `attngeom extract --help`)"], lines
     before = dask.config.get("scheduler", None)
     code, lines = run("analyze", "--store", str(store), "--scheduler", "bogus://host:1")
     assert code == 2 and len(lines) == 1 and lines[0].startswith(

@@ -73,6 +73,27 @@ def test_wrong_dtype_and_dims(store):
     assert "run r: array 'top1_attn' has dims ('seq', 'layer', 'head', 'key'), expected ('seq', 'layer', 'head', 'query')" in lines
 
 
+def test_bfloat16_values_without_their_encoding(tmp_path):
+    """A bfloat16-valued run whose values lost the attribute naming their encoding would pass
+    bit patterns off as numbers: validate names it (and the reverse)."""
+    from attngeom.store import validate_store
+    from attngeom.synthetic import write_synthetic_run
+
+    for values_dtype in ("bfloat16", "float32"):
+        store = tmp_path / f"{values_dtype}.zarr"
+        write_synthetic_run(str(store), "r", n_seq=1, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, length=16,
+                            values_dtype=values_dtype)
+        assert validate_store(str(store)) == []
+        meta = store / "runs/r/values/zarr.json"
+        doc = json.loads(meta.read_text())
+        doc["attributes"]["attngeom"] = {} if values_dtype == "bfloat16" else {"encoding": "bfloat16"}
+        meta.write_text(json.dumps(doc))
+        problems = validate_store(str(store))
+        named = "None" if values_dtype == "bfloat16" else "'bfloat16'"
+        assert any(f"run r: array 'values' names the encoding {named}, but the run's values_dtype is "
+                   f"'{values_dtype}'" in p for p in problems), problems
+
+
 def test_schema_version_from_the_future(store):
     meta = json.loads((store / "zarr.json").read_text())
     meta["attributes"]["attngeom"]["schema_version"] = 2

@@ -98,7 +98,8 @@ def decoded(x: np.ndarray, encoding: str | None) -> np.ndarray:
     return bfloat16_values(x)
 
 
-def object_chunks(metadata: Mapping[str, Any], values: np.ndarray) -> tuple[Callable[[np.ndarray], bytes], list[np.ndarray], bool]:
+def object_chunks(metadata: Mapping[str, Any],
+                  values: np.ndarray) -> tuple[Callable[[np.ndarray], bytes], list[np.ndarray], bool]:
     """How the stored object of one whole chunk of the array of this ``zarr.json`` holds
     ``values`` (the chunk's full shape, or the shard's for a sharded array): the encoder of
     its chunks (:func:`chunk_encoder`), those chunks in their stored order, and whether they

@@ -99,8 +99,9 @@ def metadata_damage(url: str, group: str, exc: BaseException) -> DamagedStoreErr
 def read_chunk(url: str, arr: zarr.Array, key: tuple[int | slice, ...]) -> np.ndarray:
     """``arr[key]`` of an array of the store at ``url``, read directly (no xarray decoding:
     for the run's raw arrays), values of an encoding given as their values (bfloat16 as
-    float32); a chunk that fails to decode raises :class:`CorruptChunkError` naming it. A zarr Array pickles to its store and metadata, so a task sent to a worker
-    process can carry the array it reads (0.1 ms to unpickle, against 1 ms to open it)."""
+    float32); a chunk that fails to decode raises :class:`CorruptChunkError` naming it. A
+    zarr Array pickles to its store and metadata, so a task sent to a worker process can
+    carry the array it reads (0.1 ms to unpickle, against 1 ms to open it)."""
     try:
         return decoded(np.asarray(arr[key]), (arr.attrs.get(ATTR_KEY) or {}).get(ENCODING))
     except DECODE_ERRORS as exc:

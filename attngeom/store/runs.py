@@ -258,8 +258,10 @@ class SequenceWriter:
         # Chunks are compressed here on every core, not by zarr: Blosc releases the GIL, and
         # zarr's writes (one coroutine and thread hop per chunk, the shard assembled in
         # copies; zarr >= 3.2's fused pipeline compresses a shard's chunks on one thread)
-        # took 1.3-2.3x as long on a Llama-2-7B sequence (benchmarks/extract_writer.py).
-        self._encoders = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="attngeom-encode")
+        # cost 1.3-2.2x the CPU of the compression and the write themselves on a Llama-2-7B
+        # sequence, where this costs 1.0x (benchmarks/extract_writer.py, zarr 3.1.6 and 3.4.2).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self._encoders = ThreadPoolExecutor(max_workers=cores, thread_name_prefix="attngeom-encode")
         self._pending: deque[Future[None]] = deque()
         self._stopped = False
 
@@ -269,7 +271,8 @@ class SequenceWriter:
         unwritten one by its chunk objects), then the ``complete`` flag."""
         objects = {}
         # The largest first: its object is written while the others are still compressed.
-        for name in sorted((n for n in SEQUENCE_ARRAYS if n in self._arrays), key=lambda n: -np.asarray(arrays[n]).nbytes):
+        names = sorted((n for n in SEQUENCE_ARRAYS if n in self._arrays), key=lambda n: -np.asarray(arrays[n]).nbytes)
+        for name in names:
             arr = self._arrays[name]
             values = np.asarray(arrays[name])[None]
             encode, chunks, sharded = object_chunks(arr.metadata.to_dict(), values)

@@ -56,10 +56,12 @@ from attngeom.store.runs import completed, misnamed_runs, open_run_group, run_co
 from attngeom.store.schema import (
     ATTR_KEY,
     DERIVED,
+    ENCODING,
     FORMAT,
     RUN_VARIABLES,
     RUNS,
     SEQUENCE_ARRAYS,
+    VALUE_ENCODINGS,
     RunLayout,
 )
 
@@ -250,6 +252,11 @@ def array_problems(run: zarr.Group, run_id: str, layout: RunLayout, members: Map
             problems.append(f"{where}: array '{name}' has dims {dims}, expected {var.dims}")
         if str(arr.dtype) not in var.dtypes:
             problems.append(f"{where}: array '{name}' has dtype {arr.dtype}, expected {' or '.join(var.dtypes)}")
+        encoding = (arr.attrs.get(ATTR_KEY) or {}).get(ENCODING) if name == "values" else None
+        if name == "values" and encoding != (layout.values_dtype if layout.values_dtype in VALUE_ENCODINGS else None):
+            # Read without it, bfloat16 bit patterns would pass for numbers.
+            problems.append(f"{where}: array 'values' names the encoding {encoding!r}, but the run's values_dtype "
+                            f"is {layout.values_dtype!r}; {RESTORE}")
         expected = layout.shape(name, n_seq if n_seq is not None else arr.shape[0])
         if tuple(arr.shape) != expected:
             problems.append(f"{where}: array '{name}' has shape {tuple(arr.shape)}, expected {expected}")
