@@ -3,12 +3,9 @@ recent_attn and analyze's sequence_scores and head_scores equal their definition
 from an eager float64 forward (Llama, Mistral with a sliding window shorter than L, Gemma 2
 with softcapped logits and sliding layers, Qwen 2); the capture's band sums equal brute force
 at any tile and mask; every score lies in [0, 1] and a query's sink, recent and distant mass
-add to 1; a run migrated from format 4 lacks them and every reader says so."""
+add to 1. A run migrated from format 4, which lacks them: tests/test_migrate.py."""
 
 from __future__ import annotations
-
-import json
-import warnings
 
 import numpy as np
 import pytest
@@ -18,8 +15,7 @@ from hypothesis import strategies as st
 import attngeom as ag
 from attngeom.analyze.kernels import SINK_THRESHOLD, distant_attn, head_scores, sequence_scores
 from attngeom.api import analyze
-from attngeom.errors import GroupNotFoundError, InputError
-from attngeom.store import FORMAT, RECENT_WINDOWS, migrate, validate_store
+from attngeom.store import RECENT_WINDOWS
 
 torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 
@@ -161,64 +157,3 @@ def test_every_score_lies_in_0_1_and_a_query_mass_adds_to_1(length, window, scal
         assert ((finite >= -eps) & (finite <= 1 + eps)).all()
     assert np.isnan(scores.distant_mass[..., [2 * w >= length for w in windows]]).all()
     np.testing.assert_array_equal(sink_head, scores.sink_score > SINK_THRESHOLD)
-
-
-def _as_format4(url: str, run_id: str) -> None:
-    """The store as attngeom wrote it at format 4: no prev_attn, recent_attn or recent, no
-    ``lacking`` in the run's layout, and no analysis (its groups covered what the run held)."""
-    import shutil
-    from pathlib import Path
-
-    root, run = Path(url), Path(url) / "runs" / run_id
-    for name in ("prev_attn", "recent_attn", "recent", "analysis"):
-        shutil.rmtree(run / name, ignore_errors=True)
-    meta = json.loads((run / "zarr.json").read_text())
-    del meta["attributes"]["attngeom"]["layout"]["lacking"]
-    (run / "zarr.json").write_text(json.dumps(meta))
-    meta = json.loads((root / "zarr.json").read_text())
-    meta["attributes"]["attngeom"]["format"] = 4
-    meta.pop("consolidated_metadata", None)
-    (root / "zarr.json").write_text(json.dumps(meta))
-
-
-@pytest.mark.needs_model
-def test_a_run_migrated_from_format4_lacks_the_scores_and_readers_say_so(tiny_model_dir, tmp_path):
-    from conftest import extract
-
-    from attngeom.extract.request import ExtractRequest
-
-    url = str(tmp_path / "s.zarr")
-    ids = torch.randint(4, 100, (3, 16), generator=torch.Generator().manual_seed(0))
-    ids[:, 0] = 1
-    request = ExtractRequest(model=str(tiny_model_dir("llama")), token_ids=ids.numpy()[:2], store=url, run_id="old",
-                             progress=False)
-    extract(request)
-    _as_format4(url, "old")
-    assert validate_store(url)[0].startswith(f"store format 4 is older than the one this attngeom writes ({FORMAT})")
-    report = migrate.migrate(url, progress=False)
-    assert (report.source, report.target, report.arrays) == (4, FORMAT, 0)
-    run = ag.open_store(url).run("old")
-    assert run.provenance["layout"]["lacking"] == ["prev_attn", "recent_attn"]
-    assert validate_store(url, deep=True) == []  # lacking them is no damage
-    assert migrate.migrate(url, progress=False).arrays == 0  # nothing left to do
-
-    with pytest.warns(UserWarning, match="run old has no head scores: it was extracted before attngeom kept "
-                                         "prev_attn and recent_attn"):
-        (result,) = analyze(url, scheduler="threads", n_grid=[1, 4], progress=False)
-    assert result.sequences == 2
-    run.analysis("heads")  # the rest of the analysis is there
-    with pytest.raises(GroupNotFoundError, match="extract it again into a new run") as raised:
-        run.analysis("head_scores")
-    assert "\n" not in str(raised.value)
-    with pytest.raises(InputError, match="takes no new sequences; choose another --run"):
-        extract(ExtractRequest(model=str(tiny_model_dir("llama")), token_ids=ids.numpy(), store=url, run_id="old",
-                               progress=False))
-    # A new run of the same store has them, and the analyze of both warns of the old one only.
-    extract(ExtractRequest(model=str(tiny_model_dir("llama")), token_ids=ids.numpy(), store=url, run_id="new",
-                           progress=False))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        analyze(url, scheduler="threads", n_grid=[1, 4], progress=False)
-    assert [str(w.message).split(":")[0] for w in caught if "head scores" in str(w.message)] == ["run old has no head scores"]
-    assert ag.open_store(url).run("new").analysis("head_scores")["sink_score"].shape == (3, 4)
-    assert validate_store(url, deep=True) == []
