@@ -43,6 +43,7 @@ def capture_at(revision: str) -> object:
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("capture_old", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

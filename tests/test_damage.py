@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from conftest import ABLATED_SEQUENCES
 
 from attngeom.cli import main
-from attngeom.store import SEQUENCE_ARRAYS, validate_store
+from attngeom.store import FORMAT, SEQUENCE_ARRAYS, validate_store
 
 S = ABLATED_SEQUENCES
 
@@ -311,7 +311,7 @@ def test_impossible_arguments_are_refused(store, tiny_model_dir, word_corpus):
 def test_root_json_of_a_valid_store_is_what_validate_reads(store):
     """The checks above damage a store that is valid as built."""
     assert validate(store, "--deep") == []
-    assert json.loads((store / "zarr.json").read_text())["attributes"]["attngeom"]["format"] == 4
+    assert json.loads((store / "zarr.json").read_text())["attributes"]["attngeom"]["format"] == FORMAT
     assert validate_store(str(store), deep=True) == []
 
 

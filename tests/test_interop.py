@@ -60,7 +60,9 @@ def test_tensorstore_reads_every_array_as_zarr_python_does(built):
     paths = {a.path for a in arrays}
     assert {"runs/r/values", "runs/r/analysis/heads/regime", "runs/r/ablation/sweep/method",
             "runs/r/ablation/critical/layer", "runs/r/attn_rows", "runs/r/query_pos",
-            "runs/r/analysis/topn_by_query/f_score", "runs/r/analysis/summary_by_query/f_score"} <= paths
+            "runs/r/analysis/topn_by_query/f_score", "runs/r/analysis/summary_by_query/f_score",
+            "runs/r/prev_attn", "runs/r/recent_attn", "runs/r/recent", "runs/r/analysis/head_scores/sink_head",
+            "runs/r/analysis/head_scores/distant_mass", "runs/r/analysis/sequence_scores/sink_score"} <= paths
     assert any(a.size == 0 for a in arrays)
     for arr in arrays:
         assert metadata(built, arr.path)["data_type"] in CORE, arr.path

@@ -1,12 +1,16 @@
 """``attngeom migrate``: a format-1 store (written by attngeom 0.1.0) brought to the current
-format (checksums, then labels as integer codes in their fixed order), data unchanged,
-checksums working, and an interrupted migration finished by a rerun."""
+format (checksums, then labels as integer codes in their fixed order, then its runs marked as
+lacking the summaries of format 5), data unchanged, checksums working, and an interrupted
+migration finished by a rerun; a run migrated from format 4 lacks the field's head scores and
+every reader says so."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import uuid
+import warnings
+from pathlib import Path
 
 import fsspec
 import numpy as np
@@ -18,8 +22,9 @@ from conftest import extract
 
 from attngeom.api import analyze
 from attngeom.cli import main
-from attngeom.errors import AttngeomError
+from attngeom.errors import AttngeomError, GroupNotFoundError, InputError
 from attngeom.extract.request import ExtractRequest
+from attngeom.open import open_store
 from attngeom.store import (
     FORMAT,
     array_metadata,
@@ -95,6 +100,7 @@ def test_migrate_format1_keeps_every_value_and_checks_every_chunk(format1_store)
     assert validate_store(url, deep=True) == []
     root = open_root(url, mode="a")
     assert root.attrs["attngeom"] == {"schema_version": 1, "created_by": "0.1.0", "format": FORMAT}
+    assert root[f"runs/{RUN}"].attrs["attngeom"]["layout"]["lacking"] == ["prev_attn", "recent_attn"]
     assert all(has_checksum(array_metadata(a)) for a in arrays_of(root))
     assert not [a.path for a in arrays_of(root) if array_metadata(a)["data_type"] not in CORE]
     # The consolidated metadata was rebuilt: xarray's default open reads it.
@@ -119,7 +125,8 @@ def test_migrated_store_takes_new_work(format1_store, tiny_model_dir, word_corpu
     store_migrate.migrate(url, progress=False)
     extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
                            num_sequences=2, store=url, run_id="new", progress=False))
-    results = analyze(url, scheduler="threads", n_grid=[1, 4], progress=False)
+    with pytest.warns(UserWarning, match=f"run {RUN} has no head scores"):  # only the new run has them
+        results = analyze(url, scheduler="threads", n_grid=[1, 4], progress=False)
     assert [(r.run_id, r.sequences) for r in results] == [("new", 2), (RUN, 3)]
     assert validate_store(url, deep=True) == []
 
@@ -209,3 +216,55 @@ def test_current_store_needs_nothing_and_future_format_is_refused(tiny_model_dir
         open_root(url, mode="a")
     with pytest.raises(AttngeomError, match="newer than this attngeom knows"):
         store_migrate.migrate(url, progress=False)
+
+
+def _as_format4(url: str, run_id: str) -> None:
+    """The store as attngeom wrote it at format 4: no prev_attn, recent_attn or recent, no
+    ``lacking`` in the run's layout, and no analysis (its groups covered what the run held)."""
+    root, run = Path(url), Path(url) / "runs" / run_id
+    for name in ("prev_attn", "recent_attn", "recent", "analysis"):
+        shutil.rmtree(run / name, ignore_errors=True)
+    meta = json.loads((run / "zarr.json").read_text())
+    del meta["attributes"]["attngeom"]["layout"]["lacking"]
+    (run / "zarr.json").write_text(json.dumps(meta))
+    meta = json.loads((root / "zarr.json").read_text())
+    meta["attributes"]["attngeom"]["format"] = 4
+    meta.pop("consolidated_metadata", None)
+    (root / "zarr.json").write_text(json.dumps(meta))
+
+
+def test_a_run_migrated_from_format4_lacks_the_scores_and_readers_say_so(tiny_model_dir, tmp_path):
+    url = str(tmp_path / "s.zarr")
+    ids = np.random.default_rng(0).integers(4, 100, (3, 16))
+    ids[:, 0] = 1
+    extract(ExtractRequest(model=str(tiny_model_dir("llama")), token_ids=ids[:2], store=url, run_id="old",
+                           progress=False))
+    _as_format4(url, "old")
+    assert validate_store(url)[0].startswith(f"store format 4 is older than the one this attngeom writes ({FORMAT})")
+    report = store_migrate.migrate(url, progress=False)
+    assert (report.source, report.target, report.arrays) == (4, FORMAT, 0)
+    run = open_store(url).run("old")
+    assert run.provenance["layout"]["lacking"] == ["prev_attn", "recent_attn"]
+    assert validate_store(url, deep=True) == []  # lacking them is no damage
+    assert store_migrate.migrate(url, progress=False).arrays == 0  # nothing left to do
+
+    with pytest.warns(UserWarning, match="run old has no head scores: it was extracted before attngeom kept "
+                                         "prev_attn and recent_attn"):
+        (result,) = analyze(url, scheduler="threads", n_grid=[1, 4], progress=False)
+    assert result.sequences == 2
+    run.analysis("heads")  # the rest of the analysis is there
+    with pytest.raises(GroupNotFoundError, match="extract it again into a new run") as raised:
+        run.analysis("head_scores")
+    assert "\n" not in str(raised.value)
+    with pytest.raises(InputError, match="takes no new sequences; choose another --run"):
+        extract(ExtractRequest(model=str(tiny_model_dir("llama")), token_ids=ids, store=url, run_id="old",
+                               progress=False))
+    # A new run of the same store has them, and the analyze of both warns of the old one only.
+    extract(ExtractRequest(model=str(tiny_model_dir("llama")), token_ids=ids, store=url, run_id="new",
+                           progress=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        analyze(url, scheduler="threads", n_grid=[1, 4], progress=False)
+    assert [str(w.message).split(":")[0] for w in caught if "head scores" in str(w.message)] == ["run old has no head scores"]
+    assert open_store(url).run("new").analysis("head_scores")["sink_score"].shape == (3, 4)
+    assert validate_store(url, deep=True) == []

@@ -282,4 +282,4 @@ def test_the_commit_lists_every_object_of_its_groups(ablated_store_source):
               if p.is_file() and p.parent != ablated_store_source / A}
     assert record["objects"] == stored
     assert zarr.open_group(str(ablated_store_source), path=A, mode="r").attrs["attngeom"]["commit"]["groups"] == [
-        "topn", "values", "taxonomy", "heads", "summary", "signatures", "table"]
+        "topn", "values", "taxonomy", "heads", "summary", "signatures", "table", "sequence_scores", "head_scores"]

@@ -20,7 +20,7 @@ from conftest import extract, moto_s3
 from attngeom.api import analyze
 from attngeom.cli import main
 from attngeom.extract.request import ExtractRequest
-from attngeom.store import objects, open_dataset, open_root, open_run_group, run_ids, validate_store, zarr_store
+from attngeom.store import FORMAT, objects, open_dataset, open_root, open_run_group, run_ids, validate_store, zarr_store
 from attngeom.store.objects import chunk_objects
 from attngeom.store.validate import check_run
 from attngeom.synthetic import write_synthetic_run
@@ -192,10 +192,11 @@ def test_s3_store_migrates(format1_store, s3_url):
 
     url = s3_url.replace("store.zarr", "format1.zarr")
     fsspec.filesystem("s3").put(str(format1_store), url.removeprefix("s3://"), recursive=True)
-    assert validate_store(url)[0].startswith("store format 1 is older than the one this attngeom writes (4) and has no chunk checksums")
+    assert validate_store(url)[0].startswith(
+        f"store format 1 is older than the one this attngeom writes ({FORMAT}) and has no chunk checksums")
     result = CliRunner().invoke(main, ["migrate", "--store", url, "--no-progress"])
     assert result.exit_code == 0, result.output
-    assert "format 1 -> 4: rewrote 150 arrays" in result.output
+    assert f"format 1 -> {FORMAT}: rewrote 150 arrays" in result.output
     assert validate_store(url, deep=True) == []
     values = xr.open_zarr(zarr_store(url, read_only=True), group="runs/tiny-llama")["values"]
     np.testing.assert_array_equal(values.values, xr.open_zarr(str(format1_store), group="runs/tiny-llama")["values"].values)

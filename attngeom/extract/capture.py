@@ -163,18 +163,31 @@ def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return scores
 
 
-def recent_bands(q0: int, q1: int, recent: tuple[int, ...], device: torch.device) -> list[tuple[int, torch.Tensor]]:
-    """For each window W of ``recent``, the keys of the queries [q0, q1) in their last W
-    keys but the sink: (first key, float32 mask (q1-q0, 1, keys)), key ``first + k`` of query
-    ``q0 + r`` in it where mask[r, 0, k] is 1, i.e. ``max(1, q0+r-W+1) <= first + k <= q0+r``
-    (docs/method.md#the-fields-head-scores)."""
-    query = torch.arange(q0, q1, device=device)[:, None, None]
-    bands = []
-    for w in recent:
-        first = max(1, q0 - w + 1)
-        key = torch.arange(first, q1, device=device)[None, None, :]
-        bands.append((first, ((key > query - w) & (key <= query)).float()))
-    return bands
+def recent_mass(tile_probs: torch.Tensor, q0: int, window: int) -> torch.Tensor:
+    """The mass on the last ``window`` keys but the sink of each query of a tile:
+    sum of A_ij over j in max(1, i-W+1)..i (docs/method.md#the-fields-head-scores).
+
+    tile_probs (kv, B, Q, g, K), contiguous, holds the rows of queries q0..q0+Q-1 over keys
+    0..K-1 (K > q0+Q-1) -> (kv, B, Q, g). A query's last W keys lie at a fixed offset from its
+    own position, so for the queries whose window starts after the sink they are one strided
+    view (a row step of one row plus one key), summed over W keys and no more; the earlier
+    queries (i < W, only when q0 < W) sum keys 1..i of their rows.
+    """
+    kv, bsz, block, group, keys = tile_probs.shape
+    first = min(block, max(0, window - q0))  # the tile's first query whose window starts after the sink
+    out = torch.empty(kv, bsz, block, group, device=tile_probs.device)
+    if first:
+        key = torch.arange(1, q0 + first, device=tile_probs.device)
+        early = (key <= torch.arange(q0, q0 + first, device=tile_probs.device)[:, None]).float()[:, None]
+        out[:, :, :first] = (tile_probs[:, :, :first, :, 1 : q0 + first] * early).sum(dim=-1)
+    if first < block:
+        stride = tile_probs.stride()
+        band = tile_probs.as_strided(
+            (kv, bsz, block - first, group, window), (*stride[:2], stride[2] + 1, stride[3], 1),
+            tile_probs.storage_offset() + first * stride[2] + q0 + first - window + 1,
+        )
+        out[:, :, first:] = band.sum(dim=-1)
+    return out
 
 
 def attention_summaries(
@@ -273,7 +286,6 @@ def attention_summaries(
         # The kept queries inside the block: a slice of the ascending positions.
         lo, hi = bisect.bisect_left(queries, q0), bisect.bisect_left(queries, q1)
         inside = torch.tensor(queries[lo:hi], device=device) - q0 if query_rows is not None and hi > lo else None
-        bands = recent_bands(q0, q1, recent, device)
         first_prev = max(q0, 1)
         for h0 in range(0, n_kv, kv_tile):
             h1 = min(n_kv, h0 + kv_tile)
@@ -299,11 +311,6 @@ def attention_summaries(
             out["diag_attn"][at] = tile_probs[..., q0:q1].diagonal(dim1=2, dim2=4).permute(0, 1, 3, 2)
             out["prev_attn"][h0:h1, :, first_prev:q1] = tile_probs[:, :, first_prev - q0 :, :, first_prev - 1 : q1 - 1
                                                                   ].diagonal(dim1=2, dim2=4).permute(0, 1, 3, 2)
-            # Each window's band of keys, at most W + block wide: a product and a sum over
-            # those keys, not the row (a cumulative sum over the row would lose the band's few
-            # digits beside the mass before it).
-            for r, (first, band) in enumerate(bands):
-                recent_attn[h0:h1, :, q0:q1, :, r] = (tile_probs[..., first:q1] * band).sum(dim=-1)
             out["top1_attn"][at] = top1.view(h1 - h0, bsz, q1 - q0, group)
             # With s the scores less their maximum, log p_j = s_j - log Z and 1/Z = max_j p_j, so
             # H = -sum_j p_j log p_j = -log max_j p_j - sum_j p_j s_j: two non-negative terms, no log
@@ -314,6 +321,10 @@ def attention_summaries(
             out["entropy"][at] = entropy.view(h1 - h0, bsz, q1 - q0, group)
             weighted = torch.mul(probs, v_norm[h0:h1, :, :, :n_keys].flatten(0, 1), out=scores)
             winner[at] = first_argmax(weighted).view(h1 - h0, bsz, q1 - q0, group)
+            # Summed over each window's keys, not as a difference of running sums over the
+            # row, which would lose the window's few digits beside the mass before it.
+            for r, w in enumerate(recent):
+                recent_attn[h0:h1, :, q0:q1, :, r] = recent_mass(tile_probs, q0, w)
             if rows is not None:
                 rows.transpose(2, 3)[h0:h1, :, q0:q1, :, :n_keys] = tile_probs
             if inside is not None:
