@@ -4,7 +4,7 @@
     python benchmarks/detect_time.py                                  # both offline models, L = 512, S = 16, CPU
     python benchmarks/detect_time.py --models smollm2-135m --length 256 --device cuda
 
-For each model: extract a run of ``--num-sequences`` wiki-summaries windows at ``--length``
+For each model: extract a run of ``--num-sequences`` windows of ``--dataset`` at ``--length``
 (not timed), then ``attngeom.detect`` with its defaults (16 probes, 16 haystacks x 5 depths,
 needle of 16 tokens), timed as a whole: model load, the probe and retrieval forwards through
 the capture, and the write. Then the same forwards as a plain eager ``output_attentions``
@@ -53,16 +53,17 @@ def main() -> None:
     parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--num-sequences", type=int, default=16)
+    parser.add_argument("--dataset", default="python-docs", help="an offline corpus with documents of L-1 tokens")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-eager", action="store_true", help="skip the eager output_attentions comparison")
     args = parser.parse_args()
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"device {args.device}, L = {args.length}, S = {args.num_sequences}")
+          f"device {args.device}, {args.dataset}, L = {args.length}, S = {args.num_sequences}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             store = f"{tmp}/{name}.zarr"
-            run_id = extract(ExtractRequest(model=name, dataset="wiki-summaries", context_length=args.length,
+            run_id = extract(ExtractRequest(model=name, dataset=args.dataset, context_length=args.length,
                                             num_sequences=args.num_sequences, store=store, progress=False)).run_id
             start = time.perf_counter()
             result = ag.detect(store, run_id, device=args.device, progress=False)
