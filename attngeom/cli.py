@@ -251,7 +251,7 @@ def detect(store: str, run_id: str, depths, no_progress: bool, **kwargs) -> None
 
     \b
     Example:
-      attngeom detect --store runs.zarr --run smollm2-135m__wiki-summaries__L512
+      attngeom detect --store runs.zarr --run smollm2-135m__python-docs__L512
     """
     from attngeom import api
 

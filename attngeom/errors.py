@@ -9,11 +9,11 @@ Python callers catch the kind they can handle (never the message text).
         ├── StoreNotFoundError    nothing (or no attngeom store) at the URL
         ├── SchemaError           not attngeom's, another schema version or format, a migration under way
         ├── RunNotFoundError      no such run (or no completed sequence in it)
-        ├── GroupNotFoundError    no such analysis or ablation group in a run (not computed yet)
+        ├── GroupNotFoundError    no such analysis, ablation or detect group in a run (not computed yet)
         ├── StoreWriteError       the store cannot be written (full, read-only)
         └── DamagedStoreError     unreadable metadata, a missing or corrupt chunk
             ├── CorruptChunkError     a chunk that fails to decode (checksum, compression)
-            └── IncompleteGroupError  an analysis or ablation whose writer was interrupted
+            └── IncompleteGroupError  a derived group whose writer was interrupted
 """
 
 from __future__ import annotations

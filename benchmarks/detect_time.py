@@ -2,14 +2,15 @@
 """detect's wall time per model, and the heads it finds (run by hand).
 
     python benchmarks/detect_time.py                                  # both offline models, L = 512, S = 16, CPU
-    python benchmarks/detect_time.py --models smollm2-135m --length 256 --device cuda
+    python benchmarks/detect_time.py --models smollm2-135m --length 256 --num-sequences 8 --eager
 
-For each model: extract a run of ``--num-sequences`` wiki-summaries windows at ``--length``
+For each model: extract a run of ``--num-sequences`` windows of ``--dataset`` at ``--length``
 (not timed), then ``attngeom.detect`` with its defaults (16 probes, 16 haystacks x 5 depths,
-needle of 16 tokens), timed as a whole: model load, the probe and retrieval forwards through
-the capture, and the write. Then the same forwards as a plain eager ``output_attentions``
-forward of the model in float32 (every layer's full L x L rows), the route detect does not
-take, timed alone. Prints one table row per model and its top induction and retrieval heads.
+needle of 16 tokens; as many haystacks as the run has windows, up to 16), timed as a whole:
+model load, the probe and retrieval forwards through the capture, and the write. With
+``--eager``, then the same forwards as a plain eager ``output_attentions`` forward of the
+model in float32 (every layer's full L x L rows), the route detect does not take, timed
+alone. Prints each model's top heads as it is done, then one table row per model.
 """
 
 from __future__ import annotations
@@ -53,30 +54,33 @@ def main() -> None:
     parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--num-sequences", type=int, default=16)
+    parser.add_argument("--dataset", default="python-docs", help="an offline corpus with documents of L-1 tokens")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--no-eager", action="store_true", help="skip the eager output_attentions comparison")
+    parser.add_argument("--eager", action="store_true", help="also time the eager output_attentions forwards")
     args = parser.parse_args()
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"device {args.device}, L = {args.length}, S = {args.num_sequences}")
+          f"device {args.device}, {args.dataset}, L = {args.length}, S = {args.num_sequences}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             store = f"{tmp}/{name}.zarr"
-            run_id = extract(ExtractRequest(model=name, dataset="wiki-summaries", context_length=args.length,
+            run_id = extract(ExtractRequest(model=name, dataset=args.dataset, context_length=args.length,
                                             num_sequences=args.num_sequences, store=store, progress=False)).run_id
             start = time.perf_counter()
             result = ag.detect(store, run_id, device=args.device, progress=False)
             seconds = time.perf_counter() - start
             scores = result.scores
+            print(f"{name}: detect {seconds:.1f} s")
+            print(f"{name}: induction {top(scores, 'induction_score')}")
+            print(f"{name}: retrieval {top(scores, 'retrieval_score')}")
+            print(f"{name}: duplicate {top(scores, 'duplicate_score', 3)}; prev_token {top(scores, 'prev_token_score', 3)}",
+                  flush=True)
             eager = None
-            if not args.no_eager:
+            if args.eager:
                 inputs = [result.probes["probe_tokens"].values, result.retrieval["retrieval_tokens"].values]
                 eager = eager_seconds(name, inputs, 8, args.device)
             rows.append((name, seconds, eager, int((scores["induction_score"] > 0.4).sum()),
                          int((scores["retrieval_score"] > 0.1).sum()), scores.sizes["layer"] * scores.sizes["head"]))
-            print(f"{name}: induction {top(scores, 'induction_score')}")
-            print(f"{name}: retrieval {top(scores, 'retrieval_score')}")
-            print(f"{name}: duplicate {top(scores, 'duplicate_score', 3)}; prev_token {top(scores, 'prev_token_score', 3)}")
     print("| model | detect (s) | eager output_attentions forwards alone (s) | heads induction > 0.4 | heads retrieval > 0.1 | heads |")
     print("|---|---|---|---|---|---|")
     for name, seconds, eager, induction, retrieval, heads in rows:

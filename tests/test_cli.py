@@ -23,11 +23,12 @@ from attngeom.cli import main
 def test_help_lists_each_command_once_in_pipeline_order_and_every_option_has_help():
     top = CliRunner().invoke(main, ["--help"]).output
     listed = re.findall(r"^  (\w+) ", top.split("Commands:", 1)[1], flags=re.M)
-    assert listed == ["extract", "analyze", "taxonomy", "ablate", "report", "explore", "validate", "migrate", "demo"]
-    # Which commands need the model, as the code does: extract, ablate and demo load it.
+    assert listed == ["extract", "analyze", "taxonomy", "ablate", "detect", "report", "explore", "validate", "migrate",
+                      "demo"]
+    # Which commands need the model, as the code does: extract, ablate, detect and demo load it.
     intro = " ".join(top.split("Options:", 1)[0].split())
     assert "analyze, taxonomy, report, explore, validate and migrate read the store and need no model" in intro
-    assert "ablate loads the run's model again" in intro and "demo runs extract" in intro
+    assert "ablate and detect load the run's model again" in intro and "demo runs extract" in intro
     for name, command in main.commands.items():
         assert all(p.help for p in command.params if isinstance(p, click.Option)), name
         text = CliRunner().invoke(main, [name, "--help"], terminal_width=200).output

@@ -127,7 +127,7 @@ def detect(request: DetectRequest) -> DetectResult:
         with evaluating(model):
             probe = _probe_scores(model, probes, k, request, device)
             hits = _retrieval_hits(model, retrieval, request, device)
-        attrs = _attrs(request, inputs, params, vocab, device, compute_dtype)
+        attrs = _attrs(inputs, params, vocab, device, compute_dtype)
         groups = _assemble(inputs, probes, probe, retrieval, hits, request.needle_length, attrs)
         with session.derived(request.run_id, DETECT) as write:
             write.replace(groups, params)
@@ -258,7 +258,7 @@ def _layers(model: torch.nn.Module) -> range:
     return range(model.config.get_text_config().num_hidden_layers)
 
 
-def _attrs(request: DetectRequest, inputs: _RunInputs, params: dict[str, Any], vocab: np.ndarray, device: str,
+def _attrs(inputs: _RunInputs, params: dict[str, Any], vocab: np.ndarray, device: str,
            compute_dtype: torch.dtype) -> dict[str, Any]:
     """The protocol and parameters every detect group records."""
     return {
