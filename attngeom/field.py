@@ -180,7 +180,7 @@ def _run_frame(store: str, run_id: str, provenance: Mapping, heads: xr.Dataset) 
         "layer": np.repeat(np.arange(n_layers), n_heads),
         "head": np.tile(np.arange(n_heads), n_layers),
         "kv_head": np.tile(head_kv, n_layers),
-        "regime": np.asarray([str(x) for x in np.asarray(heads["regime"].values).ravel()], dtype=object),
+        "regime": regimes_of(heads).ravel(),
     }
     for name in (*(f"vote_{v}" for v in VOTES), *VALUE_STATISTICS, "mu", "mu_q95"):
         if name in heads:
