@@ -30,6 +30,7 @@ from attngeom.store import (
     SIGNATURE_VARIABLES,
     VALUE_STATISTICS,
     VOTES,
+    lacking_summaries,
     open_derived,
     open_root,
     require_run,
@@ -40,7 +41,7 @@ from attngeom.store import (
 __all__ = [
     "CRITERIA", "DETECT", "DETECT_GROUP", "HEAD_SCORES", "KV_SCORES", "SCORES", "TABLE_SUFFIXES", "Criterion",
     "Score", "check_kv_score", "check_path", "class_counts", "head_table", "kv_scores", "open_groups", "regimes_of",
-    "run_scores", "share", "write_kv", "write_table",
+    "run_scores", "share", "why_no_head_scores", "write_kv", "write_table",
 ]
 
 HEAD_SCORES = "head_scores"
@@ -152,6 +153,16 @@ def open_groups(store: str, run_id: str, zstore: object = None) -> tuple[xr.Data
     return found[0], found[1]
 
 
+def why_no_head_scores(provenance: Mapping) -> str:
+    """Why a run has no ``analysis/head_scores``, and what adds it: a run extracted before
+    attngeom kept prev_attn and recent_attn must be extracted again; any other, analyzed."""
+    lacking = lacking_summaries(provenance)
+    if lacking:
+        return (f"no analysis/{HEAD_SCORES}: the run was extracted before attngeom kept {' and '.join(lacking)} "
+                "(extract it again into a new run)")
+    return f"no analysis/{HEAD_SCORES} (run `attngeom analyze`)"
+
+
 def _optional(store: str, run_id: str, name: str) -> xr.Dataset | None:
     try:
         return open_derived(store, run_id, ANALYSIS, name)
@@ -169,7 +180,7 @@ def _run_frame(store: str, run_id: str, provenance: Mapping, heads: xr.Dataset) 
         "layer": np.repeat(np.arange(n_layers), n_heads),
         "head": np.tile(np.arange(n_heads), n_layers),
         "kv_head": np.tile(head_kv, n_layers),
-        "regime": np.asarray([str(x) for x in np.asarray(heads["regime"].values).ravel()], dtype=object),
+        "regime": regimes_of(heads).ravel(),
     }
     for name in (*(f"vote_{v}" for v in VOTES), *VALUE_STATISTICS, "mu", "mu_q95"):
         if name in heads:
@@ -249,11 +260,12 @@ def kv_scores(store: str, score: str, run_id: str | None = None) -> np.ndarray:
     spec = _BY_NAME[score]
     head_scores, detect = open_groups(store, run_id)
     values = run_scores(head_scores, detect).get(score)
+    if values is None and spec.group == HEAD_SCORES:
+        why = why_no_head_scores(run_provenance(open_root(store), run_id))
+        raise GroupNotFoundError(f"run {run_id} has no {score}: {why}")
     if values is None:
-        where = (f"analysis/{HEAD_SCORES} (run `attngeom analyze --store {store} --run {run_id}`)"
-                 if spec.group == HEAD_SCORES else
-                 f"{DETECT} scores (run `attngeom detect --store {store} --run {run_id}`)")
-        raise GroupNotFoundError(f"run {run_id} has no {score}: it needs {where}")
+        raise GroupNotFoundError(f"run {run_id} has no {score}: no {DETECT}/{DETECT_GROUP} "
+                                 f"(run `attngeom detect --store {store} --run {run_id}`)")
     x = values.values
     if not np.isfinite(x).any():
         length = run_provenance(open_root(store), run_id).get("context_length", "?")

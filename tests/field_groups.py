@@ -74,6 +74,15 @@ def drop_head_scores(url: str, run_id: str) -> None:
             del group[name]
 
 
+def mark_lacking(url: str, run_id: str) -> None:
+    """Record the run as extracted before attngeom kept prev_attn and recent_attn, as migrate
+    records a run of an older format."""
+    run = open_run_group(open_root(url, mode="a"), run_id)
+    meta = dict(run.attrs[ATTR_KEY])
+    meta["layout"] = {**meta["layout"], "lacking": ["prev_attn", "recent_attn"]}
+    run.attrs[ATTR_KEY] = meta
+
+
 def add_detect(url: str, run_id: str, ds: xr.Dataset) -> None:
     """``ds`` as the committed ``runs/<run_id>/detect/scores``."""
     replace_groups(url, run_id, "detect", {"scores": ds}, {"probes": 16})

@@ -19,6 +19,7 @@ from field_groups import (
     detect_scores,
     drop_head_scores,
     head_scores,
+    mark_lacking,
     plant_regimes,
     regimes,
 )
@@ -86,7 +87,7 @@ def _scores_from_regimes(regime: np.ndarray):
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
     """Runs "both" (analysis, head_scores, detect), "text" (head_scores only), "plain"
-    (an analysis without head_scores, as of a run extracted before prev_attn) and "raw"
+    (an analysis without head_scores, of a run extracted before prev_attn) and "raw"
     (extracted only)."""
     url = str(tmp_path_factory.mktemp("field") / "store.zarr")
     for seed, run_id in enumerate(("both", "text", "plain", "raw")):
@@ -95,6 +96,7 @@ def store(tmp_path_factory) -> str:
         if run_id != "raw":
             analyze(url, run_id=run_id, scheduler="threads", n_grid=GRID, progress=False)
     drop_head_scores(url, "plain")
+    mark_lacking(url, "plain")
     for run_id in ("both", "text"):
         text, probe = _scores_from_regimes(regimes(url, run_id))
         add_head_scores(url, run_id, text)
@@ -147,11 +149,12 @@ def test_report_section_states_what_the_scores_make_of_the_regimes(store, page):
         "retrieval heads, 1 of the 3 retrieval heads is not a Retriever head.",
     ]
     text_run = [s for s in said if s.startswith("Run text (")]
-    assert text_run[0].endswith("no detect/scores, so duplicate-token, induction and retrieval heads are not "
-                                "compared (run `attngeom detect`).")
+    assert text_run[0].endswith("duplicate-token, induction and retrieval heads are not compared: no "
+                                "detect/scores (run `attngeom detect`).")
     assert len(text_run) == 1 + 7  # the note, then the three text classes
-    # The run without head_scores is named in the notes; the raw one too.
-    assert "run plain: no analysis/head_scores (run `attngeom analyze`)" in text
+    # The run without head_scores is named in the notes, with what would add them.
+    assert ("run plain: no analysis/head_scores: the run was extracted before attngeom kept prev_attn and "
+            "recent_attn (extract it again into a new run)") in text
     classes = pd.read_csv(out / "field_classes.csv")
     row = classes[(classes["run"] == "both") & (classes["class"] == "retrieval head")].iloc[0]
     assert row[["heads", "Retriever", "Mixer", "Reset", "% of Retriever"]].tolist() == [3, 2, 0, 1, 100.0]
@@ -241,6 +244,7 @@ def test_kv_table_is_duoattentions_layout(store, tmp_path):
     (["--export-kv", "{tmp}/k.tsv", "--run", "both"], InputError),
     (["--export-kv", "{tmp}/k.tsv", "--score", "retrieval_score", "--run", "text"], GroupNotFoundError),
     (["--export-kv", "{tmp}/k.tsv", "--score", "distant_mass_w256", "--run", "text"], GroupNotFoundError),
+    (["--export-kv", "{tmp}/k.tsv", "--score", "distant_mass_w16", "--run", "plain"], GroupNotFoundError),
     (["--export-kv", "{tmp}/k.tsv", "--score", "retrieval_score"], InputError),
     (["--export-kv", "{tmp}/k.csv", "--score", "retrieval_score", "--run", "both"], InputError),
     (["--export", "{tmp}/heads.xlsx"], InputError),

@@ -16,7 +16,7 @@ import zarr
 
 from attngeom.analyze.parameters import default_n_grid
 from attngeom.errors import GroupNotFoundError, RunNotFoundError
-from attngeom.field import DETECT, DETECT_GROUP, HEAD_SCORES, open_groups
+from attngeom.field import DETECT, DETECT_GROUP, open_groups, why_no_head_scores
 from attngeom.store import (
     ABLATION,
     ANALYSIS,
@@ -130,8 +130,8 @@ def _open_run(store: str, root: zarr.Group, run_id: str, sequences: int) -> Expl
         run.notes.append("no ablation (run `attngeom ablate`): no delta NLL")
     run.head_scores, run.detect = open_groups(store, run_id)
     if run.head_scores is None:
-        run.field_missing.append(f"no analysis/{HEAD_SCORES} (run `attngeom analyze`): no sink, previous-token "
-                                 "or distant-mass scores")
+        run.field_missing.append(f"{why_no_head_scores(run.provenance)}: no sink, previous-token or "
+                                 "distant-mass scores")
     if run.detect is None:
         run.field_missing.append(f"no {DETECT}/{DETECT_GROUP} (run `attngeom detect`): no duplicate-token, "
                                  "induction or retrieval scores")

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attngeom.field import CRITERIA, DETECT, DETECT_GROUP, HEAD_SCORES, Criterion, class_counts, regimes_of, run_scores
+from attngeom.field import CRITERIA, DETECT, DETECT_GROUP, Criterion, class_counts, regimes_of, run_scores
 from attngeom.report.data import RunData, has_field_scores
 from attngeom.report.spec import TextSpec
 from attngeom.store import REGIMES
@@ -82,11 +82,10 @@ def agreement(runs: Sequence[RunData]) -> list[str]:
         regimes = regimes_of(run.heads).ravel()
         scores = run_scores(run.head_scores, run.detect)
         if run.head_scores is None:
-            lines.append(f"{who}: no analysis/{HEAD_SCORES}, so sink, previous-token and streaming heads are "
-                         "not compared (run `attngeom analyze`).")
+            lines.append(f"{who}: sink, previous-token and streaming heads are not compared: {run.no_head_scores}.")
         if run.detect is None:
-            lines.append(f"{who}: no {DETECT}/{DETECT_GROUP}, so duplicate-token, induction and retrieval heads "
-                         "are not compared (run `attngeom detect`).")
+            lines.append(f"{who}: duplicate-token, induction and retrieval heads are not compared: no "
+                         f"{DETECT}/{DETECT_GROUP} (run `attngeom detect`).")
         for criterion in CRITERIA:
             if criterion.score in scores:
                 values = scores[criterion.score].values.ravel()

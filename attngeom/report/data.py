@@ -16,7 +16,7 @@ import xarray as xr
 import zarr
 
 from attngeom.errors import GroupNotFoundError
-from attngeom.field import DETECT, DETECT_GROUP, HEAD_SCORES, open_groups
+from attngeom.field import DETECT, DETECT_GROUP, HEAD_SCORES, open_groups, why_no_head_scores
 from attngeom.store import (
     ABLATION,
     ABLATION_GROUPS,
@@ -55,6 +55,7 @@ class RunData:
     topn: xr.Dataset | None = None
     summary_by_query: xr.Dataset | None = None
     head_scores: xr.Dataset | None = None   # analysis/head_scores (layer, head[, recent])
+    no_head_scores: str = ""                # why head_scores is None
     detect: xr.Dataset | None = None        # the detect stage's scores (layer, head)
     ablation: dict[str, xr.Dataset] = field(default_factory=dict)
 
@@ -111,6 +112,8 @@ def requires(group: str, *variables: str) -> Requirement:
 
     def check(run: RunData) -> Missing | None:
         ds = run.group(group)
+        if ds is None and group == HEAD_SCORES:
+            return Missing(run.no_head_scores, stage)
         if ds is None:
             return Missing(f"no {where} (run `attngeom {stage}`)", stage)
         lacking = [v for v in variables if v not in ds.variables]
@@ -186,6 +189,7 @@ def load_run(store: str, root: zarr.Group, run_id: str) -> RunData:
     # Lazy as topn: (stat, layer, head, query_pos, n) grows with the stored queries.
     data.summary_by_query = _open(store, root, run_id, ANALYSIS, "summary_by_query")
     data.head_scores, data.detect = open_groups(store, run_id, zstore=root.store)
+    data.no_head_scores = why_no_head_scores(meta)
     for name in ABLATION_GROUPS:
         ds = _open(store, root, run_id, ABLATION, name)
         if ds is not None:
