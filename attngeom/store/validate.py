@@ -14,6 +14,7 @@ import contextlib
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,11 @@ from attngeom.store.schema import (
     SEQUENCE_ARRAYS,
     RunLayout,
 )
+
+
+# Arrays a deep check of an object store reads at once (each holds one stored object in
+# memory at a time, a shard read whole).
+_REMOTE_READERS = 4
 
 
 def _written_sequences(run: zarr.Group, name: str) -> set[int]:
@@ -489,13 +495,20 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
             problems += derived
         if deep:
             listed = object_sizes(zstore, "")  # one listing, not one per array
-            for arr in arrays_of(root, nodes):
-                if not has_checksum(nodes[f"{arr.path}/zarr.json"]):
-                    problems.append(f"array '{arr.path}' has no chunk checksums")
+
+            def check(arr: zarr.Array) -> list[str]:
+                lines = [] if has_checksum(nodes[f"{arr.path}/zarr.json"]) else [
+                    f"array '{arr.path}' has no chunk checksums"]
                 sequences = _committed_of(arr, committed)
-                problems += [p for p in damaged_objects(arr, url, _expected_objects(arr, sequences), sequences,
-                                                        objects=chunk_objects(arr, listed))
-                             if _object_key(p) not in named]
+                return lines + [p for p in damaged_objects(arr, url, _expected_objects(arr, sequences), sequences,
+                                                           objects=chunk_objects(arr, listed))
+                                if _object_key(p) not in named]
+
+            # An object store's objects are read a few arrays at once: one after the other,
+            # each waits for its own round trip. A local disk's are read in turn.
+            with ThreadPoolExecutor(1 if path is not None else _REMOTE_READERS) as pool:
+                for lines in pool.map(check, arrays_of(root, nodes)):
+                    problems += lines
     return list(dict.fromkeys(problems))
 
 
