@@ -75,9 +75,9 @@ def test_an_analyze_reads_metadata_and_each_shard_once_whatever_its_batches(s3_e
     assert total(few, "GetObject", metadata) == total(many, "GetObject", metadata)
     assert total(many, "HeadObject", metadata) <= 1  # the command's first look at the store
     for counts, n in ((few, 2), (many, 6)):
-        for name in ("values", "attn_last", "winner"):
+        for prefix in ("runs/r/values/c/", "runs/r/attn_last/c/", "runs/r/winner/c/"):
             # A sequence's shard is read once, for both of its layers' tasks.
-            assert total(counts, "GetObject", lambda key: key.startswith(f"runs/r/{name}/c/")) == n, name
+            assert total(counts, "GetObject", lambda key, prefix=prefix: key.startswith(prefix)) == n, prefix
         # The record: begun, once a batch, committed.
         assert counts[("PutObject", "runs/r/analysis/zarr.json")] == n + 2
         # Nothing staged, nothing copied into place.

@@ -65,7 +65,6 @@ from attngeom.store.schema import (
     RunLayout,
 )
 
-
 # Arrays a deep check of an object store reads at once (each holds one stored object in
 # memory at a time, a shard read whole).
 _REMOTE_READERS = 4
