@@ -75,9 +75,9 @@ def test_an_analyze_reads_metadata_and_each_shard_once_whatever_its_batches(s3_e
     assert total(few, "GetObject", metadata) == total(many, "GetObject", metadata)
     assert total(many, "HeadObject", metadata) <= 1  # the command's first look at the store
     for counts, n in ((few, 2), (many, 6)):
-        for name in ("values", "attn_last", "winner"):
+        for prefix in ("runs/r/values/c/", "runs/r/attn_last/c/", "runs/r/winner/c/"):
             # A sequence's shard is read once, for both of its layers' tasks.
-            assert total(counts, "GetObject", lambda key: key.startswith(f"runs/r/{name}/c/")) == n, name
+            assert total(counts, "GetObject", lambda key, prefix=prefix: key.startswith(prefix)) == n, prefix
         # The record: begun, once a batch, committed.
         assert counts[("PutObject", "runs/r/analysis/zarr.json")] == n + 2
         # Nothing staged, nothing copied into place.
@@ -106,3 +106,41 @@ def test_validate_reads_each_zarr_json_once_and_lists_per_array_not_per_sequence
         runs.append(counts)
     few, many = runs
     assert total(few, "ListObjectsV2") == total(many, "ListObjectsV2")
+
+
+def test_a_small_objects_parts_are_cut_from_one_read_of_it_and_equal_ranged_reads(monkeypatch):
+    """An object the command listed as small is read once, whole, and every part asked for
+    (ranges, offsets, suffixes, also past its end) equals what a ranged read returns."""
+    from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+    from zarr.core.buffer import default_buffer_prototype
+
+    from attngeom.store._zarr import sync
+    from attngeom.store.cache import cached, note_sizes, uncached
+
+    url = f"memory://attngeom-{uuid.uuid4().hex}/s.zarr"
+    mine = cached(zarr_store(url, read_only=False))
+    data = bytes(range(200))
+    sync(uncached(mine).set("a/c/0", default_buffer_prototype().buffer.from_bytes(data)))
+    reads = []
+    original = mine.fs._cat_file
+
+    async def counting(path, *args, **kwargs):
+        reads.append(path)
+        return await original(path, *args, **kwargs)
+
+    monkeypatch.setattr(mine.fs, "_cat_file", counting)
+
+    async def note() -> None:
+        note_sizes(mine, {"a/c/0": len(data)})
+
+    sync(note())
+    parts = [RangeByteRequest(10, 20), OffsetByteRequest(190), SuffixByteRequest(5), SuffixByteRequest(300),
+             RangeByteRequest(195, 250), None]
+
+    def get(store, part):
+        return sync(store.get("a/c/0", prototype=default_buffer_prototype(), byte_range=part)).to_bytes()
+
+    got = [get(mine, part) for part in parts]
+    assert len(reads) == 1  # the whole object, once
+    assert got == [get(uncached(mine), part) for part in parts]
+    assert got[:3] == [data[10:20], data[190:], data[-5:]]

@@ -14,6 +14,7 @@ import contextlib
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -65,9 +66,9 @@ from attngeom.store.schema import (
     RunLayout,
 )
 
-
-def _written_sequences(run: zarr.Group, name: str) -> set[int]:
-    return {index[0] for index in chunk_objects(run[name])}
+# Arrays a deep check of an object store reads at once (each holds one stored object in
+# memory at a time, a shard read whole).
+_REMOTE_READERS = 4
 
 
 def _ranges(indices: Iterable[int]) -> str:
@@ -86,15 +87,17 @@ def lost_objects(run: zarr.Group, members: Mapping[str, zarr.Array] | None = Non
     """Per-sequence array -> grid index -> why (:class:`FileNotFoundError`: missing,
     :class:`EOFError`: empty) for each stored object (shard, or chunk) that a committed
     sequence must have and that is missing or empty: read, it would be the fill value. One
-    listing per array; data are not read. ``members``: the run's arrays (:func:`_members`)
-    when the caller has them."""
+    listing of the run (on an object store, a page per thousand objects; one per array asked
+    for at least one each); data are not read. ``members``: the run's arrays
+    (:func:`_members`) when the caller has them."""
     members = _members(run) if members is None else members
     done = set(completed(run).tolist())
+    listed = object_sizes(run.store, f"{run.path}/")
     lost: dict[str, dict[tuple[int, ...], Exception]] = {}
     for name in SEQUENCE_ARRAYS:
         if name not in members:
             continue
-        objects = chunk_objects(members[name])
+        objects = chunk_objects(members[name], listed)
         for index in _expected_objects(members[name], done):
             size = objects.get(index)
             if not size:
@@ -184,13 +187,23 @@ def reading_run(url: str, run: zarr.Group, run_id: str) -> Iterator[None]:
 
 
 def _members(run: zarr.Group) -> dict[str, zarr.Array]:
-    """The run's arrays whose metadata reads (unreadable ones are named by metadata checks)."""
+    """The run's arrays whose metadata reads (unreadable ones are named by metadata checks):
+    one listing and every member's metadata read at once, or where one does not read, each
+    member looked up in turn."""
+    try:
+        with quiet_leftovers():
+            found = dict(run.members())
+    except (KeyError, TypeError, *DECODE_ERRORS):
+        found = None
     out = {}
     for name in RUN_VARIABLES:
-        try:
-            node = run[name]
-        except (KeyError, *DECODE_ERRORS):
-            continue
+        if found is not None:
+            node = found.get(name)
+        else:
+            try:
+                node = run[name]
+            except (KeyError, *DECODE_ERRORS):
+                continue
         if isinstance(node, zarr.Array):
             out[name] = node
     return out
@@ -309,9 +322,10 @@ def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[s
     except DECODE_ERRORS:
         return problems  # the flags' chunk is damaged: named by the deep check
     written: dict[int, set[str]] = {}
+    listed = object_sizes(run.store, f"{run.path}/")
     for name in layout.names():
         if RUN_VARIABLES[name].per_sequence and name != "complete" and name in members:
-            for s in _written_sequences(run, name):
+            for s in {index[0] for index in chunk_objects(members[name], listed)}:
                 written.setdefault(s, set()).add(name)
     expected_arrays = {n for n in members if RUN_VARIABLES[n].per_sequence and n != "complete"}
     for s in sorted(done):
@@ -321,7 +335,7 @@ def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[s
                 f"{where}: sequence {s} is marked complete but lacks {', '.join(sorted(missing))}; "
                 f"{recovery(url, run.path, s)}"
             )
-    for s, what in sorted(committed_damage(run).items()):
+    for s, what in sorted(committed_damage(run, members).items()):
         if "empty" in what:
             problems.append(f"{where}: sequence {s} is marked complete but {what}; {recovery(url, run.path, s)}")
     partly = sorted(s for s in written if s not in done and s < n_seq)
@@ -495,13 +509,20 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
             problems += derived
         if deep:
             listed = object_sizes(zstore, "")  # one listing, not one per array
-            for arr in arrays_of(root, nodes):
-                if not has_checksum(nodes[f"{arr.path}/zarr.json"]):
-                    problems.append(f"array '{arr.path}' has no chunk checksums")
+
+            def check(arr: zarr.Array) -> list[str]:
+                lines = [] if has_checksum(nodes[f"{arr.path}/zarr.json"]) else [
+                    f"array '{arr.path}' has no chunk checksums"]
                 sequences = _committed_of(arr, committed)
-                problems += [p for p in damaged_objects(arr, url, _expected_objects(arr, sequences), sequences,
-                                                        objects=chunk_objects(arr, listed))
-                             if _object_key(p) not in named]
+                return lines + [p for p in damaged_objects(arr, url, _expected_objects(arr, sequences), sequences,
+                                                           objects=chunk_objects(arr, listed))
+                                if _object_key(p) not in named]
+
+            # An object store's objects are read a few arrays at once: one after the other,
+            # each waits for its own round trip. A local disk's are read in turn.
+            with ThreadPoolExecutor(1 if path is not None else _REMOTE_READERS) as pool:
+                for lines in pool.map(check, arrays_of(root, nodes)):
+                    problems += lines
     return list(dict.fromkeys(problems))
 
 
