@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 
 from attngeom.errors import (
     AttngeomError,
+    AttngeomWarning,
     CorruptChunkError,
     DamagedStoreError,
     GroupNotFoundError,
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
-    "AttngeomError", "CorruptChunkError", "DamagedStoreError", "GroupNotFoundError", "IncompleteGroupError",
+    "AttngeomError", "AttngeomWarning", "CorruptChunkError", "DamagedStoreError", "GroupNotFoundError", "IncompleteGroupError",
     "InputError",
     "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreWriteError",
     "Taxonomy", "Validation", "__version__", "ablate", "analyze", "detect", "explore", "extract", "migrate", "open_store",

@@ -4,13 +4,13 @@ the Python API (:mod:`attngeom.api`, same defaults and errors), and reports."""
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import click
 
 from attngeom import __version__
-from attngeom.errors import AttngeomError
-
+from attngeom.errors import AttngeomError, AttngeomWarning
 
 # What to do after Ctrl-C, by command: each is safe to interrupt and to run again.
 RESUME = {
@@ -28,6 +28,16 @@ class _Group(click.Group):
     to finish, exit code 130."""
 
     def invoke(self, ctx: click.Context):
+        shown = warnings.showwarning
+
+        def one_line(message, category, filename, lineno, file=None, line=None):
+            # Python's form adds the file, line and source of the call: noise to a user.
+            if issubclass(category, AttngeomWarning):
+                click.echo(f"attngeom: warning: {message}", err=True)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = one_line
         try:
             return super().invoke(ctx)
         except AttngeomError as exc:
@@ -42,6 +52,8 @@ class _Group(click.Group):
             how = RESUME.get(ctx.invoked_subcommand or "", "run the same command again")
             click.echo(f"attngeom: interrupted; {how}", err=True)
             sys.exit(130)
+        finally:
+            warnings.showwarning = shown
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(self.commands)

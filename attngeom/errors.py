@@ -14,12 +14,16 @@ Python callers catch the kind they can handle (never the message text).
         └── DamagedStoreError     unreadable metadata, a missing or corrupt chunk
             ├── CorruptChunkError     a chunk that fails to decode (checksum, compression)
             └── IncompleteGroupError  a derived group whose writer was interrupted
+
+A stage that goes on without part of its work (a run that lacks some summaries) says so with
+an :class:`AttngeomWarning`, which the CLI prints as one line.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "AttngeomError",
+    "AttngeomWarning",
     "CorruptChunkError",
     "DamagedStoreError",
     "GroupNotFoundError",
@@ -76,3 +80,7 @@ class CorruptChunkError(DamagedStoreError):
 
 class IncompleteGroupError(DamagedStoreError):
     """An analysis or ablation whose writer was interrupted: not finished, so not read."""
+
+
+class AttngeomWarning(UserWarning):
+    """A stage went on without part of its work; the message says what and how to get it."""

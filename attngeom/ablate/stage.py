@@ -60,7 +60,7 @@ from attngeom.ablate.kernels import (
 )
 from attngeom.ablate.masking import head_geometry, head_weight_norms, masked_nll
 from attngeom.ablate.request import AblateRequest
-from attngeom.errors import GroupNotFoundError, InputError
+from attngeom.errors import AttngeomWarning, GroupNotFoundError, InputError
 from attngeom.runmodel import check_run_model, evaluating, run_model
 from attngeom.store import (
     ABLATION,
@@ -397,7 +397,7 @@ def _read_run(request: AblateRequest, session: StoreSession) -> _RunInputs:
             "no head regimes: runs/<id>/analysis/heads has no 'regime' variable"
             if heads is not None else "no head regimes: the run has not been analyzed (run attngeom analyze)"
         )
-        warnings.warn(f"type-guided sparsification skipped: {skipped['type_guided']}", stacklevel=4)
+        warnings.warn(f"type-guided sparsification skipped: {skipped['type_guided']}", stacklevel=4, category=AttngeomWarning)
     geometric = {
         name: heads[name].values.astype(np.float64)
         for name in sorted(heads.data_vars if heads is not None else ())

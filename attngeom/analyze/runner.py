@@ -55,7 +55,7 @@ from attngeom.analyze.parameters import AnalyzeRequest, analysis_parameters, def
 from attngeom.analyze.reductions import LOADED_TOPN_BYTES, cross_sequence_groups
 from attngeom.analyze.scheduling import dask_client
 from attngeom.analyze.tables import TABLE_COLUMNS, tidy_table
-from attngeom.errors import InputError, RunNotFoundError
+from attngeom.errors import AttngeomWarning, InputError, RunNotFoundError
 from attngeom.store import (
     ANALYSIS,
     analysis_path,
@@ -272,7 +272,7 @@ def analyze(request: AnalyzeRequest) -> list[AnalyzeResult]:
         checked = {rid: _checked_input(session, rid, request.n_grid) for rid in todo}
         for rid, (ds, _) in checked.items():
             if not has_scores(ds):  # the rest of its analysis goes on
-                warnings.warn(lacking_message(rid, lacking_summaries(ds.attrs.get("attngeom", {}))), stacklevel=3)
+                warnings.warn(lacking_message(rid, lacking_summaries(ds.attrs.get("attngeom", {}))), stacklevel=3, category=AttngeomWarning)
         compile_kernels(progress=request.progress)
         with dask_client(request.scheduler, request.store):
             results = [analyze_run(session, rid, *checked[rid], request) for rid in todo]
