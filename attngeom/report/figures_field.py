@@ -68,7 +68,8 @@ def by_regime(runs: Sequence[RunData], group: str) -> Figure:
         if criterion is not None:
             ax.axhline(criterion.threshold, color="0.3", linestyle="--", linewidth=0.9)
             ax.text(0.99, criterion.threshold, f" {criterion.name}: {criterion.rule}",
-                    transform=ax.get_yaxis_transform(), ha="right", va="bottom", fontsize=7, color="0.25")
+                    transform=ax.get_yaxis_transform(), ha="right", va="bottom", fontsize=7, color="0.25",
+                    bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1}, zorder=4)
         ax.set_xticks(range(len(runs)), [short_label(r) for r in runs])
         ax.set_xlim(-0.6, len(runs) - 0.4)
         ax.set_ylim(*UNIT)
