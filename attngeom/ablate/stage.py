@@ -397,7 +397,7 @@ def _read_run(request: AblateRequest, session: StoreSession) -> _RunInputs:
             "no head regimes: runs/<id>/analysis/heads has no 'regime' variable"
             if heads is not None else "no head regimes: the run has not been analyzed (run attngeom analyze)"
         )
-        warnings.warn(f"type-guided sparsification skipped: {skipped['type_guided']}", stacklevel=4, category=AttngeomWarning)
+        warnings.warn(f"type-guided sparsification skipped: {skipped['type_guided']}", AttngeomWarning, stacklevel=4)
     geometric = {
         name: heads[name].values.astype(np.float64)
         for name in sorted(heads.data_vars if heads is not None else ())

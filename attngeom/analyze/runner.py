@@ -272,7 +272,8 @@ def analyze(request: AnalyzeRequest) -> list[AnalyzeResult]:
         checked = {rid: _checked_input(session, rid, request.n_grid) for rid in todo}
         for rid, (ds, _) in checked.items():
             if not has_scores(ds):  # the rest of its analysis goes on
-                warnings.warn(lacking_message(rid, lacking_summaries(ds.attrs.get("attngeom", {}))), stacklevel=3, category=AttngeomWarning)
+                warnings.warn(lacking_message(rid, lacking_summaries(ds.attrs.get("attngeom", {}))), AttngeomWarning,
+                              stacklevel=3)
         compile_kernels(progress=request.progress)
         with dask_client(request.scheduler, request.store):
             results = [analyze_run(session, rid, *checked[rid], request) for rid in todo]
