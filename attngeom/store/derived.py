@@ -49,6 +49,7 @@ from attngeom.store.nodes import (
     delete_objects,
     group_document,
     jsonable,
+    local_path,
     metadata_bytes,
     move_group,
     node_exists,
@@ -432,17 +433,19 @@ class DerivedWrite:
 
     def finish(self, datasets: Mapping[str, xr.Dataset]) -> None:
         """Write the groups across sequences (name -> Dataset, computed from every target
-        sequence) and commit: the update's last write. A staged update writes them into
-        staging too and moves every staged group into place; any other writes them in
-        place, the commit it kept withdrawn first (as a promotion withdraws it): on an
-        object store, where a move is a copy of every object, that halves their writes."""
+        sequence) into staging, move every staged group into place and commit: the update's
+        last write. An update in place with no commit to keep readable writes them in place
+        instead, and so does one on an object store, its kept commit withdrawn first: there
+        a move is a copy of every object, which readers wait for as long as for the write,
+        so that staging only doubled the writes."""
         self._advance("writing", "done")
         update = self._update
         if update.pending.sequences != update.done.sequences:
             raise RuntimeError(f"{len(update.pending.sequences)} of {len(update.done.sequences)} sequences written")
-        if self.plan.staged:
+        if self.plan.staged or (self.state.commit is not None and local_path(self.url) is not None):
             self._write(datasets)
-            self._promote([*update.done.sequence_groups, *datasets], update.pending)
+            staged = update.done.sequence_groups if self.plan.staged else ()
+            self._promote([*staged, *datasets], update.pending)
         else:
             if self.state.commit is not None:
                 self._set_pending(update.pending, keep_commit=False)
