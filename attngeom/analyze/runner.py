@@ -146,7 +146,9 @@ def _per_sequence_groups(write: DerivedWrite, n_seq: int, names: Sequence[str],
         parts = list(held.get(name, ()))
         first = n_seq - sum(part.sizes["seq"] for part in parts)
         if first:
-            parts.insert(0, write.read(name).isel(seq=slice(0, first)).load())
+            # Read here, as the reductions read: handed to the workers, the chunks would be
+            # pickled to them and their arrays back.
+            parts.insert(0, write.read(name).isel(seq=slice(0, first)).load(scheduler=dask.threaded.get))
         # The other coordinates and the attributes are the same in every part.
         out[name] = parts[0] if len(parts) == 1 else xr.concat(
             parts, "seq", data_vars="all", coords="minimal", compat="override", join="override",
