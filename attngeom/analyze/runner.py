@@ -130,8 +130,11 @@ def _sequences_per_batch(n_layers: int) -> int:
 
 def _batches(start: int, stop: int, n_layers: int) -> Iterator[tuple[int, int]]:
     size = _sequences_per_batch(n_layers)
-    for a in range(start, stop, size):
-        yield a, min(stop, a + size)
+    # A batch ends where a chunk of the per-sequence groups does (a chunk holds `size`
+    # sequences): after kept sequences, the first batch fills their last chunk and every
+    # later one writes whole chunks, each once, never read back to be merged.
+    bounds = [start, *range((start // size + 1) * size, stop, size), stop] if start < stop else []
+    yield from zip(bounds[:-1], bounds[1:])
 
 
 def _per_sequence_groups(write: DerivedWrite, n_seq: int, names: Sequence[str],
