@@ -130,8 +130,11 @@ def _sequences_per_batch(n_layers: int) -> int:
 
 def _batches(start: int, stop: int, n_layers: int) -> Iterator[tuple[int, int]]:
     size = _sequences_per_batch(n_layers)
-    for a in range(start, stop, size):
-        yield a, min(stop, a + size)
+    # A batch ends where a chunk of the per-sequence groups does (a chunk holds `size`
+    # sequences): after kept sequences, the first batch fills their last chunk and every
+    # later one writes whole chunks, each once, never read back to be merged.
+    bounds = [start, *range((start // size + 1) * size, stop, size), stop] if start < stop else []
+    yield from zip(bounds[:-1], bounds[1:])
 
 
 def _per_sequence_groups(write: DerivedWrite, n_seq: int, names: Sequence[str],
@@ -146,7 +149,9 @@ def _per_sequence_groups(write: DerivedWrite, n_seq: int, names: Sequence[str],
         parts = list(held.get(name, ()))
         first = n_seq - sum(part.sizes["seq"] for part in parts)
         if first:
-            parts.insert(0, write.read(name).isel(seq=slice(0, first)).load())
+            # Read here, as the reductions read: handed to the workers, the chunks would be
+            # pickled to them and their arrays back.
+            parts.insert(0, write.read(name).isel(seq=slice(0, first)).load(scheduler=dask.threaded.get))
         # The other coordinates and the attributes are the same in every part.
         out[name] = parts[0] if len(parts) == 1 else xr.concat(
             parts, "seq", data_vars="all", coords="minimal", compat="override", join="override",

@@ -47,6 +47,7 @@ from attngeom.store.datasets import open_dataset, set_regions, write_datasets, w
 from attngeom.store.nodes import (
     PARTIAL_SUFFIX,
     delete_objects,
+    gather,
     group_document,
     jsonable,
     local_path,
@@ -389,18 +390,19 @@ class DerivedWrite:
         update, plan = self._update, self.plan
         if not plan.keep:
             self._write(templates, staged=plan.staged, compute=False, chunks={"seq": seq_chunk})
-        else:
-            grow = [arr for name in update.done.sequence_groups for _, arr in self._group(name, plan.staged).arrays()
+        arrays = {name: dict(self._group(name, plan.staged).arrays()) for name in update.done.sequence_groups}
+        if plan.keep:
+            grow = [arr for group in arrays.values() for arr in group.values()
                     if tuple(arr.metadata.dimension_names or ())[:1] == ("seq",) and arr.shape[0] != len(plan.target)]
-            # Groups grown in place are read through the kept commit meanwhile.
+            # Groups grown in place are read through the kept commit meanwhile. Every array's
+            # metadata is rewritten at once: one after the other, each waits for its write.
             with contextlib.nullcontext() if plan.staged or not grow else self._commit_withdrawn(update.pending):
-                for arr in grow:
-                    arr.resize((len(plan.target), *arr.shape[1:]))
+                gather(arr.async_array.resize((len(plan.target), *arr.shape[1:])) for arr in grow)
         # Every chunk is stored, also one equal to the fill value: a position written anew
         # never shows an older chunk.
         update.arrays.update({name: {key: arr.async_array.with_config({"write_empty_chunks": True})
-                                     for key, arr in self._group(name, plan.staged).arrays()}
-                              for name in update.done.sequence_groups})
+                                     for key, arr in group.items()}
+                              for name, group in arrays.items()})
 
     def append(self, datasets: Mapping[str, xr.Dataset]) -> None:
         """Write the next sequences of the per-sequence groups (name -> Dataset along
