@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -198,3 +201,26 @@ def moto_s3(**env: str):
         s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
 
+
+# Libraries a refusal must be made without (each takes seconds to import).
+HEAVY = ("torch", "transformers", "dask", "numba", "xarray", "pandas", "zarr", "datasets")
+
+
+def cli_in_fresh_process(cases: list[list[str]]) -> list[tuple[int, str, list[str]]]:
+    """Each command line of ``cases`` run in one new interpreter, in order: its exit code,
+    its output, and which of ``HEAVY`` were imported by then."""
+    script = (
+        "import json, sys\n"
+        "from click.testing import CliRunner\n"
+        "from attngeom.cli import main\n"
+        "out = []\n"
+        "for args in json.loads(sys.argv[1]):\n"
+        "    result = CliRunner().invoke(main, args)\n"
+        f"    out.append([result.exit_code, result.output, [m for m in {HEAVY!r} if m in sys.modules]])\n"
+        "print(json.dumps(out))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    return [tuple(answer) for answer in json.loads(done.stdout)]

@@ -3,7 +3,6 @@ that cannot be used."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -15,6 +14,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from conftest import cli_in_fresh_process
 
 import attngeom as ag
 from attngeom.cli import main
@@ -83,8 +83,6 @@ def test_a_run_longer_than_the_kernels_take_is_one_line_and_writes_nothing(tmp_p
 
 
 # --- mistakes answered before anything heavy loads --------------------------------------------
-
-HEAVY = ("torch", "transformers", "dask", "numba", "xarray", "pandas", "zarr", "datasets")
 
 
 def refusal(*args: str) -> str:
@@ -252,28 +250,12 @@ def test_refusals_come_before_the_model_and_heavy_libraries_load(extracted, tmp_
         ["validate", "--store", str(tmp_path / "none.zarr")],
         ["demo", "-S", "1", "--out", str(tmp_path / "demo")],
     ]
-    script = (
-        "import json, sys\n"
-        "from click.testing import CliRunner\n"
-        "from attngeom.cli import main\n"
-        "out = []\n"
-        "for args in json.loads(sys.argv[1]):\n"
-        "    code = CliRunner().invoke(main, args).exit_code\n"
-        f"    out.append([code, [m for m in {HEAVY!r} if m in sys.modules]])\n"
-        "print(json.dumps(out))\n"
-    )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    answers = json.loads(done.stdout)
+    answers = [[code, heavy] for code, _, heavy in cli_in_fresh_process(cases)]
     assert answers == [[1 if args[0] == "validate" else 2, []] for args in cases], list(zip(cases, answers))
 
     reruns = [extract_args(extracted, context_length="12"), extract_args(extracted)]
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(reruns)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    answers = json.loads(done.stdout)
-    assert [code for code, _ in answers] == [2, 0], done.stderr
+    answers = [[code, heavy] for code, _, heavy in cli_in_fresh_process(reruns)]
+    assert [code for code, _ in answers] == [2, 0], answers
     assert all("torch" not in heavy and "transformers" not in heavy for _, heavy in answers), answers
 
 

@@ -3,7 +3,6 @@ the inputs' layout, planted answers, the CLI's refusals, resume and damage; and 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -14,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 from click.testing import CliRunner
-from conftest import WORDS
+from conftest import WORDS, cli_in_fresh_process
 
 import attngeom as ag
 from attngeom.cli import main
@@ -277,8 +276,6 @@ def test_a_damaged_group_is_named_and_rewritten(detected, tmp_path):
 
 # --- the command line ---------------------------------------------------------------------------
 
-HEAVY = ("torch", "transformers", "dask", "numba", "xarray", "pandas", "zarr", "datasets")
-
 
 def test_refusals_are_one_line_before_anything_heavy_loads(detected, tmp_path):
     _, store = detected("llama")
@@ -293,25 +290,12 @@ def test_refusals_are_one_line_before_anything_heavy_loads(detected, tmp_path):
         ["detect", "--store", store, "--run", "r", "--depths", "x"],
         ["detect", "--store", store],
     ]
-    script = (
-        "import json, sys\n"
-        "from click.testing import CliRunner\n"
-        "from attngeom.cli import main\n"
-        "out = []\n"
-        "for args in json.loads(sys.argv[1]):\n"
-        "    result = CliRunner().invoke(main, args)\n"
-        f"    out.append([result.exit_code, result.output, [m for m in {HEAVY!r} if m in sys.modules]])\n"
-        "print(json.dumps(out))\n"
-    )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
-    for args, (code, output, heavy) in zip(cases, json.loads(done.stdout)):
+    answers = cli_in_fresh_process(cases)
+    for args, (code, output, heavy) in zip(cases, answers):
         lines = output.strip().splitlines()
         assert code == 2 and heavy == [], (args, output, heavy)
         assert len(lines) == 1 and lines[0].startswith("attngeom: error: "), (args, output)
-    assert "needs L >= 62" in json.loads(done.stdout)[2][1]
+    assert "needs L >= 62" in answers[2][1]
 
 
 def test_the_command_writes_and_names_the_top_heads(detected, tmp_path):
