@@ -99,9 +99,8 @@ def _analysis_block(*, block_id, seqs, store, inputs, attendable, head_kv, n_gri
     computed once."""
     seq, layer = int(seqs[block_id[0]]), block_id[1]
     attn, kv_values, source = (read_chunk(store, arr, (seq, layer)) for arr in inputs)
-    kv_values = kv_values.astype(np.float64)
     topn, stats = head_metrics(
-        attn.astype(np.float64),
+        attn,
         kv_values,
         np.broadcast_to(attendable[layer], kv_values.shape[:2]),
         n_grid,
@@ -142,7 +141,6 @@ def _query_block(*, block_id, seqs, store, inputs, attendable, head_kv, position
     (1, 1, H, Q, n, column) float64 of _QUERY_COLUMNS."""
     seq, layer = int(seqs[block_id[0]]), block_id[1]
     rows, kv_values = (read_chunk(store, arr, (seq, layer)) for arr in inputs)
-    kv_values = kv_values.astype(np.float64)
     out = np.empty((rows.shape[0], len(positions), len(n_grid), len(_QUERY_COLUMNS)))
     for i, q in enumerate(int(p) for p in positions):
         keys = q + 1

@@ -5,12 +5,12 @@ Modules, by concern: :mod:`~attngeom.store.schema` (layout, names, versions),
 Store, its objects and node metadata), :mod:`~attngeom.store.access` (the root, the writers'
 hold, consolidated metadata), :mod:`~attngeom.store.session` (one command's store),
 :mod:`~attngeom.store.datasets` (groups as Datasets), :mod:`~attngeom.store.damage` (damage
-errors and recovery), :mod:`~attngeom.store.runs` (runs and the per-sequence commit),
-:mod:`~attngeom.store.derived` and :mod:`~attngeom.store.plan` (analysis and ablation groups
-and their commit record), :mod:`~attngeom.store._zarr` (the zarr internals used),
-:mod:`~attngeom.store.objects` (stored objects and their checks),
-:mod:`~attngeom.store.validate`, :mod:`~attngeom.store.repair` and :mod:`~attngeom.store.migrate`.
-Stages import what they use from here.
+errors and recovery), :mod:`~attngeom.store.chunks` (a run's arrays read a chunk at a time),
+:mod:`~attngeom.store.runs` (runs and the per-sequence commit), :mod:`~attngeom.store.derived`
+and :mod:`~attngeom.store.plan` (analysis and ablation groups and their commit record),
+:mod:`~attngeom.store._zarr` (the zarr internals used), :mod:`~attngeom.store.objects` (stored
+objects and their checks), :mod:`~attngeom.store.validate`, :mod:`~attngeom.store.repair` and
+:mod:`~attngeom.store.migrate`. Stages import what they use from here.
 """
 
 from attngeom.peek import RUN_ID_PATTERN, default_run_id
@@ -23,7 +23,8 @@ from attngeom.store.access import (
     store_format,
     writing,
 )
-from attngeom.store.damage import damaged_chunk, read_chunk, recovery
+from attngeom.store.chunks import read_chunk
+from attngeom.store.damage import damaged_chunk, recovery
 from attngeom.store.datasets import open_dataset, write_dataset
 from attngeom.store.nodes import jsonable, local_path, zarr_store
 from attngeom.store.codecs import compressor, compressors, has_checksum, with_checksum

@@ -7,9 +7,8 @@ import numpy as np
 import zarr
 
 from attngeom.errors import CorruptChunkError, DamagedStoreError
-from attngeom.store.codecs import decoded
 from attngeom.store.nodes import node_metadata, node_path, zarr_store
-from attngeom.store.schema import ANALYSIS, ATTR_KEY, DERIVED, ENCODING, RUNS
+from attngeom.store.schema import ANALYSIS, DERIVED, RUNS
 
 # How a damaged object surfaces from zarr, numcodecs and json: a checksum mismatch or an
 # unparsable zarr.json is a ValueError, a blosc or shard-index failure a RuntimeError or
@@ -94,18 +93,3 @@ def metadata_damage(url: str, group: str, exc: BaseException) -> DamagedStoreErr
             f"{bad[0]} is empty or truncated (unreadable JSON); {recovery(url, node_path(bad[0]), metadata=True)}"
         )
     return DamagedStoreError(f"group '{group}' cannot be read ({type(exc).__name__}: {exc}); {recovery(url, group)}")
-
-
-def read_chunk(url: str, arr: zarr.Array, key: tuple[int | slice, ...]) -> np.ndarray:
-    """``arr[key]`` of an array of the store at ``url``, read directly (no xarray decoding:
-    for the run's raw arrays), values of an encoding given as their values (bfloat16 as
-    float32); a chunk that fails to decode raises :class:`CorruptChunkError` naming it. A
-    zarr Array pickles to its store and metadata, so a task sent to a worker process can
-    carry the array it reads (0.1 ms to unpickle, against 1 ms to open it)."""
-    try:
-        return decoded(np.asarray(arr[key]), (arr.attrs.get(ATTR_KEY) or {}).get(ENCODING))
-    except DECODE_ERRORS as exc:
-        error = locate_damage(url, arr, key)
-        if error is None:
-            raise
-        raise error from exc

@@ -62,9 +62,9 @@ def topn_metrics(
 ) -> dict[str, np.ndarray]:
     """Top-N separability, bounds and diagnostics at the final query (docs/method.md).
 
-    attn (B, K), values (G, K, D), attendable (G, K) bool, head_kv (B,) ints in [0, G)
-    (default: G = B, instance b reads values[b]); n_grid: selection sizes N >= 1; the random
-    control's draw d selects the N attendable keys of smallest
+    attn (B, K), values (G, K, D) (float32, as stored, or float64), attendable (G, K) bool,
+    head_kv (B,) ints in [0, G) (default: G = B, instance b reads values[b]); n_grid:
+    selection sizes N >= 1; the random control's draw d selects the N attendable keys of smallest
     ``np.random.default_rng(seed).random((random_draws, B, K))[d]``; settings:
     `KernelSettings` (tolerances and shortcuts).
 
@@ -88,6 +88,7 @@ def value_statistics(
     head it reads.
     """
     _, values, attendable, _ = check_batch(None, values, attendable, None)
+    values = values.astype(np.float64, copy=False)
     with np.errstate(divide="ignore", invalid="ignore"):
         kv = kv_values.kv_heads(values, attendable)
         work = np.empty(values.shape[1] ** 2, _gram_dtype(settings))
@@ -160,7 +161,8 @@ def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, sett
             # window alone (the first and last positions stay, as the sink and the current
             # key, whatever the mask says of them).
             keys = _kept_keys(attendable[g])
-            vals, att = values[g][keys], np.ascontiguousarray(attendable[g][keys])
+            vals = np.ascontiguousarray(values[g][keys], dtype=np.float64)
+            att = np.ascontiguousarray(attendable[g][keys])
             kv = kv_values.kv_heads(vals[None], att[None])
             screen = kv_values.nonsink_gram(kv, 0, work)
             pairs = pair_statistics(screen, settings)
@@ -225,11 +227,15 @@ def _query_heads(out, heads, alpha, kv, nonsink, screen, pairs, grid, draw_keys,
 
 
 def check_batch(attn, values, attendable, head_kv):
-    """The inputs as the loops take them (float64, bool and int64, C-contiguous, writeable),
-    checked: ValueError naming what is wrong."""
+    """The inputs as the loops take them (float64, bool and int64, C-contiguous, writeable;
+    float32 values as they are, cast a kv head at a time), checked: ValueError naming what
+    is wrong."""
     # Contiguous and writeable: the compiled loops have one signature, loaded from numba's
     # cache; a read-only input (a broadcast mask) would compile another one in every worker.
-    values = np.require(values, np.float64, ["C", "W"])
+    # Values as stored (float32) are cast where a kv head is taken: the float64 copy of a
+    # whole layer's (32 MB at a 7B model's shape) costs more than the kv heads' ones, each
+    # still in cache when its loops read it.
+    values = np.require(values, np.float32 if np.asarray(values).dtype == np.float32 else np.float64, ["C", "W"])
     attendable = np.require(attendable, bool, ["C", "W"])
     if values.ndim != 3 or values.shape[1] < 1:
         raise ValueError(f"values must have shape (G, K, D) with K >= 1, got {values.shape}")
