@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -38,6 +39,9 @@ __all__ = ["read_chunk"]
 
 # A shard index's entry for a chunk that is not stored (all fill value).
 _EMPTY = 2**64 - 1
+
+# Each thread's buffer for the stored bytes it reads (`_file_bytes`).
+_reading = threading.local()
 
 
 class _Address(NamedTuple):
@@ -126,11 +130,11 @@ def _stored_bytes(zstore: Any, address: _Address) -> memoryview | None:
         except FileNotFoundError:
             return None
         try:
-            if address.slot is None:
-                return memoryview(os.read(fd, os.fstat(fd).st_size))
             size = os.fstat(fd).st_size
+            if address.slot is None:
+                return _file_bytes(fd, 0, size)
             span = _span(os.pread(fd, index_size, max(size - index_size, 0)), address, size)
-            return None if span is None else _exactly(os.pread(fd, span[1], span[0]), span[1])
+            return None if span is None else _file_bytes(fd, *span)
         finally:
             os.close(fd)
     prototype = default_buffer_prototype()
@@ -150,6 +154,18 @@ def _stored_bytes(zstore: Any, address: _Address) -> memoryview | None:
     return None if data is None else memoryview(data)
 
 
+def _file_bytes(fd: int, offset: int, length: int) -> memoryview:
+    """``length`` bytes of the open file ``fd`` from ``offset``, in this thread's buffer: valid
+    until the thread's next read. A fresh buffer for each chunk (16 MB of a 7B model's
+    values) would be mapped and faulted in, page by page, each time; the buffer stays, as
+    large as the largest chunk the thread read."""
+    buffer = getattr(_reading, "buffer", None)
+    if buffer is None or len(buffer) < length:
+        buffer = _reading.buffer = bytearray(length)
+    view = memoryview(buffer)[:length]
+    return _exactly(view[: os.preadv(fd, [view], offset)], length)
+
+
 def _span(index: bytes, address: _Address, size: int | None) -> tuple[int, int] | None:
     """(offset, length) of the chunk at ``address`` in its shard, from the shard's ``index``
     (its last bytes; the shard ``size`` bytes long when known), checked; None if the chunk is
@@ -166,7 +182,7 @@ def _span(index: bytes, address: _Address, size: int | None) -> tuple[int, int] 
     return offset, length
 
 
-def _exactly(data: bytes, length: int) -> memoryview:
+def _exactly(data: bytes | memoryview, length: int) -> memoryview:
     """``data``, which should be ``length`` bytes: EOFError when it is short."""
     if len(data) != length:
         raise EOFError(f"read {len(data)} of the chunk's {length} bytes")
