@@ -14,15 +14,14 @@ repetition, in this process, order rotating:
 - **kernels**: ``attngeom.analyze.kernels.head_metrics`` on every (sequence, layer) block of
   the larger store, its inputs read beforehand, one thread: CPU time per instance;
 - **read**: reading and decompressing the larger store's inputs (attn_last, values, winner) a
-  block at a time (``common.read_inputs``): CPU time per instance, zarr's own threads included.
+  block at a time, as the stage's tasks read them (``common.read_inputs``): CPU time per
+  instance.
 
 stage / kernels is the ratio the stage should keep near 1. The phases of the larger store's
 analyze are timed too (thread CPU time inside wrappers around the public steps the stage
 calls: reading a block's inputs, the kernels, the rest of a block, computing a batch, writing
 it, the reductions across sequences, the commit), and so is the call's fixed cost: the CPU
-time of the 1-sequence store's analyze beyond its kernels. zarr decodes chunks on threads of
-its own, which a thread's timer does not see: "block: read inputs" is the calling side alone,
-the decoding is in **read**.
+time of the 1-sequence store's analyze beyond its kernels.
 """
 
 from __future__ import annotations

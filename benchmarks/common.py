@@ -199,8 +199,11 @@ def bench_stores(args: Any, workdir: str) -> Any:
 
 def read_inputs(store: str, run_id: str) -> None:
     """Read and decompress analyze's inputs (attn_last, values, winner), a (sequence, layer)
-    block at a time, in this process: the time analyze cannot go below."""
+    block at a time, in this process, as analyze's tasks read them (``read_chunk``: the
+    shard's index, the chunk, its checksum, Blosc): the time analyze cannot go below."""
     import zarr
+
+    from attngeom.store import read_chunk
 
     run = zarr.open_group(store, mode="r")[f"runs/{run_id}"]
     arrays = [run["attn_last"], run["values"], run["winner"]]
@@ -208,7 +211,7 @@ def read_inputs(store: str, run_id: str) -> None:
     for s in range(n_seq):
         for layer in range(n_layers):
             for array in arrays:
-                array[s, layer]
+                read_chunk(store, array, (s, layer))
 
 
 def analyze_fresh(store: str, run_id: str, scheduler: str | None = None) -> tuple[float, float]:

@@ -644,6 +644,23 @@ def test_head_metrics_are_the_two_kernels_bit_for_bit(shortcuts):
         for name in want:
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
+def test_values_as_stored_give_the_float64_results_bit_for_bit():
+    """float32 values (as a store holds them), cast a kv head at a time inside the kernels,
+    give every output of the same values cast whole beforehand, windowed kv heads included."""
+    rng = np.random.default_rng(29)
+    alpha, values, attendable, head_kv = make_gqa_batch(rng, 6, 3, 300, 8, repeats=0.1, zeros=0.02, window=200)
+    stored = values.astype(np.float32)
+    grid = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    got = head_metrics(alpha.astype(np.float32), stored, attendable, grid, head_kv=head_kv, seed=4)
+    want = head_metrics(alpha.astype(np.float32).astype(np.float64), stored.astype(np.float64), attendable, grid,
+                        head_kv=head_kv, seed=4)
+    for got_part, want_part in zip(got, want):
+        assert set(got_part) == set(want_part)
+        for name in want_part:
+            np.testing.assert_array_equal(got_part[name], want_part[name], err_msg=name)
+    assert stored.dtype == np.float32  # the caller's array is not cast in place
+
+
 @PROPERTY
 @given(instances(), st.integers(1, 3))
 def test_lattice_instances_shared_by_query_heads_match_brute_force(batch, per_kv):
