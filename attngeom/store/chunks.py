@@ -5,8 +5,8 @@ its event loop, the shard's index and the chunk read there, the chunk decoded on
 into a buffer of its own and then copied into the output. For the one inner chunk that an
 analyze task reads (a layer of a sequence: 16 MB of a 7B model's values), that machinery costs
 as much again as the decoding itself, and its threads run beside the task's kernels
-(benchmarks/analyze_stage.py). :func:`read_chunk` reads a selection that is exactly one inner
-chunk as attngeom stores it (:mod:`attngeom.store.codecs`: Blosc, then a crc32c checksum per
+(benchmarks/analyze_stage.py). :func:`read_chunk` reads a selection within one inner chunk
+(a sequence's, or a sequence's layer's) as attngeom stores it (:mod:`attngeom.store.codecs`: Blosc, then a crc32c checksum per
 chunk; a shard's index at its end) in the calling thread: the index and the chunk with two
 reads of the file on a local disk (two requests in one hop to zarr's loop on any other store,
 the index kept by the command's cached Store), the checksum checked, the chunk decoded into the
@@ -47,7 +47,8 @@ _reading = threading.local()
 class _Address(NamedTuple):
     """Where one inner chunk of an array lies: the stored object (``key`` in the store, at
     ``grid`` in the array's grid of objects), the chunk's position in its shard's index
-    (``slot`` of ``n_slots``; None for an unsharded array) and its shape ``inner``."""
+    (``slot`` of ``n_slots``; None for an unsharded array), its shape ``inner`` and the
+    selection ``within`` it."""
 
     key: str
     grid: tuple[int, ...]
