@@ -281,37 +281,38 @@ def test_consolidate_writes_what_zarr_writes(tmp_path):
 
 
 @pytest.mark.parametrize("local", [False, True], ids=["fsspec", "local"])
-def test_new_chunks_are_stored_as_zarr_stores_them(local, tmp_path):
-    """write_new_chunks against zarr's own writes of the same values into chunks it does not
-    hold: a whole chunk, an edge chunk (padded with the fill value) and one all fill value
-    (stored all the same), float and integer."""
-    from attngeom.store.datasets import write_new_chunks
+def test_regions_are_stored_as_zarr_stores_them(local, tmp_path):
+    """set_regions against zarr's own writes of the same values, one region after another
+    along the first axis: a chunk left partly unwritten, a chunk merged with the positions
+    stored before the region, whole chunks, an edge chunk (padded with the fill value) and
+    a chunk all fill value (stored all the same), float and integer, chunked along the
+    second axis too."""
+    from attngeom.store.datasets import set_regions
 
-    url = str(tmp_path / "s.zarr") if local else f"memory://new-chunks-{local}"
+    url = str(tmp_path / "s.zarr") if local else f"memory://regions-{local}"
     zstore = zarr_store(url, read_only=False)
     twin = zarr.storage.MemoryStore()
     rng = np.random.default_rng(1)
-    blocks = {"f": (rng.normal(size=(5, 3)), np.float64), "i": (rng.integers(-1, 9, size=(5, 3)), np.int64)}
+    blocks = {"f": (rng.normal(size=(7, 3)), np.float64), "i": (rng.integers(-1, 9, size=(7, 3)), np.int64)}
     for store in (zstore, twin):
         for name, (_, dtype) in blocks.items():
-            zarr.create_array(store, name=f"g/{name}", shape=(5, 3), chunks=(2, 3), dtype=dtype,
+            zarr.create_array(store, name=f"g/{name}", shape=(7, 3), chunks=(2, 2), dtype=dtype,
                               compressors=compressors(np.dtype(dtype)),
                               fill_value=np.nan if dtype == np.float64 else None,
                               chunk_key_encoding={"name": "default", "separator": "."})
-    blocks["f"][0][2:4] = np.nan  # the second chunk all fill value
-    blocks["i"][0][2:4] = 0
-    writes = []
-    for name, (values, _) in blocks.items():
-        arr = zarr.open_array(zstore, path=f"g/{name}", mode="r+").async_array
-        writes += [(arr, (i, 0), values[2 * i: 2 * i + 2]) for i in range(3)]
-    write_new_chunks(zstore, writes)
+    blocks["f"][0][4:6] = np.nan  # the third chunks all fill value
+    blocks["i"][0][4:6] = 0
+    regions = [(0, 3), (3, 4), (4, 7)]
+    for a, b in regions:
+        set_regions(url, zstore, [(zarr.open_array(zstore, path=f"g/{name}", mode="r+").async_array, values[a:b])
+                                  for name, (values, _) in blocks.items()], a)
     with zarr.config.set({"array.write_empty_chunks": True}):  # read when an array is opened
         for name, (values, _) in blocks.items():
             theirs = zarr.open_array(twin, path=f"g/{name}", mode="r+")
-            for i in range(3):
-                theirs[2 * i: 2 * i + 2] = values[2 * i: 2 * i + 2]
+            for a, b in regions:
+                theirs[a:b] = values[a:b]
     got, want = objects(zstore, "g"), objects(twin, "g")
-    assert sorted(got) == sorted(want) and "g/f/c.1.0" in got and "g/f/c.2.0" in got
+    assert sorted(got) == sorted(want) and "g/f/c.2.1" in got and "g/f/c.3.0" in got
     assert all(got[key] == want[key] for key in want)
 
 

@@ -39,13 +39,14 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
 import dask
 import dask.threaded
+import numpy as np
 import xarray as xr
 from tqdm.auto import tqdm
 
@@ -144,19 +145,32 @@ def _per_sequence_groups(write: DerivedWrite, n_seq: int, names: Sequence[str],
     analyze, in ``seq`` order), those in memory after the sequences before them, read here."""
     if held is None:
         return {name: write.read(name).isel(seq=slice(0, n_seq)) for name in names}
-    out = {}
-    for name in names:
-        parts = list(held.get(name, ()))
-        first = n_seq - sum(part.sizes["seq"] for part in parts)
-        if first:
-            # Read here, as the reductions read: handed to the workers, the chunks would be
-            # pickled to them and their arrays back.
-            parts.insert(0, write.read(name).isel(seq=slice(0, first)).load(scheduler=dask.threaded.get))
-        # The other coordinates and the attributes are the same in every part.
-        out[name] = parts[0] if len(parts) == 1 else xr.concat(
-            parts, "seq", data_vars="all", coords="minimal", compat="override", join="override",
-            combine_attrs="override")
-    return out
+    first = n_seq - sum(part.sizes["seq"] for part in held[names[0]])
+    # Read here, as the reductions read, every array at once: handed to the workers, the
+    # chunks would be pickled to them and their arrays back.
+    kept = write.written(first) if first else {}
+    return {name: _joined(held[name], kept.get(name, {})) for name in names}
+
+
+def _joined(parts: Sequence[xr.Dataset], before: Mapping[str, np.ndarray]) -> xr.Dataset:
+    """The Datasets ``parts`` one after the other along ``seq``, after the values ``before``
+    (variable -> values of the sequences before them, as stored: no variable along ``seq``
+    is a label; none when empty). The other coordinates and the attributes are the same in
+    every part: the first part's are taken."""
+    if not before and len(parts) == 1:
+        return parts[0]
+
+    def joined(key: Hashable, var: xr.Variable) -> xr.Variable:
+        if "seq" not in var.dims:
+            return var
+        values = [part.variables[key].values for part in parts]
+        return xr.Variable(var.dims, np.concatenate([*([before[key]] if before else []), *values],
+                                                    axis=var.get_axis_num("seq")), var.attrs)
+
+    template = parts[0]
+    return xr.Dataset({key: joined(key, template.variables[key]) for key in template.data_vars},
+                      coords={key: joined(key, template.variables[key]) for key in template.coords},
+                      attrs=template.attrs)
 
 
 def _compute_sequences(write: DerivedWrite, run: Any, ds: xr.Dataset, grid: Sequence[int], seed: int,
