@@ -200,9 +200,11 @@ def _compute_sequences(write: DerivedWrite, run: Any, ds: xr.Dataset, grid: Sequ
     try:
         with tqdm(total=len(target) - len(keep), unit="seq", desc=f"{run_id}: analyze", disable=not progress) as bar:
             futures = [computing.submit(compute, batch) for batch in batches[:in_flight]]
-            # The workers start on the first batches while the groups are created. A chunk
-            # holds a batch's sequences: an uninterrupted analyze writes each chunk once.
-            write.create(template_groups(ds, grid, seed), _sequences_per_batch(ds.sizes["layer"]))
+            # The workers start on the first batches while the groups are created (kept groups
+            # are grown instead: no templates). A chunk holds a batch's sequences: an
+            # uninterrupted analyze writes each chunk once.
+            templates = template_groups(ds, grid, seed) if not keep else {}
+            write.create(templates, _sequences_per_batch(ds.sizes["layer"]))
             for i, (a, b) in enumerate(batches):
                 computed = futures[i].result()
                 if i + in_flight < len(batches):

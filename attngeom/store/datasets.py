@@ -7,8 +7,8 @@ import asyncio
 import functools
 import itertools
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import dask.array as da
 import numpy as np
@@ -185,7 +185,7 @@ def write_datasets(datasets: Mapping[str, xr.Dataset], url: str, *, compute: boo
         if compute:
             data[group].update(zip(lazy, da.compute(*lazy.values())))
     target = zstore if zstore is not None else zarr_store(url, read_only=False)
-    forms: dict[tuple, tuple[ArrayV3Metadata, dict[str, Any]]] = {}
+    forms: dict[tuple, _Form] = {}
     objects = {group: _group_objects(dataset, data[group], group, chunks or {}, forms)
                for group, dataset in encoded.items()}
 
@@ -230,27 +230,35 @@ _NAN_FILL_ATTRIBUTE = "AAAAAAAA+H8="
 _FLAT_CHUNK_KEYS = {"name": "default", "separator": "."}
 
 
+class _Form(NamedTuple):
+    """The metadata zarr makes for arrays of one form, as a document, and their chunk encoder."""
+
+    metadata: ArrayV3Metadata
+    document: dict[str, Any]
+    encode: Callable[[np.ndarray], bytes]
+
+
 def _group_objects(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], group: str,
-                   chunks: Mapping[str, int], forms: dict[tuple, tuple[ArrayV3Metadata, dict[str, Any]]],
-                   ) -> dict[str, bytes]:
+                   chunks: Mapping[str, int], forms: dict[tuple, _Form]) -> dict[str, bytes]:
     """The stored objects of the group ``group`` holding ``dataset``, key -> bytes: its own
     ``zarr.json``, every array's metadata and, where ``data`` holds its values (None:
     metadata only), its chunks, as zarr-python writes them (a chunk all fill value is not
     stored; the documents on one line, :func:`metadata_bytes`). zarr makes the metadata of
     one array of each form (data type, shape, chunks, dimensions) in ``forms``, shared by the
-    groups of a write; each array takes a copy with its own attributes, rather than each
-    array being made, filled and copied through zarr in turn."""
+    groups of a write, with its document and chunk encoder; each array takes a copy with its
+    own attributes, rather than each array being made, filled and copied through zarr in turn."""
     objects = {f"{group}/zarr.json": metadata_bytes(group_document(dataset.attrs))}
     for name, var in dataset.variables.items():
         form = (var.dtype.str, var.shape, _chunk_shape(var, chunks), var.dims)
         if form not in forms:
             made = _array_metadata(var, form[2])
-            forms[form] = (made, made.to_dict())
-        template, document = forms[form]
+            document = made.to_dict()
+            forms[form] = _Form(made, document, chunk_encoder(document))
+        template, document, encode = forms[form]
         attributes = {**var.attrs, **({"_FillValue": _NAN_FILL_ATTRIBUTE} if var.dtype.kind == "f" else {})}
         objects[f"{group}/{name}/zarr.json"] = metadata_bytes({**document, "attributes": attributes})
         if data[name] is not None:
-            objects.update((f"{group}/{name}/{key}", value) for key, value in _chunks(template, data[name]))
+            objects.update((f"{group}/{name}/{key}", value) for key, value in _chunks(template, encode, data[name]))
     return objects
 
 
@@ -263,10 +271,9 @@ def _array_metadata(var: xr.Variable, chunks: tuple[int, ...] | str) -> ArrayV3M
     ).metadata
 
 
-def _chunks(meta: ArrayV3Metadata, x: np.ndarray) -> Iterator[tuple[str, bytes]]:
-    """(key, stored bytes) of each chunk of the array ``x`` with metadata ``meta``, one all
-    fill value left out."""
-    encode = chunk_encoder(meta.to_dict())
+def _chunks(meta: ArrayV3Metadata, encode: Callable[[np.ndarray], bytes], x: np.ndarray) -> Iterator[tuple[str, bytes]]:
+    """(key, stored bytes by ``encode``) of each chunk of the array ``x`` with metadata
+    ``meta``, one all fill value left out."""
     shape, fill = meta.chunk_grid.chunk_shape, meta.fill_value
     for index in np.ndindex(*(-(-size // c) for size, c in zip(x.shape, shape))):
         block = _whole(meta, x[tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, shape))])

@@ -384,7 +384,7 @@ class DerivedWrite:
         """Create the per-sequence groups as ``templates`` (name -> Dataset over the
         ``target`` sequences, its data never computed: only metadata and the fixed
         coordinates are written), ``seq_chunk`` sequences a chunk; or, when the plan keeps
-        sequences, grow the kept groups to the target."""
+        sequences, grow the kept groups to the target (``templates`` unused)."""
         self._advance("begun", "writing")
         update, plan = self._update, self.plan
         if not plan.keep:
