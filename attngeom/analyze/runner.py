@@ -132,9 +132,13 @@ def _sequences_per_batch(n_layers: int) -> int:
 def _batches(start: int, stop: int, n_layers: int) -> Iterator[tuple[int, int]]:
     size = _sequences_per_batch(n_layers)
     # A batch ends where a chunk of the per-sequence groups does (a chunk holds `size`
-    # sequences): after kept sequences, the first batch fills their last chunk and every
-    # later one writes whole chunks, each once, never read back to be merged.
-    bounds = [start, *range((start // size + 1) * size, stop, size), stop] if start < stop else []
+    # sequences), or at the end: after kept sequences, the first batch fills their last
+    # chunk (and goes on to the end when the rest fits in a batch: one batch, with its fixed
+    # costs, fewer) and every later one writes whole chunks, each once, never read back to
+    # be merged.
+    bounds = [start]
+    while bounds[-1] < stop:
+        bounds.append(stop if stop - bounds[-1] <= size else (bounds[-1] + size) // size * size)
     yield from zip(bounds[:-1], bounds[1:])
 
 
