@@ -36,6 +36,9 @@ the committed analysis is lost or damaged (:func:`attngeom.store.plan.healing`).
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import itertools
 import sys
 import time
 import warnings
@@ -139,7 +142,7 @@ def _batches(start: int, stop: int, n_layers: int) -> Iterator[tuple[int, int]]:
     bounds = [start]
     while bounds[-1] < stop:
         bounds.append(stop if stop - bounds[-1] <= size else (bounds[-1] + size) // size * size)
-    yield from zip(bounds[:-1], bounds[1:])
+    yield from itertools.pairwise(bounds)
 
 
 def _per_sequence_groups(write: DerivedWrite, n_seq: int, names: Sequence[str],
@@ -278,6 +281,23 @@ def analyze_run(session: StoreSession, run_id: str, ds: xr.Dataset, grid: Sequen
     return AnalyzeResult(run_id, len(target), new, instances, time.perf_counter() - start, plan.recomputed, healed)
 
 
+@contextlib.contextmanager
+def _collector_frozen() -> Iterator[None]:
+    """Python's cyclic garbage collector leaves the objects alive now alone until the block
+    ends (``gc.freeze``): a full collection otherwise walks every object of the libraries
+    loaded (xarray, dask, zarr, numba's kernels), about 0.1 s each time an analyze triggers
+    one, and in forked workers copies every page it touches. Left as it is when the caller
+    froze objects of its own."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def analyze(request: AnalyzeRequest) -> list[AnalyzeResult]:
     """Analyze every run of ``request.store`` (or ``request.run_id``); results go to
     ``runs/<id>/analysis``.
@@ -300,7 +320,7 @@ def analyze(request: AnalyzeRequest) -> list[AnalyzeResult]:
                 warnings.warn(lacking_message(rid, lacking_summaries(ds.attrs.get("attngeom", {}))), AttngeomWarning,
                               stacklevel=3)
         compile_kernels(progress=request.progress)
-        with dask_client(request.scheduler, request.store):
+        with _collector_frozen(), dask_client(request.scheduler, request.store):
             results = [analyze_run(session, rid, *checked[rid], request) for rid in todo]
     return [replace(r, recomputed=f"its record {analysis_path(r.run_id)}/zarr.json did not parse")
             if r.run_id in dropped else r for r in results]
