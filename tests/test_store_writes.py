@@ -316,6 +316,40 @@ def test_regions_are_stored_as_zarr_stores_them(local, tmp_path):
     assert all(got[key] == want[key] for key in want)
 
 
+@pytest.mark.parametrize("local", [False, True], ids=["fsspec", "local"])
+def test_regions_read_as_zarr_reads_them(local, tmp_path):
+    """read_regions against zarr's own reads of the same regions along the first axis:
+    chunks split along the second axis too, an edge chunk, a chunk never stored (the fill
+    value), an empty region, float and integer; a flipped byte is named as the damaged chunk."""
+    from attngeom.errors import CorruptChunkError
+    from attngeom.store.datasets import read_regions
+
+    url = str(tmp_path / "s.zarr") if local else f"memory://read-regions-{local}"
+    zstore = zarr_store(url, read_only=False)
+    rng = np.random.default_rng(2)
+    arrays = {}
+    for name, dtype in (("f", np.float64), ("i", np.int64)):
+        arr = zarr.create_array(zstore, name=f"g/{name}", shape=(7, 5), chunks=(3, 2), dtype=dtype,
+                                compressors=compressors(np.dtype(dtype)),
+                                fill_value=np.nan if dtype == np.float64 else None,
+                                chunk_key_encoding={"name": "default", "separator": "."})
+        arr[:3] = rng.normal(size=(3, 5)) if dtype == np.float64 else rng.integers(-1, 9, size=(3, 5))
+        arr[6:] = np.arange(5)[None]  # chunks (1, *) never stored
+        arrays[name] = zarr.open_array(zstore, path=f"g/{name}", mode="r").async_array
+    regions = [slice(0, 7), slice(1, 5), slice(4, 7), slice(2, 2)]
+    parts = [(arr, at) for arr in arrays.values() for at in regions]
+    for (arr, at), got in zip(parts, read_regions(url, parts)):
+        want = zarr.Array(arr)[at]
+        assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=got.dtype.kind == "f")
+    if local:
+        chunk = tmp_path / "s.zarr" / "g" / "f" / "c.0.1"
+        data = bytearray(chunk.read_bytes())
+        data[30] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+        with pytest.raises(CorruptChunkError, match=r"array 'g/f' chunk c\.0\.1 is damaged"):
+            read_regions(url, [(arrays["i"], slice(0, 7)), (arrays["f"], slice(1, 2))])
+
+
 @pytest.mark.parametrize("values_dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("local", [False, True], ids=["fsspec", "local"])
 def test_a_sequence_is_stored_as_zarr_stores_it(local, values_dtype, tmp_path):

@@ -198,6 +198,20 @@ def put_objects(zstore: Any, objects: Mapping[str, bytes | Iterable[bytes]]) -> 
     sync(run())
 
 
+def get_objects(zstore: Any, keys: Iterable[str]) -> dict[str, bytes | None]:
+    """Key -> stored bytes (None where absent) of the objects ``keys`` of the zarr Store
+    ``zstore``: a local store's read here, one after another, any other store's all at
+    once (as :func:`put_objects` writes them)."""
+    if isinstance(zstore, zarr.storage.LocalStore):
+        return {key: _read_bytes(os.path.join(str(zstore.root), key)) for key in keys}
+    keys, prototype = list(keys), default_buffer_prototype()
+
+    async def run() -> list[Any]:
+        return list(await asyncio.gather(*(zstore.get(key, prototype=prototype) for key in keys)))
+
+    return {key: None if got is None else got.to_bytes() for key, got in zip(keys, sync(run()))}
+
+
 def gather(coroutines: Iterable[Any]) -> None:
     """Run the store's coroutines at once, on zarr's event loop."""
 
