@@ -281,38 +281,73 @@ def test_consolidate_writes_what_zarr_writes(tmp_path):
 
 
 @pytest.mark.parametrize("local", [False, True], ids=["fsspec", "local"])
-def test_new_chunks_are_stored_as_zarr_stores_them(local, tmp_path):
-    """write_new_chunks against zarr's own writes of the same values into chunks it does not
-    hold: a whole chunk, an edge chunk (padded with the fill value) and one all fill value
-    (stored all the same), float and integer."""
-    from attngeom.store.datasets import write_new_chunks
+def test_regions_are_stored_as_zarr_stores_them(local, tmp_path):
+    """set_regions against zarr's own writes of the same values, one region after another
+    along the first axis: a chunk left partly unwritten, a chunk merged with the positions
+    stored before the region, whole chunks, an edge chunk (padded with the fill value) and
+    a chunk all fill value (stored all the same), float and integer, chunked along the
+    second axis too."""
+    from attngeom.store.datasets import set_regions
 
-    url = str(tmp_path / "s.zarr") if local else f"memory://new-chunks-{local}"
+    url = str(tmp_path / "s.zarr") if local else f"memory://regions-{local}"
     zstore = zarr_store(url, read_only=False)
     twin = zarr.storage.MemoryStore()
     rng = np.random.default_rng(1)
-    blocks = {"f": (rng.normal(size=(5, 3)), np.float64), "i": (rng.integers(-1, 9, size=(5, 3)), np.int64)}
+    blocks = {"f": (rng.normal(size=(7, 3)), np.float64), "i": (rng.integers(-1, 9, size=(7, 3)), np.int64)}
     for store in (zstore, twin):
         for name, (_, dtype) in blocks.items():
-            zarr.create_array(store, name=f"g/{name}", shape=(5, 3), chunks=(2, 3), dtype=dtype,
+            zarr.create_array(store, name=f"g/{name}", shape=(7, 3), chunks=(2, 2), dtype=dtype,
                               compressors=compressors(np.dtype(dtype)),
                               fill_value=np.nan if dtype == np.float64 else None,
                               chunk_key_encoding={"name": "default", "separator": "."})
-    blocks["f"][0][2:4] = np.nan  # the second chunk all fill value
-    blocks["i"][0][2:4] = 0
-    writes = []
-    for name, (values, _) in blocks.items():
-        arr = zarr.open_array(zstore, path=f"g/{name}", mode="r+").async_array
-        writes += [(arr, (i, 0), values[2 * i: 2 * i + 2]) for i in range(3)]
-    write_new_chunks(zstore, writes)
+    blocks["f"][0][4:6] = np.nan  # the third chunks all fill value
+    blocks["i"][0][4:6] = 0
+    regions = [(0, 3), (3, 4), (4, 7)]
+    for a, b in regions:
+        set_regions(url, zstore, [(zarr.open_array(zstore, path=f"g/{name}", mode="r+").async_array, values[a:b])
+                                  for name, (values, _) in blocks.items()], a)
     with zarr.config.set({"array.write_empty_chunks": True}):  # read when an array is opened
         for name, (values, _) in blocks.items():
             theirs = zarr.open_array(twin, path=f"g/{name}", mode="r+")
-            for i in range(3):
-                theirs[2 * i: 2 * i + 2] = values[2 * i: 2 * i + 2]
+            for a, b in regions:
+                theirs[a:b] = values[a:b]
     got, want = objects(zstore, "g"), objects(twin, "g")
-    assert sorted(got) == sorted(want) and "g/f/c.1.0" in got and "g/f/c.2.0" in got
+    assert sorted(got) == sorted(want) and "g/f/c.2.1" in got and "g/f/c.3.0" in got
     assert all(got[key] == want[key] for key in want)
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["fsspec", "local"])
+def test_regions_read_as_zarr_reads_them(local, tmp_path):
+    """read_regions against zarr's own reads of the same regions along the first axis:
+    chunks split along the second axis too, an edge chunk, a chunk never stored (the fill
+    value), an empty region, float and integer; a flipped byte is named as the damaged chunk."""
+    from attngeom.errors import CorruptChunkError
+    from attngeom.store.datasets import read_regions
+
+    url = str(tmp_path / "s.zarr") if local else f"memory://read-regions-{local}"
+    zstore = zarr_store(url, read_only=False)
+    rng = np.random.default_rng(2)
+    arrays = {}
+    for name, dtype in (("f", np.float64), ("i", np.int64)):
+        arr = zarr.create_array(zstore, name=f"g/{name}", shape=(7, 5), chunks=(3, 2), dtype=dtype,
+                                compressors=compressors(np.dtype(dtype)),
+                                fill_value=np.nan if dtype == np.float64 else None,
+                                chunk_key_encoding={"name": "default", "separator": "."})
+        arr[:3] = rng.normal(size=(3, 5)) if dtype == np.float64 else rng.integers(-1, 9, size=(3, 5))
+        arr[6:] = np.arange(5)[None]  # chunks (1, *) never stored
+        arrays[name] = zarr.open_array(zstore, path=f"g/{name}", mode="r").async_array
+    regions = [slice(0, 7), slice(1, 5), slice(4, 7), slice(2, 2)]
+    parts = [(arr, at) for arr in arrays.values() for at in regions]
+    for (arr, at), got in zip(parts, read_regions(url, parts)):
+        want = zarr.Array(arr)[at]
+        assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=got.dtype.kind == "f")
+    if local:
+        chunk = tmp_path / "s.zarr" / "g" / "f" / "c.0.1"
+        data = bytearray(chunk.read_bytes())
+        data[30] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+        with pytest.raises(CorruptChunkError, match=r"array 'g/f' chunk c\.0\.1 is damaged"):
+            read_regions(url, [(arrays["i"], slice(0, 7)), (arrays["f"], slice(1, 2))])
 
 
 @pytest.mark.parametrize("values_dtype", ["float32", "float16", "bfloat16"])

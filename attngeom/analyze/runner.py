@@ -36,16 +36,20 @@ the committed analysis is lost or damaged (:func:`attngeom.store.plan.healing`).
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import itertools
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
 import dask
 import dask.threaded
+import numpy as np
 import xarray as xr
 from tqdm.auto import tqdm
 
@@ -131,10 +135,14 @@ def _sequences_per_batch(n_layers: int) -> int:
 def _batches(start: int, stop: int, n_layers: int) -> Iterator[tuple[int, int]]:
     size = _sequences_per_batch(n_layers)
     # A batch ends where a chunk of the per-sequence groups does (a chunk holds `size`
-    # sequences): after kept sequences, the first batch fills their last chunk and every
-    # later one writes whole chunks, each once, never read back to be merged.
-    bounds = [start, *range((start // size + 1) * size, stop, size), stop] if start < stop else []
-    yield from zip(bounds[:-1], bounds[1:])
+    # sequences), or at the end: after kept sequences, the first batch fills their last
+    # chunk (and goes on to the end when the rest fits in a batch: one batch, with its fixed
+    # costs, fewer) and every later one writes whole chunks, each once, never read back to
+    # be merged.
+    bounds = [start]
+    while bounds[-1] < stop:
+        bounds.append(stop if stop - bounds[-1] <= size else (bounds[-1] + size) // size * size)
+    yield from itertools.pairwise(bounds)
 
 
 def _per_sequence_groups(write: DerivedWrite, n_seq: int, names: Sequence[str],
@@ -144,19 +152,32 @@ def _per_sequence_groups(write: DerivedWrite, n_seq: int, names: Sequence[str],
     analyze, in ``seq`` order), those in memory after the sequences before them, read here."""
     if held is None:
         return {name: write.read(name).isel(seq=slice(0, n_seq)) for name in names}
-    out = {}
-    for name in names:
-        parts = list(held.get(name, ()))
-        first = n_seq - sum(part.sizes["seq"] for part in parts)
-        if first:
-            # Read here, as the reductions read: handed to the workers, the chunks would be
-            # pickled to them and their arrays back.
-            parts.insert(0, write.read(name).isel(seq=slice(0, first)).load(scheduler=dask.threaded.get))
-        # The other coordinates and the attributes are the same in every part.
-        out[name] = parts[0] if len(parts) == 1 else xr.concat(
-            parts, "seq", data_vars="all", coords="minimal", compat="override", join="override",
-            combine_attrs="override")
-    return out
+    first = n_seq - sum(part.sizes["seq"] for part in held[names[0]])
+    # Read here, as the reductions read, every array at once: handed to the workers, the
+    # chunks would be pickled to them and their arrays back.
+    kept = write.written(first) if first else {}
+    return {name: _joined(held[name], kept.get(name, {})) for name in names}
+
+
+def _joined(parts: Sequence[xr.Dataset], before: Mapping[str, np.ndarray]) -> xr.Dataset:
+    """The Datasets ``parts`` one after the other along ``seq``, after the values ``before``
+    (variable -> values of the sequences before them, as stored: no variable along ``seq``
+    is a label; none when empty). The other coordinates and the attributes are the same in
+    every part: the first part's are taken."""
+    if not before and len(parts) == 1:
+        return parts[0]
+
+    def joined(key: Hashable, var: xr.Variable) -> xr.Variable:
+        if "seq" not in var.dims:
+            return var
+        values = [part.variables[key].values for part in parts]
+        return xr.Variable(var.dims, np.concatenate([*([before[key]] if before else []), *values],
+                                                    axis=var.get_axis_num("seq")), var.attrs)
+
+    template = parts[0]
+    return xr.Dataset({key: joined(key, template.variables[key]) for key in template.data_vars},
+                      coords={key: joined(key, template.variables[key]) for key in template.coords},
+                      attrs=template.attrs)
 
 
 def _compute_sequences(write: DerivedWrite, run: Any, ds: xr.Dataset, grid: Sequence[int], seed: int,
@@ -186,9 +207,11 @@ def _compute_sequences(write: DerivedWrite, run: Any, ds: xr.Dataset, grid: Sequ
     try:
         with tqdm(total=len(target) - len(keep), unit="seq", desc=f"{run_id}: analyze", disable=not progress) as bar:
             futures = [computing.submit(compute, batch) for batch in batches[:in_flight]]
-            # The workers start on the first batches while the groups are created. A chunk
-            # holds a batch's sequences: an uninterrupted analyze writes each chunk once.
-            write.create(template_groups(ds, grid, seed), _sequences_per_batch(ds.sizes["layer"]))
+            # The workers start on the first batches while the groups are created (kept groups
+            # are grown instead: no templates). A chunk holds a batch's sequences: an
+            # uninterrupted analyze writes each chunk once.
+            templates = template_groups(ds, grid, seed) if not keep else {}
+            write.create(templates, _sequences_per_batch(ds.sizes["layer"]))
             for i, (a, b) in enumerate(batches):
                 computed = futures[i].result()
                 if i + in_flight < len(batches):
@@ -258,6 +281,23 @@ def analyze_run(session: StoreSession, run_id: str, ds: xr.Dataset, grid: Sequen
     return AnalyzeResult(run_id, len(target), new, instances, time.perf_counter() - start, plan.recomputed, healed)
 
 
+@contextlib.contextmanager
+def _collector_frozen() -> Iterator[None]:
+    """Python's cyclic garbage collector leaves the objects alive now alone until the block
+    ends (``gc.freeze``): a full collection otherwise walks every object of the libraries
+    loaded (xarray, dask, zarr, numba's kernels), about 0.1 s each time an analyze triggers
+    one, and in forked workers copies every page it touches. Left as it is when the caller
+    froze objects of its own."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def analyze(request: AnalyzeRequest) -> list[AnalyzeResult]:
     """Analyze every run of ``request.store`` (or ``request.run_id``); results go to
     ``runs/<id>/analysis``.
@@ -280,7 +320,7 @@ def analyze(request: AnalyzeRequest) -> list[AnalyzeResult]:
                 warnings.warn(lacking_message(rid, lacking_summaries(ds.attrs.get("attngeom", {}))), AttngeomWarning,
                               stacklevel=3)
         compile_kernels(progress=request.progress)
-        with dask_client(request.scheduler, request.store):
+        with _collector_frozen(), dask_client(request.scheduler, request.store):
             results = [analyze_run(session, rid, *checked[rid], request) for rid in todo]
     return [replace(r, recomputed=f"its record {analysis_path(r.run_id)}/zarr.json did not parse")
             if r.run_id in dropped else r for r in results]

@@ -4,20 +4,26 @@ integer codes, derived groups encoded in memory and written whole."""
 from __future__ import annotations
 
 import functools
+import itertools
+import math
+import sys
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
+import crc32c
 import dask.array as da
 import numpy as np
 import xarray as xr
 import zarr
+from numcodecs import blosc
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
 
-from attngeom.store._zarr import ArrayV3Metadata
+from attngeom.store._zarr import ArrayV3Metadata, sync
 from attngeom.store.access import quiet_leftovers, writing
 from attngeom.store.codecs import chunk_encoder, compressors, decoded
 from attngeom.store.damage import DECODE_ERRORS, damaged_chunk, locate_damage, metadata_damage, stored_grid
-from attngeom.store.nodes import gather, group_document, metadata_bytes, put_objects, remove_dir, zarr_store
+from attngeom.store.nodes import get_objects, group_document, metadata_bytes, put_objects, remove_dir, zarr_store
 from attngeom.store.schema import ATTR_KEY, ENCODING, LABEL_ORDERS, LABELS, label_codes, label_dtype
 
 
@@ -183,7 +189,7 @@ def write_datasets(datasets: Mapping[str, xr.Dataset], url: str, *, compute: boo
         if compute:
             data[group].update(zip(lazy, da.compute(*lazy.values())))
     target = zstore if zstore is not None else zarr_store(url, read_only=False)
-    forms: dict[tuple, tuple[ArrayV3Metadata, dict[str, Any]]] = {}
+    forms: dict[tuple, _Form] = {}
     objects = {group: _group_objects(dataset, data[group], group, chunks or {}, forms)
                for group, dataset in encoded.items()}
 
@@ -228,27 +234,35 @@ _NAN_FILL_ATTRIBUTE = "AAAAAAAA+H8="
 _FLAT_CHUNK_KEYS = {"name": "default", "separator": "."}
 
 
+class _Form(NamedTuple):
+    """The metadata zarr makes for arrays of one form, as a document, and their chunk encoder."""
+
+    metadata: ArrayV3Metadata
+    document: dict[str, Any]
+    encode: Callable[[np.ndarray], bytes]
+
+
 def _group_objects(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], group: str,
-                   chunks: Mapping[str, int], forms: dict[tuple, tuple[ArrayV3Metadata, dict[str, Any]]],
-                   ) -> dict[str, bytes]:
+                   chunks: Mapping[str, int], forms: dict[tuple, _Form]) -> dict[str, bytes]:
     """The stored objects of the group ``group`` holding ``dataset``, key -> bytes: its own
     ``zarr.json``, every array's metadata and, where ``data`` holds its values (None:
     metadata only), its chunks, as zarr-python writes them (a chunk all fill value is not
     stored; the documents on one line, :func:`metadata_bytes`). zarr makes the metadata of
     one array of each form (data type, shape, chunks, dimensions) in ``forms``, shared by the
-    groups of a write; each array takes a copy with its own attributes, rather than each
-    array being made, filled and copied through zarr in turn."""
+    groups of a write, with its document and chunk encoder; each array takes a copy with its
+    own attributes, rather than each array being made, filled and copied through zarr in turn."""
     objects = {f"{group}/zarr.json": metadata_bytes(group_document(dataset.attrs))}
     for name, var in dataset.variables.items():
         form = (var.dtype.str, var.shape, _chunk_shape(var, chunks), var.dims)
         if form not in forms:
             made = _array_metadata(var, form[2])
-            forms[form] = (made, made.to_dict())
-        template, document = forms[form]
+            document = made.to_dict()
+            forms[form] = _Form(made, document, chunk_encoder(document))
+        template, document, encode = forms[form]
         attributes = {**var.attrs, **({"_FillValue": _NAN_FILL_ATTRIBUTE} if var.dtype.kind == "f" else {})}
         objects[f"{group}/{name}/zarr.json"] = metadata_bytes({**document, "attributes": attributes})
         if data[name] is not None:
-            objects.update((f"{group}/{name}/{key}", value) for key, value in _chunks(template, data[name]))
+            objects.update((f"{group}/{name}/{key}", value) for key, value in _chunks(template, encode, data[name]))
     return objects
 
 
@@ -261,10 +275,9 @@ def _array_metadata(var: xr.Variable, chunks: tuple[int, ...] | str) -> ArrayV3M
     ).metadata
 
 
-def _chunks(meta: ArrayV3Metadata, x: np.ndarray) -> Iterator[tuple[str, bytes]]:
-    """(key, stored bytes) of each chunk of the array ``x`` with metadata ``meta``, one all
-    fill value left out."""
-    encode = chunk_encoder(meta.to_dict())
+def _chunks(meta: ArrayV3Metadata, encode: Callable[[np.ndarray], bytes], x: np.ndarray) -> Iterator[tuple[str, bytes]]:
+    """(key, stored bytes by ``encode``) of each chunk of the array ``x`` with metadata
+    ``meta``, one all fill value left out."""
     shape, fill = meta.chunk_grid.chunk_shape, meta.fill_value
     for index in np.ndindex(*(-(-size // c) for size, c in zip(x.shape, shape))):
         block = _whole(meta, x[tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, shape))])
@@ -284,20 +297,108 @@ def _whole(meta: ArrayV3Metadata, block: np.ndarray) -> np.ndarray:
     return padded
 
 
-def write_new_chunks(zstore: Any, blocks: Iterable[tuple[zarr.AsyncArray, tuple[int, ...], np.ndarray]]) -> None:
-    """Store each (array, grid index, values) of ``blocks`` as that chunk of the array, the
-    values filling it up to the array's edge; every chunk is stored, also one all fill
-    value. For chunks the store does not hold yet: zarr would keep a held chunk's values
-    past the edge, this writes the fill value there. What zarr's own writes store, without
-    a hop to zarr's thread and a file thread per chunk."""
+def set_regions(url: str, zstore: Any, parts: Sequence[tuple[zarr.AsyncArray, np.ndarray]], start: int) -> None:
+    """Write each (array, values) of ``parts`` at positions ``start``, ``start + 1``, ... of
+    its first axis, every array at once: each chunk reached is encoded here and stored
+    whole, also one all fill value, its positions before ``start`` as stored (read at once,
+    :func:`read_regions`) and those past the values as the fill value (later positions are
+    written by later calls). What zarr stores for the same writes, without its codec
+    pipeline's round trips per array (an appending analyze writes some 60 arrays a batch)."""
+    firsts = [start // arr.chunks[0] * arr.chunks[0] for arr, _ in parts]
+    merged = [(arr, slice(first, start)) for (arr, _), first in zip(parts, firsts) if first < start]
+    held = iter(read_regions(url, merged))
     objects = {}
-    for arr, index, values in blocks:
+    for (arr, values), first in zip(parts, firsts):
         meta = arr.metadata
-        objects[f"{arr.path}/{meta.encode_chunk_key(index)}"] = chunk_encoder(meta.to_dict())(_whole(meta, values))
+        encode, chunks = chunk_encoder(meta.to_dict()), meta.chunk_grid.chunk_shape
+        span = np.concatenate([next(held), values]) if first < start else values
+        stop = -(-(start + len(values)) // chunks[0]) * chunks[0]
+        grid = [range(first // chunks[0], stop // chunks[0])]
+        grid += [range(-(-size // c)) for size, c in zip(meta.shape[1:], chunks[1:])]
+        for index in itertools.product(*grid):
+            at = (slice(index[0] * chunks[0] - first, (index[0] + 1) * chunks[0] - first),
+                  *(slice(i * c, (i + 1) * c) for i, c in zip(index[1:], chunks[1:])))
+            objects[f"{arr.path}/{meta.encode_chunk_key(index)}"] = encode(_whole(meta, span[at]))
     put_objects(zstore, objects)
 
 
-def set_regions(parts: Iterable[tuple[zarr.AsyncArray, np.ndarray]], start: int) -> None:
-    """Write each (array, values) of ``parts`` at positions ``start``, ``start + 1``, ... of
-    its first axis, every array at once (zarr merges them into the chunks held)."""
-    gather(arr.setitem(slice(start, start + len(values)), values) for arr, values in parts)
+def read_regions(url: str, parts: Sequence[tuple[zarr.AsyncArray, slice]]) -> list[np.ndarray]:
+    """The values of each (array of the store at ``url``, positions along its first axis)
+    of ``parts``, every chunk reached read at once and, where stored as attngeom writes
+    derived arrays (:func:`~attngeom.store.codecs.chunk_encoder`), decoded here: opening each
+    array as a Dataset and reading it through dask, or each through zarr's codec pipeline,
+    costs some ten times more in a small analysis. A chunk that fails to decode raises
+    :class:`CorruptChunkError` naming it."""
+    grids = [_chunks_reached(arr.metadata, at) for arr, at in parts]
+    keys = [f"{arr.path}/{arr.metadata.encode_chunk_key(index)}" for (arr, _), grid in zip(parts, grids)
+            if _decodes_here(arr.metadata) for index in grid]
+    stored = get_objects(parts[0][0].store_path.store, keys) if keys else {}
+    out = []
+    for (arr, at), grid in zip(parts, grids):
+        try:
+            if _decodes_here(arr.metadata):
+                out.append(_region(arr, at, grid, stored))
+                continue
+        except DECODE_ERRORS:
+            pass  # read again through zarr, which says what is damaged
+        out.append(_read_through_zarr(url, arr, at))
+    return out
+
+
+def _region(arr: zarr.AsyncArray, at: slice, grid: Sequence[tuple[int, ...]],
+            stored: Mapping[str, bytes | None]) -> np.ndarray:
+    """``arr[at]`` from the stored bytes of the chunks at ``grid`` (key -> bytes)."""
+    meta = arr.metadata
+    start, stop, _ = at.indices(meta.shape[0])
+    chunks = meta.chunk_grid.chunk_shape
+    values = np.empty((stop - start, *meta.shape[1:]), dtype=meta.dtype.to_native_dtype())
+    for index in grid:
+        chunk = _decoded_chunk(meta, stored[f"{arr.path}/{meta.encode_chunk_key(index)}"])
+        lo = index[0] * chunks[0]
+        first, last = max(lo, start), min(lo + chunks[0], stop)
+        rest = [slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index[1:], chunks[1:], meta.shape[1:])]
+        values[(slice(first - start, last - start), *rest)] = chunk[
+            (slice(first - lo, last - lo), *(slice(0, r.stop - r.start) for r in rest))]
+    return values
+
+
+def _decodes_here(meta: ArrayV3Metadata) -> bool:
+    """Whether the chunks of an array are stored as :func:`chunk_encoder` encodes them."""
+    codecs = meta.codecs
+    return (len(codecs) == 3 and isinstance(codecs[0], BytesCodec) and isinstance(codecs[1], BloscCodec)
+            and isinstance(codecs[2], Crc32cCodec) and getattr(codecs[0].endian, "value", "little") == "little"
+            and sys.byteorder == "little")
+
+
+def _chunks_reached(meta: ArrayV3Metadata, at: slice) -> list[tuple[int, ...]]:
+    """Grid index of every chunk holding positions ``at`` along the first axis."""
+    start, stop, _ = at.indices(meta.shape[0])
+    chunks = meta.chunk_grid.chunk_shape
+    along = range(start // chunks[0], -(-stop // chunks[0])) if start < stop else range(0)
+    return list(itertools.product(along, *(range(-(-n // c)) for n, c in zip(meta.shape[1:], chunks[1:]))))
+
+
+def _decoded_chunk(meta: ArrayV3Metadata, data: bytes | None) -> np.ndarray:
+    """A chunk's values from its stored bytes (Blosc, then their crc32c): the fill value
+    where not stored; ValueError when the checksum or the size does not match."""
+    shape, dtype = meta.chunk_grid.chunk_shape, meta.dtype.to_native_dtype()
+    if data is None:
+        return np.full(shape, meta.fill_value, dtype=dtype)
+    body = data[:-4]
+    if len(data) < 20 or crc32c.crc32c(body) != int.from_bytes(data[-4:], "little"):
+        raise ValueError("Stored and computed checksum do not match")
+    raw = blosc.decompress(body)
+    if len(raw) != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"the chunk holds {len(raw)} bytes, not {math.prod(shape) * dtype.itemsize}")
+    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(shape)
+
+
+def _read_through_zarr(url: str, arr: zarr.AsyncArray, at: slice) -> np.ndarray:
+    """``arr[at]`` read by zarr; a chunk that fails to decode raises :class:`CorruptChunkError`."""
+    try:
+        return np.asarray(sync(arr.getitem(at)))
+    except DECODE_ERRORS as exc:
+        error = locate_damage(url, zarr.Array(arr), (at,))
+        if error is None:
+            raise
+        raise error from exc

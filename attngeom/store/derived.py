@@ -43,11 +43,10 @@ from attngeom import __version__
 from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError
 from attngeom.store.access import consolidate
 from attngeom.store.damage import DECODE_ERRORS
-from attngeom.store.datasets import open_dataset, set_regions, write_datasets, write_new_chunks
+from attngeom.store.datasets import open_dataset, read_regions, set_regions, write_datasets
 from attngeom.store.nodes import (
     PARTIAL_SUFFIX,
     delete_objects,
-    gather,
     group_document,
     jsonable,
     local_path,
@@ -385,24 +384,26 @@ class DerivedWrite:
         """Create the per-sequence groups as ``templates`` (name -> Dataset over the
         ``target`` sequences, its data never computed: only metadata and the fixed
         coordinates are written), ``seq_chunk`` sequences a chunk; or, when the plan keeps
-        sequences, grow the kept groups to the target."""
+        sequences, grow the kept groups to the target (``templates`` unused)."""
         self._advance("begun", "writing")
         update, plan = self._update, self.plan
         if not plan.keep:
             self._write(templates, staged=plan.staged, compute=False, chunks={"seq": seq_chunk})
-        arrays = {name: dict(self._group(name, plan.staged).arrays()) for name in update.done.sequence_groups}
+        arrays = {name: {key: arr.async_array for key, arr in self._group(name, plan.staged).arrays()}
+                  for name in update.done.sequence_groups}
         if plan.keep:
-            grow = [arr for group in arrays.values() for arr in group.values()
-                    if tuple(arr.metadata.dimension_names or ())[:1] == ("seq",) and arr.shape[0] != len(plan.target)]
+            grown = {(name, key): arr.metadata.update_shape((len(plan.target), *arr.shape[1:]))
+                     for name, group in arrays.items() for key, arr in group.items()
+                     if tuple(arr.metadata.dimension_names or ())[:1] == ("seq",) and arr.shape[0] != len(plan.target)}
             # Groups grown in place are read through the kept commit meanwhile. Every array's
-            # metadata is rewritten at once: one after the other, each waits for its write.
-            with contextlib.nullcontext() if plan.staged or not grow else self._commit_withdrawn(update.pending):
-                gather(arr.async_array.resize((len(plan.target), *arr.shape[1:])) for arr in grow)
-        # Every chunk is stored, also one equal to the fill value: a position written anew
-        # never shows an older chunk.
-        update.arrays.update({name: {key: arr.async_array.with_config({"write_empty_chunks": True})
-                                     for key, arr in group.items()}
-                              for name, group in arrays.items()})
+            # metadata is rewritten at once, as attngeom writes it (zarr's resize encodes each
+            # document through Python's pure-Python JSON encoder, then waits for its write).
+            with contextlib.nullcontext() if plan.staged or not grown else self._commit_withdrawn(update.pending):
+                put_objects(self.zstore, {f"{arrays[name][key].path}/zarr.json": metadata_bytes(meta.to_dict())
+                                          for (name, key), meta in grown.items()})
+            for (name, key), meta in grown.items():
+                arrays[name][key] = zarr.AsyncArray(meta, arrays[name][key].store_path)
+        update.arrays.update(arrays)
 
     def append(self, datasets: Mapping[str, xr.Dataset]) -> None:
         """Write the next sequences of the per-sequence groups (name -> Dataset along
@@ -417,15 +418,25 @@ class DerivedWrite:
                 raise ValueError(f"{name}: sequences {data['seq'].values.tolist()} are not the next {list(sequences)}")
         parts = [(update.arrays[name][var], data[var].values) for name, data in datasets.items()
                  for var in (*data.data_vars, "seq")]
-        if not self.plan.keep:
-            # Chunks the store does not hold yet (a chunk holds a batch's sequences, the
-            # others whole): encoded and stored at once.
-            write_new_chunks(self.zstore, [(arr, (start // arr.chunks[0],) + (0,) * (arr.ndim - 1), values)
-                                           for arr, values in parts])
-        else:
-            set_regions(parts, start)
+        set_regions(self.url, self.zstore, parts, start)
         update.pending = replace(update.pending, sequences=update.done.sequences[: start + count])
         self._set_pending(update.pending, keep_commit=self.plan.keep_commit)
+
+    def written(self, count: int) -> dict[str, dict[str, np.ndarray]]:
+        """The first ``count`` sequences written so far of every per-sequence group: group ->
+        array along ``seq`` -> its stored values (label codes, not labels), every array read
+        at once (:func:`~attngeom.store.datasets.read_regions`)."""
+        if self._step != "writing":
+            raise RuntimeError(f"{type(self).__name__}: called while {self._step}, not writing")
+        if count > len(self._update.pending.sequences):
+            raise ValueError(f"{count} of {len(self._update.pending.sequences)} sequences written")
+        along = [(name, key, arr) for name, group in self._update.arrays.items() for key, arr in group.items()
+                 if tuple(arr.metadata.dimension_names or ())[:1] == ("seq",)]
+        values = read_regions(self.url, [(arr, slice(0, count)) for _, _, arr in along])
+        out: dict[str, dict[str, np.ndarray]] = {name: {} for name in self._update.arrays}
+        for (name, key, _), x in zip(along, values):
+            out[name][key] = x
+        return out
 
     def read(self, name: str) -> xr.Dataset:
         """The group ``name`` as a lazy Dataset: during an update, as written so far (not

@@ -93,9 +93,7 @@ def node_metadata(zstore: Any, group: str = "", *, own: str | None = None) -> di
     if isinstance(zstore, zarr.storage.LocalStore):
         # Read here: through the store, each object takes a hop to zarr's thread and one to a
         # file thread, and an analysis has many small ones.
-        found = local_files(os.path.join(str(zstore.root), group), group)
-        return {key: _parsed(_read_bytes(entry.path)) for key, entry in sorted(found, key=lambda x: x[0])
-                if entry.name == "zarr.json"}
+        return dict(sorted(_local_documents(os.path.join(str(zstore.root), group), group)))
     prefix = f"{group}/" if group else ""
     fresh = uncached(zstore) if own is not None else zstore
 
@@ -109,6 +107,26 @@ def node_metadata(zstore: Any, group: str = "", *, own: str | None = None) -> di
         return dict(zip(keys, raws))
 
     return {key: _parsed(raw.to_bytes() if raw is not None else None) for key, raw in sync(read()).items()}
+
+
+def _local_documents(folder: str, key: str) -> Iterator[tuple[str, dict[str, Any] | None]]:
+    """(key, parsed ``zarr.json``) of the node at ``folder`` (whose key is ``key``) and of
+    every node under it. An array's folders hold its chunks, no node: they are not walked (a
+    run's chunk grid has a folder per sequence and layer, most of a store's folders)."""
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    document = next((entry for entry in entries if entry.name == "zarr.json" and not entry.is_dir(follow_symlinks=False)),
+                    None)
+    if document is not None:
+        meta = _parsed(_read_bytes(document.path))
+        yield f"{key}/zarr.json" if key else "zarr.json", meta
+        if meta is not None and meta["node_type"] == "array":
+            return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            yield from _local_documents(entry.path, f"{key}/{entry.name}" if key else entry.name)
 
 
 def local_files(folder: str, key: str) -> Iterator[tuple[str, os.DirEntry]]:
@@ -196,6 +214,20 @@ def put_objects(zstore: Any, objects: Mapping[str, bytes | Iterable[bytes]]) -> 
                 raise outcome
 
     sync(run())
+
+
+def get_objects(zstore: Any, keys: Iterable[str]) -> dict[str, bytes | None]:
+    """Key -> stored bytes (None where absent) of the objects ``keys`` of the zarr Store
+    ``zstore``: a local store's read here, one after another, any other store's all at
+    once (as :func:`put_objects` writes them)."""
+    if isinstance(zstore, zarr.storage.LocalStore):
+        return {key: _read_bytes(os.path.join(str(zstore.root), key)) for key in keys}
+    keys, prototype = list(keys), default_buffer_prototype()
+
+    async def run() -> list[Any]:
+        return list(await asyncio.gather(*(zstore.get(key, prototype=prototype) for key in keys)))
+
+    return {key: None if got is None else got.to_bytes() for key, got in zip(keys, sync(run()))}
 
 
 def gather(coroutines: Iterable[Any]) -> None:
