@@ -25,13 +25,12 @@ from typing import Any, NamedTuple
 import crc32c
 import numpy as np
 import zarr
-from numcodecs.blosc import decompress
 from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.buffer import default_buffer_prototype
-from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
+from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
 
 from attngeom.store._zarr import sync
-from attngeom.store.codecs import decoded
+from attngeom.store.codecs import decode_chunk, decoded, decodes
 from attngeom.store.damage import DECODE_ERRORS, damaged_chunk, locate_damage
 from attngeom.store.schema import ATTR_KEY, ENCODING
 
@@ -85,14 +84,14 @@ def _address(arr: zarr.Array, key: tuple[int | slice, ...]) -> _Address | None:
     codecs, slots = arr.metadata.codecs, None
     if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec):
         sharding = codecs[0]
-        if sharding.index_location.value != "end" or not _checksummed(sharding.index_codecs, blosc=False):
+        if sharding.index_location.value != "end" or not _index_codecs(sharding.index_codecs):
             return None
         codecs, inner, stored = sharding.codecs, tuple(sharding.chunk_shape), tuple(arr.shards)
         slots = tuple(s // c for s, c in zip(stored, inner))
     else:
         inner = stored = tuple(arr.chunks)
     m = len(key)
-    if (not _checksummed(codecs, blosc=True) or m > arr.ndim
+    if (not decodes(codecs) or m > arr.ndim
             or not all(isinstance(k, (int, np.integer)) and 0 <= k < n for k, n in zip(key, arr.shape))
             or any(c not in (1, n) for c, n in zip(inner[:m], arr.shape)) or inner[m:] != tuple(arr.shape[m:])):
         return None
@@ -106,10 +105,9 @@ def _address(arr: zarr.Array, key: tuple[int | slice, ...]) -> _Address | None:
     return _Address(name, grid, slot, math.prod(slots), inner, within)
 
 
-def _checksummed(codecs: tuple[Any, ...], *, blosc: bool) -> bool:
-    """Whether ``codecs`` are little-endian bytes, Blosc (when ``blosc``), then crc32c."""
-    kinds = (BytesCodec, BloscCodec, Crc32cCodec) if blosc else (BytesCodec, Crc32cCodec)
-    return (len(codecs) == len(kinds) and all(isinstance(c, k) for c, k in zip(codecs, kinds))
+def _index_codecs(codecs: tuple[Any, ...]) -> bool:
+    """Whether a shard index's ``codecs`` are little-endian bytes, then crc32c."""
+    return (len(codecs) == 2 and isinstance(codecs[0], BytesCodec) and isinstance(codecs[1], Crc32cCodec)
             and getattr(codecs[0].endian, "value", None) in (None, "little") and sys.byteorder == "little")
 
 
@@ -119,7 +117,7 @@ def _read(arr: zarr.Array, address: _Address) -> np.ndarray:
     dtype = np.dtype(arr.dtype)
     if data is None:
         return np.full(address.inner, arr.fill_value, dtype=dtype)
-    return _decoded_chunk(data, np.empty(address.inner, dtype=dtype))
+    return decode_chunk(data, np.empty(address.inner, dtype=dtype))
 
 
 def _stored_bytes(zstore: Any, address: _Address) -> memoryview | None:
@@ -188,17 +186,3 @@ def _exactly(data: bytes | memoryview, length: int) -> memoryview:
     if len(data) != length:
         raise EOFError(f"read {len(data)} of the chunk's {length} bytes")
     return memoryview(data)
-
-
-def _decoded_chunk(data: memoryview, out: np.ndarray) -> np.ndarray:
-    """``out`` holding the chunk whose stored bytes are ``data`` (Blosc, then the crc32c of
-    those bytes): ValueError when the checksum or the size does not match."""
-    body = data[:-4]
-    if len(data) < 20 or crc32c.crc32c(body) != int.from_bytes(data[-4:], "little"):
-        raise ValueError("Stored and computed checksum do not match")  # as zarr-python says
-    # Blosc's header holds the size it decompresses to (bytes 4-8); a larger output would be
-    # left partly unwritten.
-    if int.from_bytes(body[4:8], "little") != out.nbytes:
-        raise ValueError(f"the chunk holds {int.from_bytes(body[4:8], 'little')} bytes, not {out.nbytes}")
-    decompress(body, out)
-    return out

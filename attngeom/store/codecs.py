@@ -4,13 +4,15 @@ checksum of each chunk; a shard's inner chunks one after another, then its index
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import crc32c
 import numpy as np
 from numcodecs import Blosc
-from zarr.codecs import BloscCodec, Crc32cCodec
+from numcodecs.blosc import decompress
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
 
 from attngeom.store.schema import BFLOAT16
 
@@ -81,6 +83,32 @@ def chunk_encoder(metadata: Mapping[str, Any]) -> Callable[[np.ndarray], bytes]:
         return compressed + crc32c.crc32c(compressed).to_bytes(4, "little")
 
     return encode
+
+
+def decodes(codecs: Sequence[Any]) -> bool:
+    """Whether chunks with the zarr codecs ``codecs`` (an unsharded array's, or a shard's
+    inner chunks') are stored as :func:`chunk_encoder` encodes them, which
+    :func:`decode_chunk` reads: little-endian bytes, Blosc, then crc32c."""
+    return (len(codecs) == 3 and isinstance(codecs[0], BytesCodec) and isinstance(codecs[1], BloscCodec)
+            and isinstance(codecs[2], Crc32cCodec) and getattr(codecs[0].endian, "value", None) in (None, "little")
+            and sys.byteorder == "little")
+
+
+def decode_chunk(data: bytes | memoryview, out: np.ndarray) -> np.ndarray:
+    """``out`` (the chunk's full shape and data type) holding the chunk whose stored bytes,
+    as :func:`chunk_encoder` encodes them, are ``data``: ValueError when their checksum or
+    their size does not match. What zarr-python's codecs read, without a copy."""
+    data = memoryview(data)
+    body = data[:-4]
+    if len(data) < 20 or crc32c.crc32c(body) != int.from_bytes(data[-4:], "little"):
+        raise ValueError("Stored and computed checksum do not match")  # zarr-python's words
+    # Blosc's header holds the size it decompresses to (bytes 4-8); a larger output would be
+    # left partly unwritten.
+    size = int.from_bytes(body[4:8], "little")
+    if size != out.nbytes:
+        raise ValueError(f"the chunk holds {size} bytes, not {out.nbytes}")
+    decompress(body, out)
+    return out
 
 
 def bfloat16_values(bits: np.ndarray) -> np.ndarray:

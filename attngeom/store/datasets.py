@@ -5,23 +5,18 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
-import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import crc32c
 import dask.array as da
 import numpy as np
 import xarray as xr
 import zarr
-from numcodecs import blosc
-from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
 
 from attngeom.store._zarr import ArrayV3Metadata, sync
 from attngeom.store.access import quiet_leftovers, writing
-from attngeom.store.codecs import chunk_encoder, compressors, decoded
+from attngeom.store.codecs import chunk_encoder, compressors, decode_chunk, decoded, decodes
 from attngeom.store.damage import DECODE_ERRORS, damaged_chunk, locate_damage, metadata_damage, stored_grid
 from attngeom.store.nodes import get_objects, group_document, metadata_bytes, put_objects, remove_dir, zarr_store
 from attngeom.store.schema import ATTR_KEY, ENCODING, LABEL_ORDERS, LABELS, label_codes, label_dtype
@@ -331,12 +326,12 @@ def read_regions(url: str, parts: Sequence[tuple[zarr.AsyncArray, slice]]) -> li
     :class:`CorruptChunkError` naming it."""
     grids = [_chunks_reached(arr.metadata, at) for arr, at in parts]
     keys = [f"{arr.path}/{arr.metadata.encode_chunk_key(index)}" for (arr, _), grid in zip(parts, grids)
-            if _decodes_here(arr.metadata) for index in grid]
+            if decodes(arr.metadata.codecs) for index in grid]
     stored = get_objects(parts[0][0].store_path.store, keys) if keys else {}
     out = []
     for (arr, at), grid in zip(parts, grids):
         try:
-            if _decodes_here(arr.metadata):
+            if decodes(arr.metadata.codecs):
                 out.append(_region(arr, at, grid, stored))
                 continue
         except DECODE_ERRORS:
@@ -362,14 +357,6 @@ def _region(arr: zarr.AsyncArray, at: slice, grid: Sequence[tuple[int, ...]],
     return values
 
 
-def _decodes_here(meta: ArrayV3Metadata) -> bool:
-    """Whether the chunks of an array are stored as :func:`chunk_encoder` encodes them."""
-    codecs = meta.codecs
-    return (len(codecs) == 3 and isinstance(codecs[0], BytesCodec) and isinstance(codecs[1], BloscCodec)
-            and isinstance(codecs[2], Crc32cCodec) and getattr(codecs[0].endian, "value", "little") == "little"
-            and sys.byteorder == "little")
-
-
 def _chunks_reached(meta: ArrayV3Metadata, at: slice) -> list[tuple[int, ...]]:
     """Grid index of every chunk holding positions ``at`` along the first axis."""
     start, stop, _ = at.indices(meta.shape[0])
@@ -379,18 +366,12 @@ def _chunks_reached(meta: ArrayV3Metadata, at: slice) -> list[tuple[int, ...]]:
 
 
 def _decoded_chunk(meta: ArrayV3Metadata, data: bytes | None) -> np.ndarray:
-    """A chunk's values from its stored bytes (Blosc, then their crc32c): the fill value
-    where not stored; ValueError when the checksum or the size does not match."""
+    """A chunk's values from its stored bytes (:func:`decode_chunk`): the fill value where
+    not stored; ValueError when the checksum or the size does not match."""
     shape, dtype = meta.chunk_grid.chunk_shape, meta.dtype.to_native_dtype()
     if data is None:
         return np.full(shape, meta.fill_value, dtype=dtype)
-    body = data[:-4]
-    if len(data) < 20 or crc32c.crc32c(body) != int.from_bytes(data[-4:], "little"):
-        raise ValueError("Stored and computed checksum do not match")
-    raw = blosc.decompress(body)
-    if len(raw) != math.prod(shape) * dtype.itemsize:
-        raise ValueError(f"the chunk holds {len(raw)} bytes, not {math.prod(shape) * dtype.itemsize}")
-    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(shape)
+    return decode_chunk(data, np.empty(shape, dtype=dtype))
 
 
 def _read_through_zarr(url: str, arr: zarr.AsyncArray, at: slice) -> np.ndarray:
