@@ -283,3 +283,45 @@ def test_the_commit_lists_every_object_of_its_groups(ablated_store_source):
     assert record["objects"] == stored
     assert zarr.open_group(str(ablated_store_source), path=A, mode="r").attrs["attngeom"]["commit"]["groups"] == [
         "topn", "values", "taxonomy", "heads", "summary", "signatures", "table", "sequence_scores", "head_scores"]
+
+
+def test_a_corrupt_kept_chunk_met_by_an_appending_analyze_is_rewritten_under_deep(tmp_path):
+    """An appending analyze reads its kept sequences' last chunk back and meets a flipped
+    byte: it stops naming the chunk, with the update under way recorded; analyze --deep then
+    finds that chunk although the kept commit lists none of the sequence groups' objects,
+    rewrites it, and ends where an undisturbed analyze of every sequence does."""
+    import numpy as np
+
+    import attngeom as ag
+    from attngeom.errors import CorruptChunkError
+    from attngeom.store import RunLayout, consolidate, create_run, open_or_create_root, write_sequence
+    from attngeom.synthetic import synthetic_sequence
+
+    layout = RunLayout(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, length=32, head_kv=(0, 0, 1, 1),
+                       window=(0, 0), attendable=((True,) * 32,) * 2, queries=())
+    provenance = {"model": {"id": "synthetic"}, "dataset": {"id": "synthetic"}, "context_length": 32,
+                  "library_versions": {}, "command_line": "test"}
+    arrays = [synthetic_sequence(np.random.default_rng(s), layout) for s in range(6)]
+
+    def extracted(url: str, sequences: range) -> None:
+        root = open_or_create_root(url)
+        run_group = root["runs/r"] if "runs" in root and "r" in root["runs"] else create_run(root, "r", layout,
+                                                                                              provenance, 6)
+        for s in sequences:
+            write_sequence(run_group, s, arrays[s])
+        consolidate(root)
+
+    damaged, whole = str(tmp_path / "damaged.zarr"), str(tmp_path / "whole.zarr")
+    extracted(damaged, range(3))
+    ag.analyze(damaged, scheduler="threads", progress=False)
+    extracted(damaged, range(3, 6))
+    flip(Path(damaged) / A / "topn/s_norm/c.0.0.0.0", 30)
+    with pytest.raises(CorruptChunkError, match=f"array '{A}/topn/s_norm' chunk c.0.0.0.0 is damaged"):
+        ag.analyze(damaged, scheduler="threads", progress=False)
+    (result,) = ag.analyze(damaged, scheduler="threads", progress=False, deep=True)
+    assert result.healed.startswith(f"{A}/topn/s_norm/c.0.0.0.0 is damaged") and result.sequences == 6
+    extracted(whole, range(6))
+    ag.analyze(whole, scheduler="threads", progress=False)
+    for name in ("topn", "values", "taxonomy", "heads", "summary"):
+        xr.testing.assert_identical(ag.open_store(damaged).run("r").analysis(name).load(),
+                                    ag.open_store(whole).run("r").analysis(name).load())

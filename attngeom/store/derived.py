@@ -238,8 +238,10 @@ def _damage(zstore: Any, state: DerivedState, names: Sequence[str], *, deep: boo
                     else f"{got} bytes long where {size} were written")
             found.setdefault(group, []).append((key, what))
     if deep:
+        # Every stored object of the groups, not only those the commit lists: a commit kept
+        # by an update appending in place lists none of its sequence groups' objects.
         for group in names:
-            problems = [] if group in found else _decode_damage(zstore, base, group, done.objects)
+            problems = [] if group in found else _decode_damage(zstore, base, group, stored)
             if problems:
                 found[group] = problems
     out = {}
@@ -251,7 +253,8 @@ def _damage(zstore: Any, state: DerivedState, names: Sequence[str], *, deep: boo
 
 
 def _decode_damage(zstore: Any, base: str, group: str, objects: Mapping[str, int]) -> list[tuple[str, str]]:
-    """(key, what) of every object of the committed ``group`` that fails to decode."""
+    """(key, what) of every object of the committed ``group`` that fails to decode, of its
+    arrays among ``objects`` (key below ``base`` -> size)."""
     arrays = sorted({key.rsplit("/", 1)[0] for key in objects if key.startswith(f"{group}/") and key.count("/") == 2
                      and key.endswith("/zarr.json")})
     problems = []
