@@ -103,7 +103,10 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
     if scheduler in (None, "threads") or local:
         # Dask's threads already fill the cores; a multi-threaded BLAS under each one
         # oversubscribes them (measured 1.3-1.5x slower). Distributed workers set this too.
-        with dask.config.set(scheduler=dask.threaded.get), threadpool_limits(limits=1):
+        # A thread per core, named: called from a thread other than the main one (the
+        # analyze's batch threads), Dask's threads number Python's default, cores + 4, and
+        # six tasks on two cores took a fifth more CPU time each.
+        with dask.config.set(scheduler=dask.threaded.get, num_workers=cores), threadpool_limits(limits=1):
             yield None
         return
     # The client is this block's scheduler alone: a default client sets Dask's scheduler
