@@ -3,10 +3,13 @@ integer codes, derived groups encoded in memory and written whole."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import dask.array as da
@@ -185,8 +188,15 @@ def write_datasets(datasets: Mapping[str, xr.Dataset], url: str, *, compute: boo
             data[group].update(zip(lazy, da.compute(*lazy.values())))
     target = zstore if zstore is not None else zarr_store(url, read_only=False)
     forms: dict[tuple, _Form] = {}
-    objects = {group: _group_objects(dataset, data[group], group, chunks or {}, forms)
+    blocks: list[_Block] = []
+    objects = {group: _group_objects(dataset, data[group], group, chunks or {}, forms, blocks)
                for group, dataset in encoded.items()}
+    # Blosc releases the GIL: the chunks are compressed on a thread per core (an analysis's
+    # groups across sequences are some 200 chunks, written while the workers are idle).
+    threads = min(_cores(), len(blocks) // _BLOCKS_PER_THREAD)
+    with ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
+        for block, stored in zip(blocks, (pool.map if pool else map)(lambda b: b.encode(b.values), blocks)):
+            block.objects[block.key] = stored
 
     with writing(url):
         for parent in sorted({group.rpartition("/")[0] for group in encoded} - {""}):
@@ -237,12 +247,31 @@ class _Form(NamedTuple):
     encode: Callable[[np.ndarray], bytes]
 
 
+class _Block(NamedTuple):
+    """A chunk to encode: its ``values``, by ``encode``, into ``objects[key]``."""
+
+    objects: dict[str, bytes]
+    key: str
+    encode: Callable[[np.ndarray], bytes]
+    values: np.ndarray
+
+
+# Chunks a thread is given at least: a derived chunk compresses in a fraction of a
+# millisecond, about what handing it to a thread costs.
+_BLOCKS_PER_THREAD = 16
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _group_objects(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], group: str,
-                   chunks: Mapping[str, int], forms: dict[tuple, _Form]) -> dict[str, bytes]:
+                   chunks: Mapping[str, int], forms: dict[tuple, _Form], blocks: list[_Block]) -> dict[str, bytes]:
     """The stored objects of the group ``group`` holding ``dataset``, key -> bytes: its own
     ``zarr.json``, every array's metadata and, where ``data`` holds its values (None:
     metadata only), its chunks, as zarr-python writes them (a chunk all fill value is not
-    stored; the documents on one line, :func:`metadata_bytes`). zarr makes the metadata of
+    stored; the documents on one line, :func:`metadata_bytes`), each chunk's bytes left to
+    encode as one of ``blocks`` (its place in the objects kept). zarr makes the metadata of
     one array of each form (data type, shape, chunks, dimensions) in ``forms``, shared by the
     groups of a write, with its document and chunk encoder; each array takes a copy with its
     own attributes, rather than each array being made, filled and copied through zarr in turn."""
@@ -257,7 +286,9 @@ def _group_objects(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], g
         attributes = {**var.attrs, **({"_FillValue": _NAN_FILL_ATTRIBUTE} if var.dtype.kind == "f" else {})}
         objects[f"{group}/{name}/zarr.json"] = metadata_bytes({**document, "attributes": attributes})
         if data[name] is not None:
-            objects.update((f"{group}/{name}/{key}", value) for key, value in _chunks(template, encode, data[name]))
+            for key, values in _chunks(template, data[name]):
+                objects[f"{group}/{name}/{key}"] = b""
+                blocks.append(_Block(objects, f"{group}/{name}/{key}", encode, values))
     return objects
 
 
@@ -270,15 +301,15 @@ def _array_metadata(var: xr.Variable, chunks: tuple[int, ...] | str) -> ArrayV3M
     ).metadata
 
 
-def _chunks(meta: ArrayV3Metadata, encode: Callable[[np.ndarray], bytes], x: np.ndarray) -> Iterator[tuple[str, bytes]]:
-    """(key, stored bytes by ``encode``) of each chunk of the array ``x`` with metadata
-    ``meta``, one all fill value left out."""
+def _chunks(meta: ArrayV3Metadata, x: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """(key, values) of each chunk of the array ``x`` with metadata ``meta``, one all fill
+    value left out."""
     shape, fill = meta.chunk_grid.chunk_shape, meta.fill_value
     for index in np.ndindex(*(-(-size // c) for size, c in zip(x.shape, shape))):
         block = _whole(meta, x[tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, shape))])
         if np.isnan(block).all() if np.isnan(fill) else (block == fill).all():
             continue
-        yield meta.encode_chunk_key(index), encode(block)
+        yield meta.encode_chunk_key(index), block
 
 
 def _whole(meta: ArrayV3Metadata, block: np.ndarray) -> np.ndarray:
