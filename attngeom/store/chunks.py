@@ -30,7 +30,7 @@ from zarr.buffer import default_buffer_prototype
 from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
 
 from attngeom.store._zarr import sync
-from attngeom.store.codecs import decode_chunk, decoded, decodes
+from attngeom.store.codecs import codec_setting, decode_chunk, decoded, decodes
 from attngeom.store.damage import DECODE_ERRORS, damaged_chunk, locate_damage
 from attngeom.store.schema import ATTR_KEY, ENCODING
 
@@ -84,7 +84,7 @@ def _address(arr: zarr.Array, key: tuple[int | slice, ...]) -> _Address | None:
     codecs, slots = arr.metadata.codecs, None
     if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec):
         sharding = codecs[0]
-        if sharding.index_location.value != "end" or not _index_codecs(sharding.index_codecs):
+        if codec_setting(sharding.index_location) != "end" or not _index_codecs(sharding.index_codecs):
             return None
         codecs, inner, stored = sharding.codecs, tuple(sharding.chunk_shape), tuple(arr.shards)
         slots = tuple(s // c for s, c in zip(stored, inner))
@@ -108,7 +108,7 @@ def _address(arr: zarr.Array, key: tuple[int | slice, ...]) -> _Address | None:
 def _index_codecs(codecs: tuple[Any, ...]) -> bool:
     """Whether a shard index's ``codecs`` are little-endian bytes, then crc32c."""
     return (len(codecs) == 2 and isinstance(codecs[0], BytesCodec) and isinstance(codecs[1], Crc32cCodec)
-            and getattr(codecs[0].endian, "value", None) in (None, "little") and sys.byteorder == "little")
+            and codec_setting(codecs[0].endian) in (None, "little") and sys.byteorder == "little")
 
 
 def _read(arr: zarr.Array, address: _Address) -> np.ndarray:

@@ -85,12 +85,18 @@ def chunk_encoder(metadata: Mapping[str, Any]) -> Callable[[np.ndarray], bytes]:
     return encode
 
 
+def codec_setting(x: Any) -> Any:
+    """A codec setting as its name in a ``zarr.json``: zarr-python holds some as enums, and
+    newer releases as strings."""
+    return getattr(x, "value", x)
+
+
 def decodes(codecs: Sequence[Any]) -> bool:
     """Whether chunks with the zarr codecs ``codecs`` (an unsharded array's, or a shard's
     inner chunks') are stored as :func:`chunk_encoder` encodes them, which
     :func:`decode_chunk` reads: little-endian bytes, Blosc, then crc32c."""
     return (len(codecs) == 3 and isinstance(codecs[0], BytesCodec) and isinstance(codecs[1], BloscCodec)
-            and isinstance(codecs[2], Crc32cCodec) and getattr(codecs[0].endian, "value", None) in (None, "little")
+            and isinstance(codecs[2], Crc32cCodec) and codec_setting(codecs[0].endian) in (None, "little")
             and sys.byteorder == "little")
 
 
