@@ -6,7 +6,6 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing
-import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from concurrent.futures import ProcessPoolExecutor
 import dask
 import dask.multiprocessing
 import dask.threaded
+from dask.system import cpu_count
 from threadpoolctl import threadpool_limits
 
 from attngeom.errors import AttngeomError
@@ -27,10 +27,6 @@ _PR_SET_PDEATHSIG = 1
 # largest threshold glibc takes) come from its heap, and freed memory stays there up to 1 GiB.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD, _TRIM_THRESHOLD = 32 << 20, 1 << 30
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _forks() -> bool:
@@ -90,7 +86,7 @@ def dask_client(scheduler: str | None, store: str) -> Iterator[object | None]:
     # Schedulers are set as functions, not names: for a name, every compute asks whether
     # dask.distributed is installed, which imports it (0.33 s of an analyze in a fresh
     # process, half of it parsing its YAML configuration) where no cluster is used.
-    local, cores = store.startswith("memory://"), _cores()
+    local, cores = store.startswith("memory://"), cpu_count()
     if scheduler is None and not local and _forks() and cores > 1:
         # One task at a time to each worker: Dask hands them out six at a time, so 16
         # tasks on 2 workers went 6 + 4 to one and 6 to the other, which then waited for it a

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +15,7 @@ import dask.array as da
 import numpy as np
 import xarray as xr
 import zarr
+from dask.system import cpu_count
 
 from attngeom.store._zarr import ArrayV3Metadata, sync
 from attngeom.store.access import quiet_leftovers, writing
@@ -193,7 +193,7 @@ def write_datasets(datasets: Mapping[str, xr.Dataset], url: str, *, compute: boo
                for group, dataset in encoded.items()}
     # Blosc releases the GIL: the chunks are compressed on a thread per core (an analysis's
     # groups across sequences are some 200 chunks, written while the workers are idle).
-    threads = min(_cores(), len(blocks) // _BLOCKS_PER_THREAD)
+    threads = min(cpu_count(), len(blocks) // _BLOCKS_PER_THREAD)
     with ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
         for block, stored in zip(blocks, (pool.map if pool else map)(lambda b: b.encode(b.values), blocks)):
             block.objects[block.key] = stored
@@ -259,10 +259,6 @@ class _Block(NamedTuple):
 # Chunks a thread is given at least: a derived chunk compresses in a fraction of a
 # millisecond, about what handing it to a thread costs.
 _BLOCKS_PER_THREAD = 16
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _group_objects(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], group: str,
