@@ -203,6 +203,18 @@ def moto_s3(**env: str):
 
 
 # Libraries a refusal must be made without (each takes seconds to import).
+def assert_tensorstore_reads(ts, store: Path, arr) -> None:
+    """tensorstore (the module ``ts``) reads the zarr array ``arr`` of the local store at
+    ``store`` as zarr-python does: the same data type, shape and bytes."""
+    import numpy as np
+
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(store / arr.path)}}
+    read = ts.open(spec, open=True, read=True).result().read().result()
+    expected = np.asarray(arr[...])
+    assert read.dtype == expected.dtype and read.shape == expected.shape, arr.path
+    assert read.tobytes() == np.ascontiguousarray(expected).tobytes(), arr.path
+
+
 HEAVY = ("torch", "transformers", "dask", "numba", "xarray", "pandas", "zarr", "datasets")
 
 

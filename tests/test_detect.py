@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 from click.testing import CliRunner
-from conftest import WORDS, cli_in_fresh_process
+from conftest import WORDS, assert_tensorstore_reads, cli_in_fresh_process
 
 import attngeom as ag
 from attngeom.cli import main
@@ -338,11 +338,7 @@ def test_tensorstore_reads_the_detect_groups_as_zarr_python_does(detected):
     assert {"runs/r/detect/scores/induction_score", "runs/r/detect/probes/probe_tokens",
             "runs/r/detect/retrieval/needle_length"} <= {a.path for a in arrays}
     for arr in arrays:
-        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(store / arr.path)}}
-        read = ts.open(spec, open=True, read=True).result().read().result()
-        expected = np.asarray(arr[...])
-        assert read.dtype == expected.dtype and read.shape == expected.shape, arr.path
-        assert read.tobytes() == np.ascontiguousarray(expected).tobytes(), arr.path
+        assert_tensorstore_reads(ts, store, arr)
 
 
 def test_smollm2_induction_heads_are_its_retrieval_heads(tmp_path):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import xarray as xr
 import zarr
-from conftest import extract
+from conftest import assert_tensorstore_reads, extract
 
 from attngeom.api import analyze
 from attngeom.api import ablate
@@ -66,11 +66,7 @@ def test_tensorstore_reads_every_array_as_zarr_python_does(built):
     assert any(a.size == 0 for a in arrays)
     for arr in arrays:
         assert metadata(built, arr.path)["data_type"] in CORE, arr.path
-        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(built / arr.path)}}
-        read = ts.open(spec, open=True, read=True).result().read().result()
-        expected = np.asarray(arr[...])
-        assert read.dtype == expected.dtype and read.shape == expected.shape, arr.path
-        assert read.tobytes() == np.ascontiguousarray(expected).tobytes(), arr.path
+        assert_tensorstore_reads(ts, built, arr)
 
 
 def test_labels_are_codes_on_disk_and_strings_through_attngeom(built):
