@@ -17,8 +17,9 @@ import xarray as xr
 import zarr
 from dask.system import cpu_count
 
-from attngeom.store._zarr import ArrayV3Metadata, sync
+from attngeom.store._zarr import ArrayV3Metadata
 from attngeom.store.access import quiet_leftovers, writing
+from attngeom.store.chunks import read_chunk
 from attngeom.store.codecs import chunk_encoder, compressors, decode_chunk, decoded, decodes
 from attngeom.store.damage import DECODE_ERRORS, damaged_chunk, locate_damage, metadata_damage, stored_grid
 from attngeom.store.nodes import get_objects, group_document, metadata_bytes, put_objects, remove_dir, zarr_store
@@ -363,7 +364,7 @@ def read_regions(url: str, parts: Sequence[tuple[zarr.AsyncArray, slice]]) -> li
                 continue
         except DECODE_ERRORS:
             pass  # read again through zarr, which says what is damaged
-        out.append(_read_through_zarr(url, arr, at))
+        out.append(read_chunk(url, zarr.Array(arr), (at,)))
     return out
 
 
@@ -399,14 +400,3 @@ def _decoded_chunk(meta: ArrayV3Metadata, data: bytes | None) -> np.ndarray:
     if data is None:
         return np.full(shape, meta.fill_value, dtype=dtype)
     return decode_chunk(data, np.empty(shape, dtype=dtype))
-
-
-def _read_through_zarr(url: str, arr: zarr.AsyncArray, at: slice) -> np.ndarray:
-    """``arr[at]`` read by zarr; a chunk that fails to decode raises :class:`CorruptChunkError`."""
-    try:
-        return np.asarray(sync(arr.getitem(at)))
-    except DECODE_ERRORS as exc:
-        error = locate_damage(url, zarr.Array(arr), (at,))
-        if error is None:
-            raise
-        raise error from exc
