@@ -59,8 +59,8 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
-    "AttngeomError", "AttngeomWarning", "CorruptChunkError", "DamagedStoreError", "GroupNotFoundError", "IncompleteGroupError",
-    "InputError",
+    "AttngeomError", "AttngeomWarning", "CorruptChunkError", "DamagedStoreError", "GroupNotFoundError",
+    "IncompleteGroupError", "InputError",
     "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreWriteError",
     "Taxonomy", "Validation", "__version__", "ablate", "analyze", "detect", "explore", "extract", "migrate", "open_store",
     "repair", "report", "taxonomy", "validate",

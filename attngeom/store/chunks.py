@@ -5,12 +5,13 @@ its event loop, the shard's index and the chunk read there, the chunk decoded on
 into a buffer of its own and then copied into the output. For the one inner chunk that an
 analyze task reads (a layer of a sequence: 16 MB of a 7B model's values), that machinery costs
 as much again as the decoding itself, and its threads run beside the task's kernels
-(benchmarks/analyze_stage.py). :func:`read_chunk` reads a selection within one inner chunk
-(a sequence's, or a sequence's layer's) as attngeom stores it (:mod:`attngeom.store.codecs`: Blosc, then a crc32c checksum per
-chunk; a shard's index at its end) in the calling thread: the index and the chunk with two
-reads of the file on a local disk (two requests in one hop to zarr's loop on any other store,
-the index kept by the command's cached Store), the checksum checked, the chunk decoded into the
-array returned. Any other selection or layout goes through zarr.
+(benchmarks/analyze_stage.py). :func:`read_chunk` reads a selection within one inner chunk (a
+sequence's, or a sequence's layer's) as attngeom stores it (:mod:`attngeom.store.codecs`:
+Blosc, then a crc32c checksum per chunk; a shard's index at its end) in the calling thread: the
+index and the chunk with two reads of the file on a local disk (two requests in one hop to
+zarr's loop on any other store, the index kept by the command's cached Store), the checksum
+checked, the chunk decoded into the array returned. Any other selection or layout goes through
+zarr.
 """
 
 from __future__ import annotations

@@ -117,8 +117,8 @@ def _local_documents(folder: str, key: str) -> Iterator[tuple[str, dict[str, Any
         entries = list(os.scandir(folder))
     except (FileNotFoundError, NotADirectoryError):
         return
-    document = next((entry for entry in entries if entry.name == "zarr.json" and not entry.is_dir(follow_symlinks=False)),
-                    None)
+    document = next(
+        (entry for entry in entries if entry.name == "zarr.json" and not entry.is_dir(follow_symlinks=False)), None)
     if document is not None:
         meta = _parsed(_read_bytes(document.path))
         yield f"{key}/zarr.json" if key else "zarr.json", meta
