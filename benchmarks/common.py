@@ -376,7 +376,8 @@ def _serve_kernels(path: str) -> None:
         if not sys.modules["attngeom"].__file__.startswith(path):
             raise ImportError(f"attngeom imported from {sys.modules['attngeom'].__file__}, not from {path}")
         threadpool_limits(1)
-        kernels.compile_kernels()
+        if hasattr(kernels, "compile_kernels"):  # the numpy kernels of older revisions compile nothing
+            kernels.compile_kernels()
         reply(None)
     except BaseException as error:  # noqa: BLE001 - handed to the parent
         reply(error)
