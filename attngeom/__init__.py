@@ -37,6 +37,7 @@ from attngeom.errors import (
     StoreError,
     StoreNotFoundError,
     StoreWriteError,
+    UnsupportedModelError,
 )
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AttngeomError", "AttngeomWarning", "CorruptChunkError", "DamagedStoreError", "GroupNotFoundError",
     "IncompleteGroupError", "InputError",
-    "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreWriteError",
+    "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreWriteError", "UnsupportedModelError",
     "Taxonomy", "Validation", "__version__", "ablate", "analyze", "detect", "explore", "extract", "migrate", "open_store",
     "repair", "report", "taxonomy", "validate",
 ]

@@ -5,6 +5,7 @@ Python callers catch the kind they can handle (never the message text).
 
     AttngeomError
     ├── InputError            bad arguments, model, tokenizer or corpus
+    │   └── UnsupportedModelError  a model whose attention the capture cannot reproduce
     └── StoreError            the store cannot be used as asked
         ├── StoreNotFoundError    nothing (or no attngeom store) at the URL
         ├── SchemaError           not attngeom's, another schema version or format, a migration under way
@@ -34,6 +35,7 @@ __all__ = [
     "StoreError",
     "StoreNotFoundError",
     "StoreWriteError",
+    "UnsupportedModelError",
 ]
 
 
@@ -43,6 +45,12 @@ class AttngeomError(Exception):
 
 class InputError(AttngeomError):
     """An argument, model, tokenizer or corpus that cannot be used as given."""
+
+
+class UnsupportedModelError(InputError):
+    """A model whose attention is not one softmax over keys that the capture reproduces
+    (differential attention, a layer outside transformers' attention interface, an argument
+    the capture does not know), or whose capture disagrees with its own eager attention."""
 
 
 class StoreError(AttngeomError):

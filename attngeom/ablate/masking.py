@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from attngeom.extract.capture import decoder
+
 
 @dataclass(frozen=True)
 class HeadGeometry:
@@ -38,7 +40,7 @@ class HeadGeometry:
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers of a causal LM, in order (each has ``self_attn.o_proj``)."""
-    return list(model.get_decoder().layers)
+    return list(decoder(model).layers)
 
 
 def head_geometry(model: torch.nn.Module) -> HeadGeometry:

@@ -33,7 +33,7 @@ from attngeom.detect.inputs import Retrieval, probe_tokens, retrieval_samples, v
 from attngeom.detect.request import DetectRequest, check_request, probe_length
 from attngeom.detect.scores import probe_queries, probe_sums, retrieval_hits, retrieval_queries
 from attngeom.errors import AttngeomError, InputError
-from attngeom.extract.capture import capturing
+from attngeom.extract.capture import capturing, decoder
 from attngeom.extract.models import load_tokenizer, resolve_dtype, resolve_model
 from attngeom.runmodel import check_run_model, evaluating, run_model
 from attngeom.store import (
@@ -217,7 +217,7 @@ def _run_tokenizer(request: DetectRequest, provenance: dict[str, Any]) -> Any:
 def _rows(model: torch.nn.Module, ids: np.ndarray, queries: tuple[int, ...], device: str) -> dict[int, torch.Tensor]:
     """Layer -> the float32 rows (B, H, Q, L) of ``queries`` of a forward of ``ids`` (B, L)."""
     with torch.inference_mode(), capturing(model, queries=queries) as recorder:
-        model.get_decoder()(input_ids=torch.from_numpy(ids).to(device), use_cache=False)
+        decoder(model)(input_ids=torch.from_numpy(ids).to(device), use_cache=False)
     return {layer: capture.query_rows for layer, capture in recorder.layers.items()}
 
 

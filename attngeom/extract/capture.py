@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
@@ -28,6 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from attngeom.errors import UnsupportedModelError
 from attngeom.store.schema import RECENT_WINDOWS
 
 ATTN_IMPLEMENTATION = "attngeom_capture"
@@ -64,7 +65,9 @@ class LayerCapture:
     float32, the mass on the last W keys but the sink for each window W of ``recent``
     (docs/method.md#the-fields-head-scores); attendable (L,) bool, keys the
     final query may attend; rows (B, H, L, L) float16 when full rows are kept; query_rows
-    (B, H, Q, L) float32, the rows of the Q queries asked for (--queries), 0 after each query.
+    (B, H, Q, L) float32, the rows of the Q queries asked for (--queries), 0 after each query;
+    learned_sink (B, H, L) float32, the weight s_i of a model's learned sink, None without one
+    (docs/method.md#learned-sinks).
     """
 
     values: torch.Tensor
@@ -79,16 +82,17 @@ class LayerCapture:
     attendable: torch.Tensor
     rows: torch.Tensor | None = None
     query_rows: torch.Tensor | None = None
+    learned_sink: torch.Tensor | None = None
 
 
 def allowed_keys(
     attention_mask: torch.Tensor | None, q0: int, q1: int, length: int, device: torch.device
 ) -> torch.Tensor:
-    """Boolean (B|1, 1, q1-q0, L) mask of the keys each query in [q0, q1) may attend.
+    """Boolean (B|1, 1|H, q1-q0, L) mask of the keys each query in [q0, q1) may attend.
 
     ``attention_mask`` is what transformers passes to the attention function: None when plain
     causal attention lets SDPA use ``is_causal``, a boolean mask (True = attend), or an additive
-    float mask (0 = attend).
+    float mask (0 = attend; a bias such as ALiBi elsewhere, the dtype's lowest value where masked).
     """
     if attention_mask is None:
         q = torch.arange(q0, q1, device=device)[:, None]
@@ -97,7 +101,25 @@ def allowed_keys(
     block = attention_mask[:, :, q0:q1, :length]
     if block.dtype == torch.bool:
         return block
-    return block == 0
+    return block > torch.finfo(block.dtype).min / 2
+
+
+def key_floor(attention_mask: torch.Tensor, q0: int, q1: int, n_keys: int) -> torch.Tensor:
+    """Float32 (B|1, 1|H, q1-q0, n_keys) added to the scores of queries [q0, q1): ``MASKED``
+    where a key is hidden, 0 where it is attended, and an additive mask's bias (ALiBi) as given."""
+    block = attention_mask[:, :, q0:q1, :n_keys]
+    if block.dtype == torch.bool:
+        return masked_floor(block)
+    return block.float().clamp(min=MASKED)
+
+
+def _tile_floor(floor: torch.Tensor, h0: int, h1: int, group: int) -> torch.Tensor:
+    """The part of a block's floor (B|1, 1|H, Q, K) that the tile of kv heads [h0, h1) adds,
+    laid out as its per-query scores (kv, B, Q, g, K): broadcast over heads, or each head's own."""
+    if floor.shape[1] == 1:
+        return floor[:, 0][None, :, :, None]
+    bsz, _, block, keys = floor.shape
+    return floor[:, h0 * group : h1 * group].view(bsz, h1 - h0, group, block, keys).permute(1, 0, 3, 2, 4)
 
 
 def masked_floor(allowed: torch.Tensor) -> torch.Tensor:
@@ -198,6 +220,7 @@ def attention_summaries(
     scaling: float,
     *,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     keep_rows: bool = False,
     queries: tuple[int, ...] = (),
     need_output: bool = False,
@@ -206,8 +229,12 @@ def attention_summaries(
 ) -> tuple[LayerCapture, torch.Tensor | None]:
     """Per-query summaries of ``softmax(scaling * q k^T + mask)`` for one layer.
 
-    query (B, H, L, Dh), key and value (B, KV, L, Dh) with query head h reading kv head
-    h // (H/KV). Scores are computed in float32 one ``tile`` at a time: (kv heads, queries),
+    query and key (B, H, L, Dh) and (B, KV, L, Dh), value (B, KV, L, Dv) with query head h
+    reading kv head h // (H/KV) (Dv differs from Dh in latent attention). ``softcap``: logits
+    c tanh(s / c) before the mask; ``attention_mask`` additive float masks carry their biases
+    (ALiBi) and may differ per head; ``sinks`` (H,): each head's learned sink logit, a key with
+    no value in the softmax, whose weight is ``learned_sink`` and which the rows exclude (they
+    sum to 1 - s_i; docs/method.md#learned-sinks). Scores are computed in float32 one ``tile`` at a time: (kv heads, queries),
     default :func:`score_tile` (memory bounded at any L). ``winner`` is argmax_j A_ij ||v_j|| with ties to the smaller
     j (:func:`first_argmax`). ``queries`` (ascending positions) have their float32 rows
     kept, the same numbers as ``attn_last`` at L-1. With ``need_output`` (a float32 model, or a softcapped one SDPA
@@ -242,6 +269,10 @@ def attention_summaries(
     ).mul_(scaling)
     k = key.float().transpose(0, 1).contiguous()
     v = value.float().transpose(0, 1).contiguous()
+    value_dim = value.shape[-1]
+    # (KV, 1, 1, g, 1): each tile's heads' sink logits beside the per-query view of its scores.
+    sink_logits = sinks.float().view(n_kv, 1, 1, group, 1) if sinks is not None else None
+    learned_sink = torch.empty(n_kv, bsz, length, group, device=device) if sinks is not None else None
     v_norm = v.norm(dim=-1)[:, :, None, :]
     kv_tile, block = tile or score_tile(bsz, n_heads, n_kv, length, device)
     # Per-query results in kv-head-major, query-major order (KV, B, L, g); (B, H, L) at the end.
@@ -263,7 +294,7 @@ def attention_summaries(
         if queries
         else None
     )
-    output = torch.empty(n_kv, bsz, length * group, head_dim, device=device) if need_output else None
+    output = torch.empty(n_kv, bsz, length * group, value_dim, device=device) if need_output else None
     # Causal blocks: keys [q0, q1) are the only ones hidden from some of the block's queries;
     # their floor (block, 1, block) is added like ``masked_floor`` below.
     above_diagonal = (
@@ -277,12 +308,10 @@ def attention_summaries(
         if attention_mask is None:
             n_keys = q1
         else:
-            # (1, B|1, block, 1, L): the tile's (kv, B, block, g, keys) view broadcasts it.
-            allowed = allowed_keys(attention_mask, q0, q1, length, device)[:, 0][None, :, :, None]
             # A causal mask hides every key after the block's last query from all its queries:
             # scoring only keys [0, q1) halves the work on average and changes no row.
-            n_keys = length if bool(allowed[..., q1:].any()) else q1
-            floor = masked_floor(allowed[..., :n_keys])
+            n_keys = length if bool(allowed_keys(attention_mask, q0, q1, length, device)[..., q1:].any()) else q1
+            floor = key_floor(attention_mask, q0, q1, n_keys)
         # The kept queries inside the block: a slice of the ascending positions.
         lo, hi = bisect.bisect_left(queries, q0), bisect.bisect_left(queries, q1)
         inside = torch.tensor(queries[lo:hi], device=device) - q0 if query_rows is not None and hi > lo else None
@@ -301,10 +330,26 @@ def attention_summaries(
             if attention_mask is None:
                 per_query[..., q0:q1].add_(above_diagonal[: q1 - q0, :, : q1 - q0])
             else:
-                per_query.add_(floor)
-            scores.sub_(scores.amax(dim=-1, keepdim=True))
-            probs = torch.softmax(scores, dim=-1)
-            top1 = probs.amax(dim=-1)
+                per_query.add_(_tile_floor(floor, h0, h1, group))
+            if sink_logits is None:
+                scores.sub_(scores.amax(dim=-1, keepdim=True))
+                probs = torch.softmax(scores, dim=-1)
+                top1 = probs.amax(dim=-1)
+                log_z = -torch.log(top1)
+            else:
+                # The sink's logit joins the row's maximum and its normaliser Z; its weight
+                # e^(sink - m) / Z is the part of the row no key receives.
+                sink = sink_logits[h0:h1]
+                top = torch.maximum(per_query.amax(dim=-1, keepdim=True), sink)
+                per_query.sub_(top)
+                sink = (sink - top).squeeze(-1)
+                probs = torch.exp(scores)
+                z = probs.sum(dim=-1) + torch.exp(sink).view(scores.shape[:-1])
+                probs.div_(z[..., None])
+                top1 = probs.amax(dim=-1)
+                log_z = torch.log(z)
+                sink_weight = torch.exp(sink.view(scores.shape[:-1]) - log_z)
+                learned_sink[h0:h1, :, q0:q1] = sink_weight.view(h1 - h0, bsz, q1 - q0, group)
             tile_probs = probs.view(h1 - h0, bsz, q1 - q0, group, n_keys)
             at = (slice(h0, h1), slice(None), slice(q0, q1))
             out["sink_attn"][at] = tile_probs[..., 0]
@@ -312,12 +357,14 @@ def attention_summaries(
             out["prev_attn"][h0:h1, :, first_prev:q1] = tile_probs[:, :, first_prev - q0 :, :, first_prev - 1 : q1 - 1
                                                                   ].diagonal(dim1=2, dim2=4).permute(0, 1, 3, 2)
             out["top1_attn"][at] = top1.view(h1 - h0, bsz, q1 - q0, group)
-            # With s the scores less their maximum, log p_j = s_j - log Z and 1/Z = max_j p_j, so
-            # H = -sum_j p_j log p_j = -log max_j p_j - sum_j p_j s_j: two non-negative terms, no log
-            # per key.
+            # With s the scores less their maximum, log p_j = s_j - log Z (and 1/Z = max_j p_j
+            # without a learned sink), so H = -sum_j p_j log p_j = log Z - sum_j p_j s_j: no log
+            # per key. A learned sink is one more term of the distribution, - p_s (s_sink).
             # The product takes the scores' buffer (``vecdot`` is the same product and sum, with
             # a block-sized temporary), and so does A_ij ||v_j|| after it.
-            entropy = -torch.log(top1) - scores.mul_(probs).sum(dim=-1)
+            entropy = log_z - scores.mul_(probs).sum(dim=-1)
+            if sink_logits is not None:
+                entropy -= sink_weight * sink.view(scores.shape[:-1])
             out["entropy"][at] = entropy.view(h1 - h0, bsz, q1 - q0, group)
             weighted = torch.mul(probs, v_norm[h0:h1, :, :, :n_keys].flatten(0, 1), out=scores)
             winner[at] = first_argmax(weighted).view(h1 - h0, bsz, q1 - q0, group)
@@ -334,7 +381,7 @@ def attention_summaries(
                           out=output[h0:h1, :, q0 * group : q1 * group].flatten(0, 1))
             if q1 == length:
                 attn_last[h0:h1] = tile_probs[:, :, -1]
-    last_allowed = allowed_keys(attention_mask, length - 1, length, length, device)[0, 0, -1]
+    last_allowed = allowed_keys(attention_mask, length - 1, length, length, device)[0, :, -1].all(dim=0)
 
     def heads(t: torch.Tensor) -> torch.Tensor:
         return t.permute(1, 0, 3, 2).reshape(bsz, n_heads, length)
@@ -356,9 +403,11 @@ def attention_summaries(
             if query_rows is not None
             else None
         ),
+        learned_sink=heads(learned_sink) if learned_sink is not None else None,
     )
     attn_output = (
-        output.view(n_kv, bsz, length, group, head_dim).permute(1, 2, 0, 3, 4).reshape(bsz, length, n_heads, head_dim)
+        output.view(n_kv, bsz, length, group, value_dim).permute(1, 2, 0, 3, 4)
+        .reshape(bsz, length, n_heads, value_dim)
         .to(query.dtype)
         if output is not None
         else None
@@ -393,12 +442,23 @@ class Recorder:
     keep_rows: bool = False
     queries: tuple[int, ...] = ()
     to_host: bool = False
+    # Queries whose rows and outputs ``compare`` checks against the model's eager attention
+    # (:mod:`attngeom.extract.conformance`); () checks nothing.
+    check_queries: tuple[int, ...] = ()
+    compare: Callable[..., None] | None = field(default=None, repr=False)
     layers: dict[int, LayerCapture] = field(default_factory=dict)
     _stream: torch.cuda.Stream | None = field(default=None, repr=False)
     _copied: torch.cuda.Event | None = field(default=None, repr=False)
 
     def record(self, layer: int, capture: LayerCapture) -> None:
-        """Keep ``capture`` as layer ``layer``'s (on its way to host memory with ``to_host``)."""
+        """Keep ``capture`` as layer ``layer``'s (on its way to host memory with ``to_host``).
+        A layer whose attention runs twice in one forward (differential attention) has no one
+        row per query: refused."""
+        if layer in self.layers:
+            raise UnsupportedModelError(
+                f"layer {layer} calls the attention function more than once per forward (as differential "
+                "attention does): its output is not one softmax over keys"
+            )
         device = capture.attn_last.device
         if self.to_host and device.type == "cuda":
             if self._stream is None:
@@ -437,15 +497,54 @@ def output_description(dtype: torch.dtype) -> str:
     return "output = float32 rows @ v" if own_output(dtype) else "sdpa output"
 
 
+# Arguments of the attention call that change nothing the capture computes: the mask already
+# holds a layer's sliding window or chunks (sliding_window serves kernels that take no mask),
+# q and k already carry the positions, and the rest describe the cache or what to return.
+IGNORED_ARGUMENTS = frozenset({
+    "sliding_window", "position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value",
+    "output_attentions", "layer_idx", "is_causal", "s_aux", "softcap", "head_mask",
+})
+
+
+def call_refusal(module: torch.nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None,
+                 dropout: float, kwargs: Mapping) -> str | None:
+    """Why the capture cannot reproduce this attention call as one softmax over keys, in words
+    (None when it can): an argument it does not know, dropout, non-causal attention, a head mask."""
+    layer = getattr(module, "layer_idx", None)
+    where = f"the attention of {type(module).__name__}" + (f" (layer {layer})" if layer is not None else "")
+    if layer is None:
+        return f"{where} has no layer index (layer_idx)"
+    unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED_ARGUMENTS and v is not None)
+    if unknown:
+        return f"{where} passes {', '.join(repr(k) for k in unknown)}, which the capture does not reproduce"
+    if dropout:
+        return f"{where} applies dropout {dropout}"
+    if kwargs.get("head_mask") is not None:
+        return f"{where} is given a head mask"
+    if kwargs.get("is_causal") is False and attention_mask is None:
+        return f"{where} is not causal: every query attends every key"
+    if kwargs.get("s_aux") is not None and kwargs["s_aux"].numel() != query.shape[1]:
+        return f"{where} passes learned sinks of {kwargs['s_aux'].numel()} values for {query.shape[1]} heads"
+    return None
+
+
 def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    softcap = kwargs.get("softcap")
     recorder = _RECORDERS.get().get(module)
+    refusal = call_refusal(module, query, attention_mask, dropout, kwargs)
+    if refusal is not None:
+        raise UnsupportedModelError(refusal)
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if recorder is None and softcap is None:
+    # SDPA takes neither softcapped logits nor learned sinks: those layers return their own
+    # float32 rows @ v, as a float32 model's do.
+    own = softcap is not None or sinks is not None or own_output(query.dtype)
+    if recorder is None and not own:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    checked = recorder.check_queries if recorder is not None else ()
+    kept = recorder.queries if recorder else ()
     capture, output = attention_summaries(
         query,
         key,
@@ -453,17 +552,37 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
         attention_mask,
         scaling,
         softcap=softcap,
+        sinks=sinks,
         keep_rows=recorder.keep_rows if recorder else False,
-        queries=recorder.queries if recorder else (),
-        need_output=softcap is not None or own_output(query.dtype),
+        queries=tuple(sorted({*kept, *checked})),
+        need_output=own or bool(checked),
     )
     if recorder is not None:
+        if checked:
+            recorder.compare(module, query, key, value, attention_mask, scaling, kwargs, capture, output)
+            if tuple(checked) != tuple(kept):
+                capture = replace(capture, query_rows=_kept_rows(capture.query_rows, kept, checked))
         recorder.record(module.layer_idx, capture)
-    if output is None:
+    if not own:
         output, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     return output, None
+
+
+def _kept_rows(rows: torch.Tensor, kept: tuple[int, ...], checked: tuple[int, ...]) -> torch.Tensor | None:
+    """The rows (B, H, Q, L) of the queries ``kept`` among those of ``kept`` and ``checked``."""
+    if not kept:
+        return None
+    every = sorted({*kept, *checked})
+    return rows[:, :, [every.index(q) for q in kept]]
+
+
+def decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of a causal LM (its layers, without the LM head): ``get_decoder()``,
+    or for a class whose ``get_decoder`` answers itself (Llama 4's text model) its ``model``."""
+    found = model.get_decoder()
+    return getattr(model, "model", found) if found is model else found
 
 
 def register_capture() -> None:
@@ -475,7 +594,8 @@ def register_capture() -> None:
 
 @contextlib.contextmanager
 def capturing(
-    model: torch.nn.Module, *, keep_rows: bool = False, queries: tuple[int, ...] = (), to_host: bool = False
+    model: torch.nn.Module, *, keep_rows: bool = False, queries: tuple[int, ...] = (), to_host: bool = False,
+    check_queries: tuple[int, ...] = (), compare: Callable[..., None] | None = None,
 ) -> Iterator[Recorder]:
     """Within the block, forwards of ``model`` in this thread record into the yielded recorder.
 
@@ -483,13 +603,19 @@ def capturing(
     or "eager") is set to the capture one for the block and restored on exit. ``queries``:
     ascending positions whose rows each layer keeps (:attr:`LayerCapture.query_rows`). One model object
     is captured by one block at a time: the implementation is the model's, not the thread's.
-    ``to_host``: see :class:`Recorder`.
+    ``to_host``, ``check_queries`` and ``compare``: see :class:`Recorder`. A model whose class
+    keeps its own attention (transformers refuses to switch it) is refused.
     """
     register_capture()
     previous = model.config._attn_implementation
     if previous != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    recorder = Recorder(keep_rows=keep_rows, queries=tuple(queries), to_host=to_host)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} keeps its own attention: transformers cannot switch it to the capture"
+            )
+    recorder = Recorder(keep_rows=keep_rows, queries=tuple(queries), to_host=to_host,
+                        check_queries=tuple(check_queries), compare=compare)
     token = _RECORDERS.set({**_RECORDERS.get(), **dict.fromkeys(model.modules(), recorder)})
     try:
         yield recorder

@@ -29,8 +29,8 @@ import torch
 from tqdm.auto import tqdm
 
 from attngeom.errors import InputError
+from attngeom.extract.families import supported_config
 from attngeom.extract.sources import OFFLINE_MODELS, cache_dir, hub_address
-SUPPORTED_TYPES = ("llama", "mistral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3")
 # float32-tf32: float32 weights and activations, float32 matmuls in TF32 on a GPU (inside
 # extract's forward only: pipeline._matmul_precision).
 COMPUTE_DTYPES = {"float32": torch.float32, "float32-tf32": torch.float32, "bfloat16": torch.bfloat16,
@@ -278,18 +278,9 @@ def _folder(source: ModelSource) -> str:
     return str(_converted_folder(source)) if source.gguf_file else source.path
 
 
-def supported_config(config: Any) -> Any:
-    """The text config of ``config``; refuses architectures the capture is not proven on."""
-    config = getattr(config, "text_config", None) or config
-    if config.model_type not in SUPPORTED_TYPES:
-        raise InputError(
-            f"model type '{config.model_type}' is not supported (supported: {', '.join(SUPPORTED_TYPES)})"
-        )
-    return config
-
-
 def load_config(source: ModelSource) -> Any:
-    """The model's text config; refuses architectures the capture is not proven on."""
+    """The model's text config; refuses a model whose attention the capture cannot read
+    (:func:`attngeom.extract.families.supported_config`)."""
     from transformers import AutoConfig
 
     return supported_config(AutoConfig.from_pretrained(_folder(source)))
@@ -342,7 +333,7 @@ def state_dict_sha256(model: torch.nn.Module) -> str:
 
 
 def loaded_model(model: Any) -> Any:
-    """A causal LM given in memory, checked: a transformers model of a supported type."""
+    """A causal LM given in memory, checked: a transformers model whose attention the capture reads."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel) or not hasattr(model, "get_decoder"):

@@ -20,6 +20,7 @@ import os
 import platform
 import shlex
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -39,7 +40,9 @@ from attngeom.extract.capture import (
     LayerCapture,
     output_description,
     capturing,
+    decoder,
 )
+from attngeom.extract.conformance import check_capture, check_positions, refuse_disagreement
 from attngeom.extract.corpora import Corpus, Window, iter_windows, open_corpus, select_windows
 from attngeom.extract.models import (
     load_config,
@@ -51,8 +54,8 @@ from attngeom.extract.models import (
     resolve_device,
     resolve_dtype,
     resolve_model,
-    supported_config,
 )
+from attngeom.extract.families import VERIFIED_TYPES, check_recorded, supported_config
 from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
 from attngeom.extract.request import ExtractRequest, ExtractResult, Preflight, preflight, values_dtype_refusal
@@ -301,14 +304,15 @@ def _rows(rows: np.ndarray, shown: int = 10) -> str:
 
 def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequest, length: int,
             queries: tuple[int, ...], values_dtype: str) -> RunLayout:
-    n_layers = config.num_hidden_layers
-    n_heads = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
-    head_dim = captures[0].values.shape[-1]
-    attendable = [captures[layer].attendable.cpu().numpy().astype(bool) for layer in range(n_layers)]
+    layers = check_recorded(config, list(captures))
+    first = captures[layers[0]]
+    n_heads, n_kv, head_dim = first.attn_last.shape[1], first.values.shape[1], first.values.shape[-1]
+    attendable = [captures[layer].attendable.cpu().numpy().astype(bool) for layer in layers]
     window = [int(a.sum()) if a.sum() < length else 0 for a in attendable]
     return RunLayout(
-        n_layers=n_layers,
+        n_layers=len(layers),
+        layers=layers,
+        learned_sinks=first.learned_sink is not None,
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
@@ -353,7 +357,7 @@ def _capturing(model: torch.nn.Module, *, keep_rows: bool, queries: tuple[int, .
     def record(ids: torch.Tensor) -> dict[int, LayerCapture]:
         with torch.inference_mode(), _matmul_precision(tf32), capturing(model, keep_rows=keep_rows, queries=queries,
                                                                         to_host=True) as recorder:
-            model.get_decoder()(input_ids=ids, use_cache=False)
+            decoder(model)(input_ids=ids, use_cache=False)
         return recorder.host_layers()
 
     try:
@@ -365,7 +369,7 @@ def _capturing(model: torch.nn.Module, *, keep_rows: bool, queries: tuple[int, .
 def _sequence_arrays(
     captures: dict[int, LayerCapture], b: int, window: Window, layout: RunLayout
 ) -> dict[str, np.ndarray]:
-    layers = range(layout.n_layers)
+    layers = layout.layer_indices
 
     # The stack is a fresh array: converting it copies only where the dtype changes (a values
     # array is 24 MB a sequence for smollm2-135m at L=1024).
@@ -390,6 +394,8 @@ def _sequence_arrays(
         arrays["attn"] = stack("rows", "float16")
     if layout.queries:
         arrays["attn_rows"] = stack("query_rows", "float32")
+    if layout.learned_sinks:
+        arrays["learned_sink_attn"] = stack("learned_sink", "float32")
     return arrays
 
 
@@ -494,6 +500,8 @@ def _write_sequences(
     the capture). Returns the run."""
     net = model.load()
     length = len(windows[0].tokens)
+    if model.config.model_type not in VERIFIED_TYPES:
+        _check_conformance(net, model, windows[0], request.progress)
     bar = tqdm(total=len(seqs), unit="seq", desc=f"extract {run_id}", disable=not request.progress)
     start = time.perf_counter()
     writer = None
@@ -532,6 +540,18 @@ def _write_sequences(
     finally:
         bar.close()
     return run
+
+
+def _check_conformance(net: torch.nn.Module, model: _Model, window: Window, progress: bool) -> None:
+    """Compare the capture with the model's eager attention on the first window before
+    anything is written (a family the tests do not cover); refuses a disagreement."""
+    if progress:
+        tqdm.write(f"checking the capture of model type '{model.config.model_type}' against its eager attention "
+                   "(a family attngeom's tests do not cover)", file=sys.stderr)
+    ids = torch.from_numpy(window.tokens[None].astype("int64")).to(model.device)
+    with _matmul_precision(model.tf32):
+        checks = check_capture(net, ids, check_positions(len(window.tokens)))
+    refuse_disagreement(checks, model.config.model_type)
 
 
 def _in_flight(device: str) -> int:

@@ -162,6 +162,19 @@ def _mark_lacking(run: zarr.Group) -> None:
         run.attrs[ATTR_KEY] = {**meta, "layout": {**meta["layout"], "lacking": lacking}}
 
 
+def _mark_layers(run: zarr.Group) -> None:
+    """Record in a run's layout the model's own layer indices (those of format 6: a run
+    before it stored every layer, 0..n-1) and that its model has no learned sinks (extract
+    kept none before format 6)."""
+    meta = run.attrs.get(ATTR_KEY)
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("layout"), Mapping):
+        return
+    layout = meta["layout"]
+    marked = {"layers": list(range(int(layout["n_layers"]))), "learned_sinks": False}
+    if any(layout.get(k) != v for k, v in marked.items()):
+        run.attrs[ATTR_KEY] = {**meta, "layout": {**layout, **marked}}
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -187,6 +200,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         4,
         "runs extracted before prev_attn and recent_attn marked as lacking them",
         run=_mark_lacking,
+    ),
+    Migration(
+        5,
+        "runs marked with their layer indices and as having no learned sinks",
+        run=_mark_layers,
     ),
 )
 

@@ -125,7 +125,7 @@ def _array_options(name: str, layout: RunLayout, n_seq: int) -> dict[str, Any]:
 def run_coordinates(layout: RunLayout) -> dict[str, np.ndarray]:
     """The run's coordinate arrays and its ``attendable`` mask, as they are stored."""
     return {
-        "layer": np.arange(layout.n_layers, dtype="int32"),
+        "layer": np.asarray(layout.layer_indices, dtype="int32"),
         "head": np.arange(layout.n_heads, dtype="int32"),
         "kv_head": np.arange(layout.n_kv_heads, dtype="int32"),
         "pos": np.arange(layout.length, dtype="int32"),
@@ -192,7 +192,7 @@ def run_layout(run: zarr.Group) -> RunLayout:
     lacking = meta["lacking"] if "lacking" in meta else [name for name in FIELD_SUMMARIES if name not in run]
     return RunLayout(
         **{**meta, "head_kv": tuple(meta["head_kv"]), "window": tuple(meta["window"]),
-           "queries": tuple(meta.get("queries", ())), "lacking": tuple(lacking)},
+           "queries": tuple(meta.get("queries", ())), "lacking": tuple(lacking), "layers": tuple(meta.get("layers", ()))},
         attendable=attendable,
     )
 

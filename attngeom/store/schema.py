@@ -33,7 +33,9 @@ Two numbers in the root's attributes say what a store is:
   where format 3 numbered them in order of first appearance; format 5 adds the per-query
   summaries ``prev_attn`` and ``recent_attn`` (docs/method.md#the-fields-head-scores), which
   a run migrated from an earlier format lacks: its layout's ``lacking`` names them, for they
-  cannot be computed without the model. Format 5 may also store the value vectors of a
+  cannot be computed without the model; format 6 records each run's layer indices (the
+  model's own: a hybrid keeps its softmax-attention layers only) and whether its model has
+  learned sinks, whose weight per query ``learned_sink_attn`` holds. Format 5 may also store the value vectors of a
   bfloat16 model at 2 bytes losing nothing: their bfloat16 bit patterns as ``uint16``, a
   core type every implementation reads (zarr-python reads no bfloat16), the array's attngeom
   attributes naming the encoding (``{"encoding": "bfloat16"}``); attngeom's readers give
@@ -50,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 SCHEMA_VERSION = 1
-FORMAT = 5
+FORMAT = 6
 # The key of attngeom's attributes in the root's, a run's and a derived group's attributes.
 ATTR_KEY = "attngeom"
 
@@ -193,6 +195,10 @@ RUN_VARIABLES: dict[str, Variable] = {
         (*SUMMARY_DIMS, "recent"), ("float32",),
         doc="sum of A_ij over attendable j in max(1, i-W+1)..i, per query and window W",
     ),
+    "learned_sink_attn": Variable(
+        SUMMARY_DIMS, ("float32",), optional=True,
+        doc="s_i, the weight of the head's learned sink (runs of models with learned sinks), per query",
+    ),
     "attn": Variable(
         ("seq", "layer", "head", "query", "key"),
         ("float16",),
@@ -250,9 +256,19 @@ class RunLayout:
     store_rows: str = "last"
     # Positions of the queries whose rows attn_rows keeps, ascending; () keeps none.
     queries: tuple[int, ...] = ()
+    # The model's own indices of the stored layers (a hybrid's softmax-attention layers only);
+    # () for 0..n_layers-1.
+    layers: tuple[int, ...] = ()
+    # Whether the model's heads have learned sinks (learned_sink_attn holds their weights).
+    learned_sinks: bool = False
     # The FIELD_SUMMARIES a run migrated from an earlier format lacks (the model is needed to
     # compute them); () for a run extracted with them.
     lacking: tuple[str, ...] = ()
+
+    @property
+    def layer_indices(self) -> tuple[int, ...]:
+        """The model's own index of each stored layer, the ``layer`` coordinate."""
+        return self.layers or tuple(range(self.n_layers))
 
     @property
     def winner_dtype(self) -> str:
@@ -287,7 +303,8 @@ class RunLayout:
             for n, v in RUN_VARIABLES.items()
             if (not v.optional
                 or (n == "attn" and self.store_rows == "all")
-                or (n in ("attn_rows", "query_pos") and self.queries))
+                or (n in ("attn_rows", "query_pos") and self.queries)
+                or (n == "learned_sink_attn" and self.learned_sinks))
             and n not in lacking
         ]
 

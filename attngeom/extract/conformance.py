@@ -1,0 +1,116 @@
+"""The capture against the model's own eager attention, layer by layer (docs/models.md#conformance).
+
+In one capturing forward, each attention call also runs the eager attention function of the
+model's own modeling module on the same arguments, in float32, for a few queries: the rows
+the capture computes and the layer's output are compared with the eager weights and output.
+A family the tests do not cover is checked so before extract writes anything; ``attngeom
+check-model`` runs the check alone.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from attngeom.errors import UnsupportedModelError
+from attngeom.extract.capture import capturing, decoder
+from attngeom.extract.families import check_recorded, layer_kind
+
+__all__ = ["ROW_TOLERANCE", "LayerCheck", "check_positions", "check_capture", "refuse_disagreement"]
+
+# Largest |difference| allowed between a captured row and the eager weights, both float32
+# (they differ by rounding, ~1e-7 on the tiny models of the tests).
+ROW_TOLERANCE = 1e-4
+# Largest |difference| allowed between outputs, relative to the largest |output| (at least 1).
+OUTPUT_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class LayerCheck:
+    """One layer's comparison: the largest |difference| of its rows and of its output
+    (relative to the largest |output|, at least 1), over the checked queries."""
+
+    layer: int
+    kind: str
+    row_error: float
+    output_error: float
+
+    @property
+    def agrees(self) -> bool:
+        return self.row_error <= ROW_TOLERANCE and self.output_error <= OUTPUT_TOLERANCE
+
+
+def check_positions(length: int, count: int = 6) -> tuple[int, ...]:
+    """A few query positions spread over a window of ``length``, the last one included."""
+    return tuple(sorted({round(i * (length - 1) / (count - 1)) for i in range(count)}))
+
+
+def _eager_function(module: torch.nn.Module) -> Callable:
+    """The eager attention of ``module``'s modeling module: what transformers runs for it
+    with attn_implementation="eager" (each family's own, e.g. gpt-oss's with its sinks)."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} has no eager attention to check the capture against"
+        )
+    return eager
+
+
+def _eager_mask(mask: torch.Tensor | None, positions: torch.Tensor, length: int) -> torch.Tensor:
+    """The additive float32 mask (B|1, 1|H, P, L) eager attention takes, for the queries at
+    ``positions``, from the mask the capture was given (None: causal)."""
+    low = torch.finfo(torch.float32).min
+    if mask is None:
+        keys = torch.arange(length, device=positions.device)
+        return torch.where(keys[None, :] <= positions[:, None], 0.0, low)[None, None]
+    rows = mask[:, :, positions, :length]
+    if rows.dtype == torch.bool:
+        return torch.where(rows, 0.0, low)
+    return rows.float().clamp(min=low)
+
+
+def check_capture(model: torch.nn.Module, ids: torch.Tensor, positions: tuple[int, ...]) -> list[LayerCheck]:
+    """Capture one forward of ``model`` on ``ids`` (1, L) and compare, at query ``positions``,
+    each attention layer's rows and output with its eager attention in float32. Refuses a
+    model whose capture records other layers than its config declares."""
+    errors: dict[int, tuple[float, float]] = {}
+    where = torch.tensor(positions, device=ids.device)
+
+    def compare(module, query, key, value, mask, scaling, kwargs: Mapping, capture, output) -> None:
+        eager = _eager_function(module)
+        rows = capture.query_rows  # this forward keeps no other queries' rows
+        out, weights = eager(module, query[:, :, where].float(), key.float(), value.float(),
+                             _eager_mask(mask, where, key.shape[2]), scaling=scaling, dropout=0.0, **kwargs)
+        ours = output[:, where].float()
+        row_error = float((rows - weights.float()).abs().max())
+        scale = max(1.0, float(out.abs().max()))
+        output_error = float((ours - out.float()).abs().max()) / scale
+        errors[module.layer_idx] = (row_error, output_error)
+
+    training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode(), capturing(model, check_queries=positions, compare=compare) as recorder:
+            decoder(model)(input_ids=ids, use_cache=False)
+    finally:
+        model.train(training)
+    config = model.config.get_text_config()
+    layers = check_recorded(config, list(recorder.layers))
+    return [LayerCheck(layer, layer_kind(config, layer), *errors[layer]) for layer in layers]
+
+
+def refuse_disagreement(checks: list[LayerCheck], model_type: str) -> None:
+    """Refuse, naming the first layer and the size of its difference, when any layer's capture
+    disagrees with its eager attention beyond the tolerances."""
+    bad = [c for c in checks if not c.agrees]
+    if bad:
+        first = bad[0]
+        raise UnsupportedModelError(
+            f"the capture of model type '{model_type}' disagrees with its own eager attention in "
+            f"{len(bad)} of {len(checks)} layers: layer {first.layer} ({first.kind}) rows differ by "
+            f"{first.row_error:.2g} and outputs by {first.output_error:.2g} (tolerance {ROW_TOLERANCE:g}, "
+            f"float32); attngeom refuses to store rows it cannot reproduce"
+        )

@@ -1,0 +1,109 @@
+"""Which causal LMs the capture can read, from their config alone (before any weight loads).
+
+The capture reads every model whose attention layers call transformers' attention interface
+(docs/models.md): it follows the arguments of that call, not a list of model types. What the
+config already tells is refused here, in one line: a model class that computes attention in
+its own code, a family whose attention is not one softmax over keys, a model with no
+softmax-attention layer at all. What only a forward tells (an argument the capture does not
+know, a layer that calls attention twice) is refused by the capture itself, and a family the
+test suite does not cover is compared with its own eager attention first
+(:mod:`attngeom.extract.conformance`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attngeom.errors import UnsupportedModelError
+
+__all__ = ["VERIFIED_TYPES", "attention_layers", "layer_kind", "supported_config"]
+
+# The families whose capture the test suite compares with an eager float64 forward
+# (tests/test_families.py); extract checks any other against its eager attention first.
+VERIFIED_TYPES = frozenset({
+    "llama", "mistral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3", "gpt2", "gpt_neox", "olmo", "olmo2",
+    "olmo3", "phi", "phi3", "stablelm", "falcon", "mixtral", "qwen3_moe", "starcoder2", "glm4", "ministral",
+    "cohere2", "smollm3", "llama4_text", "gpt_oss", "deepseek_v3", "qwen3_next", "granite", "exaone4",
+})
+
+# Families whose layers call the attention interface but whose attention is not one softmax
+# over keys, as transformers implements them.
+NOT_SOFTMAX = {
+    "diffllama": "differential attention: each head subtracts two softmax attentions, so no row is one softmax "
+                 "over keys",
+}
+
+# config.layer_types entries (transformers normalises every hybrid's to these) whose layers
+# hold softmax attention; "hybrid" layers (Falcon-H1, Zamba 2) run attention beside an SSM.
+SOFTMAX_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "hybrid", "attention"})
+# Kinds without softmax attention: state-space and linear-attention mixers, convolutions,
+# and the MLP-only or MoE-only layers of some hybrids.
+OTHER_KINDS = frozenset({"linear_attention", "mamba", "conv", "moe", "mlp", "recurrent"})
+
+
+def _class_routes_attention(config: Any) -> bool | None:
+    """Whether the config's causal-LM class computes attention through the attention
+    interface; None when transformers has no causal-LM class for it.
+
+    transformers itself decides so, from the class's module source, before it lets a model
+    switch its attention implementation (``_can_set_attn_implementation``, a private
+    classmethod): asking it here keeps one answer for "may the capture be set" and refuses
+    before any weight loads. A class it answers no for would silently keep its own attention.
+    """
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if cls is None:
+        return None
+    return bool(cls._can_set_attn_implementation())
+
+
+def layer_kind(config: Any, layer: int) -> str:
+    """The kind of the model's layer ``layer``: its ``layer_types`` entry, or "attention"."""
+    kinds = getattr(config, "layer_types", None)
+    return str(kinds[layer]) if kinds else "attention"
+
+
+def attention_layers(config: Any) -> tuple[int, ...]:
+    """The model's own indices of its softmax-attention layers, as its config declares them
+    (every layer when it declares no layer types). Layers of an unknown kind count: the
+    forward then tells whether they call the attention interface."""
+    n_layers = int(config.num_hidden_layers)
+    return tuple(i for i in range(n_layers) if layer_kind(config, i) not in OTHER_KINDS)
+
+
+def supported_config(config: Any) -> Any:
+    """The text config of ``config``; refuses, before any weight loads, a model whose attention
+    the capture cannot read (:class:`UnsupportedModelError`)."""
+    config = getattr(config, "text_config", None) or config
+    model_type = config.model_type
+    if model_type in NOT_SOFTMAX:
+        raise UnsupportedModelError(f"model type '{model_type}' is not supported: {NOT_SOFTMAX[model_type]}")
+    routes = _class_routes_attention(config)
+    if routes is None:
+        raise UnsupportedModelError(f"model type '{model_type}' has no causal language model class in transformers")
+    if not routes:
+        raise UnsupportedModelError(
+            f"model type '{model_type}' is not supported: transformers computes its attention inside the model's "
+            "own code, not through its attention interface, so attngeom cannot read the rows"
+        )
+    if not getattr(config, "num_hidden_layers", None) or not attention_layers(config):
+        raise UnsupportedModelError(f"model type '{model_type}' has no softmax-attention layer to capture")
+    return config
+
+
+def check_recorded(config: Any, recorded: list[int]) -> tuple[int, ...]:
+    """The layers a capturing forward recorded, sorted, once checked against the config: every
+    declared softmax-attention layer called the attention interface (one that computes its
+    attention in its own code would be missing). Refuses otherwise."""
+    expected = attention_layers(config)
+    missing = [i for i in expected if i not in recorded and layer_kind(config, i) in SOFTMAX_KINDS]
+    if missing:
+        raise UnsupportedModelError(
+            f"layer{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of model type "
+            f"'{config.model_type}' never called transformers' attention interface: attngeom cannot read "
+            "its attention"
+        )
+    if not recorded:
+        raise UnsupportedModelError(f"no layer of model type '{config.model_type}' called softmax attention")
+    return tuple(sorted(recorded))

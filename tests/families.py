@@ -1,0 +1,70 @@
+"""Tiny random configs of every family the capture is verified on, from transformers' own
+config classes (nothing downloaded): three to four layers of 64 dimensions, 4 heads reading
+2 kv heads where the family has grouped queries, a window or chunk of 6 keys where it slides
+or chunks, so that a test of L = 16 crosses it."""
+
+from __future__ import annotations
+
+COMMON = dict(
+    vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0,
+)
+SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
+
+# model_type -> (the variants it exercises, its config's arguments beyond COMMON)
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama": ("grouped queries", {}),
+    "mistral": ("sliding window", dict(sliding_window=6)),
+    "qwen2": ("grouped queries, qkv bias", {}),
+    "qwen3": ("q/k norm", {}),
+    "gemma": ("grouped queries", {}),
+    "gemma2": ("softcapped logits, sliding window", dict(sliding_window=6, attn_logit_softcapping=5.0,
+                                                         layer_types=SLIDING)),
+    "gemma3_text": ("sliding window, q/k norm", dict(sliding_window=6, layer_types=SLIDING)),
+    "gpt2": ("learned positions, fused qkv, inverse-layer scaling", dict(
+        n_embd=64, n_layer=3, n_head=4, n_positions=256, scale_attn_by_inverse_layer_idx=True)),
+    "gpt_neox": ("partial rotary (Pythia)", dict(rotary_pct=0.25, num_key_value_heads=4)),
+    "olmo": ("clipped qkv", dict(clip_qkv=8.0)),
+    "olmo2": ("q/k norm over all heads", {}),
+    "olmo3": ("sliding window, q/k norm", dict(sliding_window=6, layer_types=SLIDING)),
+    "phi": ("partial rotary, dense output", dict(partial_rotary_factor=0.5, num_key_value_heads=4)),
+    "phi3": ("fused qkv, sliding window", dict(sliding_window=6)),
+    "stablelm": ("partial rotary, per-head layer norm", dict(partial_rotary_factor=0.25, qk_layernorm=True)),
+    "falcon": ("ALiBi biases in the mask", dict(alibi=True, num_kv_heads=4, head_dim=None, new_decoder_architecture=False,
+                                                multi_query=False, parallel_attn=True)),
+    "mixtral": ("mixture of experts, sliding window", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                          sliding_window=6)),
+    "qwen3_moe": ("mixture of experts", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "starcoder2": ("sliding window, biases", dict(sliding_window=6)),
+    "glm4": ("partial rotary, sandwich norms", dict(partial_rotary_factor=0.5)),
+    "ministral": ("sliding window layers", dict(sliding_window=6, layer_types=SLIDING)),
+    "cohere2": ("sliding window, global layers without positions", dict(
+        sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "smollm3": ("layers without positions", dict(no_rope_layers=[1, 0, 1])),
+    "llama4_text": ("chunked attention, layers without positions, temperature tuning", dict(
+        attention_chunk_size=6, layer_types=["chunked_attention", "chunked_attention", "full_attention"],
+        no_rope_layers=[1, 1, 0], num_local_experts=2, intermediate_size_mlp=96, interleave_moe_layer_step=2,
+        attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5)),
+    "gpt_oss": ("learned sinks, sliding window, mixture of experts", dict(
+        sliding_window=6, layer_types=SLIDING, num_local_experts=4, num_experts_per_tok=2)),
+    "deepseek_v3": ("multi-head latent attention (value width differs), mixture of experts", dict(
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+        head_dim=None, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=1, topk_group=1)),
+    "qwen3_next": ("hybrid: gated softmax attention beside linear attention", dict(
+        num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                          "full_attention"],
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)),
+    "granite": ("multipliers on logits and residuals", dict(attention_multiplier=0.3, residual_multiplier=0.5)),
+    "exaone4": ("sliding window, q/k norm", dict(sliding_window=6, layer_types=SLIDING)),
+}
+
+
+def family_config(model_type: str):
+    """The tiny config of ``model_type`` (a key of FAMILIES)."""
+    from transformers import AutoConfig
+
+    arguments = {**COMMON, **FAMILIES[model_type][1]}
+    return AutoConfig.for_model(model_type, **{k: v for k, v in arguments.items() if v is not None})

@@ -1,0 +1,157 @@
+"""Every verified family (tests/families.py): what extract stores equals the family's own eager
+attention run in float64 on the same weights, rows, values and summaries; hybrids store their
+softmax-attention layers under the model's own indices; learned sinks take the mass the rows
+lack. Families the capture cannot reproduce are refused in one line before any weight loads."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
+import xarray as xr
+from families import FAMILIES, family_config
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+import attngeom as ag
+from attngeom.errors import UnsupportedModelError
+from attngeom.extract.capture import decoder
+from attngeom.extract.families import VERIFIED_TYPES, attention_layers, supported_config
+
+pytestmark = pytest.mark.needs_model
+L = 16
+
+
+def eager64(model: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per attention layer, (rows (B, H, L, L), values (B, KV, L, Dv)) of the family's own eager
+    attention on a float64 copy of ``model``: the modeling module's eager function, recorded."""
+    reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float64, attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
+    reference.load_state_dict({k: v.double() if v.is_floating_point() else v for k, v in model.state_dict().items()})
+    seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        out, weights = eager(module, query, key, value, attention_mask, **kwargs)
+        seen[module.layer_idx] = (weights.numpy(), value.numpy())
+        return out, weights
+
+    AttentionInterface.register("eager_recording", recording)
+    AttentionMaskInterface.register("eager_recording", eager_mask)
+    reference.set_attn_implementation("eager_recording")
+    with torch.no_grad():
+        decoder(reference)(input_ids=ids, use_cache=False)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def ids() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(4, 100, (2, L), generator=generator)
+    ids[:, 0] = 1
+    return ids
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_store_equals_eager_float64(model_type, ids, tmp_path):
+    config = family_config(model_type)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ag.extract(model, store=tmp_path / "s.zarr", token_ids=ids, run_id="r", progress=False)
+    ds = xr.open_zarr(str(tmp_path / "s.zarr"), group="runs/r", consolidated=False)
+    reference = eager64(model, ids)
+    # The model's own indices of its softmax-attention layers, no other.
+    assert list(ds["layer"].values) == sorted(reference) == list(attention_layers(config))
+    sinks = model_type == "gpt_oss"
+    assert ("learned_sink_attn" in ds) == sinks
+    for i, layer in enumerate(ds["layer"].values):
+        rows, values = reference[int(layer)]
+        group = rows.shape[1] // values.shape[1]
+        np.testing.assert_allclose(ds["values"].isel(layer=i).values, values, atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(ds["attn_last"].isel(layer=i).values, rows[:, :, -1], atol=1e-5)
+        np.testing.assert_allclose(ds["sink_attn"].isel(layer=i).values, rows[..., 0], atol=1e-5)
+        np.testing.assert_allclose(ds["top1_attn"].isel(layer=i).values, rows.max(-1), atol=1e-5)
+        diagonal = np.diagonal(rows, axis1=2, axis2=3)
+        np.testing.assert_allclose(ds["diag_attn"].isel(layer=i).values, diagonal, atol=1e-5)
+        mass = rows.sum(-1)
+        entropy = -(rows * np.log(np.where(rows > 0, rows, 1))).sum(-1)
+        if sinks:
+            learned = ds["learned_sink_attn"].isel(layer=i).values
+            np.testing.assert_allclose(learned, 1 - mass, atol=1e-5)
+            assert float(learned.min()) > 0
+            entropy -= (1 - mass) * np.log(1 - mass)
+        else:
+            np.testing.assert_allclose(mass, 1, atol=1e-6)  # eager softmaxes in float32
+        np.testing.assert_allclose(ds["entropy"].isel(layer=i).values, entropy, atol=1e-4)
+        score = rows * np.repeat(np.linalg.norm(values, axis=-1), group, axis=1)[:, :, None, :]
+        winner = ds["winner"].isel(layer=i).values
+        chosen = np.take_along_axis(score, winner[..., None].astype(np.int64), -1)[..., 0]
+        np.testing.assert_allclose(chosen, score.max(-1), rtol=1e-5, atol=1e-9)
+        # The last query's attendable keys are those the family's mask leaves it.
+        np.testing.assert_array_equal(ds["attendable"].isel(layer=i).values, rows[0, 0, -1] > 0)
+
+
+def test_windows_chunks_and_sinks_are_what_the_families_declare(ids, tmp_path):
+    """Known answers: Mistral's window of 6, Llama 4's chunks of 6 (the last query, at 15,
+    sees keys 12..15) beside its full layer, gpt-oss's sliding layers."""
+    expected = {"mistral": [6, 6, 6], "llama4_text": [4, 4, 0], "gpt_oss": [6, 0, 6], "cohere2": [6, 6, 0]}
+    for model_type, windows in expected.items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32).eval()
+        ag.extract(model, store=tmp_path / f"{model_type}.zarr", token_ids=ids, run_id="r", progress=False)
+        ds = xr.open_zarr(str(tmp_path / f"{model_type}.zarr"), group="runs/r", consolidated=False)
+        assert list(ds["window"].values) == windows, model_type
+
+
+def test_every_verified_type_is_tested():
+    assert set(FAMILIES) == set(VERIFIED_TYPES)
+
+
+@pytest.mark.parametrize("model_type, reason", [
+    ("diffllama", "differential attention"),
+    ("bloom", "not through its attention interface"),
+    ("gpt_neo", "not through its attention interface"),
+    ("mpt", "not through its attention interface"),
+    ("mamba", "no softmax-attention layer"),
+])
+def test_refused_from_the_config_before_weights(model_type, reason):
+    config = AutoConfig.for_model(model_type)
+    with pytest.raises(UnsupportedModelError, match=reason):
+        supported_config(config)
+
+
+def test_a_layer_that_calls_attention_twice_is_refused(ids, tmp_path, monkeypatch):
+    """Differential attention calls the attention function twice per layer. Without the
+    config's refusal, the forward refuses it in one line, and no store is left behind."""
+    from attngeom.extract import families
+
+    monkeypatch.setattr(families, "NOT_SOFTMAX", {})
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "bos_token_id")
+    config = AutoConfig.for_model("diffllama", **{k: getattr(family_config("llama"), k) for k in sizes})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with pytest.raises(UnsupportedModelError, match="more than once per forward"):
+        ag.extract(model, store=tmp_path / "s.zarr", token_ids=ids, run_id="r", progress=False)
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_an_unverified_family_is_checked_against_its_eager_attention(ids, tmp_path, monkeypatch, capsys):
+    """A family outside the verified list is compared with its eager attention first: it
+    agrees (a Llama taken for unverified), or the run is refused with the size of the
+    difference (the same model whose capture is made to scale its scores wrongly)."""
+    from attngeom.extract import capture, families, pipeline
+
+    monkeypatch.setattr(pipeline, "VERIFIED_TYPES", frozenset())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("llama"), dtype=torch.float32).eval()
+    ag.extract(model, store=tmp_path / "ok.zarr", token_ids=ids, run_id="r")
+    assert "checking the capture of model type 'llama' against its eager attention" in capsys.readouterr().err
+    summaries = capture.attention_summaries
+    monkeypatch.setattr(capture, "attention_summaries",
+                        lambda q, k, v, mask, scaling, **kw: summaries(q, k, v, mask, scaling * 1.5, **kw))
+    with pytest.raises(UnsupportedModelError, match=r"disagrees with its own eager attention in 3 of 3 layers: "
+                                                    r"layer 0 \(attention\) rows differ by"):
+        ag.extract(model, store=tmp_path / "bad.zarr", token_ids=ids, run_id="r", progress=False)
+    assert not (tmp_path / "bad.zarr").exists()
