@@ -48,6 +48,7 @@ if TYPE_CHECKING:
         Validation,
         ablate,
         analyze,
+        check_model,
         detect,
         explore,
         extract,
@@ -62,16 +63,17 @@ if TYPE_CHECKING:
 __all__ = [
     "AttngeomError", "AttngeomWarning", "CorruptChunkError", "DamagedStoreError", "GroupNotFoundError",
     "IncompleteGroupError", "InputError",
-    "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreWriteError", "UnsupportedModelError",
-    "Taxonomy", "Validation", "__version__", "ablate", "analyze", "detect", "explore", "extract", "migrate", "open_store",
-    "repair", "report", "taxonomy", "validate",
+    "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreWriteError",
+    "UnsupportedModelError",
+    "Taxonomy", "Validation", "__version__", "ablate", "analyze", "check_model", "detect", "explore", "extract",
+    "migrate", "open_store", "repair", "report", "taxonomy", "validate",
 ]
 
 # Commands whose name is also a stage's package (attngeom/extract/, ...).
 STAGES = ("extract", "analyze", "ablate", "detect", "report", "explore")
 # The API's other names, loaded with attngeom.api on first use (dataclasses and inspect alone
 # would triple the time `import attngeom` takes).
-_API_NAMES = ("Taxonomy", "Validation", "migrate", "open_store", "repair", "taxonomy", "validate")
+_API_NAMES = ("Taxonomy", "Validation", "check_model", "migrate", "open_store", "repair", "taxonomy", "validate")
 
 
 def __getattr__(name: str) -> Any:

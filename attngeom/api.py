@@ -32,14 +32,15 @@ if TYPE_CHECKING:
     from attngeom.detect.stage import DetectResult
     from attngeom.analyze.runner import AnalyzeResult
     from attngeom.explore.build import ExploreResult
+    from attngeom.extract.conformance import ModelCheck
     from attngeom.extract.request import ExtractResult
     from attngeom.open import Store
     from attngeom.store import Repair
     from attngeom.store.migrate import MigrationReport
 
 __all__ = [
-    "Taxonomy", "Validation", "ablate", "analyze", "detect", "explore", "extract", "migrate", "open_store", "repair",
-    "report", "taxonomy", "validate",
+    "Taxonomy", "Validation", "ablate", "analyze", "check_model", "detect", "explore", "extract", "migrate",
+    "open_store", "repair", "report", "taxonomy", "validate",
 ]
 
 
@@ -118,6 +119,21 @@ def extract(
     from attngeom.extract.pipeline import extract as run
 
     return run(request, checked)
+
+
+def check_model(model: str, *, device: str = "auto", dtype: str = "auto", length: int = 64) -> ModelCheck:
+    """Check that the capture reproduces the model's own eager attention (docs/models.md#conformance).
+
+    model: a name or path as extract takes it. Loads it, runs one forward of BOS and
+    ``length - 1`` seeded random tokens, and compares at a few queries each attention layer's
+    captured rows and output with its eager attention in float32 (row tolerance 1e-4).
+    Raises :class:`UnsupportedModelError` for a model the capture cannot read at all.
+    """
+    if length < 2:
+        raise InputError(f"length {length}: needs at least 2 positions (BOS and one token)")
+    from attngeom.extract.conformance import check_model as run
+
+    return run(model, device=device, dtype=dtype, length=length)
 
 
 def analyze(

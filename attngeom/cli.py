@@ -146,6 +146,30 @@ def extract(**kwargs) -> None:
     )
 
 
+@main.command("check-model", short_help="Check that extract's capture reproduces a model's own eager attention (needs the model).")
+@click.argument("model")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Dtype the model is loaded in; the comparison is float32 in any case.")
+@click.option("--length", "-L", type=click.IntRange(2), default=64, show_default=True, help="Positions of the seeded random input (BOS first).")
+def check_model(model: str, device: str, dtype: str, length: int) -> None:
+    """Check that extract's capture reproduces MODEL's own eager attention.
+
+    MODEL is a name or path as extract takes it. One forward of BOS and L-1 seeded random
+    tokens; at a few queries, each attention layer's captured rows and output are compared
+    with the model's eager attention in float32 (rows within 1e-4). Prints one verdict per
+    layer kind; exits 1 when any layer disagrees, 2 when the model cannot be captured at all.
+    extract runs the same check by itself before writing a model of a family attngeom's
+    tests do not cover.
+    """
+    from attngeom import api
+
+    result = api.check_model(model, device=device, dtype=dtype, length=length)
+    for line in result.verdicts():
+        click.echo(f"{result.model_type}: {line}")
+    if not result.agrees:
+        sys.exit(1)
+
+
 @main.command(short_help="Compute the paper's geometry from the store, out of core (Dask).")
 @STORE
 @click.option("--run", "run_id", help="Analyze only this run [default: every run].")

@@ -19,7 +19,8 @@ from attngeom.errors import UnsupportedModelError
 from attngeom.extract.capture import capturing, decoder
 from attngeom.extract.families import check_recorded, layer_kind
 
-__all__ = ["ROW_TOLERANCE", "LayerCheck", "check_positions", "check_capture", "refuse_disagreement"]
+__all__ = ["ROW_TOLERANCE", "LayerCheck", "ModelCheck", "check_capture", "check_model", "check_positions",
+           "refuse_disagreement"]
 
 # Largest |difference| allowed between a captured row and the eager weights, both float32
 # (they differ by rounding, ~1e-7 on the tiny models of the tests).
@@ -114,3 +115,46 @@ def refuse_disagreement(checks: list[LayerCheck], model_type: str) -> None:
             f"{first.row_error:.2g} and outputs by {first.output_error:.2g} (tolerance {ROW_TOLERANCE:g}, "
             f"float32); attngeom refuses to store rows it cannot reproduce"
         )
+
+
+@dataclass(frozen=True)
+class ModelCheck:
+    """``attngeom check-model``'s answer: the model type and each attention layer's check."""
+
+    model_type: str
+    layers: list[LayerCheck]
+
+    def verdicts(self) -> list[str]:
+        """One line per layer kind: its layers, the largest differences, agrees or not."""
+        lines = []
+        for kind in dict.fromkeys(c.kind for c in self.layers):
+            checks = [c for c in self.layers if c.kind == kind]
+            rows, outputs = max(c.row_error for c in checks), max(c.output_error for c in checks)
+            bad = [c.layer for c in checks if not c.agrees]
+            verdict = "agrees" if not bad else f"DISAGREES in layers {', '.join(map(str, bad))}"
+            lines.append(f"{kind} (layers {', '.join(str(c.layer) for c in checks)}): rows within {rows:.1g}, "
+                         f"outputs within {outputs:.1g} of eager attention: {verdict}")
+        return lines
+
+    @property
+    def agrees(self) -> bool:
+        return all(c.agrees for c in self.layers)
+
+
+def check_model(name: str, *, device: str = "auto", dtype: str = "auto", length: int = 64,
+                seed: int = 0) -> ModelCheck:
+    """Load the model ``name`` (as extract takes it) and check its capture against its eager
+    attention on BOS and ``length - 1`` seeded random tokens, at :func:`check_positions`."""
+    from attngeom.extract.models import load_config, load_model, resolve_device, resolve_dtype, resolve_model
+    from attngeom.extract.positions import check_context_length, config_positions
+
+    source = resolve_model(name)
+    config = load_config(source)
+    check_context_length(length, config_positions(config), source.name)
+    device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
+    model = load_model(source, device=device, dtype=torch_dtype)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (1, length), generator=generator)
+    if config.bos_token_id is not None:
+        ids[0, 0] = int(config.bos_token_id)
+    return ModelCheck(config.model_type, check_capture(model, ids.to(device), check_positions(length)))
