@@ -3,6 +3,7 @@ what it records is scoped to the ``capturing`` block of one model in one thread.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import threading
@@ -126,6 +127,68 @@ def test_summaries_match_brute_force_any_tile(tile, kind):
                 torch.testing.assert_close(out[b, qi, h].double(), p @ v[b, h // 2].double(), atol=1e-5, rtol=0)
                 if qi == length - 1:
                     torch.testing.assert_close(cap.attn_last[b, h].double(), p, atol=1e-6, rtol=0)
+
+
+def brute_force_variant(q, k, v, scaling, bias, softcap, sink):
+    """One query row with every variant, straight from the definitions (float64): scores
+    scaling q.k, softcapped, plus an additive bias (-inf where masked), and a learned sink
+    logit in the softmax with no value. Returns the weights on the keys, the sink's weight,
+    the winner, the entropy of the whole distribution and the output."""
+    scores = [float(q @ k[j]) * scaling for j in range(len(k))]
+    if softcap is not None:
+        scores = [softcap * math.tanh(s / softcap) for s in scores]
+    logits = [s + float(b) for s, b in zip(scores, bias)] + ([float(sink)] if sink is not None else [])
+    top = max(logits)
+    exps = [math.exp(x - top) if x > -1e29 else 0.0 for x in logits]
+    total = sum(exps)
+    p = [e / total for e in exps]
+    keys, learned = p[: len(k)], (p[-1] if sink is not None else 0.0)
+    weighted = [keys[j] * float(v[j].norm()) for j in range(len(k))]
+    best = max(range(len(k)), key=lambda j: (weighted[j], -j))
+    entropy = -sum(x * math.log(x) for x in p if x > 0)
+    output = sum(keys[j] * v[j].double() for j in range(len(k)))
+    return torch.tensor(keys, dtype=torch.float64), learned, best, entropy, output
+
+
+@pytest.mark.parametrize("tile", [(1, 1), (1, 4), (2, 3), (2, 9)])
+@pytest.mark.parametrize("variant", ["alibi", "sinks", "sinks+softcap", "chunks+sinks", "latent"])
+def test_variants_match_brute_force_any_tile(tile, variant):
+    """The attention variants of today's models against their definitions, at every tile:
+    per-head additive biases in the mask (ALiBi), learned sinks (gpt-oss), softcapped logits
+    with sinks, chunked masks (Llama 4) and values narrower than the keys (latent attention)."""
+    torch.manual_seed(4)
+    bsz, n_heads, n_kv, length, dim = 2, 4, 2, 9, 5
+    v_dim = 3 if variant == "latent" else dim
+    q, k = torch.randn(bsz, n_heads, length, dim) * 2, torch.randn(bsz, n_kv, length, dim)
+    v = torch.randn(bsz, n_kv, length, v_dim)
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    allowed = (j <= i) & (i // 4 == j // 4) if variant.startswith("chunks") else j <= i
+    low = torch.finfo(torch.float32).min
+    bias = torch.where(allowed, 0.0, low)[None, None].expand(bsz, n_heads, length, length).clone()
+    if variant == "alibi":
+        slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+        bias += torch.where(allowed, -slopes[:, None, None] * (i - j), 0.0)[None]
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0]) if "sinks" in variant else None
+    softcap = 2.0 if "softcap" in variant else None
+    cap, out = attention_summaries(q, k, v, bias, 0.7, softcap=softcap, sinks=sinks, keep_rows=True,
+                                   need_output=True, tile=tile)
+    assert (cap.learned_sink is not None) == (sinks is not None)
+    for b in range(bsz):
+        for h in range(n_heads):
+            for qi in range(length):
+                keys, learned, best, entropy, output = brute_force_variant(
+                    q[b, h, qi], k[b, h // 2], v[b, h // 2], 0.7, bias[b, h, qi], softcap,
+                    None if sinks is None else sinks[h])
+                assert int(cap.winner[b, h, qi]) == best
+                assert abs(float(cap.entropy[b, h, qi]) - entropy) < 1e-5
+                assert abs(float(cap.sink_attn[b, h, qi]) - float(keys[0])) < 1e-6
+                assert abs(float(cap.top1_attn[b, h, qi]) - float(keys.max())) < 1e-6
+                if sinks is not None:
+                    assert abs(float(cap.learned_sink[b, h, qi]) - learned) < 1e-6
+                torch.testing.assert_close(out[b, qi, h].double(), output, atol=1e-5, rtol=0)
+                if qi == length - 1:
+                    torch.testing.assert_close(cap.attn_last[b, h].double(), keys, atol=1e-6, rtol=0)
+    assert torch.equal(cap.attendable, allowed[-1])
 
 
 def test_softcap_output_matches_eager_formula():
