@@ -24,7 +24,6 @@ from attngeom.ablate.kernels import (
     type_guided_keys,
 )
 from attngeom.ablate.masking import (
-    apply_head_mask,
     head_geometry,
     head_weight_norms,
     masked_nll,
@@ -68,7 +67,7 @@ def reference_nll(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tens
     with torch.no_grad():
         for layer, block in enumerate(ablated.get_decoder().layers):
             weight = block.self_attn.o_proj.weight
-            weight.view(weight.shape[0], geo.n_heads, geo.head_dim).mul_(mask[layer][None, :, None])
+            weight.view(weight.shape[0], geo.n_heads, -1).mul_(mask[layer][None, :, None])
         logits = ablated(input_ids=tokens[:, :-1]).logits[:, -1]
     return -torch.log_softmax(logits, -1).gather(1, tokens[:, -1:].long())[:, 0]
 
@@ -91,16 +90,6 @@ def store(tiny_model_dir, word_corpus, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def result(store):
     return ablate(store, "r", device="cpu", protect=[(0, 1)], random_masks=10, progress=False)
-
-
-def test_apply_head_mask_zeroes_exact_slices():
-    x = torch.randn(3, 5, 4 * 8)
-    mask = torch.tensor([[1, 0, 1, 1], [0, 0, 1, 0], [1, 1, 1, 1]], dtype=torch.float32)
-    out = apply_head_mask(x, mask).view(3, 5, 4, 8)
-    for b in range(3):
-        for h in range(4):
-            want = x.view(3, 5, 4, 8)[b, :, h] * mask[b, h]
-            torch.testing.assert_close(out[b, :, h], want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
@@ -129,7 +118,8 @@ def test_gqa_masks_query_heads(tiny_model_dir):
     exactly kv head 0 (zeroing its W_V rows)."""
     model = load(tiny_model_dir("llama"))
     geo = head_geometry(model)
-    assert (geo.n_heads, geo.n_kv_heads, geo.head_dim) == (4, 2, 16)
+    assert (geo.layers, geo.n_heads, geo.n_kv_heads) == ((0, 1, 2), 4, 2)
+    head_dim = 16
     torch.manual_seed(1)
     tokens = torch.randint(4, 100, (4, 16))
     masks = torch.ones(3, 3, 4)
@@ -140,7 +130,7 @@ def test_gqa_masks_query_heads(tiny_model_dir):
     assert not torch.allclose(nll[:, 0], nll[:, 1])
     no_kv0 = copy.deepcopy(model)
     with torch.no_grad():
-        no_kv0.get_decoder().layers[1].self_attn.v_proj.weight[: geo.head_dim] = 0
+        no_kv0.get_decoder().layers[1].self_attn.v_proj.weight[:head_dim] = 0
         logits = no_kv0(input_ids=tokens[:, :-1]).logits[:, -1]
     expected = -torch.log_softmax(logits, -1).gather(1, tokens[:, -1:])[:, 0]
     torch.testing.assert_close(nll[:, 2], expected, rtol=0, atol=1e-5)

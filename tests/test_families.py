@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch", reason="needs a model: torch is not install
 import xarray as xr
 from families import FAMILIES, family_config
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 import attngeom as ag
 from attngeom.errors import UnsupportedModelError
@@ -155,3 +155,42 @@ def test_an_unverified_family_is_checked_against_its_eager_attention(ids, tmp_pa
                                                     r"layer 0 \(attention\) rows differ by"):
         ag.extract(model, store=tmp_path / "bad.zarr", token_ids=ids, run_id="r", progress=False)
     assert not (tmp_path / "bad.zarr").exists()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "deepseek_v3", "gpt_oss", "gpt2"])
+def test_ablating_a_head_zeroes_its_attention_output(model_type):
+    """A head's ablation removes its output sum_j A_ij v_j before the output projection, the
+    same for grouped queries, latent attention, learned sinks and a hybrid (whose masks cover
+    its softmax-attention layers only): the batched masks equal a forward whose attention
+    function zeroes that head itself."""
+    from attngeom.ablate.masking import head_geometry, masked_nll
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32).eval()
+    geo = head_geometry(model)
+    assert geo.layers == attention_layers(model.config)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(4, 100, (2, L), generator=generator)
+    masks = torch.ones(3, geo.n_layers, geo.n_heads)
+    masks[1, -1, 0] = 0
+    masks[2, 0, 1:3] = 0
+    nll = masked_nll(model, tokens, masks)
+    assert not torch.allclose(nll[:, 0], nll[:, 1]) and not torch.allclose(nll[:, 0], nll[:, 2])
+    previous = model.config._attn_implementation
+    for m in range(3):
+        def zeroing(module, query, key, value, attention_mask, m=m, **kwargs):
+            eager = sys.modules[type(module).__module__].eager_attention_forward
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+            run = eager if previous == "eager" else ALL_ATTENTION_FUNCTIONS[previous]
+            out, weights = run(module, query, key, value, attention_mask, **kwargs)
+            keep = masks[m, geo.layers.index(module.layer_idx)]
+            return out * keep[None, None, :, None], weights
+
+        AttentionInterface.register("zeroing", zeroing)
+        AttentionMaskInterface.register("zeroing", eager_mask if previous == "eager" else sdpa_mask)
+        model.set_attn_implementation("zeroing")
+        with torch.no_grad():
+            logits = model(input_ids=tokens[:, :-1], use_cache=False).logits[:, -1]
+        model.set_attn_implementation(previous)
+        expected = -torch.log_softmax(logits, -1).gather(1, tokens[:, -1:])[:, 0]
+        torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)

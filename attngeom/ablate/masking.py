@@ -1,14 +1,16 @@
 """Head ablation: many (layer, head) masks evaluated in one batched forward.
 
-Ablating head ``h`` of layer ``l`` zeroes its slice ``[h*Dh, (h+1)*Dh)`` of the input of that
-layer's output projection ``self_attn.o_proj``: the input is the concatenation of the *query*
-heads' attention outputs, so under grouped-query attention the mask addresses query heads
-(kv head ``h // (H/KV)`` keeps serving the other heads of its group).
-
-A forward pre-hook on every ``o_proj`` multiplies its input by a (batch, layer, head) mask:
-the rows of one batch carry different masks. Layers below the first layer any mask of a batch
-ablates compute the same thing under every mask, so they run once per sequence; a pre-hook
-on that first ablated layer then repeats each sequence's hidden state once per mask.
+Ablating head ``h`` of an attention layer zeroes that query head's attention output,
+``sum_j A_ij v_j`` for every query, before the layer's output projection: under grouped-query
+attention the mask addresses query heads (their kv head keeps serving the other heads of its
+group), under latent attention the head's value-width output, and in a hybrid only its
+softmax-attention layers have heads (docs/method.md#ablation). The mask is applied where every
+family's attention returns its per-head outputs, the attention interface: the model's own
+attention function runs, and its output (batch, L, heads, Dv) is multiplied by a (batch,
+layer, head) mask; the rows of one batch carry different masks. Layers below the first layer
+any mask of a batch ablates compute the same thing under every mask, so they run once per
+sequence; a pre-hook on that first ablated layer then repeats each sequence's hidden state
+once per mask.
 
 Protocol (docs/method.md#ablation): prefill ``L-1`` tokens and score the next one. With the mask applied at
 every position (the head is removed from the model, prefill included), prefill of tokens
@@ -18,50 +20,58 @@ predicts token ``L-1``; only that position's logits are computed (``logits_to_ke
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from attngeom.errors import UnsupportedModelError
 from attngeom.extract.capture import decoder
+from attngeom.extract.families import attention_layers
+
+MASKED_IMPLEMENTATION = "attngeom_masked"
 
 
 @dataclass(frozen=True)
 class HeadGeometry:
-    """The model's attention shape: query heads per layer and their width at ``o_proj``."""
+    """The model's attention shape: its softmax-attention layers (the model's own indices),
+    query and kv heads per layer."""
 
-    n_layers: int
+    layers: tuple[int, ...]
     n_heads: int
     n_kv_heads: int
-    head_dim: int
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a causal LM, in order (each has ``self_attn.o_proj``)."""
-    return list(decoder(model).layers)
+    """The decoder layers of a causal LM, in order, attention or not: the module list of its
+    decoder that holds one module per layer (``layers``, GPT-2's ``h``, ...)."""
+    n_layers = model.config.get_text_config().num_hidden_layers
+    for child in decoder(model).children():
+        if isinstance(child, torch.nn.ModuleList) and len(child) == n_layers:
+            return list(child)
+    raise UnsupportedModelError(f"{type(model).__name__}: no list of its {n_layers} decoder layers to ablate")
 
 
 def head_geometry(model: torch.nn.Module) -> HeadGeometry:
-    config = getattr(model.config, "text_config", None) or model.config
+    config = model.config.get_text_config()
     n_heads = config.num_attention_heads
-    o_proj = decoder_layers(model)[0].self_attn.o_proj
     return HeadGeometry(
-        n_layers=len(decoder_layers(model)),
+        layers=attention_layers(config),
         n_heads=n_heads,
         n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
-        head_dim=o_proj.in_features // n_heads,
     )
-
-
-def apply_head_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``x`` (B, T, H*Dh), an ``o_proj`` input; ``mask`` (B, H), 1 keeps and 0 ablates a head.
-    Returns (B, T, H*Dh) with the slices of ablated heads zeroed."""
-    b, t, width = x.shape
-    n_heads = mask.shape[-1]
-    heads = x.reshape(b, t, n_heads, width // n_heads)
-    return (heads * mask.to(x.dtype)[:, None, :, None]).reshape(b, t, width)
 
 
 def first_ablated_layers(masks: torch.Tensor) -> torch.Tensor:
@@ -70,30 +80,63 @@ def first_ablated_layers(masks: torch.Tensor) -> torch.Tensor:
     return torch.where(ablated.any(dim=1), ablated.int().argmax(dim=1), masks.shape[1])
 
 
-class HeadMasker:
-    """Context manager installing the mask hooks on ``model``; idle until :meth:`set`."""
+# The masker of each model captured in this thread, set only by ``HeadMasker``: keyed by
+# attention module, so another model's forward inside the block runs unmasked.
+_MASKERS: ContextVar[Mapping[torch.nn.Module, HeadMasker]] = ContextVar(
+    "attngeom_maskers", default=MappingProxyType({})
+)
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.layers = decoder_layers(model)
+
+def _masked_attention(module, query, key, value, attention_mask, **kwargs):
+    masker = _MASKERS.get().get(module)
+    if masker is None:
+        raise RuntimeError(f"{type(module).__name__} runs {MASKED_IMPLEMENTATION!r} outside a HeadMasker")
+    output, weights = masker.attention(module)(module, query, key, value, attention_mask, **kwargs)
+    return masker.masked(module.layer_idx, output), weights
+
+
+class HeadMasker:
+    """Context manager switching ``model`` to its own attention with head masks on the outputs;
+    idle until :meth:`set`. ``layers``: the model's indices of the masked layers, in the order of
+    the masks' layer axis (default: its softmax-attention layers)."""
+
+    def __init__(self, model: torch.nn.Module, layers: tuple[int, ...] | None = None) -> None:
+        self.model = model
+        self.blocks = decoder_layers(model)
+        self.layers = tuple(layers if layers is not None else head_geometry(model).layers)
+        self._position = {layer: p for p, layer in enumerate(self.layers)}
         self._masks: torch.Tensor | None = None
         self._start = len(self.layers)
         self._repeat = 1
         self._handles: list[Any] = []
         self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._previous = model.config._attn_implementation
+        self._token = None
 
     def set(self, masks: torch.Tensor | None, start: int = 0, repeat: int = 1) -> None:
-        """Apply ``masks`` (B', layers, heads) from layer ``start`` on, where each of the B
-        input rows is first repeated ``repeat`` times (B' = B * repeat). ``None`` disables."""
+        """Apply ``masks`` (B', layers, heads) from layer ``start`` (a position on the masks'
+        layer axis) on, where each of the B input rows is first repeated ``repeat`` times
+        (B' = B * repeat). ``None`` disables."""
         self._masks, self._start, self._repeat = masks, start, repeat
         self._memo = {}
 
-    def _o_proj_hook(self, layer: int) -> Callable:
-        def hook(module: torch.nn.Module, args: tuple) -> tuple | None:
-            if self._masks is None or layer < self._start:
-                return None
-            return (apply_head_mask(args[0], self._masks[:, layer]), *args[1:])
+    def attention(self, module: torch.nn.Module) -> Callable:
+        """The attention function the model ran before: its implementation's, or for "eager"
+        the eager function of the module's own modeling module (a family's own, e.g. with sinks)."""
+        if self._previous == "eager" or self._previous not in ALL_ATTENTION_FUNCTIONS:
+            return sys.modules[type(module).__module__].eager_attention_forward
+        return ALL_ATTENTION_FUNCTIONS[self._previous]
 
-        return hook
+    def masked(self, layer: int, output: torch.Tensor) -> torch.Tensor:
+        """A layer's attention output (B', L, heads, Dv) with the masked heads zeroed."""
+        position = self._position.get(layer)
+        if self._masks is None or position is None or position < self._start:
+            return output
+        return output * self._masks[:, position].to(output.dtype)[:, None, :, None]
+
+    def _model_start(self) -> int:
+        """The model's index of the first decoder layer the masks may change."""
+        return self.layers[self._start] if self._start < len(self.layers) else len(self.blocks)
 
     def _repeated(self, value: Any, batch: int) -> Any:
         """``value`` with every tensor of two or more dims whose leading dim is the input batch
@@ -111,11 +154,12 @@ class HeadMasker:
 
     def _layer_hook(self, layer: int) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-            if self._masks is None or layer < self._start or self._repeat == 1:
+            start = self._model_start()
+            if self._masks is None or layer < start or self._repeat == 1:
                 return None
             hidden = args[0] if args else kwargs["hidden_states"]
-            batch = hidden.shape[0] if layer == self._start else hidden.shape[0] // self._repeat
-            if layer == self._start:
+            batch = hidden.shape[0] if layer == start else hidden.shape[0] // self._repeat
+            if layer == start:
                 hidden = hidden.repeat_interleave(self._repeat, dim=0)
             kwargs = {k: self._repeated(v, batch) for k, v in kwargs.items() if k != "hidden_states"}
             if args:
@@ -125,15 +169,21 @@ class HeadMasker:
         return hook
 
     def __enter__(self) -> HeadMasker:
-        for i, layer in enumerate(self.layers):
-            self._handles.append(layer.self_attn.o_proj.register_forward_pre_hook(self._o_proj_hook(i)))
-            self._handles.append(layer.register_forward_pre_hook(self._layer_hook(i), with_kwargs=True))
+        AttentionInterface.register(MASKED_IMPLEMENTATION, _masked_attention)
+        previous_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(self._previous) or ALL_MASK_ATTENTION_FUNCTIONS["eager"]
+        AttentionMaskInterface.register(MASKED_IMPLEMENTATION, previous_mask)
+        self._token = _MASKERS.set({**_MASKERS.get(), **dict.fromkeys(self.model.modules(), self)})
+        self.model.set_attn_implementation(MASKED_IMPLEMENTATION)
+        for i, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(self._layer_hook(i), with_kwargs=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.model.set_attn_implementation(self._previous)
+        _MASKERS.reset(self._token)
         self.set(None)
 
 
@@ -152,10 +202,12 @@ def masked_nll(
     batch_size: int = 64,
     progress: bool = False,
     desc: str = "ablate",
+    layers: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Decode NLL of token ``L-1`` given tokens ``0..L-2`` under every head mask.
 
-    tokens (S, L) int; masks (M, layers, heads), 1 keeps and 0 ablates. Returns (S, M) float32.
+    tokens (S, L) int; masks (M, layers, heads), 1 keeps and 0 ablates, over the model's
+    softmax-attention layers ``layers`` (default: all of them). Returns (S, M) float32.
     Each forward carries at most ``batch_size`` (sequence, mask) rows, all of its masks with
     the same first ablated layer; the layers below it run once per sequence.
     """
@@ -175,7 +227,7 @@ def masked_nll(
         chunks += [(start, group[i : i + per_forward]) for i in range(0, len(group), per_forward)]
     out = torch.empty(n_seq, n_masks, dtype=torch.float32)
     total = sum(-(-n_seq // max(1, batch_size // len(chunk))) for _, chunk in chunks)
-    with torch.inference_mode(), HeadMasker(model) as masker, tqdm(
+    with torch.inference_mode(), HeadMasker(model, layers) as masker, tqdm(
         total=total, unit="fwd", desc=desc, disable=not progress
     ) as bar:
         for start, chunk in chunks:
@@ -197,17 +249,24 @@ def masked_nll(
     return out
 
 
-def head_weight_norms(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def head_weight_norms(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Frobenius norms (layers, heads) float32 of each query head's slice of W_O (its Dh input
-    columns of ``o_proj``) and of W_V (the Dh output rows of ``v_proj`` of the kv head it reads)."""
+    columns of ``o_proj``) and of W_V (the Dh output rows of ``v_proj`` of the kv head it reads),
+    over the softmax-attention layers; None for a family whose attention has no separate
+    ``o_proj`` and ``v_proj`` of those shapes (fused or latent projections)."""
     geo = head_geometry(model)
     group = geo.n_heads // geo.n_kv_heads
+    blocks = decoder_layers(model)
     wo, wv = [], []
     with torch.no_grad():
-        for layer in decoder_layers(model):
-            o = layer.self_attn.o_proj.weight.float()
-            v = layer.self_attn.v_proj.weight.float()
-            wo.append(o.reshape(o.shape[0], geo.n_heads, geo.head_dim).norm(dim=(0, 2)))
+        for layer in geo.layers:
+            attention = getattr(blocks[layer], "self_attn", None)
+            o = getattr(getattr(attention, "o_proj", None), "weight", None)
+            v = getattr(getattr(attention, "v_proj", None), "weight", None)
+            if o is None or v is None or o.shape[1] % geo.n_heads or v.shape[0] % geo.n_kv_heads:
+                return None
+            o, v = o.float(), v.float()
+            wo.append(o.reshape(o.shape[0], geo.n_heads, -1).norm(dim=(0, 2)))
             kv = v.reshape(geo.n_kv_heads, -1, v.shape[1]).norm(dim=(1, 2))
             wv.append(kv.repeat_interleave(group))
     return torch.stack(wo).cpu(), torch.stack(wv).cpu()

@@ -146,6 +146,11 @@ def _analysis_heads(url: str, run_id: str) -> xr.Dataset | None:
     return heads.transpose("layer", "head", ...).load()
 
 
+def _span(layers: tuple[int, ...]) -> str:
+    """Layer indices as a user reads them: "0-31", or the list where they are not 0..n-1."""
+    return f"0-{len(layers) - 1}" if layers == tuple(range(len(layers))) else ", ".join(map(str, layers))
+
+
 def _single_masks(n_layers: int, n_heads: int) -> torch.Tensor:
     """(layers*heads, layers, heads): mask ``l*H + h`` ablates head (l, h) alone."""
     masks = torch.ones(n_layers * n_heads, n_layers * n_heads)
@@ -183,8 +188,7 @@ def _sweep_keys(
     entropy = diagnostics["mean_attention_entropy"]
     keys = {
         "single_impact": [single_impact],
-        "weight_o": [weight_o],
-        "weight_v": [weight_v, weight_o],
+        **({} if np.isnan(weight_o).all() else {"weight_o": [weight_o], "weight_v": [weight_v, weight_o]}),
         "entropy_low": [-entropy],
         "entropy_high": [entropy],
         "sink_attention": [-diagnostics["mean_sink_attention"]],
@@ -427,11 +431,18 @@ def _measure(request: AblateRequest, inputs: _RunInputs) -> _Measured:
     )
     n_layers, n_heads = inputs.protected.shape
     geometry = head_geometry(model)
-    if (geometry.n_layers, geometry.n_heads) != (n_layers, n_heads):
+    run_layers = tuple(int(i) for i in inputs.layer_head["layer"])
+    if (geometry.layers, geometry.n_heads) != (run_layers, n_heads):
         raise InputError(
-            f"model has {geometry.n_layers} layers x {geometry.n_heads} heads, run '{request.run_id}' {n_layers} x {n_heads}"
+            f"model has attention layers {_span(geometry.layers)} x {geometry.n_heads} heads, run "
+            f"'{request.run_id}' layers {_span(run_layers)} x {n_heads}"
         )
-    weight_o, weight_v = (w.numpy().astype(np.float64) for w in head_weight_norms(model))
+    norms = head_weight_norms(model)
+    if norms is None:
+        # A family with fused or latent projections has no per-head W_O and W_V slices.
+        weight_o = weight_v = np.full((n_layers, n_heads), np.nan)
+    else:
+        weight_o, weight_v = (w.numpy().astype(np.float64) for w in norms)
     tokens, batch_size = inputs.importance_tokens, request.batch_size
     with evaluating(model):
         intact = masked_nll(model, tokens, torch.ones(1, n_layers, n_heads), batch_size=batch_size)[:, 0].double().numpy()
