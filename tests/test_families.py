@@ -194,3 +194,27 @@ def test_ablating_a_head_zeroes_its_attention_output(model_type):
         model.set_attn_implementation(previous)
         expected = -torch.log_softmax(logits, -1).gather(1, tokens[:, -1:])[:, 0]
         torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)
+
+
+def test_every_stage_on_a_hybrid_keeps_its_layer_indices(tmp_path):
+    """A Qwen3-Next of 4 layers (linear, softmax, linear, softmax) through every stage: the
+    run, its analysis, detect and ablation groups all name layers 1 and 3."""
+    from conftest import tiny_tokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("qwen3_next"), dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(4, 100, (3, 40), generator=generator)
+    ids[:, 0] = 1
+    store = str(tmp_path / "s.zarr")
+    ag.extract(model, store=store, token_ids=ids, run_id="r", progress=False)
+    ag.analyze(store, scheduler="threads", n_grid=[1, 2, 4], progress=False)
+    ag.detect(store, "r", model=model, tokenizer=tiny_tokenizer(), probes=2, progress=False)
+    ag.ablate(store, "r", model=model, device="cpu", random_masks=1, retention=[1.0, 0.5], progress=False)
+    run = ag.open_store(store).run("r")
+    assert run.provenance["layout"]["layers"] == [1, 3]
+    for group in (run.dataset(), run.analysis("heads"), run.analysis("topn"), run.detect(), run.ablation("single")):
+        assert list(group["layer"].values) == [1, 3]
+    assert ag.validate(store).valid
+    ag.report(store, tmp_path / "report")
+    ag.explore(store, tmp_path / "explore")

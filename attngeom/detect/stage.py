@@ -34,6 +34,7 @@ from attngeom.detect.request import DetectRequest, check_request, probe_length
 from attngeom.detect.scores import probe_queries, probe_sums, retrieval_hits, retrieval_queries
 from attngeom.errors import AttngeomError, InputError
 from attngeom.extract.capture import capturing, decoder
+from attngeom.extract.families import attention_layers
 from attngeom.extract.models import load_tokenizer, resolve_dtype, resolve_model
 from attngeom.runmodel import check_run_model, evaluating, run_model
 from attngeom.store import (
@@ -117,10 +118,10 @@ def detect(request: DetectRequest) -> DetectResult:
                                                  request.device, request.dtype)
         vocab = _vocabulary(tokenizer, model, inputs.bos, request.run_id)
         config = model.config.get_text_config()
-        if (config.num_hidden_layers, config.num_attention_heads) != (len(inputs.layer), len(inputs.head)):
+        if (_layers(model), config.num_attention_heads) != (tuple(int(i) for i in inputs.layer), len(inputs.head)):
             raise InputError(
-                f"model has {config.num_hidden_layers} layers x {config.num_attention_heads} heads, "
-                f"run '{request.run_id}' {len(inputs.layer)} x {len(inputs.head)}"
+                f"model has attention layers {', '.join(map(str, _layers(model)))} x {config.num_attention_heads} "
+                f"heads, run '{request.run_id}' layers {', '.join(map(str, inputs.layer))} x {len(inputs.head)}"
             )
         k = probe_length(inputs.windows.shape[1])
         probes = probe_tokens(vocab, inputs.bos, request.probes, k, request.seed)
@@ -215,10 +216,12 @@ def _run_tokenizer(request: DetectRequest, provenance: dict[str, Any]) -> Any:
 
 
 def _rows(model: torch.nn.Module, ids: np.ndarray, queries: tuple[int, ...], device: str) -> dict[int, torch.Tensor]:
-    """Layer -> the float32 rows (B, H, Q, L) of ``queries`` of a forward of ``ids`` (B, L)."""
+    """Position of each attention layer among the run's layers -> the float32 rows (B, H, Q, L)
+    of ``queries`` of a forward of ``ids`` (B, L)."""
     with torch.inference_mode(), capturing(model, queries=queries) as recorder:
         decoder(model)(input_ids=torch.from_numpy(ids).to(device), use_cache=False)
-    return {layer: capture.query_rows for layer, capture in recorder.layers.items()}
+    position = {layer: p for p, layer in enumerate(_layers(model))}
+    return {position[layer]: capture.query_rows for layer, capture in recorder.layers.items()}
 
 
 def _batches(count: int, request: DetectRequest, desc: str) -> tqdm:
@@ -254,8 +257,9 @@ def _retrieval_hits(model: torch.nn.Module, retrieval: Retrieval, request: Detec
     return hits
 
 
-def _layers(model: torch.nn.Module) -> range:
-    return range(model.config.get_text_config().num_hidden_layers)
+def _layers(model: torch.nn.Module) -> tuple[int, ...]:
+    """The model's own indices of its softmax-attention layers: the run's layer coordinate."""
+    return attention_layers(model.config.get_text_config())
 
 
 def _attrs(inputs: _RunInputs, params: dict[str, Any], vocab: np.ndarray, device: str,
