@@ -16,7 +16,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +56,7 @@ def extract(
     num_sequences: int | None = None,
     run_id: str | None = None,
     device: str = "auto",
+    device_map: str | Mapping[str, Any] | None = None,
     dtype: str = "auto",
     batch_size: int = 1,
     store_rows: str = "last",
@@ -72,7 +73,11 @@ def extract(
     """Run the model once over the input and write its run into ``store`` (docs/store.md#run-arrays).
 
     model: an offline name (gemma3-270m, smollm2-135m), hub id, local folder or .gguf file,
-    or a loaded transformers causal LM of a supported type. A model given in memory is used
+    or a loaded transformers causal LM whose attention the capture reads (docs/models.md). A
+    hybrid's run holds its softmax-attention layers, under the model's own layer indices.
+    device_map: "auto" (or another accelerate strategy) or a mapping of module names to
+    devices ("cpu", "disk", "cuda:N", a GPU index) places a named model larger than one
+    device over the GPUs, the CPU and the disk as it loads. A model given in memory is used
     on its own device and in its own dtype (``device``/``dtype`` must be "auto" or match:
     it is never moved or cast), in eval mode with the capture attention for the call only;
     its attention implementation and train/eval mode are restored after. Its provenance
@@ -108,7 +113,8 @@ def extract(
     request = ExtractRequest(
         model=model, store=str(store), dataset=dataset, texts=texts, token_ids=token_ids, tokenizer=tokenizer,
         context_length=context_length, num_sequences=num_sequences, run_id=run_id, split=split,
-        text_field=text_field, device=device, dtype=dtype, batch_size=batch_size, store_rows=store_rows,
+        text_field=text_field, device=device, device_map=device_map, dtype=dtype, batch_size=batch_size,
+        store_rows=store_rows,
         queries=queries, values_dtype=values_dtype, window_rule=window_rule, seed=seed, bos_token=bos_token,
         shard=shard, progress=progress,
     )
@@ -324,6 +330,7 @@ def ablate(
     *,
     model: Any = None,
     device: str = "auto",
+    device_map: str | Mapping[str, Any] | None = None,
     dtype: str = "auto",
     protect: Sequence[tuple[int, int]] = (),
     protect_critical: bool = False,
@@ -342,7 +349,9 @@ def ablate(
 
     The run's model is loaded by its recorded name with its own attention implementation;
     pass ``model`` for a run extracted from a model in memory (its state dict must hash as
-    recorded). retention: fractions of heads kept per layer (default 1.0, 0.9, 0.75, 0.5,
+    recorded); device_map places a model larger than one device, as for :func:`extract`. A head's
+    ablation zeroes its attention output (docs/method.md#ablation), in any family; a hybrid's
+    heads are those of its softmax-attention layers. retention: fractions of heads kept per layer (default 1.0, 0.9, 0.75, 0.5,
     0.25). Writes runs/<id>/ablation/{single, sweep, correlations, critical, table[, regimes]}
     and returns them as in-memory Datasets (single: (layer, head[, seq]); sweep: (method,
     retention[, draw, seq, layer, head])) with the sweep as a table. See
@@ -351,13 +360,17 @@ def ablate(
     require_run(str(store), run_id)
     if out is not None:
         _check_out(out)
+    from attngeom.extract.request import check_device_map
+
+    check_device_map(device_map, device, named=model is None)
     from attngeom.ablate.request import DEFAULT_RETENTION, AblateRequest
     from attngeom.ablate.stage import ablate as run
     from attngeom.store import writing
 
     with writing(str(store)):
         return run(AblateRequest(
-            store=str(store), run_id=run_id, model=model, device=device, dtype=dtype, protect=protect,
+            store=str(store), run_id=run_id, model=model, device=device, device_map=device_map, dtype=dtype,
+            protect=protect,
             protect_critical=protect_critical, retention=DEFAULT_RETENTION if retention is None else retention,
             random_masks=random_masks, seed=seed, top_n=top_n, critical_k=critical_k, critical_floor=critical_floor,
             max_sequences=max_sequences, batch_size=batch_size, out=out, progress=progress,
@@ -371,6 +384,7 @@ def detect(
     model: Any = None,
     tokenizer: Any = None,
     device: str = "auto",
+    device_map: str | Mapping[str, Any] | None = None,
     dtype: str = "auto",
     probes: int = 16,
     needle_length: int = 16,
@@ -388,16 +402,21 @@ def detect(
     inserted at each of ``depths`` (default 0.1, 0.3, 0.5, 0.7, 0.9) and repeated at the
     end. The run's model is loaded by its recorded name; pass ``model`` (and, where the run
     records no tokenizer that loads, ``tokenizer``) for a run extracted from a model in
-    memory. Writes runs/<id>/detect/{scores, probes, retrieval} and returns them as
+    memory; device_map places a model larger than one device, as for :func:`extract`. Writes
+    runs/<id>/detect/{scores, probes, retrieval} and returns them as
     in-memory Datasets (scores: (layer, head)); a rerun with the same parameters keeps the
     committed results. See :class:`~attngeom.detect.request.DetectRequest` for every option.
     """
     require_run(str(store), run_id)
     from attngeom.detect.request import DEFAULT_DEPTHS, DetectRequest, check_request
+    from attngeom.extract.request import check_device_map
+
+    check_device_map(device_map, device, named=model is None)
     from attngeom.peek import run_record
 
     request = DetectRequest(
-        store=str(store), run_id=run_id, model=model, tokenizer=tokenizer, device=device, dtype=dtype, probes=probes,
+        store=str(store), run_id=run_id, model=model, tokenizer=tokenizer, device=device, device_map=device_map,
+        dtype=dtype, probes=probes,
         needle_length=needle_length, haystacks=haystacks, depths=DEFAULT_DEPTHS if depths is None else tuple(depths),
         seed=seed, batch_size=batch_size, progress=progress,
     )

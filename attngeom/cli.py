@@ -115,6 +115,7 @@ STORE = click.option("--store", required=True, help="Store: a local path or an f
 @click.option("--split", help="Dataset split, for hub datasets.")
 @click.option("--text-field", default="text", show_default=True, help="Text field of .jsonl/.parquet/hub rows.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--device-map", help="Place a model larger than one device over the GPUs, the CPU and the disk: auto (or balanced, balanced_low_0, sequential), or a JSON object of module names to devices, e.g. '{\"model.layers.0\": 0, \"model.layers.1\": \"disk\"}'.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float32-tf32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype; auto is float32 on every device (bfloat16 moves results; float32-tf32: float32 matmuls in TF32 on a GPU: see README).")
 @click.option("--batch-size", type=click.IntRange(1), default=1, show_default=True, help="Sequences per forward pass.")
 @click.option("--store-rows", type=click.Choice(["last", "all"]), default="last", show_default=True, help="'all' also keeps every full attention row (float16), for small studies.")
@@ -233,6 +234,7 @@ def taxonomy(store: str, export: Path | None, export_kv: Path | None, score: str
 @STORE
 @click.option("--run", "run_id", required=True, help="The run whose model and tokens to use.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--device-map", help="Place a model larger than one device over the GPUs, the CPU and the disk: auto (or balanced, balanced_low_0, sequential), or a JSON object of module names to devices, e.g. '{\"model.layers.0\": 0, \"model.layers.1\": \"disk\"}'.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype; auto is float32 on every device (bfloat16 moves results: see README).")
 @click.option("--protect", default="", help="LAYER.HEAD pairs always kept and outside every ranking, e.g. 0.12,3.4.")
 @click.option("--protect-critical", is_flag=True, help="Also hold the automatically found critical heads fixed.")
@@ -266,6 +268,7 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
 @STORE
 @click.option("--run", "run_id", required=True, help="The run whose model and stored windows to use.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--device-map", help="Place a model larger than one device over the GPUs, the CPU and the disk: auto (or balanced, balanced_low_0, sequential), or a JSON object of module names to devices, e.g. '{\"model.layers.0\": 0, \"model.layers.1\": \"disk\"}'.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype of the model; auto is float32 on every device (attention rows are float32 in any case).")
 @click.option("--probes", type=click.IntRange(1), default=16, show_default=True, help="P: repeated random-token sequences [BOS] + r + r, r of k = min(128, (L-1)//2) tokens.")
 @click.option("--needle-length", type=click.IntRange(2), default=16, show_default=True, help="n: tokens of the retrieval needle, taken from another stored window (needs L >= 2n+2).")

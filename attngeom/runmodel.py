@@ -17,6 +17,7 @@ from attngeom.errors import InputError
 from attngeom.extract.models import (
     load_model,
     loaded_model,
+    map_device,
     model_placement,
     resolve_device,
     resolve_dtype,
@@ -48,12 +49,13 @@ def check_run_model(model: Any, provenance: dict[str, Any], run_id: str, stage: 
 
 
 def run_model(
-    model: Any, provenance: dict[str, Any], run_id: str, device: str, dtype: str
+    model: Any, provenance: dict[str, Any], run_id: str, device: str, dtype: str,
+    device_map: str | dict[str, str | int] | None = None,
 ) -> tuple[torch.nn.Module, str, torch.dtype]:
     """(model, device, compute dtype): the run's model loaded by its recorded name on
-    ``device`` in ``dtype`` (refused if its weights differ from those recorded), or the
-    caller's ``model`` in memory, used where it is, never moved or cast. Check it first
-    with :func:`check_run_model`."""
+    ``device`` (or placed by ``device_map``) in ``dtype`` (refused if its weights differ from
+    those recorded), or the caller's ``model`` in memory, used where it is, never moved or
+    cast. Check it first with :func:`check_run_model`."""
     if model is not None:
         placed, compute_dtype = model_placement(model, device, dtype)
         return model, placed, compute_dtype
@@ -65,8 +67,9 @@ def run_model(
             f"model '{recorded['id']}' is not the one run '{run_id}' was extracted with "
             f"(weights {now[:12]}, recorded {was[:12]})"
         )
-    placed, compute_dtype = resolve_device(device), resolve_dtype(dtype)
-    return load_model(source, device=placed, dtype=compute_dtype), placed, compute_dtype
+    placed = resolve_device(device) if device_map is None else map_device(device_map)
+    compute_dtype = resolve_dtype(dtype)
+    return load_model(source, device=placed, dtype=compute_dtype, device_map=device_map), placed, compute_dtype
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from accelerate.utils import align_module_device
 from tqdm.auto import tqdm
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -261,11 +262,13 @@ def head_weight_norms(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tenso
     with torch.no_grad():
         for layer in geo.layers:
             attention = getattr(blocks[layer], "self_attn", None)
-            o = getattr(getattr(attention, "o_proj", None), "weight", None)
-            v = getattr(getattr(attention, "v_proj", None), "weight", None)
-            if o is None or v is None or o.shape[1] % geo.n_heads or v.shape[0] % geo.n_kv_heads:
+            if not (hasattr(attention, "o_proj") and hasattr(attention, "v_proj")):
                 return None
-            o, v = o.float(), v.float()
+            # A layer offloaded by a device map keeps its weights beside it until it runs.
+            with align_module_device(attention.o_proj), align_module_device(attention.v_proj):
+                o, v = attention.o_proj.weight.float().cpu(), attention.v_proj.weight.float().cpu()
+            if o.shape[1] % geo.n_heads or v.shape[0] % geo.n_kv_heads:
+                return None
             wo.append(o.reshape(o.shape[0], geo.n_heads, -1).norm(dim=(0, 2)))
             kv = v.reshape(geo.n_kv_heads, -1, v.shape[1]).norm(dim=(1, 2))
             wv.append(kv.repeat_interleave(group))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ class AblateRequest:
     store: str
     run_id: str
     device: str = "auto"
+    device_map: str | Mapping[str, Any] | None = None
     dtype: str = "auto"
     protect: Sequence[tuple[int, int]] = ()
     protect_critical: bool = False

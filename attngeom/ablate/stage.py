@@ -61,6 +61,7 @@ from attngeom.ablate.kernels import (
 from attngeom.ablate.masking import head_geometry, head_weight_norms, masked_nll
 from attngeom.ablate.request import AblateRequest
 from attngeom.errors import AttngeomWarning, GroupNotFoundError, InputError
+from attngeom.extract.placement import parse_device_map
 from attngeom.runmodel import check_run_model, evaluating, run_model
 from attngeom.store import (
     ABLATION,
@@ -427,7 +428,8 @@ def _measure(request: AblateRequest, inputs: _RunInputs) -> _Measured:
     """Single-head impacts on the importance split, the critical heads they single out, and
     the sparsification sweep on the evaluation split."""
     model, device, compute_dtype = run_model(
-        request.model, inputs.provenance, request.run_id, request.device, request.dtype
+        request.model, inputs.provenance, request.run_id, request.device, request.dtype,
+        parse_device_map(request.device_map),
     )
     n_layers, n_heads = inputs.protected.shape
     geometry = head_geometry(model)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ class DetectRequest:
     store: str
     run_id: str
     device: str = "auto"
+    device_map: str | Mapping[str, Any] | None = None
     dtype: str = "auto"
     probes: int = 16
     needle_length: int = 16

@@ -36,6 +36,7 @@ from attngeom.errors import AttngeomError, InputError
 from attngeom.extract.capture import capturing, decoder
 from attngeom.extract.families import attention_layers
 from attngeom.extract.models import load_tokenizer, resolve_dtype, resolve_model
+from attngeom.extract.placement import parse_device_map
 from attngeom.runmodel import check_run_model, evaluating, run_model
 from attngeom.store import (
     ATTR_KEY,
@@ -115,7 +116,8 @@ def detect(request: DetectRequest) -> DetectResult:
             return DetectResult(request.run_id, *kept, kept=True, seconds=time.perf_counter() - start)
         tokenizer = request.tokenizer if request.tokenizer is not None else _run_tokenizer(request, inputs.provenance)
         model, device, compute_dtype = run_model(request.model, inputs.provenance, request.run_id,
-                                                 request.device, request.dtype)
+                                                 request.device, request.dtype,
+                                                 parse_device_map(request.device_map))
         vocab = _vocabulary(tokenizer, model, inputs.bos, request.run_id)
         config = model.config.get_text_config()
         if (_layers(model), config.num_attention_heads) != (tuple(int(i) for i in inputs.layer), len(inputs.head)):

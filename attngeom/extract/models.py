@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from attngeom.errors import InputError
 from attngeom.extract.families import supported_config
+from attngeom.extract.placement import uses_accelerator
 from attngeom.extract.sources import OFFLINE_MODELS, cache_dir, hub_address
 # float32-tf32: float32 weights and activations, float32 matmuls in TF32 on a GPU (inside
 # extract's forward only: pipeline._matmul_precision).
@@ -292,14 +293,36 @@ def load_tokenizer(source: ModelSource) -> Any:
     return AutoTokenizer.from_pretrained(_folder(source))
 
 
-def load_model(source: ModelSource, *, device: str, dtype: torch.dtype) -> torch.nn.Module:
+def load_model(source: ModelSource, *, device: str, dtype: torch.dtype,
+               device_map: str | dict[str, str | int] | None = None) -> torch.nn.Module:
     """The causal LM in eval mode, with the attention implementation transformers picks for
     it (sdpa, or eager where the model needs it, e.g. Gemma 2's softcapped logits). ablate
-    runs it as it is; extract switches it to the capture for its forwards."""
+    runs it as it is; extract switches it to the capture for its forwards. With ``device_map``
+    (:func:`attngeom.extract.placement.parse_device_map`) accelerate places its modules over
+    the GPUs, the CPU and the disk (a folder under the cache, removed with the model), and
+    ``device`` only says where its inputs start."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(_folder(source), dtype=dtype)
-    return model.to(device).eval()
+    if device_map is None:
+        model = AutoModelForCausalLM.from_pretrained(_folder(source), dtype=dtype)
+        return model.to(device).eval()
+    folder = cache_dir() / "offload"
+    folder.mkdir(parents=True, exist_ok=True)
+    offload = tempfile.mkdtemp(dir=folder, prefix="weights-")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(_folder(source), dtype=dtype, device_map=device_map,
+                                                     offload_folder=offload)
+    except BaseException:
+        shutil.rmtree(offload, ignore_errors=True)
+        raise
+    weakref.finalize(model, shutil.rmtree, offload, True)
+    return model.eval()
+
+
+def map_device(device_map: str | dict[str, str | int]) -> str:
+    """Where the inputs of a model placed by ``device_map`` start: the first GPU when the map
+    uses one, else the CPU (accelerate moves them to each module's device)."""
+    return "cuda" if uses_accelerator(device_map) and torch.cuda.is_available() else "cpu"
 
 
 # Per model object, while it lives: (the state dict's tensor versions, their sha256).

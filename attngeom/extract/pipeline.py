@@ -49,6 +49,7 @@ from attngeom.extract.models import (
     load_model,
     load_tokenizer,
     loaded_model,
+    map_device,
     memory_provenance,
     model_placement,
     resolve_device,
@@ -56,6 +57,7 @@ from attngeom.extract.models import (
     resolve_model,
 )
 from attngeom.extract.families import VERIFIED_TYPES, check_recorded, supported_config
+from attngeom.extract.placement import parse_device_map
 from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
 from attngeom.extract.request import ExtractRequest, ExtractResult, Preflight, preflight, values_dtype_refusal
@@ -206,7 +208,8 @@ def _model(request: ExtractRequest, shard: tuple[int, int] | None) -> _Model:
         name = provenance["id"]
         return _Model(name, supported_config(model.config), request.tokenizer, provenance, device, dtype, lambda: model,
                       tf32=request.dtype == "float32-tf32")
-    device = resolve_device(request.device)
+    device_map = parse_device_map(request.device_map)
+    device = resolve_device(request.device) if device_map is None else map_device(device_map)
     if shard is not None and device == "cuda":
         # One GPU per local rank under a launcher; all ranks share one GPU if there is one.
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', shard[0])) % torch.cuda.device_count()}"
@@ -216,7 +219,8 @@ def _model(request: ExtractRequest, shard: tuple[int, int] | None) -> _Model:
     tokenizer = request.tokenizer if request.tokenizer is not None else load_tokenizer(source)
     return _Model(
         source.name, config, tokenizer, source.provenance(), device, dtype,
-        lambda: load_model(source, device=device, dtype=dtype), tf32=request.dtype == "float32-tf32",
+        lambda: load_model(source, device=device, dtype=dtype, device_map=device_map),
+        tf32=request.dtype == "float32-tf32",
     )
 
 
@@ -481,6 +485,7 @@ def _run_provenance(request: ExtractRequest, model: _Model, bos_id: int, shard: 
         },
         "model_type": model.config.model_type,
         "device": model.device,
+        "device_map": jsonable(parse_device_map(request.device_map)),
         # What float32 matmuls of the forward computed in: "high" is TF32 on a GPU.
         "float32_matmul_precision": "high" if model.tf32 else torch.get_float32_matmul_precision(),
         "attention_implementation": f"{ATTN_IMPLEMENTATION} ({output_description(model.dtype)}; float32 rows recomputed from post-RoPE q/k)",

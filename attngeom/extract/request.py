@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from attngeom.errors import InputError
 from attngeom.extract.corpora import OFFLINE_CORPORA, check_window_args, corpus_id, open_corpus
+from attngeom.extract.placement import parse_device_map
 from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
 from attngeom.extract.sources import model_name
@@ -42,6 +43,7 @@ class ExtractRequest:
     split: str | None = None
     text_field: str = "text"
     device: str = "auto"
+    device_map: str | Mapping[str, Any] | None = None
     dtype: str = "auto"
     batch_size: int = 1
     store_rows: str = "last"
@@ -114,11 +116,28 @@ def check_arguments(request: ExtractRequest) -> tuple[int, int] | None:
     if request.run_id is not None and not RUN_ID_PATTERN.match(request.run_id):
         raise InputError(f"run id {request.run_id!r} may hold only letters, digits, '.', '_' and '-'")
     shard = request.shard or launcher_shard()
+    check_device_map(request.device_map, request.device, named=isinstance(request.model, str | os.PathLike),
+                     shard=shard)
     if shard is not None and shard[1] < 1:
         raise InputError(f"--shard {shard[0]}/{shard[1]}: the count of shards must be at least 1")
     if shard is not None and not 0 <= shard[0] < shard[1]:
         raise InputError(f"--shard {shard[0]}/{shard[1]}: the index must be in 0..{shard[1] - 1}")
     return shard
+
+
+def check_device_map(device_map: Any, device: str, *, named: bool, shard: tuple[int, int] | None = None) -> None:
+    """Refuse a device map that cannot be used: malformed, beside an explicit --device, for a
+    model given in memory (placed already), or with --shard (one process per GPU)."""
+    if device_map is None:
+        return
+    parse_device_map(device_map)
+    if device != "auto":
+        raise InputError(f"--device-map places the model's modules itself: leave --device auto (got {device!r})")
+    if not named:
+        raise InputError("device_map places a model as it loads; a model given in memory stays where it is")
+    if shard is not None:
+        raise InputError("--device-map spreads one model over the devices; --shard runs one model per process: "
+                         "use one or the other")
 
 
 def values_dtype_refusal(compute_dtype: str) -> str:
