@@ -34,7 +34,7 @@ import zarr
 from tqdm.auto import tqdm
 
 from attngeom import __version__
-from attngeom.errors import InputError, StoreNotFoundError, StoreWriteError
+from attngeom.errors import InputError, StoreNotFoundError, StoreWriteError, UnsupportedModelError
 from attngeom.extract.capture import (
     ATTN_IMPLEMENTATION,
     LayerCapture,
@@ -430,6 +430,7 @@ def extract(request: ExtractRequest, checked: Preflight | None = None) -> Extrac
     # Also here: a hub model's metadata is known once its config is loaded, before its weights.
     check_context_length(inputs.length, config_positions(model.config), model.name)
     queries = query_positions(request.queries, inputs.length)
+    _check_chunks(model.config, queries, inputs.length)
     run_id = request.run_id or default_run_id(model.name, inputs.id, inputs.length)
     if not RUN_ID_PATTERN.match(run_id):
         raise InputError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-'")
@@ -545,6 +546,18 @@ def _write_sequences(
     finally:
         bar.close()
     return run
+
+
+def _check_chunks(config: Any, queries: tuple[int, ...], length: int) -> None:
+    """Refuse rows at earlier queries in a model whose attention works in chunks shorter than
+    L (Llama 4): the analysis at any query takes each query's keys as the last ones of the
+    final query's (docs/method.md#any-query), which holds for causal and sliding masks only."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk and chunk < length and any(q < length - 1 for q in queries):
+        raise UnsupportedModelError(
+            f"--queries keeps rows at earlier queries, which the analysis reads with causal or sliding masks; "
+            f"this model attends in chunks of {chunk} keys, fewer than L = {length}: use --queries last"
+        )
 
 
 def _check_conformance(net: torch.nn.Module, model: _Model, window: Window, progress: bool) -> None:
