@@ -170,10 +170,10 @@ def test_memory_model_input_errors_by_kind(tmp_path):
         ag.extract(model, token_ids=np.ones((1, L), dtype=np.int64), dtype="bfloat16", store=store, progress=False)
     with pytest.raises(ag.InputError, match="outside the vocabulary"):
         ag.extract(model, token_ids=np.full((1, L), 1000), store=store, progress=False)
-    with pytest.raises(ag.InputError, match="not supported"):
-        from transformers import GPT2Config, GPT2LMHeadModel
+    with pytest.raises(ag.UnsupportedModelError, match="not through its attention interface"):
+        from transformers import BloomConfig, BloomForCausalLM
 
-        ag.extract(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2)), token_ids=ids, store=store)
+        ag.extract(BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=8, n_head=2)), token_ids=ids, store=store)
     assert not Path(store).exists()
 
     # The same run id with another model (edited weights) is refused, the store untouched.
