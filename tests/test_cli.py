@@ -312,9 +312,15 @@ def test_a_finished_run_over_a_changed_corpus_is_not_answered_from_its_record(ex
                               "'fingerprint': "), message
 
 
-def test_run_ids_are_named_before_the_store_package_loads_as_it_names_them():
-    from attngeom import peek, store
+def test_run_ids_are_readable_and_match_the_pattern_the_store_checks():
+    """Known answers: the last part of each path, other characters as '-', and every id one
+    the store's pattern accepts."""
+    from attngeom.peek import RUN_ID_PATTERN, default_run_id
 
-    for names in [("gemma3-270m", "wiki-summaries", 128), ("/m/x.gguf", "/data/notes/", 16), ("a b", "ü/", 2)]:
-        assert peek.default_run_id(*names) == store.default_run_id(*names), names
-    assert peek.RUN_ID_PATTERN.pattern == store.RUN_ID_PATTERN.pattern
+    expected = {("gemma3-270m", "wiki-summaries", 128): "gemma3-270m__wiki-summaries__L128",
+                ("/m/x.gguf", "/data/notes/", 16): "x.gguf__notes__L16",
+                ("a b", "ü/", 2): "a-b__x__L2"}
+    for names, run_id in expected.items():
+        assert default_run_id(*names) == run_id
+        assert RUN_ID_PATTERN.match(run_id)
+    assert not RUN_ID_PATTERN.match("a b") and not RUN_ID_PATTERN.match("runs/x")
