@@ -218,3 +218,24 @@ def test_every_stage_on_a_hybrid_keeps_its_layer_indices(tmp_path):
     assert ag.validate(store).valid
     ag.report(store, tmp_path / "report")
     ag.explore(store, tmp_path / "explore")
+
+
+def test_head_scores_of_a_model_with_learned_sinks(tmp_path):
+    """gpt-oss: learned_sink_score is the mean weight of the learned sink over queries i >= 1,
+    and the distant mass leaves it out, as it leaves out key 0 (brute force from the stored
+    summaries)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("gpt_oss"), dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(4, 100, (3, 40), generator=generator)
+    ids[:, 0] = 1
+    store = str(tmp_path / "s.zarr")
+    ag.extract(model, store=store, token_ids=ids, run_id="r", progress=False)
+    ag.analyze(store, scheduler="threads", n_grid=[1, 2, 4], progress=False)
+    run = ag.open_store(store).run("r")
+    scores, ds = run.analysis("head_scores").load(), run.dataset().load()
+    learned, sink = ds["learned_sink_attn"].values, ds["sink_attn"].values
+    np.testing.assert_allclose(scores["learned_sink_score"].values, learned[..., 1:].mean(axis=(0, -1)), atol=1e-7)
+    distant = 1 - learned - sink - ds["recent_attn"].sel(recent=16).values
+    np.testing.assert_allclose(scores["distant_mass"].sel(recent=16).values, distant[..., 32:].mean(axis=(0, -1)),
+                               atol=1e-7)

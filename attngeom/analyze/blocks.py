@@ -37,7 +37,7 @@ import numpy as np
 import xarray as xr
 
 from attngeom.analyze import taxonomy
-from attngeom.analyze.kernels import head_metrics, sequence_scores
+from attngeom.analyze.kernels import head_metrics, learned_sink_score, sequence_scores
 from attngeom.analyze.parameters import RANDOM_DRAWS, instance_seed
 from attngeom.store import (
     ANALYSIS_GROUPS,
@@ -175,33 +175,44 @@ def _query_blocks(store: str, run: Any, ds: xr.Dataset, grid: np.ndarray, seed: 
 
 def _score_block(*, block_id, seqs, store, inputs, windows) -> np.ndarray:
     """The sequence ``seqs[block_id[0]]`` of the run, read here from its zarr arrays ``inputs``:
-    sink_attn, prev_attn (layer, head, L) and recent_attn (layer, head, L, R) -> (1, layer,
-    head, 2 + R) float64: sink_score, prev_token_score, then distant_mass at each window."""
+    sink_attn, prev_attn (layer, head, L), recent_attn (layer, head, L, R) and, for a model
+    with learned sinks, learned_sink_attn (layer, head, L) -> (1, layer, head, 2 + R [+ 1])
+    float64: sink_score, prev_token_score, distant_mass at each window[, learned_sink_score]."""
     seq = int(seqs[block_id[0]])
-    scores = sequence_scores(*(read_chunk(store, arr, (seq,)) for arr in inputs), windows)
-    return np.concatenate([scores.sink_score[..., None], scores.prev_token_score[..., None],
-                           scores.distant_mass], axis=-1)[None]
+    sink, prev, recent, *learned = (read_chunk(store, arr, (seq,)) for arr in inputs)
+    scores = sequence_scores(sink, prev, recent, windows, *learned)
+    columns = [scores.sink_score[..., None], scores.prev_token_score[..., None], scores.distant_mass,
+               *(learned_sink_score(x)[..., None] for x in learned)]
+    return np.concatenate(columns, axis=-1)[None]
+
+
+def _score_columns(ds: xr.Dataset) -> int:
+    """Columns of a score block: sink, previous token, each window, and the learned sink's."""
+    return 2 + ds.sizes.get("recent", 0) + ("learned_sink_attn" in ds)
 
 
 def _score_blocks(store: str, run: Any, ds: xr.Dataset) -> da.Array:
     """Lazy (seq, layer, head, 2 + R) float64 of the sequences of ``ds``: :func:`_score_block`,
     one task per sequence."""
     windows = ds["recent"].values
+    learned = (run["learned_sink_attn"],) if "learned_sink_attn" in ds else ()
     return da.map_blocks(
         _score_block,
-        chunks=((1,) * ds.sizes["seq"], (ds.sizes["layer"],), (ds.sizes["head"],), (2 + len(windows),)),
+        chunks=((1,) * ds.sizes["seq"], (ds.sizes["layer"],), (ds.sizes["head"],), (_score_columns(ds),)),
         dtype=np.float64, meta=np.empty((0,) * 4),
-        seqs=ds["seq"].values, store=store, inputs=(run["sink_attn"], run["prev_attn"], run["recent_attn"]),
-        windows=windows,
+        seqs=ds["seq"].values, store=store,
+        inputs=(run["sink_attn"], run["prev_attn"], run["recent_attn"], *learned), windows=windows,
     )
 
 
 def _score_groups(stacked: Any, ds: xr.Dataset) -> xr.Dataset:
     """The ``sequence_scores`` Dataset from the stacked columns of the score blocks (numpy or dask)."""
     dims = ("seq", "layer", "head")
+    windows = ds.sizes["recent"]
+    learned = {"learned_sink_score": (dims, stacked[..., 2 + windows])} if "learned_sink_attn" in ds else {}
     return xr.Dataset(
         {"sink_score": (dims, stacked[..., 0]), "prev_token_score": (dims, stacked[..., 1]),
-         "distant_mass": ((*dims, "recent"), stacked[..., 2:])},
+         "distant_mass": ((*dims, "recent"), stacked[..., 2 : 2 + windows]), **learned},
         coords={"seq": ds["seq"].values, "layer": ds["layer"].values, "head": ds["head"].values,
                 "recent": ds["recent"].values.astype(np.int64)},
     )
@@ -284,7 +295,7 @@ def template_groups(ds: xr.Dataset, grid: Sequence[int], seed: int) -> dict[str,
     sequences of a 7B model. Never computed, a chunk costs no memory."""
     shape = (ds.sizes["seq"], ds.sizes["layer"], ds.sizes["head"], len(grid), len(_BLOCK_COLUMNS))
     query_shape = (*shape[:3], ds.sizes.get("query_pos", 0), len(grid), len(_QUERY_COLUMNS))
-    score_shape = (*shape[:3], 2 + ds.sizes.get("recent", 0))
+    score_shape = (*shape[:3], _score_columns(ds))
     return _groups(grid, seed, da.empty(shape, dtype=np.float64, chunks=-1), ds,
                    da.empty(query_shape, dtype=np.float64, chunks=-1) if has_queries(ds) else None,
                    da.empty(score_shape, dtype=np.float64, chunks=-1) if has_scores(ds) else None)

@@ -63,15 +63,19 @@ def cross_sequence_groups(stored: Mapping[str, xr.Dataset], provenance: dict, ru
 def head_scores_dataset(sequence_scores: xr.Dataset) -> xr.Dataset:
     """(layer, head[, recent]): the field's head scores across sequences
     (docs/method.md#the-fields-head-scores), from each sequence's (``sequence_scores``):
-    sink_score, sink_head, prev_token_score and distant_mass."""
+    sink_score, sink_head, prev_token_score and distant_mass, and learned_sink_score for a
+    model with learned sinks."""
     per_sequence = FieldScores(*(sequence_scores[name].transpose("seq", "layer", "head", ...).values
                                  for name in FieldScores._fields))
     scores, sink_head = head_scores(per_sequence)
     dims = ("layer", "head")
+    # A model with learned sinks: the learned sink's mean weight beside key 0's.
+    learned = ({"learned_sink_score": (dims, sequence_scores["learned_sink_score"].mean("seq").values)}
+               if "learned_sink_score" in sequence_scores else {})
     return xr.Dataset(
         {"sink_score": (dims, scores.sink_score), "sink_head": (dims, sink_head),
          "prev_token_score": (dims, scores.prev_token_score),
-         "distant_mass": ((*dims, "recent"), scores.distant_mass)},
+         "distant_mass": ((*dims, "recent"), scores.distant_mass), **learned},
         coords={d: sequence_scores[d].values for d in ("layer", "head", "recent")},
         attrs={"sink_threshold": SINK_THRESHOLD},
     )

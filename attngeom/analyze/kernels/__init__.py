@@ -10,7 +10,14 @@ parts as named tuples; the tolerances and shortcuts are one `KernelSettings`. `f
 field's head scores from the per-query summaries (plain numpy).
 """
 
-from attngeom.analyze.kernels.field import SINK_THRESHOLD, FieldScores, distant_attn, head_scores, sequence_scores
+from attngeom.analyze.kernels.field import (
+    SINK_THRESHOLD,
+    FieldScores,
+    distant_attn,
+    head_scores,
+    learned_sink_score,
+    sequence_scores,
+)
 from attngeom.analyze.kernels.metrics import (
     DEFAULT_SETTINGS,
     MAX_KEYS,
@@ -24,4 +31,4 @@ from attngeom.store.schema import TOPN_COUNTS, TOPN_FLOATS, VALUE_STATISTICS
 
 __all__ = ["DEFAULT_SETTINGS", "MAX_KEYS", "SINK_THRESHOLD", "TOPN_COUNTS", "TOPN_FLOATS", "VALUE_STATISTICS",
            "FieldScores", "KernelSettings", "compile_kernels", "distant_attn", "head_metrics", "head_scores",
-           "sequence_scores", "topn_metrics", "value_statistics"]
+           "learned_sink_score", "sequence_scores", "topn_metrics", "value_statistics"]
