@@ -225,7 +225,8 @@ def _as_format4(url: str, run_id: str) -> None:
     for name in ("prev_attn", "recent_attn", "recent", "analysis"):
         shutil.rmtree(run / name, ignore_errors=True)
     meta = json.loads((run / "zarr.json").read_text())
-    del meta["attributes"]["attngeom"]["layout"]["lacking"]
+    for key in ("lacking", "layers", "learned_sinks"):  # the last two came with format 6
+        del meta["attributes"]["attngeom"]["layout"][key]
     (run / "zarr.json").write_text(json.dumps(meta))
     meta = json.loads((root / "zarr.json").read_text())
     meta["attributes"]["attngeom"]["format"] = 4
@@ -245,6 +246,8 @@ def test_a_run_migrated_from_format4_lacks_the_scores_and_readers_say_so(tiny_mo
     assert (report.source, report.target, report.arrays) == (4, FORMAT, 0)
     run = open_store(url).run("old")
     assert run.provenance["layout"]["lacking"] == ["prev_attn", "recent_attn"]
+    # Format 6 records the layers a run holds (every one, before it) and no learned sinks.
+    assert (run.provenance["layout"]["layers"], run.provenance["layout"]["learned_sinks"]) == ([0, 1, 2], False)
     assert validate_store(url, deep=True) == []  # lacking them is no damage
     assert store_migrate.migrate(url, progress=False).arrays == 0  # nothing left to do
 
