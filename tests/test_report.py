@@ -101,7 +101,10 @@ def store(tmp_path_factory) -> str:
     _add_ablation(url, "full")
     rng = np.random.default_rng(2)
     shape = (SHAPE["n_layers"], SHAPE["n_heads"])
-    add_head_scores(url, "full", head_scores(rng.random(shape), rng.random(shape), rng.random((*shape, 3))))
+    scores = head_scores(rng.random(shape), rng.random(shape), rng.random((*shape, 3)))
+    # As for a model with learned sinks (gpt-oss): the learned sink's mean weight beside key 0's.
+    scores["learned_sink_score"] = (("layer", "head"), rng.random(shape) * 0.2)
+    add_head_scores(url, "full", scores)
     add_detect(url, "full", detect_scores(*rng.random((4, *shape))))
     return url
 
@@ -218,15 +221,16 @@ def test_store_without_analysis_gives_notes_only(tmp_path, capsys):
     # The terminal says what is missing and how to add it: the illustration and the models
     # table need nothing; the sparsification and critical-head items need only the ablation.
     assert capsys.readouterr().err.splitlines() == [
-        f"report: {len(FIGURES) - 3} of {len(FIGURES)} figures and 5 of {len(TABLES)} tables and 1 of 1 lists of "
+        f"report: {len(FIGURES) - 3} of {len(FIGURES)} figures and 6 of {len(TABLES)} tables and 1 of 1 lists of "
         f"statements need `attngeom analyze --store {url}` (no analysis yet)",
         f"report: 2 figures and 2 tables need `attngeom ablate --store {url} --run raw` (no ablation yet)",
     ]
 
 
 def test_an_optional_input_is_named_optional(tmp_path, capsys):
-    """A run analyzed, ablated and detected, extracted without --queries: nothing is missing,
-    and the two figures along the context are offered as optional."""
+    """A run analyzed, ablated and detected, extracted without --queries, of a model without
+    learned sinks: nothing is missing; the two figures along the context and the table of the
+    two sinks are offered as optional."""
     url = str(tmp_path / "s.zarr")
     write_synthetic_run(url, "r", length=24, **SHAPE)
     analyze(url, run_id="r", scheduler="threads", n_grid=GRID, progress=False)
@@ -239,10 +243,12 @@ def test_an_optional_input_is_named_optional(tmp_path, capsys):
     optional = re.findall(r'<p class="optional">([^<]*)</p>', page)
     assert optional[0] == ("Optional: run r: no analysis/summary_by_query (extract with --queries, then run "
                            "`attngeom analyze`) — affects separability_by_query, sink_rate_by_query")
-    assert len(optional) == 3  # the page's line and one under each figure
-    assert page.count("(optional)</li>") == 2 and "(missing)" not in page
+    assert optional[1] == "Optional: run r: its model has no learned sinks — affects two_sinks"
+    assert len(optional) == 5  # the page's two lines and one under each figure and table
+    assert page.count("(optional)</li>") == 3 and "(missing)" not in page
     assert capsys.readouterr().err.splitlines() == [
-        "report: 2 figures need a run extracted with --queries (optional)"]
+        "report: 2 figures need a run extracted with --queries (optional)",
+        "report: 1 table needs a model with learned sinks, such as gpt-oss (optional)"]
 
 
 def test_a_figure_that_fails_becomes_a_note(runs, tmp_path):

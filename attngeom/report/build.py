@@ -27,7 +27,7 @@ from attngeom.report import (
     html,
     tables,
 )
-from attngeom.report.data import Missing, Requirement, RunData, load_runs
+from attngeom.report.data import OPTIONAL, Missing, Requirement, RunData, load_runs
 from attngeom.report.plots import RC
 from attngeom.report.spec import FigureSpec, TableSpec, TextSpec
 
@@ -179,10 +179,11 @@ def missing_summary(store: str, runs: Sequence[RunData], entries: Sequence[html.
         "detect": (" or ".join(f"`attngeom detect --store {store} --run {r}`" for r in undetected),
                    "no detect yet"),
         "queries": ("a run extracted with --queries", "optional"),
+        "sinks": ("a model with learned sinks, such as gpt-oss", "optional"),
     }
     lines = []
     for stage, (what, why) in remedies.items():
-        group = [e for e in absent if stage in e.stages and not (stage == "queries" and e.notes)]
+        group = [e for e in absent if stage in e.stages and not (stage in OPTIONAL and e.notes)]
         if group:
             verb = "needs" if len(group) == 1 else "need"
             lines.append(f"{_count(group, entries if stage == 'analyze' else None)} {verb} {what} ({why})")

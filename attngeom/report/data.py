@@ -81,18 +81,23 @@ class RunData:
         return getattr(self, name)
 
 
+# Inputs only some runs can have: rows at more queries (extract --queries), a model with
+# learned sinks.
+OPTIONAL = ("queries", "sinks")
+
+
 @dataclass(frozen=True)
 class Missing:
     """Why a run lacks an input: ``reason``, as the page says it, and the ``stage`` whose
-    output it is: "analyze", "ablate", "detect", or "queries" (an extract with --queries,
-    optional)."""
+    output it is: "analyze", "ablate", "detect", or, optional, "queries" (an extract with
+    --queries) or "sinks" (a model with learned sinks)."""
 
     reason: str
     stage: str
 
     @property
     def optional(self) -> bool:
-        return self.stage == "queries"
+        return self.stage in OPTIONAL
 
     def __str__(self) -> str:
         return self.reason
@@ -122,6 +127,16 @@ def requires(group: str, *variables: str) -> Requirement:
         return None
 
     return check
+
+
+def has_learned_sinks(run: RunData) -> Missing | None:
+    """Whether the run's head scores hold a learned sink's (a model with learned sinks)."""
+    missing = requires(HEAD_SCORES, "sink_score")(run)
+    if missing is not None:
+        return missing
+    if "learned_sink_score" not in run.head_scores.variables:
+        return Missing("its model has no learned sinks", "sinks")
+    return None
 
 
 def any_of(*checks: Requirement) -> Requirement:

@@ -17,6 +17,7 @@ from attngeom.report.data import (
     RunData,
     all_of,
     has_field_scores,
+    has_learned_sinks,
     labels,
     regime_counts,
     requires,
@@ -61,6 +62,20 @@ def taxonomy_distribution(runs: Sequence[RunData]) -> pd.DataFrame:
             row[regime] = counts[regime]
             row[f"{regime} %"] = round(100.0 * counts[regime] / total, 1) if total else math.nan
         rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def two_sinks(runs: Sequence[RunData]) -> pd.DataFrame:
+    """Per run with learned sinks and per layer: the mean weight of key 0 and of the learned
+    sink over its heads, queries i >= 1 and sequences (docs/method.md#learned-sinks)."""
+    rows = []
+    for run in runs:
+        scores = run.head_scores
+        for layer in scores["layer"].values:
+            at = scores.sel(layer=layer)
+            rows.append({**_identity(run), "layer": int(layer),
+                         "key 0 (BOS)": round(float(at["sink_score"].mean()), 4),
+                         "learned sink": round(float(at["learned_sink_score"].mean()), 4)})
     return pd.DataFrame(rows)
 
 
@@ -210,6 +225,10 @@ TABLES = (
               "Per N: instances where the inversions A_N exceed the paper's K_N^sink (worst-case and q95 "
               "constants) or the exact certificate K_N^exact (never), and mean counts.",
               certificate, requires("topn", *COUNTS)),
+    TableSpec("two_sinks", "Attention sink geometry",
+              "For a model with learned sinks: the mean weight of each layer's two sinks, key 0 (BOS) and the learned "
+              "sink, over heads, queries and sequences; the rows on real keys sum to 1 minus the learned sink's.",
+              two_sinks, has_learned_sinks),
     TableSpec("taxonomy_distribution", "Head taxonomy",
               "Distribution of the parameter-free head regimes per model and corpus.",
               taxonomy_distribution, requires("heads", "regime")),
