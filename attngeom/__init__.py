@@ -31,6 +31,7 @@ from attngeom.errors import (
     DamagedStoreError,
     GroupNotFoundError,
     IncompleteGroupError,
+    InProgressError,
     InputError,
     RunNotFoundError,
     SchemaError,
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AttngeomError", "AttngeomWarning", "CorruptChunkError", "DamagedStoreError", "GroupNotFoundError",
-    "IncompleteGroupError", "InputError",
+    "IncompleteGroupError", "InProgressError", "InputError",
     "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreWriteError",
     "Taxonomy", "Validation", "__version__", "ablate", "analyze", "detect", "explore", "extract", "migrate", "open_store",
     "repair", "report", "taxonomy", "validate",

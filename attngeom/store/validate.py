@@ -427,9 +427,8 @@ def metadata_problems(url: str, zstore: Any, nodes: Mapping[str, Mapping[str, An
             what = metadata_fault(raw.to_bytes() if raw is not None else None)
         else:
             what = "missing (lost metadata of a group: nothing it holds can be reached)"
-        if key not in plan:  # a derived group's
-            owner = f" (the {node.split('/')[2]}'s commit record)" if node.count("/") == 2 else ""
-            problems.append(f"{key}{owner} is {what}; {recovery(url, node)}")
+        if key not in plan:  # a derived group's: its readers name it in the same words
+            problems.append(f"{key} is {what}; {recovery(url, node)}")
         elif plan[key] is None:
             problems.append(f"{key} is {what}; it {cannot_rebuild(key).split(' ', 1)[1]}")
         else:
