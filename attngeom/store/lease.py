@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from attngeom.errors import InputError, StoreWriteError
+from attngeom.store._zarr import sync
 
 __all__ = ["LEASES", "Lease", "current_lease", "lease_seconds"]
 
@@ -186,9 +187,8 @@ class Lease:
 def current_lease(zstore: Any, run_id: str) -> dict[str, Any] | None:
     """The holder of the run's lease in the fsspec store ``zstore`` while it is unexpired
     (its body: host, pid, command, since); None when there is none."""
-    fs = _own_filesystem(zstore.fs)
     try:
-        body = json.loads(fs.cat_file(f"{zstore.path.rstrip('/')}/{LEASES}/{run_id}.json"))
+        body = json.loads(sync(zstore.fs._cat_file(f"{zstore.path.rstrip('/')}/{LEASES}/{run_id}.json")))
     except (FileNotFoundError, ValueError):
         return None
     if not isinstance(body, dict) or _expires(body) <= time.time():

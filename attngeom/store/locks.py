@@ -102,9 +102,11 @@ def _read(path: Path) -> dict[str, Any]:
 
 def live_holder(zstore: Any, run_id: str) -> dict[str, Any] | None:
     """The holder of the run's lock (or lease) while another process holds it: host, pid,
-    command, since (any unknown left out); None when no live writer holds the run."""
+    command, since (any unknown left out); None when no live writer holds the run, or this
+    process does."""
     if not isinstance(zstore, zarr.storage.LocalStore):
-        return current_lease(zstore, run_id)
+        body = current_lease(zstore, run_id)
+        return None if body is None or _own(body) else body
     if fcntl is None:
         return None
     folder = Path(str(zstore.root))
@@ -117,10 +119,15 @@ def live_holder(zstore: Any, run_id: str) -> dict[str, Any] | None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         body = _read(folder / LEASES / f"{run_id}.json")
-        return None if body.get("pid") == os.getpid() else body
+        return None if _own(body) else body
     finally:
         os.close(fd)
     return None
+
+
+def _own(body: dict[str, Any]) -> bool:
+    """Whether a holder is this process (which reads what it writes itself as it goes)."""
+    return body.get("pid") == os.getpid() and body.get("host") == socket.gethostname()
 
 
 def wait_for_writer(zstore: Any, run_id: str) -> None:
