@@ -174,3 +174,21 @@ def test_an_empty_derived_group_left_by_a_full_disk_is_named_and_removed_by_the_
     assert not (store / "runs/r/detect").exists()
     assert validate(store) == []
     assert_same_tree(store, ablated_store_source)
+
+
+def test_a_malformed_copy_beside_a_record_for_analyze_to_rewrite_is_dropped_and_the_store_converges(
+        store, ablated_store_source):
+    """The copy cannot be refreshed while a record does not parse (its groups would be left
+    out): --repair drops it, so that validate names only what analyze rewrites, and
+    analyze's own refresh puts it back."""
+    url = str(store)
+    edit(store / "zarr.json", lambda d: set_key(d, ("consolidated_metadata", "kind"), "bogus"))
+    (store / A / "zarr.json").write_text("{")
+    record = f"{A}/zarr.json is empty or truncated (unreadable JSON); run `attngeom analyze --store {url} --run r` " \
+             "again to rewrite it"
+    assert len(validate(store)) == 2
+    assert repair(store) == ["rebuilt zarr.json", record]
+    assert validate(store) == [record]
+    analyze_cli(store)
+    assert validate(store) == []
+    assert_same_tree(store, ablated_store_source)

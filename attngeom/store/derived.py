@@ -43,8 +43,8 @@ from zarr.buffer import default_buffer_prototype
 
 from attngeom import __version__
 from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError, InProgressError
-from attngeom.store.access import consolidate
 from attngeom.store._zarr import sync
+from attngeom.store.access import consolidate
 from attngeom.store.damage import DECODE_ERRORS
 from attngeom.store.datasets import open_dataset, read_regions, set_regions, write_datasets
 from attngeom.store.nodes import (
@@ -54,10 +54,10 @@ from attngeom.store.nodes import (
     jsonable,
     local_path,
     metadata_bytes,
+    metadata_fault,
     move_group,
     node_exists,
     node_metadata,
-    metadata_fault,
     parse_metadata,
     put_objects,
     remove_dir,
@@ -238,7 +238,8 @@ def _record_fault(record: Any) -> str | None:
             return "its commit's groups are not a list of names"
         if not ints(done.get("sequences", [])):
             return "its commit's sequences are not a list of sequence ids"
-        if not names(done.get("sequence_groups", [])) or not set(done.get("sequence_groups", [])) <= set(done["groups"]):
+        along = done.get("sequence_groups", [])
+        if not names(along) or not set(along) <= set(done["groups"]):
             return "its commit's sequence_groups are not among its groups"
         objects = done.get("objects", {})
         if not isinstance(objects, Mapping) or not all(isinstance(v, int) and v >= 0 for v in objects.values()):
@@ -813,17 +814,18 @@ def derived_problems(url: str, run_id: str, committed_sequences: Sequence[int], 
     writer; or one in progress, its writer named), a malformed record, an empty folder left
     where one would be, a committed group that is missing or whose objects are (or have
     another size), or a record claiming sequences the run does not hold as committed (those
-    it covers, and those its parameters name). An unparsable or lost record is named by the
-    metadata check, as validate words it. ``zstore``: the store's zarr Store if the caller
-    opened it."""
+    it covers, and those its parameters name). An unparsable or lost record is named as the
+    metadata check words it (validate names it once). ``zstore``: the store's zarr Store if
+    the caller opened it."""
     problems = []
     done = set(int(s) for s in committed_sequences)
     zstore = zstore if zstore is not None else zarr_store(url, read_only=True)
     for kind in DERIVED:
         state = _read_state(zstore, run_id, kind)
         if state.leftover:
-            problems.append(f"{_kind_path(run_id, kind)} is an empty folder, left by a {DERIVED[kind]} stopped before "
-                            f"its first write (a full disk?); harmless: the next writer that writes the store alone removes it")
+            problems.append(f"{_kind_path(run_id, kind)} is an empty folder, left by a {DERIVED[kind]} stopped "
+                            f"before its first write (a full disk?); harmless: the next writer that writes the "
+                            f"store alone removes it")
             continue
         if not state.readable and (holder := _writer_at_work(zstore, state)) is not None:
             problems.append(str(_in_progress(state, holder)))

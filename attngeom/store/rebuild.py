@@ -23,6 +23,7 @@ from attngeom import __version__
 from attngeom.store._zarr import sync
 from attngeom.store.access import consolidated_fault
 from attngeom.store.codecs import has_checksum
+from attngeom.store.derived import STAGING
 from attngeom.store.nodes import lost_metadata
 from attngeom.store.runs import array_metadata_bytes
 from attngeom.store.schema import ATTR_KEY, DERIVED, FORMAT, RUN_VARIABLES, RUNS, SCHEMA_VERSION, RunLayout
@@ -70,9 +71,12 @@ def cannot_rebuild(key: str) -> str:
 
 def broken_metadata(nodes: Mapping[str, Any]) -> list[str]:
     """Keys of the ``zarr.json`` objects of ``nodes`` that are unreadable, and of those lost
-    above a node (:func:`~attngeom.store.nodes.lost_metadata`): parents first, the root last
-    (its format is read from the arrays)."""
-    broken = [key for key, meta in nodes.items() if meta is None] + lost_metadata(nodes)
+    above a node (:func:`~attngeom.store.nodes.lost_metadata`) but in a derived group's
+    staging: parents first, the root last (its format is read from the arrays)."""
+    # A staged group is a writer's work under way, its metadata written last: its rerun
+    # writes it again, and readers never read it.
+    lost = [key for key in lost_metadata(nodes) if not (derived_node(key) and key.split("/")[3] == STAGING)]
+    broken = [key for key, meta in nodes.items() if meta is None] + lost
     return sorted(broken, key=lambda key: (99 if key == "zarr.json" else key.count("/"), key))
 
 
