@@ -31,6 +31,7 @@ from attngeom.errors import (
     DamagedStoreError,
     GroupNotFoundError,
     IncompleteGroupError,
+    InProgressError,
     InputError,
     RunNotFoundError,
     SchemaError,
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AttngeomError", "AttngeomWarning", "CorruptChunkError", "DamagedStoreError", "GroupNotFoundError",
-    "IncompleteGroupError", "InputError",
+    "IncompleteGroupError", "InProgressError", "InputError",
     "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreWriteError",
     "UnsupportedModelError",
     "Taxonomy", "Validation", "__version__", "ablate", "analyze", "check_model", "detect", "explore", "extract",

@@ -15,6 +15,7 @@ Python callers catch the kind they can handle (never the message text).
         └── DamagedStoreError     unreadable metadata, a missing or corrupt chunk
             ├── CorruptChunkError     a chunk that fails to decode (checksum, compression)
             └── IncompleteGroupError  a derived group whose writer was interrupted
+                └── InProgressError       ... or whose writer is still at work
 
 A stage that goes on without part of its work (a run that lacks some summaries) says so with
 an :class:`AttngeomWarning`, which the CLI prints as one line.
@@ -28,6 +29,7 @@ __all__ = [
     "CorruptChunkError",
     "DamagedStoreError",
     "GroupNotFoundError",
+    "InProgressError",
     "IncompleteGroupError",
     "InputError",
     "RunNotFoundError",
@@ -88,6 +90,11 @@ class CorruptChunkError(DamagedStoreError):
 
 class IncompleteGroupError(DamagedStoreError):
     """An analysis or ablation whose writer was interrupted: not finished, so not read."""
+
+
+class InProgressError(IncompleteGroupError):
+    """An analysis, ablation or detect that a live writer is still writing: read it once it
+    commits (the message names the writer)."""
 
 
 class AttngeomWarning(UserWarning):

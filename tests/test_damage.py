@@ -209,8 +209,10 @@ def test_repair_then_extract_restores_the_run(store, ablated_store_source, tiny_
     assert lines[1:] == [
         "run r: sequence 1 is only partly written (interrupted run; re-run the same extract command)",
         "run r: sequence 4 is only partly written (interrupted run; re-run the same extract command)",
-        # The analysis built on them is named too, until extract commits them again.
+        # The analysis and ablation built on them are named too, until extract commits them again.
         "run r: analysis covers sequences [1, 4] the run does not hold as complete",
+        "run r: ablation parameter 'evaluation_sequences' names sequences [1] the run does not hold as complete",
+        "run r: ablation parameter 'importance_sequences' names sequences [4] the run does not hold as complete",
     ]
     code, lines = run("extract", "--model", str(tiny_model_dir("llama")), "--dataset", str(word_corpus), "-L", "16",
                       "-S", str(S), "--store", str(store), "--run", "r", "--no-progress")

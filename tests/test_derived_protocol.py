@@ -2,17 +2,21 @@
 
 Rules: a fresh analyze, sequences appended to the run (an extract going on), a recompute
 with other parameters (into staging), damage to a committed object (then a rerun heals it),
-a writer that withdrew the commit and died, and a kill at any chosen store write of any
-analyze. After every step a reader, through the public reading API only, sees either no
-finished analysis or one whose every group equals a fresh analysis of exactly the committed
-sequences with the committed parameters: never a mix. A finished analyze leaves exactly the
-run's committed sequences with its own parameters.
+a writer that withdrew the commit and died, a writer at work in another process (its update
+begun, the run held), and a kill at any chosen store write of any analyze. After every step
+a reader, through the public reading API only, sees either no finished analysis or one whose
+every group equals a fresh analysis of exactly the committed sequences with the committed
+parameters: never a mix; and it is told an unfinished analysis is in progress while its
+writer lives, interrupted once it is dead, never the other way round. A finished analyze
+leaves exactly the run's committed sequences with its own parameters.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -26,7 +30,7 @@ from attngeom.analyze.blocks import all_groups, sequence_groups, template_groups
 from attngeom.analyze.parameters import analysis_parameters
 from attngeom.analyze.runner import open_completed
 from attngeom.api import analyze
-from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError
+from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError, InProgressError
 from attngeom.store import (
     ANALYSIS,
     RunLayout,
@@ -73,9 +77,12 @@ def _run_analyze(url: str, params: str) -> None:
 
 
 def _groups(url: str) -> dict[str, dict[str, np.ndarray]] | None:
-    """Every committed group of the run's analysis, loaded; None when there is no finished one."""
+    """Every committed group of the run's analysis, loaded; None when there is no finished one
+    (an unfinished one raises what a reader meets: in progress, or incomplete)."""
     state = derived_state(url, "r", ANALYSIS)
     if state.commit is None:
+        if state.exists:
+            open_derived(url, "r", ANALYSIS, "heads")
         return None
     out = {}
     for name in state.commit.groups:
@@ -114,6 +121,28 @@ def _same(a: dict, b: dict) -> bool:
                     else (x == y).all()):
                 return False
     return True
+
+
+# A writer at work in a process of its own: begins an analyze update of run r in the store
+# argv[1] (n grid argv[2], seed argv[3], the first argv[4] sequences; argv[5] "1": its
+# groups created too), says "held" and holds the run until its stdin closes, then dies
+# without a word more.
+_LIVE = """
+import os, sys
+from attngeom.analyze.blocks import all_groups, sequence_groups, template_groups
+from attngeom.analyze.parameters import analysis_parameters
+from attngeom.analyze.runner import open_completed
+from attngeom.store.session import StoreSession
+url, grid, seed, n = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
+with StoreSession(url, mode="a") as session, session.derived("r", "analysis") as write:
+    ds = open_completed(url, "r")
+    plan = write.begin(analysis_parameters(grid, seed), range(n), all_groups(ds), sequence_groups(ds))
+    if sys.argv[5] == "1" and not plan.up_to_date:
+        write.create(template_groups(ds, grid, seed), 1)
+    print("held", flush=True)
+    sys.stdin.read()
+    os._exit(9)
+"""
 
 
 class _Kill:
@@ -222,13 +251,36 @@ class DerivedProtocol(RuleBasedStateMachine):
             raise Killed
         self.possible = self.possible | {None}
 
+    @rule(params=st.sampled_from(sorted(PARAMS)), create=st.booleans())
+    def live_writer(self, params: str, create: bool) -> None:
+        """A writer at work in another process (its update begun, maybe its groups created),
+        stopped there while a reader looks, then killed."""
+        grid, seed = PARAMS[params]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+        holder = subprocess.Popen([sys.executable, "-c", _LIVE, self.url, ",".join(map(str, grid)), str(seed),
+                                   str(self.n), "1" if create else "0"], env=env, text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            assert holder.stdout.readline() == "held\n"
+            self.live = True
+            self.reader_sees_a_commit()
+        finally:
+            self.live = False
+            holder.stdin.close()
+            holder.wait()
+        self.possible = self.possible | {None}
+
     @invariant()
     def reader_sees_a_commit(self) -> None:
         if not hasattr(self, "url"):
             return
         try:
             found = _groups(self.url)
+        except InProgressError:
+            assert getattr(self, "live", False), "a dead writer's analysis called in progress"
+            return
         except IncompleteGroupError:
+            assert not getattr(self, "live", False), "a live writer's analysis called interrupted"
             assert None in self.possible
             return
         except DamagedStoreError:

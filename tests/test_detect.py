@@ -3,6 +3,7 @@ the inputs' layout, planted answers, the CLI's refusals, resume and damage; and 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -221,9 +222,13 @@ def test_an_interrupted_detect_is_refused_then_finished_equal(detected, tmp_path
             detect(store)
     with pytest.raises(IncompleteGroupError):
         ag.open_store(store).run("r").detect()
-    assert any("detect of run r is incomplete" in p and "attngeom detect" in p for p in validate_store(str(store)))
-    result = detect(store)
-    assert not result.kept
+    (line,) = [p for p in validate_store(str(store)) if "detect of run r is incomplete" in p]
+    # The hint repeats the interrupted detect's parameters: following it computes the same.
+    hint = line.split("`")[1]
+    assert hint == (f"attngeom detect --store {store} --run r --probes {PROBES} --haystacks {HAYSTACKS} "
+                    f"--needle-length {N} --depths 0.1,0.3,0.5,0.7,0.9 --seed 0")
+    result = CliRunner().invoke(main, [*hint.split()[1:], "--device", "cpu", "--no-progress"])
+    assert result.exit_code == 0 and "head scores written" in result.output, result.output
     for name, ds in want.items():
         got = ag.open_store(store).run("r").detect(name).load()
         assert got.drop_attrs().identical(ds.drop_attrs()), name
@@ -257,6 +262,28 @@ def test_a_killed_detect_leaves_the_earlier_results_and_a_rerun_gives_the_same(d
     want = detect(fresh, seed=1)
     assert rerun.scores.drop_attrs().identical(want.scores.drop_attrs())
     assert rerun.retrieval.drop_attrs().identical(want.retrieval.drop_attrs())
+
+
+@pytest.mark.parametrize("claim, line", [
+    (lambda c: c.__setitem__("sequences", [7]), "run r: detect covers sequences [7] the run does not hold as complete"),
+    (lambda c: c["parameters"]["haystack_sequences"].append(9),
+     "run r: detect parameter 'haystack_sequences' names sequences [9] the run does not hold as complete"),
+], ids=["covers", "parameter"])
+def test_a_record_claiming_sequences_the_run_lacks_is_named_and_recomputed(detected, tmp_path, claim, line):
+    """Its results describe windows the run does not hold: not kept by a rerun."""
+    _, source = detected("llama")
+    store = tmp_path / "s.zarr"
+    shutil.copytree(source, store)
+    want = {name: ag.open_store(source).run("r").detect(name).load() for name in ("scores", "probes", "retrieval")}
+    record = store / "runs/r/detect/zarr.json"
+    document = json.loads(record.read_text())
+    claim(document["attributes"]["attngeom"]["commit"])
+    record.write_text(json.dumps(document))
+    assert line in validate_store(str(store))
+    assert not detect(store).kept
+    assert validate_store(str(store)) == []
+    for name, ds in want.items():
+        assert ag.open_store(store).run("r").detect(name).load().drop_attrs().identical(ds.drop_attrs()), name
 
 
 def test_a_damaged_group_is_named_and_rewritten(detected, tmp_path):

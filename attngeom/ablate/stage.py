@@ -60,7 +60,7 @@ from attngeom.ablate.kernels import (
 )
 from attngeom.ablate.masking import head_geometry, head_weight_norms, masked_nll
 from attngeom.ablate.request import AblateRequest
-from attngeom.errors import AttngeomWarning, GroupNotFoundError, InputError
+from attngeom.errors import AttngeomWarning, GroupNotFoundError, InProgressError, InputError
 from attngeom.extract.placement import parse_device_map
 from attngeom.runmodel import check_run_model, evaluating, run_model
 from attngeom.store import (
@@ -74,6 +74,8 @@ from attngeom.store import (
     reading_run,
     run_provenance,
 )
+from attngeom.store.locks import wait_for_writer
+from attngeom.store.nodes import zarr_store
 from attngeom.store.session import StoreSession
 
 # How each method (schema.METHODS, in that order) orders the heads of a layer, first kept first.
@@ -139,12 +141,18 @@ def _store_diagnostics(run: zarr.Group, seqs: np.ndarray, top_n: int) -> dict[st
 
 
 def _analysis_heads(url: str, run_id: str) -> xr.Dataset | None:
-    """analyze's (layer, head) table, or None when the run has not been analyzed."""
-    try:
-        heads = open_derived(url, run_id, ANALYSIS, "heads")
-    except GroupNotFoundError:
-        return None
-    return heads.transpose("layer", "head", ...).load()
+    """analyze's (layer, head) table, or None when the run has not been analyzed. While an
+    analyze of the run is at work, waits for it (saying whom it waits for) and reads what it
+    commits: an ablation is worth the wait for its type-guided sweep."""
+    while True:
+        try:
+            heads = open_derived(url, run_id, ANALYSIS, "heads")
+        except GroupNotFoundError:
+            return None
+        except InProgressError:
+            wait_for_writer(zarr_store(url, read_only=True), run_id)
+            continue
+        return heads.transpose("layer", "head", ...).load()
 
 
 def _span(layers: tuple[int, ...]) -> str:

@@ -312,7 +312,7 @@ def analyze(request: AnalyzeRequest) -> list[AnalyzeResult]:
             session.run(request.run_id)
         todo = [request.run_id] if request.run_id else runs
         # An analysis whose record does not parse is none (xarray could not even open the run).
-        dropped = {rid for rid in todo if forget_unreadable(session, rid, ANALYSIS)}
+        dropped = {rid: why for rid in todo if (why := forget_unreadable(session, rid, ANALYSIS)) is not None}
         # Every run's input checked before any analysis is touched.
         checked = {rid: _checked_input(session, rid, request.n_grid) for rid in todo}
         for rid, (ds, _) in checked.items():
@@ -322,5 +322,5 @@ def analyze(request: AnalyzeRequest) -> list[AnalyzeResult]:
         compile_kernels(progress=request.progress)
         with _collector_frozen(), dask_client(request.scheduler, request.store):
             results = [analyze_run(session, rid, *checked[rid], request) for rid in todo]
-    return [replace(r, recomputed=f"its record {analysis_path(r.run_id)}/zarr.json did not parse")
+    return [replace(r, recomputed=f"its record {analysis_path(r.run_id)}/zarr.json {dropped[r.run_id]}")
             if r.run_id in dropped else r for r in results]

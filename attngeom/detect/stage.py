@@ -50,6 +50,7 @@ from attngeom.store import (
     reading_run,
     run_provenance,
 )
+from attngeom.store.derived import unheld_claims
 from attngeom.store.session import StoreSession
 
 __all__ = ["DetectResult", "detect"]
@@ -111,7 +112,7 @@ def detect(request: DetectRequest) -> DetectResult:
         retrieval = retrieval_samples(inputs.windows, inputs.seqs, request.haystacks, request.needle_length,
                                       request.depths, request.seed)
         params = _parameters(request, inputs, retrieval)
-        kept = _kept(session, request.run_id, params)
+        kept = _kept(session, request.run_id, params, inputs.seqs)
         if kept is not None:
             return DetectResult(request.run_id, *kept, kept=True, seconds=time.perf_counter() - start)
         tokenizer = request.tokenizer if request.tokenizer is not None else _run_tokenizer(request, inputs.provenance)
@@ -178,11 +179,14 @@ def _parameters(request: DetectRequest, inputs: _RunInputs, retrieval: Retrieval
     })
 
 
-def _kept(session: StoreSession, run_id: str, params: dict[str, Any]) -> tuple[xr.Dataset, ...] | None:
-    """The committed groups, in memory, when they were computed with ``params`` and are
-    whole (none of their objects missing or resized); else None."""
+def _kept(session: StoreSession, run_id: str, params: dict[str, Any],
+          committed: np.ndarray) -> tuple[xr.Dataset, ...] | None:
+    """The committed groups, in memory, when they were computed with ``params`` from the
+    run's ``committed`` sequences (their record claims no other) and are whole (none of
+    their objects missing or resized); else None."""
     state = derived_state(session.url, run_id, DETECT)
-    if state.commit is None or not state.readable or state.commit.parameters != params:
+    if (state.commit is None or not state.readable or state.commit.parameters != params
+            or unheld_claims(state, committed.tolist())):
         return None
     try:
         return tuple(open_derived(session.url, run_id, DETECT, name, zstore=session.zstore).load()

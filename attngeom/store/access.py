@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -31,7 +32,7 @@ from attngeom.store.nodes import (
     store_url,
     zarr_store,
 )
-from attngeom.store.schema import ATTR_KEY, FORMAT, SCHEMA_VERSION
+from attngeom.store.schema import ATTR_KEY, DERIVED, FORMAT, RUNS, SCHEMA_VERSION
 
 try:
     import fcntl
@@ -187,13 +188,29 @@ def partials(url: str) -> list[str]:
 
 
 def remove_partials(url: str) -> list[str]:
-    """Remove the ``*.partial`` leftovers of a local store; the keys removed. A writer calls
-    it when it opens a store and is its only writer (:class:`WriterHold`), migrate before
-    it rewrites the whole store; readers leave the store as it is (and ignore them)."""
+    """Remove the ``*.partial`` leftovers of a local store, and the empty folders a derived
+    group's writer stopped by a full disk before its first object leaves; the keys removed.
+    A writer calls it when it opens a store and is its only writer (:class:`WriterHold`),
+    migrate before it rewrites the whole store; readers leave the store as it is (and
+    ignore them)."""
     found = partials(url)
     for key in found:
         (local_path(url) / key).unlink(missing_ok=True)
+    for folder in empty_derived_folders(url):
+        shutil.rmtree(local_path(url) / folder, ignore_errors=True)
+        found.append(folder)
     return found
+
+
+def empty_derived_folders(url: str) -> list[str]:
+    """Paths of the derived groups' folders of a local store holding no file (no record,
+    no object): what a writer stopped before its first write leaves."""
+    path = local_path(url)
+    runs = path / RUNS if path is not None else None
+    if runs is None or not runs.is_dir():
+        return []
+    return sorted(f"{RUNS}/{run.name}/{kind}" for run in runs.iterdir() for kind in DERIVED
+                  if (run / kind).is_dir() and not any(files for _, _, files in os.walk(run / kind)))
 
 
 @contextlib.contextmanager
@@ -296,16 +313,40 @@ def consolidate(root: zarr.Group, *, own: str | None = None) -> None:
 _EMPTY_CONSOLIDATED = {"kind": "inline", "must_understand": False, "metadata": {}}
 
 
+def consolidated_fault(root: Mapping[str, Any] | None) -> str | None:
+    """What is wrong with the consolidated copy in the root's metadata ``root`` (its parsed
+    ``zarr.json``), in words; None when there is none or it has the shape zarr writes: an
+    object of kind "inline" whose ``metadata`` maps each node's path to its metadata."""
+    if not isinstance(root, Mapping) or root.get("consolidated_metadata") is None:
+        return None
+    copy = root["consolidated_metadata"]
+    if not isinstance(copy, Mapping):
+        return f"it is a {type(copy).__name__}, not an object"
+    if copy.get("kind") != "inline":
+        return f"its kind is {copy.get('kind')!r}, not 'inline'"
+    if not isinstance(copy.get("must_understand", False), bool):
+        return "its must_understand is not true or false"
+    nodes = copy.get("metadata")
+    if not isinstance(nodes, Mapping):
+        return f"its metadata is a {type(nodes).__name__}, not an object"
+    bad = next((path for path, meta in nodes.items() if not isinstance(meta, Mapping)
+                or meta.get("node_type") not in ("group", "array")), None)
+    if bad is not None:
+        return f"its entry {bad!r} is no node's metadata"
+    return None
+
+
 def stale_consolidated(zstore: Any, nodes: Mapping[str, Any] | None = None) -> list[str]:
     """Paths of the nodes whose copy in the root's consolidated metadata (what
     ``xr.open_zarr`` reads by default) is not their own metadata, or that it lacks or holds
-    in excess; empty when there is no consolidated copy or it is current. ``nodes``: every
-    node's metadata (:func:`node_metadata` of ``zstore``) when the caller read it."""
+    in excess; empty when there is no consolidated copy, it is current, or it is malformed
+    (:func:`consolidated_fault` says how). ``nodes``: every node's metadata
+    (:func:`node_metadata` of ``zstore``) when the caller read it."""
     nodes = node_metadata(zstore) if nodes is None else nodes
     root = nodes.get("zarr.json") or {}
-    copy = (root.get("consolidated_metadata") or {}).get("metadata")
-    if not isinstance(copy, dict):
+    if root.get("consolidated_metadata") is None or consolidated_fault(root) is not None:
         return []
+    copy = root["consolidated_metadata"]["metadata"]
 
     def own(meta: Any) -> Any:
         return {k: v for k, v in meta.items() if k != "consolidated_metadata"} if isinstance(meta, dict) else meta

@@ -11,8 +11,10 @@ from attngeom.store.schema import ANALYSIS, DERIVED, RUNS
 
 # How a damaged object surfaces from zarr, numcodecs and json: a checksum mismatch or an
 # unparsable zarr.json is a ValueError, a blosc or shard-index failure a RuntimeError or
-# ValueError, a short object an EOFError. Other errors (bad selections, OSError) are not damage.
-DECODE_ERRORS = (ValueError, RuntimeError, EOFError)
+# ValueError, a short object an EOFError, a zarr.json of the wrong shape (attributes or a
+# shape that are no object or list) a TypeError from zarr's parsing. Other errors (bad
+# selections, OSError) are not damage.
+DECODE_ERRORS = (ValueError, RuntimeError, EOFError, TypeError)
 
 
 RESTORE = "restore the store from a copy, or remove it and extract again"

@@ -30,6 +30,7 @@ order. Analyze, ablate and detect all write through it.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -38,9 +39,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 import zarr
+from zarr.buffer import default_buffer_prototype
 
 from attngeom import __version__
-from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError
+from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError, InProgressError
+from attngeom.store._zarr import sync
 from attngeom.store.access import consolidate
 from attngeom.store.damage import DECODE_ERRORS
 from attngeom.store.datasets import open_dataset, read_regions, set_regions, write_datasets
@@ -51,14 +54,16 @@ from attngeom.store.nodes import (
     jsonable,
     local_path,
     metadata_bytes,
+    metadata_fault,
     move_group,
     node_exists,
     node_metadata,
+    parse_metadata,
     put_objects,
-    read_metadata,
     remove_dir,
     zarr_store,
 )
+from attngeom.store.locks import holder_words, live_holder
 from attngeom.store.objects import chunk_key, chunk_objects, object_damage, object_sizes
 from attngeom.store.plan import Plan, healing, plan_update
 from attngeom.store.schema import ATTR_KEY, DERIVED, run_path
@@ -79,6 +84,7 @@ __all__ = [
     "open_derived",
     "replace_groups",
     "staged_path",
+    "unheld_claims",
 ]
 
 # The staging group inside a derived group: results replacing committed ones are written
@@ -116,9 +122,10 @@ class Pending:
 
 @dataclass(frozen=True)
 class DerivedState:
-    """The record of ``runs/<run_id>/<kind>``; ``exists`` False when there is no such group,
-    ``legacy`` when the group predates records, ``unreadable`` when its ``zarr.json`` (the
-    record) does not parse."""
+    """The record of ``runs/<run_id>/<kind>``; ``exists`` False when there is no such group
+    (``leftover`` when an empty folder is left where it would be), ``legacy`` when the group
+    predates records, ``unreadable`` when its ``zarr.json`` (the record) does not parse, is
+    malformed or is lost while the group holds objects (``fault`` says which, in words)."""
 
     run_id: str
     kind: str
@@ -127,6 +134,8 @@ class DerivedState:
     commit: Commit | None = None
     pending: Pending | None = None
     unreadable: bool = False
+    fault: str = ""
+    leftover: bool = False
 
     @property
     def readable(self) -> bool:
@@ -163,16 +172,26 @@ def staged_path(run_id: str, kind: str, name: str) -> str:
 
 
 def _read_state(zstore: Any, run_id: str, kind: str) -> DerivedState:
-    """The record of ``runs/<run_id>/<kind>`` in ``zstore`` (one read of the group's metadata)."""
-    try:
-        meta = read_metadata(zstore, _kind_path(run_id, kind))
-    except FileNotFoundError:
-        return DerivedState(run_id, kind)
+    """The record of ``runs/<run_id>/<kind>`` in ``zstore`` (one read of the group's metadata;
+    where there is none, one listing of what the group's folder holds)."""
+    base = _kind_path(run_id, kind)
+    raw = sync(zstore.get(f"{base}/zarr.json", prototype=default_buffer_prototype()))
+    if raw is None:
+        held = _contents(zstore, base)
+        if held == "objects":
+            return DerivedState(run_id, kind, exists=True, unreadable=True, fault=_LOST)
+        return DerivedState(run_id, kind, leftover=held == "empty")
+    raw = raw.to_bytes()
+    meta = parse_metadata(raw)
     if meta is None or meta["node_type"] != "group":
-        return DerivedState(run_id, kind, exists=True, unreadable=True)
-    record = (meta.get("attributes") or {}).get(ATTR_KEY)
-    if not isinstance(record, Mapping):
+        fault = metadata_fault(raw) if meta is None else "malformed (an array's metadata, not a group's)"
+        return DerivedState(run_id, kind, exists=True, unreadable=True, fault=fault)
+    if ATTR_KEY not in meta.get("attributes", {}):
         return DerivedState(run_id, kind, exists=True, legacy=True)
+    record = meta["attributes"][ATTR_KEY]
+    fault = _record_fault(record)
+    if fault is not None:
+        return DerivedState(run_id, kind, exists=True, unreadable=True, fault=f"malformed ({fault})")
     done, pending = record.get("commit"), record.get("pending")
     return DerivedState(
         run_id, kind, exists=True,
@@ -181,12 +200,76 @@ def _read_state(zstore: Any, run_id: str, kind: str) -> DerivedState:
             sequences=tuple(done.get("sequences", ())), sequence_groups=tuple(done.get("sequence_groups", ())),
             attngeom_version=str(done.get("attngeom_version", "")),
             objects={str(k): int(v) for k, v in done.get("objects", {}).items()},
-        ) if isinstance(done, Mapping) else None,
+        ) if done is not None else None,
         pending=Pending(
             parameters=dict(pending["parameters"]), sequences=tuple(pending.get("sequences", ())),
             staged=bool(pending.get("staged")), promoting=tuple(pending.get("promoting", ())),
-        ) if isinstance(pending, Mapping) else None,
+        ) if pending is not None else None,
     )
+
+
+# How a lost record reads in the lines naming it.
+_LOST = "missing (lost metadata of a group: nothing it holds can be reached)"
+
+
+def _record_fault(record: Any) -> str | None:
+    """What makes a commit record unusable, in words; None when it has the shape a writer
+    writes (:class:`Commit`, :class:`Pending`)."""
+
+    def ints(x: Any) -> bool:
+        return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+    def names(x: Any) -> bool:
+        return isinstance(x, list) and all(isinstance(n, str) for n in x)
+
+    if not isinstance(record, Mapping):
+        return f"the record is a {type(record).__name__}, not an object"
+    done, pending = record.get("commit"), record.get("pending")
+    if done is not None:
+        if not isinstance(done, Mapping):
+            return f"its commit is a {type(done).__name__}, not an object"
+        if not isinstance(done.get("parameters"), Mapping):
+            return "its commit's parameters are not an object"
+        named = next((key for key, value in done["parameters"].items() if key.endswith("_sequences")
+                      and isinstance(value, list) and not ints(value)), None)
+        if named is not None:
+            return f"its commit's parameter '{named}' is not a list of sequence ids"
+        if not names(done.get("groups")):
+            return "its commit's groups are not a list of names"
+        if not ints(done.get("sequences", [])):
+            return "its commit's sequences are not a list of sequence ids"
+        along = done.get("sequence_groups", [])
+        if not names(along) or not set(along) <= set(done["groups"]):
+            return "its commit's sequence_groups are not among its groups"
+        objects = done.get("objects", {})
+        if not isinstance(objects, Mapping) or not all(isinstance(v, int) and v >= 0 for v in objects.values()):
+            return "its commit's objects are not a list of sizes by key"
+    if pending is not None:
+        if not isinstance(pending, Mapping):
+            return f"its pending update is a {type(pending).__name__}, not an object"
+        if not isinstance(pending.get("parameters"), Mapping):
+            return "its pending update's parameters are not an object"
+        if not ints(pending.get("sequences", [])) or not names(pending.get("promoting", [])):
+            return "its pending update's sequences or promoted groups are malformed"
+    return None
+
+
+def _contents(zstore: Any, base: str) -> str:
+    """What the folder ``base`` holds without its ``zarr.json``: "objects", "empty" (a local
+    folder holding no file: a writer stopped by a full disk before its first object), or
+    "none"."""
+    if isinstance(zstore, zarr.storage.LocalStore):
+        folder = os.path.join(str(zstore.root), base)
+        if not os.path.isdir(folder):
+            return "none"
+        return "objects" if any(names for _, _, names in os.walk(folder)) else "empty"
+
+    async def first() -> bool:
+        async for _ in zstore.list_prefix(f"{base}/"):
+            return True
+        return False
+
+    return "objects" if sync(first()) else "none"
 
 
 def derived_state(url: str, run_id: str, kind: str) -> DerivedState:
@@ -281,16 +364,21 @@ def _damaged(url: str, state: DerivedState, damage: Damage) -> DamagedStoreError
     )
 
 
-def forget_unreadable(session: StoreSession, run_id: str, kind: str) -> bool:
-    """Remove ``runs/<run_id>/<kind>`` if its record does not parse (the run locked for the
-    rest of the session): it tells nothing of what the groups hold, which are written again.
-    True if removed. A writer does this before opening the run with xarray, which reads
-    every child group's metadata."""
+def forget_unreadable(session: StoreSession, run_id: str, kind: str) -> str | None:
+    """Remove ``runs/<run_id>/<kind>`` if its record does not parse, is malformed or lost (the
+    run locked for the rest of the session): it tells nothing of what the groups hold, which
+    are written again; and an empty folder left there. What was wrong with the record if it
+    was removed ("did not parse", "was malformed", "was lost"), else None. A writer does this
+    before opening the run with xarray, which reads every child group's metadata."""
     session.lock(run_id, DERIVED.get(kind, kind))
-    if not _read_state(session.zstore, run_id, kind).unreadable:
-        return False
+    state = _read_state(session.zstore, run_id, kind)
+    if state.leftover:
+        remove_dir(session.zstore, _kind_path(run_id, kind))
+    if not state.unreadable:
+        return None
     remove_dir(session.zstore, _kind_path(run_id, kind))
-    return True
+    return "was lost" if state.fault == _LOST else "was malformed" if state.fault.startswith("malformed") \
+        else "did not parse"
 
 
 class DerivedWrite:
@@ -328,7 +416,7 @@ class DerivedWrite:
     def __enter__(self) -> DerivedWrite:
         self.session.lock(self.run_id, DERIVED.get(self.kind, self.kind))
         self.state = _read_state(self.zstore, self.run_id, self.kind)
-        if self.state.unreadable:  # as forget_unreadable
+        if self.state.unreadable or self.state.leftover:  # as forget_unreadable
             remove_dir(self.zstore, self.base)
             self.state = DerivedState(self.run_id, self.kind)
         names = self.state.commit.groups if self.state.commit is not None else ()
@@ -622,17 +710,62 @@ def replace_groups(url: str, run_id: str, kind: str, groups: Mapping[str, xr.Dat
         write.replace(groups, parameters)
 
 
+# The options of each stage that its recorded parameters give back, in the order its hint
+# names them: an interrupted update is finished by its own command, not by the defaults.
+_OPTIONS = {
+    "analyze": (("n_grid", "--n-grid"), ("seed", "--seed")),
+    "ablate": (("retention", "--retention"), ("random_masks", "--random-masks"), ("seed", "--seed"),
+               ("protect", "--protect"), ("protect_critical", "--protect-critical")),
+    "detect": (("probes", "--probes"), ("haystack_sequences", "--haystacks"), ("needle_length", "--needle-length"),
+               ("depths", "--depths"), ("seed", "--seed")),
+}
+
+
+def _options(stage: str, parameters: Mapping[str, Any]) -> str:
+    """' --probes 4 --haystacks 2 ...': the command-line options giving ``parameters`` back."""
+    out = []
+    for key, flag in _OPTIONS.get(stage, ()):
+        value = parameters.get(key)
+        if value is None or value is False or value == []:
+            continue
+        if key == "haystack_sequences":
+            value = len(value)
+        elif key == "protect":
+            value = ",".join(f"{layer}.{head}" for layer, head in value)
+        elif isinstance(value, list):
+            value = ",".join(map(str, value))
+        out.append(flag if value is True else f"{flag} {value}")
+    return "".join(f" {part}" for part in out)
+
+
 def _incomplete(url: str, state: DerivedState) -> IncompleteGroupError:
+    stage = DERIVED.get(state.kind, "")
+    options = _options(stage, state.pending.parameters) if state.pending is not None else ""
     return IncompleteGroupError(
-        f"{state.kind} of run {state.run_id} is incomplete (interrupted {DERIVED.get(state.kind, 'writer')}); "
-        f"re-run `attngeom {DERIVED.get(state.kind, '')} --store {url} --run {state.run_id}`"
+        f"{state.kind} of run {state.run_id} is incomplete (interrupted {stage or 'writer'}); "
+        f"re-run `attngeom {stage} --store {url} --run {state.run_id}{options}`"
     )
+
+
+def _in_progress(state: DerivedState, holder: Mapping[str, Any]) -> InProgressError:
+    return InProgressError(
+        f"{state.kind} of run {state.run_id} is in progress: {holder_words(state.run_id, dict(holder))} is "
+        f"writing it; wait for it to finish (it is not interrupted)"
+    )
+
+
+def _writer_at_work(zstore: Any, state: DerivedState) -> dict[str, Any] | None:
+    """The live writer of the run if it is this kind's stage (another stage holding the run
+    writes another group); None when none is."""
+    holder = live_holder(zstore, state.run_id)
+    if holder is not None and holder.get("command", DERIVED.get(state.kind)) == DERIVED.get(state.kind):
+        return holder
+    return None
 
 
 def _unreadable_record(url: str, state: DerivedState) -> DamagedStoreError:
     return DamagedStoreError(
-        f"{_kind_path(state.run_id, state.kind)}/zarr.json is empty or truncated (unreadable JSON); "
-        f"{_rerun(url, state.run_id, state.kind)}"
+        f"{_kind_path(state.run_id, state.kind)}/zarr.json is {state.fault}; {_rerun(url, state.run_id, state.kind)}"
     )
 
 
@@ -642,13 +775,16 @@ def open_derived(url: str, run_id: str, kind: str, name: str, *, zstore: Any = N
 
     Groups that grow along ``seq`` are cut to the sequences the commit covers. Raises
     :class:`GroupNotFoundError` when the run has no such results,
-    :class:`IncompleteGroupError` when they are not finished (an interrupted writer) and
+    :class:`IncompleteGroupError` when they are not finished (an interrupted writer;
+    :class:`InProgressError` while their writer is at work, holding the run), and
     :class:`DamagedStoreError` when the record does not parse or an object the commit lists
     is missing or of another size (one listing of the group). ``zstore``: the store's zarr
     Store if one command already opened it (its metadata then read once for all groups).
     """
     zstore = zstore if zstore is not None else zarr_store(url, read_only=True)
     state = _read_state(zstore, run_id, kind)
+    if not state.readable and (holder := _writer_at_work(zstore, state)) is not None:
+        raise _in_progress(state, holder)
     if not state.exists:
         raise GroupNotFoundError(
             f"run {run_id} has no {kind} (run `attngeom {DERIVED.get(kind, '')} --store {url} --run {run_id}`)"
@@ -675,16 +811,29 @@ def open_derived(url: str, run_id: str, kind: str, name: str, *, zstore: Any = N
 
 def derived_problems(url: str, run_id: str, committed_sequences: Sequence[int], *, zstore: Any = None) -> list[str]:
     """Problems of a run's derived groups, one line each: an incomplete one (interrupted
-    writer), a committed group that is missing or whose objects are (or have another size),
-    or an analysis covering a sequence the run does not hold as committed. An unreadable
-    record is named by the metadata check. ``zstore``: the store's zarr Store if the caller
-    opened it."""
+    writer; or one in progress, its writer named), a malformed record, an empty folder left
+    where one would be, a committed group that is missing or whose objects are (or have
+    another size), or a record claiming sequences the run does not hold as committed (those
+    it covers, and those its parameters name). An unparsable or lost record is named as the
+    metadata check words it (validate names it once). ``zstore``: the store's zarr Store if
+    the caller opened it."""
     problems = []
     done = set(int(s) for s in committed_sequences)
     zstore = zstore if zstore is not None else zarr_store(url, read_only=True)
     for kind in DERIVED:
         state = _read_state(zstore, run_id, kind)
-        if not state.exists or state.legacy or state.unreadable:
+        if state.leftover:
+            problems.append(f"{_kind_path(run_id, kind)} is an empty folder, left by a {DERIVED[kind]} stopped "
+                            f"before its first write (a full disk?); harmless: the next writer that writes the "
+                            f"store alone removes it")
+            continue
+        if not state.readable and (holder := _writer_at_work(zstore, state)) is not None:
+            problems.append(str(_in_progress(state, holder)))
+            continue
+        if not state.exists or state.legacy:
+            continue
+        if state.unreadable:
+            problems.append(str(_unreadable_record(url, state)))
             continue
         if not state.readable:
             problems.append(str(_incomplete(url, state)))
@@ -696,7 +845,26 @@ def derived_problems(url: str, run_id: str, committed_sequences: Sequence[int], 
                 problems.append(str(_damaged(url, state, damage[name])))
             elif not state.commit.objects and not node_exists(zstore, f"{_kind_path(run_id, kind)}/{name}"):
                 problems.append(f"run {run_id}: {kind} is committed but lacks its group '{name}'")
-        unknown = sorted(set(state.commit.sequences) - done)
-        if unknown:
-            problems.append(f"run {run_id}: {kind} covers sequences {unknown[:5]} the run does not hold as complete")
+        for what, claimed in _claims(state.commit).items():
+            unknown = sorted(set(claimed) - done)
+            if unknown:
+                problems.append(f"run {run_id}: {kind} {what} sequences {unknown[:5]} the run does not hold as "
+                                f"complete")
     return problems
+
+
+def _claims(done: Commit) -> dict[str, list[int]]:
+    """The run's sequences a commit says its results were computed from, by what says it:
+    the sequences it covers, and each parameter listing sequences (``*_sequences``)."""
+    claims = {"covers": list(done.sequences)}
+    for key, value in sorted(done.parameters.items()):
+        if key.endswith("_sequences") and isinstance(value, list):
+            claims[f"parameter '{key}' names"] = value
+    return claims
+
+
+def unheld_claims(state: DerivedState, committed: Sequence[int]) -> bool:
+    """Whether the commit of ``state`` claims a sequence the run does not hold as committed
+    (``committed``): its results then describe data the run lacks, and are computed again."""
+    held = set(int(s) for s in committed)
+    return state.commit is not None and any(set(claimed) - held for claimed in _claims(state.commit).values())

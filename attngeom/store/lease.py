@@ -28,8 +28,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from attngeom.errors import InputError, StoreWriteError
+from attngeom.store._zarr import sync
 
-__all__ = ["LEASES", "Lease", "lease_seconds"]
+__all__ = ["LEASES", "Lease", "current_lease", "lease_seconds"]
 
 # The folder of the leases, under the store's root: no Zarr node, so no reader lists it.
 LEASES = "leases"
@@ -181,6 +182,18 @@ class Lease:
         except ValueError:  # a lease cut short: treated as expired
             body = {}
         return (body if isinstance(body, dict) else {}), etag
+
+
+def current_lease(zstore: Any, run_id: str) -> dict[str, Any] | None:
+    """The holder of the run's lease in the fsspec store ``zstore`` while it is unexpired
+    (its body: host, pid, command, since); None when there is none."""
+    try:
+        body = json.loads(sync(zstore.fs._cat_file(f"{zstore.path.rstrip('/')}/{LEASES}/{run_id}.json")))
+    except (FileNotFoundError, ValueError):
+        return None
+    if not isinstance(body, dict) or _expires(body) <= time.time():
+        return None
+    return {key: body[key] for key in ("host", "pid", "command", "since") if key in body}
 
 
 def _own_filesystem(fs: Any) -> Any:

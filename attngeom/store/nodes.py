@@ -106,7 +106,21 @@ def node_metadata(zstore: Any, group: str = "", *, own: str | None = None) -> di
         raws = await asyncio.gather(*(reader(k).get(k, prototype=default_buffer_prototype()) for k in keys))
         return dict(zip(keys, raws))
 
-    return {key: _parsed(raw.to_bytes() if raw is not None else None) for key, raw in sync(read()).items()}
+    return {key: parse_metadata(raw.to_bytes() if raw is not None else None) for key, raw in sync(read()).items()}
+
+
+def lost_metadata(nodes: Mapping[str, Any]) -> list[str]:
+    """Keys of the ``zarr.json`` lost above nodes of ``nodes`` (key -> metadata, as
+    :func:`node_metadata` gives them): every folder holding a node is a group, whose own
+    ``zarr.json`` zarr needs to reach what it holds. Sorted, parents first."""
+    lost = set()
+    for key in nodes:
+        parts = key.split("/")[:-1]
+        for depth in range(1, len(parts)):
+            parent = "/".join(parts[:depth])
+            if f"{parent}/zarr.json" not in nodes:
+                lost.add(f"{parent}/zarr.json")
+    return sorted(lost, key=lambda k: (k.count("/"), k))
 
 
 def _local_documents(folder: str, key: str) -> Iterator[tuple[str, dict[str, Any] | None]]:
@@ -120,7 +134,7 @@ def _local_documents(folder: str, key: str) -> Iterator[tuple[str, dict[str, Any
     document = next(
         (entry for entry in entries if entry.name == "zarr.json" and not entry.is_dir(follow_symlinks=False)), None)
     if document is not None:
-        meta = _parsed(_read_bytes(document.path))
+        meta = parse_metadata(_read_bytes(document.path))
         yield f"{key}/zarr.json" if key else "zarr.json", meta
         if meta is not None and meta["node_type"] == "array":
             return
@@ -153,15 +167,53 @@ def _read_bytes(path: str) -> bytes | None:
         return None
 
 
-def _parsed(raw: bytes | None) -> dict[str, Any] | None:
+def parse_metadata(raw: bytes | None) -> dict[str, Any] | None:
     """A stored ``zarr.json`` (None when absent) parsed; None if it is no Zarr v3 node's
-    metadata."""
+    metadata (:func:`metadata_fault` says why)."""
     try:
         meta = json.loads(raw if raw is not None else b"")
     except ValueError:
         return None
     node = isinstance(meta, dict) and meta.get("zarr_format") == 3 and meta.get("node_type") in ("group", "array")
-    return meta if node else None
+    return meta if node and _node_fault(meta) is None else None
+
+
+# What an array's metadata holds, by key: the types every reader relies on.
+_ARRAY_FIELDS = {"shape": list, "data_type": (str, dict), "chunk_grid": dict, "chunk_key_encoding": dict,
+                 "codecs": list}
+
+
+def _node_fault(meta: Mapping[str, Any]) -> str | None:
+    """What makes a Zarr v3 node's metadata unusable, in words (None when nothing does):
+    attributes that are no object, an array field missing or of another type."""
+    if not isinstance(meta.get("attributes", {}), dict):
+        return "its attributes are not an object"
+    if meta["node_type"] != "array":
+        return None
+    for key, kind in _ARRAY_FIELDS.items():
+        if not isinstance(meta.get(key), kind):
+            return f"its {key} is {'missing' if key not in meta else 'of another type'}"
+    if not all(isinstance(n, int) and n >= 0 for n in meta["shape"]):
+        return "its shape is not a list of sizes"
+    names = meta.get("dimension_names")
+    if names is not None and not (isinstance(names, list) and len(names) == len(meta["shape"])):
+        return "its dimension_names do not name its dimensions"
+    return None
+
+
+def metadata_fault(raw: bytes | None) -> str:
+    """Why the stored ``zarr.json`` ``raw`` is no Zarr v3 node's metadata, as the lines naming
+    it say: "empty or truncated (unreadable JSON)", or "malformed (...)" for a node's
+    metadata that parses but cannot be used."""
+    try:
+        meta = json.loads(raw if raw is not None else b"")
+    except ValueError:
+        return "empty or truncated (unreadable JSON)"
+    if isinstance(meta, dict) and meta.get("zarr_format") == 3 and meta.get("node_type") in ("group", "array"):
+        fault = _node_fault(meta)
+        if fault is not None:
+            return f"malformed ({fault})"
+    return "empty or truncated (unreadable JSON)"
 
 
 def metadata_bytes(document: Mapping[str, Any]) -> bytes:
@@ -183,7 +235,7 @@ def read_metadata(zstore: Any, path: str) -> dict[str, Any] | None:
     raw = sync(zstore.get(f"{path}/zarr.json", prototype=default_buffer_prototype()))
     if raw is None:
         raise FileNotFoundError(f"{path}/zarr.json")
-    return _parsed(raw.to_bytes())
+    return parse_metadata(raw.to_bytes())
 
 
 def node_path(key: str) -> str:

@@ -17,7 +17,6 @@ long as its ``with`` block::
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any
 
 import zarr
@@ -27,14 +26,9 @@ from attngeom.store.access import WriterHold, check_writable, checked_root, writ
 from attngeom.store.cache import cached
 from attngeom.store.derived import DerivedWrite
 from attngeom.store.lease import Lease, lease_seconds
+from attngeom.store.locks import RunLock
 from attngeom.store.nodes import local_path, zarr_store
 from attngeom.store.runs import open_run_group, require_run, require_runs
-from attngeom.store.schema import run_path
-
-try:
-    import fcntl
-except ImportError:  # no flock (Windows): local runs are not locked there
-    fcntl = None
 
 __all__ = ["StoreSession"]
 
@@ -97,7 +91,8 @@ class StoreSession:
         waiting for it) run one after the other. On a local store an advisory lock on the
         run's folder (``flock``), released when the session ends or the process dies; on an
         object store (``s3://``, ``memory://``) a :class:`~attngeom.store.lease.Lease`,
-        renewed while held, removed when the session ends and taken over once expired."""
+        renewed while held, removed when the session ends and taken over once expired. A
+        writer waiting for either says whom it waits for (:mod:`~attngeom.store.locks`)."""
         if run_id in self._locked:
             return
         local = local_path(self.url)
@@ -106,10 +101,10 @@ class StoreSession:
             lease.acquire()
             self._exit.callback(lease.release)
             self._leases[run_id] = lease
-        elif fcntl is not None:
-            fd = os.open(local / run_path(run_id), os.O_RDONLY)
-            self._exit.callback(os.close, fd)  # closing releases the lock
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        else:
+            run_lock = RunLock(local, run_id, what)
+            self._exit.callback(run_lock.release)
+            run_lock.acquire()
         self._locked.add(run_id)
 
     def check_lock(self, run_id: str) -> None:

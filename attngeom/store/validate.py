@@ -25,6 +25,7 @@ from attngeom.errors import AttngeomError, DamagedStoreError
 from attngeom.peek import RUN_ID_PATTERN
 from attngeom.store._zarr import sync
 from attngeom.store.access import (
+    consolidated_fault,
     partials,
     quiet_leftovers,
     read_root_attrs,
@@ -45,6 +46,8 @@ from attngeom.store.damage import (
 from attngeom.store.derived import derived_problems
 from attngeom.store.nodes import (
     local_path,
+    lost_metadata,
+    metadata_fault,
     node_metadata,
     node_path,
     outside_link_problem,
@@ -53,6 +56,7 @@ from attngeom.store.nodes import (
     zarr_store,
 )
 from attngeom.store.objects import chunk_objects, object_damage, object_sizes
+from attngeom.store.rebuild import broken_metadata, cannot_rebuild, rebuild_plan
 from attngeom.store.runs import completed, misnamed_runs, open_run_group, run_coordinates, run_ids, run_layout
 from attngeom.store.schema import (
     ATTR_KEY,
@@ -410,21 +414,38 @@ def arrays_of(root: zarr.Group, nodes: Mapping[str, Mapping[str, Any] | None] | 
     return out
 
 
-def metadata_problems(url: str, bad_metadata: list[str]) -> list[str]:
-    """One line per ``zarr.json`` that does not parse (empty or truncated): ``bad_metadata``,
-    their keys."""
-    return [
-        f"{key} is empty or truncated (unreadable JSON); {recovery(url, key.rpartition('/')[0], metadata=True)}"
-        for key in bad_metadata
-    ]
+def metadata_problems(url: str, zstore: Any, nodes: Mapping[str, Mapping[str, Any] | None]) -> list[str]:
+    """One line per ``zarr.json`` that does not parse, or is malformed, or is lost above a
+    node (:func:`~attngeom.store.rebuild.broken_metadata`), saying what rewrites it: its
+    stage for a derived group's, ``validate --repair`` for what it can rebuild, else a copy."""
+    plan = rebuild_plan(nodes)
+    problems = []
+    for key in broken_metadata(nodes):
+        node = node_path(key)
+        if key in nodes:
+            raw = sync(zstore.get(key, prototype=default_buffer_prototype()))
+            what = metadata_fault(raw.to_bytes() if raw is not None else None)
+        else:
+            what = "missing (lost metadata of a group: nothing it holds can be reached)"
+        if key not in plan:  # a derived group's: its readers name it in the same words
+            problems.append(f"{key} is {what}; {recovery(url, node)}")
+        elif plan[key] is None:
+            problems.append(f"{key} is {what}; it {cannot_rebuild(key).split(' ', 1)[1]}")
+        else:
+            problems.append(f"{key} is {what}; {recovery(url, node, metadata=True)}")
+    return problems
 
 
 def consolidated_problems(url: str, nodes: Mapping[str, Mapping[str, Any] | None]) -> list[str]:
     """One line if the root's consolidated metadata (what ``xr.open_zarr`` reads by default)
     is out of date: a writer killed before refreshing it. ``nodes``: every node's metadata
-    (:func:`~attngeom.store.nodes.node_metadata`). Not checked while metadata is unreadable
-    (named, and repaired, first)."""
-    if any(meta is None for meta in nodes.values()):
+    (:func:`~attngeom.store.nodes.node_metadata`). A malformed copy is named as such; a stale
+    one is not named while metadata is unreadable or lost (named, and repaired, first)."""
+    fault = consolidated_fault(nodes.get("zarr.json"))
+    if fault is not None:
+        return [f"zarr.json: the root's consolidated metadata (read by xr.open_zarr) is malformed ({fault}); "
+                f"run `attngeom validate --store {url} --repair` to rebuild it"]
+    if any(meta is None for meta in nodes.values()) or lost_metadata(nodes):
         return []
     stale = stale_consolidated(None, nodes)
     if not stale:
@@ -460,8 +481,8 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
     # One store for the whole check: on an object store every object is read once.
     zstore = cached(zarr_store(url, read_only=True))
     nodes = node_metadata(zstore)
-    bad_metadata = [key for key, meta in nodes.items() if meta is None]
-    problems = metadata_problems(url, bad_metadata) + leftover_problems(url) + link_problems(url)
+    bad_metadata = broken_metadata(nodes)
+    problems = metadata_problems(url, zstore, nodes) + leftover_problems(url) + link_problems(url)
     if "zarr.json" in bad_metadata:
         return problems
     try:
