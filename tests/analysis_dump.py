@@ -2,7 +2,9 @@
 stored object: what ``tests/test_analysis_dump.py`` compares against ``tests/data/analysis-dump.json``.
 
 Regenerate the reference (only with a change that is meant to change analysis results, and
-so bumps ``ANALYSIS_VERSION``) with::
+so bumps ``ANALYSIS_VERSION``, or with a numba/LLVM release: the leave-one-out sums are
+compiled with reassociation, ``kernels._jit.jit_dot``, so their last bits follow the code
+LLVM generates) with::
 
     PYTHONPATH=. python tests/analysis_dump.py tests/data/analysis-dump.json
 """
