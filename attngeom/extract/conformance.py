@@ -83,12 +83,20 @@ def check_capture(model: torch.nn.Module, ids: torch.Tensor, positions: tuple[in
     def compare(module, query, key, value, mask, scaling, kwargs: Mapping, capture, output) -> None:
         eager = _eager_function(module)
         rows = capture.query_rows  # this forward keeps no other queries' rows
-        out, weights = eager(module, query[:, :, where].float(), key.float(), value.float(),
-                             _eager_mask(mask, where, key.shape[2]), scaling=scaling, dropout=0.0, **kwargs)
+        try:
+            out, weights = eager(module, query[:, :, where].float(), key.float(), value.float(),
+                                 _eager_mask(mask, where, key.shape[2]), scaling=scaling, dropout=0.0, **kwargs)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise UnsupportedModelError(
+                f"the eager attention of {type(module).__name__} (layer {module.layer_idx}) cannot run on the "
+                f"arguments of its own attention call ({type(exc).__name__}): attngeom cannot check its capture"
+            ) from exc
         ours = output[:, where].float()
-        row_error = float((rows - weights.float()).abs().max())
+        # A shape that differs is a difference too: the eager attention computes something else.
+        row_error = (float((rows - weights.float()).abs().max()) if weights is not None and weights.shape == rows.shape
+                     else float("inf"))
         scale = max(1.0, float(out.abs().max()))
-        output_error = float((ours - out.float()).abs().max()) / scale
+        output_error = float((ours - out.float()).abs().max()) / scale if out.shape == ours.shape else float("inf")
         errors[module.layer_idx] = (row_error, output_error)
 
     training = model.training
@@ -111,10 +119,14 @@ def refuse_disagreement(checks: list[LayerCheck], model_type: str) -> None:
         first = bad[0]
         raise UnsupportedModelError(
             f"the capture of model type '{model_type}' disagrees with its own eager attention in "
-            f"{len(bad)} of {len(checks)} layers: layer {first.layer} ({first.kind}) rows differ by "
-            f"{first.row_error:.2g} and outputs by {first.output_error:.2g} (tolerance {ROW_TOLERANCE:g}, "
+            f"{len(bad)} of {len(checks)} layers: layer {first.layer} ({first.kind}) rows differ "
+            f"{_by(first.row_error)} and outputs {_by(first.output_error)} (tolerance {ROW_TOLERANCE:g}, "
             f"float32); attngeom refuses to store rows it cannot reproduce"
         )
+
+
+def _by(error: float) -> str:
+    return "in shape (the eager attention weighs other keys)" if error == float("inf") else f"by {error:.2g}"
 
 
 @dataclass(frozen=True)
