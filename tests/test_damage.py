@@ -349,8 +349,9 @@ def synthetic_source(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("how", ["missing", "empty"])
 # Every per-sequence array a synthetic run holds: all but the full attention matrices
-# (``attn``, stored by ``extract --store-rows all`` only), which are read the same way.
-@pytest.mark.parametrize("name", [n for n in SEQUENCE_ARRAYS if n != "attn"])
+# (``attn``, stored by ``extract --store-rows all`` only) and the learned sinks' weights (a
+# model with learned sinks only), which are read the same way.
+@pytest.mark.parametrize("name", [n for n in SEQUENCE_ARRAYS if n not in ("attn", "learned_sink_attn")])
 def test_the_api_never_reads_a_lost_object_as_fill_values(synthetic_source, tmp_path, name, how):
     """A committed sequence's stored object deleted (or emptied) reads through the API as the
     damage error validate gives for it, not as the fill value; the other sequences read as
