@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attngeom.errors import GroupNotFoundError, InputError, StoreNotFoundError
-from attngeom.peek import local_path, require_run, require_store
+from attngeom.peek import local_path, require_run, require_store, run_record
 
 if TYPE_CHECKING:
     import numpy as np
@@ -118,7 +118,8 @@ def extract(
         return checked.done
     from attngeom.extract.pipeline import extract as run
 
-    return run(request, checked)
+    with _library_bars(progress):
+        return run(request, checked)
 
 
 def check_model(model: str, *, device: str = "auto", dtype: str = "auto", length: int = 64) -> ModelCheck:
@@ -340,10 +341,13 @@ def ablate(
 ) -> AblateResult:
     """Single-head ablation and head sparsification of run ``run_id`` (docs/method.md#ablation); needs the model.
 
-    The run's model is loaded by its recorded name with its own attention implementation;
-    pass ``model`` for a run extracted from a model in memory (its state dict must hash as
-    recorded). retention: fractions of heads kept per layer (default 1.0, 0.9, 0.75, 0.5,
-    0.25). Writes runs/<id>/ablation/{single, sweep, correlations, critical, table[, regimes]}
+    The run's model is loaded by its recorded name with its own attention implementation.
+    ``model`` says where it is now when it has moved (a name, .gguf file, folder or hub id,
+    checked against the run's architecture, shapes and weights); a run extracted from a model
+    in memory needs that model again, or where its weights were saved (its state dict must
+    hash as recorded). retention: fractions of heads kept per layer, each in (0, 1] (default
+    1.0, 0.9, 0.75, 0.5, 0.25). Options are checked before torch loads. Writes
+    runs/<id>/ablation/{single, sweep, correlations, critical, table[, regimes]}
     and returns them as in-memory Datasets (single: (layer, head[, seq]); sweep: (method,
     retention[, draw, seq, layer, head])) with the sweep as a table. See
     :class:`~attngeom.ablate.request.AblateRequest` for every option.
@@ -351,17 +355,60 @@ def ablate(
     require_run(str(store), run_id)
     if out is not None:
         _check_out(out)
-    from attngeom.ablate.request import DEFAULT_RETENTION, AblateRequest
+    from attngeom.ablate.request import DEFAULT_RETENTION, AblateRequest, check_request
+
+    request = AblateRequest(
+        store=str(store), run_id=run_id, model=model, device=device, dtype=dtype, protect=protect,
+        protect_critical=protect_critical, retention=DEFAULT_RETENTION if retention is None else tuple(retention),
+        random_masks=random_masks, seed=seed, top_n=top_n, critical_k=critical_k, critical_floor=critical_floor,
+        max_sequences=max_sequences, batch_size=batch_size, out=out, progress=progress,
+    )
+    check_request(request)
+    record = _model_stage_checks(str(store), run_id, model, device, dtype, "ablate")
+    check_request(request, record.get("layout"), _committed(str(store), run_id))
     from attngeom.ablate.stage import ablate as run
     from attngeom.store import writing
 
-    with writing(str(store)):
-        return run(AblateRequest(
-            store=str(store), run_id=run_id, model=model, device=device, dtype=dtype, protect=protect,
-            protect_critical=protect_critical, retention=DEFAULT_RETENTION if retention is None else retention,
-            random_masks=random_masks, seed=seed, top_n=top_n, critical_k=critical_k, critical_floor=critical_floor,
-            max_sequences=max_sequences, batch_size=batch_size, out=out, progress=progress,
-        ))
+    with writing(str(store)), _library_bars(progress):
+        return run(request)
+
+
+def _model_stage_checks(store: str, run_id: str, model: Any, device: str, dtype: str, stage: str) -> dict[str, Any]:
+    """What a stage that loads the run's model refuses before torch loads: the device and
+    dtype, and a model that cannot be the run's. Returns the run's record (empty when it
+    cannot be read: the store package names why)."""
+    from attngeom.runcheck import check_device, check_dtype, check_model
+
+    check_dtype(dtype, stage)
+    check_device(device)
+    record = run_record(store, run_id) or {}
+    if record:
+        check_model(model, record, run_id, stage)
+    return record
+
+
+def _committed(store: str, run_id: str) -> int | None:
+    from attngeom.runcheck import committed_count
+
+    return committed_count(store, run_id)
+
+
+@contextlib.contextmanager
+def _library_bars(progress: bool) -> Iterator[None]:
+    """Within the block, transformers' and huggingface_hub's own bars (loading weights,
+    downloads) are shown only with ``progress``; as they were after."""
+    if progress:
+        yield
+        return
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
 
 
 def detect(
@@ -384,29 +431,33 @@ def detect(
 
     duplicate_score, induction_score and prev_token_score from ``probes`` seeded sequences
     ``[BOS] + r + r`` of random tokens; retrieval_score, teacher-forced, from the run's first
-    ``haystacks`` windows with a needle of ``needle_length`` tokens of another window
+    ``haystacks`` windows (all of them when it has fewer: ``DetectResult.haystacks`` says how
+    many) with a needle of ``needle_length`` tokens of another window
     inserted at each of ``depths`` (default 0.1, 0.3, 0.5, 0.7, 0.9) and repeated at the
-    end. The run's model is loaded by its recorded name; pass ``model`` (and, where the run
-    records no tokenizer that loads, ``tokenizer``) for a run extracted from a model in
-    memory. Writes runs/<id>/detect/{scores, probes, retrieval} and returns them as
+    end. The run's model is loaded by its recorded name, or from ``model`` (a name, .gguf file,
+    folder or hub id) where it is now, checked as for :func:`ablate`; a run extracted from a
+    model in memory needs that model (or where its weights were saved) and, where the run
+    records no tokenizer that loads, ``tokenizer``. Options are checked before torch loads.
+    Writes runs/<id>/detect/{scores, probes, retrieval} and returns them as
     in-memory Datasets (scores: (layer, head)); a rerun with the same parameters keeps the
     committed results. See :class:`~attngeom.detect.request.DetectRequest` for every option.
     """
     require_run(str(store), run_id)
     from attngeom.detect.request import DEFAULT_DEPTHS, DetectRequest, check_request
-    from attngeom.peek import run_record
 
     request = DetectRequest(
         store=str(store), run_id=run_id, model=model, tokenizer=tokenizer, device=device, dtype=dtype, probes=probes,
         needle_length=needle_length, haystacks=haystacks, depths=DEFAULT_DEPTHS if depths is None else tuple(depths),
         seed=seed, batch_size=batch_size, progress=progress,
     )
-    length = (run_record(str(store), run_id) or {}).get("context_length")
-    check_request(request, length if isinstance(length, int) else None)
+    check_request(request)
+    record = _model_stage_checks(str(store), run_id, model, device, dtype, "detect")
+    length = record.get("context_length")
+    check_request(request, length if isinstance(length, int) else None, _committed(str(store), run_id))
     from attngeom.detect.stage import detect as run
     from attngeom.store import writing
 
-    with writing(str(store)):
+    with writing(str(store)), _library_bars(progress):
         return run(request)
 
 

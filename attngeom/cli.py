@@ -11,6 +11,7 @@ import click
 
 from attngeom import __version__
 from attngeom.errors import AttngeomError, AttngeomWarning
+from attngeom.runcheck import STAGE_DTYPES
 
 # What to do after Ctrl-C, by command: each is safe to interrupt and to run again.
 RESUME = {
@@ -29,19 +30,23 @@ class _Group(click.Group):
 
     def invoke(self, ctx: click.Context):
         shown = warnings.showwarning
+        said: set[str] = set()
 
         def one_line(message, category, filename, lineno, file=None, line=None):
-            # Python's form adds the file, line and source of the call: noise to a user.
-            if issubclass(category, AttngeomWarning):
-                click.echo(f"attngeom: warning: {message}", err=True)
-            else:
-                shown(message, category, filename, lineno, file, line)
+            # Python's form adds the file, line and source of the call: noise to a user. A
+            # library's warning names the library; each is said once.
+            text = " ".join(str(message).split()) or category.__name__
+            if not issubclass(category, AttngeomWarning):
+                text = f"{_library(filename)}: {text}"
+            if text not in said:
+                said.add(text)
+                click.echo(f"attngeom: warning: {text}", err=True)
 
         warnings.showwarning = one_line
         try:
             return super().invoke(ctx)
         except AttngeomError as exc:
-            click.echo(f"attngeom: error: {exc}", err=True)
+            click.echo(f"attngeom: error: {exc.command_line or exc}", err=True)
             sys.exit(2)
         except click.UsageError as exc:
             # click's own form takes three lines: the usage, a hint, then the error.
@@ -69,6 +74,15 @@ def main() -> None:
     model again; demo runs extract, validate, analyze, ablate and report on the offline default
     model. Mistakes in the arguments, names or store are answered before any model loads.
     """
+
+
+def _library(filename: str) -> str:
+    """The package a warning was raised in, from its file's path (site-packages/<name>/...)."""
+    parts = Path(filename).parts
+    for i, part in enumerate(parts[:-1]):
+        if part in ("site-packages", "dist-packages"):
+            return parts[i + 1].removesuffix(".py")
+    return Path(filename).stem
 
 
 def _shard(ctx, param, value: str | None) -> tuple[int, int] | None:
@@ -103,6 +117,7 @@ def _comma_list(convert, expected: str):
 
 
 STORE = click.option("--store", required=True, help="Store: a local path or an fsspec URL (s3://, memory://, file://).")
+MODEL_NOW = click.option("--model", help="Where the run's model is now, if not where extract found it: a name, .gguf file, folder or hub id; checked against the run's architecture, shapes and weights [default: the run's recorded model].")
 
 
 @main.command(short_help="Run the model once; write attention rows, values and per-query summaries into a Zarr store (GPU where there is one).")
@@ -232,8 +247,9 @@ def taxonomy(store: str, export: Path | None, export_kv: Path | None, score: str
 @main.command(short_help="Measure single-head ablation and head sparsification (needs the model).")
 @STORE
 @click.option("--run", "run_id", required=True, help="The run whose model and tokens to use.")
+@MODEL_NOW
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype; auto is float32 on every device (bfloat16 moves results: see README).")
+@click.option("--dtype", type=click.Choice(STAGE_DTYPES), default="auto", show_default=True, help="Compute dtype; auto is float32 on every device (bfloat16 moves results: see README); float32-tf32 is extract's alone.")
 @click.option("--protect", default="", help="LAYER.HEAD pairs always kept and outside every ranking, e.g. 0.12,3.4.")
 @click.option("--protect-critical", is_flag=True, help="Also hold the automatically found critical heads fixed.")
 @click.option("--retention", callback=_comma_list(float, "comma-separated fractions, e.g. 1.0,0.75,0.5"), help="Fractions of heads kept per layer [default: 1.0,0.9,0.75,0.5,0.25].")
@@ -258,15 +274,14 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
     critical = result.critical
     click.echo(f"run {result.run_id}: ablation written in {result.seconds:.1f} s; "
                f"{critical.sizes.get('critical', 0)} critical head(s)")
-    for what, why in result.skipped.items():
-        click.echo(f"skipped {what}: {why}")
 
 
 @main.command(short_help="Score every head as the field's detectors do: induction, duplicate, previous-token, retrieval (needs the model).")
 @STORE
 @click.option("--run", "run_id", required=True, help="The run whose model and stored windows to use.")
+@MODEL_NOW
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype of the model; auto is float32 on every device (attention rows are float32 in any case).")
+@click.option("--dtype", type=click.Choice(STAGE_DTYPES), default="auto", show_default=True, help="Compute dtype of the model; auto is float32 on every device (attention rows are float32 in any case); float32-tf32 is extract's alone.")
 @click.option("--probes", type=click.IntRange(1), default=16, show_default=True, help="P: repeated random-token sequences [BOS] + r + r, r of k = min(128, (L-1)//2) tokens.")
 @click.option("--needle-length", type=click.IntRange(2), default=16, show_default=True, help="n: tokens of the retrieval needle, taken from another stored window (needs L >= 2n+2).")
 @click.option("--haystacks", type=click.IntRange(1), default=16, show_default=True, help="How many of the run's committed windows (the first ones) serve as haystacks.")
@@ -294,6 +309,9 @@ def detect(store: str, run_id: str, depths, no_progress: bool, **kwargs) -> None
     result = api.detect(store, run_id, depths=depths, progress=not no_progress, **kwargs)
     how = "kept (same parameters)" if result.kept else f"written in {result.seconds:.1f} s"
     click.echo(f"run {result.run_id}: head scores {how}")
+    if result.haystacks < kwargs["haystacks"]:
+        click.echo(f"  retrieval: {result.haystacks} haystacks, all the run's committed windows "
+                   f"(--haystacks {kwargs['haystacks']} asked for more)")
     scores = result.scores
     for name in ("induction_score", "retrieval_score", "duplicate_score", "prev_token_score"):
         values = scores[name].values
