@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from attngeom.extract.conformance import ModelCheck
     from attngeom.extract.request import ExtractResult
     from attngeom.open import Store
+    from attngeom.report import Report
     from attngeom.store import Repair
     from attngeom.store.migrate import MigrationReport
 
@@ -461,9 +462,12 @@ def detect(
         return run(request)
 
 
-def report(store: str | Path, out: str | Path) -> Path:
+def report(store: str | Path, out: str | Path) -> Report:
     """Draw every figure (PNG) and table (Markdown, CSV) of the paper from ``store`` into
-    ``out``, with an offline index.html; needs no model. Returns the path of index.html."""
+    ``out``, with an offline index.html that opens with "How to read this report"; needs no
+    model and prints nothing. Returns a :class:`~attngeom.report.Report`: ``index`` (the path
+    of index.html, also its ``os.fspath``) and ``missing``, a line per command that would add
+    what the page lacks."""
     require_store(str(store))
     _check_out(out)
     from attngeom.report import build_report

@@ -332,7 +332,10 @@ def report(store: str, out: Path) -> None:
     """
     from attngeom import api
 
-    click.echo(f"report: {api.report(store, out)}")
+    result = api.report(store, out)
+    click.echo(f"report: {result.index}")
+    for line in result.missing:
+        click.echo(f"report: {line}")
 
 
 @main.command(short_help="Write an offline, interactive page of every head's geometry.")

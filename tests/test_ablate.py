@@ -318,7 +318,7 @@ def test_errors_and_parse_heads(store):
         ablate(store, "r", device="cpu", max_sequences=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(AttngeomError, match="between 0 and 1"):
+        with pytest.raises(AttngeomError, match="above 0 and at most 1"):
             ablate(store, "r", retention=(1.5,))
 
 
