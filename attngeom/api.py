@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from attngeom.errors import GroupNotFoundError, InputError, StoreNotFoundError
 from attngeom.peek import local_path, require_run, require_store, run_record
+from attngeom.runcheck import check_device, check_dtype, check_model, committed_count
 
 if TYPE_CHECKING:
     import numpy as np
@@ -366,7 +367,7 @@ def ablate(
     )
     check_request(request)
     record = _model_stage_checks(str(store), run_id, model, device, dtype, "ablate")
-    check_request(request, record.get("layout"), _committed(str(store), run_id))
+    check_request(request, record.get("layout"), committed_count(str(store), run_id))
     from attngeom.ablate.stage import ablate as run
     from attngeom.store import writing
 
@@ -378,20 +379,12 @@ def _model_stage_checks(store: str, run_id: str, model: Any, device: str, dtype:
     """What a stage that loads the run's model refuses before torch loads: the device and
     dtype, and a model that cannot be the run's. Returns the run's record (empty when it
     cannot be read: the store package names why)."""
-    from attngeom.runcheck import check_device, check_dtype, check_model
-
     check_dtype(dtype, stage)
     check_device(device)
     record = run_record(store, run_id) or {}
     if record:
         check_model(model, record, run_id, stage)
     return record
-
-
-def _committed(store: str, run_id: str) -> int | None:
-    from attngeom.runcheck import committed_count
-
-    return committed_count(store, run_id)
 
 
 @contextlib.contextmanager
@@ -444,7 +437,7 @@ def detect(
     committed results. See :class:`~attngeom.detect.request.DetectRequest` for every option.
     """
     require_run(str(store), run_id)
-    from attngeom.detect.request import DEFAULT_DEPTHS, DetectRequest, check_request
+    from attngeom.detect.request import DEFAULT_DEPTHS, DetectRequest, check_request, check_sequences
 
     request = DetectRequest(
         store=str(store), run_id=run_id, model=model, tokenizer=tokenizer, device=device, dtype=dtype, probes=probes,
@@ -454,7 +447,9 @@ def detect(
     check_request(request)
     record = _model_stage_checks(str(store), run_id, model, device, dtype, "detect")
     length = record.get("context_length")
-    check_request(request, length if isinstance(length, int) else None, _committed(str(store), run_id))
+    check_request(request, length if isinstance(length, int) else None)
+    if (committed := committed_count(str(store), run_id)) is not None:
+        check_sequences(run_id, committed)
     from attngeom.detect.stage import detect as run
     from attngeom.store import writing
 

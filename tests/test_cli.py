@@ -386,7 +386,7 @@ def test_ablate_and_detect_refusals_come_in_one_line_before_torch_loads(moved, t
         ("detect", *run, "--model", str(tiny_model_dir("qwen2"))): f"model {tiny_model_dir('qwen2')} is not the "
                                                                    "model of run 'm': its architecture qwen2 (the "
                                                                    "run's: llama)",
-        ("detect", "--store", store, "--run", "one", "--model", now): "run 'one' needs at least 2 complete sequences "
+        ("detect", "--store", store, "--run", "one", "--model", now, "--needle-length", "4"): "run 'one' needs at least 2 complete sequences "
                                                                       "(a haystack and another window for its "
                                                                       "needle); it has 1",
         ("ablate", "--store", store, "--run", "one", "--model", now): "run 'one' needs at least 2 complete sequences "

@@ -47,10 +47,9 @@ def probe_length(context_length: int) -> int:
     return min(MAX_PROBE_LENGTH, (context_length - 1) // 2)
 
 
-def check_request(request: DetectRequest, context_length: int | None = None, committed: int | None = None) -> None:
+def check_request(request: DetectRequest, context_length: int | None = None) -> None:
     """Refuse options no detect can run with, and, given the run's L, a needle or probe
-    that does not fit it, and given its ``committed`` sequences, fewer than a haystack and
-    another window for its needle: :class:`InputError`, one line."""
+    that does not fit it: :class:`InputError`, one line."""
     if request.probes < 1 or request.haystacks < 1 or request.batch_size < 1:
         raise InputError("--probes, --haystacks and --batch-size must be >= 1")
     if request.needle_length < 2:
@@ -58,11 +57,6 @@ def check_request(request: DetectRequest, context_length: int | None = None, com
     depths = list(request.depths)
     if not depths or not all(0.0 <= d <= 1.0 for d in depths) or len(set(depths)) != len(depths):
         raise InputError("--depths takes distinct fractions between 0 and 1, e.g. 0.1,0.5,0.9")
-    if committed is not None and committed < 2:
-        raise InputError(
-            f"run '{request.run_id}' needs at least 2 complete sequences (a haystack and another window for its "
-            f"needle); it has {committed}"
-        )
     if context_length is None:
         return
     if probe_length(context_length) < 1:
@@ -71,4 +65,13 @@ def check_request(request: DetectRequest, context_length: int | None = None, com
         raise InputError(
             f"--needle-length {request.needle_length} needs L >= {2 * request.needle_length + 2} "
             f"(BOS, a haystack token, the needle and its copy); the run has L = {context_length}"
+        )
+
+
+def check_sequences(run_id: str, committed: int) -> None:
+    """Refuse a run of fewer ``committed`` sequences than a haystack and another window for its needle."""
+    if committed < 2:
+        raise InputError(
+            f"run '{run_id}' needs at least 2 complete sequences (a haystack and another window for its needle); "
+            f"it has {committed}"
         )

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from attngeom import __version__
 from attngeom.detect.inputs import Retrieval, probe_tokens, retrieval_samples, vocabulary
-from attngeom.detect.request import DetectRequest, check_request, probe_length
+from attngeom.detect.request import DetectRequest, check_request, check_sequences, probe_length
 from attngeom.detect.scores import probe_queries, probe_sums, retrieval_hits, retrieval_queries
 from attngeom.errors import AttngeomError, InputError
 from attngeom.extract.capture import capturing, decoder
@@ -116,9 +116,9 @@ def detect(request: DetectRequest) -> DetectResult:
         if kept is not None:
             return DetectResult(request.run_id, *kept, kept=True, seconds=time.perf_counter() - start,
                                 haystacks=len(params["haystack_sequences"]))
-        tokenizer = request.tokenizer if request.tokenizer is not None else _run_tokenizer(request, inputs.provenance)
         model, device, compute_dtype = run_model(request.model, inputs.provenance, request.run_id,
                                                  request.device, request.dtype)
+        tokenizer = request.tokenizer if request.tokenizer is not None else _run_tokenizer(request, inputs.provenance)
         vocab = _vocabulary(tokenizer, model, inputs.bos, request.run_id)
         config = model.config.get_text_config()
         if (config.num_hidden_layers, config.num_attention_heads) != (len(inputs.layer), len(inputs.head)):
@@ -146,7 +146,8 @@ def _read_run(request: DetectRequest, session: StoreSession) -> _RunInputs:
     provenance = run_provenance(session.root, request.run_id)
     check_model(request.model, provenance, request.run_id, "detect")
     seqs = completed(run)
-    check_request(request, int(run["tokens"].shape[1]), len(seqs))
+    check_request(request, int(run["tokens"].shape[1]))
+    check_sequences(request.run_id, len(seqs))
     with reading_run(request.store, run, request.run_id):
         windows = run["tokens"].get_orthogonal_selection((seqs, slice(None))).astype(np.int64)
     return _RunInputs(provenance, seqs.astype(np.int64), windows, run["layer"][:], run["head"][:])
