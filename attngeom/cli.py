@@ -198,8 +198,9 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
             no_progress: bool) -> None:
     """Compute every quantity of docs/method.md from the store, out of core, without the model.
 
-    Writes runs/<id>/analysis/{topn,values,taxonomy,heads,summary,signatures,table} into
-    the store (and topn_by_query, summary_by_query for a run extracted with --queries);
+    Writes runs/<id>/analysis/{topn,values,taxonomy,heads,summary,signatures,table,
+    sequence_scores,head_scores} into the store (and topn_by_query, summary_by_query for a
+    run extracted with --queries);
     only committed sequences are read. Incremental: a rerun with the same
     parameters (n grid, seed) computes only the sequences not analyzed yet, then the groups
     across sequences; other parameters recompute everything (the output says why), and the
@@ -262,9 +263,12 @@ def taxonomy(store: str, export: Path | None, export_kv: Path | None, score: str
 def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, **kwargs) -> None:
     """Single-head ablation and head sparsification of a run (docs/method.md#ablation); needs the model.
 
-    Loads the run's model again by its recorded name, on --device. Prefills L-1 tokens of each stored sequence and scores the next one; heads are zeroed
-    at the input of the output projection, many masks per batched forward. Writes
-    runs/<id>/ablation/{single,sweep,correlations,critical,regimes}.
+    Loads the run's model again by its recorded name, or from --model where it is now,
+    on --device. Options, the device and the model's architecture and shapes are checked
+    first, in about a second, before torch loads. Prefills L-1 tokens of each stored
+    sequence and scores the next one; heads are zeroed at the input of the output
+    projection, many masks per batched forward. Writes
+    runs/<id>/ablation/{single,sweep,correlations,critical,table,regimes}.
     """
     from attngeom import api
     from attngeom.ablate.request import parse_heads
@@ -292,8 +296,9 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
 def detect(store: str, run_id: str, depths, no_progress: bool, **kwargs) -> None:
     """The field's head scores of a run (docs/method.md#head-detectors); needs the model.
 
-    Loads the run's model again by its recorded name, on --device, and reads every head's
-    attention from its own forward. Repeated random tokens give each head its
+    Loads the run's model again by its recorded name, or from --model where it is now, on
+    --device (options, the device and the model's shapes are checked first, before torch
+    loads), and reads every head's attention from its own forward. Repeated random tokens give each head its
     duplicate_score, induction_score and prev_token_score; the run's own windows, with a
     needle from another window inserted at each depth and repeated at the end, its
     teacher-forced retrieval_score. Writes runs/<id>/detect/{scores,probes,retrieval}, the
@@ -326,9 +331,10 @@ def detect(store: str, run_id: str, depths, no_progress: bool, **kwargs) -> None
 def report(store: str, out: Path) -> None:
     """Draw every figure and table of the paper from the store, no model needed.
 
-    Writes DIR/index.html (works offline) with the PNG figures and the tables beside it.
-    Run analyze (and ablate) first for every figure: inputs a run lacks become notes in
-    the report.
+    Writes DIR/index.html (works offline) with the PNG figures and the tables beside it;
+    the page opens with how to read it: what each section answers and the store's headline
+    findings. Run analyze (and ablate, detect) first for every figure: inputs a run lacks
+    become notes in the report, and a line here names the command that adds them.
     """
     from attngeom import api
 
@@ -405,7 +411,9 @@ def migrate(store: str, no_progress: bool) -> None:
     Format 1 stores (attngeom 0.1.0 before chunk checksums) get a crc32c checksum on every
     chunk; format 2 stores get their label arrays (zarr-python's string type) as integer
     codes of the Zarr v3 core, their labels in the attributes; format 3 stores get the
-    codes of regimes, votes, statistics and methods in their fixed order. Values are kept.
+    codes of regimes, votes, statistics and methods in their fixed order; format 4 stores
+    get, in each run's layout, the per-query summaries (prev_attn, recent_attn) the run
+    lacks. Values are kept.
     Each array is rewritten through a temporary copy: a migration that is interrupted is
     finished by running it again. No other command may use the store meanwhile.
     """
@@ -426,10 +434,12 @@ def migrate(store: str, no_progress: bool) -> None:
 def demo(out: Path, num_sequences: int, context_length: int) -> None:
     """The whole pipeline on the offline default model (gemma3-270m) and corpus (wiki-summaries).
 
-    Runs extract, validate, analyze, ablate (the model again, on CPU) and report, and
-    writes the store, tables and report under --out (./demo-out). The first run assembles
-    the model's GGUF and de-quantizes it into ~/.cache/attngeom ($ATTNGEOM_CACHE), about
-    1.4 GB; later runs read it from there. Run again, it says which steps had nothing to do.
+    Runs extract, validate, analyze, ablate (the model again, on CPU: every single head,
+    and a sweep of retention 1.0 and 0.5 with 2 random masks) and report, saying each
+    step's time and the total, and writes the store, tables and report under --out
+    (./demo-out). The first run assembles the model's GGUF and de-quantizes it into
+    ~/.cache/attngeom ($ATTNGEOM_CACHE), about 1.4 GB; later runs read it from there. Run
+    again, it says which steps had nothing to do.
     """
     from attngeom.demo import run_demo
 
