@@ -434,8 +434,9 @@ def migrate(store: str, no_progress: bool) -> None:
 def demo(out: Path, num_sequences: int, context_length: int) -> None:
     """The whole pipeline on the offline default model (gemma3-270m) and corpus (wiki-summaries).
 
-    Runs extract, validate, analyze, ablate (the model again, on CPU: every single head,
-    and a sweep of retention 1.0 and 0.5 with 2 random masks) and report, saying each
+    Runs extract, validate, analyze, ablate (the model again, on CPU: every single head on
+    one sequence, and a sweep of retention 1.0 and 0.5 with 2 random masks on another) and
+    report, saying each
     step's time and the total, and writes the store, tables and report under --out
     (./demo-out). The first run assembles the model's GGUF and de-quantizes it into
     ~/.cache/attngeom ($ATTNGEOM_CACHE), about 1.4 GB; later runs read it from there. Run

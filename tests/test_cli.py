@@ -408,3 +408,9 @@ def test_a_moved_model_is_found_again_with_model(moved):
     # Said once, as one line: the run has no analysis.
     assert result.output.count("type-guided sparsification skipped") == 1, result.output
     assert "Loading weights" not in result.output
+    result = CliRunner().invoke(main, ["detect", "--store", store, "--run", "m", "--model", now, "--device", "cpu",
+                                       "--needle-length", "4", "--probes", "2", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[1] == (
+        "  retrieval: 2 haystacks, all the run's committed windows (--haystacks 16 asked for more)")
+    assert "Loading weights" not in result.output
