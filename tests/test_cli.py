@@ -414,3 +414,26 @@ def test_a_moved_model_is_found_again_with_model(moved):
     assert result.output.splitlines()[1] == (
         "  retrieval: 2 haystacks, all the run's committed windows (--haystacks 16 asked for more)")
     assert "Loading weights" not in result.output
+
+
+def test_a_warning_is_one_line_said_once_naming_its_library():
+    import warnings
+
+    from attngeom.cli import _Group
+
+    @click.group(cls=_Group)
+    def group() -> None:
+        """A group with one command that warns as a library and as attngeom, twice each."""
+
+    @group.command()
+    def noisy() -> None:
+        for _ in range(2):
+            warnings.warn_explicit("Data has no positive values,\n and therefore cannot be log-scaled.", UserWarning,
+                                   "/venv/lib/python3.11/site-packages/matplotlib/axes/_base.py", 10)
+            warnings.warn_explicit("type-guided sparsification skipped: no head regimes", ag.AttngeomWarning,
+                                   "/repo/attngeom/ablate/stage.py", 20)
+
+    result = CliRunner().invoke(group, ["noisy"])
+    assert result.output == (
+        "attngeom: warning: matplotlib: Data has no positive values, and therefore cannot be log-scaled.\n"
+        "attngeom: warning: type-guided sparsification skipped: no head regimes\n")
