@@ -295,3 +295,23 @@ def test_each_option_default_is_the_same_in_help_docs_api_and_request():
                     if default != code:
                         wrong.append(f"{name} {option}: {where} takes {default!r}, the command {code!r}")
     assert not wrong, wrong
+
+
+def test_every_derived_group_a_command_writes_is_in_its_help_and_store_md():
+    from click.testing import CliRunner
+
+    from attngeom.cli import main
+    from attngeom.store import ABLATION_GROUPS, ANALYSIS_GROUPS, DETECT_GROUPS, QUERY_GROUPS, SCORE_GROUPS
+
+    store_md = (DOCS / "store.md").read_text()
+    written = {"analyze": ("analysis", (*ANALYSIS_GROUPS, *QUERY_GROUPS, *SCORE_GROUPS)),
+               "ablate": ("ablation", ABLATION_GROUPS), "detect": ("detect", DETECT_GROUPS)}
+    missing = []
+    for command, (kind, groups) in written.items():
+        shown = " ".join(CliRunner().invoke(main, [command, "--help"], terminal_width=1000).output.split())
+        for group in groups:
+            if not re.search(rf"\b{group}\b", shown):
+                missing.append(f"{command} --help lacks {kind}/{group}")
+            if not re.search(rf"`{group}[` ]", store_md) and f"{kind}/{group}" not in store_md:
+                missing.append(f"docs/store.md lacks {kind}/{group}")
+    assert not missing, missing
