@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from attngeom.errors import GroupNotFoundError, InputError, StoreNotFoundError
 from attngeom.peek import local_path, require_run, require_store, run_record
-from attngeom.runcheck import check_device, check_dtype, check_model, committed_count
+from attngeom.runcheck import check_device, check_dtype, check_run_model, committed_count
 
 if TYPE_CHECKING:
     import numpy as np
@@ -383,7 +383,7 @@ def _model_stage_checks(store: str, run_id: str, model: Any, device: str, dtype:
     check_device(device)
     record = run_record(store, run_id) or {}
     if record:
-        check_model(model, record, run_id, stage)
+        check_run_model(model, record, run_id, stage)
     return record
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from attngeom.errors import InputError
 
-__all__ = ["STAGE_DTYPES", "check_device", "check_dtype", "check_model", "committed_count", "model_shapes"]
+__all__ = ["STAGE_DTYPES", "check_device", "check_dtype", "check_run_model", "committed_count", "model_shapes"]
 
 DEVICES = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # ablate's and detect's: float32-tf32 is extract's alone (TF32 inside its forward).
@@ -88,7 +88,7 @@ _SHAPE_WORDS = {"model_type": "architecture", "n_layers": "layers", "n_heads": "
                 "head_dim": "head dimension"}
 
 
-def check_model(model: Any, record: dict[str, Any], run_id: str, stage: str) -> None:
+def check_run_model(model: Any, record: dict[str, Any], run_id: str, stage: str) -> None:
     """Refuse, before torch loads, a ``model`` that cannot be the run's (``record``: its
     provenance and layout): none given for a run of a model in memory or whose recorded
     name is found no more; a name that names nothing; a model whose config says another

@@ -5,7 +5,7 @@ now (a name, GGUF file, folder or hub id), refused if the weights found are not 
 recorded; a run of a model given in memory needs that model again, or the folder, GGUF or
 hub id its weights were saved in, its state dict hashing as recorded. What can be told
 without torch (where the model is, its architecture and shapes) is
-:func:`attngeom.runcheck.check_model`'s, made first.
+:func:`attngeom.runcheck.check_run_model`'s, made first.
 """
 
 from __future__ import annotations

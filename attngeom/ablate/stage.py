@@ -62,7 +62,7 @@ from attngeom.ablate.masking import head_geometry, head_weight_norms, masked_nll
 from attngeom.ablate.request import AblateRequest, check_request
 from attngeom.errors import AttngeomWarning, GroupNotFoundError, InputError
 from attngeom.runmodel import evaluating, run_model
-from attngeom.runcheck import check_model
+from attngeom.runcheck import check_run_model
 from attngeom.store import (
     ABLATION,
     ANALYSIS,
@@ -370,7 +370,7 @@ def _read_run(request: AblateRequest, session: StoreSession) -> _RunInputs:
     run = session.run(run_id)
     check_committed(store, run, run_id)
     provenance = run_provenance(session.root, run_id)
-    check_model(request.model, provenance, run_id, "ablate")
+    check_run_model(request.model, provenance, run_id, "ablate")
     committed = completed(run)
     n_layers, n_heads = run["layer"].shape[0], run["head"].shape[0]
     check_request(request, {"n_layers": n_layers, "n_heads": n_heads}, len(committed))

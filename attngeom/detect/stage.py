@@ -35,7 +35,7 @@ from attngeom.detect.scores import probe_queries, probe_sums, retrieval_hits, re
 from attngeom.errors import AttngeomError, InputError
 from attngeom.extract.capture import capturing, decoder
 from attngeom.extract.models import load_tokenizer, resolve_dtype, resolve_model
-from attngeom.runcheck import check_model
+from attngeom.runcheck import check_run_model
 from attngeom.runmodel import evaluating, is_named, run_model
 from attngeom.store import (
     ATTR_KEY,
@@ -144,7 +144,7 @@ def _read_run(request: DetectRequest, session: StoreSession) -> _RunInputs:
     run = session.run(request.run_id)
     check_committed(request.store, run, request.run_id)
     provenance = run_provenance(session.root, request.run_id)
-    check_model(request.model, provenance, request.run_id, "detect")
+    check_run_model(request.model, provenance, request.run_id, "detect")
     seqs = completed(run)
     check_request(request, int(run["tokens"].shape[1]))
     check_sequences(request.run_id, len(seqs))
