@@ -298,8 +298,8 @@ def detect(store: str, run_id: str, depths, no_progress: bool, **kwargs) -> None
 
     Loads the run's model again by its recorded name, or from --model where it is now, on
     --device (options, the device and the model's shapes are checked first, before torch
-    loads), and reads every head's attention from its own forward. Repeated random tokens give each head its
-    duplicate_score, induction_score and prev_token_score; the run's own windows, with a
+    loads), and reads every head's attention from its own forward. Repeated random tokens
+    give each head its duplicate_score, induction_score and prev_token_score; the run's own windows, with a
     needle from another window inserted at each depth and repeated at the end, its
     teacher-forced retrieval_score. Writes runs/<id>/detect/{scores,probes,retrieval}, the
     inputs included, so that every score can be recomputed. A rerun with the same options
@@ -413,7 +413,8 @@ def migrate(store: str, no_progress: bool) -> None:
     codes of the Zarr v3 core, their labels in the attributes; format 3 stores get the
     codes of regimes, votes, statistics and methods in their fixed order; format 4 stores
     get, in each run's layout, the per-query summaries (prev_attn, recent_attn) the run
-    lacks. Values are kept.
+    lacks; format 5 stores the model's layer indices (0..n-1) and that it has no learned
+    sinks. Values are kept.
     Each array is rewritten through a temporary copy: a migration that is interrupted is
     finished by running it again. No other command may use the store meanwhile.
     """
@@ -436,9 +437,8 @@ def demo(out: Path, num_sequences: int, context_length: int) -> None:
 
     Runs extract, validate, analyze, ablate (the model again, on CPU: every single head on
     one sequence, and a sweep of retention 1.0 and 0.5 with 2 random masks on another) and
-    report, saying each
-    step's time and the total, and writes the store, tables and report under --out
-    (./demo-out). The first run assembles the model's GGUF and de-quantizes it into
+    report, saying each step's time and the total, and writes the store, tables and report
+    under --out (./demo-out). The first run assembles the model's GGUF and de-quantizes it into
     ~/.cache/attngeom ($ATTNGEOM_CACHE), about 1.4 GB; later runs read it from there. Run
     again, it says which steps had nothing to do.
     """
