@@ -276,8 +276,11 @@ def test_each_option_default_is_the_same_in_help_docs_api_and_request():
         signature = inspect.signature(function).parameters if callable(function) else {}
         fields = {f.name: f.default for f in dataclasses.fields(requests[name])} if name in requests else {}
         # The values the command passes on when only its required options are given.
-        given = [x for p in command.params if p.required
-                 for x in (p.opts[0], "2" if isinstance(p.type, click.types._NumberParamTypeBase) else "x")]
+        given = []
+        for p in command.params:
+            if p.required:
+                value = "2" if isinstance(p.type, click.types._NumberParamTypeBase) else "x"
+                given += [p.opts[0], value] if isinstance(p, click.Option) else [value]
         passed = command.make_context(name, given).params
         for param in command.params:
             code = passed.get(param.name)
