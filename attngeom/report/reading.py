@@ -65,6 +65,10 @@ def _regimes(run: RunData) -> Finding:
                    "docs/method.md#head-taxonomy")
 
 
+def _ns(ns: Sequence[int]) -> str:
+    return f"N = {', '.join(map(str, ns))}"
+
+
 def _above_random(run: RunData) -> Finding | None:
     summary = run.summary
     if summary is None or "f_score" not in summary or "random_f_score" not in summary:
@@ -72,17 +76,21 @@ def _above_random(run: RunData) -> Finding | None:
     top = summary["f_score"].sel(stat="mean").mean(["layer", "head"]).values
     rand = summary["random_f_score"].sel(stat="mean").mean(["layer", "head"]).values
     ns = summary["n"].values
-    above = [int(n) for n, t, r in zip(ns, top, rand) if t > r]
+    # Where F does not tell them apart (both 1 at N = 1 in the demo's run), they are said equal.
+    equal = np.isclose(top, rand)
+    above = [int(n) for n, t, r, e in zip(ns, top, rand, equal) if t > r and not e]
+    level = [int(n) for n, e in zip(ns, equal) if e]
+    below = [int(n) for n in ns if int(n) not in above and int(n) not in level]
     widest = int(np.nanargmax(top - rand))
     at = f"F_{ns[widest]} {top[widest]:.2f} against {rand[widest]:.2f}"
-    if len(above) == len(ns):
-        verdict = f"above random at every N ({at}, the widest gap)"
-    elif not above:
-        verdict = "not above random at any N"
-    else:
-        below = [int(n) for n in ns if int(n) not in above]
-        verdict = (f"above random at N = {', '.join(map(str, above))} ({at}), not at N = "
-                   f"{', '.join(map(str, below))}")
+    parts = []
+    if above:
+        parts.append(f"above random at {'every N' if len(above) == len(ns) else _ns(above)} ({at}, the widest gap)")
+    if level:
+        parts.append(f"equal to it at {_ns(level)}")
+    if below:
+        parts.append(f"below it at {_ns(below)}")
+    verdict = ", ".join(parts)
     return Finding(f"Run {run.run_id}: top-N selection, averaged over heads, is {verdict}.", "precision_recall",
                    "docs/method.md#random-control")
 
