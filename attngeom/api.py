@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attngeom.errors import GroupNotFoundError, InputError, StoreNotFoundError
-from attngeom.peek import local_path, require_run, require_store
+from attngeom.peek import local_path, require_run, require_store, run_record
+from attngeom.runcheck import check_device, check_dtype, check_run_model, committed_count
 
 if TYPE_CHECKING:
     import numpy as np
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from attngeom.extract.conformance import ModelCheck
     from attngeom.extract.request import ExtractResult
     from attngeom.open import Store
+    from attngeom.report import Report
     from attngeom.store import Repair
     from attngeom.store.migrate import MigrationReport
 
@@ -124,7 +126,8 @@ def extract(
         return checked.done
     from attngeom.extract.pipeline import extract as run
 
-    return run(request, checked)
+    with _library_bars(progress):
+        return run(request, checked)
 
 
 def check_model(model: str, *, device: str = "auto", dtype: str = "auto", length: int = 64) -> ModelCheck:
@@ -347,12 +350,16 @@ def ablate(
 ) -> AblateResult:
     """Single-head ablation and head sparsification of run ``run_id`` (docs/method.md#ablation); needs the model.
 
-    The run's model is loaded by its recorded name with its own attention implementation;
-    pass ``model`` for a run extracted from a model in memory (its state dict must hash as
-    recorded); device_map places a model larger than one device, as for :func:`extract`. A head's
-    ablation zeroes its attention output (docs/method.md#ablation), in any family; a hybrid's
-    heads are those of its softmax-attention layers. retention: fractions of heads kept per layer (default 1.0, 0.9, 0.75, 0.5,
-    0.25). Writes runs/<id>/ablation/{single, sweep, correlations, critical, table[, regimes]}
+    The run's model is loaded by its recorded name with its own attention implementation.
+    ``model`` says where it is now when it has moved (a name, .gguf file, folder or hub id,
+    checked against the run's architecture, shapes and weights); a run extracted from a model
+    in memory needs that model again, or where its weights were saved (its state dict must
+    hash as recorded). device_map places a model larger than one device, as for
+    :func:`extract`. A head's ablation zeroes its attention output (docs/method.md#ablation),
+    in any family; a hybrid's heads are those of its softmax-attention layers. retention:
+    fractions of heads kept per layer, each in (0, 1] (default
+    1.0, 0.9, 0.75, 0.5, 0.25). Options are checked before torch loads. Writes
+    runs/<id>/ablation/{single, sweep, correlations, critical, table[, regimes]}
     and returns them as in-memory Datasets (single: (layer, head[, seq]); sweep: (method,
     retention[, draw, seq, layer, head])) with the sweep as a table. See
     :class:`~attngeom.ablate.request.AblateRequest` for every option.
@@ -360,21 +367,54 @@ def ablate(
     require_run(str(store), run_id)
     if out is not None:
         _check_out(out)
+    from attngeom.ablate.request import DEFAULT_RETENTION, AblateRequest, check_request
     from attngeom.extract.request import check_device_map
 
-    check_device_map(device_map, device, named=model is None)
-    from attngeom.ablate.request import DEFAULT_RETENTION, AblateRequest
+    request = AblateRequest(
+        store=str(store), run_id=run_id, model=model, device=device, device_map=device_map, dtype=dtype,
+        protect=protect, protect_critical=protect_critical, retention=DEFAULT_RETENTION if retention is None else tuple(retention),
+        random_masks=random_masks, seed=seed, top_n=top_n, critical_k=critical_k, critical_floor=critical_floor,
+        max_sequences=max_sequences, batch_size=batch_size, out=out, progress=progress,
+    )
+    check_request(request)
+    check_device_map(device_map, device, named=model is None or isinstance(model, str | os.PathLike))
+    record = _model_stage_checks(str(store), run_id, model, device, dtype, "ablate")
+    check_request(request, record.get("layout"), committed_count(str(store), run_id))
     from attngeom.ablate.stage import ablate as run
     from attngeom.store import writing
 
-    with writing(str(store)):
-        return run(AblateRequest(
-            store=str(store), run_id=run_id, model=model, device=device, device_map=device_map, dtype=dtype,
-            protect=protect,
-            protect_critical=protect_critical, retention=DEFAULT_RETENTION if retention is None else retention,
-            random_masks=random_masks, seed=seed, top_n=top_n, critical_k=critical_k, critical_floor=critical_floor,
-            max_sequences=max_sequences, batch_size=batch_size, out=out, progress=progress,
-        ))
+    with writing(str(store)), _library_bars(progress):
+        return run(request)
+
+
+def _model_stage_checks(store: str, run_id: str, model: Any, device: str, dtype: str, stage: str) -> dict[str, Any]:
+    """What a stage that loads the run's model refuses before torch loads: the device and
+    dtype, and a model that cannot be the run's. Returns the run's record (empty when it
+    cannot be read: the store package names why)."""
+    check_dtype(dtype, stage)
+    check_device(device)
+    record = run_record(store, run_id) or {}
+    if record:
+        check_run_model(model, record, run_id, stage)
+    return record
+
+
+@contextlib.contextmanager
+def _library_bars(progress: bool) -> Iterator[None]:
+    """Within the block, transformers' and huggingface_hub's own bars (loading weights,
+    downloads) are shown only with ``progress``; as they were after."""
+    if progress:
+        yield
+        return
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
 
 
 def detect(
@@ -398,21 +438,23 @@ def detect(
 
     duplicate_score, induction_score and prev_token_score from ``probes`` seeded sequences
     ``[BOS] + r + r`` of random tokens; retrieval_score, teacher-forced, from the run's first
-    ``haystacks`` windows with a needle of ``needle_length`` tokens of another window
+    ``haystacks`` windows (all of them when it has fewer: ``DetectResult.haystacks`` says how
+    many) with a needle of ``needle_length`` tokens of another window
     inserted at each of ``depths`` (default 0.1, 0.3, 0.5, 0.7, 0.9) and repeated at the
-    end. The run's model is loaded by its recorded name; pass ``model`` (and, where the run
-    records no tokenizer that loads, ``tokenizer``) for a run extracted from a model in
-    memory; device_map places a model larger than one device, as for :func:`extract`. Writes
-    runs/<id>/detect/{scores, probes, retrieval} and returns them as
+    end. The run's model is loaded by its recorded name, or from ``model`` (a name, .gguf file,
+    folder or hub id) where it is now, checked as for :func:`ablate`; a run extracted from a
+    model in memory needs that model (or where its weights were saved) and, where the run
+    records no tokenizer that loads, ``tokenizer``. device_map places a model larger than
+    one device, as for :func:`extract`. Options are checked before torch loads.
+    Writes runs/<id>/detect/{scores, probes, retrieval} and returns them as
     in-memory Datasets (scores: (layer, head)); a rerun with the same parameters keeps the
     committed results. See :class:`~attngeom.detect.request.DetectRequest` for every option.
     """
     require_run(str(store), run_id)
-    from attngeom.detect.request import DEFAULT_DEPTHS, DetectRequest, check_request
+    from attngeom.detect.request import DEFAULT_DEPTHS, DetectRequest, check_request, check_sequences
     from attngeom.extract.request import check_device_map
 
-    check_device_map(device_map, device, named=model is None)
-    from attngeom.peek import run_record
+    check_device_map(device_map, device, named=model is None or isinstance(model, str | os.PathLike))
 
     request = DetectRequest(
         store=str(store), run_id=run_id, model=model, tokenizer=tokenizer, device=device, device_map=device_map,
@@ -420,18 +462,25 @@ def detect(
         needle_length=needle_length, haystacks=haystacks, depths=DEFAULT_DEPTHS if depths is None else tuple(depths),
         seed=seed, batch_size=batch_size, progress=progress,
     )
-    length = (run_record(str(store), run_id) or {}).get("context_length")
+    check_request(request)
+    record = _model_stage_checks(str(store), run_id, model, device, dtype, "detect")
+    length = record.get("context_length")
     check_request(request, length if isinstance(length, int) else None)
+    if (committed := committed_count(str(store), run_id)) is not None:
+        check_sequences(run_id, committed)
     from attngeom.detect.stage import detect as run
     from attngeom.store import writing
 
-    with writing(str(store)):
+    with writing(str(store)), _library_bars(progress):
         return run(request)
 
 
-def report(store: str | Path, out: str | Path) -> Path:
+def report(store: str | Path, out: str | Path) -> Report:
     """Draw every figure (PNG) and table (Markdown, CSV) of the paper from ``store`` into
-    ``out``, with an offline index.html; needs no model. Returns the path of index.html."""
+    ``out``, with an offline index.html that opens with "How to read this report"; needs no
+    model and prints nothing. Returns a :class:`~attngeom.report.Report`: ``index`` (the path
+    of index.html, also its ``os.fspath``) and ``missing``, a line per command that would add
+    what the page lacks."""
     require_store(str(store))
     _check_out(out)
     from attngeom.report import build_report

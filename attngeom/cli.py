@@ -11,6 +11,7 @@ import click
 
 from attngeom import __version__
 from attngeom.errors import AttngeomError, AttngeomWarning
+from attngeom.runcheck import STAGE_DTYPES
 
 # What to do after Ctrl-C, by command: each is safe to interrupt and to run again.
 RESUME = {
@@ -29,19 +30,23 @@ class _Group(click.Group):
 
     def invoke(self, ctx: click.Context):
         shown = warnings.showwarning
+        said: set[str] = set()
 
         def one_line(message, category, filename, lineno, file=None, line=None):
-            # Python's form adds the file, line and source of the call: noise to a user.
-            if issubclass(category, AttngeomWarning):
-                click.echo(f"attngeom: warning: {message}", err=True)
-            else:
-                shown(message, category, filename, lineno, file, line)
+            # Python's form adds the file, line and source of the call: noise to a user. A
+            # library's warning names the library; each is said once.
+            text = " ".join(str(message).split()) or category.__name__
+            if not issubclass(category, AttngeomWarning):
+                text = f"{_library(filename)}: {text}"
+            if text not in said:
+                said.add(text)
+                click.echo(f"attngeom: warning: {text}", err=True)
 
         warnings.showwarning = one_line
         try:
             return super().invoke(ctx)
         except AttngeomError as exc:
-            click.echo(f"attngeom: error: {exc}", err=True)
+            click.echo(f"attngeom: error: {exc.command_line or exc}", err=True)
             sys.exit(2)
         except click.UsageError as exc:
             # click's own form takes three lines: the usage, a hint, then the error.
@@ -69,6 +74,15 @@ def main() -> None:
     model again; demo runs extract, validate, analyze, ablate and report on the offline default
     model. Mistakes in the arguments, names or store are answered before any model loads.
     """
+
+
+def _library(filename: str) -> str:
+    """The package a warning was raised in, from its file's path (site-packages/<name>/...)."""
+    parts = Path(filename).parts
+    for i, part in enumerate(parts[:-1]):
+        if part in ("site-packages", "dist-packages"):
+            return parts[i + 1].removesuffix(".py")
+    return Path(filename).stem
 
 
 def _shard(ctx, param, value: str | None) -> tuple[int, int] | None:
@@ -103,6 +117,7 @@ def _comma_list(convert, expected: str):
 
 
 STORE = click.option("--store", required=True, help="Store: a local path or an fsspec URL (s3://, memory://, file://).")
+MODEL_NOW = click.option("--model", help="Where the run's model is now, if not where extract found it: a name, .gguf file, folder or hub id; checked against the run's architecture, shapes and weights [default: the run's recorded model].")
 
 
 @main.command(short_help="Run the model once; write attention rows, values and per-query summaries into a Zarr store (GPU where there is one).")
@@ -184,8 +199,9 @@ def analyze(store: str, run_id: str | None, scheduler: str | None, n_grid, out: 
             no_progress: bool) -> None:
     """Compute every quantity of docs/method.md from the store, out of core, without the model.
 
-    Writes runs/<id>/analysis/{topn,values,taxonomy,heads,summary,signatures,table} into
-    the store (and topn_by_query, summary_by_query for a run extracted with --queries);
+    Writes runs/<id>/analysis/{topn,values,taxonomy,heads,summary,signatures,table,
+    sequence_scores,head_scores} into the store (and topn_by_query, summary_by_query for a
+    run extracted with --queries);
     only committed sequences are read. Incremental: a rerun with the same
     parameters (n grid, seed) computes only the sequences not analyzed yet, then the groups
     across sequences; other parameters recompute everything (the output says why), and the
@@ -233,9 +249,10 @@ def taxonomy(store: str, export: Path | None, export_kv: Path | None, score: str
 @main.command(short_help="Measure single-head ablation and head sparsification (needs the model).")
 @STORE
 @click.option("--run", "run_id", required=True, help="The run whose model and tokens to use.")
+@MODEL_NOW
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--device-map", help="Place a model larger than one device over the GPUs, the CPU and the disk: auto (or balanced, balanced_low_0, sequential), or a JSON object of module names to devices, e.g. '{\"model.layers.0\": 0, \"model.layers.1\": \"disk\"}'.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype; auto is float32 on every device (bfloat16 moves results: see README).")
+@click.option("--dtype", type=click.Choice(STAGE_DTYPES), default="auto", show_default=True, help="Compute dtype; auto is float32 on every device (bfloat16 moves results: see README); float32-tf32 is extract's alone.")
 @click.option("--protect", default="", help="LAYER.HEAD pairs always kept and outside every ranking, e.g. 0.12,3.4.")
 @click.option("--protect-critical", is_flag=True, help="Also hold the automatically found critical heads fixed.")
 @click.option("--retention", callback=_comma_list(float, "comma-separated fractions, e.g. 1.0,0.75,0.5"), help="Fractions of heads kept per layer [default: 1.0,0.9,0.75,0.5,0.25].")
@@ -248,9 +265,12 @@ def taxonomy(store: str, export: Path | None, export_kv: Path | None, score: str
 def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, **kwargs) -> None:
     """Single-head ablation and head sparsification of a run (docs/method.md#ablation); needs the model.
 
-    Loads the run's model again by its recorded name, on --device. Prefills L-1 tokens of each stored sequence and scores the next one; heads are zeroed
-    at the input of the output projection, many masks per batched forward. Writes
-    runs/<id>/ablation/{single,sweep,correlations,critical,regimes}.
+    Loads the run's model again by its recorded name, or from --model where it is now,
+    on --device. Options, the device and the model's architecture and shapes are checked
+    first, in about a second, before torch loads. Prefills L-1 tokens of each stored
+    sequence and scores the next one; heads are zeroed at the input of the output
+    projection, many masks per batched forward. Writes
+    runs/<id>/ablation/{single,sweep,correlations,critical,table,regimes}.
     """
     from attngeom import api
     from attngeom.ablate.request import parse_heads
@@ -260,16 +280,15 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
     critical = result.critical
     click.echo(f"run {result.run_id}: ablation written in {result.seconds:.1f} s; "
                f"{critical.sizes.get('critical', 0)} critical head(s)")
-    for what, why in result.skipped.items():
-        click.echo(f"skipped {what}: {why}")
 
 
 @main.command(short_help="Score every head as the field's detectors do: induction, duplicate, previous-token, retrieval (needs the model).")
 @STORE
 @click.option("--run", "run_id", required=True, help="The run whose model and stored windows to use.")
+@MODEL_NOW
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--device-map", help="Place a model larger than one device over the GPUs, the CPU and the disk: auto (or balanced, balanced_low_0, sequential), or a JSON object of module names to devices, e.g. '{\"model.layers.0\": 0, \"model.layers.1\": \"disk\"}'.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype of the model; auto is float32 on every device (attention rows are float32 in any case).")
+@click.option("--dtype", type=click.Choice(STAGE_DTYPES), default="auto", show_default=True, help="Compute dtype of the model; auto is float32 on every device (attention rows are float32 in any case); float32-tf32 is extract's alone.")
 @click.option("--probes", type=click.IntRange(1), default=16, show_default=True, help="P: repeated random-token sequences [BOS] + r + r, r of k = min(128, (L-1)//2) tokens.")
 @click.option("--needle-length", type=click.IntRange(2), default=16, show_default=True, help="n: tokens of the retrieval needle, taken from another stored window (needs L >= 2n+2).")
 @click.option("--haystacks", type=click.IntRange(1), default=16, show_default=True, help="How many of the run's committed windows (the first ones) serve as haystacks.")
@@ -280,9 +299,10 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
 def detect(store: str, run_id: str, depths, no_progress: bool, **kwargs) -> None:
     """The field's head scores of a run (docs/method.md#head-detectors); needs the model.
 
-    Loads the run's model again by its recorded name, on --device, and reads every head's
-    attention from its own forward. Repeated random tokens give each head its
-    duplicate_score, induction_score and prev_token_score; the run's own windows, with a
+    Loads the run's model again by its recorded name, or from --model where it is now, on
+    --device (options, the device and the model's shapes are checked first, before torch
+    loads), and reads every head's attention from its own forward. Repeated random tokens
+    give each head its duplicate_score, induction_score and prev_token_score; the run's own windows, with a
     needle from another window inserted at each depth and repeated at the end, its
     teacher-forced retrieval_score. Writes runs/<id>/detect/{scores,probes,retrieval}, the
     inputs included, so that every score can be recomputed. A rerun with the same options
@@ -297,6 +317,9 @@ def detect(store: str, run_id: str, depths, no_progress: bool, **kwargs) -> None
     result = api.detect(store, run_id, depths=depths, progress=not no_progress, **kwargs)
     how = "kept (same parameters)" if result.kept else f"written in {result.seconds:.1f} s"
     click.echo(f"run {result.run_id}: head scores {how}")
+    if result.haystacks < kwargs["haystacks"]:
+        click.echo(f"  retrieval: {result.haystacks} haystacks, all the run's committed windows "
+                   f"(--haystacks {kwargs['haystacks']} asked for more)")
     scores = result.scores
     for name in ("induction_score", "retrieval_score", "duplicate_score", "prev_token_score"):
         values = scores[name].values
@@ -311,13 +334,17 @@ def detect(store: str, run_id: str, depths, no_progress: bool, **kwargs) -> None
 def report(store: str, out: Path) -> None:
     """Draw every figure and table of the paper from the store, no model needed.
 
-    Writes DIR/index.html (works offline) with the PNG figures and the tables beside it.
-    Run analyze (and ablate) first for every figure: inputs a run lacks become notes in
-    the report.
+    Writes DIR/index.html (works offline) with the PNG figures and the tables beside it;
+    the page opens with how to read it: what each section answers and the store's headline
+    findings. Run analyze (and ablate, detect) first for every figure: inputs a run lacks
+    become notes in the report, and a line here names the command that adds them.
     """
     from attngeom import api
 
-    click.echo(f"report: {api.report(store, out)}")
+    result = api.report(store, out)
+    click.echo(f"report: {result.index}")
+    for line in result.missing:
+        click.echo(f"report: {line}")
 
 
 @main.command(short_help="Write an offline, interactive page of every head's geometry.")
@@ -387,7 +414,10 @@ def migrate(store: str, no_progress: bool) -> None:
     Format 1 stores (attngeom 0.1.0 before chunk checksums) get a crc32c checksum on every
     chunk; format 2 stores get their label arrays (zarr-python's string type) as integer
     codes of the Zarr v3 core, their labels in the attributes; format 3 stores get the
-    codes of regimes, votes, statistics and methods in their fixed order. Values are kept.
+    codes of regimes, votes, statistics and methods in their fixed order; format 4 stores
+    get, in each run's layout, the per-query summaries (prev_attn, recent_attn) the run
+    lacks; format 5 stores the model's layer indices (0..n-1) and that it has no learned
+    sinks. Values are kept.
     Each array is rewritten through a temporary copy: a migration that is interrupted is
     finished by running it again. No other command may use the store meanwhile.
     """
@@ -408,10 +438,12 @@ def migrate(store: str, no_progress: bool) -> None:
 def demo(out: Path, num_sequences: int, context_length: int) -> None:
     """The whole pipeline on the offline default model (gemma3-270m) and corpus (wiki-summaries).
 
-    Runs extract, validate, analyze, ablate (the model again, on CPU) and report, and
-    writes the store, tables and report under --out (./demo-out). The first run assembles
-    the model's GGUF and de-quantizes it into ~/.cache/attngeom ($ATTNGEOM_CACHE), about
-    1.4 GB; later runs read it from there. Run again, it says which steps had nothing to do.
+    Runs extract, validate, analyze, ablate (the model again, on CPU: every single head on
+    one sequence, and a sweep of retention 1.0 and 0.5 with 2 random masks on another) and
+    report, saying each step's time and the total, and writes the store, tables and report
+    under --out (./demo-out). The first run assembles the model's GGUF and de-quantizes it into
+    ~/.cache/attngeom ($ATTNGEOM_CACHE), about 1.4 GB; later runs read it from there. Run
+    again, it says which steps had nothing to do.
     """
     from attngeom.demo import run_demo
 

@@ -17,6 +17,9 @@ Python callers catch the kind they can handle (never the message text).
             └── IncompleteGroupError  a derived group whose writer was interrupted
                 └── InProgressError       ... or whose writer is still at work
 
+An error whose remedy is said otherwise on the command line carries that wording as
+``command_line``.
+
 A stage that goes on without part of its work (a run that lacks some summaries) says so with
 an :class:`AttngeomWarning`, which the CLI prints as one line.
 """
@@ -42,7 +45,15 @@ __all__ = [
 
 
 class AttngeomError(Exception):
-    """Bad input or an unusable store; the message says what to change."""
+    """Bad input or an unusable store; the message says what to change.
+
+    ``command_line``: the same message in the command line's words, where the remedy differs
+    (an option, ``--model``, where Python passes an object, ``model=``); the CLI prints it.
+    """
+
+    def __init__(self, message: str, *, command_line: str | None = None) -> None:
+        super().__init__(message)
+        self.command_line = command_line
 
 
 class InputError(AttngeomError):

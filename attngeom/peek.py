@@ -72,9 +72,10 @@ def require_run(url: str, run_id: str) -> None:
 
 
 def require_writable(url: str) -> None:
-    """Refuse a local store path that cannot be written, before anything is created: probes by
-    creating and removing a file in the store's folder, or in its nearest existing parent
-    (permission bits do not tell: root, read-only mounts). A remote store is not probed."""
+    """Refuse a local store path that cannot be written, before anything is created: one
+    whose parent folder does not exist, or where a file made and removed in the store's
+    folder (or its parent's, for a new store) fails (permission bits do not tell: root,
+    read-only mounts). A remote store is not probed."""
     path = local_path(url)
     if path is None:
         return
@@ -82,11 +83,12 @@ def require_writable(url: str) -> None:
         raise StoreWriteError(f"store path {path} exists and is not a folder")
     if path.is_dir() and any(path.iterdir()) and not (path / "zarr.json").exists():
         raise StoreWriteError(f"{path} is a non-empty folder that is not a Zarr store")
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
+    probe = path if path.exists() else path.parent
+    if probe.exists() and not probe.is_dir():
         raise StoreWriteError(f"cannot create store {path}: {probe} is a file, not a folder")
+    if not probe.exists():
+        # A mistyped folder would otherwise be made, silently, with the store in it.
+        raise StoreWriteError(f"cannot create store {path}: its folder {probe} does not exist (make it first)")
     try:
         fd, name = tempfile.mkstemp(dir=probe, prefix=".attngeom-probe-")
         os.close(fd)

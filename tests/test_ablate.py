@@ -314,11 +314,11 @@ def test_errors_and_parse_heads(store):
         ablate(store, "nope", device="cpu")
     with pytest.raises(AttngeomError, match="--protect 9.0"):
         ablate(store, "r", device="cpu", protect=[(9, 0)])
-    with pytest.raises(AttngeomError, match="at least 2 complete"):
+    with pytest.raises(AttngeomError, match="--max-sequences 1: the importance and the evaluation split need at least 2"):
         ablate(store, "r", device="cpu", max_sequences=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(AttngeomError, match="between 0 and 1"):
+        with pytest.raises(AttngeomError, match="above 0 and at most 1"):
             ablate(store, "r", retention=(1.5,))
 
 

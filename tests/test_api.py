@@ -192,7 +192,7 @@ def test_ablate_a_run_of_a_memory_model(tmp_path):
     store = str(tmp_path / "s.zarr")
     ag.extract(model, token_ids=ids, store=store, run_id="m", progress=False)
     options = dict(device="cpu", retention=(1.0, 0.5), random_masks=1, progress=False)
-    with pytest.raises(ag.InputError, match="pass it as model="):
+    with pytest.raises(ag.InputError, match="as model="):
         ag.ablate(store, "m", **options)
     with pytest.warns(UserWarning, match="type-guided sparsification skipped"):
         out = ag.ablate(store, "m", model=model, **options)

@@ -128,11 +128,24 @@ def test_each_extract_mistake_is_one_line_with_the_store_untouched(extracted, tm
         "a store under a file": ({"store": str(afile / "s.zarr")},
                                  f"cannot create store {afile / 's.zarr'}: {afile} is a file, not a folder"),
         "another L for the run": ({"context_length": "12"},
-                                  f"run 'r' in {store} already holds context_length 16 (asked 12); choose another --run"),
-        "another values dtype": ({"values_dtype": "float16"}, f"run 'r' in {store} already holds values_dtype "
-                                 "'float32' (asked 'float16'); choose another --run"),
-        "another window rule": ({"window": "random"}, f"run 'r' in {store} already holds window_rule "
-                                "{'rule': 'first', 'seed': 0} (asked {'rule': 'random', 'seed': 0}); choose another --run"),
+                                  f"run 'r' in {store} differs from this command: --context-length is 16 in the run, "
+                                  "12 here; give the run's values to continue it, or another --run"),
+        "another values dtype": ({"values_dtype": "float16"}, f"run 'r' in {store} differs from this command: "
+                                 "--values-dtype is float32 in the run, float16 here; give the run's values to "
+                                 "continue it, or another --run"),
+        "another window rule and queries": ({"window": "random", "seed": "3", "queries": "every:4"},
+                                            f"run 'r' in {store} differs from this command: --window is first in "
+                                            "the run, random --seed 3 here; --queries is last in the run, every:4 "
+                                            "here; give the run's values to continue it, or another --run"),
+        "a seed the first window does not use": ({"seed": "7"}, "--seed 7 seeds the random window rule, and --window "
+                                                 "first takes each document's first window: drop --seed, or use "
+                                                 "--window random"),
+        "a text field of plain documents": ({"text_field": "body"}, f"--text-field body: {extracted[1]} is read as "
+                                            "plain documents, it has no fields to choose from; drop --text-field"),
+        "a store in a folder not there": ({"store": str(tmp_path / "no" / "s.zarr")},
+                                          f"cannot create store {tmp_path / 'no' / 's.zarr'}: its folder "
+                                          f"{tmp_path / 'no'} does not exist (make it first)"),
+        "a device that is none": ({"device": "gpu"}, "--device 'gpu': use auto, cpu, cuda or cuda:N"),
         "a misspelled model": ({"model": "smollm2-13m"}, "unknown model 'smollm2-13m': not an offline name "
                                "(gemma3-270m, smollm2-135m), not a local folder or .gguf file, is not in the local "
                                "hub cache, and the hub cannot be reached (offline)"),
@@ -307,9 +320,8 @@ def test_a_finished_run_over_a_changed_corpus_is_not_answered_from_its_record(ex
     assert CliRunner().invoke(main, args).exit_code == 0
     with (copy / "doc00.txt").open("a") as f:
         f.write(" w1")
-    message = refusal(*args)
-    assert message.startswith(f"run 'r' in {store} already holds dataset {{'id': '{copy}', 'split': None, "
-                              "'fingerprint': "), message
+    assert refusal(*args) == (f"run 'r' in {store} differs from this command: the documents of --dataset {copy} "
+                              "changed since the run read them; give the run's values to continue it, or another --run")
 
 
 def test_run_ids_are_readable_and_match_the_pattern_the_store_checks():
@@ -324,3 +336,110 @@ def test_run_ids_are_readable_and_match_the_pattern_the_store_checks():
         assert default_run_id(*names) == run_id
         assert RUN_ID_PATTERN.match(run_id)
     assert not RUN_ID_PATTERN.match("a b") and not RUN_ID_PATTERN.match("runs/x")
+
+
+def test_a_text_field_a_file_lacks_is_refused_with_the_fields_there_are(extracted, tmp_path):
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text('{"title": "a", "body": "w1 w2"}\n')
+    store = str(tmp_path / "s.zarr")
+    assert refusal(*extract_args(extracted, dataset=str(corpus), store=store)) == (
+        f"--text-field text: {corpus} has no such field (fields: title, body); pick one with --text-field")
+    assert refusal(*extract_args(extracted, dataset="wiki-summaries", text_field="body", store=store)) == (
+        "--text-field body: wiki-summaries is read as plain documents, it has no fields to choose from; "
+        "drop --text-field")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def moved(tiny_model_dir, word_corpus, tmp_path_factory):
+    """(store, the model folder now): run m of 2 sequences and run one of 1, extracted from a
+    copy of the tiny llama that was then moved."""
+    from attngeom.extract.pipeline import ExtractRequest, extract
+
+    base = tmp_path_factory.mktemp("moved")
+    shutil.copytree(tiny_model_dir("llama"), base / "before")
+    store = base / "s.zarr"
+    for run_id, count in (("m", 2), ("one", 1)):
+        extract(ExtractRequest(model=str(base / "before"), dataset=str(word_corpus), context_length=16,
+                               num_sequences=count, store=str(store), run_id=run_id, progress=False))
+    (base / "before").rename(base / "now")
+    return store, base / "now"
+
+
+def test_ablate_and_detect_refusals_come_in_one_line_before_torch_loads(moved, tiny_model_dir, tmp_path):
+    store, now = (str(x) for x in moved)
+    run = ["--store", store, "--run", "m"]
+    expected = {
+        ("ablate", *run, "--retention", "1.5,-1"): "--retention 1.5,-1.0: each fraction of heads kept is above 0 "
+                                                   "and at most 1, e.g. 1.0,0.75,0.5",
+        ("ablate", *run, "--retention", "1,0"): "--retention 0.0: each fraction of heads kept is above 0 and at most "
+                                                "1, e.g. 1.0,0.75,0.5",
+        ("ablate", *run, "--model", now, "--retention", "0.1"): "--retention 0.1 keeps no head of a layer of 4 (its "
+                                                                "fraction of heads, rounded); the smallest fraction "
+                                                                "keeping one is 0.125",
+        ("ablate", *run, "--model", now, "--protect", "99.99"): "--protect 99.99: the run has layers 0-2 and heads "
+                                                                "0-3",
+        ("ablate", *run, "--seed", "3", "--random-masks", "0"): "--seed 3 seeds the random masks, and --random-masks "
+                                                                "0 asks for none: drop --seed, or ask for random masks",
+        ("ablate", *run, "--device", "gpu"): "--device 'gpu': use auto, cpu, cuda or cuda:N",
+        ("detect", *run, "--device", "gpu"): "--device 'gpu': use auto, cpu, cuda or cuda:N",
+        ("ablate", *run): f"run 'm' was extracted from '{Path(now).parent / 'before'}', which is not there any more: "
+                          "give --model with where it is now (a name, a .gguf file, a folder or a hub id)",
+        ("detect", *run, "--model", str(tmp_path / "gone")): f"unknown model '{tmp_path / 'gone'}': not an offline "
+                                                             "name (gemma3-270m, smollm2-135m), not a local folder or "
+                                                             ".gguf file, is not in the local hub cache, and the hub "
+                                                             "cannot be reached (offline)",
+        ("detect", *run, "--model", str(tiny_model_dir("qwen2"))): f"model {tiny_model_dir('qwen2')} is not the "
+                                                                   "model of run 'm': its architecture qwen2 (the "
+                                                                   "run's: llama)",
+        ("detect", "--store", store, "--run", "one", "--model", now, "--needle-length", "4"): "run 'one' needs at least 2 complete sequences "
+                                                                      "(a haystack and another window for its "
+                                                                      "needle); it has 1",
+        ("ablate", "--store", store, "--run", "one", "--model", now): "run 'one' needs at least 2 complete sequences "
+                                                                      "(an importance and an evaluation split); it "
+                                                                      "has 1",
+    }
+    cases = [list(args) for args in expected]
+    answers = cli_in_fresh_process(cases)
+    for (args, message), (code, output, heavy) in zip(expected.items(), answers):
+        assert (code, output) == (2, f"attngeom: error: {message}\n"), args
+        assert "torch" not in heavy and "transformers" not in heavy, (args, heavy)
+
+
+def test_a_moved_model_is_found_again_with_model(moved):
+    store, now = (str(x) for x in moved)
+    result = CliRunner().invoke(main, ["ablate", "--store", store, "--run", "m", "--model", now, "--device", "cpu",
+                                       "--retention", "1.0,0.5", "--random-masks", "1", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    # Said once, as one line: the run has no analysis.
+    assert result.output.count("type-guided sparsification skipped") == 1, result.output
+    assert "Loading weights" not in result.output
+    result = CliRunner().invoke(main, ["detect", "--store", store, "--run", "m", "--model", now, "--device", "cpu",
+                                       "--needle-length", "4", "--probes", "2", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[1] == (
+        "  retrieval: 2 haystacks, all the run's committed windows (--haystacks 16 asked for more)")
+    assert "Loading weights" not in result.output
+
+
+def test_a_warning_is_one_line_said_once_naming_its_library():
+    import warnings
+
+    from attngeom.cli import _Group
+
+    @click.group(cls=_Group)
+    def group() -> None:
+        """A group with one command that warns as a library and as attngeom, twice each."""
+
+    @group.command()
+    def noisy() -> None:
+        for _ in range(2):
+            warnings.warn_explicit("Data has no positive values,\n and therefore cannot be log-scaled.", UserWarning,
+                                   "/venv/lib/python3.11/site-packages/matplotlib/axes/_base.py", 10)
+            warnings.warn_explicit("type-guided sparsification skipped: no head regimes", ag.AttngeomWarning,
+                                   "/repo/attngeom/ablate/stage.py", 20)
+
+    result = CliRunner().invoke(group, ["noisy"])
+    assert result.output == (
+        "attngeom: warning: matplotlib: Data has no positive values, and therefore cannot be log-scaled.\n"
+        "attngeom: warning: type-guided sparsification skipped: no head regimes\n")

@@ -346,7 +346,7 @@ def test_a_run_of_a_model_in_memory_needs_it(tiny_model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     store = tmp_path / "s.zarr"
     ag.extract(model, token_ids=windows()[:2], store=str(store), run_id="r", progress=False)
-    with pytest.raises(ag.InputError, match="pass it as model="):
+    with pytest.raises(ag.InputError, match="as model="):
         detect(store)
     other = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"), dtype=torch.float32)
     with pytest.raises(ag.InputError, match="state dict differs"):

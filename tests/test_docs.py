@@ -240,3 +240,81 @@ def test_store_md_bfloat16_decoding_runs_as_written(tmp_path, monkeypatch):
     exec(compile(block.replace("<run>", "r"), "store.md", "exec"), scope)
     want = ag.open_store("runs.zarr").run("r").dataset()["values"][0, 0].values
     assert scope["v"].dtype == np.float32 and np.array_equal(scope["v"], want)
+
+
+def _table_defaults(text: str) -> dict[str, str]:
+    """Option -> its default cell, from the option tables of a docs/cli.md section."""
+    cells = {}
+    for options, default in re.findall(r"^\| (`-[^|]*?) \| ([^|]*?) \|", text, flags=re.M):
+        for option in re.findall(r"`(--[\w-]+)`", options):
+            cells[option] = default.strip()
+    return cells
+
+
+def test_each_option_default_is_the_same_in_help_docs_api_and_request():
+    """A command's option defaults as --help shows them (click's), as docs/cli.md's table
+    states them, as its function in attngeom.api takes them and as its request dataclass
+    holds them: one value each."""
+    import dataclasses
+    import inspect
+
+    import click
+    from click.testing import CliRunner
+
+    from attngeom import api
+    from attngeom.ablate.request import AblateRequest
+    from attngeom.cli import main
+    from attngeom.detect.request import DetectRequest
+    from attngeom.extract.request import ExtractRequest
+
+    requests = {"extract": ExtractRequest, "ablate": AblateRequest, "detect": DetectRequest}
+    wrong = []
+    for name, command in main.commands.items():
+        table = _table_defaults(section(DOCS / "cli.md", name))
+        shown = " ".join(CliRunner().invoke(main, [name, "--help"], terminal_width=1000).output.split())
+        function = getattr(api, name, None)
+        signature = inspect.signature(function).parameters if callable(function) else {}
+        fields = {f.name: f.default for f in dataclasses.fields(requests[name])} if name in requests else {}
+        # The values the command passes on when only its required options are given.
+        given = []
+        for p in command.params:
+            if p.required:
+                value = "2" if isinstance(p.type, click.types._NumberParamTypeBase) else "x"
+                given += [p.opts[0], value] if isinstance(p, click.Option) else [value]
+        passed = command.make_context(name, given).params
+        for param in command.params:
+            code = passed.get(param.name)
+            if not isinstance(param, click.Option) or code in (None, "") or param.is_flag or param.required:
+                continue
+            option = next(o for o in param.opts if o.startswith("--"))
+            value = str(code)
+            if param.show_default and not re.search(rf"\[default: {re.escape(value)}[;\]]", shown):
+                wrong.append(f"{name} {option}: --help does not show {value}")
+            if table.get(option, "").strip("`") != value:
+                wrong.append(f"{name} {option}: docs/cli.md says {table.get(option)!r}, the code {value!r}")
+            for where, defaults in (("attngeom.api", signature), ("the request", fields)):
+                if param.name in defaults:
+                    default = getattr(defaults[param.name], "default", defaults[param.name])
+                    if default != code:
+                        wrong.append(f"{name} {option}: {where} takes {default!r}, the command {code!r}")
+    assert not wrong, wrong
+
+
+def test_every_derived_group_a_command_writes_is_in_its_help_and_store_md():
+    from click.testing import CliRunner
+
+    from attngeom.cli import main
+    from attngeom.store import ABLATION_GROUPS, ANALYSIS_GROUPS, DETECT_GROUPS, QUERY_GROUPS, SCORE_GROUPS
+
+    store_md = (DOCS / "store.md").read_text()
+    written = {"analyze": ("analysis", (*ANALYSIS_GROUPS, *QUERY_GROUPS, *SCORE_GROUPS)),
+               "ablate": ("ablation", ABLATION_GROUPS), "detect": ("detect", DETECT_GROUPS)}
+    missing = []
+    for command, (kind, groups) in written.items():
+        shown = " ".join(CliRunner().invoke(main, [command, "--help"], terminal_width=1000).output.split())
+        for group in groups:
+            if not re.search(rf"\b{group}\b", shown):
+                missing.append(f"{command} --help lacks {kind}/{group}")
+            if not re.search(rf"`{group}[` ]", store_md) and f"{kind}/{group}" not in store_md:
+                missing.append(f"docs/store.md lacks {kind}/{group}")
+    assert not missing, missing

@@ -153,7 +153,7 @@ def test_bad_input_exits_2_with_one_line_and_store_untouched(tiny_model_dir, wor
         messages[case] = lines[0]
         assert tree(store) == before, case
     assert "only 12 documents of at least 15 tokens" in messages["too few documents"]
-    assert "context_length 16 (asked 12)" in messages["another L for the run"]
+    assert "--context-length is 16 in the run, 12 here" in messages["another L for the run"]
 
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -177,7 +177,7 @@ def test_another_compute_dtype_is_refused_and_auto_resumes_a_float32_run(tiny_mo
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("attngeom: error: "), result.stderr
-    assert "compute_dtype 'float32' (asked 'bfloat16')" in lines[0]
+    assert "--dtype is float32 in the run, bfloat16 here" in lines[0]
     assert tree(store) == before
     # auto resolves to float32 on CPU: the same run, and its second sequence is appended.
     result = CliRunner().invoke(main, [*args, "--dtype", "auto"])
@@ -227,7 +227,7 @@ def test_a_bfloat16_models_values_are_stored_at_two_bytes_losing_nothing(tiny_mo
         xr.testing.assert_identical(*(run.analysis(group).load() for run in
                                       (ag.open_store(str(s)).run("r") for s in (two, four))))
     assert run_extract(folder, word_corpus, two, dtype="bfloat16", num_sequences=5) == "r"
-    with pytest.raises(ag.InputError, match="values_dtype 'bfloat16'"):
+    with pytest.raises(ag.InputError, match="--values-dtype is bfloat16 in the run, float32 here"):
         run_extract(folder, word_corpus, two, dtype="bfloat16", num_sequences=6, values_dtype="float32")
 
 
@@ -258,5 +258,5 @@ def test_float32_tf32_changes_nothing_on_a_cpu_and_is_recorded(tiny_model_dir, w
     assert (tf32.provenance["compute_dtype"], tf32.provenance["float32_matmul_precision"]) == ("float32-tf32", "high")
     assert f32.provenance["compute_dtype"] == "float32"
     xr.testing.assert_equal(tf32.dataset().load(), f32.dataset().load())  # the values; attributes record the dtype
-    with pytest.raises(ag.InputError, match="compute_dtype 'float32-tf32'"):
+    with pytest.raises(ag.InputError, match="--dtype is float32-tf32 in the run, float32 here"):
         run_extract(folder, word_corpus, tmp_path / "tf32.zarr", dtype="float32", num_sequences=5)

@@ -107,18 +107,18 @@ def store(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def page(store, tmp_path_factory):
-    index = build_report(store, tmp_path_factory.mktemp("report") / "out")
+    index = build_report(store, tmp_path_factory.mktemp("report") / "out").index
     return index.read_text(), index.parent
 
 
 def _said(page: str) -> list[str]:
-    block = re.search(r'<ul class="said">(.*?)</ul>', page, re.DOTALL).group(1)
+    block = re.search(r'<section id="field_agreement">.*?<ul class="said">(.*?)</ul>', page, re.DOTALL).group(1)
     return [html.unescape(item) for item in re.findall(r"<li>(.*?)</li>", block)]
 
 
 def test_report_section_states_what_the_scores_make_of_the_regimes(store, page):
     text, out = page
-    assert "<h2>Heads of the field</h2>" in text
+    assert '<h2 id="heads-of-the-field">Heads of the field</h2>' in text
     for name in ("field_scores", "detect_scores", "field_scores_grid", "detect_scores_grid"):
         assert (out / f"{name}.png").stat().st_size > 1000
     said = _said(text)
@@ -126,7 +126,10 @@ def test_report_section_states_what_the_scores_make_of_the_regimes(store, page):
     assert regimes(store, "both").tolist() == [["Retriever", "Mixer", "Reset", "Reset"],
                                                ["Reset", "Reset", "Mixer", "Reset"],
                                                ["Mixer", "Reset", "Reset", "Retriever"]]
-    both = [s.split(": ", 1)[1] for s in said if s.startswith("Run both (synthetic, synthetic, L=40): ")]
+    # Each run is named once, its sentences after it.
+    runs = [i for i, s in enumerate(said) if s.startswith("Run ")]
+    blocks = {said[i]: said[i + 1:j] for i, j in zip(runs, [*runs[1:], len(said)])}
+    both = blocks["Run both (synthetic, synthetic, L=40):"]
     assert both == [
         "3 of 12 heads are sink heads (sink_score > 0.3); 100% of them (3) are Mixer heads, 0 Retriever, 0 Reset.",
         "No Retriever head is a sink head. No Reset head is a sink head.",
@@ -135,7 +138,8 @@ def test_report_section_states_what_the_scores_make_of_the_regimes(store, page):
         "0 Retriever, 0 Mixer.",
         "No Retriever head is a previous-token head. No Mixer head is a previous-token head.",
         "Reset heads and previous-token heads agree on every head.",
-        "distant_mass_w64 is undefined for every head (distant mass at window W needs L > 2W): no streaming heads.",
+        "distant_mass_w64 is undefined for every head (distant mass at window W needs L > 2W): streaming heads "
+        "cannot be told at this L.",
         "No head is a duplicate-token head (duplicate_score > 0.4).",
         "No head is an induction head (induction_score > 0.4); none of the 2 Retriever heads is one.",
         "7 of 12 heads are previous-token heads (probe) (detect_prev_token_score > 0.4); 100% of them (7) are "
@@ -148,16 +152,18 @@ def test_report_section_states_what_the_scores_make_of_the_regimes(store, page):
         "Retriever heads and retrieval heads agree on 2 heads and differ on 1: 0 of the 2 Retriever heads are not "
         "retrieval heads, 1 of the 3 retrieval heads is not a Retriever head.",
     ]
-    text_run = [s for s in said if s.startswith("Run text (")]
-    assert text_run[0].endswith("duplicate-token, induction and retrieval heads are not compared: no "
-                                "detect/scores (run `attngeom detect`).")
+    (text_run,) = [lines for name, lines in blocks.items() if name.startswith("Run text (")]
+    assert text_run[0] == ("Duplicate-token, induction and retrieval heads are not compared: no "
+                           "detect/scores (run `attngeom detect`).")
     assert len(text_run) == 1 + 7  # the note, then the three text classes
     # The run without head_scores is named in the notes, with what would add them.
     assert ("run plain: no analysis/head_scores: the run was extracted before attngeom kept prev_attn and "
             "recent_attn (extract it again into a new run)") in text
     classes = pd.read_csv(out / "field_classes.csv")
     row = classes[(classes["run"] == "both") & (classes["class"] == "retrieval head")].iloc[0]
-    assert row[["heads", "Retriever", "Mixer", "Reset", "% of Retriever"]].tolist() == [3, 2, 0, 1, 100.0]
+    assert [int(row["heads"]), *row[["Retriever", "Mixer", "Reset", "% of Retriever"]].tolist()] == [3, 2, 0, 1, 100.0]
+    streaming = classes[(classes["run"] == "both") & (classes["class"] == "streaming head")].iloc[0]
+    assert streaming["heads"] == "needs L > 2W (L = 40)" and pd.isna(streaming["Retriever"])
     assert row["% of Reset"] == pytest.approx(100 / 7)
     assert set(classes["run"]) == {"both", "text"}
     assert "induction head" not in classes[classes["run"] == "text"]["class"].tolist()
@@ -167,16 +173,17 @@ def test_report_section_states_what_the_scores_make_of_the_regimes(store, page):
     assert mixer["heads"].item() == 3 and mixer["sink_score"].item() == pytest.approx(0.8)
 
 
-def test_report_without_any_score_group_says_so(tmp_path, capsys):
+def test_report_without_any_score_group_says_so(tmp_path):
     url = str(tmp_path / "s.zarr")
     write_synthetic_run(url, "r", length=24, **SHAPE)
     analyze(url, run_id="r", scheduler="threads", n_grid=GRID, progress=False)
     drop_head_scores(url, "r")
-    page = build_report(url, tmp_path / "out").read_text()
-    assert "<h2>Heads of the field</h2>" in page and "could not be made" not in page
+    result = build_report(url, tmp_path / "out")
+    page = result.index.read_text()
+    assert '<h2 id="heads-of-the-field">Heads of the field</h2>' in page and "could not be made" not in page
     assert "run r: no analysis/head_scores (run `attngeom analyze`) and no detect/scores (run `attngeom detect`)" in page
     assert (tmp_path / "out" / "field_criteria.csv").exists() and not (tmp_path / "out" / "field_agreement.md").exists()
-    err = capsys.readouterr().err
+    err = "\n".join(result.missing)
     assert f"`attngeom detect --store {url} --run r` (no detect yet)" in err
 
 

@@ -111,7 +111,7 @@ def store(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def report(store, tmp_path_factory) -> Path:
-    return build_report(store, tmp_path_factory.mktemp("out") / "report")
+    return build_report(store, tmp_path_factory.mktemp("out") / "report").index
 
 
 def test_report_writes_every_expected_file(report):
@@ -210,24 +210,25 @@ def test_tables_content(report):
     assert (out / "models.md").read_text().splitlines()[1].startswith("| --- |")
 
 
-def test_store_without_analysis_gives_notes_only(tmp_path, capsys):
+def test_store_without_analysis_gives_notes_only(tmp_path):
     url = str(tmp_path / "s.zarr")
     write_synthetic_run(url, "raw", length=16, **SHAPE)
-    index = build_report(url, tmp_path / "out")
+    result = build_report(url, tmp_path / "out")
+    index = result.index
     page = index.read_text()
     assert "run raw: no analysis/summary" in page
     assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["illustration.png"]
     assert (tmp_path / "out" / "models.csv").exists()
     # The terminal says what is missing and how to add it: the illustration and the models
     # table need nothing; the sparsification and critical-head items need only the ablation.
-    assert capsys.readouterr().err.splitlines() == [
-        f"report: {len(FIGURES) - 3} of {len(FIGURES)} figures and 6 of {len(TABLES)} tables and 1 of 1 lists of "
+    assert list(result.missing) == [
+        f"{len(FIGURES) - 3} of {len(FIGURES)} figures and 6 of {len(TABLES)} tables and 1 of 1 lists of "
         f"statements need `attngeom analyze --store {url}` (no analysis yet)",
-        f"report: 2 figures and 2 tables need `attngeom ablate --store {url} --run raw` (no ablation yet)",
+        f"2 figures and 2 tables need `attngeom ablate --store {url} --run raw` (no ablation yet)",
     ]
 
 
-def test_an_optional_input_is_named_optional(tmp_path, capsys):
+def test_an_optional_input_is_named_optional(tmp_path):
     """A run analyzed, ablated and detected, extracted without --queries, of a model without
     learned sinks: nothing is missing; the two figures along the context and the table of the
     two sinks are offered as optional."""
@@ -238,7 +239,8 @@ def test_an_optional_input_is_named_optional(tmp_path, capsys):
     shape = (SHAPE["n_layers"], SHAPE["n_heads"])
     add_head_scores(url, "r", head_scores(np.zeros(shape), np.zeros(shape), np.zeros((*shape, 3))))
     add_detect(url, "r", detect_scores(*np.zeros((4, *shape))))
-    page = build_report(url, tmp_path / "out").read_text()
+    result = build_report(url, tmp_path / "out")
+    page = result.index.read_text()
     assert "Missing inputs" not in page and 'class="note"' not in page
     optional = re.findall(r'<p class="optional">([^<]*)</p>', page)
     assert optional[0] == ("Optional: run r: no analysis/summary_by_query (extract with --queries, then run "
@@ -246,9 +248,9 @@ def test_an_optional_input_is_named_optional(tmp_path, capsys):
     assert optional[1] == "Optional: run r: its model has no learned sinks — affects two_sinks"
     assert len(optional) == 5  # the page's two lines and one under each figure and table
     assert page.count("(optional)</li>") == 3 and "(missing)" not in page
-    assert capsys.readouterr().err.splitlines() == [
-        "report: 2 figures need a run extracted with --queries (optional)",
-        "report: 1 table needs a model with learned sinks, such as gpt-oss (optional)"]
+    assert list(result.missing) == [
+        "2 figures need a run extracted with --queries (optional)",
+        "1 table needs a model with learned sinks, such as gpt-oss (optional)"]
 
 
 def test_a_figure_that_fails_becomes_a_note(runs, tmp_path):
@@ -339,3 +341,38 @@ def test_small_things_said_plainly(runs, tmp_path):
         "4 of 8 heads defined, elsewhere 0 in every sequence (CV 0/0), or no sink; all 4 equal 0.678")
     assert [t.get_text() for t in axes[r"CV across sequences of $\nu_N^{+,(0.95)}$"].texts] == [
         "no defined values\n(0 in every sequence (CV 0/0), or no sink)"]
+
+
+def test_the_page_opens_with_how_to_read_it(report, runs):
+    """A line per section on what it answers, then findings computed from the store, each
+    linked to its item; the method's sections they cite exist (test_docs checks every
+    docs/method.md reference of the package)."""
+    import html
+
+    from attngeom.report.data import regime_counts
+    from attngeom.report.html import section_id
+    from attngeom.report.reading import QUESTIONS
+    from attngeom.report.spec import SECTIONS
+
+    page = report.read_text()
+    opening = html.unescape(page[page.index('<h2 id="how-to-read-this-report">'):page.index("<nav>")])
+    assert set(QUESTIONS) == set(SECTIONS)
+    for title in SECTIONS:
+        assert f'<a href="#{section_id(title)}">{title}</a>: {QUESTIONS[title][0]}' in opening
+        assert f'<h2 id="{section_id(title)}">' in page
+    full = next(r for r in runs if r.run_id == "full")
+    counts = regime_counts(full)
+    total = sum(counts.values())
+    shares = ", ".join(f"{counts[r]} ({100 * counts[r] / total:.0f}%) {r}s" for r in REGIMES)
+    assert f"Run full: of its {total} heads, {shares}. " in opening
+    top = full.summary["f_score"].sel(stat="mean").mean(["layer", "head"]).values
+    rand = full.summary["random_f_score"].sel(stat="mean").mean(["layer", "head"]).values
+    if (top > rand).all():
+        assert "Run full: top-N selection, averaged over heads, is above random at every N" in opening
+    table = pd.read_csv(report.parent / "certificate_violations.csv")
+    rows = table[table["run"] == "full"]
+    assert (f"Run full: the paper's bound on inversions is exceeded in {rows['A_N > K_sink'].sum()} of "
+            f"{rows['instances'].sum()} (sequence, head, N) instances") in opening
+    for item in ("taxonomy_distribution", "precision_recall", "certificate_violations"):
+        assert f'<a href="#{item}">{item}</a>' in opening and f'<section id="{item}">' in page
+    assert "Run raw" not in opening  # not analyzed: nothing to say

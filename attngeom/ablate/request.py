@@ -9,6 +9,8 @@ from typing import Any
 
 from attngeom.errors import InputError
 
+__all__ = ["DEFAULT_RETENTION", "AblateRequest", "check_request", "parse_heads"]
+
 DEFAULT_RETENTION = (1.0, 0.9, 0.75, 0.5, 0.25)
 
 
@@ -56,3 +58,46 @@ def parse_heads(text: str) -> list[tuple[int, int]]:
             raise InputError(f"--protect takes LAYER.HEAD pairs separated by commas, e.g. 0.12,3.4 (got {item!r})")
         heads.append((int(layer), int(head)))
     return heads
+
+
+def check_request(request: AblateRequest, layout: dict[str, Any] | None = None, committed: int | None = None) -> None:
+    """Refuse options no ablation can run with or that would change nothing: :class:`InputError`,
+    one line. Given the run's ``layout`` (its record's: n_layers, n_heads), also a protected
+    head outside the run and a retention that keeps no head of a layer; given its
+    ``committed`` sequences, fewer than the two splits need."""
+    retention = list(request.retention)
+    outside = [f for f in retention if not 0.0 < f <= 1.0]
+    if not retention or outside:
+        raise InputError(
+            f"--retention {','.join(map(str, outside or retention))}: each fraction of heads kept is above 0 and "
+            "at most 1, e.g. 1.0,0.75,0.5"
+        )
+    if request.random_masks < 0 or request.batch_size < 1 or request.top_n < 1:
+        raise InputError("--random-masks must be >= 0, --batch-size and top-N >= 1")
+    if request.random_masks == 0 and request.seed != 0:
+        raise InputError(f"--seed {request.seed} seeds the random masks, and --random-masks 0 asks for none: "
+                         "drop --seed, or ask for random masks")
+    if request.max_sequences is not None and request.max_sequences < 2:
+        raise InputError(f"--max-sequences {request.max_sequences}: the importance and the evaluation split "
+                         "need at least 2 sequences")
+    if layout:
+        n_layers, n_heads = layout["n_layers"], layout["n_heads"]
+        for layer, head in request.protect:
+            if not (0 <= layer < n_layers and 0 <= head < n_heads):
+                raise InputError(
+                    f"--protect {layer}.{head}: the run has layers 0-{n_layers - 1} and heads 0-{n_heads - 1}"
+                )
+        # kept_per_layer: f * H rounded half up.
+        none_kept = [f for f in retention if int(f * n_heads + 0.5) == 0]
+        if none_kept:
+            raise InputError(
+                f"--retention {none_kept[0]} keeps no head of a layer of {n_heads} (its fraction of heads, rounded); "
+                f"the smallest fraction keeping one is {0.5 / n_heads:g}"
+            )
+    if committed is not None:
+        used = committed if request.max_sequences is None else min(committed, request.max_sequences)
+        if used < 2:
+            raise InputError(
+                f"run '{request.run_id}' needs at least 2 complete sequences (an importance and an evaluation "
+                f"split); it has {committed}"
+            )

@@ -59,10 +59,11 @@ from attngeom.ablate.kernels import (
     type_guided_keys,
 )
 from attngeom.ablate.masking import head_geometry, head_weight_norms, masked_nll
-from attngeom.ablate.request import AblateRequest
+from attngeom.ablate.request import AblateRequest, check_request
 from attngeom.errors import AttngeomWarning, GroupNotFoundError, InProgressError, InputError
 from attngeom.extract.placement import parse_device_map
-from attngeom.runmodel import check_run_model, evaluating, run_model
+from attngeom.runcheck import check_run_model
+from attngeom.runmodel import evaluating, run_model
 from attngeom.store import (
     ABLATION,
     ANALYSIS,
@@ -374,27 +375,18 @@ def ablate(request: AblateRequest) -> AblateResult:
 def _read_run(request: AblateRequest, session: StoreSession) -> _RunInputs:
     """Check the request against the run of the ``session``'s store and read what the run
     provides (no model)."""
-    retention = request.retention
-    if not all(0.0 <= f <= 1.0 for f in retention) or not retention:
-        raise InputError("--retention takes fractions between 0 and 1")
-    if request.random_masks < 0 or request.batch_size < 1 or request.top_n < 1:
-        raise InputError("--random-masks must be >= 0, --batch-size and top-N >= 1")
     store, run_id = request.store, request.run_id
     run = session.run(run_id)
     check_committed(store, run, run_id)
     provenance = run_provenance(session.root, run_id)
     check_run_model(request.model, provenance, run_id, "ablate")
-    seqs = completed(run)[: request.max_sequences]
-    if len(seqs) < 2:
-        raise InputError(
-            f"run '{run_id}' needs at least 2 complete sequences (an importance and an evaluation split); it has {len(seqs)}"
-        )
-    importance, evaluation = split_sequences(seqs)
+    committed = completed(run)
     n_layers, n_heads = run["layer"].shape[0], run["head"].shape[0]
+    check_request(request, {"n_layers": n_layers, "n_heads": n_heads}, len(committed))
+    seqs = committed[: request.max_sequences]
+    importance, evaluation = split_sequences(seqs)
     protected = np.zeros((n_layers, n_heads), dtype=bool)
     for layer, head in request.protect:
-        if not (0 <= layer < n_layers and 0 <= head < n_heads):
-            raise InputError(f"--protect {layer}.{head}: the run has layers 0-{n_layers - 1} and heads 0-{n_heads - 1}")
         protected[layer, head] = True
 
     with reading_run(store, run, run_id):

@@ -67,3 +67,12 @@ def check_request(request: DetectRequest, context_length: int | None = None) -> 
             f"--needle-length {request.needle_length} needs L >= {2 * request.needle_length + 2} "
             f"(BOS, a haystack token, the needle and its copy); the run has L = {context_length}"
         )
+
+
+def check_sequences(run_id: str, committed: int) -> None:
+    """Refuse a run of fewer ``committed`` sequences than a haystack and another window for its needle."""
+    if committed < 2:
+        raise InputError(
+            f"run '{run_id}' needs at least 2 complete sequences (a haystack and another window for its needle); "
+            f"it has {committed}"
+        )

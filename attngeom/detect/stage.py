@@ -30,14 +30,15 @@ from tqdm.auto import tqdm
 
 from attngeom import __version__
 from attngeom.detect.inputs import Retrieval, probe_tokens, retrieval_samples, vocabulary
-from attngeom.detect.request import DetectRequest, check_request, probe_length
+from attngeom.detect.request import DetectRequest, check_request, check_sequences, probe_length
 from attngeom.detect.scores import probe_queries, probe_sums, retrieval_hits, retrieval_queries
 from attngeom.errors import AttngeomError, InputError
 from attngeom.extract.capture import capturing, decoder
 from attngeom.extract.families import attention_layers
 from attngeom.extract.models import load_tokenizer, resolve_dtype, resolve_model
 from attngeom.extract.placement import parse_device_map
-from attngeom.runmodel import check_run_model, evaluating, run_model
+from attngeom.runcheck import check_run_model
+from attngeom.runmodel import evaluating, is_named, run_model
 from attngeom.store import (
     ATTR_KEY,
     DETECT,
@@ -77,7 +78,8 @@ SEEDING = "probes: numpy default_rng([seed, 0]); needle offsets: default_rng([se
 class DetectResult:
     """The detect groups of ``run_id`` as in-memory Datasets: ``scores`` (layer, head),
     ``probes`` (probe, pos), ``retrieval`` (sample, pos); ``kept`` when the committed results
-    already had these parameters and nothing was computed."""
+    already had these parameters and nothing was computed; ``haystacks``: the windows used
+    as haystacks, fewer than asked when the run has fewer committed."""
 
     run_id: str
     scores: xr.Dataset
@@ -85,6 +87,7 @@ class DetectResult:
     retrieval: xr.Dataset
     kept: bool
     seconds: float
+    haystacks: int
 
 
 @dataclass(frozen=True)
@@ -114,11 +117,12 @@ def detect(request: DetectRequest) -> DetectResult:
         params = _parameters(request, inputs, retrieval)
         kept = _kept(session, request.run_id, params, inputs.seqs)
         if kept is not None:
-            return DetectResult(request.run_id, *kept, kept=True, seconds=time.perf_counter() - start)
-        tokenizer = request.tokenizer if request.tokenizer is not None else _run_tokenizer(request, inputs.provenance)
+            return DetectResult(request.run_id, *kept, kept=True, seconds=time.perf_counter() - start,
+                                haystacks=len(params["haystack_sequences"]))
         model, device, compute_dtype = run_model(request.model, inputs.provenance, request.run_id,
                                                  request.device, request.dtype,
                                                  parse_device_map(request.device_map))
+        tokenizer = request.tokenizer if request.tokenizer is not None else _run_tokenizer(request, inputs.provenance)
         vocab = _vocabulary(tokenizer, model, inputs.bos, request.run_id)
         config = model.config.get_text_config()
         if (_layers(model), config.num_attention_heads) != (tuple(int(i) for i in inputs.layer), len(inputs.head)):
@@ -136,23 +140,18 @@ def detect(request: DetectRequest) -> DetectResult:
         with session.derived(request.run_id, DETECT) as write:
             write.replace(groups, params)
     return DetectResult(request.run_id, groups["scores"], groups["probes"], groups["retrieval"], kept=False,
-                        seconds=time.perf_counter() - start)
+                        seconds=time.perf_counter() - start, haystacks=len(params["haystack_sequences"]))
 
 
 def _read_run(request: DetectRequest, session: StoreSession) -> _RunInputs:
     """Check the request against the run and read its committed windows (no model)."""
-    check_request(request)
     run = session.run(request.run_id)
     check_committed(request.store, run, request.run_id)
     provenance = run_provenance(session.root, request.run_id)
     check_run_model(request.model, provenance, request.run_id, "detect")
-    check_request(request, int(run["tokens"].shape[1]))
     seqs = completed(run)
-    if len(seqs) < 2:
-        raise InputError(
-            f"run '{request.run_id}' needs at least 2 complete sequences (a haystack and another window for its "
-            f"needle); it has {len(seqs)}"
-        )
+    check_request(request, int(run["tokens"].shape[1]))
+    check_sequences(request.run_id, len(seqs))
     with reading_run(request.store, run, request.run_id):
         windows = run["tokens"].get_orthogonal_selection((seqs, slice(None))).astype(np.int64)
     return _RunInputs(provenance, seqs.astype(np.int64), windows, run["layer"][:], run["head"][:])
@@ -162,7 +161,7 @@ def _parameters(request: DetectRequest, inputs: _RunInputs, retrieval: Retrieval
     """What the results depend on: a rerun with the same keeps the committed results."""
     haystacks = np.unique(retrieval.haystack).tolist()
     sources = [int(retrieval.needle_source[retrieval.haystack == h][0]) for h in haystacks]
-    if request.model is None:
+    if request.model is None or is_named(request.model):
         dtype = resolve_dtype(request.dtype)
     else:
         dtype = next(request.model.parameters()).dtype
@@ -205,8 +204,11 @@ def _vocabulary(tokenizer: Any, model: torch.nn.Module, bos: int, run_id: str) -
 
 
 def _run_tokenizer(request: DetectRequest, provenance: dict[str, Any]) -> Any:
-    """The run's tokenizer: its named model's, or for a model in memory the one its
-    provenance names (else ``tokenizer=`` is needed)."""
+    """The run's tokenizer: its model's, where the request says the model is now or by its
+    recorded name, or for a model in memory the one its provenance names (else
+    ``tokenizer=`` is needed)."""
+    if is_named(request.model):
+        return load_tokenizer(resolve_model(str(request.model)))
     model = provenance.get("model") or {}
     if model.get("source") != "memory":
         return load_tokenizer(resolve_model(model["id"]))
@@ -218,7 +220,11 @@ def _run_tokenizer(request: DetectRequest, provenance: dict[str, Any]) -> Any:
             return AutoTokenizer.from_pretrained(where)
     except (OSError, ValueError):
         pass
-    raise InputError(f"the tokenizer of run '{request.run_id}' cannot be loaded here: pass tokenizer=")
+    raise InputError(
+        f"the tokenizer of run '{request.run_id}' cannot be loaded here: pass tokenizer=",
+        command_line=f"the tokenizer of run '{request.run_id}' cannot be loaded here: give --model with the folder "
+        "or hub id that holds the model and its tokenizer",
+    )
 
 
 def _rows(model: torch.nn.Module, ids: np.ndarray, queries: tuple[int, ...], device: str) -> dict[int, torch.Tensor]:

@@ -209,6 +209,50 @@ def check_window_args(length: int, rule: str, seed: int) -> None:
         raise InputError(f"the window seed must be a non-negative integer, got {seed}")
 
 
+def check_text_field(name: str, text_field: str) -> None:
+    """Refuse a ``text_field`` that picks nothing in the corpus ``name`` (checked by
+    :func:`corpus_id` already), reading only the head of its files: a corpus read as plain
+    documents (the offline and named hub corpora, .txt files) takes no other field than the
+    default, and a .jsonl or .parquet file must have it, in its first row or its schema. A
+    hub dataset's columns are checked when it loads."""
+    path = Path(name).expanduser()
+    if name in OFFLINE_CORPORA or name in _HUB_CORPORA or (path.exists() and not _fielded(path)):
+        if text_field != "text":
+            raise InputError(f"--text-field {text_field}: {name} is read as plain documents, it has no fields to "
+                             "choose from; drop --text-field")
+        return
+    if not path.exists():
+        return
+    for file in _fielded(path):
+        fields = _first_fields(file)
+        if fields is not None and text_field not in fields:
+            raise InputError(f"--text-field {text_field}: {file} has no such field (fields: "
+                             f"{', '.join(fields) or 'none'}); pick one with --text-field")
+
+
+def _fielded(path: Path) -> list[Path]:
+    """The .jsonl and .parquet files of a local corpus: those whose text is a field."""
+    return [f for f in _local_files(path.resolve()) if f.suffix != ".txt"]
+
+
+def _first_fields(file: Path) -> list[str] | None:
+    """The fields of the first row of a .jsonl file, or the columns of a .parquet file; None
+    where they cannot be read (reading the documents says why)."""
+    try:
+        if file.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return list(pq.read_schema(file).names)
+        with file.open("rb") as f:
+            for raw in f:
+                if raw.strip():
+                    row = json.loads(raw)
+                    return list(row) if isinstance(row, dict) else None
+    except Exception:  # noqa: BLE001 - undecodable or unparsable: named by the reader, with its line
+        return None
+    return None
+
+
 def _no_split(name: str, split: str | None) -> None:
     if split is not None:
         raise InputError(

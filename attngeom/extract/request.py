@@ -13,12 +13,20 @@ from pathlib import Path
 from typing import Any
 
 from attngeom.errors import InputError
-from attngeom.extract.corpora import OFFLINE_CORPORA, check_window_args, corpus_id, open_corpus
+from attngeom.extract.corpora import (
+    OFFLINE_CORPORA,
+    Corpus,
+    check_text_field,
+    check_window_args,
+    corpus_id,
+    open_corpus,
+)
 from attngeom.extract.placement import parse_device_map
 from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
 from attngeom.extract.sources import model_name
 from attngeom.peek import RUN_ID_PATTERN, default_run_id, require_writable, run_record
+from attngeom.runcheck import check_device
 
 __all__ = ["ExtractRequest", "ExtractResult", "Preflight", "check_arguments", "launcher_shard", "preflight"]
 
@@ -113,6 +121,11 @@ def check_arguments(request: ExtractRequest) -> tuple[int, int] | None:
         raise InputError("batch_size must be at least 1")
     if request.token_ids is None:
         check_window_args(request.context_length, request.window_rule, request.seed)
+        if request.window_rule == "first" and request.seed != 0:
+            raise InputError(f"--seed {request.seed} seeds the random window rule, and --window first takes each "
+                             "document's first window: drop --seed, or use --window random")
+    elif request.window_rule != "first" or request.seed != 0:
+        raise InputError("window_rule and seed cut windows out of a dataset or texts; token_ids are used as given")
     if request.run_id is not None and not RUN_ID_PATTERN.match(request.run_id):
         raise InputError(f"run id {request.run_id!r} may hold only letters, digits, '.', '_' and '-'")
     shard = request.shard or launcher_shard()
@@ -152,14 +165,16 @@ def preflight(request: ExtractRequest) -> Preflight:
     metadata, and the store's records decide, before torch, the model or the corpus loads:
     the arguments; the queries for L; the store's writability; the model (an offline name, an
     existing path, a hub id it can reach or has cached) and L against its positions; the
-    corpus's name; an existing run's identity as its record states it (model and corpus ids,
-    L, window rule, dtypes, rows, queries). When that run already holds every sequence asked
-    for (of a named model, an offline or local corpus whose fingerprint is the recorded one,
-    and no BOS token named: only the tokenizer tells its id), ``done`` is the answer: its
+    corpus's name and text field; an existing run's identity as its record states it (model and
+    corpus ids, L, window rule, dtypes, rows, queries; an offline or local corpus's documents
+    and text field), a difference named by its option, the run's value and the asked one.
+    When that run already holds every sequence asked for (of a named model, an offline or
+    local corpus, and no BOS token named: only the tokenizer tells its id), ``done`` is the answer: its
     record and commit flags are read (the store's package loads, no model), and the run is
     checked as a finished extract checks it.
     :class:`InputError` or a :class:`StoreError` otherwise, with the store untouched."""
     shard = check_arguments(request)
+    check_device(request.device)
     length = request.context_length
     shape = getattr(request.token_ids, "shape", None)
     if request.token_ids is not None and shape is not None and len(shape) == 2:
@@ -179,6 +194,7 @@ def preflight(request: ExtractRequest) -> Preflight:
         check_context_length(length, positions, str(request.model) if named else "the model")
     if request.dataset is not None:
         input_id = corpus_id(request.dataset, split=request.split)
+        check_text_field(request.dataset, request.text_field)
     else:
         input_id = "texts" if request.texts is not None else "token_ids"
     run_id = request.run_id
@@ -200,8 +216,15 @@ def preflight(request: ExtractRequest) -> Preflight:
     }
     held = dict(record, model=(record.get("model") or {}).get("id"), dataset=(record.get("dataset") or {}).get("id"))
     held.setdefault("queries", [])
-    diffs = [f"{key} {held.get(key)!r} (asked {value!r})" for key, value in asked.items()
-             if value is not None and held.get(key) != value]
+    diffs = [(key, held.get(key), request.queries if key == "queries" and isinstance(request.queries, str) else value)
+             for key, value in asked.items() if value is not None and held.get(key) != value]
+    local = _local_corpus(request)
+    if local is not None and not diffs:
+        recorded = record.get("dataset") or {}
+        if recorded.get("text_field") != request.text_field:
+            diffs.append(("text_field", recorded.get("text_field"), request.text_field))
+        elif recorded.get("fingerprint") != local.fingerprint:
+            diffs.append(("documents", "", ""))
     if diffs:
         # A store this attngeom may not write (another format, a migration under way) is
         # the first thing to fix: said before the run's parameters, as the store says it.
@@ -209,14 +232,16 @@ def preflight(request: ExtractRequest) -> Preflight:
 
         open_root(request.store, mode="a")
         raise InputError(
-            f"run '{run_id}' in {request.store} already holds " + "; ".join(diffs) + "; choose another --run"
+            f"run '{run_id}' in {request.store} differs from this command: "
+            + "; ".join(_difference(key, was, now, request.dataset) for key, was, now in diffs)
+            + "; give the run's values to continue it, or another --run"
         )
     total = request.num_sequences
     if total is None and request.token_ids is not None and shape is not None:
         total = int(shape[0])
     # A model given in memory is checked by its weights' hash, a BOS token by the tokenizer,
     # a hub corpus by `datasets`: only the full check reads them.
-    light = named and request.bos_token is None and _same_corpus(request, record)
+    light = named and request.bos_token is None and local is not None
     done = _finished(request.store, run_id, total, shard) if total is not None and light else None
     lacking = (record.get("layout") or {}).get("lacking")
     if done is None and lacking:
@@ -227,15 +252,43 @@ def preflight(request: ExtractRequest) -> Preflight:
     return Preflight(shard, done)
 
 
-def _same_corpus(request: ExtractRequest, record: dict[str, Any]) -> bool:
-    """Whether the request's corpus is offline or local and still reads as the run recorded
-    it (its fingerprint over the documents, its text field)."""
+# The option that sets each part of a run's identity, as the record names it.
+IDENTITY_FLAGS = {
+    "model": "--model", "dataset": "--dataset", "context_length": "--context-length", "window_rule": "--window",
+    "values_dtype": "--values-dtype", "store_rows": "--store-rows", "queries": "--queries", "compute_dtype": "--dtype",
+    "text_field": "--text-field",
+}
+
+
+def _shown(key: str, value: Any) -> str:
+    """A recorded or asked value as its option takes it."""
+    if key == "window_rule" and isinstance(value, dict):
+        rule = value.get("rule")
+        if rule == "random":
+            return f"random --seed {value.get('seed')}"
+        return "token_ids" if rule == "given" else str(rule)
+    if key == "queries" and isinstance(value, list):
+        if not value:
+            return "last"
+        shown = ",".join(map(str, value))
+        return shown if len(value) <= 8 else f"{','.join(map(str, value[:3]))},...,{value[-1]} ({len(value)} positions)"
+    return str(value)
+
+
+def _difference(key: str, was: Any, now: Any, dataset: str | None) -> str:
+    """One difference between a run and a command, in words: the option, the run's value, the asked one."""
+    if key == "documents":
+        return f"the documents of --dataset {dataset} changed since the run read them"
+    return f"{IDENTITY_FLAGS[key]} is {_shown(key, was)} in the run, {_shown(key, now)} here"
+
+
+def _local_corpus(request: ExtractRequest) -> Corpus | None:
+    """The request's corpus when it is offline or local, opened (its fingerprint computed
+    over the documents, nothing tokenized); None for a hub corpus, texts or token ids."""
     name = request.dataset
     if name is None or not (name in OFFLINE_CORPORA or Path(name).expanduser().exists()):
-        return False
-    corpus = open_corpus(name, split=request.split, text_field=request.text_field)
-    held = record.get("dataset") or {}
-    return held.get("fingerprint") == corpus.fingerprint and held.get("text_field") == request.text_field
+        return None
+    return open_corpus(name, split=request.split, text_field=request.text_field)
 
 
 def _finished(store: str, run_id: str, total: int, shard: tuple[int, int] | None) -> ExtractResult | None:

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 from attngeom.errors import InputError
 from attngeom.extract.positions import Positions, config_positions, gguf_positions
 
-__all__ = ["OFFLINE_MODELS", "ModelName", "cache_dir", "hub_address", "model_name"]
+__all__ = ["OFFLINE_MODELS", "ModelName", "cache_dir", "hub_address", "hub_cached_config", "model_name"]
 
 # Offline name -> (its PyPI package's module, the GGUF file, the pip install argument).
 OFFLINE_MODELS = {
@@ -72,7 +72,7 @@ def model_name(name: str) -> ModelName:
         if not (path / "config.json").exists():
             raise InputError(f"model folder {name} has no config.json")
         return ModelName(str(path.resolve()), config_positions(_json(path / "config.json")))
-    cached = _hub_cached_config(name)
+    cached = hub_cached_config(name)
     if cached is None and hub_address() is None:
         raise InputError(
             f"unknown model '{name}': not an offline name ({', '.join(OFFLINE_MODELS)}), "
@@ -98,7 +98,7 @@ def _offline_parts(name: str) -> list[Path]:
     return [path]
 
 
-def _hub_cached_config(name: str) -> Path | None:
+def hub_cached_config(name: str) -> Path | None:
     """The config.json of a hub id in the local hub cache (its newest snapshot), if any."""
     from huggingface_hub import constants
 

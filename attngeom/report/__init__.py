@@ -6,12 +6,12 @@ figure modules load on first use of :func:`build_report`.
 
 from __future__ import annotations
 
-__all__ = ["build_report"]
+__all__ = ["Report", "build_report"]
 
 
 def __getattr__(name: str) -> object:
-    if name == "build_report":
-        from attngeom.report.build import build_report
+    if name in __all__:
+        from attngeom.report import build
 
-        return build_report
+        return getattr(build, name)
     raise AttributeError(f"module 'attngeom.report' has no attribute {name!r}")

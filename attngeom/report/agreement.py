@@ -42,7 +42,7 @@ def class_sentences(criterion: Criterion, regimes: np.ndarray, values: np.ndarra
     name, names = criterion.name, plural(criterion.name)
     if not np.isfinite(values).any():
         return [f"{criterion.score} is undefined for every head (distant mass at window W needs L > 2W): "
-                f"no {names}."]
+                f"{names} cannot be told at this L."]
     passes = criterion.passes(values)
     n = int(passes.sum())
     counts = class_counts(regimes, passes)
@@ -73,23 +73,23 @@ def class_sentences(criterion: Criterion, regimes: np.ndarray, values: np.ndarra
 
 
 def agreement(runs: Sequence[RunData]) -> list[str]:
-    """Per run: for each field class whose score the run has, :func:`class_sentences`; and
-    what cannot be compared, and why, for a group the run lacks."""
+    """Per run, its name once, then: for each field class whose score the run has,
+    :func:`class_sentences`; and what cannot be compared, and why, for a group the run lacks."""
     lines = []
     for run in runs:
         assert run.heads is not None
-        who = f"Run {run.run_id} ({run.model}, {run.dataset}, L={run.context_length})"
+        lines.append(f"Run {run.run_id} ({run.model}, {run.dataset}, L={run.context_length}):")
         regimes = regimes_of(run.heads).ravel()
         scores = run_scores(run.head_scores, run.detect)
         if run.head_scores is None:
-            lines.append(f"{who}: sink, previous-token and streaming heads are not compared: {run.no_head_scores}.")
+            lines.append(f"Sink, previous-token and streaming heads are not compared: {run.no_head_scores}.")
         if run.detect is None:
-            lines.append(f"{who}: duplicate-token, induction and retrieval heads are not compared: no "
+            lines.append(f"Duplicate-token, induction and retrieval heads are not compared: no "
                          f"{DETECT}/{DETECT_GROUP} (run `attngeom detect`).")
         for criterion in CRITERIA:
             if criterion.score in scores:
                 values = scores[criterion.score].values.ravel()
-                lines += [f"{who}: {s}" for s in class_sentences(criterion, regimes, values)]
+                lines += class_sentences(criterion, regimes, values)
     return lines
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import shutil
-import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -25,6 +25,7 @@ from attngeom.report import (
     figures_sink,
     figures_values,
     html,
+    reading,
     tables,
 )
 from attngeom.report.data import OPTIONAL, Missing, Requirement, RunData, load_runs
@@ -114,11 +115,23 @@ def make_text(spec: TextSpec, runs: Sequence[RunData], out: Path) -> html.Entry:
     return _entry(spec, runs, "text", make)
 
 
-def build_report(store: str, out: Path) -> Path:
+@dataclass(frozen=True)
+class Report:
+    """What a report wrote: ``index`` (index.html) and ``missing``, a line per command that
+    would add what the page lacks (the page says it too). ``os.fspath`` gives the index."""
+
+    index: Path
+    missing: tuple[str, ...]
+
+    def __fspath__(self) -> str:
+        return str(self.index)
+
+
+def build_report(store: str, out: Path) -> Report:
     """Write every figure (PNG), table (Markdown, CSV) and ``index.html`` into ``out``.
 
-    Needs no model. Returns the path of ``index.html``. ``out`` is created only once the
-    store has been read, and removed again if it was new and the report fails.
+    Needs no model; prints nothing. ``out`` is created only once the store has been read,
+    and removed again if it was new and the report fails.
     """
     out = Path(out)
     runs = load_runs(store)
@@ -132,16 +145,15 @@ def build_report(store: str, out: Path) -> Path:
         entries += [make_table(spec, runs, out) for spec in TABLES]
         entries += [make_text(spec, runs, out) for spec in TEXTS]
         index = out / "index.html"
+        tables_made = {e.name: e.table for e in entries if e.table is not None}
         page = html.render(store, len(runs), entries, _summary_notes(entries, "notes"),
-                           _summary_notes(entries, "optional"))
+                           _summary_notes(entries, "optional"), reading.findings(runs, tables_made))
         index.write_text(page, encoding="utf-8")
     except BaseException:
         if created:
             shutil.rmtree(out, ignore_errors=True)
         raise
-    for line in missing_summary(store, runs, entries):
-        print(f"report: {line}", file=sys.stderr)
-    return index
+    return Report(index, tuple(missing_summary(store, runs, entries)))
 
 
 def _summary_notes(entries: Sequence[html.Entry], field: str) -> list[str]:

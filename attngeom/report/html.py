@@ -14,6 +14,7 @@ from html import escape
 import pandas as pd
 
 from attngeom import __version__
+from attngeom.report.reading import QUESTIONS, Finding
 from attngeom.report.spec import SECTIONS
 
 STYLE = """
@@ -86,9 +87,35 @@ def _absent(entry: Entry) -> str:
     return " (missing)" if entry.notes else " (optional)"
 
 
+def section_id(title: str) -> str:
+    """The id of a section's heading: "Heads of the field" -> "heads-of-the-field"."""
+    return "-".join(title.lower().replace("-", " ").split())
+
+
+def _method(reference: str) -> str:
+    return f'<span class="meta">({escape(reference)})</span>'
+
+
+def opening(sections: Sequence[str], found: Sequence[Finding]) -> str:
+    """"How to read this report": what each of ``sections`` answers, then the headline findings,
+    each linked to the item it comes from; both cite the part of docs/method.md defining them
+    (a citation, not a link: the page opens offline, away from the docs)."""
+    questions = "".join(
+        f'<li><a href="#{section_id(title)}">{escape(title)}</a>: {escape(QUESTIONS[title][0])} '
+        f"{_method(QUESTIONS[title][1])}</li>" for title in sections
+    )
+    said = "".join(f'<li>{escape(f.text)} <a href="#{escape(f.item)}">{escape(f.item)}</a> {_method(f.method)}</li>'
+                   for f in found)
+    shows = f"<h3>What this store shows</h3><ul class=\"said\">{said}</ul>" if found else ""
+    return (f'<h2 id="how-to-read-this-report">How to read this report</h2>'
+            "<p>Each section answers one question; the method, with every formula, is in attngeom's "
+            f"docs/method.md (its section cited beside each line).</p><ul class=\"said\">{questions}</ul>{shows}")
+
+
 def render(store: str, n_runs: int, entries: Sequence[Entry], notes: Sequence[str],
-           optional: Sequence[str] = ()) -> str:
-    """The page: header, missing-input notes, optional inputs, then the entries section by section."""
+           optional: Sequence[str] = (), found: Sequence[Finding] = ()) -> str:
+    """The page: header, "How to read this report" (with the headline findings ``found``),
+    missing-input notes, optional inputs, then the entries section by section."""
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     order = {name: i for i, name in enumerate(SECTIONS)}
     ordered = sorted(entries, key=lambda e: order.get(e.section, len(order)))
@@ -97,7 +124,8 @@ def render(store: str, n_runs: int, entries: Sequence[Entry], notes: Sequence[st
         sections.setdefault(entry.section, []).append(entry)
     nav = "".join(f'<li><a href="#{escape(e.name)}">{escape(e.name)}</a>{_absent(e)}</li>' for e in ordered)
     body = "".join(
-        f"<h2>{escape(title)}</h2>" + "".join(_entry(e) for e in items) for title, items in sections.items()
+        f'<h2 id="{section_id(title)}">{escape(title)}</h2>' + "".join(_entry(e) for e in items)
+        for title, items in sections.items()
     )
     missing = f"<h2>Missing inputs</h2>{_notes(notes)}" if notes else ""
     missing += _notes([f"Optional: {n}" for n in optional], "optional")
@@ -113,6 +141,7 @@ def render(store: str, n_runs: int, entries: Sequence[Entry], notes: Sequence[st
 <body>
 <h1>attngeom report</h1>
 <p class="meta">store <code>{escape(store)}</code> · {n_runs} run(s) · attngeom {escape(__version__)} · {now}</p>
+{opening(list(sections), found)}
 <nav><ul>{nav}</ul></nav>
 {missing}
 {body}

@@ -181,9 +181,16 @@ def field_classes(runs: Sequence[RunData]) -> pd.DataFrame:
         for c in CRITERIA:
             if c.score not in scores:
                 continue
-            passes = c.passes(scores[c.score].values.ravel())
+            values = scores[c.score].values.ravel()
+            row: dict[str, object] = {**_identity(run), "class": c.name, "rule": c.rule}
+            if not np.isfinite(values).any():
+                # Not "0 heads": the run's L cannot define the score (distant mass at W needs L > 2W).
+                row["heads"] = f"needs L > 2W (L = {run.context_length})"
+                rows.append(row)
+                continue
+            passes = c.passes(values)
             counts = class_counts(regimes, passes)
-            row: dict[str, object] = {**_identity(run), "class": c.name, "rule": c.rule, "heads": int(passes.sum())}
+            row["heads"] = int(passes.sum())
             row.update({regime: counts[regime] for regime in REGIMES})
             row.update({f"% of {regime}": share(counts[regime], sizes[regime]) for regime in REGIMES})
             rows.append(row)

@@ -118,7 +118,7 @@ def compile_kernels(*, progress: bool = True) -> None:
     """Compile the kernels' loops, or load them from numba's cache beside the package, in
     this process: worker processes forked after it share them (the stage calls it before
     forking its workers; otherwise the first call in each process pays it). A compile takes
-    about half a minute of one core, once after installing or changing the package; a load
+    one to two minutes on 2 cores, once after installing or changing the package; a load
     from the cache under a second. progress: say on stderr when it compiles (nothing is said
     when the cache is warm).
 
@@ -127,8 +127,8 @@ def compile_kernels(*, progress: bool = True) -> None:
     cold = progress and not cache_is_warm((kv_values.kv_head, pair_statistics, group_aggregates, group_coherence,
                                            group_exact_keys, group_geometry))
     if cold:
-        print("compiling the analysis kernels (first run only, about a minute) ...", end="", file=sys.stderr,
-              flush=True)
+        print("compiling the analysis kernels (first run only, one to two minutes on 2 cores) ...", end="",
+              file=sys.stderr, flush=True)
     start = time.perf_counter()
     rng = np.random.default_rng(0)
     head_metrics(rng.random((2, 8)), rng.normal(size=(2, 8, 2)), np.ones((2, 8), dtype=bool), [1, 2, 4],
