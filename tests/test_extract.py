@@ -260,3 +260,35 @@ def test_float32_tf32_changes_nothing_on_a_cpu_and_is_recorded(tiny_model_dir, w
     xr.testing.assert_equal(tf32.dataset().load(), f32.dataset().load())  # the values; attributes record the dtype
     with pytest.raises(ag.InputError, match="--dtype is float32-tf32 in the run, float32 here"):
         run_extract(folder, word_corpus, tmp_path / "tf32.zarr", dtype="float32", num_sequences=5)
+
+
+def test_two_extracts_appending_to_one_run_take_turns(tiny_model_dir, word_corpus, tmp_path):
+    """An extract appending to a run while another holds its append lock waits, naming the
+    holder, and goes on once it is let go, writing only what the other left: here the holder
+    (a process that takes the lock, and lets it go when told) wrote nothing, so the extract
+    appends all three sequences, equal to one undisturbed extract."""
+    folder = tiny_model_dir("llama")
+    reference, store = tmp_path / "ref.zarr", tmp_path / "s.zarr"
+    run_extract(folder, word_corpus, reference, num_sequences=5)
+    run_extract(folder, word_corpus, store, num_sequences=2)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from attngeom.store.locks import RunLock; "
+         "lock = RunLock(Path(sys.argv[1]), 'r', 'extract', part='complete'); lock.acquire(); print('held', flush=True); "
+         "sys.stdin.readline(); lock.release()", str(store)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert holder.stdout.readline().strip() == "held"
+    appending = subprocess.Popen(
+        [sys.executable, "-m", "attngeom.cli", "extract", "--model", str(folder), "--dataset", str(word_corpus),
+         "-L", "16", "-S", "5", "--store", str(store), "--run", "r", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    waiting = appending.stderr.readline()
+    assert waiting.startswith("attngeom: waiting for the extract of run r held by "), waiting
+    holder.communicate("go\n", timeout=60)
+    out, err = appending.communicate(timeout=300)
+    assert appending.returncode == 0, err
+    assert "waiting for" not in err and "wrote 3 sequences" in out
+    a, b = open_run(reference), open_run(store)
+    for name in ("tokens", "values", "attn_last", "winner", "entropy"):
+        np.testing.assert_array_equal(a[name].values, b[name].values)
+    assert not (store / "leases").exists() and validate_store(str(store)) == []

@@ -82,6 +82,7 @@ from attngeom.store import (
     run_layout,
     run_provenance,
 )
+from attngeom.store.locks import RunLock
 from attngeom.store.runs import IN_FLIGHT
 from attngeom.store.schema import BFLOAT16
 
@@ -455,8 +456,16 @@ def extract(request: ExtractRequest, checked: Preflight | None = None) -> Extrac
     # with --shard, where a peer may be writing into the new store already.
     new_store = path is not None and not path.exists() and shard is None
     root = open_or_create_root(request.store)
-    with _removed_on_failure(path, root, new_store):
+    with _removed_on_failure(path, root, new_store), contextlib.ExitStack() as appending:
         run = _open_run(root, run_id)
+        if run is not None and path is not None and shard is None:
+            # Two extracts appending to one run take turns: the second waits, then finds
+            # committed what the first wrote (shards split the sequences instead).
+            lock = RunLock(path, run_id, "extract", part="complete")
+            appending.callback(lock.release)
+            lock.acquire()
+            root = open_or_create_root(request.store)  # what the other wrote meanwhile
+            run = _open_run(root, run_id)
         mine = [i for i in range(total) if shard is None or i % shard[1] == shard[0]]
         todo = mine if run is None else [i for i in mine if i >= n_sequences(run) or run["complete"][i] != 1]
         if run is not None and n_sequences(run) < total:

@@ -44,18 +44,21 @@ def holder_words(run_id: str, body: dict[str, Any]) -> str:
 
 class RunLock:
     """The writer lock of the run ``run_id`` of the local store at ``folder``, held for
-    ``what`` (the command) from :meth:`acquire` to :meth:`release`."""
+    ``what`` (the command) from :meth:`acquire` to :meth:`release`. ``part``: a lock of the
+    run's array of that name instead of the run's own, one writer kind's apart from the
+    other's (extract's appends lock ``complete``, not the derived writers' run lock)."""
 
-    def __init__(self, folder: Path, run_id: str, what: str) -> None:
-        self.folder, self.run_id = folder, run_id
-        self.path = folder / LEASES / f"{run_id}.json"
+    def __init__(self, folder: Path, run_id: str, what: str, part: str | None = None) -> None:
+        self.folder, self.run_id, self.part = folder, run_id, part
+        self.path = folder / LEASES / (f"{run_id}.json" if part is None else f"{run_id}.{part}.json")
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "command": what}
         self.fd: int | None = None
 
     def acquire(self) -> None:
         """Wait until the run's lock is this writer's, saying once per holder whom it waits
         for, then name this writer as its holder."""
-        self.fd = os.open(self.folder / run_path(self.run_id), os.O_RDONLY)
+        target = self.folder / run_path(self.run_id)
+        self.fd = os.open(target if self.part is None else target / self.part, os.O_RDONLY)
         if fcntl is None:
             return
         told = None
