@@ -75,11 +75,14 @@ def attention_layers(config: Any) -> tuple[int, ...]:
 def supported_config(config: Any) -> Any:
     """The text config of ``config``; refuses, before any weight loads, a model whose attention
     the capture cannot read (:class:`UnsupportedModelError`)."""
-    config = getattr(config, "text_config", None) or config
+    given, config = config, getattr(config, "text_config", None) or config
     model_type = config.model_type
     if model_type in NOT_SOFTMAX:
         raise UnsupportedModelError(f"model type '{model_type}' is not supported: {NOT_SOFTMAX[model_type]}")
-    routes = _class_routes_attention(config)
+    # A multimodal family may map its causal LM from the outer config (Emu3) or the text one.
+    routes = _class_routes_attention(given)
+    if routes is None and given is not config:
+        routes = _class_routes_attention(config)
     if routes is None:
         raise UnsupportedModelError(f"model type '{model_type}' has no causal language model class in transformers")
     if not routes:
