@@ -22,7 +22,7 @@ from attngeom.store.access import quiet_leftovers, writing
 from attngeom.store.chunks import read_chunk
 from attngeom.store.codecs import chunk_encoder, compressors, decode_chunk, decoded, decodes
 from attngeom.store.damage import DECODE_ERRORS, damaged_chunk, locate_damage, metadata_damage, stored_grid
-from attngeom.store.nodes import get_objects, group_document, metadata_bytes, put_objects, remove_dir, zarr_store
+from attngeom.store.nodes import Part, get_objects, group_document, metadata_bytes, put_objects, remove_dir, zarr_store
 from attngeom.store.schema import ATTR_KEY, ENCODING, LABEL_ORDERS, LABELS, label_codes, label_dtype
 
 
@@ -197,7 +197,7 @@ def write_datasets(datasets: Mapping[str, xr.Dataset], url: str, *, compute: boo
     threads = min(cpu_count(), len(blocks) // _BLOCKS_PER_THREAD)
     with ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
         for block, stored in zip(blocks, (pool.map if pool else map)(lambda b: b.encode(b.values), blocks)):
-            block.objects[block.key] = stored
+            block.objects[block.key] = (stored,)  # one part: written at once
 
     with writing(url):
         for parent in sorted({group.rpartition("/")[0] for group in encoded} - {""}):
@@ -205,7 +205,7 @@ def write_datasets(datasets: Mapping[str, xr.Dataset], url: str, *, compute: boo
         _replace_groups(target, objects)
 
 
-def _replace_groups(target: Any, objects: Mapping[str, Mapping[str, bytes]]) -> None:
+def _replace_groups(target: Any, objects: Mapping[str, Mapping[str, bytes | tuple[Part]]]) -> None:
     """Replace each group of ``objects`` (group -> key -> bytes) in the zarr Store
     ``target`` by those objects, its own ``zarr.json`` last, so that a group with metadata
     has all of its arrays."""
@@ -245,15 +245,15 @@ class _Form(NamedTuple):
 
     metadata: ArrayV3Metadata
     document: dict[str, Any]
-    encode: Callable[[np.ndarray], bytes]
+    encode: Callable[[np.ndarray], tuple[bytes, bytes]]
 
 
 class _Block(NamedTuple):
     """A chunk to encode: its ``values``, by ``encode``, into ``objects[key]``."""
 
-    objects: dict[str, bytes]
+    objects: dict[str, bytes | tuple[Part]]
     key: str
-    encode: Callable[[np.ndarray], bytes]
+    encode: Callable[[np.ndarray], tuple[bytes, bytes]]
     values: np.ndarray
 
 
@@ -262,8 +262,8 @@ class _Block(NamedTuple):
 _BLOCKS_PER_THREAD = 16
 
 
-def _group_objects(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], group: str,
-                   chunks: Mapping[str, int], forms: dict[tuple, _Form], blocks: list[_Block]) -> dict[str, bytes]:
+def _group_objects(dataset: xr.Dataset, data: Mapping[str, np.ndarray | None], group: str, chunks: Mapping[str, int],
+                   forms: dict[tuple, _Form], blocks: list[_Block]) -> dict[str, bytes | tuple[Part]]:
     """The stored objects of the group ``group`` holding ``dataset``, key -> bytes: its own
     ``zarr.json``, every array's metadata and, where ``data`` holds its values (None:
     metadata only), its chunks, as zarr-python writes them (a chunk all fill value is not
@@ -341,7 +341,7 @@ def set_regions(url: str, zstore: Any, parts: Sequence[tuple[zarr.AsyncArray, np
         for index in itertools.product(*grid):
             at = (slice(index[0] * chunks[0] - first, (index[0] + 1) * chunks[0] - first),
                   *(slice(i * c, (i + 1) * c) for i, c in zip(index[1:], chunks[1:])))
-            objects[f"{arr.path}/{meta.encode_chunk_key(index)}"] = encode(_whole(meta, span[at]))
+            objects[f"{arr.path}/{meta.encode_chunk_key(index)}"] = (encode(_whole(meta, span[at])),)
     put_objects(zstore, objects)
 
 

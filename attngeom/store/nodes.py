@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,13 @@ from attngeom.store.cache import uncached
 # zarr-python's LocalStore writes each object as ``<name>.<uuid>.partial`` and renames it; a
 # write killed in between leaves that object behind.
 PARTIAL_SUFFIX = ".partial"
+
+# One part of an object written part by part: bytes, or buffers stored one after another and
+# written at once (a compressed chunk and its checksum).
+Part = bytes | tuple[bytes, ...]
+
+# Buffers one vectored write takes at most.
+_IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
 def outside_links(url: str, *, whole: bool) -> dict[str, str]:
@@ -243,12 +250,12 @@ def node_path(key: str) -> str:
     return key.rpartition("/")[0]
 
 
-def put_objects(zstore: Any, objects: Mapping[str, bytes | Iterable[bytes]]) -> None:
+def put_objects(zstore: Any, objects: Mapping[str, bytes | Iterable[Part]]) -> None:
     """Store ``objects`` (key -> bytes, or an object's parts in order) in the zarr Store
     ``zstore``; a local store's are written one after another, each part as it comes (a
-    sequence's values shard is written while its last chunks are compressed), any other
-    store's all at once. The first error is raised once every write has ended, so that
-    nothing is written after a failed caller has cleaned up."""
+    sequence's values shard is written while its last chunks are compressed) with one
+    vectored write, any other store's all at once. The first error is raised once every
+    write has ended, so that nothing is written after a failed caller has cleaned up."""
     if isinstance(zstore, zarr.storage.LocalStore):
         # Written here: through the store, each object takes a hop to zarr's thread and one
         # to a file thread (an analysis writes some 350).
@@ -259,8 +266,9 @@ def put_objects(zstore: Any, objects: Mapping[str, bytes | Iterable[bytes]]) -> 
     prototype = default_buffer_prototype()
 
     async def run() -> None:
-        sets = (zstore.set(key, prototype.buffer.from_bytes(value if isinstance(value, bytes) else b"".join(value)))
-                for key, value in objects.items())
+        sets = (zstore.set(key, prototype.buffer.from_bytes(
+            value if isinstance(value, bytes) else b"".join(b for part in value for b in _buffers(part))))
+            for key, value in objects.items())
         for outcome in await asyncio.gather(*sets, return_exceptions=True):
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -291,7 +299,7 @@ def gather(coroutines: Iterable[Any]) -> None:
     sync(run())
 
 
-def _put_local(path: Path, value: bytes | Iterable[bytes], folders: set[Path]) -> None:
+def _put_local(path: Path, value: bytes | Iterable[Part], folders: set[Path]) -> None:
     """Write a local store's object (its bytes, or its parts in order) as zarr-python does:
     into ``<name>.<uuid>.partial``, then renamed, so that a killed write leaves no truncated
     object (and a failed one, no partial object). ``folders``: those made already."""
@@ -303,12 +311,33 @@ def _put_local(path: Path, value: bytes | Iterable[bytes], folders: set[Path]) -
         if isinstance(value, bytes):
             partial.write_bytes(value)
         else:
-            with partial.open("wb") as file:
-                file.writelines(value)
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            try:
+                for part in value:
+                    _write_all(fd, _buffers(part))
+            finally:
+                os.close(fd)
         os.replace(partial, path)
     except BaseException:  # a full disk: no partial object left behind
         partial.unlink(missing_ok=True)
         raise
+
+
+def _buffers(part: Part) -> tuple[bytes, ...]:
+    """The buffers of one part of an object, in order."""
+    return (part,) if isinstance(part, bytes) else tuple(part)
+
+
+def _write_all(fd: int, buffers: Sequence[bytes]) -> None:
+    """Write ``buffers`` one after another to the open file ``fd`` with vectored writes
+    (as many as a short write or the system's limit on buffers per call take)."""
+    views = [memoryview(b) for b in buffers]
+    while views:
+        written = os.writev(fd, views[:_IOV_MAX])
+        while views and written >= len(views[0]):
+            written -= len(views.pop(0))
+        if views:
+            views[0] = views[0][written:]
 
 
 def remove_dir(zstore: Any, path: str) -> None:

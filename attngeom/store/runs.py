@@ -20,7 +20,7 @@ from attngeom.store._zarr import sync
 from attngeom.store.access import quiet_leftovers
 from attngeom.store.codecs import VALUES_CODEC, compressors, object_chunks, shard_index
 from attngeom.store.damage import DECODE_ERRORS, metadata_damage
-from attngeom.store.nodes import jsonable, node_exists, put_objects, store_url
+from attngeom.store.nodes import Part, jsonable, node_exists, put_objects, store_url
 from attngeom.store.schema import (
     ATTR_KEY,
     ENCODING,
@@ -330,9 +330,10 @@ def write_sequence(run: zarr.Group, seq: int, arrays: Mapping[str, np.ndarray]) 
         writer.write(seq, arrays)
 
 
-def _stored_parts(chunks: list[Future[bytes]], sharded: bool) -> Iterator[bytes]:
-    """An object's bytes in order, each part as its encoding ends: its encoded ``chunks``,
-    then, for a shard, its index. Should one fail, the encodings not begun are cancelled."""
+def _stored_parts(chunks: list[Future[tuple[bytes, bytes]]], sharded: bool) -> Iterator[Part]:
+    """An object's parts in order, each as its encoding ends: its encoded ``chunks`` (each
+    its compressed bytes and their checksum), then, for a shard, its index, built from their
+    sizes. Should one fail, the encodings not begun are cancelled."""
     try:
         for chunk in chunks:
             yield chunk.result()
@@ -340,7 +341,7 @@ def _stored_parts(chunks: list[Future[bytes]], sharded: bool) -> Iterator[bytes]
         for chunk in chunks:
             chunk.cancel()
     if sharded:
-        yield shard_index([len(chunk.result()) for chunk in chunks])
+        yield shard_index([sum(len(b) for b in chunk.result()) for chunk in chunks])
 
 
 async def _sequence_members(run: zarr.Group) -> dict[str, zarr.AsyncArray]:
