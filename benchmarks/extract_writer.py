@@ -26,14 +26,20 @@ Each repetition times, side by side in rotated order, into a fresh run each:
 * "zarrs": the same through the ``zarrs`` codec pipeline (Rust), where installed;
 * "compress": Blosc of every chunk of the sequence with the store's codecs, on a thread per
   core, nothing written;
-* "fsync'd write": the very objects the writer stored, written to fresh files and fsync'd.
+* "fsync'd write": the very objects the writer stored, written to fresh files and fsync'd;
+* "bare compress": Blosc of every chunk of the sequence with numcodecs' encoder
+  (``numcodecs.Blosc.encode``, the settings of the array's ``zarr.json``) on a thread per
+  core, nothing else (no checksum);
+* "bare fsync'd write": those compressed bytes, an object's chunks one after another, written
+  to fresh files (one vectored write each) and fsync'd.
 
 A variant that stores other objects than the writer (a chunk all fill value left out breaks
-the commit rule) is named and not timed. The limit is max(compress, fsync'd write): the
-writer cannot be faster than either. Ratios are medians of per-repetition ratios; "stored
-MiB" the size of the sequence's objects. "CPU: X / work" is X's process CPU time over that of
-compress plus the fsync'd write, the work any writer does: steadier than wall time on a
-machine doing other work.
+the commit rule) is named and not timed. The limit is max(compress, fsync'd write), the bare
+limit max(bare compress, bare fsync'd write): the writer cannot be faster than either. Ratios
+are medians of per-repetition ratios; "stored MiB" the size of the sequence's objects. "CPU: X
+/ work" is X's process CPU time over that of compress plus the fsync'd write, the work any
+writer does, "CPU: X / bare work" over bare compress plus the bare fsync'd write: steadier
+than wall time on a machine doing other work.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from typing import Any
 
 import numpy as np
 import zarr
+from numcodecs import Blosc
 from common import median, now, rotate, table
 
 from attngeom.store import RunLayout, create_run, open_or_create_root, open_run_group, write_sequence
@@ -71,6 +78,8 @@ SHAPES = {
 }
 VALUES = ("bfloat16", "float32-of-bf16", "float32")
 FUSED = "zarr.core.codec_pipeline.FusedCodecPipeline"
+SHUFFLES = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
+IOV_MAX = os.sysconf("SC_IOV_MAX")
 ZARRS = "zarrs.ZarrsCodecPipeline"
 
 
@@ -129,6 +138,43 @@ def chunk_tasks(run: zarr.Group, arrays: dict[str, np.ndarray]) -> list[tuple[An
         encode, chunks, _ = object_chunks(run[name].metadata.to_dict(), np.asarray(value)[None])
         tasks += [(encode, chunk) for chunk in chunks]
     return tasks
+
+
+def bare_tasks(run: zarr.Group, arrays: dict[str, np.ndarray]) -> dict[str, list[tuple[Blosc, np.ndarray]]]:
+    """Object name -> (numcodecs Blosc, chunk) of each of its chunks, in order: Blosc as the
+    array's ``zarr.json`` sets it, without the store's encoder around it."""
+    tasks = {}
+    for name, value in arrays.items():
+        metadata = run[name].metadata.to_dict()
+        codecs = metadata["codecs"]
+        if codecs[0]["name"] == "sharding_indexed":
+            codecs = codecs[0]["configuration"]["codecs"]
+        config = next(c["configuration"] for c in codecs if c["name"] == "blosc")
+        blosc = Blosc(cname=config["cname"], clevel=config["clevel"], shuffle=SHUFFLES[config["shuffle"]],
+                      blocksize=config["blocksize"], typesize=config["typesize"])
+        _, chunks, _ = object_chunks(metadata, np.asarray(value)[None])
+        tasks[name] = [(blosc, chunk) for chunk in chunks]
+    return tasks
+
+
+def bare_fsync_write(objects: dict[str, list[bytes]], folder: Path) -> None:
+    """Each object's compressed chunks written one after another to a fresh file under
+    ``folder`` with one vectored write, each file fsync'd."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, parts in objects.items():
+        fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            views, total = [memoryview(p) for p in parts], sum(len(p) for p in parts)
+            while total:
+                written = os.writev(fd, views[:IOV_MAX])
+                total -= written
+                while views and written >= len(views[0]):
+                    written -= len(views.pop(0))
+                if views:
+                    views[0] = views[0][written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def fsync_write(objects: dict[Path, bytes], folder: Path) -> None:
@@ -196,16 +242,30 @@ def writer_times(name: str, length: int, values: str, args: argparse.Namespace, 
             del variants[variant]
     tasks_run = fresh_run(work / "codecs.zarr", layout)
     tasks = chunk_tasks(tasks_run, arrays)
+    bare = bare_tasks(tasks_run, arrays)
     pool = ThreadPoolExecutor(cores)
+    bare_objects = {name: list(pool.map(lambda task: task[0].encode(task[1]), bare[name])) for name in bare}
     reps = []
     for rep in range(args.reps):
         out: dict[str, float] = {}
-        for variant in rotate([*variants, "compress", "fsync"], rep):
+        for variant in rotate([*variants, "compress", "fsync", "bare_compress", "bare_fsync"], rep):
             if variant == "compress":
                 w0, c0 = now()
                 list(pool.map(lambda task: task[0](task[1]), tasks))
                 w1, c1 = now()
                 out["compress"], out["compress_cpu"] = w1 - w0, c1 - c0
+            elif variant == "bare_compress":
+                flat = [task for name in bare for task in bare[name]]
+                w0, c0 = now()
+                list(pool.map(lambda task: task[0].encode(task[1]), flat))
+                w1, c1 = now()
+                out["bare_compress"], out["bare_compress_cpu"] = w1 - w0, c1 - c0
+            elif variant == "bare_fsync":
+                w0, c0 = now()
+                bare_fsync_write(bare_objects, work / "bare")
+                w1, c1 = now()
+                out["bare_fsync"], out["bare_fsync_cpu"] = w1 - w0, c1 - c0
+                shutil.rmtree(work / "bare")
             elif variant == "fsync":
                 w0, c0 = now()
                 fsync_write(reference, work / "plain")
@@ -216,24 +276,30 @@ def writer_times(name: str, length: int, values: str, args: argparse.Namespace, 
                 out[variant], cpu, _ = written(variant)
                 out[f"{variant}_cpu"] = cpu
         out["limit"] = max(out["compress"], out["fsync"])
+        out["bare_limit"] = max(out["bare_compress"], out["bare_fsync"])
         out["loadavg_1min"] = os.getloadavg()[0]
         reps.append(out)
         print(f"  [{name} {values} rep {rep + 1}/{args.reps}] "
-              + " ".join(f"{k}={out[k]:.3f}s" for k in (*variants, "compress", "fsync")), file=sys.stderr, flush=True)
+              + " ".join(f"{k}={out[k]:.3f}s" for k in (*variants, "compress", "fsync", "bare_compress", "bare_fsync")),
+              file=sys.stderr, flush=True)
     pool.shutdown()
     shutil.rmtree(work / "codecs.zarr")
     result: dict[str, Any] = {
         "shape": name, "length": length, "values": values, "raw_mb": raw / 1e6,
         "stored_mib": sum(len(b) for b in reference.values()) / 2**20,
         "compress_s": median([r["compress"] for r in reps]), "fsync_s": median([r["fsync"] for r in reps]),
-        "differ": differ, "reps": reps,
+        "bare_compress_s": median([r["bare_compress"] for r in reps]),
+        "bare_fsync_s": median([r["bare_fsync"] for r in reps]), "differ": differ, "reps": reps,
     }
     for variant in variants:
         result[f"{variant}_s"] = median([r[variant] for r in reps])
         result[f"{variant}_over_limit"] = median([r[variant] / r["limit"] for r in reps])
+        result[f"{variant}_over_bare_limit"] = median([r[variant] / r["bare_limit"] for r in reps])
         result[f"{variant}_cpu_s"] = median([r[f"{variant}_cpu"] for r in reps])
         result[f"{variant}_cpu_over_work"] = median([r[f"{variant}_cpu"] / (r["compress_cpu"] + r["fsync_cpu"])
                                                      for r in reps])
+        result[f"{variant}_cpu_over_bare_work"] = median(
+            [r[f"{variant}_cpu"] / (r["bare_compress_cpu"] + r["bare_fsync_cpu"]) for r in reps])
     return result
 
 
@@ -246,15 +312,16 @@ def report(results: dict[str, Any]) -> str:
     head = (f"## The writer against its limit (zarr {results['zarr']}, Python {results['python']}, "
             f"{results['cpu_count']} CPUs, {results['reps']} reps; medians)\n")
     return head + table(
-        ["shape", "L", "values", "raw MB", "stored MiB", "compress s", "fsync'd write s", "writer s",
-         "writer / limit", "zarr / limit", *(["zarr fused / limit"] if fused else []),
-         *(["zarrs / limit"] if zarrs else []), "writer CPU s",
-         "CPU: writer / work", "CPU: zarr / work"],
-        [[r["shape"], r["length"], r["values"], r["raw_mb"], r["stored_mib"], r["compress_s"], r["fsync_s"],
-          r["writer_s"], r["writer_over_limit"], r["zarr_over_limit"],
+        ["shape", "L", "values", "raw MB", "stored MiB", "bare compress s", "bare fsync'd write s", "compress s",
+         "fsync'd write s", "writer s", "writer / bare limit", "writer / limit", "zarr / limit",
+         *(["zarr fused / limit"] if fused else []), *(["zarrs / limit"] if zarrs else []), "writer CPU s",
+         "CPU: writer / bare work", "CPU: writer / work", "CPU: zarr / work"],
+        [[r["shape"], r["length"], r["values"], r["raw_mb"], r["stored_mib"], r["bare_compress_s"],
+          r["bare_fsync_s"], r["compress_s"], r["fsync_s"], r["writer_s"], r["writer_over_bare_limit"],
+          r["writer_over_limit"], r["zarr_over_limit"],
           *([r.get("zarr_fused_over_limit", "")] if fused else []),
           *([r.get("zarrs_over_limit", "")] if zarrs else []), r["writer_cpu_s"],
-          r["writer_cpu_over_work"], r["zarr_cpu_over_work"]] for r in rows],
+          r["writer_cpu_over_bare_work"], r["writer_cpu_over_work"], r["zarr_cpu_over_work"]] for r in rows],
     ) + notes
 
 

@@ -315,6 +315,7 @@ def _put_local(path: Path, value: bytes | Iterable[Part], folders: set[Path]) ->
             try:
                 for part in value:
                     _write_all(fd, _buffers(part))
+                    del part  # not held while the next part is made: its memory can be reused
             finally:
                 os.close(fd)
         os.replace(partial, path)

@@ -276,7 +276,7 @@ class SequenceWriter:
             values = np.asarray(arrays[name])[None]
             encode, chunks, sharded = object_chunks(arr.metadata.to_dict(), values)
             key = f"{arr.path}/{arr.metadata.encode_chunk_key((seq,) + (0,) * (values.ndim - 1))}"
-            objects[key] = _stored_parts([self._encoders.submit(encode, chunk) for chunk in chunks], sharded)
+            objects[key] = _stored_parts(deque(self._encoders.submit(encode, chunk) for chunk in chunks), sharded)
         put_objects(self._store, objects)
         sync(self._arrays["complete"].setitem(seq, 1))
 
@@ -330,18 +330,25 @@ def write_sequence(run: zarr.Group, seq: int, arrays: Mapping[str, np.ndarray]) 
         writer.write(seq, arrays)
 
 
-def _stored_parts(chunks: list[Future[tuple[bytes, bytes]]], sharded: bool) -> Iterator[Part]:
+def _stored_parts(chunks: deque[Future[tuple[bytes, bytes]]], sharded: bool) -> Iterator[Part]:
     """An object's parts in order, each as its encoding ends: its encoded ``chunks`` (each
     its compressed bytes and their checksum), then, for a shard, its index, built from their
     sizes. Should one fail, the encodings not begun are cancelled."""
+    # Each chunk is let go once written, so that the next one's encoding can take its memory
+    # rather than fault in fresh pages.
+    sizes = []
     try:
-        for chunk in chunks:
-            yield chunk.result()
+        while chunks:
+            parts = chunks[0].result()
+            sizes.append(sum(len(b) for b in parts))
+            chunks.popleft()
+            yield parts
+            del parts
     finally:
         for chunk in chunks:
             chunk.cancel()
     if sharded:
-        yield shard_index([sum(len(b) for b in chunk.result()) for chunk in chunks])
+        yield shard_index(sizes)
 
 
 async def _sequence_members(run: zarr.Group) -> dict[str, zarr.AsyncArray]:
