@@ -17,8 +17,9 @@ Per values encoding (``--values``):
 
 Each repetition times, side by side in rotated order, into a fresh run each:
 
-* "writer": ``write_sequence``, ``SequenceWriter.write`` as extract runs it (the chunks
-  compressed on a thread per core, shards assembled and written by attngeom);
+* "writer": ``SequenceWriter.write`` as extract runs it, the writer opened on the run
+  beforehand (the chunks compressed on a thread per core, each written with its checksum as
+  its compression ends, shards assembled and written by attngeom);
 * "zarr": zarr-python writing the same arrays, all at once, with ``write_empty_chunks`` (its
   default codec pipeline, a shard's inner chunks encoded as one batch);
 * "zarr fused": the same through zarr's ``FusedCodecPipeline`` on a thread per core, where the
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -53,6 +55,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -63,7 +66,7 @@ import zarr
 from numcodecs import Blosc
 from common import median, now, rotate, table
 
-from attngeom.store import RunLayout, create_run, open_or_create_root, open_run_group, write_sequence
+from attngeom.store import RunLayout, SequenceWriter, create_run, open_or_create_root, open_run_group
 from attngeom.store._zarr import sync
 from attngeom.store.codecs import object_chunks
 from attngeom.synthetic import synthetic_sequence
@@ -122,6 +125,14 @@ def zarr_write(run: zarr.Group, arrays: dict[str, np.ndarray], config: dict[str,
         await members["complete"].setitem(0, 1)
 
     sync(write())
+
+
+@contextlib.contextmanager
+def opened_writer(run: zarr.Group, arrays: dict[str, np.ndarray]) -> Iterator[Callable[[], None]]:
+    """The write of the sequence by extract's writer, opened on ``run`` beforehand: extract
+    opens it once per run, not per sequence."""
+    with SequenceWriter(run, in_flight=0) as writer:
+        yield lambda: writer.write(0, arrays)
 
 
 def stored_objects(folder: Path) -> dict[Path, bytes]:
@@ -210,22 +221,25 @@ def writer_times(name: str, length: int, values: str, args: argparse.Namespace, 
     raw = sum(a.nbytes for a in arrays.values())
     cores = len(os.sched_getaffinity(0))
     layers = layout.n_layers
+    def through_zarr(config: dict[str, Any]) -> Any:
+        return lambda run: contextlib.nullcontext(lambda: zarr_write(run, arrays, config))
+
     variants: dict[str, Any] = {
-        "writer": lambda run: write_sequence(run, 0, arrays),
-        "zarr": lambda run: zarr_write(run, arrays, {"codec_pipeline.batch_size": layers}),
+        "writer": lambda run: opened_writer(run, arrays),
+        "zarr": through_zarr({"codec_pipeline.batch_size": layers}),
     }
     if has_fused() and not args.no_fused:
-        variants["zarr_fused"] = lambda run: zarr_write(
-            run, arrays, {"codec_pipeline.path": FUSED, "codec_pipeline.max_workers": cores})
+        variants["zarr_fused"] = through_zarr({"codec_pipeline.path": FUSED, "codec_pipeline.max_workers": cores})
     if has_zarrs() and not args.no_zarrs:
-        variants["zarrs"] = lambda run: zarr_write(run, arrays, {"codec_pipeline.path": ZARRS})
+        variants["zarrs"] = through_zarr({"codec_pipeline.path": ZARRS})
 
     def written(variant: str) -> tuple[float, float, dict[Path, bytes]]:
         folder = work / f"{variant}.zarr"
         run = fresh_run(folder, layout)
-        w0, c0 = now()
-        variants[variant](run)
-        w1, c1 = now()
+        with variants[variant](run) as write:
+            w0, c0 = now()
+            write()
+            w1, c1 = now()
         objects = stored_objects(folder)
         shutil.rmtree(folder)
         return w1 - w0, c1 - c0, objects
