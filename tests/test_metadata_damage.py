@@ -107,6 +107,20 @@ def test_lost_run_metadata_is_rebuilt_from_the_consolidated_copy(store, ablated_
     assert_same_tree(store, ablated_store_source)
 
 
+@pytest.mark.parametrize("name", ["values", "attn_last", "head_kv"])
+def test_a_lost_run_array_metadata_is_rebuilt_from_the_layout_in_one_repair(store, ablated_store_source, name):
+    """An array's zarr.json deleted (its chunks kept): named as lost metadata of a run array,
+    not as a missing array, and rebuilt by one repair, byte for byte."""
+    (store / f"runs/r/{name}/zarr.json").unlink()
+    problems = validate(store)
+    assert problems[0] == (f"runs/r/{name}/zarr.json is missing (lost metadata of a run array); "
+                           f"run `attngeom validate --store {store} --repair` to rebuild it")
+    assert not any("missing array" in line for line in problems)
+    assert repair(store)[0] == f"rebuilt runs/r/{name}/zarr.json"
+    assert validate(store) == []
+    assert_same_tree(store, ablated_store_source)
+
+
 @pytest.mark.parametrize("key", ["zarr.json", "topn/zarr.json", "heads/zarr.json"])
 def test_lost_derived_group_metadata_is_named_everywhere_and_healed_by_analyze(store, ablated_store_source, tmp_path,
                                                                              key):

@@ -76,8 +76,37 @@ def broken_metadata(nodes: Mapping[str, Any]) -> list[str]:
     # A staged group is a writer's work under way, its metadata written last: its rerun
     # writes it again, and readers never read it.
     lost = [key for key in lost_metadata(nodes) if not (derived_node(key) and key.split("/")[3] == STAGING)]
-    broken = [key for key, meta in nodes.items() if meta is None] + lost
+    broken = [key for key, meta in nodes.items() if meta is None] + lost + _lost_arrays(nodes)
     return sorted(broken, key=lambda key: (99 if key == "zarr.json" else key.count("/"), key))
+
+
+def _lost_arrays(nodes: Mapping[str, Any]) -> list[str]:
+    """Keys of the ``zarr.json`` of the arrays a run's recorded layout names but the store
+    lacks (lost, or never written by an interrupted creation): rebuilt from the layout, their
+    committed sequences are then found without their chunks and written again by extract."""
+    lost = []
+    for key, meta in nodes.items():
+        parts = key.split("/")
+        if len(parts) != 3 or parts[0] != RUNS or not isinstance(meta, Mapping):
+            continue
+        layout = _layout(nodes, parts[1])
+        if layout is not None:
+            lost += [f"{RUNS}/{parts[1]}/{name}/zarr.json" for name in layout.names()
+                     if f"{RUNS}/{parts[1]}/{name}/zarr.json" not in nodes]
+    return lost
+
+
+def _layout(nodes: Mapping[str, Any], run_id: str) -> RunLayout | None:
+    """The layout run ``run_id`` records, without its attendable keys; None without one."""
+    layout = _run_attributes(nodes, run_id).get("layout")
+    if not isinstance(layout, Mapping) or not _run_attributes(nodes, run_id).get("initialized"):
+        return None
+    try:
+        return RunLayout(**{**layout, "head_kv": tuple(layout["head_kv"]), "window": tuple(layout["window"]),
+                            "queries": tuple(layout.get("queries", ())), "layers": tuple(layout.get("layers", ())),
+                            "lacking": tuple(layout.get("lacking", ()))}, attendable=())
+    except (KeyError, TypeError):
+        return None
 
 
 def rebuild_plan(nodes: Mapping[str, Any]) -> dict[str, bytes | None]:
@@ -131,12 +160,8 @@ def _root_metadata(nodes: Mapping[str, Any]) -> bytes | None:
 def _array_metadata(nodes: Mapping[str, Any], run_id: str, name: str) -> bytes | None:
     """A run array's ``zarr.json`` from the layout the run records, sized for as many
     sequences as its other per-sequence arrays; None without a layout."""
-    layout = _run_attributes(nodes, run_id).get("layout")
-    if not isinstance(layout, Mapping):
-        return None
-    layout = RunLayout(**{**layout, "head_kv": tuple(layout["head_kv"]), "window": tuple(layout["window"]),
-                          "queries": tuple(layout.get("queries", ()))}, attendable=())
-    if name not in layout.names():
+    layout = _layout(nodes, run_id)
+    if layout is None or name not in layout.names():
         return None
     sizes = [
         meta["shape"][0] for key, meta in nodes.items()

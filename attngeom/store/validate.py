@@ -56,7 +56,7 @@ from attngeom.store.nodes import (
     zarr_store,
 )
 from attngeom.store.objects import chunk_objects, object_damage, object_sizes
-from attngeom.store.rebuild import broken_metadata, cannot_rebuild, rebuild_plan
+from attngeom.store.rebuild import broken_metadata, cannot_rebuild, derived_node, rebuild_plan
 from attngeom.store.runs import completed, misnamed_runs, open_run_group, run_coordinates, run_ids, run_layout
 from attngeom.store.schema import (
     ATTR_KEY,
@@ -426,7 +426,8 @@ def metadata_problems(url: str, zstore: Any, nodes: Mapping[str, Mapping[str, An
             raw = sync(zstore.get(key, prototype=default_buffer_prototype()))
             what = metadata_fault(raw.to_bytes() if raw is not None else None)
         else:
-            what = "missing (lost metadata of a group: nothing it holds can be reached)"
+            what = ("missing (lost metadata of a run array)" if key.count("/") == 3 and key.startswith("runs/")
+                    and not derived_node(key) else "missing (lost metadata of a group: nothing it holds can be reached)")
         if key not in plan:  # a derived group's: its readers name it in the same words
             problems.append(f"{key} is {what}; {recovery(url, node)}")
         elif plan[key] is None:
