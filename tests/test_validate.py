@@ -55,11 +55,14 @@ def test_good_store_is_valid_and_opens_with_xarray(good_store):
 
 
 def test_missing_array(store):
+    """An array the run's layout names, gone whole: its metadata is rebuilt from the layout by
+    --repair, which then finds its sequences without their chunks (extract rewrites them)."""
     shutil.rmtree(store / "runs/r/entropy")
     assert problems_of(store) == [
+        f"runs/r/entropy/zarr.json is missing (lost metadata of a run array); run `attngeom validate --store "
+        f"{store} --repair` to rebuild it",
         f"the root's consolidated metadata (read by xr.open_zarr) is out of date for runs/r/entropy (a writer was "
         f"interrupted); run `attngeom validate --store {store} --repair` to refresh it",
-        "run r: missing array 'entropy'",
     ]
 
 
