@@ -196,19 +196,26 @@ def test_ablating_a_head_zeroes_its_attention_output(model_type):
         torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)
 
 
+def analyzed(model_type: str, folder) -> tuple[torch.nn.Module, str]:
+    """A tiny model of the family, and a store of 3 of its sequences (L = 40) extracted and
+    analyzed (N in 1, 2, 4) in ``folder``."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(4, 100, (3, 40), generator=generator)
+    ids[:, 0] = 1
+    store = str(folder / "s.zarr")
+    ag.extract(model, store=store, token_ids=ids, run_id="r", progress=False)
+    ag.analyze(store, scheduler="threads", n_grid=[1, 2, 4], progress=False)
+    return model, store
+
+
 def test_every_stage_on_a_hybrid_keeps_its_layer_indices(tmp_path):
     """A Qwen3-Next of 4 layers (linear, softmax, linear, softmax) through every stage: the
     run, its analysis, detect and ablation groups all name layers 1 and 3."""
     from conftest import tiny_tokenizer
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(family_config("qwen3_next"), dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(2)
-    ids = torch.randint(4, 100, (3, 40), generator=generator)
-    ids[:, 0] = 1
-    store = str(tmp_path / "s.zarr")
-    ag.extract(model, store=store, token_ids=ids, run_id="r", progress=False)
-    ag.analyze(store, scheduler="threads", n_grid=[1, 2, 4], progress=False)
+    model, store = analyzed("qwen3_next", tmp_path)
     ag.detect(store, "r", model=model, tokenizer=tiny_tokenizer(), probes=2, progress=False)
     ag.ablate(store, "r", model=model, device="cpu", random_masks=1, retention=[1.0, 0.5], progress=False)
     run = ag.open_store(store).run("r")
@@ -224,14 +231,7 @@ def test_head_scores_of_a_model_with_learned_sinks(tmp_path):
     """gpt-oss: learned_sink_score is the mean weight of the learned sink over queries i >= 1,
     and the distant mass leaves it out, as it leaves out key 0 (brute force from the stored
     summaries)."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(family_config("gpt_oss"), dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(2)
-    ids = torch.randint(4, 100, (3, 40), generator=generator)
-    ids[:, 0] = 1
-    store = str(tmp_path / "s.zarr")
-    ag.extract(model, store=store, token_ids=ids, run_id="r", progress=False)
-    ag.analyze(store, scheduler="threads", n_grid=[1, 2, 4], progress=False)
+    model, store = analyzed("gpt_oss", tmp_path)
     run = ag.open_store(store).run("r")
     scores, ds = run.analysis("head_scores").load(), run.dataset().load()
     learned, sink = ds["learned_sink_attn"].values, ds["sink_attn"].values
