@@ -60,7 +60,14 @@ from attngeom.extract.families import VERIFIED_TYPES, check_recorded, supported_
 from attngeom.extract.placement import parse_device_map
 from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
-from attngeom.extract.request import ExtractRequest, ExtractResult, Preflight, preflight, values_dtype_refusal
+from attngeom.extract.request import (
+    ExtractRequest,
+    ExtractResult,
+    Preflight,
+    identity_difference,
+    preflight,
+    values_dtype_refusal,
+)
 from attngeom.store import (
     ATTR_KEY,
     RUN_ID_PATTERN,
@@ -177,13 +184,14 @@ def _check_existing_run(prov: dict[str, Any] | None, store: str, run_id: str, id
     if prov is None:
         return
     diffs = [
-        f"{key} {prov.get(key)!r} (asked {identity[key]!r})"
+        identity_difference(key, prov.get(key, _IDENTITY_BEFORE.get(key)), jsonable(identity[key]))
         for key in IDENTITY
         if jsonable(identity[key]) != prov.get(key, _IDENTITY_BEFORE.get(key))
     ]
     if diffs:
         raise InputError(
-            f"run '{run_id}' in {store} already holds " + "; ".join(diffs) + "; choose another --run"
+            f"run '{run_id}' in {store} differs from this command: " + "; ".join(diffs)
+            + "; give the run's values to continue it, or another --run"
         )
 
 

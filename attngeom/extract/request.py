@@ -282,6 +282,22 @@ def _difference(key: str, was: Any, now: Any, dataset: str | None) -> str:
     return f"{IDENTITY_FLAGS[key]} is {_shown(key, was)} in the run, {_shown(key, now)} here"
 
 
+def identity_difference(key: str, was: Any, now: Any) -> str:
+    """A difference of the full identity check (extract's, once the model and corpus are
+    read), in the words of :func:`_difference`: the model and the corpus by their names, or
+    by their weights and documents where the names agree."""
+    if key in ("model", "dataset"):
+        was, now = was if isinstance(was, dict) else {}, now if isinstance(now, dict) else {}
+        if was.get("id") != now.get("id"):
+            return _difference(key, was.get("id"), now.get("id"), None)
+        if key == "dataset":
+            return _difference("documents", None, None, now.get("id"))
+        return f"the weights of model {now.get('id')} differ from those the run was extracted from"
+    if key == "bos_token_id":
+        return f"the BOS token is id {was} in the run, {now} here (--bos-token)"
+    return _difference(key, was, now, None)
+
+
 def _local_corpus(request: ExtractRequest) -> Corpus | None:
     """The request's corpus when it is offline or local, opened (its fingerprint computed
     over the documents, nothing tokenized); None for a hub corpus, texts or token ids."""
