@@ -26,7 +26,16 @@ from attngeom.store.codecs import has_checksum
 from attngeom.store.derived import STAGING
 from attngeom.store.nodes import lost_metadata
 from attngeom.store.runs import array_metadata_bytes
-from attngeom.store.schema import ATTR_KEY, DERIVED, FORMAT, RUN_VARIABLES, RUNS, SCHEMA_VERSION, RunLayout
+from attngeom.store.schema import (
+    ATTR_KEY,
+    DERIVED,
+    FIELD_SUMMARIES,
+    FORMAT,
+    RUN_VARIABLES,
+    RUNS,
+    SCHEMA_VERSION,
+    RunLayout,
+)
 
 __all__ = ["broken_metadata", "cannot_rebuild", "derived_node", "rebuild_plan", "rebuilt_metadata"]
 
@@ -101,10 +110,14 @@ def _layout(nodes: Mapping[str, Any], run_id: str) -> RunLayout | None:
     layout = _run_attributes(nodes, run_id).get("layout")
     if not isinstance(layout, Mapping) or not _run_attributes(nodes, run_id).get("initialized"):
         return None
+    # A layout recorded before format 5 names no ``lacking``: the run lacks the summaries it
+    # does not hold (as ``runs.run_layout`` reads it).
+    lacking = layout["lacking"] if "lacking" in layout else [
+        name for name in FIELD_SUMMARIES if f"{RUNS}/{run_id}/{name}/zarr.json" not in nodes]
     try:
         return RunLayout(**{**layout, "head_kv": tuple(layout["head_kv"]), "window": tuple(layout["window"]),
                             "queries": tuple(layout.get("queries", ())), "layers": tuple(layout.get("layers", ())),
-                            "lacking": tuple(layout.get("lacking", ()))}, attendable=())
+                            "lacking": tuple(lacking)}, attendable=())
     except (KeyError, TypeError):
         return None
 
