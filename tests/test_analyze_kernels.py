@@ -25,7 +25,7 @@ from attngeom.analyze.kernels import (
 from attngeom.analyze.kernels import values as kv_values
 
 RTOL, ATOL = 1e-9, 1e-12
-COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact", "sink_selected")
+COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact", "sink_selected", "learned_sink_selected")
 
 
 # ---------------------------------------------------------------- brute-force twin
@@ -88,16 +88,19 @@ def _brute_k_sink(beta, I, U, has_sink, mu, nu_plus, nu_minus):
     return count
 
 
-def _brute_instance(alpha, v, att, grid, keys):
+def _brute_instance(alpha, v, att, grid, keys, virtual=False):
+    """One instance from the definitions; virtual: key 1 is the learned sink's virtual key (a
+    zero value that is no value of the model's: not in C, the cosines or mu; beta 0)."""
     Kn = len(alpha)
     Kset = [k for k in range(Kn) if att[k]]
     has_sink = bool(att[0])
     nonsink = [k for k in Kset if k != 0]
+    real = [k for k in nonsink if not (virtual and k == 1)]
     y = {k: alpha[k] * v[k] for k in range(Kn)}
     u = {k: _unit(v[k]) for k in range(Kn)}
-    C = float(np.median([np.linalg.norm(v[k]) for k in nonsink])) if nonsink else math.nan
+    C = float(np.median([np.linalg.norm(v[k]) for k in real])) if real else math.nan
     o = sum(y[k] for k in Kset)
-    sink_cos = [float(u[0] @ u[k]) for k in nonsink]
+    sink_cos = [float(u[0] @ u[k]) for k in real]
     rows = []
     for N in grid:
         r = {}
@@ -110,8 +113,10 @@ def _brute_instance(alpha, v, att, grid, keys):
             r["precision"], r["recall"], r["f_score"] = _scores(I, U, Kset, y, s)
             r["inversions"] = sum(1 for i in I for j in U if D[j] <= D[i])
             r["sink_selected"] = int(0 in I and has_sink)
+            if virtual:
+                r["learned_sink_selected"] = int(1 in I)
 
-            pairs = {frozenset((p, q)) for p in I if p != 0 for q in nonsink if q != p}
+            pairs = {frozenset((p, q)) for p in I if p in real for q in real if q != p}
             cosines = [abs(float(u[p] @ u[q])) for p, q in map(tuple, pairs)]
             r["mu"] = max(cosines) if cosines else math.nan
             r["mu_q95"] = float(np.quantile(cosines, 0.95)) if cosines else math.nan
@@ -121,6 +126,8 @@ def _brute_instance(alpha, v, att, grid, keys):
             else:
                 c_lo = c_hi = q05 = q95 = math.nan
             beta = {k: alpha[k] for k in Kset}
+            if virtual:
+                beta[1] = 0.0
             if has_sink and C > 0:
                 beta[0] = np.linalg.norm(v[0]) / C * alpha[0]
             # C > 0 only rescales L; with C = 0 (all-zero values) keep the unscaled weights.
@@ -185,14 +192,20 @@ def _brute_instance(alpha, v, att, grid, keys):
     return rows
 
 
-def brute_topn(attn, values, attendable, grid, seed=0, random_draws=8):
+def brute_topn(attn, values, attendable, grid, seed=0, random_draws=8, learned_sink=None):
+    """learned_sink (B,): the sink enters as key 1 with a zero value (docs/method.md#learned-sinks)."""
+    if learned_sink is not None:
+        attn = np.insert(attn, 1, learned_sink, axis=1)
+        values = np.insert(values, 1, 0.0, axis=1)
+        attendable = np.insert(attendable, 1, True, axis=1)
     B, K, _ = values.shape
     keys = np.random.default_rng(seed).random((random_draws, B, K))
     out = {name: np.full((B, len(grid)), np.nan) for name in TOPN_FLOATS}
     out.update({name: np.full((B, len(grid)), -1) for name in COUNTS})
     for b in range(B):
         with np.errstate(divide="ignore", invalid="ignore"):  # 0/0 norms: NaN by definition
-            rows = _brute_instance(attn[b], values[b], attendable[b], grid, keys[:, b])
+            rows = _brute_instance(attn[b], values[b], attendable[b], grid, keys[:, b],
+                                   virtual=learned_sink is not None)
         for g, r in enumerate(rows):
             for name, x in r.items():
                 out[name][b, g] = x
@@ -276,6 +289,56 @@ def test_topn_matches_brute_force(case):
     for name in COUNTS:
         assert got[name].shape == (B, K)
         assert got[name].dtype.kind == "i"
+    _assert_same(got, want, want)
+
+
+def _with_learned_sink(rng, alpha, attendable, *, strong=False):
+    """Rows rescaled to 1 - s with a learned sink s per row: s above every key's weight
+    (strong), or spread over (0, 0.7) with a few rows tying the sink with key 1's weight."""
+    B = alpha.shape[0]
+    if strong:
+        s = rng.uniform(0.6, 0.95, size=B)
+        return alpha * (1 - s)[:, None], s
+    s = rng.uniform(0.0, 0.7, size=B)
+    alpha = alpha * (1 - s)[:, None]
+    tied = rng.random(B) < 0.3
+    s[tied] = alpha[tied, 1]
+    return alpha, s
+
+
+@pytest.mark.parametrize("case", ["plain", "ties_and_zeros", "window", "no_sink", "tiny"])
+@pytest.mark.parametrize("strong", [False, True], ids=["weak", "strong"])
+def test_learned_sink_is_a_virtual_key_with_a_zero_value(case, strong):
+    """With learned sinks every top-N output is the brute force's on the rows with a key of
+    weight s and value 0 inserted after key 0, that key left out of C, the cosines and mu,
+    with beta 0; the value statistics are those of the real keys."""
+    rng = np.random.default_rng(40 + sorted(CASES).index(case))
+    params = dict(CASES[case])
+    B, K, D = params.pop("B"), params.pop("K"), params.pop("D")
+    alpha, values, attendable = make_batch(rng, B, K, D, **params)
+    alpha, sink = _with_learned_sink(rng, alpha, attendable, strong=strong)
+    grid = list(range(1, K + 2))
+    got, stats = head_metrics(alpha, values, attendable, grid, learned_sink=sink, seed=6, random_draws=3)
+    want = brute_topn(alpha, values, attendable, grid, seed=6, random_draws=3, learned_sink=sink)
+    _assert_same(got, want, want)
+    want_stats = value_statistics(values, attendable)
+    for name in want_stats:
+        np.testing.assert_array_equal(stats[name], want_stats[name], err_msg=name)
+    if strong:  # the sink outweighs every key: I_1 = {sink}, s_1 = 0, and it is separable
+        no_zero_y = np.all((alpha > 0) & (np.linalg.norm(values, axis=2) > 0) | ~attendable, axis=1)
+        assert np.all(got["precision"][:, 0][no_zero_y] == 1.0)
+        np.testing.assert_array_equal(got["s_norm"][:, 0], 0.0)
+        np.testing.assert_array_equal(got["learned_sink_selected"][:, 0], 1)
+        np.testing.assert_array_equal(got["recall"][:, 0][no_zero_y], 1.0)
+
+
+def test_learned_sink_shared_by_query_heads_matches_brute_force():
+    alpha, values, attendable, head_kv = _gqa_case("window_ties_repeats")
+    rng = np.random.default_rng(7)
+    alpha, sink = _with_learned_sink(rng, alpha, attendable[head_kv])
+    grid = list(range(1, alpha.shape[1] + 2))
+    got = topn_metrics(alpha, values, attendable, grid, head_kv=head_kv, learned_sink=sink, seed=3, random_draws=2)
+    want = brute_topn(alpha, values[head_kv], attendable[head_kv], grid, seed=3, random_draws=2, learned_sink=sink)
     _assert_same(got, want, want)
 
 
@@ -932,3 +995,14 @@ def test_mu_q95_of_selections_outside_the_listed_pairs():
         members = cos[q, p][np.minimum(rank[q], rank[p]) < n]
         assert members.size >= pairs.COUNTED_MIN or n < 32
         np.testing.assert_allclose(out["mu_q95"][0, i], np.quantile(members, 0.95), rtol=1e-12)
+
+
+@PROPERTY
+@given(instances(), st.sampled_from([0.0, 0.125, 0.25, 0.5, 1.0]))
+def test_certificate_holds_with_a_learned_sink(batch, s):
+    alpha, values, attendable = batch
+    grid = np.arange(1, alpha.shape[1] + 1)
+    out = topn_metrics(alpha * (1 - s), values, attendable, grid, learned_sink=np.full(alpha.shape[0], s),
+                       random_draws=1)
+    valid = out["inversions"] >= 0
+    assert np.all(out["inversions"][valid] <= out["k_sink_exact"][valid])

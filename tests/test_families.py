@@ -222,6 +222,7 @@ def test_every_stage_on_a_hybrid_keeps_its_layer_indices(tmp_path):
     assert run.provenance["layout"]["layers"] == [1, 3]
     for group in (run.dataset(), run.analysis("heads"), run.analysis("topn"), run.detect(), run.ablation("single")):
         assert list(group["layer"].values) == [1, 3]
+    assert (run.analysis("topn")["learned_sink_selected"].values == -1).all()  # no learned sinks
     assert ag.validate(store).valid
     ag.report(store, tmp_path / "report")
     ag.explore(store, tmp_path / "explore")
@@ -239,3 +240,34 @@ def test_head_scores_of_a_model_with_learned_sinks(tmp_path):
     distant = 1 - learned - sink - ds["recent_attn"].sel(recent=16).values
     np.testing.assert_allclose(scores["distant_mass"].sel(recent=16).values, distant[..., 32:].mean(axis=(0, -1)),
                                atol=1e-7)
+
+
+def test_top_n_geometry_of_a_model_with_learned_sinks(tmp_path):
+    """gpt-oss: the analysis reads the learned sink as a virtual key with a zero value: topn
+    is the kernels' on the stored rows with the final query's sink weight, and at N = 1 the
+    learned sink is selected exactly where it outweighs key 0 (ties to key 0) and every
+    other key; the report draws both sinks' selection rates."""
+    from attngeom.analyze.kernels import head_metrics
+    from attngeom.analyze.parameters import RANDOM_DRAWS, instance_seed
+
+    _, store = analyzed("gpt_oss", tmp_path)
+    run = ag.open_store(store).run("r")
+    ds, topn = run.dataset().load(), run.analysis("topn").load()
+    seed = topn.attrs["attngeom"]["seed"]
+    for seq in range(ds.sizes["seq"]):
+        for li, layer in enumerate(ds["layer"].values):
+            at = dict(seq=seq, layer=li)
+            attn, sink = ds["attn_last"].isel(at).values, ds["learned_sink_attn"].isel(at).values[:, -1]
+            want, _ = head_metrics(attn, ds["values"].isel(at).values, np.broadcast_to(
+                ds["attendable"].isel(layer=li).values, ds["values"].isel(at).shape[:2]), [1, 2, 4],
+                head_kv=ds["head_kv"].values, learned_sink=sink, seed=instance_seed(seed, seq, li),
+                random_draws=RANDOM_DRAWS)
+            for name in ("precision", "recall", "k_sink_exact", "learned_sink_selected", "sink_selected"):
+                np.testing.assert_array_equal(topn[name].isel(at).values, want[name], err_msg=name)
+            first = sink > attn[:, 0]
+            first &= sink >= attn[:, 1:].max(axis=1)
+            np.testing.assert_array_equal(topn["learned_sink_selected"].isel(at).isel(n=0).values, first)
+    assert ag.validate(store).valid
+    ag.report(store, tmp_path / "report")
+    assert list((tmp_path / "report").rglob("learned_sink_selection_rate*.png"))
+

@@ -243,14 +243,15 @@ def test_an_optional_input_is_named_optional(tmp_path):
     page = result.index.read_text()
     assert "Missing inputs" not in page and 'class="note"' not in page
     optional = re.findall(r'<p class="optional">([^<]*)</p>', page)
-    assert optional[0] == ("Optional: run r: no analysis/summary_by_query (extract with --queries, then run "
+    assert optional[0] == ("Optional: run r: its model has no learned sinks — affects learned_sink_selection_rate, "
+                           "two_sinks")
+    assert optional[1] == ("Optional: run r: no analysis/summary_by_query (extract with --queries, then run "
                            "`attngeom analyze`) — affects separability_by_query, sink_rate_by_query")
-    assert optional[1] == "Optional: run r: its model has no learned sinks — affects two_sinks"
-    assert len(optional) == 5  # the page's two lines and one under each figure and table
-    assert page.count("(optional)</li>") == 3 and "(missing)" not in page
+    assert len(optional) == 6  # the page's two lines and one under each figure and table
+    assert page.count("(optional)</li>") == 4 and "(missing)" not in page
     assert list(result.missing) == [
         "2 figures need a run extracted with --queries (optional)",
-        "1 table needs a model with learned sinks, such as gpt-oss (optional)"]
+        "1 figure and 1 table need a model with learned sinks, such as gpt-oss (optional)"]
 
 
 def test_a_figure_that_fails_becomes_a_note(runs, tmp_path):

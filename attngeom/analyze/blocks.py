@@ -47,6 +47,7 @@ from attngeom.store import (
     SCORE_GROUPS,
     SCORE_SEQUENCE_GROUPS,
     TOPN_COUNTS,
+    TOPN_FLAGS,
     TOPN_VARIABLES,
     VALUE_STATISTICS,
     VOTES,
@@ -91,20 +92,23 @@ def all_groups(ds: xr.Dataset) -> tuple[str, ...]:
 
 def _analysis_block(*, block_id, seqs, store, inputs, attendable, head_kv, n_grid, seed):
     """The (sequence, layer) block ``block_id[:2]`` (sequence seqs[block_id[0]] of the run),
-    read here from the run's zarr arrays ``inputs``: attn_last (H, K), values (KV, K, D) and
-    the votes' source, winner (H, Q) or the full rows attn (H, Q, K) of a run that kept them;
+    read here from the run's zarr arrays ``inputs``: attn_last (H, K), values (KV, K, D), the
+    votes' source, winner (H, Q) or the full rows attn (H, Q, K) of a run that kept them, and
+    learned_sink_attn (H, Q) of a model with learned sinks (the final query's is its
+    virtual key's weight, docs/method.md#learned-sinks);
     attendable (layer, K) -> (1, 1, H, n, column) float64: the _BLOCK_COLUMNS, the value
     statistics and votes the same at every n; query head h takes the statistics of kv head
     head_kv[h]. One kernel call serves both geometry outputs, so each kv head's Gram matrix is
     computed once."""
     seq, layer = int(seqs[block_id[0]]), block_id[1]
-    attn, kv_values, source = (read_chunk(store, arr, (seq, layer)) for arr in inputs)
+    attn, kv_values, source, *learned = (read_chunk(store, arr, (seq, layer)) for arr in inputs)
     topn, stats = head_metrics(
         attn,
         kv_values,
         np.broadcast_to(attendable[layer], kv_values.shape[:2]),
         n_grid,
         head_kv=head_kv,
+        learned_sink=learned[0][:, -1] if learned else None,
         seed=instance_seed(seed, seq, layer),
         random_draws=RANDOM_DRAWS,
     )
@@ -128,19 +132,25 @@ def _analysis_blocks(store: str, run: Any, ds: xr.Dataset, grid: np.ndarray, see
                 (len(_BLOCK_COLUMNS),)),
         dtype=np.float64, meta=np.empty((0,) * 5),
         seqs=ds["seq"].values, store=store,
-        inputs=(run["attn_last"], run["values"], run["attn" if "attn" in ds else "winner"]),
+        inputs=(run["attn_last"], run["values"], run["attn" if "attn" in ds else "winner"], *_learned_sinks(run, ds)),
         attendable=ds["attendable"].values, head_kv=ds["head_kv"].values, n_grid=grid, seed=seed,
     )
+
+
+def _learned_sinks(run: Any, ds: xr.Dataset) -> tuple[Any, ...]:
+    """The run's learned_sink_attn array, for a model with learned sinks; else nothing."""
+    return (run["learned_sink_attn"],) if "learned_sink_attn" in ds else ()
 
 
 def _query_block(*, block_id, seqs, store, inputs, attendable, head_kv, positions, n_grid,
                  seed) -> np.ndarray:
     """The (sequence, layer) block ``block_id[:2]`` (sequence seqs[block_id[0]] of the run), read
-    here from the run's zarr arrays ``inputs``: attn_rows (H, Q, K) and values (KV, K, D);
-    attendable (layer, K) the final query's mask, positions (Q,) the queries ->
-    (1, 1, H, Q, n, column) float64 of _QUERY_COLUMNS."""
+    here from the run's zarr arrays ``inputs``: attn_rows (H, Q, K), values (KV, K, D) and
+    learned_sink_attn (H, L) of a model with learned sinks; attendable (layer, K) the final
+    query's mask, positions (Q,) the queries -> (1, 1, H, Q, n, column) float64 of
+    _QUERY_COLUMNS."""
     seq, layer = int(seqs[block_id[0]]), block_id[1]
-    rows, kv_values = (read_chunk(store, arr, (seq, layer)) for arr in inputs)
+    rows, kv_values, *learned = (read_chunk(store, arr, (seq, layer)) for arr in inputs)
     out = np.empty((rows.shape[0], len(positions), len(n_grid), len(_QUERY_COLUMNS)))
     for i, q in enumerate(int(p) for p in positions):
         keys = q + 1
@@ -150,6 +160,7 @@ def _query_block(*, block_id, seqs, store, inputs, attendable, head_kv, position
             np.broadcast_to(query_attendable(attendable[layer], q), (kv_values.shape[0], keys)),
             n_grid,
             head_kv=head_kv,
+            learned_sink=learned[0][:, q] if learned else None,
             seed=instance_seed(seed, seq, layer),
             random_draws=RANDOM_DRAWS,
         )
@@ -167,7 +178,7 @@ def _query_blocks(store: str, run: Any, ds: xr.Dataset, grid: np.ndarray, seed: 
         chunks=((1,) * ds.sizes["seq"], (1,) * ds.sizes["layer"], (ds.sizes["head"],),
                 (ds.sizes["query_pos"],), (len(grid),), (len(_QUERY_COLUMNS),)),
         dtype=np.float64, meta=np.empty((0,) * 6),
-        seqs=ds["seq"].values, store=store, inputs=(run["attn_rows"], run["values"]),
+        seqs=ds["seq"].values, store=store, inputs=(run["attn_rows"], run["values"], *_learned_sinks(run, ds)),
         attendable=ds["attendable"].values, head_kv=ds["head_kv"].values,
         positions=ds["query_pos"].values, n_grid=grid, seed=seed,
     )
@@ -195,7 +206,7 @@ def _score_blocks(store: str, run: Any, ds: xr.Dataset) -> da.Array:
     """Lazy (seq, layer, head, 2 + R) float64 of the sequences of ``ds``: :func:`_score_block`,
     one task per sequence."""
     windows = ds["recent"].values
-    learned = (run["learned_sink_attn"],) if "learned_sink_attn" in ds else ()
+    learned = _learned_sinks(run, ds)
     return da.map_blocks(
         _score_block,
         chunks=((1,) * ds.sizes["seq"], (ds.sizes["layer"],), (ds.sizes["head"],), (_score_columns(ds),)),
@@ -228,7 +239,7 @@ def _query_groups(stacked: Any, ds: xr.Dataset, grid: np.ndarray) -> xr.Dataset:
         x = stacked[..., i]
         if name in TOPN_COUNTS:
             x = x.astype(np.int64)
-        elif name == "sink_selected":
+        elif name in TOPN_FLAGS:
             x = x.astype(np.int8)
         out[name] = (dims, x) if name in TOPN_VARIABLES else (dims[:4], x[..., 0])
     coords = {"seq": ds["seq"].values, "layer": ds["layer"].values, "head": ds["head"].values,
@@ -246,7 +257,7 @@ def _block_variables(stacked: Any, ds: xr.Dataset, grid: np.ndarray) -> tuple[xr
         x = columns[name]
         if name in TOPN_COUNTS:
             x = x.astype(np.int64)
-        elif name == "sink_selected":
+        elif name in TOPN_FLAGS:
             x = x.astype(np.int8)
         topn[name] = (dims, x)
     values = {name: (dims[:3], columns[name][:, :, :, 0]) for name in VALUE_STATISTICS}

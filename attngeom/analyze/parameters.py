@@ -15,7 +15,7 @@ RANDOM_DRAWS = 8
 
 # Part of the parameters an analysis records: bump it with any change to the kernels or to
 # the analyze stage that changes a stored bit, so that a rerun recomputes instead of mixing results.
-ANALYSIS_VERSION = 4
+ANALYSIS_VERSION = 5
 
 
 @dataclass(frozen=True)

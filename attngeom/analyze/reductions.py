@@ -14,7 +14,15 @@ import xarray as xr
 from attngeom.analyze import taxonomy
 from attngeom.analyze.kernels import SINK_THRESHOLD, FieldScores, head_scores
 from attngeom.analyze.tables import table_dataset
-from attngeom.store import SIGNATURE_VARIABLES, STATS, TOPN_COUNTS, TOPN_VARIABLES, VALUE_STATISTICS, VOTES
+from attngeom.store import (
+    SIGNATURE_VARIABLES,
+    STATS,
+    TOPN_COUNTS,
+    TOPN_FLAGS,
+    TOPN_VARIABLES,
+    VALUE_STATISTICS,
+    VOTES,
+)
 
 __all__ = ["LOADED_TOPN_BYTES", "cross_sequence_groups", "head_scores_dataset", "heads_dataset", "summary_by_query",
            "summary_dataset"]
@@ -145,7 +153,7 @@ def _summary_inputs(topn: xr.Dataset) -> Iterator[tuple[str, np.ndarray]]:
 
     for name in TOPN_VARIABLES:
         x = load(name).astype(np.float64)
-        if name in TOPN_COUNTS or name == "sink_selected":
+        if name in TOPN_COUNTS or name in TOPN_FLAGS:
             x[x < 0] = np.nan
         yield name, x
     f_score, sink = load("f_score"), load("sink_selected")

@@ -100,7 +100,8 @@ REGIMES = ("Retriever", "Mixer", "Reset")
 # reduced per regime in ``signatures``.
 SIGNATURE_VARIABLES = ("s_norm", "s_norm_nosink", "s_norm_nocurrent", "cos_s_v0", "cos_s_vlast")
 # Variables of ``topn`` (seq, layer, head, n), the outputs of the analyze kernels: floats,
-# int64 counts (-1 = N not valid there), and the int8 flag of the sink's selection.
+# int64 counts (-1 = N not valid there), and the int8 flags of the selection of key 0 and of
+# the learned sink (-1 for a run without learned sinks).
 TOPN_FLOATS = (
     "precision", "recall", "f_score",
     "mu", "mu_q95",
@@ -113,7 +114,8 @@ TOPN_FLOATS = (
     "s_norm", "s_norm_nosink", "s_norm_nocurrent", "cos_s_v0", "cos_s_vlast",
 )
 TOPN_COUNTS = ("inversions", "k_sink", "k_sink_q95", "k_sink_exact")
-TOPN_VARIABLES = (*TOPN_FLOATS, *TOPN_COUNTS, "sink_selected")
+TOPN_FLAGS = ("sink_selected", "learned_sink_selected")
+TOPN_VARIABLES = (*TOPN_FLOATS, *TOPN_COUNTS, *TOPN_FLAGS)
 # Variables of ``values`` (seq, layer, head): norm and coherence statistics per sequence.
 VALUE_STATISTICS = (
     "C", "sink_norm_ratio", "norm_cv", "median_cos",

@@ -29,7 +29,7 @@ from attngeom.analyze.kernels.vectors import (
 )
 from attngeom.store.schema import TOPN_FLOATS, TOPN_VARIABLES
 
-# The integer outputs: the counts, then the sink's selection flag.
+# The integer outputs: the counts, then the flags of the two sinks' selection.
 TOPN_INTEGERS = TOPN_VARIABLES[len(TOPN_FLOATS):]
 # Each output's row, by name: FLOAT.precision is "precision"'s row of the float outputs.
 FLOAT = namedtuple("FloatRows", TOPN_FLOATS)(*range(len(TOPN_FLOATS)))
@@ -54,7 +54,8 @@ def head_geometry(kv, points, alpha, agg, sv, expansions, exact, coherence, tol,
     - #precision-recall-and-f, #inversions: ``precision`` = N / |{k: D_k <= r_max^2}|,
       ``recall`` = |{i in I_N: D_i < r_min^2}| / N, ``f_score`` = 2PR/(P+R); ``inversions``
       A_N = #{(i, j) in I_N x U_N: D_j <= D_i}.
-    - ``sink_selected``: 0 in I_N.
+    - ``sink_selected``: 0 in I_N; ``learned_sink_selected``: the learned sink's virtual key
+      (kv.virtual: key 1) in I_N, -1 without one.
     - #sink-aware-bound, #robust-constants: ``k_sink``, ``precision_bound`` = 1/(1 + k/N),
       ``recall_bound`` = max(0, 1 - k/N): the appendix bound with beta_i = alpha_i (i > 0),
       beta_0 = alpha_0 ||v_0||/C, worst-case ``mu`` and nu; ``*_q95`` the same with ``mu_q95``
@@ -80,7 +81,7 @@ def head_geometry(kv, points, alpha, agg, sv, expansions, exact, coherence, tol,
       ``s_norm_nocurrent`` the same without y_0 / y_{K-1} when selected, ``cos_s_v0``
       cos(s_N, v_0), ``cos_s_vlast`` cos(s_N, v_{K-1}).
     """
-    values, att, v_norm, C, c_lo, c_hi, q05, q95 = kv
+    values, att, v_norm, C, c_lo, c_hi, q05, q95, virtual = kv
     y, S, s_plus, orders = agg
     mu, mu_q95 = coherence
     e_rel, tiny, l_rtol = tol
@@ -113,6 +114,9 @@ def head_geometry(kv, points, alpha, agg, sv, expansions, exact, coherence, tol,
     paper_defined = not has_sink or C > 0
     beta_paper = alpha.copy()
     beta_paper[0] = alpha[0] * v_norm[0] / C if has_sink and paper_defined else 0.0
+    # The learned sink's virtual key has a known norm, 0, as the sink's is absorbed.
+    if virtual:
+        beta_paper[1] = 0.0
     beta_exact = alpha * v_norm
     nu_paper = (max(0.0, -c_lo), max(0.0, -c_hi)) if has_sink else (0.0, 0.0)
     nu_q95 = (max(0.0, -q05), max(0.0, -q95)) if has_sink else (0.0, 0.0)
@@ -131,6 +135,8 @@ def head_geometry(kv, points, alpha, agg, sv, expansions, exact, coherence, tol,
             selected[order[i]] = True
         sigma = has_sink and selected[0]
         counts[COUNT.sink_selected, p] = sigma
+        if virtual:
+            counts[COUNT.learned_sink_selected, p] = selected[1]
 
         # Inversions #{(i, j): D_j <= D_i} from the selected keys' exact distances.
         d_sel = np.empty(n)

@@ -40,7 +40,7 @@ from attngeom.analyze.kernels.geometry import TOPN_INTEGERS, group_geometry
 from attngeom.analyze.kernels.pairs import pair_statistics
 from attngeom.analyze.kernels.selection import group_aggregates
 from attngeom.analyze.kernels.settings import KernelSettings, Tolerances
-from attngeom.store.schema import TOPN_FLOATS, VALUE_STATISTICS
+from attngeom.store.schema import TOPN_FLAGS, TOPN_FLOATS, VALUE_STATISTICS
 
 # The loops index a kv head's pairs as int32 (`pairs.pair_statistics`); the Gram matrix
 # alone would take 16 GiB here.
@@ -56,6 +56,7 @@ def topn_metrics(
     n_grid: Sequence[int],
     *,
     head_kv: np.ndarray | None = None,
+    learned_sink: np.ndarray | None = None,
     seed: int = 0,
     random_draws: int = 8,
     settings: KernelSettings = DEFAULT_SETTINGS,
@@ -68,13 +69,22 @@ def topn_metrics(
     ``np.random.default_rng(seed).random((random_draws, B, K))[d]``; settings:
     `KernelSettings` (tolerances and shortcuts).
 
+    learned_sink (B,): the weight ``s_b`` of each query head's learned sink at the final query,
+    for a model with learned sinks (docs/method.md#learned-sinks), where attn holds the weights
+    on the real keys (summing to ``1 - s_b``). The sink is then a virtual key with a zero value
+    vector, attendable, between key 0 and key 1 (keys 0, sink, 1, ..., K-1: ties and the
+    random draws, ``random((random_draws, B, K + 1))``, follow that order); it can be selected
+    like any key, has ``beta = 0`` in the bounds, and takes no part in the statistics of the
+    values (C, lambda, the cosines, mu).
+
     Returns an array (B, len(n_grid)) per name of ``TOPN_VARIABLES`` (attngeom.store.schema):
     floats, then int64 counts and the sink's int8 selection flag, each defined in
     docs/method.md and, with its formula, in `geometry.head_geometry`. N is valid for an
-    instance iff N < |K_b| (``nosink_*``: N < |K_b \\ {0}|); invalid entries are NaN, or -1 for
+    instance iff N < |K_b| (``nosink_*``: N < |K_b \\ {0}|; the virtual key counts in K_b);
+    invalid entries are NaN, or -1 for
     the integers.
     """
-    return _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, settings, False)[0]
+    return _metrics(attn, values, attendable, n_grid, head_kv, learned_sink, seed, random_draws, settings, False)[0]
 
 
 def value_statistics(
@@ -104,6 +114,7 @@ def head_metrics(
     n_grid: Sequence[int],
     *,
     head_kv: np.ndarray | None = None,
+    learned_sink: np.ndarray | None = None,
     seed: int = 0,
     random_draws: int = 8,
     settings: KernelSettings = DEFAULT_SETTINGS,
@@ -111,7 +122,7 @@ def head_metrics(
     """``(topn_metrics(attn, values, attendable, n_grid, ...), value_statistics(values,
     attendable))``, equal to the two calls, from one pass over each kv head's values: their
     norms, unit vectors and Gram matrix serve both. Shapes as in the two functions."""
-    return _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, settings, True)
+    return _metrics(attn, values, attendable, n_grid, head_kv, learned_sink, seed, random_draws, settings, True)
 
 
 def compile_kernels(*, progress: bool = True) -> None:
@@ -137,9 +148,12 @@ def compile_kernels(*, progress: bool = True) -> None:
         print(f" done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
-def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, settings, with_values):
+def _metrics(attn, values, attendable, n_grid, head_kv, learned_sink, seed, random_draws, settings, with_values):
     """topn_metrics' outputs, and value_statistics' (None unless with_values)."""
     alpha, values, attendable, head_kv = check_batch(attn, values, attendable, head_kv)
+    virtual = learned_sink is not None
+    if virtual:
+        alpha, values, attendable = _with_virtual_key(alpha, values, attendable, learned_sink)
     grid = np.asarray(n_grid, dtype=np.int64).reshape(-1)
     if np.any(grid < 1):
         raise ValueError(f"n_grid must hold sizes N >= 1, got {grid.tolist()}")
@@ -163,7 +177,7 @@ def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, sett
             keys = _kept_keys(attendable[g])
             vals = np.ascontiguousarray(values[g][keys], dtype=np.float64)
             att = np.ascontiguousarray(attendable[g][keys])
-            kv = kv_values.kv_heads(vals[None], att[None])
+            kv = kv_values.kv_heads(vals[None], att[None], virtual=virtual)
             screen = kv_values.nonsink_gram(kv, 0, work)
             pairs = pair_statistics(screen, settings)
             heads = np.flatnonzero(head_kv == g)
@@ -175,9 +189,21 @@ def _metrics(attn, values, attendable, n_grid, head_kv, seed, random_draws, sett
                     stats[name][g] = x[0]
     out = {name: floats[:, i] for i, name in enumerate(TOPN_FLOATS)}
     out.update({name: counts[:, i] for i, name in enumerate(TOPN_INTEGERS)})
-    flag = TOPN_INTEGERS[-1]  # the sink's selection, a flag
-    out[flag] = out[flag].astype(np.int8)
+    for flag in TOPN_FLAGS:
+        out[flag] = out[flag].astype(np.int8)
     return out, stats
+
+
+def _with_virtual_key(alpha, values, attendable, learned_sink):
+    """The inputs with the learned sink as key 1: its weight in alpha (B, K+1), a zero value
+    in values (G, K+1, D), attendable."""
+    sink = np.asarray(learned_sink, dtype=np.float64).reshape(-1)
+    if sink.shape != (alpha.shape[0],):
+        raise ValueError(f"learned_sink has shape {np.shape(learned_sink)}, expected ({alpha.shape[0]},)")
+    if values.shape[1] + 1 > MAX_KEYS:
+        raise ValueError(f"at most {MAX_KEYS} keys per instance, the learned sink included")
+    return (np.insert(alpha, 1, sink, axis=1), np.insert(values, 1, 0.0, axis=1),
+            np.insert(attendable, 1, True, axis=1))
 
 
 def _gram_dtype(settings):

@@ -36,6 +36,7 @@ class KvHeads(NamedTuple):
     sink_cos_median: np.ndarray  # (G,) median of <u_0, u_k>
     q05: np.ndarray         # (G,) 5% quantile of <u_0, u_k>
     q95: np.ndarray         # (G,) 95% quantile
+    virtual: bool           # key 1 is the learned sink's virtual key
 
 
 class KvHead(NamedTuple):
@@ -49,6 +50,7 @@ class KvHead(NamedTuple):
     c_hi: float         # max_k <u_0, u_k>
     q05: float          # 5% quantile of <u_0, u_k>
     q95: float          # 95% quantile
+    virtual: bool       # key 1 is the learned sink's virtual key (value 0, beta 0)
 
 
 @jit
@@ -85,24 +87,29 @@ def kv_head(values, att):
     return v_norm, unit, sink_cos, stats
 
 
-def kv_heads(values: np.ndarray, attendable: np.ndarray) -> KvHeads:
-    """`KvHeads` of values (G, K, D) with mask attendable (G, K)."""
-    nonsink = attendable.copy()
+def kv_heads(values: np.ndarray, attendable: np.ndarray, *, virtual: bool = False) -> KvHeads:
+    """`KvHeads` of values (G, K, D) with mask attendable (G, K). virtual: key 1 is the
+    learned sink's virtual key (docs/method.md#learned-sinks), a zero value that is not one of
+    the model's: it takes no part in the statistics of the values, their cosines and pairs."""
+    real = attendable.copy()
+    if virtual:
+        real[:, 1] = False
+    nonsink = real.copy()
     nonsink[:, 0] = False
     G, K, D = values.shape
     v_norm, unit, sink_cos, stats = np.empty((G, K)), np.empty((G, K, D)), np.empty((G, K)), np.empty((G, 6))
     for g in range(G):
-        v_norm[g], unit[g], sink_cos[g], stats[g] = kv_head(values[g], np.ascontiguousarray(attendable[g]))
+        v_norm[g], unit[g], sink_cos[g], stats[g] = kv_head(values[g], np.ascontiguousarray(real[g]))
     return KvHeads(
         v_norm=v_norm, unit=unit, nonsink=nonsink, has_sink=attendable[:, 0],
         C=stats[:, 0], sink_cos=sink_cos, c_lo=stats[:, 1], c_hi=stats[:, 2],
-        sink_cos_median=stats[:, 3], q05=stats[:, 4], q95=stats[:, 5],
+        sink_cos_median=stats[:, 3], q05=stats[:, 4], q95=stats[:, 5], virtual=virtual,
     )
 
 
 def one_kv_head(kv: KvHeads, g: int, values: np.ndarray, att: np.ndarray) -> KvHead:
     """kv head g of kv as `KvHead`, with its values (K, D) and mask att (K,)."""
-    return KvHead(values, att, kv.v_norm[g], kv.C[g], kv.c_lo[g], kv.c_hi[g], kv.q05[g], kv.q95[g])
+    return KvHead(values, att, kv.v_norm[g], kv.C[g], kv.c_lo[g], kv.c_hi[g], kv.q05[g], kv.q95[g], kv.virtual)
 
 
 def nonsink_gram(kv: KvHeads, g: int, work: np.ndarray) -> Screen:
