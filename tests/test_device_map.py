@@ -1,6 +1,6 @@
 """A model larger than one device, placed by accelerate over devices and the disk: on this
 CPU, a tiny Llama with one layer and its LM head offloaded to the disk gives extract's arrays
-and ablate's impacts equal to a one-device run; a map that cannot be used is refused in one
+and ablate's impacts and detect's scores equal to a one-device run; a map that cannot be used is refused in one
 line before any model loads."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ SPLIT = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0
          "model.layers.2": "cpu", "model.norm": "disk", "lm_head": "disk"}
 
 
-def test_extract_and_ablate_across_devices_equal_one_device(tiny_model_dir, tmp_path, monkeypatch):
+def test_extract_ablate_and_detect_across_devices_equal_one_device(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNGEOM_CACHE", str(tmp_path / "cache"))
     folder = str(tiny_model_dir("llama"))
     ids = np.random.default_rng(0).integers(4, 100, (3, 16))
@@ -38,6 +38,11 @@ def test_extract_and_ablate_across_devices_equal_one_device(tiny_model_dir, tmp_
     options["device"] = "auto"
     placed = ag.ablate(split, "r", device_map=json.dumps(SPLIT), **options).single
     np.testing.assert_allclose(single["delta_nll"].values, placed["delta_nll"].values, rtol=0, atol=1e-5)
+    options = dict(probes=2, haystacks=2, needle_length=4, progress=False)
+    alone = ag.detect(one, "r", device="cpu", **options).scores
+    spread = ag.detect(split, "r", device_map=SPLIT, **options).scores
+    for name in alone.data_vars:
+        np.testing.assert_allclose(alone[name].values, spread[name].values, rtol=0, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("args, message", [
