@@ -402,16 +402,20 @@ def _model_stage_checks(store: str, run_id: str, model: Any, device: str, dtype:
 @contextlib.contextmanager
 def _library_bars(progress: bool) -> Iterator[None]:
     """Within the block, transformers' and huggingface_hub's own bars (loading weights,
-    downloads) are shown only with ``progress``; as they were after."""
+    downloads) and the details of a model's one-time preparation (the steps of a GGUF's
+    conversion, their bars) are shown only with ``progress``; as they were after."""
     if progress:
         yield
         return
     from transformers.utils import logging as transformers_logging
 
+    from attngeom.extract.models import one_time_progress
+
     shown = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()
     try:
-        yield
+        with one_time_progress(False):
+            yield
     finally:
         if shown:
             transformers_logging.enable_progress_bar()

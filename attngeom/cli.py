@@ -3,6 +3,7 @@ the Python API (:mod:`attngeom.api`, same defaults and errors), and reports."""
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -445,6 +446,11 @@ def demo(out: Path, num_sequences: int, context_length: int) -> None:
     ~/.cache/attngeom ($ATTNGEOM_CACHE), about 1.4 GB; later runs read it from there. Run
     again, it says which steps had nothing to do.
     """
+    # A demo's CPU is often shared: there torch's OpenMP threads, spinning while they wait for
+    # each other, take the cores from the work (the demo's ablation on 2 cores at load 9:
+    # 303 s with the default wait, 87 s passive). Read once, when torch loads; a user's own
+    # setting stands.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from attngeom.demo import run_demo
 
     run_demo(out, num_sequences=num_sequences, context_length=context_length)

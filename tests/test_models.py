@@ -65,6 +65,10 @@ class _Quantized:
 
     @staticmethod
     def from_pretrained(path, gguf_file, dtype):
+        from transformers import modeling_gguf_pytorch_utils as loader
+
+        for _ in loader.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass  # as transformers' loader goes over the file's tensors
         torch.manual_seed(0)
         config = tiny_config("llama")
         config.quantization_config = {"quant_method": "gguf"}
@@ -105,6 +109,39 @@ def test_conversion_says_each_step_once_and_reads_the_file_once(fake_gguf, capsy
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]
     assert models._converted_folder(source) == folder
     assert capsys.readouterr().err == ""
+
+
+def test_without_progress_the_conversion_says_only_what_it_makes_and_where(fake_gguf, capsys):
+    """extract's, ablate's and detect's progress=False (their --no-progress): no step lines,
+    no bar, transformers' own over the tensors included; the first line stays."""
+    from attngeom import api
+
+    source, _ = fake_gguf
+    with api._library_bars(False):
+        folder = models._converted_folder(source)
+    assert (folder / "config.json").exists()
+    err = capsys.readouterr().err
+    assert err.startswith("converting tiny once into ") and err.count("\n") == 1, err
+    assert "Converting and de-quantizing" not in err
+    from transformers import modeling_gguf_pytorch_utils as loader
+    from tqdm.auto import tqdm
+
+    assert loader.tqdm is tqdm  # as it was after the block
+
+
+def test_with_progress_transformers_bar_over_the_tensors_shows(fake_gguf, capsys):
+    models._converted_folder(fake_gguf[0])
+    assert "Converting and de-quantizing GGUF tensors..." in capsys.readouterr().err
+
+
+def test_without_progress_the_assembly_says_only_its_first_line(tmp_path, capsys):
+    parts, whole = _parts(tmp_path / "parts")
+    target = tmp_path / "cache" / "gguf" / "m.gguf"
+    with models.one_time_progress(False):
+        models.assemble_parts(parts, target, hashlib.sha256(whole).hexdigest())
+    err = capsys.readouterr().err
+    assert err.startswith("assembling m.gguf once from 3 parts into ") and err.count("\n") == 1, err
+    assert target.read_bytes() == whole
 
 
 def test_an_interrupted_conversion_leaves_no_folder(fake_gguf, monkeypatch):

@@ -5,12 +5,14 @@ de-quantizes a GGUF on every load (about a minute for Gemma 3's 262k-token vocab
 first load converts it once into a plain transformers folder under the cache and later loads
 read that folder. Each one-time step says on stderr what it is and where it writes, with a bar
 where it can count (bytes assembled, tensors de-quantized) and, on a terminal, its seconds
-where it cannot; a cached copy is read silently.
+where it cannot; within :func:`one_time_progress` ``(False)`` it says only that first line. A
+cached copy is read silently.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
@@ -21,6 +23,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +61,23 @@ class ModelSource:
         }
 
 
+# Whether the one-time steps show their bars, step lines and seconds. A call's progress=False
+# (extract, ablate, detect) reaches them through several stages: a context of the call, not
+# an argument of every loader.
+_PROGRESS: ContextVar[bool] = ContextVar("attngeom_one_time_progress", default=True)
+
+
+@contextlib.contextmanager
+def one_time_progress(shown: bool) -> Iterator[None]:
+    """Within the block, unless ``shown``, each one-time step (assembling, converting a GGUF)
+    says only its first line (what it makes and where): no bar, step line or seconds."""
+    token = _PROGRESS.set(shown)
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
@@ -68,6 +88,12 @@ def _sha256(path: Path) -> str:
 
 def _say(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
+
+
+def _detail(message: str) -> None:
+    """A one-time step's line after its first: said only where progress is shown."""
+    if _PROGRESS.get():
+        _say(message)
 
 
 def _size(n_bytes: int) -> str:
@@ -92,7 +118,7 @@ def assemble_parts(parts: list[Path], target: Path, sha256: str) -> Path:
     if target.exists():
         if _sha256(target) == sha256:
             return target
-        _say(f"{_home(target)} is not the published file (sha256 differs): assembling it again")
+        _detail(f"{_home(target)} is not the published file (sha256 differs): assembling it again")
     target.parent.mkdir(parents=True, exist_ok=True)
     total = sum(p.stat().st_size for p in parts)
     _say(f"assembling {target.name} once from {len(parts)} parts into {_home(target.parent)} ({_size(total)})")
@@ -100,7 +126,7 @@ def assemble_parts(parts: list[Path], target: Path, sha256: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
         with os.fdopen(fd, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc="assembling",
-                                              leave=False) as bar:
+                                              leave=False, disable=not _PROGRESS.get()) as bar:
             for part in parts:
                 with part.open("rb") as fh:
                     for block in iter(lambda: fh.read(2**22), b""):
@@ -185,10 +211,10 @@ def converted_path(gguf_file: str, file_sha256: str) -> Path:
 
 @contextlib.contextmanager
 def _step(text: str) -> Iterator[None]:
-    """Say ``text``; on a terminal, count the step's seconds beside it while it runs (for the
-    steps that have no bar of their own)."""
-    if not sys.stderr.isatty():
-        _say(text)
+    """Say ``text`` (where progress is shown); on a terminal, count the step's seconds beside
+    it while it runs (for the steps that have no bar of their own)."""
+    if not _PROGRESS.get() or not sys.stderr.isatty():
+        _detail(text)
         yield
         return
     bar = tqdm(desc=text, bar_format="{desc} ({elapsed})", file=sys.stderr)
@@ -230,6 +256,24 @@ def _shared_reader(reader: Any, path: Path) -> Iterator[None]:
         gguf.GGUFReader = opener
 
 
+@contextlib.contextmanager
+def _dequantizing_bar(shown: bool) -> Iterator[None]:
+    """transformers' bar over the GGUF's tensors, hidden unless ``shown``. It is a tqdm of its
+    own, outside transformers' switch for its bars, so the module's ``tqdm`` is swapped for
+    the block: the one place this package reaches into transformers' GGUF loader."""
+    if shown:
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as loader
+
+    bar = loader.tqdm
+    loader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        loader.tqdm = bar
+
+
 def _converted_folder(source: ModelSource) -> Path:
     """A plain transformers folder for a GGUF source, converted once and cached."""
     target = converted_path(source.gguf_file, source.file_sha256)
@@ -249,13 +293,14 @@ def _converted_folder(source: ModelSource) -> Path:
         n_bytes = 4 * sum(int(t.n_elements) for t in reader.tensors)
         with _step("  2/4 building the tokenizer from its vocabulary"):
             tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-        _say(f"  3/4 de-quantizing {len(reader.tensors)} tensors into float32 ({_size(n_bytes)})")
-        model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+        _detail(f"  3/4 de-quantizing {len(reader.tensors)} tensors into float32 ({_size(n_bytes)})")
+        with _dequantizing_bar(_PROGRESS.get()):
+            model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
     config = model.config
     del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
-    _say(f"  4/4 writing {_home(target)}")
+    _detail(f"  4/4 writing {_home(target)}")
     target.parent.mkdir(parents=True, exist_ok=True)
     # Convert into a temporary folder and rename: a killed conversion leaves no half folder.
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
@@ -271,7 +316,7 @@ def _converted_folder(source: ModelSource) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _say(f"converted {name} in {time.monotonic() - start:.0f} s")
+    _detail(f"converted {name} in {time.monotonic() - start:.0f} s")
     return target
 
 
