@@ -17,7 +17,7 @@ import re
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from attngeom.report import Report
     from attngeom.store import Repair
     from attngeom.store.migrate import MigrationReport
+    from attngeom.store.session import StoreSession
 
 __all__ = [
     "Taxonomy", "Validation", "ablate", "analyze", "check_model", "detect", "explore", "extract", "migrate",
@@ -248,6 +249,8 @@ class Taxonomy:
 
     labels: dict[str, tuple[str, str, np.ndarray]]
     store: str = ""
+    # The store as the taxonomy read it: its tables read on through it.
+    _session: StoreSession | None = field(default=None, repr=False, compare=False)
 
     def distribution(self) -> pd.DataFrame:
         """One row per run: counts and percentages of Retriever, Mixer and Reset heads."""
@@ -273,7 +276,7 @@ class Taxonomy:
         a score a run lacks is empty (NaN, <NA>)."""
         from attngeom.field import head_table
 
-        return head_table(self.store, list(self.labels))
+        return head_table(self._reading(), list(self.labels))
 
     def kv_scores(self, score: str, run_id: str | None = None) -> np.ndarray:
         """(layers, kv_heads) in [0, 1], 1 = keep the full KV cache: ``score`` of run
@@ -281,7 +284,14 @@ class Taxonomy:
         query heads' (docs/cli.md#taxonomy)."""
         from attngeom.field import kv_scores
 
-        return kv_scores(self.store, score, run_id)
+        return kv_scores(self._reading(), score, run_id)
+
+    def _reading(self) -> StoreSession:
+        if self._session is not None:
+            return self._session
+        from attngeom.store.session import StoreSession
+
+        return StoreSession.reading(self.store)
 
     def __str__(self) -> str:
         from attngeom.regimes import format_tables
@@ -311,11 +321,13 @@ def taxonomy(store: str | Path, *, export: str | Path | None = None, export_kv: 
         raise InputError("--score and --run choose what --export-kv writes: give --export-kv too")
     require_store(store)
     from attngeom.regimes import run_regimes
+    from attngeom.store.session import StoreSession
 
-    labels = run_regimes(store)
+    session = StoreSession.reading(store)
+    labels = run_regimes(session)
     if not labels:
         raise GroupNotFoundError(f"no analyzed run in {store}: run 'attngeom analyze --store {store}' first")
-    result = Taxonomy(labels, store)
+    result = Taxonomy(labels, store, session)
     if export_kv is not None:
         from attngeom.field import write_kv
 

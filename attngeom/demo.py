@@ -26,13 +26,16 @@ DEMO_ABLATION_SEQUENCES = 2
 
 def store_summary(store: str, run_id: str) -> str:
     """A few lines describing a run: shape, bytes, and where the final query looks."""
-    from attngeom.store import SEQUENCE_ARRAYS, open_root, open_run_group
+    from attngeom.store import SEQUENCE_ARRAYS
+    from attngeom.store.session import StoreSession
 
-    run = open_run_group(open_root(store), run_id)
-    ds = api.open_store(store).run(run_id).dataset()
+    with StoreSession(store) as session:
+        run = session.reader(run_id, check="arrays")
+        ds = run.dataset()
+        arrays = [run.array(n) for n in SEQUENCE_ARRAYS if run.has(n)]
     done = ds["seq"].values
-    stored = sum(run[n].nbytes_stored() for n in SEQUENCE_ARRAYS if n in run)
-    raw = sum(run[n].nbytes * len(done) // max(1, run[n].shape[0]) for n in SEQUENCE_ARRAYS if n in run)
+    stored = sum(arr.nbytes_stored() for arr in arrays)
+    raw = sum(arr.nbytes * len(done) // max(1, arr.shape[0]) for arr in arrays)
     winner = ds["winner"].isel(query=slice(1, None)).values
     query = np.arange(1, winner.shape[-1] + 1)
     diag = (winner == query).mean()

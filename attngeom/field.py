@@ -31,12 +31,8 @@ from attngeom.store import (
     VALUE_STATISTICS,
     VOTES,
     lacking_summaries,
-    open_derived,
-    open_root,
-    require_run,
-    require_runs,
-    run_provenance,
 )
+from attngeom.store.session import RunReader, StoreSession
 
 __all__ = [
     "CRITERIA", "DETECT", "DETECT_GROUP", "HEAD_SCORES", "KV_SCORES", "SCORES", "TABLE_SUFFIXES", "Criterion",
@@ -141,16 +137,12 @@ def run_scores(head_scores: xr.Dataset | None, detect: xr.Dataset | None) -> dic
     return out
 
 
-def open_groups(store: str, run_id: str, zstore: object = None) -> tuple[xr.Dataset | None, xr.Dataset | None]:
+def open_groups(run: RunReader) -> tuple[xr.Dataset | None, xr.Dataset | None]:
     """The run's ``analysis/head_scores`` and detect scores, loaded; None for an absent one
     (an unfinished one raises :class:`IncompleteGroupError`)."""
-    found = []
-    for kind, name in ((ANALYSIS, HEAD_SCORES), (DETECT, DETECT_GROUP)):
-        try:
-            found.append(open_derived(store, run_id, kind, name, zstore=zstore).load())
-        except GroupNotFoundError:
-            found.append(None)
-    return found[0], found[1]
+    head_scores, detect = (run.derived(kind, name, missing_ok=True)
+                           for kind, name in ((ANALYSIS, HEAD_SCORES), (DETECT, DETECT_GROUP)))
+    return (None if head_scores is None else head_scores.load()), (None if detect is None else detect.load())
 
 
 def why_no_head_scores(provenance: Mapping) -> str:
@@ -163,16 +155,10 @@ def why_no_head_scores(provenance: Mapping) -> str:
     return f"no analysis/{HEAD_SCORES} (run `attngeom analyze`)"
 
 
-def _optional(store: str, run_id: str, name: str) -> xr.Dataset | None:
-    try:
-        return open_derived(store, run_id, ANALYSIS, name)
-    except GroupNotFoundError:
-        return None
-
-
-def _run_frame(store: str, run_id: str, provenance: Mapping, heads: xr.Dataset) -> pd.DataFrame:
+def _run_frame(run: RunReader, heads: xr.Dataset) -> pd.DataFrame:
     """One run's heads as rows: identity, regime, vote fractions, value statistics,
     signatures at the heads' coherence N, field scores and classes."""
+    provenance = run.provenance
     heads = heads.load()
     n_layers, n_heads = heads.sizes["layer"], heads.sizes["head"]
     head_kv = np.asarray(provenance.get("layout", {}).get("head_kv", [-1] * n_heads))
@@ -185,7 +171,7 @@ def _run_frame(store: str, run_id: str, provenance: Mapping, heads: xr.Dataset) 
     for name in (*(f"vote_{v}" for v in VOTES), *VALUE_STATISTICS, "mu", "mu_q95"):
         if name in heads:
             columns[name] = heads[name].transpose("layer", "head").values.ravel().astype(np.float64)
-    summary = _optional(store, run_id, "summary")
+    summary = run.derived(ANALYSIS, "summary", missing_ok=True)
     n = heads.attrs.get("coherence_n")
     if summary is not None and n is not None and int(n) in summary["n"].values:
         at = summary.sel(stat="mean", n=int(n))
@@ -193,7 +179,7 @@ def _run_frame(store: str, run_id: str, provenance: Mapping, heads: xr.Dataset) 
         for name in SIGNATURE_VARIABLES:
             if name in at:
                 columns[name] = at[name].transpose("layer", "head").values.ravel().astype(np.float64)
-    scores = run_scores(*open_groups(store, run_id))
+    scores = run_scores(*open_groups(run))
     for name, x in scores.items():
         columns[name] = x.values.ravel()
     for c in CRITERIA:
@@ -203,21 +189,22 @@ def _run_frame(store: str, run_id: str, provenance: Mapping, heads: xr.Dataset) 
     frame.insert(0, "L", int(provenance.get("context_length", provenance.get("layout", {}).get("length", 0)) or 0))
     frame.insert(0, "dataset", str(provenance.get("dataset", {}).get("id") or ""))
     frame.insert(0, "model", str(provenance.get("model", {}).get("id") or ""))
-    frame.insert(0, "run", run_id)
+    frame.insert(0, "run", run.id)
     return frame
 
 
-def head_table(store: str, run_ids: Sequence[str]) -> pd.DataFrame:
-    """Every head of the runs ``run_ids`` (analyzed ones) as one tidy table, a row per (run,
-    layer, head). A score or class column a run lacks (no head_scores, no detect) is empty
-    there (NaN, or <NA> for a class); a column no run has is left out."""
-    root = open_root(store)
+def head_table(session: StoreSession, run_ids: Sequence[str]) -> pd.DataFrame:
+    """Every head of the runs ``run_ids`` (analyzed ones) of the ``session``'s store as one
+    tidy table, a row per (run, layer, head). A score or class column a run lacks (no
+    head_scores, no detect) is empty there (NaN, or <NA> for a class); a column no run has
+    is left out."""
     frames = []
     for run_id in run_ids:
-        heads = _optional(store, run_id, "heads")
+        run = session.reader(run_id)
+        heads = run.derived(ANALYSIS, "heads", missing_ok=True)
         if heads is None or "regime" not in heads:
             continue
-        frames.append(_run_frame(store, run_id, run_provenance(root, run_id), heads))
+        frames.append(_run_frame(run, heads))
     frame = pd.concat(frames, ignore_index=True)
     for c in CRITERIA:
         if c.column in frame:
@@ -225,16 +212,14 @@ def head_table(store: str, run_ids: Sequence[str]) -> pd.DataFrame:
     return frame
 
 
-def _kv_run(store: str, run_id: str | None) -> str:
+def _kv_run(session: StoreSession, run_id: str | None) -> RunReader:
     """The run an --export-kv reads: ``run_id``, or the store's only run."""
-    root = open_root(store)
     if run_id is not None:
-        require_run(root, run_id, store)
-        return run_id
-    runs = require_runs(root, store)
+        return session.reader(run_id)
+    runs = session.runs()
     if len(runs) > 1:
         raise InputError(f"--export-kv writes one model's heads: name a run with --run ({', '.join(runs)})")
-    return runs[0]
+    return session.reader(runs[0])
 
 
 def check_kv_score(score: str | None) -> str:
@@ -247,8 +232,9 @@ def check_kv_score(score: str | None) -> str:
     return score
 
 
-def kv_scores(store: str, score: str, run_id: str | None = None) -> np.ndarray:
-    """(layers, kv_heads) float64 in [0, 1]: ``score`` of every query head, the largest of a
+def kv_scores(session: StoreSession, score: str, run_id: str | None = None) -> np.ndarray:
+    """(layers, kv_heads) float64 in [0, 1]: ``score`` of every query head of run ``run_id``
+    of the ``session``'s store (its only run by default), the largest of a
     kv head's query heads taken (its cache serves them all, so it is kept in full if one of
     them needs it), clipped to [0, 1] (distant mass, a difference of sums, may fall a
     rounding error outside). 1 means keep the full KV cache, as in DuoAttention.
@@ -256,22 +242,20 @@ def kv_scores(store: str, score: str, run_id: str | None = None) -> np.ndarray:
     Raises :class:`InputError` for a score no KV table takes, :class:`GroupNotFoundError`
     when the run lacks the group that holds it or the score is undefined there."""
     check_kv_score(score)
-    run_id = _kv_run(store, run_id)
+    run = _kv_run(session, run_id)
     spec = _BY_NAME[score]
-    head_scores, detect = open_groups(store, run_id)
-    values = run_scores(head_scores, detect).get(score)
+    values = run_scores(*open_groups(run)).get(score)
     if values is None and spec.group == HEAD_SCORES:
-        why = why_no_head_scores(run_provenance(open_root(store), run_id))
-        raise GroupNotFoundError(f"run {run_id} has no {score}: {why}")
+        raise GroupNotFoundError(f"run {run.id} has no {score}: {why_no_head_scores(run.provenance)}")
     if values is None:
-        raise GroupNotFoundError(f"run {run_id} has no {score}: no {DETECT}/{DETECT_GROUP} "
-                                 f"(run `attngeom detect --store {store} --run {run_id}`)")
+        raise GroupNotFoundError(f"run {run.id} has no {score}: no {DETECT}/{DETECT_GROUP} "
+                                 f"(run `attngeom detect --store {run.url} --run {run.id}`)")
     x = values.values
     if not np.isfinite(x).any():
-        length = run_provenance(open_root(store), run_id).get("context_length", "?")
-        raise GroupNotFoundError(f"{score} is undefined for every head of run {run_id} (L = {length}; distant mass "
+        length = run.provenance.get("context_length", "?")
+        raise GroupNotFoundError(f"{score} is undefined for every head of run {run.id} (L = {length}; distant mass "
                                  f"at window W needs L > 2W)")
-    head_kv = np.asarray(run_provenance(open_root(store), run_id)["layout"]["head_kv"])
+    head_kv = np.asarray(run.provenance["layout"]["head_kv"])
     kv = np.stack([np.nanmax(x[:, head_kv == k], axis=1) for k in range(int(head_kv.max()) + 1)], axis=1)
     return np.clip(kv, 0.0, 1.0)
 

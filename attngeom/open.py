@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import xarray as xr
-import zarr
 
 from attngeom.errors import AttngeomError, GroupNotFoundError, InputError
 from attngeom.store import (
@@ -23,21 +22,10 @@ from attngeom.store import (
     DETECT_GROUPS,
     QUERY_GROUPS,
     SCORE_GROUPS,
-    check_arrays,
-    completed,
-    damaged_chunk,
     lacking_message,
     lacking_summaries,
-    lost_objects,
-    open_dataset,
-    open_derived,
-    open_root,
-    open_run_group,
-    require_run,
-    run_ids,
-    run_path,
-    run_provenance,
 )
+from attngeom.store.session import RunReader, StoreSession
 
 __all__ = ["Run", "Store", "open_store"]
 
@@ -48,26 +36,28 @@ def open_store(url: str | Path) -> Store:
     Raises :class:`StoreNotFoundError` when there is none, :class:`SchemaError` when it is
     not one this attngeom reads.
     """
-    url = str(url)
-    open_root(url)
-    return Store(url)
+    return Store(str(url))
 
 
 @dataclass(frozen=True)
 class Store:
-    """An attngeom store; nothing is read until asked."""
+    """An attngeom store, opened once (one :class:`~attngeom.store.session.StoreSession`,
+    which its runs read through); nothing else is read until asked."""
 
     url: str
+    _session: StoreSession = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_session", StoreSession.reading(self.url))
 
     @property
     def runs(self) -> list[str]:
         """Ids of the store's runs, sorted."""
-        return run_ids(open_root(self.url))
+        return self._session.runs(missing_ok=True)
 
     def run(self, run_id: str) -> Run:
         """The run ``run_id``; raises :class:`RunNotFoundError` (naming the runs there are)."""
-        require_run(open_root(self.url), run_id, self.url)
-        return Run(self.url, run_id)
+        return Run(self.url, run_id, _reader=self._session.reader(run_id))
 
 
 @dataclass(frozen=True)
@@ -77,25 +67,26 @@ class Run:
     url: str
     id: str
     _tokenizers: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    _reader: RunReader | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self._reader is None:
+            object.__setattr__(self, "_reader", StoreSession.reading(self.url).reader(self.id))
 
     @property
     def provenance(self) -> dict[str, Any]:
         """Model, tokenizer, dataset, window rule, L, dtypes, versions, command line."""
-        return run_provenance(open_root(self.url), self.id)
+        return self._reader.provenance
 
     def sequences(self) -> np.ndarray:
         """Indices (S,) of the committed sequences, sorted."""
-        return completed(self._checked())
+        return self._reader.check("arrays").completed()
 
     def dataset(self) -> xr.Dataset:
         """The committed sequences as a lazy Dataset, ``seq`` labelled by sequence index:
         tokens (seq, pos), values (seq, layer, kv_head, pos, head_dim), attn_last (seq,
         layer, head, key), winner and the per-query summaries (seq, layer, head, query)."""
-        run = self._checked()
-        done = completed(run)
-        ds = open_dataset(self.url, run_path(self.id), lost=lost_objects(run))
-        return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
-
+        return self._reader.check("arrays").dataset()
     def analysis(self, name: str) -> xr.Dataset:
         """The lazy Dataset of ``analysis/<name>``: "topn" (seq, layer, head, n), "values",
         "taxonomy", "heads" (layer, head), "summary", "signatures" or "table"; for a run
@@ -122,31 +113,20 @@ class Run:
         the retrieval_tokens, needle_start, needle_length, depth and retrieval_hits."""
         return self._group(DETECT, DETECT_GROUPS, name)
 
-    def _checked(self) -> zarr.Group:
-        """The run's group, once its arrays' metadata agree with its records (:class:`DamagedStoreError`
-        names the first that does not)."""
-        run = open_run_group(open_root(self.url), self.id)
-        check_arrays(self.url, run, self.id)
-        return run
-
     def _group(self, kind: str, groups: tuple[str, ...], name: str) -> xr.Dataset:
         """A derived group, read only once its writer committed it (GroupNotFoundError when
         it was never written, IncompleteGroupError while its writer is interrupted)."""
         if name not in groups:
             raise InputError(f"{kind} has no group {name!r} (groups: {', '.join(groups)})")
-        return open_derived(self.url, self.id, kind, name)
+        return self._reader.derived(kind, name)
 
     def text(self, seq: int, tokenizer: Any = None) -> str:
         """Sequence ``seq`` decoded, BOS included, with ``tokenizer`` or else the run's own
         (loaded from its model's name or path; a run of a model given in memory needs
         ``tokenizer`` unless its tokenizer was saved where its provenance says)."""
-        run = open_run_group(open_root(self.url), self.id)
-        if not 0 <= seq < run["complete"].shape[0] or run["complete"][seq] != 1:
+        if seq not in self._reader.completed():
             raise InputError(f"sequence {seq} of run '{self.id}' is not committed")
-        for index, why in lost_objects(run).get("tokens", {}).items():
-            if index[0] == seq:
-                raise damaged_chunk(self.url, run["tokens"], index, why)
-        tokens = run["tokens"][seq]
+        tokens = self._reader.sequence("tokens", seq)
         return (tokenizer or self._tokenizer()).decode(tokens.tolist())
 
     def _tokenizer(self) -> Any:

@@ -5,27 +5,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from attngeom.errors import GroupNotFoundError
-from attngeom.store import ANALYSIS, REGIMES, open_derived, open_root, require_runs, run_provenance
+from attngeom.store import ANALYSIS, REGIMES
+from attngeom.store.session import StoreSession
 
 __all__ = ["cross_corpus", "distribution", "format_tables", "run_regimes"]
 
 
-def run_regimes(store: str) -> dict[str, tuple[str, str, np.ndarray]]:
-    """Run id -> (model, dataset, regime names (layer, head)) for every analyzed run.
+def run_regimes(session: StoreSession) -> dict[str, tuple[str, str, np.ndarray]]:
+    """Run id -> (model, dataset, regime names (layer, head)) for every analyzed run of the
+    ``session``'s store.
 
     Raises :class:`IncompleteGroupError` for a run whose analysis is not finished."""
-    root = open_root(store)
     out = {}
-    for rid in require_runs(root, store):
-        try:
-            heads = open_derived(store, rid, ANALYSIS, "heads")
-        except GroupNotFoundError:
+    for run in session.readers():
+        heads = run.derived(ANALYSIS, "heads", missing_ok=True)
+        if heads is None or "regime" not in heads:
             continue
-        if "regime" not in heads:
-            continue
-        prov = run_provenance(root, rid)
-        out[rid] = (prov["model"]["id"], prov["dataset"]["id"], np.asarray(heads["regime"].values, dtype=object))
+        prov = run.provenance
+        out[run.id] = (prov["model"]["id"], prov["dataset"]["id"], np.asarray(heads["regime"].values, dtype=object))
     return out
 
 

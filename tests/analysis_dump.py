@@ -27,16 +27,21 @@ from attngeom.store import (
     create_run,
     derived_state,
     local_path,
-    open_derived,
     open_or_create_root,
     write_sequence,
 )
+from attngeom.store.session import StoreSession
 from attngeom.synthetic import synthetic_sequence, write_synthetic_run
 
 # Run "full": full causal attention, no stored queries; run "window": a sliding window of 6
 # keys in its second layer and rows stored at three queries.
 LENGTH = 16
 GRID = [1, 2, 4, 8]
+
+
+def read_group(url: str, run_id: str, kind: str, name: str):
+    """The committed derived group, as every reader reads it (through a store session)."""
+    return StoreSession.reading(url).reader(run_id).derived(kind, name)
 
 
 def make_store(url: str) -> None:
@@ -75,7 +80,7 @@ def dump(url: str) -> dict[str, Any]:
                                              "sequences": list(state.commit.sequences),
                                              "groups": list(state.commit.groups)}
         for group in state.commit.groups:
-            ds = open_derived(url, run_id, ANALYSIS, group).load()
+            ds = read_group(url, run_id, ANALYSIS, group).load()
             for name, var in sorted(ds.variables.items()):
                 values = np.asarray(var.values)
                 out["arrays"][f"{run_id}/{group}/{name}"] = {

@@ -47,7 +47,6 @@ from attngeom.store import (
     consolidate,
     derived_state,
     open_dataset,
-    open_derived,
     open_or_create_root,
     open_root,
     replace_groups,
@@ -56,6 +55,11 @@ from attngeom.store import (
 )
 
 GRID = [1, 2, 4, 8, 15]
+
+
+def read_group(url: str, run_id: str, kind: str, name: str):
+    """The committed derived group, as every reader reads it (through a store session)."""
+    return StoreSession.reading(url).reader(run_id).derived(kind, name)
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +169,7 @@ def extract_llama(model, corpus, store, n: int) -> None:
 
 def analysis(store) -> dict[str, xr.Dataset]:
     """Every group of run r's finished analysis, in memory."""
-    return {name: open_derived(str(store), "r", ANALYSIS, name).load() for name in ANALYSIS_GROUPS}
+    return {name: read_group(str(store), "r", ANALYSIS, name).load() for name in ANALYSIS_GROUPS}
 
 
 def assert_bitwise(a: dict[str, xr.Dataset], b: dict[str, xr.Dataset]) -> None:
@@ -343,9 +347,9 @@ def readers_refuse_or_see(store: Path, earlier: dict[str, xr.Dataset], out: Path
         assert problems == []
         return True
     with pytest.raises(IncompleteGroupError, match="analysis of run r is incomplete"):
-        open_derived(url, "r", ANALYSIS, "topn")
+        read_group(url, "r", ANALYSIS, "topn")
     with pytest.raises(IncompleteGroupError):
-        run_regimes(url)
+        run_regimes(StoreSession.reading(url))
     with pytest.raises(IncompleteGroupError):
         load_runs(url)
     assert any("analysis of run r is incomplete (interrupted analyze); re-run `attngeom analyze" in p
@@ -521,17 +525,17 @@ def test_interrupted_ablation_write_is_reported_and_earlier_kept(tmp_path, monke
             replace_groups(url, "r", ABLATION, second, {"seed": 1})
         assert derived_state(url, "r", ABLATION).readable == readable
         if readable:
-            np.testing.assert_array_equal(open_derived(url, "r", ABLATION, "single")["x"].values, np.arange(3.0))
+            np.testing.assert_array_equal(read_group(url, "r", ABLATION, "single")["x"].values, np.arange(3.0))
             # The consolidated metadata lags behind the record (the next writer refreshes it).
             assert [p for p in validate_store(url) if not p.startswith("the root's consolidated metadata")] == []
         else:
             with pytest.raises(IncompleteGroupError):
-                open_derived(url, "r", ABLATION, "single")
+                read_group(url, "r", ABLATION, "single")
             assert "ablation of run r is incomplete (interrupted ablate)" in " ".join(validate_store(url))
         crash_at = None
         replace_groups(url, "r", ABLATION, second, {"seed": 1})
         assert validate_store(url) == []
-        np.testing.assert_array_equal(open_derived(url, "r", ABLATION, "single")["x"].values, np.arange(3.0) + 1)
+        np.testing.assert_array_equal(read_group(url, "r", ABLATION, "single")["x"].values, np.arange(3.0) + 1)
         assert not (tmp_path / "s.zarr" / "runs" / "r" / "ablation" / "table").exists()
 
 

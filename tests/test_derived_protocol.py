@@ -37,7 +37,6 @@ from attngeom.store import (
     consolidate,
     create_run,
     derived_state,
-    open_derived,
     open_or_create_root,
     open_root,
     open_run_group,
@@ -52,6 +51,11 @@ LAYOUT = RunLayout(n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, length=LENGT
                    window=(0, 0), attendable=((True,) * LENGTH,) * 2)
 # Two parameter sets: (n grid, seed).
 PARAMS = {"a": ([1, 2, 4], 0), "b": ([1, 4, 8], 3)}
+
+
+def read_group(url: str, run_id: str, kind: str, name: str):
+    """The committed derived group, as every reader reads it (through a store session)."""
+    return StoreSession.reading(url).reader(run_id).derived(kind, name)
 
 
 class Killed(BaseException):
@@ -82,11 +86,11 @@ def _groups(url: str) -> dict[str, dict[str, np.ndarray]] | None:
     state = derived_state(url, "r", ANALYSIS)
     if state.commit is None:
         if state.exists:
-            open_derived(url, "r", ANALYSIS, "heads")
+            read_group(url, "r", ANALYSIS, "heads")
         return None
     out = {}
     for name in state.commit.groups:
-        ds = open_derived(url, "r", ANALYSIS, name).load()
+        ds = read_group(url, "r", ANALYSIS, name).load()
         out[name] = {str(k): np.asarray(v.values) for k, v in ds.variables.items()}
     return out
 

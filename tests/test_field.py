@@ -27,7 +27,7 @@ from field_groups import (
 from attngeom.api import analyze, taxonomy
 from attngeom.errors import GroupNotFoundError, InputError
 from attngeom.explore.build import explore
-from attngeom.field import CRITERIA, KV_SCORES, kv_scores
+from attngeom.field import CRITERIA, KV_SCORES
 from attngeom.report import build_report
 from attngeom.report.agreement import class_sentences
 from attngeom.synthetic import write_synthetic_run
@@ -240,8 +240,8 @@ def test_kv_table_is_duoattentions_layout(store, tmp_path):
     retrieval = np.where(regimes(store, "both") == "Retriever", 0.5, 0.0)
     retrieval[1, 0] = 0.5
     np.testing.assert_array_equal(table, retrieval.reshape(3, 2, 2).max(axis=2))
-    np.testing.assert_array_equal(kv_scores(store, "retrieval_score", "both"), table)
-    distant = kv_scores(store, "distant_mass_w16", "text")
+    np.testing.assert_array_equal(taxonomy(store).kv_scores("retrieval_score", "both"), table)
+    distant = taxonomy(store).kv_scores("distant_mass_w16", "text")
     assert distant.shape == (3, 2) and ((distant >= 0) & (distant <= 1)).all()
 
 

@@ -42,7 +42,6 @@ import numpy as np
 import pandas as pd
 import torch
 import xarray as xr
-import zarr
 
 from attngeom import __version__
 from attngeom.ablate.kernels import (
@@ -60,24 +59,12 @@ from attngeom.ablate.kernels import (
 )
 from attngeom.ablate.masking import head_geometry, head_weight_norms, masked_nll
 from attngeom.ablate.request import AblateRequest, check_request
-from attngeom.errors import AttngeomWarning, GroupNotFoundError, InProgressError, InputError
+from attngeom.errors import AttngeomWarning, InProgressError, InputError
 from attngeom.extract.placement import parse_device_map
 from attngeom.runcheck import check_run_model
 from attngeom.runmodel import evaluating, run_model
-from attngeom.store import (
-    ABLATION,
-    ANALYSIS,
-    ATTR_KEY,
-    REGIMES,
-    check_committed,
-    completed,
-    open_derived,
-    reading_run,
-    run_provenance,
-)
-from attngeom.store.locks import wait_for_writer
-from attngeom.store.nodes import zarr_store
-from attngeom.store.session import StoreSession
+from attngeom.store import ABLATION, ANALYSIS, ATTR_KEY, REGIMES
+from attngeom.store.session import RunReader, StoreSession
 
 # How each method (schema.METHODS, in that order) orders the heads of a layer, first kept first.
 RANKINGS = {
@@ -125,35 +112,34 @@ def split_sequences(seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return seqs[0::2], seqs[1::2]
 
 
-def _store_diagnostics(run: zarr.Group, seqs: np.ndarray, top_n: int) -> dict[str, np.ndarray]:
+def _store_diagnostics(run: RunReader, seqs: np.ndarray, top_n: int) -> dict[str, np.ndarray]:
     """Per-head means (layers, heads) over ``seqs`` of the attention diagnostics, read one
     sequence shard at a time."""
     sums: dict[str, np.ndarray] = {}
     for s in seqs:
         s = int(s)
-        entropy = run["entropy"][s]
-        per_seq = attention_diagnostics(run["attn_last"][s], entropy[..., -1], run["top1_attn"][s][..., -1], top_n)
+        entropy = run.array("entropy")[s]
+        per_seq = attention_diagnostics(run.array("attn_last")[s], entropy[..., -1], run.array("top1_attn")[s][..., -1],
+                                        top_n)
         for name, array in ALL_QUERY_DIAGNOSTICS.items():
             # Query 0 is excluded: there the sink is also the diagonal (docs/method.md#preprocessing).
-            per_seq[name] = (entropy if array == "entropy" else run[array][s])[..., 1:].mean(axis=-1)
+            per_seq[name] = (entropy if array == "entropy" else run.array(array)[s])[..., 1:].mean(axis=-1)
         for name, value in per_seq.items():
             sums[name] = sums.get(name, 0.0) + value.astype(np.float64)
     return {name: total / len(seqs) for name, total in sums.items()}
 
 
-def _analysis_heads(url: str, run_id: str) -> xr.Dataset | None:
+def _analysis_heads(run: RunReader) -> xr.Dataset | None:
     """analyze's (layer, head) table, or None when the run has not been analyzed. While an
     analyze of the run is at work, waits for it (saying whom it waits for) and reads what it
     commits: an ablation is worth the wait for its type-guided sweep."""
     while True:
         try:
-            heads = open_derived(url, run_id, ANALYSIS, "heads")
-        except GroupNotFoundError:
-            return None
+            heads = run.derived(ANALYSIS, "heads", missing_ok=True)
         except InProgressError:
-            wait_for_writer(zarr_store(url, read_only=True), run_id)
+            run.wait_for_writer()
             continue
-        return heads.transpose("layer", "head", ...).load()
+        return None if heads is None else heads.transpose("layer", "head", ...).load()
 
 
 def _span(layers: tuple[int, ...]) -> str:
@@ -375,13 +361,12 @@ def ablate(request: AblateRequest) -> AblateResult:
 def _read_run(request: AblateRequest, session: StoreSession) -> _RunInputs:
     """Check the request against the run of the ``session``'s store and read what the run
     provides (no model)."""
-    store, run_id = request.store, request.run_id
-    run = session.run(run_id)
-    check_committed(store, run, run_id)
-    provenance = run_provenance(session.root, run_id)
+    run_id = request.run_id
+    run = session.reader(run_id, check="committed")
+    provenance = run.provenance
     check_run_model(request.model, provenance, run_id, "ablate")
-    committed = completed(run)
-    n_layers, n_heads = run["layer"].shape[0], run["head"].shape[0]
+    committed = run.completed()
+    n_layers, n_heads = run.array("layer").shape[0], run.array("head").shape[0]
     check_request(request, {"n_layers": n_layers, "n_heads": n_heads}, len(committed))
     seqs = committed[: request.max_sequences]
     importance, evaluation = split_sequences(seqs)
@@ -389,10 +374,10 @@ def _read_run(request: AblateRequest, session: StoreSession) -> _RunInputs:
     for layer, head in request.protect:
         protected[layer, head] = True
 
-    with reading_run(store, run, run_id):
+    with run.reading():
         diagnostics = _store_diagnostics(run, importance, request.top_n)
-        tokens = run["tokens"].get_orthogonal_selection((seqs, slice(None))).astype(np.int64)
-    heads = _analysis_heads(store, run_id)
+        tokens = run.array("tokens").get_orthogonal_selection((seqs, slice(None))).astype(np.int64)
+    heads = _analysis_heads(run)
     skipped: dict[str, str] = {}
     regime = None
     if heads is not None and "regime" in heads:
@@ -420,7 +405,7 @@ def _read_run(request: AblateRequest, session: StoreSession) -> _RunInputs:
         regime=regime,
         geometric=geometric,
         skipped=skipped,
-        layer_head={"layer": run["layer"][:], "head": run["head"][:]},
+        layer_head={"layer": run.array("layer")[:], "head": run.array("head")[:]},
     )
 
 

@@ -39,18 +39,7 @@ from attngeom.extract.models import load_tokenizer, resolve_dtype, resolve_model
 from attngeom.extract.placement import parse_device_map
 from attngeom.runcheck import check_run_model
 from attngeom.runmodel import evaluating, is_named, run_model
-from attngeom.store import (
-    ATTR_KEY,
-    DETECT,
-    DETECT_GROUPS,
-    check_committed,
-    completed,
-    derived_state,
-    jsonable,
-    open_derived,
-    reading_run,
-    run_provenance,
-)
+from attngeom.store import ATTR_KEY, DETECT, DETECT_GROUPS, derived_state, jsonable
 from attngeom.store.derived import unheld_claims
 from attngeom.store.session import StoreSession
 
@@ -145,16 +134,15 @@ def detect(request: DetectRequest) -> DetectResult:
 
 def _read_run(request: DetectRequest, session: StoreSession) -> _RunInputs:
     """Check the request against the run and read its committed windows (no model)."""
-    run = session.run(request.run_id)
-    check_committed(request.store, run, request.run_id)
-    provenance = run_provenance(session.root, request.run_id)
+    run = session.reader(request.run_id, check="committed")
+    provenance = run.provenance
     check_run_model(request.model, provenance, request.run_id, "detect")
-    seqs = completed(run)
-    check_request(request, int(run["tokens"].shape[1]))
+    seqs = run.completed()
+    check_request(request, int(run.array("tokens").shape[1]))
     check_sequences(request.run_id, len(seqs))
-    with reading_run(request.store, run, request.run_id):
-        windows = run["tokens"].get_orthogonal_selection((seqs, slice(None))).astype(np.int64)
-    return _RunInputs(provenance, seqs.astype(np.int64), windows, run["layer"][:], run["head"][:])
+    with run.reading():
+        windows = run.array("tokens").get_orthogonal_selection((seqs, slice(None))).astype(np.int64)
+    return _RunInputs(provenance, seqs.astype(np.int64), windows, run.array("layer")[:], run.array("head")[:])
 
 
 def _parameters(request: DetectRequest, inputs: _RunInputs, retrieval: Retrieval) -> dict[str, Any]:
@@ -188,8 +176,8 @@ def _kept(session: StoreSession, run_id: str, params: dict[str, Any],
             or unheld_claims(state, committed.tolist())):
         return None
     try:
-        return tuple(open_derived(session.url, run_id, DETECT, name, zstore=session.zstore).load()
-                     for name in DETECT_GROUPS)
+        run = session.reader(run_id)
+        return tuple(run.derived(DETECT, name).load() for name in DETECT_GROUPS)
     except AttngeomError:  # damaged or incomplete: computed and written again
         return None
 

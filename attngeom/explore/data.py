@@ -12,28 +12,12 @@ from typing import Any
 
 import numpy as np
 import xarray as xr
-import zarr
 
 from attngeom.analyze.parameters import default_n_grid
-from attngeom.errors import GroupNotFoundError, RunNotFoundError
+from attngeom.errors import RunNotFoundError
 from attngeom.field import DETECT, DETECT_GROUP, open_groups, why_no_head_scores
-from attngeom.store import (
-    ABLATION,
-    ANALYSIS,
-    RunLayout,
-    check_run,
-    completed,
-    open_derived,
-    open_root,
-    open_run_group,
-    query_attendable,
-    read_chunk,
-    reading_run,
-    require_run,
-    require_runs,
-    run_layout,
-    run_provenance,
-)
+from attngeom.store import ABLATION, ANALYSIS, RunLayout, query_attendable
+from attngeom.store.session import RunReader, StoreSession
 
 # Per-sequence top-N curves a head's page draws: the head's own, the random control, the bounds.
 CURVES = (
@@ -49,8 +33,7 @@ class ExploreRun:
 
     run_id: str
     provenance: dict[str, Any]
-    url: str                                # the store's
-    group: zarr.Group
+    reader: RunReader                       # the run in the store
     layout: RunLayout
     sequences: np.ndarray                   # chosen committed sequence ids
     n_grid: list[int]
@@ -79,43 +62,30 @@ class ExploreRun:
         return str(self.provenance.get("compute_dtype") or "?")
 
 
-def _open(store: str, run_id: str, kind: str, name: str) -> xr.Dataset | None:
-    """A committed analysis or ablation group, None when it was never written; an
-    interrupted one raises IncompleteGroupError."""
-    try:
-        return open_derived(store, run_id, kind, name)
-    except GroupNotFoundError:
-        return None
-
-
 def open_runs(store: str, run_id: str | None, sequences: int) -> list[ExploreRun]:
     """The run ``run_id`` (every run when None) with its first ``sequences`` committed
-    sequences. Raises StoreNotFoundError (no store), SchemaError (not one this attngeom
-    reads) or RunNotFoundError (no such run, no run at all, or a run with no sequence)."""
-    root = open_root(store)
-    chosen = require_runs(root, store)
-    if run_id is not None:
-        require_run(root, run_id, store)
-        chosen = [run_id]
-    return [_open_run(store, root, rid, sequences) for rid in chosen]
+    sequences, read through one :class:`~attngeom.store.session.StoreSession`. Raises
+    StoreNotFoundError (no store), SchemaError (not one this attngeom reads) or
+    RunNotFoundError (no such run, no run at all, or a run with no sequence)."""
+    with StoreSession(store) as session:
+        if run_id is not None:
+            return [_open_run(session.reader(run_id, check="full"), sequences)]
+        return [_open_run(run, sequences) for run in session.readers(check="full")]
 
 
-def _open_run(store: str, root: zarr.Group, run_id: str, sequences: int) -> ExploreRun:
-    group = open_run_group(root, run_id)
-    check_run(store, group, run_id)
-    done = completed(group)
+def _open_run(reader: RunReader, sequences: int) -> ExploreRun:
+    done = reader.completed()
     if done.size == 0:
-        raise RunNotFoundError(f"run '{run_id}' in {store} has no complete sequence yet")
-    layout = run_layout(group)
-    run = ExploreRun(run_id, run_provenance(root, run_id), store, group, layout, done[:sequences],
-                     default_n_grid(layout.length))
+        raise RunNotFoundError(f"run '{reader.id}' in {reader.url} has no complete sequence yet")
+    layout = reader.layout
+    run = ExploreRun(reader.id, reader.provenance, reader, layout, done[:sequences], default_n_grid(layout.length))
     for name in ("heads", "summary"):
-        ds = _open(store, run_id, ANALYSIS, name)
+        ds = reader.derived(ANALYSIS, name, missing_ok=True)
         setattr(run, name, ds.load() if ds is not None else None)
-    run.topn = _open(store, run_id, ANALYSIS, "topn")
-    run.taxonomy = _open(store, run_id, ANALYSIS, "taxonomy")
-    run.by_query = _open(store, run_id, ANALYSIS, "topn_by_query")
-    run.ablation = _open(store, run_id, ABLATION, "single")
+    run.topn = reader.derived(ANALYSIS, "topn", missing_ok=True)
+    run.taxonomy = reader.derived(ANALYSIS, "taxonomy", missing_ok=True)
+    run.by_query = reader.derived(ANALYSIS, "topn_by_query", missing_ok=True)
+    run.ablation = reader.derived(ABLATION, "single", missing_ok=True)
     if run.topn is not None:
         run.n_grid = [int(n) for n in run.topn["n"].values]
         analyzed = set(run.topn["seq"].values.tolist())
@@ -128,7 +98,7 @@ def _open_run(store: str, root: zarr.Group, run_id: str, sequences: int) -> Expl
                          "recall are computed here from the picture's distances")
     if run.ablation is None:
         run.notes.append("no ablation (run `attngeom ablate`): no delta NLL")
-    run.head_scores, run.detect = open_groups(store, run_id)
+    run.head_scores, run.detect = open_groups(reader)
     if run.head_scores is None:
         run.field_missing.append(f"{why_no_head_scores(run.provenance)}: no sink, previous-token or "
                                  "distant-mass scores")
@@ -164,12 +134,12 @@ class LayerData:
 
 def read_layer(run: ExploreRun, layer: int) -> LayerData:
     """The arrays of ``layer`` for the run's chosen sequences (one store chunk per sequence)."""
-    seqs = run.sequences
-    with reading_run(run.url, run.group, run.run_id):
-        attn = np.stack([run.group["attn_last"][int(s), layer] for s in seqs])
-        values = np.stack([read_chunk(run.url, run.group["values"], (int(s), layer)) for s in seqs])
-        query_rows = (np.stack([run.group["attn_rows"][int(s), layer] for s in seqs])
-                      if "attn_rows" in run.group else None)
+    seqs, reader = run.sequences, run.reader
+    with reader.reading():
+        attn = np.stack([reader.array("attn_last")[int(s), layer] for s in seqs])
+        values = np.stack([reader.chunk("values", (int(s), layer)) for s in seqs])
+        query_rows = (np.stack([reader.array("attn_rows")[int(s), layer] for s in seqs])
+                      if reader.has("attn_rows") else None)
     curves = votes = query_curves = None
     if run.topn is not None:
         present = [int(s) for s in seqs if int(s) in set(run.topn["seq"].values.tolist())]
@@ -180,13 +150,13 @@ def read_layer(run: ExploreRun, layer: int) -> LayerData:
     if query_rows is not None and run.by_query is not None:
         present = [int(s) for s in seqs if int(s) in set(run.by_query["seq"].values.tolist())]
         query_curves = run.by_query[list(CURVES)].isel(layer=layer).sel(seq=present).load()
-    return LayerData(attn, values, run.group["attendable"][layer], curves, votes, query_rows, query_curves)
+    return LayerData(attn, values, reader.array("attendable")[layer], curves, votes, query_rows, query_curves)
 
 
 def read_tokens(run: ExploreRun) -> np.ndarray:
     """Token ids (S, L) of the chosen sequences."""
-    with reading_run(run.url, run.group, run.run_id):
-        return np.stack([run.group["tokens"][int(s)] for s in run.sequences])
+    with run.reader.reading():
+        return np.stack([run.reader.array("tokens")[int(s)] for s in run.sequences])
 
 
 def token_decoder(provenance: dict[str, Any]) -> tuple[Callable[[np.ndarray], list[list[str]]] | None, str]:

@@ -13,23 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 import xarray as xr
-import zarr
 
-from attngeom.errors import GroupNotFoundError
 from attngeom.field import DETECT, DETECT_GROUP, HEAD_SCORES, open_groups, why_no_head_scores
-from attngeom.store import (
-    ABLATION,
-    ABLATION_GROUPS,
-    ANALYSIS,
-    REGIMES,
-    check_arrays,
-    completed,
-    open_derived,
-    open_root,
-    open_run_group,
-    require_runs,
-    run_provenance,
-)
+from attngeom.store import ABLATION, ABLATION_GROUPS, ANALYSIS, REGIMES
+from attngeom.store.session import RunReader, StoreSession
 
 # Small (layer, head[, n]) groups, loaded in memory; ``topn`` stays lazy (it is per sequence).
 SMALL_GROUPS = ("summary", "heads", "signatures")
@@ -166,27 +153,17 @@ def has_field_scores() -> Requirement:
                   any_of(requires(HEAD_SCORES, "sink_score"), requires(DETECT, "induction_score")))
 
 
-def _open(store: str, root: zarr.Group, run_id: str, kind: str, name: str) -> xr.Dataset | None:
-    """A finished derived group, read through the report's store ``root``, None when the run
-    lacks it; an unfinished one raises :class:`~attngeom.errors.IncompleteGroupError`."""
-    try:
-        return open_derived(store, run_id, kind, name, zstore=root.store)
-    except GroupNotFoundError:
-        return None
-
-
 def _short(identifier: str) -> str:
     return identifier.rstrip("/").split("/")[-1] or identifier
 
 
-def load_run(store: str, root: zarr.Group, run_id: str) -> RunData:
-    """Open every group of ``run_id`` that exists; small ones are loaded in memory."""
-    meta = run_provenance(root, run_id)
+def load_run(run: RunReader) -> RunData:
+    """Open every group of the run that exists (a missing one is None, an unfinished one
+    raises :class:`~attngeom.errors.IncompleteGroupError`); small ones are loaded in memory."""
+    meta = run.provenance
     layout = meta.get("layout", {})
-    run = open_run_group(root, run_id)
-    check_arrays(store, run, run_id)
     data = RunData(
-        run_id=run_id,
+        run_id=run.id,
         model_id=str(meta.get("model", {}).get("id") or "?"),
         dataset_id=str(meta.get("dataset", {}).get("id") or "?"),
         context_length=int(meta.get("context_length", layout.get("length", 0)) or 0),
@@ -195,27 +172,28 @@ def load_run(store: str, root: zarr.Group, run_id: str) -> RunData:
         n_layers=int(layout.get("n_layers", 0)),
         n_heads=int(layout.get("n_heads", 0)),
         n_kv_heads=int(layout.get("n_kv_heads", 0)),
-        sequences=int(completed(run).size) if "complete" in run else 0,
+        sequences=int(run.completed().size) if run.has("complete") else 0,
     )
     for name in SMALL_GROUPS:
-        ds = _open(store, root, run_id, ANALYSIS, name)
+        ds = run.derived(ANALYSIS, name, missing_ok=True)
         setattr(data, name, ds.load() if ds is not None else None)
-    data.topn = _open(store, root, run_id, ANALYSIS, "topn")
+    data.topn = run.derived(ANALYSIS, "topn", missing_ok=True)
     # Lazy as topn: (stat, layer, head, query_pos, n) grows with the stored queries.
-    data.summary_by_query = _open(store, root, run_id, ANALYSIS, "summary_by_query")
-    data.head_scores, data.detect = open_groups(store, run_id, zstore=root.store)
+    data.summary_by_query = run.derived(ANALYSIS, "summary_by_query", missing_ok=True)
+    data.head_scores, data.detect = open_groups(run)
     data.no_head_scores = why_no_head_scores(meta)
     for name in ABLATION_GROUPS:
-        ds = _open(store, root, run_id, ABLATION, name)
+        ds = run.derived(ABLATION, name, missing_ok=True)
         if ds is not None:
             data.ablation[name] = ds
     return data
 
 
 def load_runs(store: str) -> list[RunData]:
-    """Every run of the store, in run-id order."""
-    root = open_root(store)
-    runs = [load_run(store, root, rid) for rid in require_runs(root, store)]
+    """Every run of the store, in run-id order, read through one
+    :class:`~attngeom.store.session.StoreSession`."""
+    with StoreSession(store) as session:
+        runs = [load_run(run) for run in session.readers(check="arrays")]
     # One colour per run, fixed here so that a run keeps it in every figure.
     for i, run in enumerate(runs):
         run.color = f"C{i % 10}"

@@ -3,7 +3,8 @@
 Modules, by concern: :mod:`~attngeom.store.schema` (layout, names, versions),
 :mod:`~attngeom.store.codecs` (chunk encoding), :mod:`~attngeom.store.nodes` (a URL's zarr
 Store, its objects and node metadata), :mod:`~attngeom.store.access` (the root, the writers'
-hold, consolidated metadata), :mod:`~attngeom.store.session` (one command's store),
+hold, consolidated metadata), :mod:`~attngeom.store.session` (one command's store, through
+which it reads and writes),
 :mod:`~attngeom.store.datasets` (groups as Datasets), :mod:`~attngeom.store.damage` (damage
 errors and recovery), :mod:`~attngeom.store.chunks` (a run's arrays read a chunk at a time),
 :mod:`~attngeom.store.runs` (runs and the per-sequence commit), :mod:`~attngeom.store.derived`
@@ -28,7 +29,7 @@ from attngeom.store.damage import damaged_chunk, recovery
 from attngeom.store.datasets import open_dataset, write_dataset
 from attngeom.store.nodes import jsonable, local_path, zarr_store
 from attngeom.store.codecs import compressor, compressors, has_checksum, with_checksum
-from attngeom.store.derived import derived_problems, derived_state, open_derived, replace_groups
+from attngeom.store.derived import derived_problems, derived_state, replace_groups
 from attngeom.store.runs import (
     SequenceWriter,
     completed,
@@ -116,7 +117,7 @@ __all__ = [
     "consolidate",
     "create_run", "damaged_chunk", "damaged_objects", "default_run_id", "derived_problems", "derived_state",
     "has_checksum", "jsonable", "label_codes", "lacking_message", "lacking_summaries", "label_dtype", "local_path", "lost_objects", "n_sequences",
-    "open_dataset", "open_derived", "open_or_create_root", "open_root", "open_run_group", "query_attendable",
+    "open_dataset", "open_or_create_root", "open_root", "open_run_group", "query_attendable",
     "read_chunk", "read_root_attrs", "recovery", "reading_run", "repair", "replace_groups", "require_run",
     "require_runs", "resize_run",
     "run_ids", "run_layout", "run_path", "run_provenance", "store_format", "validate_run",

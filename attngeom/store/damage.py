@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import zarr
 
@@ -80,15 +82,15 @@ def locate_damage(url: str, arr: zarr.Array, selection: tuple[slice | int, ...])
     return None
 
 
-def unreadable_metadata(url: str, group: str = "") -> list[str]:
-    """Keys of the ``zarr.json`` objects at and under ``group`` that are not JSON objects
-    (empty or truncated), sorted."""
-    return [key for key, meta in node_metadata(zarr_store(url, read_only=True), group).items() if meta is None]
+def unreadable_metadata(zstore: Any, group: str = "") -> list[str]:
+    """Keys of the ``zarr.json`` objects at and under ``group`` of the zarr Store
+    ``zstore`` that are not JSON objects (empty or truncated), sorted."""
+    return [key for key, meta in node_metadata(zstore, group).items() if meta is None]
 
 
 def metadata_damage(url: str, group: str, exc: BaseException) -> DamagedStoreError:
     """The error for a group that fails to open: naming its unreadable ``zarr.json``."""
-    bad = unreadable_metadata(url, group)
+    bad = unreadable_metadata(zarr_store(url, read_only=True), group)
     if bad:
         return DamagedStoreError(
             f"{bad[0]} is empty or truncated (unreadable JSON); {recovery(url, node_path(bad[0]), metadata=True)}"

@@ -30,9 +30,9 @@ class _CheckedArray:
     """A lazy variable of a group whose reads name a damaged chunk (the chunks dask reads),
     and a stored object known to be ``lost`` (grid index -> why) before reading it."""
 
-    def __init__(self, url: str, path: str, variable: xr.Variable,
+    def __init__(self, url: str, zstore: Any, path: str, variable: xr.Variable,
                  lost: Mapping[tuple[int, ...], Exception]) -> None:
-        self.url, self.path, self.variable, self.lost = url, path, variable, lost
+        self.url, self.zstore, self.path, self.variable, self.lost = url, zstore, path, variable, lost
         self.shape, self.dtype, self.ndim = variable.shape, variable.dtype, variable.ndim
 
     def __getitem__(self, key: tuple[slice, ...]) -> np.ndarray:
@@ -51,7 +51,7 @@ class _CheckedArray:
             raise error from exc
 
     def _array(self) -> zarr.Array:
-        return zarr.open_array(zarr_store(self.url, read_only=True), path=self.path, mode="r")
+        return zarr.open_array(self.zstore, path=self.path, mode="r")
 
 
 def _overlaps(key: slice | int, start: int, stop: int) -> bool:
@@ -75,10 +75,10 @@ def open_dataset(url: str, group: str, *, zstore: Any = None,
     (:func:`~attngeom.store.validate.lost_objects`), whose reads raise
     :class:`CorruptChunkError` naming them rather than returning the fill value.
     """
+    zstore = zstore if zstore is not None else zarr_store(url, read_only=True)
     try:
         with quiet_leftovers():
-            ds = xr.open_zarr(zstore if zstore is not None else zarr_store(url, read_only=True), group=group,
-                              consolidated=False, chunks=None)
+            ds = xr.open_zarr(zstore, group=group, consolidated=False, chunks=None)
     except (FileNotFoundError, zarr.errors.NodeNotFoundError):
         raise  # no such group: the caller decides what absence means
     except DECODE_ERRORS as exc:
@@ -87,7 +87,7 @@ def open_dataset(url: str, group: str, *, zstore: Any = None,
     for name, var in ds.variables.items():
         if name in ds.indexes:
             continue  # read when opened
-        checked = _CheckedArray(url, f"{group}/{name}", var, (lost or {}).get(str(name), {}))
+        checked = _CheckedArray(url, zstore, f"{group}/{name}", var, (lost or {}).get(str(name), {}))
         data = da.from_array(
             checked, chunks=var.encoding.get("chunks") or var.shape, name=f"{group}/{name}-{uuid.uuid4().hex}",
             lock=False, asarray=False, meta=np.empty((0,) * var.ndim, dtype=var.dtype),

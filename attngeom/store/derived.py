@@ -7,7 +7,7 @@ A derived group ``runs/<id>/<kind>`` carries a record in its attributes, under `
   computed with, the group names, the attngeom version, and every stored object of the
   groups with its size (``objects``), so that a lost, emptied or truncated object is seen
   from one listing. It is the writer's last write. A reader sees the results only through
-  it (:func:`open_derived`).
+  it (:func:`read_derived`).
 - ``pending``: an update under way or interrupted: its parameters, the sequences already
   written, and whether it writes into the staging group ``runs/<id>/<kind>/_next`` (the
   commit then stays valid meanwhile) or into the groups themselves (the commit was dropped
@@ -81,7 +81,7 @@ __all__ = [
     "derived_problems",
     "derived_state",
     "forget_unreadable",
-    "open_derived",
+    "read_derived",
     "replace_groups",
     "staged_path",
     "unheld_claims",
@@ -769,19 +769,18 @@ def _unreadable_record(url: str, state: DerivedState) -> DamagedStoreError:
     )
 
 
-def open_derived(url: str, run_id: str, kind: str, name: str, *, zstore: Any = None) -> xr.Dataset:
-    """The finished group ``runs/<run_id>/<kind>/<name>`` as a lazy Dataset, through its
-    commit record: the one way attngeom reads derived results.
+def read_derived(zstore: Any, url: str, run_id: str, kind: str, name: str) -> xr.Dataset:
+    """The finished group ``runs/<run_id>/<kind>/<name>`` of the store at ``url``, opened
+    as ``zstore``, as a lazy Dataset, through its commit record: the one way attngeom reads
+    derived results, called by :meth:`~attngeom.store.session.RunReader.derived`.
 
     Groups that grow along ``seq`` are cut to the sequences the commit covers. Raises
     :class:`GroupNotFoundError` when the run has no such results,
     :class:`IncompleteGroupError` when they are not finished (an interrupted writer;
     :class:`InProgressError` while their writer is at work, holding the run), and
     :class:`DamagedStoreError` when the record does not parse or an object the commit lists
-    is missing or of another size (one listing of the group). ``zstore``: the store's zarr
-    Store if one command already opened it (its metadata then read once for all groups).
+    is missing or of another size (one listing of the group).
     """
-    zstore = zstore if zstore is not None else zarr_store(url, read_only=True)
     state = _read_state(zstore, run_id, kind)
     if not state.readable and (holder := _writer_at_work(zstore, state)) is not None:
         raise _in_progress(state, holder)
@@ -809,17 +808,16 @@ def open_derived(url: str, run_id: str, kind: str, name: str, *, zstore: Any = N
     return ds
 
 
-def derived_problems(url: str, run_id: str, committed_sequences: Sequence[int], *, zstore: Any = None) -> list[str]:
+def derived_problems(zstore: Any, url: str, run_id: str, committed_sequences: Sequence[int]) -> list[str]:
     """Problems of a run's derived groups, one line each: an incomplete one (interrupted
     writer; or one in progress, its writer named), a malformed record, an empty folder left
     where one would be, a committed group that is missing or whose objects are (or have
     another size), or a record claiming sequences the run does not hold as committed (those
     it covers, and those its parameters name). An unparsable or lost record is named as the
-    metadata check words it (validate names it once). ``zstore``: the store's zarr Store if
-    the caller opened it."""
+    metadata check words it (validate names it once). ``zstore``: the store at ``url`` as
+    the validator opened it."""
     problems = []
     done = set(int(s) for s in committed_sequences)
-    zstore = zstore if zstore is not None else zarr_store(url, read_only=True)
     for kind in DERIVED:
         state = _read_state(zstore, run_id, kind)
         if state.leftover:

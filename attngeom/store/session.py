@@ -5,32 +5,57 @@ that reads each node's metadata, shard index and small object once: :mod:`~attng
 and its root group, checks the root (schema, format, writability), holds the store as one of
 its writers and the runs it writes (their locks, or leases: :mod:`~attngeom.store.lease`),
 translates a full disk or a read-only store into :class:`~attngeom.errors.StoreWriteError`,
-and looks runs up. What it holds lives exactly as
-long as its ``with`` block::
+and looks runs up. Every read of the command goes through it: :meth:`StoreSession.reader`
+hands out a :class:`RunReader`, one run's url, id and group together, which reads the run's
+arrays, its lazy Dataset, its provenance and its committed derived groups, and makes the
+checks a reader needs. What it holds lives exactly as long as its ``with`` block::
 
     with StoreSession(url, mode="a") as session:
-        run = session.run(run_id)
+        heads = session.reader(run_id).derived(ANALYSIS, "heads", missing_ok=True)
         with session.derived(run_id, ANALYSIS) as write:
             ...
+
+A reading session holds no lock and no writers' hold: :meth:`StoreSession.reading` opens
+one that needs no ``with`` block, for a reader that outlives its caller's
+(:func:`attngeom.open.open_store`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Literal
 
+import numpy as np
+import xarray as xr
 import zarr
 
-from attngeom.errors import StoreNotFoundError, StoreWriteError
+from attngeom.errors import GroupNotFoundError, StoreNotFoundError, StoreWriteError
 from attngeom.store.access import WriterHold, check_writable, checked_root, writing
 from attngeom.store.cache import cached
-from attngeom.store.derived import DerivedWrite
+from attngeom.store.chunks import read_chunk
+from attngeom.store.damage import damaged_chunk
+from attngeom.store.datasets import open_dataset
+from attngeom.store.derived import DerivedWrite, read_derived
 from attngeom.store.lease import Lease, lease_seconds
-from attngeom.store.locks import RunLock
+from attngeom.store.locks import RunLock, wait_for_writer
 from attngeom.store.nodes import local_path, zarr_store
-from attngeom.store.runs import open_run_group, require_run, require_runs
+from attngeom.store.runs import (
+    RunLayout,
+    completed,
+    open_run_group,
+    require_run,
+    require_runs,
+    run_ids,
+    run_layout,
+)
+from attngeom.store.schema import ATTR_KEY, run_path
+from attngeom.store.validate import check_arrays, check_committed, check_run, lost_objects, reading_run
 
-__all__ = ["StoreSession"]
+__all__ = ["Check", "RunReader", "StoreSession"]
+
+# What a reader checks of a run before it reads (:meth:`RunReader.check`).
+Check = Literal["arrays", "committed", "full"]
 
 
 class StoreSession:
@@ -67,6 +92,12 @@ class StoreSession:
             self._exit = stack.pop_all()
         return self
 
+    @classmethod
+    def reading(cls, url: str) -> StoreSession:
+        """The store at ``url`` opened to read for as long as the caller keeps it: a reading
+        session holds nothing that its end releases, so it needs no ``with`` block."""
+        return cls(url).__enter__()
+
     def __exit__(self, *exc: Any) -> bool | None:
         lost = next((lease.lost for lease in self._leases.values() if lease.lost), None)
         self._locked.clear()
@@ -76,14 +107,28 @@ class StoreSession:
             raise StoreWriteError(lost)
         return suppress
 
-    def runs(self) -> list[str]:
-        """Ids of the store's runs, sorted; :class:`RunNotFoundError` when it holds none."""
-        return require_runs(self.root, self.url)
+    def runs(self, *, missing_ok: bool = False) -> list[str]:
+        """Ids of the store's runs, sorted; :class:`RunNotFoundError` when it holds none,
+        unless ``missing_ok``."""
+        return run_ids(self.root) if missing_ok else require_runs(self.root, self.url)
 
     def run(self, run_id: str) -> zarr.Group:
-        """The run's group; :class:`RunNotFoundError`, naming the runs there are, if none."""
+        """The run's group, for a writer; :class:`RunNotFoundError`, naming the runs there
+        are, if none. A reader takes :meth:`reader`."""
         require_run(self.root, run_id, self.url)
         return open_run_group(self.root, run_id)
+
+    def reader(self, run_id: str, *, check: Check | None = None) -> RunReader:
+        """The run ``run_id`` to read (:class:`RunNotFoundError`, naming the runs there are,
+        if none), checked as ``check`` says (:meth:`RunReader.check`) before it is handed out."""
+        require_run(self.root, run_id, self.url)
+        return RunReader(self, run_id).check(check)
+
+    def readers(self, *, check: Check | None = None) -> Iterator[RunReader]:
+        """Every run of the store, in run-id order, as :meth:`reader` hands them out, each
+        checked as it is reached; :class:`RunNotFoundError` when the store holds none."""
+        for run_id in self.runs():
+            yield RunReader(self, run_id).check(check)
 
     def lock(self, run_id: str, what: str = "writer") -> None:
         """Hold the run's writer lock until the session ends, so that two writers of one run's
@@ -117,3 +162,95 @@ class StoreSession:
         """The update of ``runs/<run_id>/<kind>`` (:class:`~attngeom.store.derived.DerivedWrite`),
         the run locked for the rest of the session."""
         return DerivedWrite(self, run_id, kind, deep=deep)
+
+
+class RunReader:
+    """One run of a :class:`StoreSession`'s store, to read: ``url``, ``id`` and ``group``
+    (its zarr group) together, every read through the session's one zarr Store."""
+
+    def __init__(self, session: StoreSession, run_id: str) -> None:
+        self.session, self.url, self.id = session, session.url, run_id
+        self.group = open_run_group(session.root, run_id)
+
+    def check(self, check: Check | None) -> RunReader:
+        """This reader once the run passes ``check`` (:class:`DamagedStoreError` names the
+        first problem): "arrays", its arrays' metadata agree with its records
+        (:func:`~attngeom.store.validate.check_arrays`); "committed", also every committed
+        sequence has its stored objects and the coordinates are right
+        (:func:`~attngeom.store.validate.check_committed`); "full", also the run's metadata
+        parses (:func:`~attngeom.store.validate.check_run`); None, nothing."""
+        if check == "arrays":
+            check_arrays(self.url, self.group, self.id)
+        elif check == "committed":
+            check_committed(self.url, self.group, self.id)
+        elif check == "full":
+            check_run(self.url, self.group, self.id)
+        elif check is not None:
+            raise ValueError(f"no check {check!r}")
+        return self
+
+    @property
+    def provenance(self) -> dict[str, Any]:
+        """The run's provenance (its attngeom attributes); empty for a run whose creation
+        was interrupted before them."""
+        return dict(self.group.attrs.get(ATTR_KEY, {}))
+
+    @property
+    def layout(self) -> RunLayout:
+        return run_layout(self.group)
+
+    def completed(self) -> np.ndarray:
+        """Indices (S,) of the committed sequences, sorted."""
+        return completed(self.group)
+
+    def has(self, name: str) -> bool:
+        """Whether the run holds the array ``name``."""
+        return name in self.group
+
+    def array(self, name: str) -> zarr.Array:
+        """The run's array ``name``; read it inside :meth:`reading`."""
+        return self.group[name]
+
+    def chunk(self, name: str, index: tuple[int, ...]) -> np.ndarray:
+        """The chunk ``index`` of the array ``name`` (:func:`~attngeom.store.chunks.read_chunk`)."""
+        return read_chunk(self.url, self.group[name], index)
+
+    def sequence(self, name: str, seq: int) -> np.ndarray:
+        """Sequence ``seq`` of the run's array ``name``: :class:`CorruptChunkError` names a
+        stored object of it that is lost (missing, empty) or fails to decode."""
+        arr = self.group[name]
+        for index, why in lost_objects(self.group).get(name, {}).items():
+            if index[0] == seq:
+                raise damaged_chunk(self.url, arr, index, why)
+        with self.reading():
+            return arr[seq]
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Reads of the run's arrays inside it name a damaged chunk
+        (:func:`~attngeom.store.validate.reading_run`)."""
+        with reading_run(self.url, self.group, self.id):
+            yield
+
+    def dataset(self) -> xr.Dataset:
+        """The committed sequences as a lazy Dataset, ``seq`` labelled by sequence index; a
+        read of a stored object known to be lost raises :class:`CorruptChunkError`."""
+        done = self.completed()
+        ds = open_dataset(self.url, run_path(self.id), zstore=self.session.zstore, lost=lost_objects(self.group))
+        return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
+
+    def derived(self, kind: str, name: str, *, missing_ok: bool = False) -> xr.Dataset | None:
+        """The committed group ``<kind>/<name>`` as a lazy Dataset, through its commit record
+        (:func:`~attngeom.store.derived.read_derived`): the one way attngeom reads derived
+        results. With ``missing_ok``, None where it was never written; an unfinished one
+        raises :class:`IncompleteGroupError` all the same."""
+        try:
+            return read_derived(self.session.zstore, self.url, self.id, kind, name)
+        except GroupNotFoundError:
+            if missing_ok:
+                return None
+            raise
+
+    def wait_for_writer(self) -> None:
+        """Wait while a live writer holds the run, saying whom it waits for."""
+        wait_for_writer(self.session.zstore, self.id)

@@ -161,7 +161,7 @@ def check_run(url: str, run: zarr.Group, run_id: str) -> None:
     """Raise :class:`DamagedStoreError` for a run whose metadata does not parse (its derived
     groups aside) or with a committed sequence missing a stored object: what a writer
     checks before it reports success."""
-    for key in unreadable_metadata(url, run.path):
+    for key in unreadable_metadata(run.store, run.path):
         if key.split("/")[2] not in DERIVED:
             raise DamagedStoreError(
                 f"{key} is empty or truncated (unreadable JSON); {recovery(url, key.rpartition('/')[0], metadata=True)}"
@@ -177,7 +177,7 @@ def reading_run(url: str, run: zarr.Group, run_id: str) -> Iterator[None]:
     try:
         yield
     except DECODE_ERRORS as exc:
-        if unreadable_metadata(url, run.path):
+        if unreadable_metadata(run.store, run.path):
             raise metadata_damage(url, run.path, exc) from exc
         done = set(completed(run).tolist())
         members = _members(run)
@@ -525,7 +525,7 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
                 continue  # its derived groups are checked against flags that can be read
             # An object named as unreadable metadata above is not named again, nor one
             # named here by the deep check below.
-            derived = [p for p in derived_problems(url, run_id, sorted(committed[run_id]), zstore=root.store)
+            derived = [p for p in derived_problems(root.store, url, run_id, sorted(committed[run_id]))
                        if p.split(" is ", 1)[0] not in bad_metadata]
             named |= {p.split(" is ", 1)[0] for p in derived}
             problems += derived
