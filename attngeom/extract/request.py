@@ -15,6 +15,7 @@ from typing import Any
 from attngeom.errors import InputError
 from attngeom.extract.corpora import (
     OFFLINE_CORPORA,
+    WINDOW_RULES,
     Corpus,
     check_text_field,
     check_window_args,
@@ -25,10 +26,16 @@ from attngeom.extract.placement import parse_device_map
 from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
 from attngeom.extract.sources import model_name
+from attngeom.options import check_options, option
 from attngeom.peek import RUN_ID_PATTERN, default_run_id, require_writable, run_created, run_record
 from attngeom.runcheck import check_device
 
 __all__ = ["ExtractRequest", "ExtractResult", "Preflight", "check_arguments", "launcher_shard", "preflight"]
+
+# Compute dtypes: "auto" is float32 on every device; float32-tf32 runs float32 matmuls in
+# TF32 inside the forward.
+DTYPES = ("auto", "float32", "float32-tf32", "bfloat16", "float16")
+
 
 @dataclass(frozen=True)
 class ExtractRequest:
@@ -36,7 +43,9 @@ class ExtractRequest:
 
     ``model`` is a name or path, or a loaded transformers causal LM. The input is exactly
     one of ``dataset`` (a corpus name or path, windowed by docs/method.md#preprocessing), ``texts`` (strings,
-    windowed the same way) or ``token_ids`` (S, L) integers used as given.
+    windowed the same way) or ``token_ids`` (S, L) integers used as given. Each option's
+    default and what it accepts are declared here once (:mod:`attngeom.options`): the API's
+    keywords and the command's options take them from these fields.
     """
 
     model: Any = field(repr=False)
@@ -45,19 +54,19 @@ class ExtractRequest:
     texts: Iterable[str] | None = field(default=None, repr=False)
     token_ids: Any = field(default=None, repr=False)
     tokenizer: Any = field(default=None, repr=False)
-    context_length: int | None = None
-    num_sequences: int | None = None
-    run_id: str | None = None
+    context_length: int | None = option(None, least=2, why=" (BOS and one token)")
+    num_sequences: int | None = option(None, least=1)
+    run_id: str | None = option(None, flag="--run")
     split: str | None = None
     text_field: str = "text"
     device: str = "auto"
     device_map: str | Mapping[str, Any] | None = None
-    dtype: str = "auto"
-    batch_size: int = 1
-    store_rows: str = "last"
+    dtype: str = option("auto", choices=DTYPES)
+    batch_size: int = option(1, least=1)
+    store_rows: str = option("last", choices=("last", "all"))
     queries: str | Sequence[int] = "last"
-    values_dtype: str = "auto"
-    window_rule: str = "first"
+    values_dtype: str = option("auto", choices=("auto", "float32", "float16", "bfloat16"))
+    window_rule: str = option("first", choices=WINDOW_RULES, flag="--window")
     seed: int = 0
     bos_token: str | None = None
     shard: tuple[int, int] | None = None
@@ -109,16 +118,7 @@ def check_arguments(request: ExtractRequest) -> tuple[int, int] | None:
         raise InputError("texts need a context_length")
     if request.split is not None and request.dataset is None:
         raise InputError("split applies to a dataset only")
-    if request.context_length is not None and request.context_length < 2:
-        raise InputError("--context-length must be at least 2 (BOS and one token)")
-    if request.num_sequences is not None and request.num_sequences < 1:
-        raise InputError("--num-sequences must be at least 1")
-    for name, allowed in (("store_rows", ("last", "all")), ("values_dtype", ("auto", "float32", "float16", "bfloat16")),
-                          ("dtype", ("auto", "float32", "float32-tf32", "bfloat16", "float16"))):
-        if getattr(request, name) not in allowed:
-            raise InputError(f"{name} {getattr(request, name)!r}: use {' or '.join(allowed)}")
-    if request.batch_size < 1:
-        raise InputError("batch_size must be at least 1")
+    check_options(request)
     if request.token_ids is None:
         check_window_args(request.context_length, request.window_rule, request.seed)
         if request.window_rule == "first" and request.seed != 0:
