@@ -320,8 +320,8 @@ def ablate(store: str | Path, run_id: str, **options: Any) -> AblateResult:
     retention[, draw, seq, layer, head])) with the sweep as a table. See
     :class:`~attngeom.ablate.request.AblateRequest` for every option.
     """
-    require_run(str(store), run_id)
     request = AblateRequest(store=str(store), run_id=run_id, **options)
+    require_run(str(store), run_id)
     if request.out is not None:
         _check_out(request.out)
     check_ablate(request)
@@ -379,8 +379,8 @@ def detect(store: str | Path, run_id: str, **options: Any) -> DetectResult:
     in-memory Datasets (scores: (layer, head)); a rerun with the same parameters keeps the
     committed results. See :class:`~attngeom.detect.request.DetectRequest` for every option.
     """
-    require_run(str(store), run_id)
     request = DetectRequest(store=str(store), run_id=run_id, **options)
+    require_run(str(store), run_id)
     check_detect(request)
     record = _run_model_record(str(store), run_id, request.model, "detect")
     length = record.get("context_length")

@@ -7,7 +7,6 @@ check of a request (:func:`check_options`) read them from there. Light: no libra
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass
@@ -71,10 +70,11 @@ def check_options(request: Any) -> None:
 
 
 def keywords_of(request: type, *, leave: Sequence[str] = ()) -> Callable[[F], F]:
-    """Give the decorated function, which takes its request's options as ``**options``, the
-    keyword arguments of ``request``'s fields (their defaults and types, as ``help()`` and
-    ``inspect.signature`` show them) but its own named parameters and those in ``leave``;
-    an unknown keyword is a :class:`TypeError`, as for any function."""
+    """Give the decorated function, which takes its request's options as ``**options`` and
+    makes its request of them, the keyword arguments of ``request``'s fields (their defaults
+    and types, as ``help()`` and ``inspect.signature`` show them) but its own named
+    parameters and those in ``leave``. The function itself is kept (no wrapper: a warning's
+    stack level still reaches the caller); an unknown keyword is refused by the request."""
 
     def decorate(function: F) -> F:
         own = inspect.signature(function)
@@ -85,17 +85,7 @@ def keywords_of(request: type, *, leave: Sequence[str] = ()) -> Callable[[F], F]
                               default=f.default if f.default is not MISSING else f.default_factory())
             for f in dataclasses.fields(request) if f.name not in taken
         ]
-        signature = own.replace(parameters=[*named, *keywords])
-
-        @functools.wraps(function)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                signature.bind(*args, **kwargs)
-            except TypeError as exc:  # an unknown or doubled keyword, a missing argument
-                raise TypeError(f"{function.__name__}() {exc}") from None
-            return function(*args, **kwargs)
-
-        call.__signature__ = signature
-        return call  # type: ignore[return-value]
+        function.__signature__ = own.replace(parameters=[*named, *keywords])
+        return function
 
     return decorate

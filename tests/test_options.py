@@ -1,6 +1,6 @@
 """Options declared once on their request (attngeom.options): each refusal names the option's
 flag; the API's keyword arguments are the request's fields, an unknown one refused as by any
-function; the command passes no value for an option left out, so the request's default holds."""
+function (by the request); the command passes no value for an option left out, so the request's default holds."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_the_api_takes_the_requests_fields_as_keywords(name, request_, left):
         if field.default is not dataclasses.MISSING:
             assert parameters[field.name].default == field.default
     args, keywords = (("m",), {"store": "s"}) if name == "extract" else (("s", "r"), {})
-    with pytest.raises(TypeError, match=rf"^{name}\(\) got an unexpected keyword argument 'nope'$"):
+    with pytest.raises(TypeError, match=rf"^{request_.__name__}.__init__\(\) got an unexpected keyword argument 'nope'$"):
         function(*args, **keywords, nope=1)
 
 

@@ -50,7 +50,7 @@ from attngeom.store.runs import (
     run_layout,
     run_provenance,
 )
-from attngeom.store.schema import RunLayout
+from attngeom.store.schema import ATTR_KEY, RunLayout
 from attngeom.store.validate import check_run
 
 __all__ = ["Begun", "RunWrite"]
@@ -84,12 +84,11 @@ class RunWrite:
 class Begun:
     """A begun :class:`RunWrite`, from its ``with`` block's start to :meth:`commit`. Inside
     the block, ``todo``: the sequences of ``range(total)`` (this shard's) that are not
-    committed yet, in order; ``layout``: the run's recorded layout once the run exists."""
+    committed yet, in order."""
 
     def __init__(self, write: RunWrite, total: int) -> None:
         self._write, self.total = write, total
         self.todo: list[int] = []
-        self.layout: RunLayout | None = None
         self._root: zarr.Group | None = None
         self._run: zarr.Group | None = None
         self._writer: SequenceWriter | None = None
@@ -122,24 +121,25 @@ class Begun:
             else:
                 done = set(completed(run).tolist())
                 self.todo = [i for i in mine if i not in done]
-                self._opened(run)
+                self._run = run
         return self
 
     def create(self, layout: Callable[[], RunLayout], provenance: Mapping[str, Any], *,
                in_flight: int = IN_FLIGHT) -> RunLayout:
         """Create the run unless it exists (its layout ``layout()``, its ``provenance``), else
-        grow its arrays to ``total`` sequences, and open its writer, ``in_flight`` sequences written beside the caller
-        (:class:`SequenceWriter`); returns the run's layout as recorded (a resumed run's own)."""
+        grow its arrays to ``total`` sequences, and open its writer, ``in_flight`` sequences
+        written beside the caller (:class:`SequenceWriter`); returns the run's layout as
+        recorded (a resumed run's own)."""
         self._require("begun", "create the run")
         if self._writer is not None:
             raise RuntimeError("the run's writer is open already")
         with self._store_errors():
             if self._run is None:
-                self._opened(create_run(self._root, self._write.run_id, layout(), provenance, self.total))
+                self._run = create_run(self._root, self._write.run_id, layout(), provenance, self.total)
             elif n_sequences(self._run) < self.total:  # grown only once there is something to write
                 resize_run(self._run, self.total)
             self._writer = self._exit.enter_context(SequenceWriter(self._run, in_flight=in_flight))
-        return self.layout
+        return run_layout(self._run)
 
     def submit(self, seq: int, arrays: Callable[[], Mapping[str, np.ndarray]]) -> None:
         """Write sequence ``seq`` (its arrays ``arrays()``) and commit it, beside the caller
@@ -182,16 +182,13 @@ class Begun:
                 if self._new_store and not self._holds_committed():
                     shutil.rmtree(self._path, ignore_errors=True)
 
-    def _opened(self, run: zarr.Group) -> None:
-        self._run, self.layout = run, run_layout(run)
-
     def _open_run(self) -> zarr.Group | None:
         """The run if its creation finished; None if absent or its creation was interrupted
         (``create_run`` then finishes it, keeping what is already right)."""
         if self._write.run_id not in run_ids(self._root):
             return None
         run = open_run_group(self._root, self._write.run_id)
-        return run if run_created(run_provenance(self._root, self._write.run_id)) else None
+        return run if run_created(run.attrs.get(ATTR_KEY)) else None
 
     def _require(self, state: str, what: str) -> None:
         if self._state != state:
