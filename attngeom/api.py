@@ -16,14 +16,20 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from attngeom.ablate.request import AblateRequest
+from attngeom.ablate.request import check_request as check_ablate
+from attngeom.detect.request import DetectRequest, check_sequences
+from attngeom.detect.request import check_request as check_detect
 from attngeom.errors import GroupNotFoundError, InputError, StoreNotFoundError
+from attngeom.extract.request import ExtractRequest
+from attngeom.options import keywords_of
 from attngeom.peek import local_path, require_run, require_store, run_record
-from attngeom.runcheck import check_device, check_dtype, check_run_model, committed_count
+from attngeom.runcheck import check_run_model, committed_count
 
 if TYPE_CHECKING:
     import numpy as np
@@ -47,32 +53,8 @@ __all__ = [
 ]
 
 
-def extract(
-    model: Any,
-    *,
-    store: str | Path,
-    dataset: str | None = None,
-    texts: Iterable[str] | None = None,
-    token_ids: Any = None,
-    tokenizer: Any = None,
-    context_length: int | None = None,
-    num_sequences: int | None = None,
-    run_id: str | None = None,
-    device: str = "auto",
-    device_map: str | Mapping[str, Any] | None = None,
-    dtype: str = "auto",
-    batch_size: int = 1,
-    store_rows: str = "last",
-    queries: str | Sequence[int] = "last",
-    values_dtype: str = "auto",
-    split: str | None = None,
-    text_field: str = "text",
-    window_rule: str = "first",
-    seed: int = 0,
-    bos_token: str | None = None,
-    shard: tuple[int, int] | None = None,
-    progress: bool = True,
-) -> ExtractResult:
+@keywords_of(ExtractRequest, leave=("command_line",))
+def extract(model: Any, *, store: str | Path, **options: Any) -> ExtractResult:
     """Run the model once over the input and write its run into ``store`` (docs/store.md#run-arrays).
 
     model: an offline name (gemma3-270m, smollm2-135m), hub id, local folder or .gguf file,
@@ -111,23 +93,16 @@ def extract(
     query_pos, L) float32, which analyze turns into analysis/topn_by_query
     (docs/method.md#any-query).
     """
-    from attngeom.extract.request import ExtractRequest, preflight
+    from attngeom.extract.request import preflight
 
-    request = ExtractRequest(
-        model=model, store=str(store), dataset=dataset, texts=texts, token_ids=token_ids, tokenizer=tokenizer,
-        context_length=context_length, num_sequences=num_sequences, run_id=run_id, split=split,
-        text_field=text_field, device=device, device_map=device_map, dtype=dtype, batch_size=batch_size,
-        store_rows=store_rows,
-        queries=queries, values_dtype=values_dtype, window_rule=window_rule, seed=seed, bos_token=bos_token,
-        shard=shard, progress=progress,
-    )
+    request = ExtractRequest(model=model, store=str(store), **options)
     # Mistakes, and a run that holds every sequence already, are answered before torch loads.
     checked = preflight(request)
     if checked.done is not None:
         return checked.done
     from attngeom.extract.pipeline import extract as run
 
-    with _library_bars(progress):
+    with _library_bars(request.progress):
         return run(request, checked)
 
 
@@ -339,27 +314,8 @@ def taxonomy(store: str | Path, *, export: str | Path | None = None, export_kv: 
     return result
 
 
-def ablate(
-    store: str | Path,
-    run_id: str,
-    *,
-    model: Any = None,
-    device: str = "auto",
-    device_map: str | Mapping[str, Any] | None = None,
-    dtype: str = "auto",
-    protect: Sequence[tuple[int, int]] = (),
-    protect_critical: bool = False,
-    retention: Sequence[float] | None = None,
-    random_masks: int = 10,
-    seed: int = 0,
-    top_n: int = 8,
-    critical_k: float = 5.0,
-    critical_floor: float = 2.0,
-    max_sequences: int | None = None,
-    batch_size: int = 64,
-    out: Path | None = None,
-    progress: bool = True,
-) -> AblateResult:
+@keywords_of(AblateRequest)
+def ablate(store: str | Path, run_id: str, **options: Any) -> AblateResult:
     """Single-head ablation and head sparsification of run ``run_id`` (docs/method.md#ablation); needs the model.
 
     The run's model is loaded by its recorded name with its own attention implementation.
@@ -376,35 +332,23 @@ def ablate(
     retention[, draw, seq, layer, head])) with the sweep as a table. See
     :class:`~attngeom.ablate.request.AblateRequest` for every option.
     """
+    request = AblateRequest(store=str(store), run_id=run_id, **options)
     require_run(str(store), run_id)
-    if out is not None:
-        _check_out(out)
-    from attngeom.ablate.request import DEFAULT_RETENTION, AblateRequest, check_request
-    from attngeom.extract.request import check_device_map
-
-    request = AblateRequest(
-        store=str(store), run_id=run_id, model=model, device=device, device_map=device_map, dtype=dtype,
-        protect=protect, protect_critical=protect_critical, retention=DEFAULT_RETENTION if retention is None else tuple(retention),
-        random_masks=random_masks, seed=seed, top_n=top_n, critical_k=critical_k, critical_floor=critical_floor,
-        max_sequences=max_sequences, batch_size=batch_size, out=out, progress=progress,
-    )
-    check_request(request)
-    check_device_map(device_map, device, named=model is None or isinstance(model, str | os.PathLike))
-    record = _model_stage_checks(str(store), run_id, model, device, dtype, "ablate")
-    check_request(request, record.get("layout"), committed_count(str(store), run_id))
+    if request.out is not None:
+        _check_out(request.out)
+    check_ablate(request)
+    record = _run_model_record(str(store), run_id, request.model, "ablate")
+    check_ablate(request, record.get("layout"), committed_count(str(store), run_id))
     from attngeom.ablate.stage import ablate as run
     from attngeom.store import writing
 
-    with writing(str(store)), _library_bars(progress):
+    with writing(str(store)), _library_bars(request.progress):
         return run(request)
 
 
-def _model_stage_checks(store: str, run_id: str, model: Any, device: str, dtype: str, stage: str) -> dict[str, Any]:
-    """What a stage that loads the run's model refuses before torch loads: the device and
-    dtype, and a model that cannot be the run's. Returns the run's record (empty when it
-    cannot be read: the store package names why)."""
-    check_dtype(dtype, stage)
-    check_device(device)
+def _run_model_record(store: str, run_id: str, model: Any, stage: str) -> dict[str, Any]:
+    """The run's record, once a model that cannot be the run's is refused (before torch
+    loads); empty when it cannot be read: the store package names why."""
     record = run_record(store, run_id) or {}
     if record:
         check_run_model(model, record, run_id, stage)
@@ -433,23 +377,8 @@ def _library_bars(progress: bool) -> Iterator[None]:
             transformers_logging.enable_progress_bar()
 
 
-def detect(
-    store: str | Path,
-    run_id: str,
-    *,
-    model: Any = None,
-    tokenizer: Any = None,
-    device: str = "auto",
-    device_map: str | Mapping[str, Any] | None = None,
-    dtype: str = "auto",
-    probes: int = 16,
-    needle_length: int = 16,
-    haystacks: int = 16,
-    depths: Sequence[float] | None = None,
-    seed: int = 0,
-    batch_size: int = 8,
-    progress: bool = True,
-) -> DetectResult:
+@keywords_of(DetectRequest)
+def detect(store: str | Path, run_id: str, **options: Any) -> DetectResult:
     """The field's head scores of run ``run_id`` (docs/method.md#head-detectors); needs the model.
 
     duplicate_score, induction_score and prev_token_score from ``probes`` seeded sequences
@@ -466,28 +395,18 @@ def detect(
     in-memory Datasets (scores: (layer, head)); a rerun with the same parameters keeps the
     committed results. See :class:`~attngeom.detect.request.DetectRequest` for every option.
     """
+    request = DetectRequest(store=str(store), run_id=run_id, **options)
     require_run(str(store), run_id)
-    from attngeom.detect.request import DEFAULT_DEPTHS, DetectRequest, check_request, check_sequences
-    from attngeom.extract.request import check_device_map
-
-    check_device_map(device_map, device, named=model is None or isinstance(model, str | os.PathLike))
-
-    request = DetectRequest(
-        store=str(store), run_id=run_id, model=model, tokenizer=tokenizer, device=device, device_map=device_map,
-        dtype=dtype, probes=probes,
-        needle_length=needle_length, haystacks=haystacks, depths=DEFAULT_DEPTHS if depths is None else tuple(depths),
-        seed=seed, batch_size=batch_size, progress=progress,
-    )
-    check_request(request)
-    record = _model_stage_checks(str(store), run_id, model, device, dtype, "detect")
+    check_detect(request)
+    record = _run_model_record(str(store), run_id, request.model, "detect")
     length = record.get("context_length")
-    check_request(request, length if isinstance(length, int) else None)
+    check_detect(request, length if isinstance(length, int) else None)
     if (committed := committed_count(str(store), run_id)) is not None:
         check_sequences(run_id, committed)
     from attngeom.detect.stage import detect as run
     from attngeom.store import writing
 
-    with writing(str(store)), _library_bars(progress):
+    with writing(str(store)), _library_bars(request.progress):
         return run(request)
 
 

@@ -6,13 +6,19 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
+from dataclasses import MISSING
 from pathlib import Path
+from typing import Any
 
 import click
 
 from attngeom import __version__
+from attngeom.ablate.request import AblateRequest
+from attngeom.detect.request import DetectRequest
 from attngeom.errors import AttngeomError, AttngeomWarning
-from attngeom.runcheck import STAGE_DTYPES
+from attngeom.extract.request import ExtractRequest
+from attngeom.options import accepts, flag, request_field
 
 # What to do after Ctrl-C, by command: each is safe to interrupt and to run again.
 RESUME = {
@@ -117,30 +123,61 @@ def _comma_list(convert, expected: str):
     return parse
 
 
+def _option(request: type, name: str, *short: str, **kwargs: Any) -> Callable[[Callable], Callable]:
+    """The click option of the option ``name`` of ``request`` (a request dataclass): its flag,
+    default (shown in --help) and type or choices are the field's (:mod:`attngeom.options`);
+    ``short`` flags and the ``help`` text are the command line's own. A default a click option
+    cannot take (a tuple) is shown, and left to the request: the command passes it no value."""
+    field = request_field(request, name)
+    said = accepts(field)
+    if "type" not in kwargs and "callback" not in kwargs:
+        if said.choices:
+            kwargs["type"] = click.Choice(said.choices)
+        elif said.least is not None:
+            kwargs["type"] = click.IntRange(said.least)
+        elif isinstance(field.default, int | float) and not isinstance(field.default, bool):
+            kwargs["type"] = type(field.default)
+    if isinstance(field.default, tuple):
+        shown = ",".join(map(str, field.default))
+        kwargs["help"] = f"{kwargs['help']}  [default: {shown}]"
+    elif field.default is not None and field.default is not MISSING:
+        kwargs.update(default=field.default, show_default=True)
+    return click.option(*short, flag(field), name, **kwargs)
+
+
+def _given(options: dict[str, Any]) -> dict[str, Any]:
+    """The options given on the command line: those left out take the request's defaults."""
+    return {name: value for name, value in options.items() if value is not None}
+
+
 STORE = click.option("--store", required=True, help="Store: a local path or an fsspec URL (s3://, memory://, file://).")
+DEVICE_HELP = "auto, cpu, cuda or cuda:N."
+DEVICE_MAP_HELP = ("Place a model larger than one device over the GPUs, the CPU and the disk: auto (or balanced, "
+                   "balanced_low_0, sequential), or a JSON object of module names to devices, e.g. "
+                   "'{\"model.layers.0\": 0, \"model.layers.1\": \"disk\"}'.")
 MODEL_NOW = click.option("--model", help="Where the run's model is now, if not where extract found it: a name, .gguf file, folder or hub id; checked against the run's architecture, shapes and weights [default: the run's recorded model].")
 
 
 @main.command(short_help="Run the model once; write attention rows, values and per-query summaries into a Zarr store (GPU where there is one).")
 @click.option("--model", required=True, help="Offline name (gemma3-270m, smollm2-135m), hub id, local folder or .gguf file.")
 @click.option("--dataset", required=True, help="wiki-summaries, python-docs, wikitext-103, openwebtext, a datasets name, or a local .txt/.jsonl/.parquet file or folder.")
-@click.option("--context-length", "-L", type=click.IntRange(2), required=True, help="L: BOS plus L-1 tokens of one document; at most the model's positions (8192 for smollm2-135m).")
-@click.option("--num-sequences", "-S", type=click.IntRange(1), required=True, help="Sequences wanted in the run; a larger number later appends.")
+@_option(ExtractRequest, "context_length", "-L", required=True, help="L: BOS plus L-1 tokens of one document; at most the model's positions (8192 for smollm2-135m).")
+@_option(ExtractRequest, "num_sequences", "-S", required=True, help="Sequences wanted in the run; a larger number later appends.")
 @STORE
-@click.option("--run", "run_id", help="Run id inside the store [default: <model>__<dataset>__L<L>].")
-@click.option("--split", help="Dataset split, for hub datasets.")
-@click.option("--text-field", default="text", show_default=True, help="Text field of .jsonl/.parquet/hub rows.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--device-map", help="Place a model larger than one device over the GPUs, the CPU and the disk: auto (or balanced, balanced_low_0, sequential), or a JSON object of module names to devices, e.g. '{\"model.layers.0\": 0, \"model.layers.1\": \"disk\"}'.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float32-tf32", "bfloat16", "float16"]), default="auto", show_default=True, help="Compute dtype; auto is float32 on every device (bfloat16 moves results; float32-tf32: float32 matmuls in TF32 on a GPU: see README).")
-@click.option("--batch-size", type=click.IntRange(1), default=1, show_default=True, help="Sequences per forward pass.")
-@click.option("--store-rows", type=click.Choice(["last", "all"]), default="last", show_default=True, help="'all' also keeps every full attention row (float16), for small studies.")
-@click.option("--queries", default="last", show_default=True, help="Queries whose attention rows are kept (attn_rows) for analysis/topn_by_query: last (attn_last only), every:K (L-1, L-1-K, ... down to 1) or positions P1,P2,... in 1..L-1.")
-@click.option("--values-dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True, help="Storage dtype of the value vectors; auto is bfloat16 (2 bytes, exact) for a bfloat16 model, float32 otherwise, and what a resumed run holds; float16 halves the store, rounding.")
-@click.option("--window", "window_rule", type=click.Choice(["first", "random"]), default="first", show_default=True, help="Which window of each document: the first, or a seeded random offset.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random window rule.")
-@click.option("--bos-token", help="Token to use as BOS instead of the tokenizer's.")
-@click.option("--shard", callback=_shard, help="i/n: write only sequences s with s % n == i, so n processes fill one run together [default: RANK/WORLD_SIZE under torchrun or accelerate].")
+@_option(ExtractRequest, "run_id", help="Run id inside the store [default: <model>__<dataset>__L<L>].")
+@_option(ExtractRequest, "split", help="Dataset split, for hub datasets.")
+@_option(ExtractRequest, "text_field", help="Text field of .jsonl/.parquet/hub rows.")
+@_option(ExtractRequest, "device", help=DEVICE_HELP)
+@_option(ExtractRequest, "device_map", help=DEVICE_MAP_HELP)
+@_option(ExtractRequest, "dtype", help="Compute dtype; auto is float32 on every device (bfloat16 moves results; float32-tf32: float32 matmuls in TF32 on a GPU: see README).")
+@_option(ExtractRequest, "batch_size", help="Sequences per forward pass.")
+@_option(ExtractRequest, "store_rows", help="'all' also keeps every full attention row (float16), for small studies.")
+@_option(ExtractRequest, "queries", help="Queries whose attention rows are kept (attn_rows) for analysis/topn_by_query: last (attn_last only), every:K (L-1, L-1-K, ... down to 1) or positions P1,P2,... in 1..L-1.")
+@_option(ExtractRequest, "values_dtype", help="Storage dtype of the value vectors; auto is bfloat16 (2 bytes, exact) for a bfloat16 model, float32 otherwise, and what a resumed run holds; float16 halves the store, rounding.")
+@_option(ExtractRequest, "window_rule", help="Which window of each document: the first, or a seeded random offset.")
+@_option(ExtractRequest, "seed", help="Seed of the random window rule.")
+@_option(ExtractRequest, "bos_token", help="Token to use as BOS instead of the tokenizer's.")
+@_option(ExtractRequest, "shard", callback=_shard, help="i/n: write only sequences s with s % n == i, so n processes fill one run together [default: RANK/WORLD_SIZE under torchrun or accelerate].")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def extract(**kwargs) -> None:
     """Run the model once over equalized single-document windows into the store.
@@ -156,7 +193,7 @@ def extract(**kwargs) -> None:
     from attngeom import api
 
     progress = not kwargs.pop("no_progress")
-    result = api.extract(kwargs.pop("model"), **kwargs, progress=progress)
+    result = api.extract(kwargs.pop("model"), **_given(kwargs), progress=progress)
     click.echo(
         f"run {result.run_id}: wrote {result.written} sequences in {result.seconds:.1f} s; the run holds "
         f"{result.committed} committed of {result.total}"
@@ -251,19 +288,19 @@ def taxonomy(store: str, export: Path | None, export_kv: Path | None, score: str
 @STORE
 @click.option("--run", "run_id", required=True, help="The run whose model and tokens to use.")
 @MODEL_NOW
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--device-map", help="Place a model larger than one device over the GPUs, the CPU and the disk: auto (or balanced, balanced_low_0, sequential), or a JSON object of module names to devices, e.g. '{\"model.layers.0\": 0, \"model.layers.1\": \"disk\"}'.")
-@click.option("--dtype", type=click.Choice(STAGE_DTYPES), default="auto", show_default=True, help="Compute dtype; auto is float32 on every device (bfloat16 moves results: see README); float32-tf32 is extract's alone.")
+@_option(AblateRequest, "device", help=DEVICE_HELP)
+@_option(AblateRequest, "device_map", help=DEVICE_MAP_HELP)
+@_option(AblateRequest, "dtype", help="Compute dtype; auto is float32 on every device (bfloat16 moves results: see README); float32-tf32 is extract's alone.")
 @click.option("--protect", default="", help="LAYER.HEAD pairs always kept and outside every ranking, e.g. 0.12,3.4.")
 @click.option("--protect-critical", is_flag=True, help="Also hold the automatically found critical heads fixed.")
-@click.option("--retention", callback=_comma_list(float, "comma-separated fractions, e.g. 1.0,0.75,0.5"), help="Fractions of heads kept per layer [default: 1.0,0.9,0.75,0.5,0.25].")
-@click.option("--random-masks", type=click.IntRange(0), default=10, show_default=True, help="Seeded random masks per retention.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random masks.")
-@click.option("--max-sequences", type=click.IntRange(2), help="Use only the first completed sequences.")
-@click.option("--batch-size", type=click.IntRange(1), default=64, show_default=True, help="(sequence, mask) rows per forward pass.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Also write the tables here (CSV).")
+@_option(AblateRequest, "retention", callback=_comma_list(float, "comma-separated fractions, e.g. 1.0,0.75,0.5"), help="Fractions of heads kept per layer.")
+@_option(AblateRequest, "random_masks", help="Seeded random masks per retention.")
+@_option(AblateRequest, "seed", help="Seed of the random masks.")
+@_option(AblateRequest, "max_sequences", help="Use only the first completed sequences.")
+@_option(AblateRequest, "batch_size", help="(sequence, mask) rows per forward pass.")
+@_option(AblateRequest, "out", type=click.Path(file_okay=False, path_type=Path), help="Also write the tables here (CSV).")
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
-def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, **kwargs) -> None:
+def ablate(store: str, run_id: str, protect: str, no_progress: bool, **kwargs) -> None:
     """Single-head ablation and head sparsification of a run (docs/method.md#ablation); needs the model.
 
     Loads the run's model again by its recorded name, or from --model where it is now,
@@ -276,8 +313,7 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
     from attngeom import api
     from attngeom.ablate.request import parse_heads
 
-    result = api.ablate(store, run_id, protect=parse_heads(protect), retention=retention or None,
-                        progress=not no_progress, **kwargs)
+    result = api.ablate(store, run_id, protect=parse_heads(protect), progress=not no_progress, **_given(kwargs))
     critical = result.critical
     click.echo(f"run {result.run_id}: ablation written in {result.seconds:.1f} s; "
                f"{critical.sizes.get('critical', 0)} critical head(s)")
@@ -287,17 +323,17 @@ def ablate(store: str, run_id: str, protect: str, retention, no_progress: bool, 
 @STORE
 @click.option("--run", "run_id", required=True, help="The run whose model and stored windows to use.")
 @MODEL_NOW
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--device-map", help="Place a model larger than one device over the GPUs, the CPU and the disk: auto (or balanced, balanced_low_0, sequential), or a JSON object of module names to devices, e.g. '{\"model.layers.0\": 0, \"model.layers.1\": \"disk\"}'.")
-@click.option("--dtype", type=click.Choice(STAGE_DTYPES), default="auto", show_default=True, help="Compute dtype of the model; auto is float32 on every device (attention rows are float32 in any case); float32-tf32 is extract's alone.")
-@click.option("--probes", type=click.IntRange(1), default=16, show_default=True, help="P: repeated random-token sequences [BOS] + r + r, r of k = min(128, (L-1)//2) tokens.")
-@click.option("--needle-length", type=click.IntRange(2), default=16, show_default=True, help="n: tokens of the retrieval needle, taken from another stored window (needs L >= 2n+2).")
-@click.option("--haystacks", type=click.IntRange(1), default=16, show_default=True, help="How many of the run's committed windows (the first ones) serve as haystacks.")
-@click.option("--depths", callback=_comma_list(float, "comma-separated fractions, e.g. 0.1,0.5,0.9"), help="Depths of the inserted needle in each haystack [default: 0.1,0.3,0.5,0.7,0.9].")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the probe tokens and the needles.")
-@click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True, help="Sequences per forward pass.")
+@_option(DetectRequest, "device", help=DEVICE_HELP)
+@_option(DetectRequest, "device_map", help=DEVICE_MAP_HELP)
+@_option(DetectRequest, "dtype", help="Compute dtype of the model; auto is float32 on every device (attention rows are float32 in any case); float32-tf32 is extract's alone.")
+@_option(DetectRequest, "probes", help="P: repeated random-token sequences [BOS] + r + r, r of k = min(128, (L-1)//2) tokens.")
+@_option(DetectRequest, "needle_length", help="n: tokens of the retrieval needle, taken from another stored window (needs L >= 2n+2).")
+@_option(DetectRequest, "haystacks", help="How many of the run's committed windows (the first ones) serve as haystacks.")
+@_option(DetectRequest, "depths", callback=_comma_list(float, "comma-separated fractions, e.g. 0.1,0.5,0.9"), help="Depths of the inserted needle in each haystack.")
+@_option(DetectRequest, "seed", help="Seed of the probe tokens and the needles.")
+@_option(DetectRequest, "batch_size", help="Sequences per forward pass.")
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
-def detect(store: str, run_id: str, depths, no_progress: bool, **kwargs) -> None:
+def detect(store: str, run_id: str, no_progress: bool, **kwargs) -> None:
     """The field's head scores of a run (docs/method.md#head-detectors); needs the model.
 
     Loads the run's model again by its recorded name, or from --model where it is now, on
@@ -315,7 +351,7 @@ def detect(store: str, run_id: str, depths, no_progress: bool, **kwargs) -> None
     """
     from attngeom import api
 
-    result = api.detect(store, run_id, depths=depths, progress=not no_progress, **kwargs)
+    result = api.detect(store, run_id, progress=not no_progress, **_given(kwargs))
     how = "kept (same parameters)" if result.kept else f"written in {result.seconds:.1f} s"
     click.echo(f"run {result.run_id}: head scores {how}")
     if result.haystacks < kwargs["haystacks"]:

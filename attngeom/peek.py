@@ -9,13 +9,15 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from attngeom.errors import InputError, RunNotFoundError, StoreError, StoreNotFoundError, StoreWriteError
 
 __all__ = [
-    "RUN_ID_PATTERN", "default_run_id", "local_path", "require_run", "require_store", "require_writable", "run_record",
+    "RUN_ID_PATTERN", "default_run_id", "local_path", "require_run", "require_store", "require_writable", "run_created",
+    "run_record",
 ]
 
 # The store's attributes key (docs/store.md), in the root's and each run's zarr.json.
@@ -111,6 +113,13 @@ def run_record(url: str, run_id: str) -> dict[str, Any] | None:
     attrs = meta.get("attributes") if isinstance(meta, dict) else None
     record = attrs.get(_ATTR_KEY) if isinstance(attrs, dict) else None
     return record if isinstance(record, dict) else None
+
+
+def run_created(record: Any) -> bool:
+    """Whether a run's record (its attngeom attributes) says that its creation finished:
+    ``create_run`` writes it last, with ``initialized``, after the run's arrays. Every reader
+    asks here; a run without it is resumed by finishing its creation."""
+    return isinstance(record, Mapping) and bool(record.get("initialized"))
 
 
 def _read_remote(url: str, key: str) -> bytes | None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from attngeom.errors import InputError
 
-__all__ = ["STAGE_DTYPES", "check_device", "check_dtype", "check_run_model", "committed_count", "model_shapes"]
+__all__ = ["STAGE_DTYPES", "check_device", "check_run_model", "committed_count", "model_shapes"]
 
 DEVICES = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # ablate's and detect's: float32-tf32 is extract's alone (TF32 inside its forward).
@@ -33,13 +33,6 @@ def check_device(device: str) -> None:
         raise InputError(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
     if device.startswith("cuda") and (why := _no_cuda()):
         raise InputError(f"--device {device} asked for, but {why}: use --device cpu or auto")
-
-
-def check_dtype(dtype: str, stage: str) -> None:
-    """Refuse a compute dtype ``stage`` (ablate, detect) does not run in."""
-    if dtype not in STAGE_DTYPES:
-        hint = " (float32-tf32 is extract's alone)" if dtype == "float32-tf32" else ""
-        raise InputError(f"--dtype {dtype!r}: {stage} computes in {', '.join(STAGE_DTYPES)}{hint}")
 
 
 def _no_cuda() -> str | None:

@@ -252,9 +252,11 @@ def _table_defaults(text: str) -> dict[str, str]:
 
 
 def test_each_option_default_is_the_same_in_help_docs_api_and_request():
-    """A command's option defaults as --help shows them (click's), as docs/cli.md's table
-    states them, as its function in attngeom.api takes them and as its request dataclass
-    holds them: one value each."""
+    """A command's option defaults as --help shows them (click's, or the ``[default: ...]``
+    of an option whose default click cannot hold, a tuple), as docs/cli.md's table states
+    them, as its function in attngeom.api takes them and as its request dataclass holds
+    them: one value each. What an option accepts (its choices, its least value) is the
+    request's too."""
     import dataclasses
     import inspect
 
@@ -266,6 +268,7 @@ def test_each_option_default_is_the_same_in_help_docs_api_and_request():
     from attngeom.cli import main
     from attngeom.detect.request import DetectRequest
     from attngeom.extract.request import ExtractRequest
+    from attngeom.options import accepts
 
     requests = {"extract": ExtractRequest, "ablate": AblateRequest, "detect": DetectRequest}
     wrong = []
@@ -274,7 +277,7 @@ def test_each_option_default_is_the_same_in_help_docs_api_and_request():
         shown = " ".join(CliRunner().invoke(main, [name, "--help"], terminal_width=1000).output.split())
         function = getattr(api, name, None)
         signature = inspect.signature(function).parameters if callable(function) else {}
-        fields = {f.name: f.default for f in dataclasses.fields(requests[name])} if name in requests else {}
+        fields = {f.name: f for f in dataclasses.fields(requests[name])} if name in requests else {}
         # The values the command passes on when only its required options are given.
         given = []
         for p in command.params:
@@ -283,21 +286,57 @@ def test_each_option_default_is_the_same_in_help_docs_api_and_request():
                 given += [p.opts[0], value] if isinstance(p, click.Option) else [value]
         passed = command.make_context(name, given).params
         for param in command.params:
-            code = passed.get(param.name)
-            if not isinstance(param, click.Option) or code in (None, "") or param.is_flag or param.required:
+            if not isinstance(param, click.Option) or param.is_flag or param.required:
                 continue
             option = next(o for o in param.opts if o.startswith("--"))
+            field = fields.get(param.name)
+            code = passed.get(param.name)
+            if code is None and field is not None and isinstance(field.default, tuple):
+                code = ",".join(map(str, field.default))  # left to the request, shown in --help
+            if field is not None:
+                said = accepts(field)
+                if said.choices and tuple(getattr(param.type, "choices", ())) != said.choices:
+                    wrong.append(f"{name} {option}: the command takes {param.type}, the request {said.choices}")
+                if said.least is not None and getattr(param.type, "min", None) != said.least:
+                    wrong.append(f"{name} {option}: the command takes {param.type}, the request at least {said.least}")
+            if code in (None, ""):
+                continue
             value = str(code)
-            if param.show_default and not re.search(rf"\[default: {re.escape(value)}[;\]]", shown):
+            if (param.show_default or field is not None) and not re.search(rf"\[default: {re.escape(value)}[;\]]", shown):
                 wrong.append(f"{name} {option}: --help does not show {value}")
             if table.get(option, "").strip("`") != value:
                 wrong.append(f"{name} {option}: docs/cli.md says {table.get(option)!r}, the code {value!r}")
-            for where, defaults in (("attngeom.api", signature), ("the request", fields)):
+            for where, defaults in (("attngeom.api", {k: p.default for k, p in signature.items()}),
+                                    ("the request", {k: f.default for k, f in fields.items()})):
                 if param.name in defaults:
-                    default = getattr(defaults[param.name], "default", defaults[param.name])
-                    if default != code:
-                        wrong.append(f"{name} {option}: {where} takes {default!r}, the command {code!r}")
+                    default = defaults[param.name]
+                    default = ",".join(map(str, default)) if isinstance(default, tuple) else default
+                    if str(default) != value:
+                        wrong.append(f"{name} {option}: {where} takes {default!r}, the command {value!r}")
     assert not wrong, wrong
+
+
+def test_api_md_signatures_are_the_functions():
+    """docs/api.md's signature of each command's function names its keyword arguments with
+    the defaults the function takes (those of its request), in its order."""
+    import inspect
+
+    from attngeom import api
+
+    text = (DOCS / "api.md").read_text()
+    wrong = []
+    for name in ("extract", "ablate", "detect"):
+        block = re.search(rf"^ag\.{name}\((.*?)\) -> ", text, flags=re.M | re.S)
+        assert block, f"docs/api.md has no signature of ag.{name}"
+        words, star = [], False
+        for p in inspect.signature(getattr(api, name)).parameters.values():
+            if p.kind is p.KEYWORD_ONLY and not star:
+                words.append("*")
+                star = True
+            words.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}".replace("'", '"'))
+        if " ".join(block.group(1).split()) != ", ".join(words):
+            wrong.append(f"ag.{name}({', '.join(words)})")
+    assert not wrong, "docs/api.md should say: " + "; ".join(wrong)
 
 
 def test_every_derived_group_a_command_writes_is_in_its_help_and_store_md():

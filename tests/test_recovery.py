@@ -208,7 +208,7 @@ def test_consolidated_metadata_is_refreshed_after_a_killed_extract(ablated_store
     """An extract appending sequences, interrupted before it refreshes the consolidated
     metadata: validate names it, and the rerun (with nothing left to write) refreshes it,
     so that the README's xr.open_zarr sees every committed sequence."""
-    import attngeom.extract.pipeline as pipeline
+    import attngeom.store.run_write as run_write
 
     store = tmp_path / "s.zarr"
     shutil.copytree(ablated_store_source, store)
@@ -220,7 +220,7 @@ def test_consolidated_metadata_is_refreshed_after_a_killed_extract(ablated_store
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(pipeline, "consolidate", killed)
+        patch.setattr(run_write, "consolidate", killed)
         assert run(*args)[0] == 130
     (line,) = validate(store)
     assert line.startswith("the root's consolidated metadata (read by xr.open_zarr) is out of date for runs/r/")

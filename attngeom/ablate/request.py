@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from attngeom.errors import InputError
+from attngeom.extract.request import check_device_map
+from attngeom.options import check_options, option
+from attngeom.runcheck import STAGE_DTYPES, check_device
 
 __all__ = ["DEFAULT_RETENTION", "AblateRequest", "check_request", "parse_heads"]
 
@@ -27,26 +31,32 @@ class AblateRequest:
     "cpu", "cuda" or "cuda:N"; dtype: "auto" (float32 on every device),
     "float32", "bfloat16" or "float16". model: the run's model when it was extracted from
     a model in memory (its state dict must hash as recorded). out: also write CSV tables there.
+    Each option's default and what it accepts are declared here once (:mod:`attngeom.options`).
     """
 
     store: str
     run_id: str
+    model: Any = None
     device: str = "auto"
     device_map: str | Mapping[str, Any] | None = None
-    dtype: str = "auto"
+    dtype: str = option("auto", choices=STAGE_DTYPES, why=" (float32-tf32 is extract's alone)")
     protect: Sequence[tuple[int, int]] = ()
     protect_critical: bool = False
     retention: Sequence[float] = DEFAULT_RETENTION
-    random_masks: int = 10
+    random_masks: int = option(10, least=0)
     seed: int = 0
-    top_n: int = 8
+    top_n: int = option(8, least=1, flag="top_n")
     critical_k: float = 5.0
     critical_floor: float = 2.0
-    max_sequences: int | None = None
-    batch_size: int = 64
-    model: Any = None
+    max_sequences: int | None = option(None, least=2, why=" (an importance and an evaluation split)")
+    batch_size: int = option(64, least=1)
     out: Path | None = None
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        # Kept as given by the caller (a list, a generator): one tuple, read more than once.
+        object.__setattr__(self, "protect", tuple(self.protect))
+        object.__setattr__(self, "retention", tuple(self.retention))
 
 
 def parse_heads(text: str) -> list[tuple[int, int]]:
@@ -61,10 +71,14 @@ def parse_heads(text: str) -> list[tuple[int, int]]:
 
 
 def check_request(request: AblateRequest, layout: dict[str, Any] | None = None, committed: int | None = None) -> None:
-    """Refuse options no ablation can run with or that would change nothing: :class:`InputError`,
-    one line. Given the run's ``layout`` (its record's: n_layers, n_heads), also a protected
+    """Refuse options no ablation can run with or that would change nothing (the device, the
+    device map and the dtype included, reading nothing): :class:`InputError`, one line. Given the run's ``layout`` (its record's: n_layers, n_heads), also a protected
     head outside the run and a retention that keeps no head of a layer; given its
     ``committed`` sequences, fewer than the two splits need."""
+    check_options(request)
+    check_device(request.device)
+    check_device_map(request.device_map, request.device, named=request.model is None
+                     or isinstance(request.model, str | os.PathLike))
     retention = list(request.retention)
     outside = [f for f in retention if not 0.0 < f <= 1.0]
     if not retention or outside:
@@ -72,14 +86,9 @@ def check_request(request: AblateRequest, layout: dict[str, Any] | None = None, 
             f"--retention {','.join(map(str, outside or retention))}: each fraction of heads kept is above 0 and "
             "at most 1, e.g. 1.0,0.75,0.5"
         )
-    if request.random_masks < 0 or request.batch_size < 1 or request.top_n < 1:
-        raise InputError("--random-masks must be >= 0, --batch-size and top-N >= 1")
     if request.random_masks == 0 and request.seed != 0:
         raise InputError(f"--seed {request.seed} seeds the random masks, and --random-masks 0 asks for none: "
                          "drop --seed, or ask for random masks")
-    if request.max_sequences is not None and request.max_sequences < 2:
-        raise InputError(f"--max-sequences {request.max_sequences}: the importance and the evaluation split "
-                         "need at least 2 sequences")
     if layout:
         n_layers, n_heads = layout["n_layers"], layout["n_heads"]
         for layer, head in request.protect:

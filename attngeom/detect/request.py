@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from attngeom.errors import InputError
+from attngeom.extract.request import check_device_map
+from attngeom.options import check_options, option
+from attngeom.runcheck import STAGE_DTYPES, check_device
 
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 # The longest copy of the repeated random tokens, as in TransformerLens's head detector.
@@ -24,23 +28,28 @@ class DetectRequest:
     "auto", "cpu", "cuda" or "cuda:N"; dtype: "auto" (float32 on every device), "float32",
     "bfloat16" or "float16". model: the run's model when it was extracted from a model in
     memory; tokenizer: its tokenizer where the run records none that loads (the probe
-    vocabulary is the tokenizer's).
+    vocabulary is the tokenizer's). Each option's default and what it accepts are declared
+    here once (:mod:`attngeom.options`).
     """
 
     store: str
     run_id: str
-    device: str = "auto"
-    device_map: str | Mapping[str, Any] | None = None
-    dtype: str = "auto"
-    probes: int = 16
-    needle_length: int = 16
-    haystacks: int = 16
-    depths: Sequence[float] = DEFAULT_DEPTHS
-    seed: int = 0
-    batch_size: int = 8
     model: Any = None
     tokenizer: Any = None
+    device: str = "auto"
+    device_map: str | Mapping[str, Any] | None = None
+    dtype: str = option("auto", choices=STAGE_DTYPES, why=" (float32-tf32 is extract's alone)")
+    probes: int = option(16, least=1)
+    needle_length: int = option(16, least=2, why=" (a token and the one after it)")
+    haystacks: int = option(16, least=1)
+    depths: Sequence[float] = DEFAULT_DEPTHS
+    seed: int = 0
+    batch_size: int = option(8, least=1)
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        # Kept as given by the caller (a list, a generator): one tuple, read more than once.
+        object.__setattr__(self, "depths", tuple(self.depths))
 
 
 def probe_length(context_length: int) -> int:
@@ -49,12 +58,13 @@ def probe_length(context_length: int) -> int:
 
 
 def check_request(request: DetectRequest, context_length: int | None = None) -> None:
-    """Refuse options no detect can run with, and, given the run's L, a needle or probe
+    """Refuse options no detect can run with (the device, the device map and the dtype
+    included, reading nothing), and, given the run's L, a needle or probe
     that does not fit it: :class:`InputError`, one line."""
-    if request.probes < 1 or request.haystacks < 1 or request.batch_size < 1:
-        raise InputError("--probes, --haystacks and --batch-size must be >= 1")
-    if request.needle_length < 2:
-        raise InputError(f"--needle-length must be >= 2 (a token and the one after it), got {request.needle_length}")
+    check_options(request)
+    check_device(request.device)
+    check_device_map(request.device_map, request.device, named=request.model is None
+                     or isinstance(request.model, str | os.PathLike))
     depths = list(request.depths)
     if not depths or not all(0.0 <= d <= 1.0 for d in depths) or len(set(depths)) != len(depths):
         raise InputError("--depths takes distinct fractions between 0 and 1, e.g. 0.1,0.5,0.9")

@@ -13,28 +13,24 @@ with the same command rewrites only the sequences not yet committed, and a large
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import hashlib
 import os
 import platform
 import shlex
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import zarr
 from tqdm.auto import tqdm
 
 from attngeom import __version__
-from attngeom.errors import InputError, StoreNotFoundError, StoreWriteError, UnsupportedModelError
+from attngeom.errors import InputError, UnsupportedModelError
 from attngeom.extract.capture import (
     ATTN_IMPLEMENTATION,
     LayerCapture,
@@ -64,44 +60,14 @@ from attngeom.extract.request import (
     ExtractRequest,
     ExtractResult,
     Preflight,
-    identity_difference,
+    check_identity,
     preflight,
     values_dtype_refusal,
 )
-from attngeom.store import (
-    ATTR_KEY,
-    RUN_ID_PATTERN,
-    RunLayout,
-    SequenceWriter,
-    check_run,
-    completed,
-    consolidate,
-    create_run,
-    default_run_id,
-    jsonable,
-    local_path,
-    n_sequences,
-    open_or_create_root,
-    open_root,
-    open_run_group,
-    resize_run,
-    run_ids,
-    run_layout,
-    run_provenance,
-)
-from attngeom.store.locks import RunLock
+from attngeom.store import RUN_ID_PATTERN, RunLayout, default_run_id, jsonable
+from attngeom.store.run_write import Begun, RunWrite
 from attngeom.store.runs import IN_FLIGHT
 from attngeom.store.schema import BFLOAT16
-
-# Provenance keys that must agree before a run may be resumed or appended.
-IDENTITY = ("model", "dataset", "context_length", "window_rule", "bos_token_id", "values_dtype", "store_rows",
-            "queries", "compute_dtype")
-# The value of an identity key in a run that predates it. compute_dtype (the resolved dtype,
-# never "auto") has none: every run extract has written records it, since the first store
-# schema, so an older run is held to the dtype it was written in; a run without it was not
-# written by extract and is refused, as one lacking any other identity key.
-_IDENTITY_BEFORE = {"queries": []}
-
 
 @dataclass(frozen=True)
 class _Model:
@@ -163,36 +129,6 @@ def _bos_token_id(tokenizer: Any, bos_token: str | None, config: Any = None) -> 
             "the tokenizer defines no BOS token; name one with --bos-token (e.g. --bos-token '<|endoftext|>')"
         )
     return int(tokenizer.bos_token_id)
-
-
-def _existing_provenance(store: str, run_id: str) -> dict[str, Any] | None:
-    """The provenance of run ``run_id`` whose creation finished; None when there is none.
-    Refuses a store this attngeom does not write (store untouched)."""
-    try:
-        root = open_root(store, mode="a")
-    except StoreNotFoundError:
-        return None
-    if run_id not in run_ids(root):
-        return None
-    prov = run_provenance(root, run_id)
-    return prov if prov.get("initialized") else None
-
-
-def _check_existing_run(prov: dict[str, Any] | None, store: str, run_id: str, identity: dict[str, Any]) -> None:
-    """Refuse to resume a run (provenance ``prov``) that holds another model, corpus, L or
-    compute dtype (store untouched)."""
-    if prov is None:
-        return
-    diffs = [
-        identity_difference(key, prov.get(key, _IDENTITY_BEFORE.get(key)), jsonable(identity[key]))
-        for key in IDENTITY
-        if jsonable(identity[key]) != prov.get(key, _IDENTITY_BEFORE.get(key))
-    ]
-    if diffs:
-        raise InputError(
-            f"run '{run_id}' in {store} differs from this command: " + "; ".join(diffs)
-            + "; give the run's values to continue it, or another --run"
-        )
 
 
 def _values_dtype(asked: str, model: _Model, prov: dict[str, Any] | None) -> str:
@@ -443,52 +379,29 @@ def extract(request: ExtractRequest, checked: Preflight | None = None) -> Extrac
     run_id = request.run_id or default_run_id(model.name, inputs.id, inputs.length)
     if not RUN_ID_PATTERN.match(run_id):
         raise InputError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-'")
-    existing = _existing_provenance(request.store, run_id)
-    identity = {
+    write = RunWrite(request.store, run_id, shard=shard)
+    recorded = write.recorded()
+    identity = jsonable({
         "model": model.provenance,
         "dataset": inputs.provenance,
         "context_length": inputs.length,
         "window_rule": inputs.window_rule,
         "bos_token_id": bos_id,
-        "values_dtype": _values_dtype(request.values_dtype, model, existing),
+        "values_dtype": _values_dtype(request.values_dtype, model, recorded),
         "store_rows": request.store_rows,
         "queries": list(queries),
         "compute_dtype": model.compute_dtype,
-    }
-    _check_existing_run(existing, request.store, run_id, identity)
+    })
+    check_identity(recorded, identity, request.store, run_id)
     windows = inputs.windows()
-    total = len(windows)
-
-    path = local_path(request.store)
-    # A store this extract creates goes again if it fails before committing anything; not
-    # with --shard, where a peer may be writing into the new store already.
-    new_store = path is not None and not path.exists() and shard is None
-    root = open_or_create_root(request.store)
-    with _removed_on_failure(path, root, new_store), contextlib.ExitStack() as appending:
-        run = _open_run(root, run_id)
-        if run is not None and path is not None and shard is None:
-            # Two extracts appending to one run take turns: the second waits, then finds
-            # committed what the first wrote (shards split the sequences instead).
-            lock = RunLock(path, run_id, "extract", part="complete")
-            appending.callback(lock.release)
-            lock.acquire()
-            root = open_or_create_root(request.store)  # what the other wrote meanwhile
-            run = _open_run(root, run_id)
-        mine = [i for i in range(total) if shard is None or i % shard[1] == shard[0]]
-        todo = mine if run is None else [i for i in mine if i >= n_sequences(run) or run["complete"][i] != 1]
-        if run is not None and n_sequences(run) < total:
-            resize_run(run, total)
+    with write.begin(len(windows)) as begun:
         start = time.perf_counter()
-        if todo:
+        written = len(begun.todo)
+        if begun.todo:
             provenance = {**identity, **_run_provenance(request, model, bos_id, shard)}
-            run = _write_sequences(request, model, root, run_id, run, provenance, [windows[i] for i in todo],
-                                   todo, total, queries)
-        if run is None:  # this shard has no sequence of the run
-            return ExtractResult(run_id, 0, 0, total, 0.0)
-        # Also when nothing was written: an extract killed before refreshing it left it stale.
-        consolidate(root)
-        check_run(request.store, run, run_id)  # never a success on a run that does not validate
-        return ExtractResult(run_id, len(todo), completed(run).size, n_sequences(run), time.perf_counter() - start)
+            _write_sequences(request, model, begun, run_id, provenance, windows, queries)
+        committed = begun.commit()
+        return ExtractResult(run_id, written, committed, begun.capacity, time.perf_counter() - start)
 
 
 def _run_provenance(request: ExtractRequest, model: _Model, bos_id: int, shard: tuple[int, int] | None) -> dict[str, Any]:
@@ -515,54 +428,37 @@ def _run_provenance(request: ExtractRequest, model: _Model, bos_id: int, shard: 
 
 
 def _write_sequences(
-    request: ExtractRequest, model: _Model, root: zarr.Group, run_id: str, run: zarr.Group | None,
-    provenance: dict[str, Any], windows: list[Window], seqs: list[int], total: int, queries: tuple[int, ...],
-) -> zarr.Group:
-    """Run the model over ``windows`` (sequences ``seqs`` of the run) batch by batch and
+    request: ExtractRequest, model: _Model, begun: Begun, run_id: str, provenance: dict[str, Any],
+    windows: list[Window], queries: tuple[int, ...],
+) -> None:
+    """Run the model over the windows of the sequences ``begun.todo`` batch by batch and
     commit each sequence; the run is created after the first forward (its layout comes from
-    the capture). Returns the run."""
+    the capture)."""
     net = model.load()
+    seqs = begun.todo
     length = len(windows[0].tokens)
     if model.config.model_type not in VERIFIED_TYPES:
-        _check_conformance(net, model, windows[0], request.progress)
+        _check_conformance(net, model, windows[seqs[0]], request.progress)
     bar = tqdm(total=len(seqs), unit="seq", desc=f"extract {run_id}", disable=not request.progress)
     start = time.perf_counter()
-    writer = None
+    layout = None
     try:
-        with (_capturing(net, keep_rows=request.store_rows == "all", queries=queries, tf32=model.tf32) as record,
-              contextlib.ExitStack() as writing):
+        with _capturing(net, keep_rows=request.store_rows == "all", queries=queries, tf32=model.tf32) as record:
             for b0 in range(0, len(seqs), request.batch_size):
-                batch = windows[b0 : b0 + request.batch_size]
+                batch = [windows[i] for i in seqs[b0 : b0 + request.batch_size]]
                 ids = torch.from_numpy(np.stack([w.tokens for w in batch]).astype("int64")).to(model.device)
                 layers = record(ids)
-                if run is None:
-                    shape = _layout(model.config, layers, request, length, queries, provenance["values_dtype"])
-                    run = create_run(root, run_id, shape, provenance, total)
-                if writer is None:  # opened once: the run's recorded layout, also when resuming
-                    layout = run_layout(run)
-                    writer = writing.enter_context(SequenceWriter(run, in_flight=_in_flight(model.device)))
+                if layout is None:  # the run's recorded layout, also when resuming
+                    layout = begun.create(
+                        lambda: _layout(model.config, layers, request, length, queries, provenance["values_dtype"]),
+                        provenance, in_flight=_in_flight(model.device))
                 # Converted, compressed and written beside the next batch's forward (on CPU, before it).
                 for b, (seq, window) in enumerate(zip(seqs[b0 : b0 + request.batch_size], batch)):
-                    writer.submit(seq, functools.partial(_sequence_arrays, layers, b, window, layout))
+                    begun.submit(seq, functools.partial(_sequence_arrays, layers, b, window, layout))
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{bar.n * length / max(time.perf_counter() - start, 1e-9):.0f}")
-    except OSError as exc:
-        # Only the store's objects are files here: the model and the input are in memory.
-        done = 0 if run is None else int(np.isin(seqs, completed(run)).sum())
-        kept = "; committed sequences are kept:" if done else ";"
-        finish = " to finish" if done else ""
-        if exc.errno == errno.ENOSPC:
-            raise StoreWriteError(
-                f"the store ran out of space after {done} of {len(seqs)} sequences were committed{kept} "
-                f"free space and re-run the same command{finish}"
-            ) from exc
-        raise StoreWriteError(
-            f"the store cannot be written at {exc.filename or request.store} ({exc.strerror or exc}) after {done} "
-            f"of {len(seqs)} sequences were committed{kept} repair that path and re-run the same command{finish}"
-        ) from exc
     finally:
         bar.close()
-    return run
 
 
 def _check_chunks(config: Any, queries: tuple[int, ...], length: int) -> None:
@@ -598,37 +494,3 @@ def _in_flight(device: str) -> int:
     host; 1.88 beside on a quiet one), so the caller writes each sequence between its
     forwards, compressing on every core."""
     return 0 if torch.device(device).type == "cpu" else IN_FLIGHT
-
-
-def _open_run(root: zarr.Group, run_id: str) -> zarr.Group | None:
-    """The run if its creation finished; None if absent or its creation was interrupted
-    (``create_run`` then finishes it, keeping what is already right)."""
-    if run_id not in run_ids(root):
-        return None
-    run = open_run_group(root, run_id)
-    return run if run.attrs.get(ATTR_KEY, {}).get("initialized") else None
-
-
-@contextlib.contextmanager
-def _removed_on_failure(path: Path | None, root: zarr.Group, new_store: bool) -> Iterator[None]:
-    """Remove the store at ``path`` if the body fails, the store is new (``new_store``) and
-    no sequence of it was committed: a failed extract leaves no empty store behind."""
-    try:
-        yield
-    except BaseException:
-        if new_store and not _holds_committed(root):
-            shutil.rmtree(path, ignore_errors=True)
-        raise
-
-
-def _holds_committed(root: zarr.Group) -> bool:
-    """Whether any run of the store has a committed sequence (True if that cannot be read:
-    a store is never removed on a guess)."""
-    try:
-        return any(_committed(open_run_group(root, run_id)) for run_id in run_ids(root))
-    except Exception:  # noqa: BLE001
-        return True
-
-
-def _committed(run: zarr.Group) -> bool:
-    return "complete" in run and completed(run).size > 0

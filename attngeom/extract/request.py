@@ -15,6 +15,7 @@ from typing import Any
 from attngeom.errors import InputError
 from attngeom.extract.corpora import (
     OFFLINE_CORPORA,
+    WINDOW_RULES,
     Corpus,
     check_text_field,
     check_window_args,
@@ -25,10 +26,16 @@ from attngeom.extract.placement import parse_device_map
 from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
 from attngeom.extract.sources import model_name
-from attngeom.peek import RUN_ID_PATTERN, default_run_id, require_writable, run_record
+from attngeom.options import check_options, option
+from attngeom.peek import RUN_ID_PATTERN, default_run_id, require_writable, run_created, run_record
 from attngeom.runcheck import check_device
 
 __all__ = ["ExtractRequest", "ExtractResult", "Preflight", "check_arguments", "launcher_shard", "preflight"]
+
+# Compute dtypes: "auto" is float32 on every device; float32-tf32 runs float32 matmuls in
+# TF32 inside the forward.
+DTYPES = ("auto", "float32", "float32-tf32", "bfloat16", "float16")
+
 
 @dataclass(frozen=True)
 class ExtractRequest:
@@ -36,7 +43,9 @@ class ExtractRequest:
 
     ``model`` is a name or path, or a loaded transformers causal LM. The input is exactly
     one of ``dataset`` (a corpus name or path, windowed by docs/method.md#preprocessing), ``texts`` (strings,
-    windowed the same way) or ``token_ids`` (S, L) integers used as given.
+    windowed the same way) or ``token_ids`` (S, L) integers used as given. Each option's
+    default and what it accepts are declared here once (:mod:`attngeom.options`): the API's
+    keywords and the command's options take them from these fields.
     """
 
     model: Any = field(repr=False)
@@ -45,19 +54,19 @@ class ExtractRequest:
     texts: Iterable[str] | None = field(default=None, repr=False)
     token_ids: Any = field(default=None, repr=False)
     tokenizer: Any = field(default=None, repr=False)
-    context_length: int | None = None
-    num_sequences: int | None = None
-    run_id: str | None = None
+    context_length: int | None = option(None, least=2, why=" (BOS and one token)")
+    num_sequences: int | None = option(None, least=1)
+    run_id: str | None = option(None, flag="--run")
     split: str | None = None
     text_field: str = "text"
     device: str = "auto"
     device_map: str | Mapping[str, Any] | None = None
-    dtype: str = "auto"
-    batch_size: int = 1
-    store_rows: str = "last"
+    dtype: str = option("auto", choices=DTYPES)
+    batch_size: int = option(1, least=1)
+    store_rows: str = option("last", choices=("last", "all"))
     queries: str | Sequence[int] = "last"
-    values_dtype: str = "auto"
-    window_rule: str = "first"
+    values_dtype: str = option("auto", choices=("auto", "float32", "float16", "bfloat16"))
+    window_rule: str = option("first", choices=WINDOW_RULES, flag="--window")
     seed: int = 0
     bos_token: str | None = None
     shard: tuple[int, int] | None = None
@@ -109,16 +118,7 @@ def check_arguments(request: ExtractRequest) -> tuple[int, int] | None:
         raise InputError("texts need a context_length")
     if request.split is not None and request.dataset is None:
         raise InputError("split applies to a dataset only")
-    if request.context_length is not None and request.context_length < 2:
-        raise InputError("--context-length must be at least 2 (BOS and one token)")
-    if request.num_sequences is not None and request.num_sequences < 1:
-        raise InputError("--num-sequences must be at least 1")
-    for name, allowed in (("store_rows", ("last", "all")), ("values_dtype", ("auto", "float32", "float16", "bfloat16")),
-                          ("dtype", ("auto", "float32", "float32-tf32", "bfloat16", "float16"))):
-        if getattr(request, name) not in allowed:
-            raise InputError(f"{name} {getattr(request, name)!r}: use {' or '.join(allowed)}")
-    if request.batch_size < 1:
-        raise InputError("batch_size must be at least 1")
+    check_options(request)
     if request.token_ids is None:
         check_window_args(request.context_length, request.window_rule, request.seed)
         if request.window_rule == "first" and request.seed != 0:
@@ -201,7 +201,7 @@ def preflight(request: ExtractRequest) -> Preflight:
     if run_id is None and model_id is not None and length is not None:
         run_id = default_run_id(model_id, input_id, length)
     record = run_record(request.store, run_id) if run_id is not None else None
-    if not record or not record.get("initialized"):
+    if not run_created(record):
         return Preflight(shard)
     rule = ({"rule": "given", "seed": None} if request.token_ids is not None
             else {"rule": request.window_rule, "seed": request.seed})
@@ -231,11 +231,7 @@ def preflight(request: ExtractRequest) -> Preflight:
         from attngeom.store import open_root
 
         open_root(request.store, mode="a")
-        raise InputError(
-            f"run '{run_id}' in {request.store} differs from this command: "
-            + "; ".join(_difference(key, was, now, request.dataset) for key, was, now in diffs)
-            + "; give the run's values to continue it, or another --run"
-        )
+        raise _other_run(request.store, run_id, [_difference(key, was, now, request.dataset) for key, was, now in diffs])
     total = request.num_sequences
     if total is None and request.token_ids is not None and shape is not None:
         total = int(shape[0])
@@ -282,6 +278,35 @@ def _difference(key: str, was: Any, now: Any, dataset: str | None) -> str:
     return f"{IDENTITY_FLAGS[key]} is {_shown(key, was)} in the run, {_shown(key, now)} here"
 
 
+# What makes a run: the provenance keys in which a rerun must agree with it to resume or
+# append to it.
+IDENTITY = ("model", "dataset", "context_length", "window_rule", "bos_token_id", "values_dtype", "store_rows",
+            "queries", "compute_dtype")
+# The value of an identity key in a run that predates it. compute_dtype (the resolved dtype,
+# never "auto") has none: every run extract has written records it, since the first store
+# schema, so an older run is held to the dtype it was written in; a run without it was not
+# written by extract and is refused, as one lacking any other identity key.
+_IDENTITY_BEFORE = {"queries": []}
+
+
+def check_identity(record: Mapping[str, Any] | None, identity: Mapping[str, Any], store: str, run_id: str) -> None:
+    """Refuse to resume or append to a run (its ``record``; None: no run) that holds another
+    model, corpus, L, BOS, dtype, rows or queries than ``identity`` (each :data:`IDENTITY`
+    key, as the record stores it): the full check, once the model and the corpus are read."""
+    if record is None:
+        return
+    diffs = [identity_difference(key, record.get(key, _IDENTITY_BEFORE.get(key)), identity[key])
+             for key in IDENTITY if identity[key] != record.get(key, _IDENTITY_BEFORE.get(key))]
+    if diffs:
+        raise _other_run(store, run_id, diffs)
+
+
+def _other_run(store: str, run_id: str, diffs: Sequence[str]) -> InputError:
+    """The refusal of a command that differs from run ``run_id`` in ``diffs`` (in words)."""
+    return InputError(f"run '{run_id}' in {store} differs from this command: " + "; ".join(diffs)
+                      + "; give the run's values to continue it, or another --run")
+
+
 def identity_difference(key: str, was: Any, now: Any) -> str:
     """A difference of the full identity check (extract's, once the model and corpus are
     read), in the words of :func:`_difference`: the model and the corpus by their names, or
@@ -310,17 +335,11 @@ def _local_corpus(request: ExtractRequest) -> Corpus | None:
 def _finished(store: str, run_id: str, total: int, shard: tuple[int, int] | None) -> ExtractResult | None:
     """The result of an extract with nothing to write: run ``run_id`` holds every sequence of
     ``range(total)`` (of this shard) committed; None when it does not."""
-    from attngeom.store import check_run, completed, consolidate, n_sequences, open_root, open_run_group
+    from attngeom.store.run_write import RunWrite
 
     start = time.perf_counter()
-    root = open_root(store, mode="a")
-    run = open_run_group(root, run_id)
-    if "complete" not in run:
-        return None
-    committed = set(completed(run).tolist())
-    if any(i not in committed for i in range(total) if shard is None or i % shard[1] == shard[0]):
-        return None
-    # As an extract that wrote: an extract killed before refreshing it left it stale.
-    consolidate(root)
-    check_run(store, run, run_id)  # never a success on a run that does not validate
-    return ExtractResult(run_id, 0, len(committed), n_sequences(run), time.perf_counter() - start)
+    with RunWrite(store, run_id, shard=shard).begin(total) as begun:
+        if begun.todo:
+            return None
+        committed = begun.commit()
+        return ExtractResult(run_id, 0, committed, begun.capacity, time.perf_counter() - start)

@@ -7,7 +7,8 @@ hold, consolidated metadata), :mod:`~attngeom.store.session` (one command's stor
 which it reads and writes),
 :mod:`~attngeom.store.datasets` (groups as Datasets), :mod:`~attngeom.store.damage` (damage
 errors and recovery), :mod:`~attngeom.store.chunks` (a run's arrays read a chunk at a time),
-:mod:`~attngeom.store.runs` (runs and the per-sequence commit), :mod:`~attngeom.store.derived`
+:mod:`~attngeom.store.runs` (runs and the per-sequence commit), :mod:`~attngeom.store.run_write`
+(extract's write of a run, begin to commit), :mod:`~attngeom.store.derived`
 and :mod:`~attngeom.store.plan` (analysis and ablation groups and their commit record),
 :mod:`~attngeom.store._zarr` (the zarr internals used), :mod:`~attngeom.store.objects` (stored
 objects and their checks), :mod:`~attngeom.store.validate`, :mod:`~attngeom.store.repair` and

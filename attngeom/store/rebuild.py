@@ -20,6 +20,7 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 
 from attngeom import __version__
+from attngeom.peek import run_created
 from attngeom.store._zarr import sync
 from attngeom.store.access import consolidated_fault
 from attngeom.store.codecs import has_checksum
@@ -63,9 +64,7 @@ def rebuilt_metadata(nodes: Mapping[str, Any], key: str) -> bytes | None:
             isinstance(root, Mapping) and root.get("consolidated_metadata") is not None
             and consolidated_fault(root) is None) else {}
         attrs = (copy.get(node) or {}).get("attributes") or {}
-        initialized = isinstance(attrs, Mapping) and isinstance(attrs.get(ATTR_KEY), Mapping) and \
-            attrs[ATTR_KEY].get("initialized")
-        return _group_metadata(attrs) if initialized else None
+        return _group_metadata(attrs) if isinstance(attrs, Mapping) and run_created(attrs.get(ATTR_KEY)) else None
     if len(parts) == 3 and parts[0] == RUNS and parts[2] in RUN_VARIABLES:
         return _array_metadata(nodes, parts[1], parts[2])
     return None
@@ -108,7 +107,7 @@ def _lost_arrays(nodes: Mapping[str, Any]) -> list[str]:
 def _layout(nodes: Mapping[str, Any], run_id: str) -> RunLayout | None:
     """The layout run ``run_id`` records, without its attendable keys; None without one."""
     layout = _run_attributes(nodes, run_id).get("layout")
-    if not isinstance(layout, Mapping) or not _run_attributes(nodes, run_id).get("initialized"):
+    if not isinstance(layout, Mapping) or not run_created(_run_attributes(nodes, run_id)):
         return None
     # A layout recorded before format 5 names no ``lacking``: the run lacks the summaries it
     # does not hold (as ``runs.run_layout`` reads it).

@@ -22,7 +22,7 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import AttngeomError, DamagedStoreError
-from attngeom.peek import RUN_ID_PATTERN
+from attngeom.peek import RUN_ID_PATTERN, run_created
 from attngeom.store._zarr import sync
 from attngeom.store.access import (
     consolidated_fault,
@@ -305,7 +305,7 @@ def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[s
     not missing)."""
     where = f"run {run_id}"
     meta = run.attrs.get(ATTR_KEY)
-    if not isinstance(meta, Mapping) or not meta.get("initialized"):
+    if not run_created(meta):
         return [f"{where}: creation was interrupted (no provenance); re-run extract"]
     problems = []
     for key in ("model", "dataset", "context_length", "library_versions", "command_line"):
