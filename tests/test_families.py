@@ -141,7 +141,7 @@ def test_an_unverified_family_is_checked_against_its_eager_attention(ids, tmp_pa
     """A family outside the verified list is compared with its eager attention first: it
     agrees (a Llama taken for unverified), or the run is refused with the size of the
     difference (the same model whose capture is made to scale its scores wrongly)."""
-    from attngeom.extract import capture, families, pipeline
+    from attngeom.extract import capture, pipeline
 
     monkeypatch.setattr(pipeline, "VERIFIED_TYPES", frozenset())
     torch.manual_seed(0)

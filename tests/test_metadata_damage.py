@@ -82,7 +82,6 @@ def test_malformed_node_metadata_is_named_and_rebuilt_by_repair(store, ablated_s
 def test_lost_run_metadata_without_a_copy_is_said_once_and_never_sent_to_repair(store):
     """Nothing records a run's attributes once the consolidated copy is gone too: validate
     says so instead of advising --repair, which says it once and changes nothing."""
-    url = str(store)
     edit(store / "zarr.json", lambda d: d.pop("consolidated_metadata"))
     (store / "runs/r/zarr.json").unlink()
     cannot = ("runs/r/zarr.json cannot be rebuilt (nothing in the store records it); restore the store from a copy, "

@@ -21,7 +21,7 @@ predicts token ``L-1``; only that position's logits are computed (``logits_to_ke
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import MappingProxyType
