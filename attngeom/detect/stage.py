@@ -215,7 +215,7 @@ def _run_tokenizer(request: DetectRequest, provenance: dict[str, Any]) -> Any:
     )
 
 
-def _rows(model: torch.nn.Module, ids: np.ndarray, queries: tuple[int, ...], device: str) -> dict[int, torch.Tensor]:
+def _attention_rows(model: torch.nn.Module, ids: np.ndarray, queries: tuple[int, ...], device: str) -> dict[int, torch.Tensor]:
     """Position of each attention layer among the run's layers -> the float32 rows (B, H, Q, L)
     of ``queries`` of a forward of ``ids`` (B, L)."""
     with torch.inference_mode(), capturing(model, queries=queries) as recorder:
@@ -236,7 +236,7 @@ def _probe_scores(model: torch.nn.Module, probes: np.ndarray, k: int, request: D
     """duplicate_score, induction_score, prev_token_score (layers, heads) over the probes."""
     sums: dict[str, np.ndarray] = {}
     for batch in _batches(len(probes), request, "detect probes"):
-        for layer, rows in _rows(model, probes[batch], probe_queries(k), device).items():
+        for layer, rows in _attention_rows(model, probes[batch], probe_queries(k), device).items():
             for name, value in probe_sums(rows, k).items():
                 sums.setdefault(name, np.zeros((len(_layers(model)), rows.shape[1])))[layer] += value.cpu().numpy()
     count = {"duplicate": k, "induction": k, "prev_token": 2 * k}
@@ -250,7 +250,7 @@ def _retrieval_hits(model: torch.nn.Module, retrieval: Retrieval, request: Detec
     hits: np.ndarray | None = None
     for batch in _batches(len(tokens), request, "detect retrieval"):
         starts = torch.from_numpy(retrieval.needle_start[batch]).to(device)
-        for layer, rows in _rows(model, tokens[batch], queries, device).items():
+        for layer, rows in _attention_rows(model, tokens[batch], queries, device).items():
             if hits is None:
                 hits = np.zeros((len(tokens), len(_layers(model)), rows.shape[1]), dtype=np.int64)
             hits[batch, layer] = retrieval_hits(rows, starts).cpu().numpy()

@@ -232,11 +232,11 @@ def _given(request: ExtractRequest, model: _Model, bos_id: int) -> _Input:
     vocab = model.config.vocab_size
     outside = np.flatnonzero(((ids < 0) | (ids >= vocab)).any(axis=1))
     if outside.size:
-        raise InputError(f"token_ids rows {_rows(outside)} hold ids outside the vocabulary [0, {vocab})")
+        raise InputError(f"token_ids rows {_row_list(outside)} hold ids outside the vocabulary [0, {vocab})")
     no_bos = np.flatnonzero(ids[:, 0] != bos_id)
     if no_bos.size:
         raise InputError(
-            f"token_ids rows {_rows(no_bos)} do not start with the BOS token {bos_id} "
+            f"token_ids rows {_row_list(no_bos)} do not start with the BOS token {bos_id} "
             "(position 0 is BOS: docs/method.md#preprocessing)"
         )
     digest = hashlib.sha256(f"{ids.shape}".encode())
@@ -246,7 +246,7 @@ def _given(request: ExtractRequest, model: _Model, bos_id: int) -> _Input:
     return _Input("token_ids", provenance, {"rule": "given", "seed": None}, length, lambda: windows)
 
 
-def _rows(rows: np.ndarray, shown: int = 10) -> str:
+def _row_list(rows: np.ndarray, shown: int = 10) -> str:
     text = ", ".join(str(int(r)) for r in rows[:shown])
     return text + (f" and {rows.size - shown} more" if rows.size > shown else "")
 

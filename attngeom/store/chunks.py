@@ -31,7 +31,7 @@ from zarr.buffer import default_buffer_prototype
 from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
 
 from attngeom.store._zarr import sync
-from attngeom.store.codecs import codec_setting, decode_chunk, decoded, decodes
+from attngeom.store.codecs import codec_setting, decode_chunk, decoded, can_decode
 from attngeom.store.damage import DECODE_ERRORS, damaged_chunk, locate_damage
 from attngeom.store.schema import ATTR_KEY, ENCODING
 
@@ -92,7 +92,7 @@ def _address(arr: zarr.Array, key: tuple[int | slice, ...]) -> _Address | None:
     else:
         inner = stored = tuple(arr.chunks)
     m = len(key)
-    if (not decodes(codecs) or m > arr.ndim
+    if (not can_decode(codecs) or m > arr.ndim
             or not all(isinstance(k, (int, np.integer)) and 0 <= k < n for k, n in zip(key, arr.shape))
             or any(c not in (1, n) for c, n in zip(inner[:m], arr.shape)) or inner[m:] != tuple(arr.shape[m:])):
         return None

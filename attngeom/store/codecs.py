@@ -95,7 +95,7 @@ def codec_setting(x: Any) -> Any:
     return getattr(x, "value", x)
 
 
-def decodes(codecs: Sequence[Any]) -> bool:
+def can_decode(codecs: Sequence[Any]) -> bool:
     """Whether chunks with the zarr codecs ``codecs`` (an unsharded array's, or a shard's
     inner chunks') are stored as :func:`chunk_encoder` encodes them, which
     :func:`decode_chunk` reads: little-endian bytes, Blosc, then crc32c."""

@@ -20,7 +20,7 @@ from dask.system import cpu_count
 from attngeom.store._zarr import ArrayV3Metadata
 from attngeom.store.access import quiet_leftovers, writing
 from attngeom.store.chunks import read_chunk
-from attngeom.store.codecs import chunk_encoder, compressors, decode_chunk, decoded, decodes
+from attngeom.store.codecs import chunk_encoder, compressors, decode_chunk, decoded, can_decode
 from attngeom.store.damage import DECODE_ERRORS, damaged_chunk, locate_damage, metadata_damage, stored_grid
 from attngeom.store.nodes import Part, get_objects, group_document, metadata_bytes, put_objects, remove_dir, zarr_store
 from attngeom.store.schema import ATTR_KEY, ENCODING, LABEL_ORDERS, LABELS, label_codes, label_dtype
@@ -354,12 +354,12 @@ def read_regions(url: str, parts: Sequence[tuple[zarr.AsyncArray, slice]]) -> li
     :class:`CorruptChunkError` naming it."""
     grids = [_chunks_reached(arr.metadata, at) for arr, at in parts]
     keys = [f"{arr.path}/{arr.metadata.encode_chunk_key(index)}" for (arr, _), grid in zip(parts, grids)
-            if decodes(arr.metadata.codecs) for index in grid]
+            if can_decode(arr.metadata.codecs) for index in grid]
     stored = get_objects(parts[0][0].store_path.store, keys) if keys else {}
     out = []
     for (arr, at), grid in zip(parts, grids):
         try:
-            if decodes(arr.metadata.codecs):
+            if can_decode(arr.metadata.codecs):
                 out.append(_region(arr, at, grid, stored))
                 continue
         except DECODE_ERRORS:

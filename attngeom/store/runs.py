@@ -69,7 +69,7 @@ def require_runs(root: zarr.Group, url: str) -> list[str]:
     return runs
 
 
-def require_run(root: zarr.Group, run_id: str, url: str) -> None:
+def require_run_group(root: zarr.Group, run_id: str, url: str) -> None:
     """Raise :class:`RunNotFoundError`, naming the runs there are, unless ``run_id`` is one."""
     runs = require_runs(root, url)
     if run_id not in runs:

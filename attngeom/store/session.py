@@ -44,7 +44,7 @@ from attngeom.store.runs import (
     RunLayout,
     completed,
     open_run_group,
-    require_run,
+    require_run_group,
     require_runs,
     run_ids,
     run_layout,
@@ -115,13 +115,13 @@ class StoreSession:
     def run(self, run_id: str) -> zarr.Group:
         """The run's group, for a writer; :class:`RunNotFoundError`, naming the runs there
         are, if none. A reader takes :meth:`reader`."""
-        require_run(self.root, run_id, self.url)
+        require_run_group(self.root, run_id, self.url)
         return open_run_group(self.root, run_id)
 
     def reader(self, run_id: str, *, check: Check | None = None) -> RunReader:
         """The run ``run_id`` to read (:class:`RunNotFoundError`, naming the runs there are,
         if none), checked as ``check`` says (:meth:`RunReader.check`) before it is handed out."""
-        require_run(self.root, run_id, self.url)
+        require_run_group(self.root, run_id, self.url)
         return RunReader(self, run_id).check(check)
 
     def readers(self, *, check: Check | None = None) -> Iterator[RunReader]:

@@ -259,7 +259,7 @@ def exact_keys(agg, sv, alpha, points, att, tol, out):
     y_max = np.sqrt(yy.max()) if K else 0.0
     yn = np.sqrt(yy)
     e_rel, tiny = tol.e_rel, tol.tiny
-    point, kind = _rows(P, Pn, R)
+    point, kind = _row_kinds(P, Pn, R)
     mark = np.zeros(K, np.bool_)
     pair_rows, pair_keys = [0], [0]
     pair_rows.pop()
@@ -361,7 +361,7 @@ def inversions(d_sel, x, order, n, n_att, width, unsure, y, s, cache):
 
 
 @jit
-def _rows(P, Pn, R):
+def _row_kinds(P, Pn, R):
     """For each aggregate row: its size's index p and which selection (0 main, 1 sink-excluded,
     2 + r random draw r)."""
     rows = P + Pn + R * P
