@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from attngeom.store.derived import Commit, Damage, DerivedState, Pending
+from attngeom.store.record import Commit, Damage, DerivedState, Pending
 from attngeom.store.plan import changes, healing, plan_update
 
 A = {"n_grid": [1, 2, 4], "seed": 0}

@@ -8,12 +8,16 @@ which it reads and writes),
 :mod:`~attngeom.store.datasets` (groups as Datasets), :mod:`~attngeom.store.damage` (damage
 errors and recovery), :mod:`~attngeom.store.chunks` (a run's arrays read a chunk at a time),
 :mod:`~attngeom.store.runs` (runs and the per-sequence commit), :mod:`~attngeom.store.run_write`
-(extract's write of a run, begin to commit), :mod:`~attngeom.store.derived`
-and :mod:`~attngeom.store.plan` (analysis and ablation groups and their commit record),
+(extract's write of a run, begin to commit), :mod:`~attngeom.store.derived`,
+:mod:`~attngeom.store.record` and :mod:`~attngeom.store.plan` (analysis and ablation groups and
+their commit record),
 :mod:`~attngeom.store._zarr` (the zarr internals used), :mod:`~attngeom.store.objects` (stored
 objects and their checks), :mod:`~attngeom.store.validate`, :mod:`~attngeom.store.repair` and
 :mod:`~attngeom.store.migrate`. Stages import what they use from here.
 """
+
+import importlib
+from typing import Any
 
 from attngeom.peek import RUN_ID_PATTERN, default_run_id
 from attngeom.store.access import (
@@ -27,10 +31,9 @@ from attngeom.store.access import (
 )
 from attngeom.store.chunks import read_chunk
 from attngeom.store.damage import damaged_chunk, recovery
-from attngeom.store.datasets import open_dataset, write_dataset
 from attngeom.store.nodes import jsonable, local_path, zarr_store
 from attngeom.store.codecs import compressor, compressors, has_checksum, with_checksum
-from attngeom.store.derived import derived_problems, derived_state, replace_groups
+from attngeom.store.record import derived_state
 from attngeom.store.runs import (
     SequenceWriter,
     completed,
@@ -124,3 +127,18 @@ __all__ = [
     "run_ids", "run_layout", "run_path", "run_provenance", "store_format", "validate_run",
     "validate_store", "with_checksum", "write_dataset", "write_sequence", "writing", "zarr_store",
 ]
+
+# What loads xarray and Dask, by the module holding it, imported on first use: a command that
+# finds its work done (an analyze with nothing to do) reads and checks the store with zarr alone.
+_LAZY = {"open_dataset": "datasets", "write_dataset": "datasets", "derived_problems": "derived",
+         "replace_groups": "derived"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"attngeom.store.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'attngeom.store' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

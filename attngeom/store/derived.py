@@ -15,6 +15,10 @@ A derived group ``runs/<id>/<kind>`` carries a record in its attributes, under `
   groups being moved from staging into place: the commit is dropped for that short step,
   and a rerun finishes it.
 
+The record's shape, its reading and the check of the committed objects against it live in
+:mod:`attngeom.store.record`, with zarr alone; this module writes the record and reads the
+groups with xarray.
+
 So a writer touches nothing a commit covers without dropping the commit first, and it
 writes the commit last: a killed writer leaves either the earlier finished results or a
 group that every reader refuses as incomplete. A derived group without any record predates
@@ -30,328 +34,50 @@ order. Analyze, ablate and detect all write through it.
 from __future__ import annotations
 
 import contextlib
-import os
-import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
 import zarr
-from zarr.buffer import default_buffer_prototype
 
-from attngeom import __version__
 from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError, InProgressError
-from attngeom.store._zarr import sync
 from attngeom.store.access import consolidate
-from attngeom.store.damage import DECODE_ERRORS
 from attngeom.store.datasets import open_dataset, read_regions, set_regions, write_datasets
+from attngeom.store.locks import holder_words, live_holder
 from attngeom.store.nodes import (
-    PARTIAL_SUFFIX,
     delete_objects,
     group_document,
     jsonable,
     local_path,
     metadata_bytes,
-    metadata_fault,
     move_group,
     node_exists,
-    node_metadata,
-    parse_metadata,
     put_objects,
     remove_dir,
-    zarr_store,
 )
-from attngeom.store.locks import holder_words, live_holder
-from attngeom.store.objects import chunk_key, chunk_objects, object_damage, object_sizes
 from attngeom.store.plan import Plan, healing, plan_update
-from attngeom.store.schema import ATTR_KEY, DERIVED, run_path
+from attngeom.store.record import (
+    LOST,
+    STAGING,
+    Commit,
+    Damage,
+    DerivedState,
+    Pending,
+    damage_found,
+    derived_damage,
+    kind_path,
+    read_state,
+    staged_path,
+    stored_sizes,
+)
+from attngeom.store.schema import ATTR_KEY, DERIVED
 
 if TYPE_CHECKING:
     from attngeom.store.session import StoreSession
 
-__all__ = [
-    "STAGING",
-    "Commit",
-    "Damage",
-    "DerivedState",
-    "DerivedWrite",
-    "Pending",
-    "derived_problems",
-    "derived_state",
-    "forget_unreadable",
-    "read_derived",
-    "replace_groups",
-    "staged_path",
-    "unheld_claims",
-]
-
-# The staging group inside a derived group: results replacing committed ones are written
-# here first, then moved into place.
-STAGING = "_next"
-
-
-@dataclass(frozen=True)
-class Commit:
-    """Finished results: ``sequences`` (run sequence ids, in ``seq`` order) covered by the
-    ``sequence_groups`` (which grow along ``seq``), computed with ``parameters``; ``objects``:
-    key (below ``runs/<id>/<kind>/``) -> size in bytes of every stored object of the groups
-    (empty in records written before attngeom kept it; anything rewriting the objects in
-    place, a future migration say, must list them again)."""
-
-    parameters: dict[str, Any]
-    groups: tuple[str, ...]
-    sequences: tuple[int, ...] = ()
-    sequence_groups: tuple[str, ...] = ()
-    attngeom_version: str = __version__
-    objects: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Pending:
-    """An update under way (or interrupted): ``sequences`` written so far with
-    ``parameters``, into staging when ``staged``; ``promoting`` groups are being moved into
-    place."""
-
-    parameters: dict[str, Any]
-    sequences: tuple[int, ...] = ()
-    staged: bool = False
-    promoting: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class DerivedState:
-    """The record of ``runs/<run_id>/<kind>``; ``exists`` False when there is no such group
-    (``leftover`` when an empty folder is left where it would be), ``legacy`` when the group
-    predates records, ``unreadable`` when its ``zarr.json`` (the record) does not parse, is
-    malformed or is lost while the group holds objects (``fault`` says which, in words)."""
-
-    run_id: str
-    kind: str
-    exists: bool = False
-    legacy: bool = False
-    commit: Commit | None = None
-    pending: Pending | None = None
-    unreadable: bool = False
-    fault: str = ""
-    leftover: bool = False
-
-    @property
-    def readable(self) -> bool:
-        """Whether readers may use the groups: finished, and nothing being moved into place."""
-        if self.legacy:
-            return True
-        return self.commit is not None and not (self.pending is not None and self.pending.promoting)
-
-
-@dataclass(frozen=True)
-class Damage:
-    """A committed group found damaged: ``objects`` its damaged objects (keys below
-    ``runs/<id>/<kind>/``) and what is wrong with each; ``seq_from`` the first ``seq``
-    position of a damaged chunk of a group growing along ``seq``, None when the whole group
-    must be written again (its metadata, or a group across sequences)."""
-
-    group: str
-    objects: tuple[tuple[str, str], ...]
-    seq_from: int | None
-
-    def __str__(self) -> str:
-        key, what = self.objects[0]
-        more = f" (and {len(self.objects) - 1} more objects)" if len(self.objects) > 1 else ""
-        return f"{key} is {what}{more}"
-
-
-def _kind_path(run_id: str, kind: str) -> str:
-    return f"{run_path(run_id)}/{kind}"
-
-
-def staged_path(run_id: str, kind: str, name: str) -> str:
-    """Where ``name`` is written while staged: ``runs/<id>/<kind>/_next/<name>``."""
-    return f"{_kind_path(run_id, kind)}/{STAGING}/{name}"
-
-
-def _read_state(zstore: Any, run_id: str, kind: str) -> DerivedState:
-    """The record of ``runs/<run_id>/<kind>`` in ``zstore`` (one read of the group's metadata;
-    where there is none, one listing of what the group's folder holds)."""
-    base = _kind_path(run_id, kind)
-    raw = sync(zstore.get(f"{base}/zarr.json", prototype=default_buffer_prototype()))
-    if raw is None:
-        held = _contents(zstore, base)
-        if held == "objects":
-            return DerivedState(run_id, kind, exists=True, unreadable=True, fault=_LOST)
-        return DerivedState(run_id, kind, leftover=held == "empty")
-    raw = raw.to_bytes()
-    meta = parse_metadata(raw)
-    if meta is None or meta["node_type"] != "group":
-        fault = metadata_fault(raw) if meta is None else "malformed (an array's metadata, not a group's)"
-        return DerivedState(run_id, kind, exists=True, unreadable=True, fault=fault)
-    if ATTR_KEY not in meta.get("attributes", {}):
-        return DerivedState(run_id, kind, exists=True, legacy=True)
-    record = meta["attributes"][ATTR_KEY]
-    fault = _record_fault(record)
-    if fault is not None:
-        return DerivedState(run_id, kind, exists=True, unreadable=True, fault=f"malformed ({fault})")
-    done, pending = record.get("commit"), record.get("pending")
-    return DerivedState(
-        run_id, kind, exists=True,
-        commit=Commit(
-            parameters=dict(done["parameters"]), groups=tuple(done["groups"]),
-            sequences=tuple(done.get("sequences", ())), sequence_groups=tuple(done.get("sequence_groups", ())),
-            attngeom_version=str(done.get("attngeom_version", "")),
-            objects={str(k): int(v) for k, v in done.get("objects", {}).items()},
-        ) if done is not None else None,
-        pending=Pending(
-            parameters=dict(pending["parameters"]), sequences=tuple(pending.get("sequences", ())),
-            staged=bool(pending.get("staged")), promoting=tuple(pending.get("promoting", ())),
-        ) if pending is not None else None,
-    )
-
-
-# How a lost record reads in the lines naming it.
-_LOST = "missing (lost metadata of a group: nothing it holds can be reached)"
-
-
-def _record_fault(record: Any) -> str | None:
-    """What makes a commit record unusable, in words; None when it has the shape a writer
-    writes (:class:`Commit`, :class:`Pending`)."""
-
-    def ints(x: Any) -> bool:
-        return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
-
-    def names(x: Any) -> bool:
-        return isinstance(x, list) and all(isinstance(n, str) for n in x)
-
-    if not isinstance(record, Mapping):
-        return f"the record is a {type(record).__name__}, not an object"
-    done, pending = record.get("commit"), record.get("pending")
-    if done is not None:
-        if not isinstance(done, Mapping):
-            return f"its commit is a {type(done).__name__}, not an object"
-        if not isinstance(done.get("parameters"), Mapping):
-            return "its commit's parameters are not an object"
-        named = next((key for key, value in done["parameters"].items() if key.endswith("_sequences")
-                      and isinstance(value, list) and not ints(value)), None)
-        if named is not None:
-            return f"its commit's parameter '{named}' is not a list of sequence ids"
-        if not names(done.get("groups")):
-            return "its commit's groups are not a list of names"
-        if not ints(done.get("sequences", [])):
-            return "its commit's sequences are not a list of sequence ids"
-        along = done.get("sequence_groups", [])
-        if not names(along) or not set(along) <= set(done["groups"]):
-            return "its commit's sequence_groups are not among its groups"
-        objects = done.get("objects", {})
-        if not isinstance(objects, Mapping) or not all(isinstance(v, int) and v >= 0 for v in objects.values()):
-            return "its commit's objects are not a list of sizes by key"
-    if pending is not None:
-        if not isinstance(pending, Mapping):
-            return f"its pending update is a {type(pending).__name__}, not an object"
-        if not isinstance(pending.get("parameters"), Mapping):
-            return "its pending update's parameters are not an object"
-        if not ints(pending.get("sequences", [])) or not names(pending.get("promoting", [])):
-            return "its pending update's sequences or promoted groups are malformed"
-    return None
-
-
-def _contents(zstore: Any, base: str) -> str:
-    """What the folder ``base`` holds without its ``zarr.json``: "objects", "empty" (a local
-    folder holding no file: a writer stopped by a full disk before its first object), or
-    "none"."""
-    if isinstance(zstore, zarr.storage.LocalStore):
-        folder = os.path.join(str(zstore.root), base)
-        if not os.path.isdir(folder):
-            return "none"
-        return "objects" if any(names for _, _, names in os.walk(folder)) else "empty"
-
-    async def first() -> bool:
-        async for _ in zstore.list_prefix(f"{base}/"):
-            return True
-        return False
-
-    return "objects" if sync(first()) else "none"
-
-
-def derived_state(url: str, run_id: str, kind: str) -> DerivedState:
-    """The record of ``runs/<run_id>/<kind>`` of the store at ``url``."""
-    return _read_state(zarr_store(url, read_only=True), run_id, kind)
-
-
-def _stored(zstore: Any, base: str, group: str | None = None) -> dict[str, int]:
-    """Key (below ``base``) -> size of every stored object of the groups under ``base`` (or
-    of ``group`` alone): not the record, not staging, not the leftovers of killed writes."""
-    prefix = f"{base}/{group}/" if group else f"{base}/"
-    return {
-        key[len(base) + 1 :]: size for key, size in object_sizes(zstore, prefix).items()
-        if key != f"{base}/zarr.json" and not key.startswith(f"{base}/{STAGING}/") and not key.endswith(PARTIAL_SUFFIX)
-    }
-
-
-def _seq_position(zstore: Any, base: str, key: str) -> int | None:
-    """The first ``seq`` position of the chunk ``key`` (``<group>/<array>/c.<i>...``, or
-    ``c/<i>/...`` in groups written earlier) of an array along ``seq``; None for any other object."""
-    parts = key.split("/", 2)
-    chunk = re.split(r"[./]", parts[2]) if len(parts) == 3 else []
-    if chunk[:1] != ["c"] or len(chunk) < 2 or not chunk[1].isdigit():
-        return None
-    try:
-        arr = zarr.open_array(zstore, path=f"{base}/{parts[0]}/{parts[1]}", mode="r")
-    except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError, *DECODE_ERRORS):
-        return None
-    if tuple(arr.metadata.dimension_names or ())[:1] != ("seq",):
-        return None
-    return int(chunk[1]) * arr.chunks[0]
-
-
-def _damage(zstore: Any, state: DerivedState, names: Sequence[str], *, deep: bool) -> dict[str, Damage]:
-    """The committed groups ``names`` found damaged, by name: an object the commit lists that
-    is missing or of another size (one listing); with ``deep``, also one failing to decode."""
-    done = state.commit
-    if done is None or not done.objects:
-        return {}
-    base = _kind_path(state.run_id, state.kind)
-    stored = _stored(zstore, base) if len(names) > 1 else _stored(zstore, base, names[0])
-    found: dict[str, list[tuple[str, str]]] = {}
-    for key, size in sorted(done.objects.items()):
-        group = key.split("/", 1)[0]
-        if group in names and stored.get(key) != size:
-            got = stored.get(key)
-            what = ("missing" if got is None else "empty (0 bytes)" if got == 0
-                    else f"truncated ({got} of {size} bytes)" if got < size
-                    else f"{got} bytes long where {size} were written")
-            found.setdefault(group, []).append((key, what))
-    if deep:
-        # Every stored object of the groups, not only those the commit lists: a commit kept
-        # by an update appending in place lists none of its sequence groups' objects.
-        for group in names:
-            problems = [] if group in found else _decode_damage(zstore, base, group, stored)
-            if problems:
-                found[group] = problems
-    out = {}
-    for group, problems in found.items():
-        positions = [_seq_position(zstore, base, key) if group in done.sequence_groups else None for key, _ in problems]
-        start = None if None in positions else min(p for p in positions if p is not None)
-        out[group] = Damage(group, tuple(problems), start)
-    return out
-
-
-def _decode_damage(zstore: Any, base: str, group: str, objects: Mapping[str, int]) -> list[tuple[str, str]]:
-    """(key, what) of every object of the committed ``group`` that fails to decode, of its
-    arrays among ``objects`` (key below ``base`` -> size)."""
-    arrays = sorted({key.rsplit("/", 1)[0] for key in objects if key.startswith(f"{group}/") and key.count("/") == 2
-                     and key.endswith("/zarr.json")})
-    problems = []
-    for path in arrays:
-        try:
-            arr = zarr.open_array(zstore, path=f"{base}/{path}", mode="r")
-        except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError, *DECODE_ERRORS) as exc:
-            problems.append((f"{path}/zarr.json", f"unreadable ({type(exc).__name__})"))
-            continue
-        for index, size in sorted(chunk_objects(arr).items()):
-            why = object_damage(arr, index, size)
-            if why is not None:
-                problems.append((chunk_key(arr, index)[len(base) + 1:], f"damaged ({type(why).__name__}: {why})"))
-    return problems
+__all__ = ["DerivedWrite", "derived_problems", "forget_unreadable", "read_derived", "replace_groups", "unheld_claims"]
 
 
 def _rerun(url: str, run_id: str, kind: str) -> str:
@@ -360,7 +86,7 @@ def _rerun(url: str, run_id: str, kind: str) -> str:
 
 def _damaged(url: str, state: DerivedState, damage: Damage) -> DamagedStoreError:
     return DamagedStoreError(
-        f"{_kind_path(state.run_id, state.kind)}/{damage}; {_rerun(url, state.run_id, state.kind)}"
+        f"{kind_path(state.run_id, state.kind)}/{damage}; {_rerun(url, state.run_id, state.kind)}"
     )
 
 
@@ -371,13 +97,13 @@ def forget_unreadable(session: StoreSession, run_id: str, kind: str) -> str | No
     was removed ("did not parse", "was malformed", "was lost"), else None. A writer does this
     before opening the run with xarray, which reads every child group's metadata."""
     session.lock(run_id, DERIVED.get(kind, kind))
-    state = _read_state(session.zstore, run_id, kind)
+    state = read_state(session.zstore, run_id, kind)
     if state.leftover:
-        remove_dir(session.zstore, _kind_path(run_id, kind))
+        remove_dir(session.zstore, kind_path(run_id, kind))
     if not state.unreadable:
         return None
-    remove_dir(session.zstore, _kind_path(run_id, kind))
-    return "was lost" if state.fault == _LOST else "was malformed" if state.fault.startswith("malformed") \
+    remove_dir(session.zstore, kind_path(run_id, kind))
+    return "was lost" if state.fault == LOST else "was malformed" if state.fault.startswith("malformed") \
         else "did not parse"
 
 
@@ -404,7 +130,7 @@ class DerivedWrite:
 
     def __init__(self, session: StoreSession, run_id: str, kind: str, *, deep: bool = False) -> None:
         self.session, self.url, self.run_id, self.kind, self.deep = session, session.url, run_id, kind, deep
-        self.base = _kind_path(run_id, kind)
+        self.base = kind_path(run_id, kind)
         self.zstore = session.zstore
         self.state = DerivedState(run_id, kind)
         self.damage: dict[str, Damage] = {}
@@ -415,19 +141,11 @@ class DerivedWrite:
 
     def __enter__(self) -> DerivedWrite:
         self.session.lock(self.run_id, DERIVED.get(self.kind, self.kind))
-        self.state = _read_state(self.zstore, self.run_id, self.kind)
+        self.state = read_state(self.zstore, self.run_id, self.kind)
         if self.state.unreadable or self.state.leftover:  # as forget_unreadable
             remove_dir(self.zstore, self.base)
             self.state = DerivedState(self.run_id, self.kind)
-        names = self.state.commit.groups if self.state.commit is not None else ()
-        self.damage = _damage(self.zstore, self.state, names, deep=self.deep) if names else {}
-        # A zarr.json of its size that does not parse (overwritten in place): the group
-        # cannot be read, nor, on a rerun that found nothing else, rewritten.
-        for key, meta in node_metadata(self.zstore, self.base).items():
-            relative = key[len(self.base) + 1 :]
-            group = relative.split("/", 1)[0]
-            if meta is None and group in names and group not in self.damage:
-                self.damage[group] = Damage(group, ((relative, "unreadable JSON"),), None)
+        self.damage = derived_damage(self.zstore, self.state, deep=self.deep)
         self._step = "open"
         return self
 
@@ -654,7 +372,7 @@ class DerivedWrite:
         """Write the commit record, listing every stored object of its groups (and forget the
         pending update): the writer's last write. Leftover staging is removed first."""
         remove_dir(self.zstore, f"{self.base}/{STAGING}")
-        stored = _stored(self.zstore, self.base)
+        stored = stored_sizes(self.zstore, self.base)
         objects = {key: size for key, size in stored.items() if key.split("/", 1)[0] in done.groups}
         self._write_record(replace(done, objects=objects), None)
         self.damage = {}
@@ -765,7 +483,7 @@ def _writer_at_work(zstore: Any, state: DerivedState) -> dict[str, Any] | None:
 
 def _unreadable_record(url: str, state: DerivedState) -> DamagedStoreError:
     return DamagedStoreError(
-        f"{_kind_path(state.run_id, state.kind)}/zarr.json is {state.fault}; {_rerun(url, state.run_id, state.kind)}"
+        f"{kind_path(state.run_id, state.kind)}/zarr.json is {state.fault}; {_rerun(url, state.run_id, state.kind)}"
     )
 
 
@@ -781,7 +499,7 @@ def read_derived(zstore: Any, url: str, run_id: str, kind: str, name: str) -> xr
     :class:`DamagedStoreError` when the record does not parse or an object the commit lists
     is missing or of another size (one listing of the group).
     """
-    state = _read_state(zstore, run_id, kind)
+    state = read_state(zstore, run_id, kind)
     if not state.readable and (holder := _writer_at_work(zstore, state)) is not None:
         raise _in_progress(state, holder)
     if not state.exists:
@@ -794,11 +512,11 @@ def read_derived(zstore: Any, url: str, run_id: str, kind: str, name: str) -> xr
         raise _incomplete(url, state)
     if state.commit is not None and name not in state.commit.groups:
         raise GroupNotFoundError(f"{kind} of run {run_id} has no group '{name}'")
-    damage = _damage(zstore, state, [name], deep=False)
+    damage = damage_found(zstore, state, [name], deep=False)
     if damage:
         raise _damaged(url, state, damage[name])
     try:
-        ds = open_dataset(url, f"{_kind_path(run_id, kind)}/{name}", zstore=zstore)
+        ds = open_dataset(url, f"{kind_path(run_id, kind)}/{name}", zstore=zstore)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError) as exc:
         if state.legacy:
             raise GroupNotFoundError(f"{kind} of run {run_id} has no group '{name}'") from exc
@@ -819,9 +537,9 @@ def derived_problems(zstore: Any, url: str, run_id: str, committed_sequences: Se
     problems = []
     done = set(int(s) for s in committed_sequences)
     for kind in DERIVED:
-        state = _read_state(zstore, run_id, kind)
+        state = read_state(zstore, run_id, kind)
         if state.leftover:
-            problems.append(f"{_kind_path(run_id, kind)} is an empty folder, left by a {DERIVED[kind]} stopped "
+            problems.append(f"{kind_path(run_id, kind)} is an empty folder, left by a {DERIVED[kind]} stopped "
                             f"before its first write (a full disk?); harmless: the next writer that writes the "
                             f"store alone removes it")
             continue
@@ -837,11 +555,11 @@ def derived_problems(zstore: Any, url: str, run_id: str, committed_sequences: Se
             problems.append(str(_incomplete(url, state)))
             continue
         assert state.commit is not None
-        damage = _damage(zstore, state, state.commit.groups, deep=False)
+        damage = damage_found(zstore, state, state.commit.groups, deep=False)
         for name in state.commit.groups:
             if name in damage:
                 problems.append(str(_damaged(url, state, damage[name])))
-            elif not state.commit.objects and not node_exists(zstore, f"{_kind_path(run_id, kind)}/{name}"):
+            elif not state.commit.objects and not node_exists(zstore, f"{kind_path(run_id, kind)}/{name}"):
                 problems.append(f"run {run_id}: {kind} is committed but lacks its group '{name}'")
         for what, claimed in _claims(state.commit).items():
             unknown = sorted(set(claimed) - done)

@@ -1,6 +1,6 @@
 """How a derived update brings its groups up to date: pure functions of the commit record.
 
-:func:`plan_update` reads the record (:class:`~attngeom.store.derived.DerivedState`), the
+:func:`plan_update` reads the record (:class:`~attngeom.store.record.DerivedState`), the
 parameters of the update and the sequences it must cover, and says which committed or
 written sequences it keeps, whether it writes into staging (the commit stays readable
 meanwhile) or in place, and why earlier results are recomputed; :func:`healing` adds the
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from attngeom.store.derived import Damage, DerivedState
+    from attngeom.store.record import Damage, DerivedState
 
 __all__ = ["Plan", "changes", "healing", "plan_update"]
 

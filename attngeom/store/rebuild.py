@@ -24,7 +24,7 @@ from attngeom.peek import run_created
 from attngeom.store._zarr import sync
 from attngeom.store.access import consolidated_fault
 from attngeom.store.codecs import has_checksum
-from attngeom.store.derived import STAGING
+from attngeom.store.record import STAGING
 from attngeom.store.nodes import lost_metadata
 from attngeom.store.runs import array_metadata_bytes
 from attngeom.store.schema import (

@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import zarr
-from dask.system import cpu_count
 from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import RunNotFoundError
@@ -260,6 +259,8 @@ class SequenceWriter:
         # copies; zarr >= 3.2's fused pipeline compresses a shard's chunks on one thread)
         # cost 1.3-2.2x the CPU of the compression and the write themselves on a Llama-2-7B
         # sequence, where this costs 1.0x (benchmarks/extract_writer.py, zarr 3.1.6 and 3.4.2).
+        from dask.system import cpu_count  # here: Dask loads only where sequences are written
+
         self._encoders = ThreadPoolExecutor(max_workers=cpu_count(), thread_name_prefix="attngeom-encode")
         self._pending: deque[Future[None]] = deque()
         self._stopped = False

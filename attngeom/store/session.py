@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import xarray as xr
 import zarr
 
 from attngeom.errors import GroupNotFoundError, StoreNotFoundError, StoreWriteError
@@ -35,8 +34,6 @@ from attngeom.store.access import WriterHold, check_writable, checked_root, writ
 from attngeom.store.cache import cached
 from attngeom.store.chunks import read_chunk
 from attngeom.store.damage import damaged_chunk
-from attngeom.store.datasets import open_dataset
-from attngeom.store.derived import DerivedWrite, read_derived
 from attngeom.store.lease import Lease, lease_seconds
 from attngeom.store.locks import RunLock, wait_for_writer
 from attngeom.store.nodes import local_path, zarr_store
@@ -51,6 +48,11 @@ from attngeom.store.runs import (
 )
 from attngeom.store.schema import ATTR_KEY, run_path
 from attngeom.store.validate import check_arrays, check_committed, check_run, lost_objects, reading_run
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+    from attngeom.store.derived import DerivedWrite
 
 __all__ = ["Check", "RunReader", "StoreSession"]
 
@@ -161,6 +163,10 @@ class StoreSession:
     def derived(self, run_id: str, kind: str, *, deep: bool = False) -> DerivedWrite:
         """The update of ``runs/<run_id>/<kind>`` (:class:`~attngeom.store.derived.DerivedWrite`),
         the run locked for the rest of the session."""
+        # Here, not at the top: derived groups are written with xarray, which a command that
+        # only reads or checks the store does not load.
+        from attngeom.store.derived import DerivedWrite
+
         return DerivedWrite(self, run_id, kind, deep=deep)
 
 
@@ -235,6 +241,10 @@ class RunReader:
     def dataset(self) -> xr.Dataset:
         """The committed sequences as a lazy Dataset, ``seq`` labelled by sequence index; a
         read of a stored object known to be lost raises :class:`CorruptChunkError`."""
+        # Here, not at the top: xarray loads only where a Dataset is read (an analyze with
+        # nothing to do checks the run with zarr alone).
+        from attngeom.store.datasets import open_dataset
+
         done = self.completed()
         ds = open_dataset(self.url, run_path(self.id), zstore=self.session.zstore, lost=lost_objects(self.group))
         return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
@@ -244,6 +254,8 @@ class RunReader:
         (:func:`~attngeom.store.derived.read_derived`): the one way attngeom reads derived
         results. With ``missing_ok``, None where it was never written; an unfinished one
         raises :class:`IncompleteGroupError` all the same."""
+        from attngeom.store.derived import read_derived  # here: as open_dataset in dataset()
+
         try:
             return read_derived(self.session.zstore, self.url, self.id, kind, name)
         except GroupNotFoundError:

@@ -43,7 +43,6 @@ from attngeom.store.damage import (
     stored_grid,
     unreadable_metadata,
 )
-from attngeom.store.derived import derived_problems
 from attngeom.store.nodes import (
     local_path,
     lost_metadata,
@@ -502,6 +501,10 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
             f"run `attngeom migrate --store {url}`"
         )
     problems += consolidated_problems(url, nodes)
+    # Here, not at the top: derived.py loads xarray, which the store's other checks (a
+    # writer's check_committed, an analyze with nothing to do) do without.
+    from attngeom.store.derived import derived_problems
+
     unreadable = frozenset(k.rsplit("/", 1)[0] for k in bad_metadata)
     committed: dict[str, set[int]] = {}
     named: set[str] = set()
