@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from attngeom.ablate.stage import AblateResult
+    from attngeom.analyze.parameters import AnalyzeResult
     from attngeom.detect.stage import DetectResult
-    from attngeom.analyze.runner import AnalyzeResult
     from attngeom.explore.build import ExploreResult
     from attngeom.extract.conformance import ModelCheck
     from attngeom.extract.request import ExtractResult
@@ -148,13 +148,20 @@ def analyze(
     healed), or without ``run_id`` a list of one result per run.
     """
     _check_analyze(store, run_id=run_id, scheduler=scheduler, seed=seed, out=out)
+    from attngeom.analyze.current import analyzed
     from attngeom.analyze.parameters import AnalyzeRequest
-    from attngeom.analyze.runner import analyze as run
     from attngeom.store import writing
+    from attngeom.store.session import StoreSession
 
-    with _workers_skip_main(), writing(str(store)):
-        results = run(AnalyzeRequest(store=str(store), run_id=run_id, scheduler=scheduler, n_grid=n_grid, seed=seed,
-                                     out=out, progress=progress, deep=deep))
+    request = AnalyzeRequest(store=str(store), run_id=run_id, scheduler=scheduler, n_grid=n_grid, seed=seed, out=out,
+                             progress=progress, deep=deep)
+    with _workers_skip_main(), writing(str(store)), StoreSession(str(store), mode="a") as session:
+        results = analyzed(request, session)
+        if results is None:
+            # Dask, xarray and the kernels load only where there is work.
+            from attngeom.analyze.runner import analyze as run
+
+            results = run(request, session)
     return results[0] if run_id is not None else results
 
 

@@ -1,5 +1,6 @@
-"""What an analysis's values depend on besides the run's sequences, and what ``analyze``
-is asked to do: :class:`AnalyzeRequest`. Light: no Dask, no kernels."""
+"""What an analysis's values depend on besides the run's sequences, what ``analyze`` is
+asked to do (:class:`AnalyzeRequest`) and what it did (:class:`AnalyzeResult`). Light: no
+Dask, no kernels."""
 
 from __future__ import annotations
 
@@ -34,6 +35,23 @@ class AnalyzeRequest:
     out: Path | None = None
     progress: bool = True
     deep: bool = False
+
+
+@dataclass(frozen=True)
+class AnalyzeResult:
+    """One run's analyze: ``sequences`` covered by the analysis now, ``new_sequences``
+    computed by this call, ``instances`` the (sequence, layer, head) instances covered,
+    ``seconds`` wall time; ``recomputed`` says why earlier results were recomputed rather
+    than extended (None when they were extended, or there were none); ``healed`` names the
+    damaged committed groups written again (None when there were none)."""
+
+    run_id: str
+    sequences: int
+    new_sequences: int
+    instances: int
+    seconds: float
+    recomputed: str | None = None
+    healed: str | None = None
 
 
 def default_n_grid(length: int) -> list[int]:

@@ -44,7 +44,7 @@ import time
 import warnings
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import dask
@@ -55,7 +55,7 @@ from tqdm.auto import tqdm
 
 from attngeom.analyze.blocks import all_groups, computed_groups, has_scores, sequence_groups, template_groups
 from attngeom.analyze.kernels import MAX_KEYS, compile_kernels
-from attngeom.analyze.parameters import AnalyzeRequest, analysis_parameters, default_n_grid
+from attngeom.analyze.parameters import AnalyzeRequest, AnalyzeResult, analysis_parameters, default_n_grid
 from attngeom.analyze.reductions import LOADED_TOPN_BYTES, cross_sequence_groups
 from attngeom.analyze.scheduling import dask_client
 from attngeom.analyze.tables import TABLE_COLUMNS, tidy_table
@@ -73,28 +73,11 @@ from attngeom.store import (
 from attngeom.store.derived import DerivedWrite, forget_unreadable
 from attngeom.store.session import StoreSession
 
-__all__ = ["AnalyzeResult", "analyze", "open_completed"]
+__all__ = ["analyze", "open_completed"]
 
 # (sequence, layer) tasks per batch: the analysis records its progress after each batch, so
 # a killed analyze loses at most one; enough tasks to keep every worker busy meanwhile.
 BATCH_TASKS = 128
-
-
-@dataclass(frozen=True)
-class AnalyzeResult:
-    """One run's analyze: ``sequences`` covered by the analysis now, ``new_sequences``
-    computed by this call, ``instances`` the (sequence, layer, head) instances covered,
-    ``seconds`` wall time; ``recomputed`` says why earlier results were recomputed rather
-    than extended (None when they were extended, or there were none); ``healed`` names the
-    damaged committed groups written again (None when there were none)."""
-
-    run_id: str
-    sequences: int
-    new_sequences: int
-    instances: int
-    seconds: float
-    recomputed: str | None = None
-    healed: str | None = None
 
 
 def open_completed(store: str, run_id: str) -> xr.Dataset:
@@ -298,29 +281,28 @@ def _collector_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
-def analyze(request: AnalyzeRequest) -> list[AnalyzeResult]:
-    """Analyze every run of ``request.store`` (or ``request.run_id``); results go to
-    ``runs/<id>/analysis``.
+def analyze(request: AnalyzeRequest, session: StoreSession) -> list[AnalyzeResult]:
+    """Analyze every run of ``request.store`` (or ``request.run_id``), opened for writing as
+    ``session``; results go to ``runs/<id>/analysis``.
 
     Incremental: a run's sequences already analyzed with the same parameters are kept, and
     damaged committed groups written again (see :func:`analyze_run`; ``deep`` also reads
     every committed object). Two analyzes of one run run one after the other (a lock on a
     local disk, a lease on an object store: ``StoreSession.lock``)."""
-    with StoreSession(request.store, mode="a") as session:
-        runs = session.runs()
-        if request.run_id is not None:
-            session.run(request.run_id)
-        todo = [request.run_id] if request.run_id else runs
-        # An analysis whose record does not parse is none (xarray could not even open the run).
-        dropped = {rid: why for rid in todo if (why := forget_unreadable(session, rid, ANALYSIS)) is not None}
-        # Every run's input checked before any analysis is touched.
-        checked = {rid: _checked_input(session, rid, request.n_grid) for rid in todo}
-        for rid, (ds, _) in checked.items():
-            if not has_scores(ds):  # the rest of its analysis goes on
-                warnings.warn(lacking_message(rid, lacking_summaries(ds.attrs.get("attngeom", {}))), AttngeomWarning,
-                              stacklevel=3)
-        compile_kernels(progress=request.progress)
-        with _collector_frozen(), dask_client(request.scheduler, request.store):
-            results = [analyze_run(session, rid, *checked[rid], request) for rid in todo]
+    runs = session.runs()
+    if request.run_id is not None:
+        session.run(request.run_id)
+    todo = [request.run_id] if request.run_id else runs
+    # An analysis whose record does not parse is none (xarray could not even open the run).
+    dropped = {rid: why for rid in todo if (why := forget_unreadable(session, rid, ANALYSIS)) is not None}
+    # Every run's input checked before any analysis is touched.
+    checked = {rid: _checked_input(session, rid, request.n_grid) for rid in todo}
+    for rid, (ds, _) in checked.items():
+        if not has_scores(ds):  # the rest of its analysis goes on
+            warnings.warn(lacking_message(rid, lacking_summaries(ds.attrs.get("attngeom", {}))), AttngeomWarning,
+                          stacklevel=3)
+    compile_kernels(progress=request.progress)
+    with _collector_frozen(), dask_client(request.scheduler, request.store):
+        results = [analyze_run(session, rid, *checked[rid], request) for rid in todo]
     return [replace(r, recomputed=f"its record {analysis_path(r.run_id)}/zarr.json {dropped[r.run_id]}")
             if r.run_id in dropped else r for r in results]
