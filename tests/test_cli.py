@@ -272,6 +272,45 @@ def test_refusals_come_before_the_model_and_heavy_libraries_load(extracted, tmp_
     assert all("torch" not in heavy and "transformers" not in heavy for _, heavy in answers), answers
 
 
+def test_an_analyze_with_nothing_to_do_loads_neither_dask_nor_xarray_nor_the_kernels(extracted, tmp_path):
+    """In a fresh interpreter, an analyze of a run analyzed already answers from the records
+    with zarr alone; a damaged committed sequence is refused there as the runner refuses it;
+    a lost analysis object, or a sequence more to analyze, loads the rest and writes it."""
+    store = tmp_path / "s.zarr"
+    shutil.copytree(extracted[2], store)
+    ag.analyze(str(store), run_id="r", scheduler="threads", progress=False)
+    analyze = ["analyze", "--store", str(store), "--no-progress"]
+    answers = cli_in_fresh_process([analyze])
+    assert [(code, heavy) for code, _, heavy in answers] == [(0, ["zarr"])], answers
+    assert answers[0][1].startswith("run r: 0 new sequences (2 analyzed), "), answers
+
+    values = store / "runs" / "r" / "values" / "c" / "1" / "0" / "0" / "0" / "0"
+    kept = values.read_bytes()
+    values.write_bytes(b"")
+    recover = (f"run `attngeom validate --store {store} --deep --repair` to uncommit sequence 1, then the run's "
+               f"extract command again to rewrite it")
+    answers = cli_in_fresh_process([analyze])
+    assert answers == [(2, f"attngeom: error: run r: committed sequence 1: its 'values' chunk is empty (0 bytes); "
+                           f"{recover}\n", ["zarr"])], answers
+    values.write_bytes(kept)
+
+    (store / "runs" / "r" / "analysis" / "heads" / "regime" / "c.0.0").unlink()
+    code, output, heavy = cli_in_fresh_process([analyze])[0]
+    assert code == 0 and "rewrote the damaged analysis: runs/r/analysis/heads/regime/c.0.0 is missing" in output, output
+    assert {"dask", "numba", "xarray"} <= set(heavy), heavy
+    assert cli_in_fresh_process([analyze])[0][2] == ["zarr"]
+
+    import zarr
+
+    flags = zarr.open_array(store / "runs" / "r" / "complete", mode="r+")
+    flags[1] = 0
+    ag.analyze(str(store), run_id="r", scheduler="threads", progress=False)  # the first sequence alone
+    flags[1] = 1
+    code, output, heavy = cli_in_fresh_process([analyze])[0]
+    assert code == 0 and output.startswith("run r: 1 new sequences (2 analyzed), "), output
+    assert {"dask", "numba", "xarray"} <= set(heavy), heavy
+
+
 def test_a_finished_run_is_answered_from_the_store_and_the_demo_says_so(extracted, monkeypatch, tmp_path):
     """A rerun with every sequence committed writes nothing and loads no model; the demo names
     the steps that had nothing to do."""
