@@ -19,6 +19,17 @@ deletions, deleting would slow the writes timed next):
 
 Wall time and CPU time (the command's process and its workers); incremental / full would be
 0.5 if a call had no fixed cost. The first repetition warms the caches and is not counted.
+
+Beside them, in the same repetitions, where a call's fixed cost goes, each a fresh process:
+
+- **CLI**: the interpreter with the command line loaded (``attngeom --version``);
+- **libraries**: the same with the libraries an analyze with work loads (zarr, Dask's arrays,
+  xarray and pandas, numba);
+- **kernels**: the same with the analysis kernels loaded from numba's cache too
+  (:func:`attngeom.analyze.kernels.compile_kernels`).
+
+The children run with bytecode caching on (``PYTHONDONTWRITEBYTECODE`` removed from their
+environment), as an installed package runs.
 """
 
 from __future__ import annotations
@@ -39,16 +50,30 @@ from common import median, rotate, table
 from attngeom.store import analysis_path, default_run_id
 
 VARIANTS = ("no-op", "incremental", "full")
+# The parts of a call's fixed cost, each a fresh process: what it runs (python arguments).
+PARTS = {
+    "CLI": ["-m", "attngeom.cli", "--version"],
+    "libraries": ["-c", "import attngeom.cli, zarr, dask.array, xarray, numba"],
+    "kernels": ["-c", "import attngeom.cli, zarr, dask.array, xarray\n"
+                      "from attngeom.analyze.kernels import compile_kernels\ncompile_kernels(progress=False)"],
+}
+# A user's installed package runs from its cached bytecode.
+ENV = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+
+
+def python(*args: str) -> tuple[float, float]:
+    """(wall s, CPU s of the process and its workers) of one fresh ``python`` process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    w0 = time.perf_counter()
+    subprocess.run([sys.executable, *args], check=True, stdout=subprocess.DEVNULL, env=ENV)
+    wall = time.perf_counter() - w0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 def cli(*args: str) -> tuple[float, float]:
     """(wall s, CPU s of the process and its workers) of one ``attngeom`` command."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    w0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "attngeom.cli", *args], check=True, stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - w0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return python("-m", "attngeom.cli", *args)
 
 
 def half_analyzed(store: Path, args: argparse.Namespace) -> None:
@@ -83,11 +108,12 @@ def main() -> None:
                     ["analysis"] if full and Path(folder) / "analysis" == analysis else []))
                 if variant == "no-op":
                     cli("analyze", "--store", str(store), "--no-progress")
-        times: dict[str, list[tuple[float, float]]] = {variant: [] for variant in VARIANTS}
+        times: dict[str, list[tuple[float, float]]] = {variant: [] for variant in (*VARIANTS, *PARTS)}
         loads = []
         for rep in range(args.reps + 1):
-            for variant in rotate(list(VARIANTS), rep):
-                t = cli("analyze", "--store", str(stores[variant, rep]), "--no-progress")
+            for variant in rotate([*VARIANTS, *PARTS], rep):
+                t = (python(*PARTS[variant]) if variant in PARTS
+                     else cli("analyze", "--store", str(stores[variant, rep]), "--no-progress"))
                 print(f"  [rep {rep}] {variant}: {t[0]:.2f} s wall, {t[1]:.2f} s CPU", file=sys.stderr, flush=True)
                 if rep:
                     times[variant].append(t)
@@ -101,6 +127,12 @@ def main() -> None:
         "incremental_cpu": median([c for _, c in inc]), "full_cpu": median([c for _, c in full]),
         "wall_ratio": median([a[0] / b[0] for a, b in zip(inc, full)]),
         "cpu_ratio": median([a[1] / b[1] for a, b in zip(inc, full)]),
+        # What a call pays whatever its work: an incremental analyze less the work of the
+        # sequences a full one computes beyond it (full - incremental).
+        "fixed_wall": median([2 * a[0] - b[0] for a, b in zip(inc, full)]),
+        "fixed_cpu": median([2 * a[1] - b[1] for a, b in zip(inc, full)]),
+        **{f"{part}_{what}": median([t[i] for t in times[part]]) for part in PARTS
+           for i, what in enumerate(("wall", "cpu"))},
     }
     print(f"## attngeom analyze from the command line ({args.model}, {args.dataset}, L = {args.length}, "
           f"{args.sequences} sequences, {result['cpu_count']} CPUs, {args.reps} reps; medians)")
@@ -108,6 +140,12 @@ def main() -> None:
                  "full CPU s", "incremental CPU s", "incremental / full CPU"],
                 [[result["no_op_wall"], result["no_op_cpu"], result["full_wall"], result["incremental_wall"],
                   result["wall_ratio"], result["full_cpu"], result["incremental_cpu"], result["cpu_ratio"]]]))
+    print("\n## Where the fixed part goes (fresh processes, same repetitions; medians, s)")
+    print(table(["", "wall s", "CPU s"],
+                [["a call's fixed part (2 x incremental - full)", result["fixed_wall"], result["fixed_cpu"]],
+                 *[[{"CLI": "the interpreter and the CLI", "libraries": "+ zarr, Dask's arrays, xarray, numba",
+                     "kernels": "+ the kernels loaded"}[part], result[f"{part}_wall"], result[f"{part}_cpu"]]
+                   for part in PARTS]]))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
