@@ -28,7 +28,7 @@ from attngeom.detect.request import check_request as check_detect
 from attngeom.errors import GroupNotFoundError, InputError, StoreNotFoundError
 from attngeom.extract.request import ExtractRequest
 from attngeom.options import keywords_of
-from attngeom.peek import local_path, require_run, require_store, run_record
+from attngeom.preflight import local_path, require_run, require_store, run_record
 from attngeom.runcheck import check_run_model, committed_count
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from attngeom.explore.build import ExploreResult
     from attngeom.extract.conformance import ModelCheck
     from attngeom.extract.request import ExtractResult
-    from attngeom.open import Store
+    from attngeom.handles import Store
     from attngeom.report import Report
     from attngeom.store import Repair
     from attngeom.store.migrate import MigrationReport
@@ -238,7 +238,7 @@ class Taxonomy:
         """One row per run: counts and percentages of Retriever, Mixer and Reset heads."""
         import pandas as pd
 
-        from attngeom.regimes import distribution
+        from attngeom.taxonomy_tables import distribution
 
         return pd.DataFrame(distribution(self.labels))
 
@@ -247,7 +247,7 @@ class Taxonomy:
         per regime and the share of heads whose label agrees."""
         import pandas as pd
 
-        from attngeom.regimes import cross_corpus
+        from attngeom.taxonomy_tables import cross_corpus
 
         return pd.DataFrame(cross_corpus(self.labels))
 
@@ -256,7 +256,7 @@ class Taxonomy:
         kv_head, regime, vote fractions, value statistics, the mechanistic signatures at
         N = ``signature_n``, the field's scores and classes (docs/method.md#field-classes);
         a score a run lacks is empty (NaN, <NA>)."""
-        from attngeom.field import head_table
+        from attngeom.head_classes import head_table
 
         return head_table(self._reading(), list(self.labels))
 
@@ -264,7 +264,7 @@ class Taxonomy:
         """(layers, kv_heads) in [0, 1], 1 = keep the full KV cache: ``score`` of run
         ``run_id`` (the store's only run by default), a kv head taking the largest of its
         query heads' (docs/cli.md#taxonomy)."""
-        from attngeom.field import kv_scores
+        from attngeom.head_classes import kv_scores
 
         return kv_scores(self._reading(), score, run_id)
 
@@ -276,7 +276,7 @@ class Taxonomy:
         return StoreSession.reading(self.store)
 
     def __str__(self) -> str:
-        from attngeom.regimes import format_tables
+        from attngeom.taxonomy_tables import format_tables
 
         return format_tables(self.labels)
 
@@ -292,7 +292,7 @@ def taxonomy(store: str | Path, *, export: str | Path | None = None, export_kv: 
     before the store is read.
     """
     store = str(store)
-    from attngeom.field import TABLE_SUFFIXES, check_kv_score, check_path
+    from attngeom.head_classes import TABLE_SUFFIXES, check_kv_score, check_path
 
     if export is not None:
         check_path(export, "--export", TABLE_SUFFIXES)
@@ -302,7 +302,7 @@ def taxonomy(store: str | Path, *, export: str | Path | None = None, export_kv: 
     elif score is not None or run_id is not None:
         raise InputError("--score and --run choose what --export-kv writes: give --export-kv too")
     require_store(store)
-    from attngeom.regimes import run_regimes
+    from attngeom.taxonomy_tables import run_regimes
     from attngeom.store.session import StoreSession
 
     session = StoreSession.reading(store)
@@ -311,11 +311,11 @@ def taxonomy(store: str | Path, *, export: str | Path | None = None, export_kv: 
         raise GroupNotFoundError(f"no analyzed run in {store}: run 'attngeom analyze --store {store}' first")
     result = Taxonomy(labels, store, session)
     if export_kv is not None:
-        from attngeom.field import write_kv
+        from attngeom.head_classes import write_kv
 
         write_kv(result.kv_scores(score, run_id), export_kv)
     if export is not None:
-        from attngeom.field import write_table
+        from attngeom.head_classes import write_table
 
         write_table(result.heads(), export)
     return result
@@ -499,6 +499,6 @@ def open_store(url: str | Path) -> Store:
     ``.provenance``, ``.dataset()``, ``.analysis(name)``, ``.ablation(name)``, ``.detect(name)``, ``.text(seq)``.
     Raises :class:`StoreNotFoundError` or :class:`SchemaError`."""
     require_store(str(url))
-    from attngeom.open import open_store as run
+    from attngeom.handles import open_store as run
 
     return run(url)

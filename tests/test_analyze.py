@@ -30,10 +30,10 @@ from attngeom.analyze.parameters import instance_seed
 from attngeom.analyze.reductions import _sorted_median, _sorted_quantiles
 from attngeom.analyze.scheduling import _worker_processes
 from attngeom.api import analyze
-from attngeom.regimes import run_regimes
+from attngeom.taxonomy_tables import run_regimes
 from attngeom.cli import main
 from attngeom.errors import IncompleteGroupError
-from attngeom.store import nodes
+from attngeom.store import storage
 from attngeom.store.session import StoreSession
 from attngeom.extract.request import ExtractRequest
 from attngeom.report.data import load_runs
@@ -288,12 +288,12 @@ KILLER = textwrap.dedent("""
     import zarr
     from attngeom.analyze import runner
     from attngeom.cli import main
-    from attngeom.store import nodes
+    from attngeom.store import storage
 
     # One (sequence, layer) task per batch of the tiny model: many batches, many records.
     runner.BATCH_TASKS = 3
     limit, count = int(os.environ["KILL_AT_WRITE"]), 0
-    set_, put_local = zarr.storage.LocalStore.set, nodes._put_local
+    set_, put_local = zarr.storage.LocalStore.set, storage._put_local
 
     def write():
         global count
@@ -312,7 +312,7 @@ KILLER = textwrap.dedent("""
         put_local(path, value, folders)
 
     zarr.storage.LocalStore.set = killing
-    nodes._put_local = killing_local
+    storage._put_local = killing_local
     try:
         main(sys.argv[1:], standalone_mode=False)
     finally:
@@ -495,7 +495,7 @@ def test_interrupted_ablation_write_is_reported_and_earlier_kept(tmp_path, monke
     class Crash(Exception):
         pass
 
-    set_, put_local = zarr.storage.LocalStore.set, nodes._put_local
+    set_, put_local = zarr.storage.LocalStore.set, storage._put_local
     keys: list[str] = []
     crash_at = None
 
@@ -513,7 +513,7 @@ def test_interrupted_ablation_write_is_reported_and_earlier_kept(tmp_path, monke
         put_local(path, value, folders)
 
     monkeypatch.setattr(zarr.storage.LocalStore, "set", crashing)
-    monkeypatch.setattr(nodes, "_put_local", crashing_local)
+    monkeypatch.setattr(storage, "_put_local", crashing_local)
     replace_groups(url, "r", ABLATION, second, {"seed": 1})
     record = [i + 1 for i, k in enumerate(keys) if k == "runs/r/ablation/zarr.json"]
     staging = next(i + 1 for i, k in enumerate(keys) if "/_next/single/x/c" in k)

@@ -366,7 +366,7 @@ def test_a_finished_run_over_a_changed_corpus_is_not_answered_from_its_record(ex
 def test_run_ids_are_readable_and_match_the_pattern_the_store_checks():
     """Known answers: the last part of each path, other characters as '-', and every id one
     the store's pattern accepts."""
-    from attngeom.peek import RUN_ID_PATTERN, default_run_id
+    from attngeom.preflight import RUN_ID_PATTERN, default_run_id
 
     expected = {("gemma3-270m", "wiki-summaries", 128): "gemma3-270m__wiki-summaries__L128",
                 ("/m/x.gguf", "/data/notes/", 16): "x.gguf__notes__L16",

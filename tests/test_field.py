@@ -27,7 +27,7 @@ from field_groups import (
 from attngeom.api import analyze, taxonomy
 from attngeom.errors import GroupNotFoundError, InputError
 from attngeom.explore.build import explore
-from attngeom.field import CRITERIA, KV_SCORES
+from attngeom.head_classes import CRITERIA, KV_SCORES
 from attngeom.report import build_report
 from attngeom.report.agreement import class_sentences
 from attngeom.synthetic import write_synthetic_run

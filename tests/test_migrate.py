@@ -24,7 +24,7 @@ from attngeom.api import analyze
 from attngeom.cli import main
 from attngeom.errors import AttngeomError, GroupNotFoundError, InputError
 from attngeom.extract.request import ExtractRequest
-from attngeom.open import open_store
+from attngeom.handles import open_store
 from attngeom.store import (
     FORMAT,
     array_metadata,

@@ -18,7 +18,7 @@ from conftest import moto_s3
 from attngeom.analyze import runner
 from attngeom.api import analyze
 from attngeom.store import validate_store, zarr_store
-from attngeom.store.nodes import node_metadata
+from attngeom.store.storage import node_metadata
 from attngeom.synthetic import write_synthetic_run
 
 

@@ -389,7 +389,7 @@ def test_a_sequence_is_stored_as_zarr_stores_it(local, values_dtype, tmp_path):
 def test_a_local_store_lists_the_metadata_a_store_lists(tmp_path):
     """node_metadata reads a local folder itself: the documents the store's own listing
     gives, an unreadable one as None, whatever the folder order."""
-    from attngeom.store.nodes import node_metadata
+    from attngeom.store.storage import node_metadata
     from attngeom.synthetic import write_synthetic_run
 
     url = tmp_path / "s.zarr"
@@ -414,7 +414,7 @@ def test_a_failed_local_write_leaves_no_partial_object(tmp_path, monkeypatch):
     import errno
     from pathlib import Path
 
-    from attngeom.store.nodes import put_objects
+    from attngeom.store.storage import put_objects
 
     url = tmp_path / "s.zarr"
     zstore = zarr_store(str(url), read_only=False)

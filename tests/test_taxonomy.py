@@ -8,7 +8,7 @@ import xarray as xr
 from click.testing import CliRunner
 from conftest import extract
 
-from attngeom import regimes
+from attngeom import taxonomy_tables
 from attngeom.analyze import taxonomy
 from attngeom.analyze.blocks import _votes_variables
 from attngeom.api import analyze
@@ -153,12 +153,12 @@ def test_distribution_and_cross_corpus_tables():
     a = np.array([["Mixer", "Reset"], ["Retriever", "Mixer"]], dtype=object)
     b = np.array([["Mixer", "Mixer"], ["Retriever", "Mixer"]], dtype=object)
     labels = {"m__wiki": ("m", "wiki", a), "m__docs": ("m", "docs", b), "other": ("o", "wiki", a)}
-    rows = {r["run"]: r for r in regimes.distribution(labels)}
+    rows = {r["run"]: r for r in taxonomy_tables.distribution(labels)}
     assert rows["m__wiki"]["Mixer"] == 2 and rows["m__wiki"]["Mixer_pct"] == 50.0
-    (pair,) = regimes.cross_corpus(labels)
+    (pair,) = taxonomy_tables.cross_corpus(labels)
     assert pair["datasets"] == "docs - wiki"
     assert pair["Mixer_pp"] == 25.0 and pair["Reset_pp"] == -25.0 and pair["agreement"] == 0.75
-    assert "agreement" in regimes.format_tables(labels)
+    assert "agreement" in taxonomy_tables.format_tables(labels)
 
 
 def test_taxonomy_command_needs_an_analyzed_run(tmp_path):

@@ -20,8 +20,17 @@ from conftest import extract, moto_s3
 from attngeom.api import analyze
 from attngeom.cli import main
 from attngeom.extract.request import ExtractRequest
-from attngeom.store import FORMAT, objects, open_dataset, open_root, open_run_group, run_ids, validate_store, zarr_store
-from attngeom.store.objects import chunk_objects
+from attngeom.store import (
+    FORMAT,
+    open_dataset,
+    open_root,
+    open_run_group,
+    run_ids,
+    stored_objects,
+    validate_store,
+    zarr_store,
+)
+from attngeom.store.stored_objects import chunk_objects
 from attngeom.store.validate import check_run
 from attngeom.synthetic import write_synthetic_run
 
@@ -97,7 +106,7 @@ def test_check_run_meets_a_peers_object_renamed_during_its_listing(tmp_path, mon
     obj = next(p for p in sorted((store / "runs/r/values/c/1").rglob("*")) if p.is_file())
     partial = obj.with_name(f"{obj.name}.{uuid.uuid4().hex}.partial")
     shutil.copyfile(obj, partial)
-    listed = objects.local_files
+    listed = stored_objects.local_files
 
     def renamed_after_listing(folder, key):
         found = list(listed(folder, key))
@@ -105,7 +114,7 @@ def test_check_run_meets_a_peers_object_renamed_during_its_listing(tmp_path, mon
             os.replace(partial, obj)
         yield from found
 
-    monkeypatch.setattr(objects, "local_files", renamed_after_listing)
+    monkeypatch.setattr(stored_objects, "local_files", renamed_after_listing)
     check_run(str(store), run, "r")
     assert chunk_objects(run["values"]) == want
 

@@ -39,7 +39,7 @@ from attngeom import __version__
 from attngeom.errors import InputError
 from attngeom.explore import data
 from attngeom.explore.geometry import Picture, value_picture
-from attngeom.field import CRITERIA, SCORES, run_scores
+from attngeom.head_classes import CRITERIA, SCORES, run_scores
 from attngeom.palette import REGIME_COLORS, VOTE_COLORS
 from attngeom.store import VOTES
 

@@ -15,7 +15,7 @@ import xarray as xr
 
 from attngeom.analyze.parameters import default_n_grid
 from attngeom.errors import RunNotFoundError
-from attngeom.field import DETECT, DETECT_GROUP, open_groups, why_no_head_scores
+from attngeom.head_classes import DETECT, DETECT_GROUP, open_groups, why_no_head_scores
 from attngeom.store import ABLATION, ANALYSIS, RunLayout, query_attendable
 from attngeom.store.session import RunReader, StoreSession
 

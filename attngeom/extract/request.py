@@ -27,7 +27,7 @@ from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
 from attngeom.extract.sources import model_name
 from attngeom.options import check_options, option
-from attngeom.peek import RUN_ID_PATTERN, default_run_id, require_writable, run_created, run_record
+from attngeom.preflight import RUN_ID_PATTERN, default_run_id, require_writable, run_created, run_record
 from attngeom.runcheck import check_device
 
 __all__ = ["ExtractRequest", "ExtractResult", "Preflight", "check_arguments", "launcher_shard", "preflight"]

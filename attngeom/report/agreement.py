@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attngeom.field import CRITERIA, DETECT, DETECT_GROUP, Criterion, class_counts, regimes_of, run_scores
+from attngeom.head_classes import CRITERIA, DETECT, DETECT_GROUP, Criterion, class_counts, regimes_of, run_scores
 from attngeom.report.data import RunData, has_field_scores
 from attngeom.report.spec import TextSpec
 from attngeom.store import REGIMES

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from attngeom.field import DETECT, DETECT_GROUP, HEAD_SCORES, open_groups, why_no_head_scores
+from attngeom.head_classes import DETECT, DETECT_GROUP, HEAD_SCORES, open_groups, why_no_head_scores
 from attngeom.store import ABLATION, ABLATION_GROUPS, ANALYSIS, REGIMES
 from attngeom.store.session import RunReader, StoreSession
 

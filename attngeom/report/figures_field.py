@@ -10,7 +10,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from attngeom.field import CRITERIA, DETECT, HEAD_SCORES, SCORES, regimes_of, run_scores
+from attngeom.head_classes import CRITERIA, DETECT, HEAD_SCORES, SCORES, regimes_of, run_scores
 from attngeom.palette import REGIME_COLORS
 from attngeom.report.data import RunData, all_of, requires
 from attngeom.report.plots import UNIT, color_legend, new_figure, no_data, short_label

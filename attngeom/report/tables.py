@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from attngeom.field import CRITERIA, SCORES, class_counts, regimes_of, run_scores, share
+from attngeom.head_classes import CRITERIA, SCORES, class_counts, regimes_of, run_scores, share
 from attngeom.report.data import (
     RunData,
     all_of,

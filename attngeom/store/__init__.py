@@ -1,7 +1,7 @@
 """The store: its contract (docs/store.md), opening and writing, validation and migration.
 
 Modules, by concern: :mod:`~attngeom.store.schema` (layout, names, versions),
-:mod:`~attngeom.store.codecs` (chunk encoding), :mod:`~attngeom.store.nodes` (a URL's zarr
+:mod:`~attngeom.store.codecs` (chunk encoding), :mod:`~attngeom.store.storage` (a URL's zarr
 Store, its objects and node metadata), :mod:`~attngeom.store.access` (the root, the writers'
 hold, consolidated metadata), :mod:`~attngeom.store.session` (one command's store, through
 which it reads and writes),
@@ -11,7 +11,7 @@ errors and recovery), :mod:`~attngeom.store.chunks` (a run's arrays read a chunk
 (extract's write of a run, begin to commit), :mod:`~attngeom.store.derived`,
 :mod:`~attngeom.store.record` and :mod:`~attngeom.store.plan` (analysis and ablation groups and
 their commit record),
-:mod:`~attngeom.store._zarr` (the zarr internals used), :mod:`~attngeom.store.objects` (stored
+:mod:`~attngeom.store._zarr` (the zarr internals used), :mod:`~attngeom.store.stored_objects` (stored
 objects and their checks), :mod:`~attngeom.store.validate`, :mod:`~attngeom.store.repair` and
 :mod:`~attngeom.store.migrate`. Stages import what they use from here.
 """
@@ -19,7 +19,7 @@ objects and their checks), :mod:`~attngeom.store.validate`, :mod:`~attngeom.stor
 import importlib
 from typing import Any
 
-from attngeom.peek import RUN_ID_PATTERN, default_run_id
+from attngeom.preflight import RUN_ID_PATTERN, default_run_id
 from attngeom.store.access import (
     check_writable,
     consolidate,
@@ -31,7 +31,7 @@ from attngeom.store.access import (
 )
 from attngeom.store.chunks import read_chunk
 from attngeom.store.damage import damaged_chunk, recovery
-from attngeom.store.nodes import jsonable, local_path, zarr_store
+from attngeom.store.storage import jsonable, local_path, zarr_store
 from attngeom.store.codecs import compressor, compressors, has_checksum, with_checksum
 from attngeom.store.record import derived_state
 from attngeom.store.runs import (

@@ -17,10 +17,10 @@ import zarr
 
 from attngeom import __version__
 from attngeom.errors import DamagedStoreError, SchemaError, StoreNotFoundError, StoreWriteError
-from attngeom.peek import require_writable
+from attngeom.preflight import require_writable
 from attngeom.store.cache import cached, uncached
 from attngeom.store.damage import DECODE_ERRORS, recovery
-from attngeom.store.nodes import (
+from attngeom.store.storage import (
     PARTIAL_SUFFIX,
     local_path,
     metadata_bytes,
@@ -252,7 +252,7 @@ def open_or_create_root(url: str) -> zarr.Group:
 
 def check_writable(url: str) -> None:
     """Refuse a local store path that cannot be written, before anything is created
-    (:func:`attngeom.peek.require_writable`), and a store holding a link that leads outside
+    (:func:`attngeom.preflight.require_writable`), and a store holding a link that leads outside
     its folder, through which a write would land in someone else's files."""
     require_writable(url)
     links = outside_links(url, whole=False)

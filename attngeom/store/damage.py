@@ -8,7 +8,7 @@ import numpy as np
 import zarr
 
 from attngeom.errors import CorruptChunkError, DamagedStoreError
-from attngeom.store.nodes import node_metadata, node_path, zarr_store
+from attngeom.store.storage import node_metadata, node_path, zarr_store
 from attngeom.store.schema import ANALYSIS, DERIVED, RUNS
 
 # How a damaged object surfaces from zarr, numcodecs and json: a checksum mismatch or an

@@ -22,7 +22,7 @@ from attngeom.store.access import quiet_leftovers, writing
 from attngeom.store.chunks import read_chunk
 from attngeom.store.codecs import chunk_encoder, compressors, decode_chunk, decoded, can_decode
 from attngeom.store.damage import DECODE_ERRORS, damaged_chunk, locate_damage, metadata_damage, stored_grid
-from attngeom.store.nodes import Part, get_objects, group_document, metadata_bytes, put_objects, remove_dir, zarr_store
+from attngeom.store.storage import Part, get_objects, group_document, metadata_bytes, put_objects, remove_dir, zarr_store
 from attngeom.store.schema import ATTR_KEY, ENCODING, LABEL_ORDERS, LABELS, label_codes, label_dtype
 
 

@@ -46,7 +46,7 @@ from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGro
 from attngeom.store.access import consolidate
 from attngeom.store.datasets import open_dataset, read_regions, set_regions, write_datasets
 from attngeom.store.locks import holder_words, live_holder
-from attngeom.store.nodes import (
+from attngeom.store.storage import (
     delete_objects,
     group_document,
     jsonable,

@@ -56,7 +56,7 @@ from attngeom.store import (
 )
 from attngeom.store._zarr import sync
 from attngeom.store.access import remove_partials
-from attngeom.store.nodes import local_path, metadata_bytes
+from attngeom.store.storage import local_path, metadata_bytes
 
 TEMPORARY = "_migrating"
 

@@ -20,12 +20,12 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 
 from attngeom import __version__
-from attngeom.peek import run_created
+from attngeom.preflight import run_created
 from attngeom.store._zarr import sync
 from attngeom.store.access import consolidated_fault
 from attngeom.store.codecs import has_checksum
 from attngeom.store.record import STAGING
-from attngeom.store.nodes import lost_metadata
+from attngeom.store.storage import lost_metadata
 from attngeom.store.runs import array_metadata_bytes
 from attngeom.store.schema import (
     ATTR_KEY,
@@ -79,7 +79,7 @@ def cannot_rebuild(key: str) -> str:
 
 def broken_metadata(nodes: Mapping[str, Any]) -> list[str]:
     """Keys of the ``zarr.json`` objects of ``nodes`` that are unreadable, and of those lost
-    above a node (:func:`~attngeom.store.nodes.lost_metadata`) but in a derived group's
+    above a node (:func:`~attngeom.store.storage.lost_metadata`) but in a derived group's
     staging: parents first, the root last (its format is read from the arrays)."""
     # A staged group is a writer's work under way, its metadata written last: its rerun
     # writes it again, and readers never read it.

@@ -17,8 +17,8 @@ from zarr.buffer import default_buffer_prototype
 from attngeom import __version__
 from attngeom.store._zarr import sync
 from attngeom.store.damage import DECODE_ERRORS
-from attngeom.store.nodes import PARTIAL_SUFFIX, metadata_fault, node_metadata, parse_metadata, zarr_store
-from attngeom.store.objects import chunk_key, chunk_objects, object_damage, object_sizes
+from attngeom.store.storage import PARTIAL_SUFFIX, metadata_fault, node_metadata, parse_metadata, zarr_store
+from attngeom.store.stored_objects import chunk_key, chunk_objects, object_damage, object_sizes
 from attngeom.store.schema import ATTR_KEY, run_path
 
 __all__ = [

@@ -34,8 +34,8 @@ from attngeom.store.access import (
     writing,
 )
 from attngeom.store.damage import DECODE_ERRORS
-from attngeom.store.nodes import local_path, lost_metadata, metadata_bytes, node_metadata, put_objects, zarr_store
-from attngeom.store.objects import chunk_key, chunk_objects, object_damage
+from attngeom.store.storage import local_path, lost_metadata, metadata_bytes, node_metadata, put_objects, zarr_store
+from attngeom.store.stored_objects import chunk_key, chunk_objects, object_damage
 from attngeom.store.rebuild import cannot_rebuild, rebuild_plan
 from attngeom.store.runs import completed, open_run_group, run_coordinates, run_layout
 from attngeom.store.validate import arrays_of, committed_damage, readable_runs, wrong_coordinates

@@ -34,10 +34,10 @@ import numpy as np
 import zarr
 
 from attngeom.errors import StoreNotFoundError, StoreWriteError
-from attngeom.peek import run_created
+from attngeom.preflight import run_created
 from attngeom.store.access import consolidate, open_or_create_root, open_root
 from attngeom.store.locks import RunLock
-from attngeom.store.nodes import local_path
+from attngeom.store.storage import local_path
 from attngeom.store.runs import (
     IN_FLIGHT,
     SequenceWriter,

@@ -14,12 +14,12 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import RunNotFoundError
-from attngeom.peek import RUN_ID_PATTERN
+from attngeom.preflight import RUN_ID_PATTERN
 from attngeom.store._zarr import sync
 from attngeom.store.access import quiet_leftovers
 from attngeom.store.codecs import VALUES_CODEC, compressors, object_chunks, shard_index
 from attngeom.store.damage import DECODE_ERRORS, metadata_damage
-from attngeom.store.nodes import Part, jsonable, node_exists, put_objects, store_url
+from attngeom.store.storage import Part, jsonable, node_exists, put_objects, store_url
 from attngeom.store.schema import (
     ATTR_KEY,
     ENCODING,
@@ -37,7 +37,7 @@ from attngeom.store.schema import (
 
 def run_ids(root: zarr.Group) -> list[str]:
     """Ids of the store's runs, sorted: the groups under ``runs/`` named as run ids are
-    (:data:`~attngeom.peek.RUN_ID_PATTERN`); a folder of another name is no run, and
+    (:data:`~attngeom.preflight.RUN_ID_PATTERN`); a folder of another name is no run, and
     validate names it (:func:`misnamed_runs`). :class:`DamagedStoreError` names a run's
     ``zarr.json`` that does not parse."""
     with quiet_leftovers():

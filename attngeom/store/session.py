@@ -17,7 +17,7 @@ checks a reader needs. What it holds lives exactly as long as its ``with`` block
 
 A reading session holds no lock and no writers' hold: :meth:`StoreSession.reading` opens
 one that needs no ``with`` block, for a reader that outlives its caller's
-(:func:`attngeom.open.open_store`).
+(:func:`attngeom.handles.open_store`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from attngeom.store.chunks import read_chunk
 from attngeom.store.damage import damaged_chunk
 from attngeom.store.lease import Lease, lease_seconds
 from attngeom.store.locks import RunLock, wait_for_writer
-from attngeom.store.nodes import local_path, zarr_store
+from attngeom.store.storage import local_path, zarr_store
 from attngeom.store.runs import (
     RunLayout,
     completed,

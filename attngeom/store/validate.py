@@ -22,7 +22,7 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import AttngeomError, DamagedStoreError
-from attngeom.peek import RUN_ID_PATTERN, run_created
+from attngeom.preflight import RUN_ID_PATTERN, run_created
 from attngeom.store._zarr import sync
 from attngeom.store.access import (
     consolidated_fault,
@@ -43,7 +43,7 @@ from attngeom.store.damage import (
     stored_grid,
     unreadable_metadata,
 )
-from attngeom.store.nodes import (
+from attngeom.store.storage import (
     local_path,
     lost_metadata,
     metadata_fault,
@@ -54,7 +54,7 @@ from attngeom.store.nodes import (
     read_metadata,
     zarr_store,
 )
-from attngeom.store.objects import chunk_objects, object_damage, object_sizes
+from attngeom.store.stored_objects import chunk_objects, object_damage, object_sizes
 from attngeom.store.rebuild import broken_metadata, cannot_rebuild, derived_node, rebuild_plan
 from attngeom.store.runs import completed, misnamed_runs, open_run_group, run_coordinates, run_ids, run_layout
 from attngeom.store.schema import (
@@ -399,7 +399,7 @@ def array_metadata(arr: zarr.Array) -> dict[str, Any]:
 
 def arrays_of(root: zarr.Group, nodes: Mapping[str, Mapping[str, Any] | None] | None = None) -> list[zarr.Array]:
     """Every array of the store whose ``zarr.json`` reads, run and derived, in path order.
-    ``nodes``: every node's metadata (:func:`~attngeom.store.nodes.node_metadata`) when the
+    ``nodes``: every node's metadata (:func:`~attngeom.store.storage.node_metadata`) when the
     caller read it."""
     nodes = node_metadata(root.store) if nodes is None else nodes
     out = []
@@ -439,7 +439,7 @@ def metadata_problems(url: str, zstore: Any, nodes: Mapping[str, Mapping[str, An
 def consolidated_problems(url: str, nodes: Mapping[str, Mapping[str, Any] | None]) -> list[str]:
     """One line if the root's consolidated metadata (what ``xr.open_zarr`` reads by default)
     is out of date: a writer killed before refreshing it. ``nodes``: every node's metadata
-    (:func:`~attngeom.store.nodes.node_metadata`). A malformed copy is named as such; a stale
+    (:func:`~attngeom.store.storage.node_metadata`). A malformed copy is named as such; a stale
     one is not named while metadata is unreadable or lost (named, and repaired, first)."""
     fault = consolidated_fault(nodes.get("zarr.json"))
     if fault is not None:

@@ -16,7 +16,7 @@ from zarr.buffer import default_buffer_prototype
 from attngeom.store._zarr import sync
 from attngeom.store.cache import note_sizes
 from attngeom.store.damage import DECODE_ERRORS, stored_grid
-from attngeom.store.nodes import local_files
+from attngeom.store.storage import local_files
 
 __all__ = ["chunk_key", "chunk_objects", "object_damage", "object_sizes"]
 

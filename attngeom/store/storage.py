@@ -22,7 +22,7 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import InputError
-from attngeom.peek import local_path
+from attngeom.preflight import local_path
 from attngeom.store._zarr import sync
 from attngeom.store.cache import uncached
 
