@@ -59,7 +59,7 @@ import attngeom as ag
 from attngeom.extract.capture import capturing
 
 VARIANTS = ("sdpa", "capture", "extract")
-# Python frames (file suffix, function) that open a phase; the innermost one names the time.
+# Python frames (file name, function) that open a phase; the outermost one claims its time.
 # Inside the capture, the per-tile operators are told apart by the order of a tile's passes:
 # a tile's passes from its q k^T to its softmax are "rows", a bmm is the "attention output",
 # everything else is "summaries".
