@@ -267,6 +267,39 @@ def test_a_model_under_no_recorder_runs_plain_sdpa(tiny_model_dir):
     assert rec.layers == {}
 
 
+def test_a_layers_capture_runs_on_one_thread(tiny_model_dir, monkeypatch):
+    """Each layer's capture runs on one torch thread and the rest of the forward on the
+    caller's thread count, which is restored after each layer, also when a layer raises."""
+    import attngeom.extract.capture as capture_module
+
+    model = stock(tiny_model_dir("llama"))
+    real = capture_module.attention_summaries
+    in_capture, in_mlp = [], []
+
+    def spy(*args, **kwargs):
+        in_capture.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("a layer's capture failed")
+
+    model.model.layers[0].mlp.register_forward_hook(lambda *_: in_mlp.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(capture_module, "attention_summaries", spy)
+        with torch.no_grad(), capturing(model):
+            model.model(input_ids=tiny_ids(), use_cache=False)
+        assert in_capture == [1] * model.config.num_hidden_layers
+        assert in_mlp == [2]
+        monkeypatch.setattr(capture_module, "attention_summaries", fail)
+        with pytest.raises(RuntimeError, match="capture failed"), torch.no_grad(), capturing(model):
+            model.model(input_ids=tiny_ids(), use_cache=False)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_two_threads_record_their_own_models_at_once(tiny_model_dir):
     """Two threads, each capturing a different tiny model, both inside their forward at the
     same moment (a barrier in layer 1), get exactly the captures of a run alone."""

@@ -528,6 +528,28 @@ def call_refusal(module: torch.nn.Module, query: torch.Tensor, attention_mask: t
     return None
 
 
+@contextlib.contextmanager
+def one_thread(device: torch.device) -> Iterator[None]:
+    """Within the block, torch runs its CPU operators on one thread (its thread count is
+    restored on exit); on other devices, a no-op.
+
+    A layer's capture is thousands of tile-sized passes, each an OpenMP parallel region that
+    ends in a barrier; with OpenMP's default (spinning) wait policy and any other work on the
+    machine, every barrier waits for a descheduled peer. One 32/32/128 layer at L = 1024 took
+    4.7 s on 2 threads and 0.26 s on one (the SDPA of the same layer: 0.24 s on 2), on a
+    2-core machine with other work; its results are the same bits. The forward's few large
+    products keep every thread."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     recorder = _RECORDERS.get().get(module)
     refusal = call_refusal(module, query, attention_mask, dropout, kwargs)
@@ -545,18 +567,19 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
         )
     checked = recorder.check_queries if recorder is not None else ()
     kept = recorder.queries if recorder else ()
-    capture, output = attention_summaries(
-        query,
-        key,
-        value,
-        attention_mask,
-        scaling,
-        softcap=softcap,
-        sinks=sinks,
-        keep_rows=recorder.keep_rows if recorder else False,
-        queries=tuple(sorted({*kept, *checked})),
-        need_output=own or bool(checked),
-    )
+    with one_thread(query.device):
+        capture, output = attention_summaries(
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling,
+            softcap=softcap,
+            sinks=sinks,
+            keep_rows=recorder.keep_rows if recorder else False,
+            queries=tuple(sorted({*kept, *checked})),
+            need_output=own or bool(checked),
+        )
     if recorder is not None:
         if checked:
             recorder.compare(module, query, key, value, attention_mask, scaling, kwargs, capture, output)
