@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Are two extract stores equal to a tolerance? (run by hand, e.g. before/after a capture change)
 
-    python benchmarks/store_equality.py before.zarr after.zarr            # every run in both
-    python benchmarks/store_equality.py before.zarr after.zarr --atol 1e-6
+    python tools/store_equality.py before.zarr after.zarr            # every run in both
+    python tools/store_equality.py before.zarr after.zarr --atol 1e-6
 
 Walks every array of every group present in both stores and compares it whole: integer and
 boolean arrays (winners, token ids, masks) must be equal exactly, float arrays (rows, values,
