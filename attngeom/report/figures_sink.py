@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 from matplotlib.figure import Figure
 
-from attngeom.report.data import Missing, RunData, has_learned_sinks, requires
+from attngeom.report.data import RunData, all_of, has_learned_sinks, requires
 from attngeom.report.plots import UNIT, BoxPanel, Line, Panel, boxes_figure, curves_figure
 from attngeom.report.spec import FigureSpec
 
@@ -59,11 +59,6 @@ two_selection_rates = _diagnostic(
     Line("sink_selected", "-", "key 0 (BOS)"), Line("learned_sink_selected", "--", "learned sink"), unit=True)
 
 
-def _learned_sink_selection(run: RunData) -> Missing | None:
-    """A run with learned sinks whose summary has the learned sink's selection."""
-    return has_learned_sinks(run) or requires("summary", "sink_selected", "learned_sink_selected")(run)
-
-
 conditioned = _diagnostic(
     "separability conditioned on sink selection", r"$F_N$",
     Line("f_score_sink_selected", "-", r"sink selected ($0 \in I_N$)"),
@@ -98,7 +93,7 @@ FIGURES = (
     FigureSpec("learned_sink_selection_rate", DIAGNOSTICS,
                "For a model with learned sinks: how often each of the two sinks, key 0 and the learned sink (a "
                "virtual key with a zero value), is among the top-N keys.", two_selection_rates,
-               _learned_sink_selection),
+               all_of(has_learned_sinks, requires("summary", "sink_selected", "learned_sink_selected"))),
     FigureSpec("sink_conditioned_f", DIAGNOSTICS,
                "F_N conditioned on whether the sink is selected (groups are not matched).", conditioned,
                requires("summary", "f_score_sink_selected", "f_score_sink_unselected")),
