@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zarr
@@ -20,6 +20,15 @@ DECODE_ERRORS = (ValueError, RuntimeError, EOFError, TypeError)
 
 
 RESTORE = "restore the store from a copy, or remove it and extract again"
+
+
+class Problem(NamedTuple):
+    """One problem of a store, as validate says it: its line, and the keys (below the
+    store's root) of the objects it names, by which one naming the same object twice is
+    told apart."""
+
+    line: str
+    keys: tuple[str, ...] = ()
 
 
 def recovery(url: str, path: str, seq: int | None = None, *, decoding: bool = False, metadata: bool = False) -> str:

@@ -44,6 +44,7 @@ import zarr
 
 from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError, InProgressError
 from attngeom.store.access import consolidate
+from attngeom.store.damage import Problem
 from attngeom.store.datasets import open_dataset, read_regions, set_regions, write_datasets
 from attngeom.store.locks import holder_words, live_holder
 from attngeom.store.storage import (
@@ -526,46 +527,47 @@ def read_derived(zstore: Any, url: str, run_id: str, kind: str, name: str) -> xr
     return ds
 
 
-def derived_problems(zstore: Any, url: str, run_id: str, committed_sequences: Sequence[int]) -> list[str]:
+def derived_problems(zstore: Any, url: str, run_id: str, committed_sequences: Sequence[int]) -> list[Problem]:
     """Problems of a run's derived groups, one line each: an incomplete one (interrupted
     writer; or one in progress, its writer named), a malformed record, an empty folder left
     where one would be, a committed group that is missing or whose objects are (or have
     another size), or a record claiming sequences the run does not hold as committed (those
     it covers, and those its parameters name). An unparsable or lost record is named as the
     metadata check words it (validate names it once). ``zstore``: the store at ``url`` as
-    the validator opened it."""
+    the validator opened it. Each problem names the objects it is about, if any."""
     problems = []
     done = set(int(s) for s in committed_sequences)
     for kind in DERIVED:
         state = read_state(zstore, run_id, kind)
         if state.leftover:
-            problems.append(f"{kind_path(run_id, kind)} is an empty folder, left by a {DERIVED[kind]} stopped "
-                            f"before its first write (a full disk?); harmless: the next writer that writes the "
-                            f"store alone removes it")
+            problems.append(Problem(f"{kind_path(run_id, kind)} is an empty folder, left by a {DERIVED[kind]} "
+                                    f"stopped before its first write (a full disk?); harmless: the next writer "
+                                    f"that writes the store alone removes it"))
             continue
         if not state.readable and (holder := _writer_at_work(zstore, state)) is not None:
-            problems.append(str(_in_progress(state, holder)))
+            problems.append(Problem(str(_in_progress(state, holder))))
             continue
         if not state.exists or state.legacy:
             continue
         if state.unreadable:
-            problems.append(str(_unreadable_record(url, state)))
+            problems.append(Problem(str(_unreadable_record(url, state)), (f"{kind_path(run_id, kind)}/zarr.json",)))
             continue
         if not state.readable:
-            problems.append(str(_incomplete(url, state)))
+            problems.append(Problem(str(_incomplete(url, state))))
             continue
         assert state.commit is not None
         damage = damage_found(zstore, state, state.commit.groups, deep=False)
         for name in state.commit.groups:
             if name in damage:
-                problems.append(str(_damaged(url, state, damage[name])))
+                problems.append(Problem(str(_damaged(url, state, damage[name])),
+                                        tuple(f"{kind_path(run_id, kind)}/{key}" for key, _ in damage[name].objects)))
             elif not state.commit.objects and not node_exists(zstore, f"{kind_path(run_id, kind)}/{name}"):
-                problems.append(f"run {run_id}: {kind} is committed but lacks its group '{name}'")
+                problems.append(Problem(f"run {run_id}: {kind} is committed but lacks its group '{name}'"))
         for what, claimed in _claims(state.commit).items():
             unknown = sorted(set(claimed) - done)
             if unknown:
-                problems.append(f"run {run_id}: {kind} {what} sequences {unknown[:5]} the run does not hold as "
-                                f"complete")
+                problems.append(Problem(f"run {run_id}: {kind} {what} sequences {unknown[:5]} the run does not "
+                                        f"hold as complete"))
     return problems
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -37,6 +36,7 @@ from attngeom.store.codecs import has_checksum
 from attngeom.store.damage import (
     DECODE_ERRORS,
     RESTORE,
+    Problem,
     damaged_chunk,
     metadata_damage,
     recovery,
@@ -353,23 +353,25 @@ def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[s
 def damaged_objects(
     arr: zarr.Array, url: str, expected: Iterable[tuple[int, ...]] = (), sequences: set[int] | None = None,
     *, objects: Mapping[tuple[int, ...], int] | None = None,
-) -> list[str]:
+) -> list[Problem]:
     """Every stored object of ``arr`` that is damaged (:func:`object_damage`), and every
-    one of ``expected`` (grid indices) that is missing. One line each. With ``sequences``,
+    one of ``expected`` (grid indices) that is missing, each naming its object. With ``sequences``,
     only the objects of those (the committed ones of a run's per-sequence array: the
     others are rewritten by extract, and reported as partly written). ``objects``: the
     array's stored objects (:func:`chunk_objects`) when the caller listed them."""
     objects = chunk_objects(arr) if objects is None else objects
-    problems = [
-        str(damaged_chunk(url, arr, index, FileNotFoundError("missing")))
-        for index in sorted(set(expected) - set(objects))
-    ]
+
+    def problem(index: tuple[int, ...], exc: BaseException) -> Problem:
+        key = arr.metadata.chunk_key_encoding.encode_chunk_key(index)
+        return Problem(str(damaged_chunk(url, arr, index, exc)), (f"{arr.path}/{key}",))
+
+    problems = [problem(index, FileNotFoundError("missing")) for index in sorted(set(expected) - set(objects))]
     for index, size in sorted(objects.items()):
         if sequences is not None and index[0] not in sequences:
             continue
         exc = object_damage(arr, index, size)
         if exc is not None:
-            problems.append(str(damaged_chunk(url, arr, index, exc)))
+            problems.append(problem(index, exc))
     return problems
 
 
@@ -529,9 +531,9 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
             # An object named as unreadable metadata above is not named again, nor one
             # named here by the deep check below.
             derived = [p for p in derived_problems(root.store, url, run_id, sorted(committed[run_id]))
-                       if p.split(" is ", 1)[0] not in bad_metadata]
-            named |= {p.split(" is ", 1)[0] for p in derived}
-            problems += derived
+                       if not set(p.keys) & set(bad_metadata)]
+            named.update(key for p in derived for key in p.keys)
+            problems += [p.line for p in derived]
         if deep:
             listed = object_sizes(zstore, "")  # one listing, not one per array
 
@@ -539,9 +541,9 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
                 lines = [] if has_checksum(nodes[f"{arr.path}/zarr.json"]) else [
                     f"array '{arr.path}' has no chunk checksums"]
                 sequences = _committed_of(arr, committed)
-                return lines + [p for p in damaged_objects(arr, url, _expected_objects(arr, sequences), sequences,
-                                                           objects=chunk_objects(arr, listed))
-                                if _object_key(p) not in named]
+                return lines + [p.line for p in damaged_objects(arr, url, _expected_objects(arr, sequences),
+                                                                sequences, objects=chunk_objects(arr, listed))
+                                if not set(p.keys) & named]
 
             # An object store's objects are read a few arrays at once: one after the other,
             # each waits for its own round trip. A local disk's are read in turn.
@@ -549,12 +551,6 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
                 for lines in pool.map(check, arrays_of(root, nodes)):
                     problems += lines
     return list(dict.fromkeys(problems))
-
-
-def _object_key(line: str) -> str | None:
-    """The key of the object a :func:`damaged_objects` line names."""
-    match = re.match(r"array '([^']+)' chunk (c(?:[/.]\S+)?)", line)
-    return f"{match[1]}/{match[2]}" if match else None
 
 
 def readable_runs(root: zarr.Group, unreadable: frozenset[str]) -> list[str]:
