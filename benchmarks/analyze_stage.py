@@ -18,9 +18,11 @@ repetition, in this process, order rotating:
   instance.
 
 stage / kernels is the ratio the stage should keep near 1. The phases of the larger store's
-analyze are timed too (thread CPU time inside wrappers around the public steps the stage
-calls: reading a block's inputs, the kernels, the rest of a block, computing a batch, writing
-it, the reductions across sequences, the commit), and so is the call's fixed cost: the CPU
+analyze are timed too, in one more analyze of it per repetition, from profiles that replace
+nothing of the package: the steps in this thread (cProfile, the thread's CPU time: the input
+checks, the record, creating and appending groups, the reductions across sequences, the
+commit) and the (sequence, layer) blocks in the
+worker threads (Dask's task profile, wall time); and so is the call's fixed cost: the CPU
 time of the 1-sequence store's analyze beyond its kernels.
 """
 
@@ -28,61 +30,54 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
-import functools
+import cProfile
+import os
+import pstats
 import tempfile
 import time
 
 import numpy as np
 from common import PAPER_SHAPES as SHAPES, analyze_fresh, default_n_grid, fmt, median, read_inputs, rotate, table
+from dask.diagnostics import Profiler
+from dask.utils import key_split
 from threadpoolctl import threadpool_limits
 
 import attngeom as ag
-from attngeom.analyze import blocks, runner
 from attngeom.analyze.kernels import head_metrics
 from attngeom.analyze.parameters import RANDOM_DRAWS
-from attngeom.store.derived import DerivedWrite
 from attngeom.synthetic import write_synthetic_run
 
 RUN = "synthetic"
 
-# (module or class, attribute, phase): the steps timed, each by the CPU time of its thread.
+# (defining file, function, phase): the stage's steps in this thread, read from a profile of
+# it (cProfile, this thread's CPU time, cumulative); and the (sequence, layer) blocks, read
+# from Dask's task profile (their wall time in the worker threads). Nothing of the package is
+# replaced: a renamed function reads as 0.
 PHASES = (
-    (blocks, "read_chunk", "block: read inputs"),
-    (blocks, "head_metrics", "block: kernels"),
-    (blocks, "_analysis_block", "block: whole"),
-    (runner, "computed_groups", "batch: compute (this thread)"),
-    (DerivedWrite, "begin", "record: begin"),
-    (DerivedWrite, "create", "write: create groups"),
-    (DerivedWrite, "append", "write: append batch"),
-    (runner, "cross_sequence_groups", "reduce across sequences"),
-    (DerivedWrite, "finish", "write: finish + commit"),
-    (runner, "_checked_input", "open + check input"),
+    ("analyze/runner.py", "_checked_input", "open + check input"),
+    ("store/derived.py", "begin", "record: begin"),
+    ("store/derived.py", "create", "write: create groups"),
+    ("store/derived.py", "append", "write: append batch"),
+    ("analyze/reductions.py", "cross_sequence_groups", "reduce across sequences"),
+    ("store/derived.py", "finish", "write: finish + commit"),
 )
+BLOCKS = ("analysis_block", "blocks (worker threads, wall)")  # the tasks' name, as Dask's key_split gives it
+PHASE_NAMES = (*(phase for _, _, phase in PHASES), BLOCKS[1])
 
 
-@contextlib.contextmanager
-def phase_timers():
-    """Wrap the PHASES; yields a dict phase -> CPU seconds (summed over threads)."""
-    spent = collections.defaultdict(float)
-    saved = []
-    for owner, name, phase in PHASES:
-        original = getattr(owner, name)
-
-        def wrapper(*args, _original=original, _phase=phase, **kwargs):
-            t0 = time.thread_time()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                spent[_phase] += time.thread_time() - t0
-
-        saved.append((owner, name, original))
-        setattr(owner, name, functools.wraps(original)(wrapper))
-    try:
-        yield spent
-    finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
+def phase_profile(store: str) -> dict[str, float]:
+    """Seconds of each phase (PHASE_NAMES) in one more analyze of ``store`` from scratch, as
+    the profiles see it."""
+    profile = cProfile.Profile(time.thread_time)
+    with Profiler() as tasks:
+        profile.runcall(analyze_fresh, store, RUN, "threads")
+    spent: dict[str, float] = collections.defaultdict(float)
+    for (path, _, function), (_, _, _, cumulative, _) in pstats.Stats(profile).stats.items():
+        for where, name, phase in PHASES:
+            if function == name and path.replace(os.sep, "/").endswith(where):
+                spent[phase] += cumulative
+    spent[BLOCKS[1]] = sum(t.end_time - t.start_time for t in tasks.results if key_split(t.key) == BLOCKS[0])
+    return spent
 
 
 def blocks_of(store: str) -> list[tuple]:
@@ -129,9 +124,8 @@ def measure(name: str, tmp: str, args) -> dict:
                 elif which == "kernels":
                     cpu[which].append(kernels_cpu(inputs, grid) / (len(inputs) * per_block))
                 elif which == "large":
-                    with phase_timers() as spent:
-                        cpu[which].append(analyze_fresh(large, RUN, "threads")[1])
-                    phases.append(dict(spent))
+                    cpu[which].append(analyze_fresh(large, RUN, "threads")[1])
+                    phases.append(phase_profile(large))
                 else:
                     cpu[which].append(analyze_fresh(small, RUN, "threads")[1])
     marginal = [(b - a) / extra for a, b in zip(cpu["small"], cpu["large"])]
@@ -143,7 +137,7 @@ def measure(name: str, tmp: str, args) -> dict:
         "fixed_s": median([s - k * args.layers * H for s, k in zip(cpu["small"], cpu["kernels"])]),
     }
     result["phases_ms_per_instance"] = {
-        phase: median([p.get(phase, 0.0) for p in phases]) * 1e3 / instances_large for _, _, phase in PHASES}
+        phase: median([p.get(phase, 0.0) for p in phases]) * 1e3 / instances_large for phase in PHASE_NAMES}
     return result
 
 
@@ -162,7 +156,7 @@ def main() -> None:
             H, KV, D = SHAPES[name]
             rows.append([f"{name} ({H}/{KV}/{D})", r["stage_ms"], r["kernels_ms"], r["ratio"], r["read_ms"], r["small_s"],
                          r["large_s"], r["fixed_s"]])
-            phase_rows.append([name, *(r["phases_ms_per_instance"][phase] for _, _, phase in PHASES)])
+            phase_rows.append([name, *(r["phases_ms_per_instance"][phase] for phase in PHASE_NAMES)])
             print(f"{name}: " + ", ".join(f"{k}={fmt(v) if isinstance(v, float) else v}" for k, v in r.items()),
                   flush=True)
     print()
@@ -170,9 +164,9 @@ def main() -> None:
                  "1-seq analyze CPU s", f"{args.sequences}-seq analyze CPU s", "fixed CPU s (1 seq - kernels)"],
                 rows))
     print()
-    print(f"phases of the {args.sequences}-sequence analyze, CPU ms per instance (nested: 'block: whole' holds "
-          "'read inputs' and 'kernels'; 'batch: compute' is the batch thread waiting on Dask)")
-    print(table(["shape", *(phase for _, _, phase in PHASES)], phase_rows))
+    print(f"phases of the {args.sequences}-sequence analyze, ms per instance (this thread's steps in CPU time; "
+          "the blocks in wall time summed over the worker threads, read and kernels included)")
+    print(table(["shape", *PHASE_NAMES], phase_rows))
 
 
 if __name__ == "__main__":
