@@ -55,6 +55,10 @@ def analyzed(request: AnalyzeRequest, session: StoreSession) -> list[AnalyzeResu
     counts = {}
     for run_id, state in states.items():
         try:
+            # Flags sized unlike the run's rows are not read (they could claim 10**12
+            # sequences): the runner names them.
+            if runs[run_id]["complete"].shape[:1] != runs[run_id]["attn_last"].shape[:1]:
+                return None
             layout, target = run_layout(runs[run_id]), tuple(int(s) for s in completed(runs[run_id]))
         except (KeyError, *DECODE_ERRORS):  # the runner names it
             return None
