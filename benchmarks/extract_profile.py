@@ -41,18 +41,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from common import median, now, rotate, table
-from extract_thin import thin_model, token_ids
+from extract_thin import add_shape_args, parse_shape, run_shapes, thin_model, token_ids
 from torch.profiler import ProfilerActivity, profile
 
 import attngeom as ag
@@ -148,10 +146,9 @@ def profiled(fn: Any) -> dict[str, float]:
 
 
 def bench(shape: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    dims, length = shape.split("@")
-    heads, kv_heads, head_dim = (int(x) for x in dims.split("/"))
+    heads, kv_heads, head_dim, length = parse_shape(shape)
     model = thin_model(heads, kv_heads, head_dim, args.layers, args.mlp).to(getattr(torch, args.dtype))
-    ids = token_ids(1, int(length))
+    ids = token_ids(1, length)
     store = str(workdir / "profile.zarr")
 
     def forward(capture: bool) -> None:
@@ -209,26 +206,9 @@ def report(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--shapes", default="32/32/128@1024,32/8/128@4096",
-                   help="comma-separated H/KV/Dh@L: query heads, kv heads, head dim, context length")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--mlp", type=int, default=256, help="MLP width (intermediate size)")
+    add_shape_args(p)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--workdir", default=None, help="folder for the temporary stores (default: a temp dir)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write all figures as JSON")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    results: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "reps": args.reps, "shapes": []}
-    with tempfile.TemporaryDirectory(prefix="attngeom-profile-", dir=args.workdir) as tmp:
-        for shape in args.shapes.split(","):
-            results["shapes"].append(bench(shape, args, Path(tmp)))
-    print(report(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    return results
+    return run_shapes(p.parse_args(argv), bench, report, "attngeom-profile-")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,40 @@ def token_ids(count: int, length: int, seed: int = 0) -> torch.Tensor:
     return ids
 
 
+def parse_shape(shape: str) -> tuple[int, int, int, int]:
+    """(query heads, kv heads, head dim, L) of a shape written H/KV/Dh@L."""
+    dims, length = shape.split("@")
+    heads, kv_heads, head_dim = (int(x) for x in dims.split("/"))
+    return heads, kv_heads, head_dim, int(length)
+
+
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The options of a benchmark over thin-model shapes."""
+    p.add_argument("--shapes", default="32/32/128@1024,32/8/128@4096",
+                   help="comma-separated H/KV/Dh@L: query heads, kv heads, head dim, context length")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--mlp", type=int, default=256, help="MLP width (intermediate size)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--workdir", default=None, help="folder for the temporary stores (default: a temp dir)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write all figures as JSON")
+
+
+def run_shapes(args: argparse.Namespace, bench: Any, report: Any, prefix: str) -> dict[str, Any]:
+    """bench(shape, args, workdir) of every shape of args, in a temporary folder; prints
+    report(results) and writes them as JSON where asked."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "reps": args.reps, "shapes": []}
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=args.workdir) as tmp:
+        for shape in args.shapes.split(","):
+            results["shapes"].append(bench(shape, args, Path(tmp)))
+    print(report(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
 def one_rep(model: Any, ids: torch.Tensor, store: str, rep: int) -> dict[str, float]:
     def forward(capture: bool) -> None:
         with torch.inference_mode(), capturing(model) if capture else contextlib.nullcontext():
@@ -87,9 +121,7 @@ def one_rep(model: Any, ids: torch.Tensor, store: str, rep: int) -> dict[str, fl
 
 
 def bench(shape: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    dims, length = shape.split("@")
-    heads, kv_heads, head_dim = (int(x) for x in dims.split("/"))
-    length = int(length)
+    heads, kv_heads, head_dim, length = parse_shape(shape)
     model = thin_model(heads, kv_heads, head_dim, args.layers, args.mlp)
     ids = token_ids(args.num_sequences, length)
     store = str(workdir / f"thin-{heads}-{kv_heads}-{head_dim}-L{length}.zarr")
@@ -133,26 +165,9 @@ def report(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--shapes", default="32/32/128@1024,32/8/128@4096",
-                   help="comma-separated H/KV/Dh@L: query heads, kv heads, head dim, context length")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--mlp", type=int, default=256, help="MLP width (intermediate size)")
+    add_shape_args(p)
     p.add_argument("--num-sequences", type=int, default=1)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--workdir", default=None, help="folder for the temporary stores (default: a temp dir)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write all figures as JSON")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    results: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "reps": args.reps, "shapes": []}
-    with tempfile.TemporaryDirectory(prefix="attngeom-thin-", dir=args.workdir) as tmp:
-        for shape in args.shapes.split(","):
-            results["shapes"].append(bench(shape, args, Path(tmp)))
-    print(report(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    return results
+    return run_shapes(p.parse_args(argv), bench, report, "attngeom-thin-")
 
 
 if __name__ == "__main__":

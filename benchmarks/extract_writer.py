@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 import zarr
 from numcodecs import Blosc
-from common import median, now, rotate, table
+from common import median, now, rotate, table, timed
 
 from attngeom.store import RunLayout, SequenceWriter, create_run, open_or_create_root, open_run_group
 from attngeom.store.codecs import object_chunks
@@ -264,27 +264,16 @@ def writer_times(name: str, length: int, values: str, args: argparse.Namespace, 
         out: dict[str, float] = {}
         for variant in rotate([*variants, "compress", "fsync", "bare_compress", "bare_fsync"], rep):
             if variant == "compress":
-                w0, c0 = now()
-                list(pool.map(lambda task: task[0](task[1]), tasks))
-                w1, c1 = now()
-                out["compress"], out["compress_cpu"] = w1 - w0, c1 - c0
+                out["compress"], out["compress_cpu"] = timed(lambda: list(pool.map(lambda task: task[0](task[1]), tasks)))
             elif variant == "bare_compress":
                 flat = [task for name in bare for task in bare[name]]
-                w0, c0 = now()
-                list(pool.map(lambda task: task[0].encode(task[1]), flat))
-                w1, c1 = now()
-                out["bare_compress"], out["bare_compress_cpu"] = w1 - w0, c1 - c0
+                out["bare_compress"], out["bare_compress_cpu"] = timed(
+                    lambda: list(pool.map(lambda task: task[0].encode(task[1]), flat)))
             elif variant == "bare_fsync":
-                w0, c0 = now()
-                bare_fsync_write(bare_objects, work / "bare")
-                w1, c1 = now()
-                out["bare_fsync"], out["bare_fsync_cpu"] = w1 - w0, c1 - c0
+                out["bare_fsync"], out["bare_fsync_cpu"] = timed(lambda: bare_fsync_write(bare_objects, work / "bare"))
                 shutil.rmtree(work / "bare")
             elif variant == "fsync":
-                w0, c0 = now()
-                fsync_write(reference, work / "plain")
-                w1, c1 = now()
-                out["fsync"], out["fsync_cpu"] = w1 - w0, c1 - c0
+                out["fsync"], out["fsync_cpu"] = timed(lambda: fsync_write(reference, work / "plain"))
                 shutil.rmtree(work / "plain")
             else:
                 out[variant], cpu, _ = written(variant)
