@@ -304,7 +304,7 @@ def _put_local(path: Path, value: bytes | Iterable[Part], folders: set[Path]) ->
     into ``<name>.<uuid>.partial``, then renamed, so that a killed write leaves no truncated
     object (and a failed one, no partial object). ``folders``: those made already."""
     if path.parent not in folders:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        os.makedirs(path.parent, exist_ok=True)
         folders.add(path.parent)
     partial = path.with_name(f"{path.name}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}")
     try:
