@@ -96,14 +96,19 @@ def extract(model: Any, *, store: str | Path, **options: Any) -> ExtractResult:
     from attngeom.extract.request import preflight
 
     request = ExtractRequest(model=model, store=str(store), **options)
-    # Mistakes, and a run that holds every sequence already, are answered before torch loads.
+    # Mistakes are answered before the store's libraries load, and a run that holds every
+    # sequence already before torch loads.
     checked = preflight(request)
-    if checked.done is not None:
-        return checked.done
-    from attngeom.extract.pipeline import extract as run
+    from attngeom.store.session import StoreSession
 
-    with _library_bars(request.progress):
-        return run(request, checked)
+    with StoreSession(request.store, mode="c") as session:
+        done = checked.answer(session)
+        if done is not None:
+            return done
+        from attngeom.extract.pipeline import extract as run
+
+        with _library_bars(request.progress):
+            return run(request, checked, session)
 
 
 def check_model(model: str, *, device: str = "auto", dtype: str = "auto", length: int = 64) -> ModelCheck:
