@@ -96,14 +96,19 @@ def extract(model: Any, *, store: str | Path, **options: Any) -> ExtractResult:
     from attngeom.extract.request import preflight
 
     request = ExtractRequest(model=model, store=str(store), **options)
-    # Mistakes, and a run that holds every sequence already, are answered before torch loads.
+    # Mistakes are answered before the store's libraries load, and a run that holds every
+    # sequence already before torch loads.
     checked = preflight(request)
-    if checked.done is not None:
-        return checked.done
-    from attngeom.extract.pipeline import extract as run
+    from attngeom.store.session import StoreSession
 
-    with _library_bars(request.progress):
-        return run(request, checked)
+    with StoreSession(request.store, mode="c") as session:
+        done = checked.answer(session)
+        if done is not None:
+            return done
+        from attngeom.extract.pipeline import extract as run
+
+        with _library_bars(request.progress):
+            return run(request, checked, session)
 
 
 def check_model(model: str, *, device: str = "auto", dtype: str = "auto", length: int = 64) -> ModelCheck:
@@ -150,12 +155,11 @@ def analyze(
     _check_analyze(store, run_id=run_id, scheduler=scheduler, seed=seed, out=out)
     from attngeom.analyze.current import analyzed
     from attngeom.analyze.parameters import AnalyzeRequest
-    from attngeom.store import writing
     from attngeom.store.session import StoreSession
 
     request = AnalyzeRequest(store=str(store), run_id=run_id, scheduler=scheduler, n_grid=n_grid, seed=seed, out=out,
                              progress=progress, deep=deep)
-    with _workers_skip_main(), writing(str(store)), StoreSession(str(store), mode="a") as session:
+    with _workers_skip_main(), StoreSession(str(store), mode="a") as session:
         results = analyzed(request, session)
         if results is None:
             # Dask, xarray and the kernels load only where there is work.
@@ -347,9 +351,8 @@ def ablate(store: str | Path, run_id: str, **options: Any) -> AblateResult:
     record = _run_model_record(str(store), run_id, request.model, "ablate")
     check_ablate(request, record.get("layout"), committed_count(str(store), run_id))
     from attngeom.ablate.stage import ablate as run
-    from attngeom.store import writing
 
-    with writing(str(store)), _library_bars(request.progress):
+    with _library_bars(request.progress):
         return run(request)
 
 
@@ -411,9 +414,8 @@ def detect(store: str | Path, run_id: str, **options: Any) -> DetectResult:
     if (committed := committed_count(str(store), run_id)) is not None:
         check_sequences(run_id, committed)
     from attngeom.detect.stage import detect as run
-    from attngeom.store import writing
 
-    with writing(str(store)), _library_bars(request.progress):
+    with _library_bars(request.progress):
         return run(request)
 
 

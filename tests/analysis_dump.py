@@ -25,10 +25,11 @@ from attngeom.store import (
     RunLayout,
     consolidate,
     create_run,
-    derived_state,
     local_path,
     open_or_create_root,
+    read_state,
     write_sequence,
+    zarr_store,
 )
 from attngeom.store.session import StoreSession
 from attngeom.synthetic import synthetic_sequence, write_synthetic_run
@@ -74,7 +75,7 @@ def dump(url: str) -> dict[str, Any]:
     out: dict[str, Any] = {"arrays": {}, "objects": {}}
     root = Path(local_path(url))
     for run_id in ("full", "window"):
-        state = derived_state(url, run_id, ANALYSIS)
+        state = read_state(zarr_store(url, read_only=True), run_id, ANALYSIS)
         assert state.commit is not None and state.pending is None
         out["arrays"][f"{run_id}/record"] = {"parameters": state.commit.parameters,
                                              "sequences": list(state.commit.sequences),

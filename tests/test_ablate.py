@@ -6,6 +6,7 @@ import copy
 import warnings
 
 import numpy as np
+import pandas as pd
 import pytest
 torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 import xarray as xr
@@ -297,7 +298,11 @@ def test_type_guided_skipped_without_regimes(tiny_model_dir, word_corpus, tmp_pa
     extract(ExtractRequest(model=str(tiny_model_dir("mistral")), dataset=str(word_corpus), context_length=12,
                            num_sequences=3, store=path, run_id="q", progress=False))
     with pytest.warns(UserWarning, match="type-guided sparsification skipped"):
-        out = ablate(path, "q", device="cpu", retention=(1.0, 0.5), random_masks=2, progress=False)
+        out = ablate(path, "q", device="cpu", retention=(1.0, 0.5), random_masks=2, out=tmp_path / "tables",
+                     progress=False)
+    # The --out tables, written inside the command's store session, as the result holds them.
+    assert sorted(p.name for p in (tmp_path / "tables").iterdir()) == ["q.correlations.csv", "q.single.csv", "q.sweep.csv"]
+    assert pd.read_csv(tmp_path / "tables" / "q.sweep.csv").shape[0] == out.table.shape[0]
     assert "type_guided" not in out.sweep["method"].values
     assert "type_guided" in out.skipped and out.regimes is None
     assert out.sweep.sizes["seq"] == 1 and out.single.sizes["seq"] == 2

@@ -45,13 +45,14 @@ from attngeom.store import (
     TOPN_VARIABLES,
     VALUE_STATISTICS,
     consolidate,
-    derived_state,
     open_dataset,
     open_or_create_root,
     open_root,
+    read_state,
     replace_groups,
     resize_run,
     validate_store,
+    zarr_store,
 )
 
 GRID = [1, 2, 4, 8, 15]
@@ -239,7 +240,7 @@ def test_parameter_change_recomputes_and_says_why(llama_stores, reference, tmp_p
     assert "recomputed every sequence: seed 0 -> 3" in seed.output
     bad = CliRunner().invoke(main, ["analyze", "--store", str(store), "--n-grid", "1,16"])
     assert bad.exit_code == 2 and "1 <= N < L = 16" in bad.stderr
-    assert derived_state(str(store), "r", ANALYSIS).commit.parameters["seed"] == 3  # untouched
+    assert read_state(zarr_store(str(store), read_only=True), "r", ANALYSIS).commit.parameters["seed"] == 3  # untouched
 
 
 def test_groups_of_a_run_larger_than_a_dask_chunk_are_created(tmp_path):
@@ -337,7 +338,7 @@ def readers_refuse_or_see(store: Path, earlier: dict[str, xr.Dataset], out: Path
     """After a kill: either every reader refuses the analysis as incomplete, or it is the
     earlier finished one, unchanged. True when it was readable."""
     url = str(store)
-    if derived_state(url, "r", ANALYSIS).readable:
+    if read_state(zarr_store(url, read_only=True), "r", ANALYSIS).readable:
         assert_bitwise(analysis(store), earlier)
         # Objects are written concurrently: the kill may cut others short, whose leftovers
         # validate names as harmless (the rerun removes them; checked after it).
@@ -523,7 +524,7 @@ def test_interrupted_ablation_write_is_reported_and_earlier_kept(tmp_path, monke
         keys.clear()
         with pytest.raises(Crash):
             replace_groups(url, "r", ABLATION, second, {"seed": 1})
-        assert derived_state(url, "r", ABLATION).readable == readable
+        assert read_state(zarr_store(url, read_only=True), "r", ABLATION).readable == readable
         if readable:
             np.testing.assert_array_equal(read_group(url, "r", ABLATION, "single")["x"].values, np.arange(3.0))
             # The consolidated metadata lags behind the record (the next writer refreshes it).

@@ -36,11 +36,12 @@ from attngeom.store import (
     RunLayout,
     consolidate,
     create_run,
-    derived_state,
     open_or_create_root,
     open_root,
     open_run_group,
+    read_state,
     write_sequence,
+    zarr_store,
 )
 from attngeom.store.session import StoreSession
 from attngeom.synthetic import synthetic_sequence
@@ -83,7 +84,7 @@ def _run_analyze(url: str, params: str) -> None:
 def _groups(url: str) -> dict[str, dict[str, np.ndarray]] | None:
     """Every committed group of the run's analysis, loaded; None when there is no finished one
     (an unfinished one raises what a reader meets: in progress, or incomplete)."""
-    state = derived_state(url, "r", ANALYSIS)
+    state = read_state(zarr_store(url, read_only=True), "r", ANALYSIS)
     if state.commit is None:
         if state.exists:
             read_group(url, "r", ANALYSIS, "heads")
@@ -232,7 +233,7 @@ class DerivedProtocol(RuleBasedStateMachine):
     @rule(data=st.data())
     def damage(self, data) -> None:
         """Lose or truncate an object the commit lists (what any rerun heals)."""
-        state = derived_state(self.url, "r", ANALYSIS)
+        state = read_state(zarr_store(self.url, read_only=True), "r", ANALYSIS)
         if state.commit is None or not state.readable or not state.commit.objects:
             return
         victim = Path(self.url) / "runs" / "r" / ANALYSIS / data.draw(st.sampled_from(sorted(state.commit.objects)))

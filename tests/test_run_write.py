@@ -1,5 +1,6 @@
-"""Extract's write of a run (:class:`~attngeom.store.run_write.RunWrite`) as a state machine
-(hypothesis), as zarr-python tests its stores.
+"""Extract's write of a run (:class:`~attngeom.store.run_write.RunWrite`, from
+``StoreSession(url, mode="c").run_write``) as a state machine (hypothesis), as zarr-python
+tests its stores.
 
 Rules: an extract of the first ``total`` sequences that commits; one that fails after
 ``k`` of them (an error in the caller, or a full disk); one killed (its process gone, no
@@ -32,7 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import attngeom as ag
 from attngeom.errors import AttngeomError, StoreWriteError
 from attngeom.store import RunLayout, SequenceWriter, validate_store
-from attngeom.store.run_write import RunWrite
+from attngeom.store.session import StoreSession
 from attngeom.synthetic import synthetic_sequence
 
 CAPACITY = 6
@@ -54,7 +55,7 @@ def _arrays(seq: int) -> dict[str, np.ndarray]:
 def _write(url: str, total: int, k: int | None) -> list[int]:
     """Write the first ``k`` of the sequences ``range(total)`` still to write (all of them
     and commit for ``k`` None; else fail after ``k``); returns what was to write."""
-    with RunWrite(url, "r").begin(total) as begun:
+    with StoreSession(url, mode="c") as session, session.run_write("r").begin(total) as begun:
         todo = list(begun.todo)
         if todo:
             begun.create(lambda: LAYOUT, PROVENANCE, in_flight=0)
@@ -73,7 +74,7 @@ _KILLED = """
 import os, sys
 import numpy as np
 import attngeom.store.runs as runs
-from attngeom.store.run_write import RunWrite
+from attngeom.store.session import StoreSession
 from attngeom.synthetic import synthetic_sequence
 sys.path.insert(0, sys.argv[4])
 from test_run_write import LAYOUT, PROVENANCE, _arrays
@@ -88,7 +89,7 @@ def put_then_die(*args):
         os._exit(9)
 
 runs.put_objects = put_then_die
-with RunWrite(url, "r").begin(total) as begun:
+with StoreSession(url, mode="c") as session, session.run_write("r").begin(total) as begun:
     print(",".join(map(str, begun.todo)), flush=True)
     if at == "begun":
         os._exit(9)
@@ -195,8 +196,7 @@ class RunWriteMachine(RuleBasedStateMachine):
 
     @rule()
     def wrong_order(self) -> None:
-        write = RunWrite(self.url, "r")
-        with write.begin(1) as begun:
+        with StoreSession(self.url, mode="c") as session, session.run_write("r").begin(1) as begun:
             if begun.todo:
                 with pytest.raises(RuntimeError, match="create the run before"):
                     begun.submit(0, lambda: _arrays(0))

@@ -1,6 +1,7 @@
-"""One store per reading command: the report's data, explore, taxonomy (its tables and
-exports) and a store opened from Python build one zarr Store each, however many runs the
-store holds and whatever they hold (analyzed, with or without detect)."""
+"""One store per command: the report's data, explore, taxonomy (its tables and exports) and
+a store opened from Python build one zarr Store each, however many runs the store holds and
+whatever they hold (analyzed, with or without detect); an extract builds one, into a new
+store, resuming or appending to a run, or with nothing left to write."""
 
 from __future__ import annotations
 
@@ -81,3 +82,19 @@ def test_a_reading_command_builds_one_store_however_many_runs(stores, name, tmp_
              for runs, url in stores.items()}
     print(f"{name}: zarr stores built: {built[1]} (1 run), {built[3]} (3 runs)")
     assert built[1] == built[3] == 1
+
+
+def test_an_extract_builds_one_store_new_appended_or_done(tiny_model_dir, word_corpus, tmp_path, monkeypatch):
+    """Its checks, its write and the answer of a run with nothing to write all go through
+    the command's one session."""
+    url = str(tmp_path / "s.zarr")
+
+    def extract(count: int):
+        return lambda url, out: api.extract(str(tiny_model_dir("llama")), store=url, dataset=str(word_corpus),
+                                            context_length=16, num_sequences=count, run_id="r", progress=False)
+
+    built = {what: _stores_built(monkeypatch, extract(count), url, None)
+             for what, count in (("new", 2), ("appended", 3), ("done", 3))}
+    print(f"extract: zarr stores built: {built}")
+    assert api.open_store(url).run("r").sequences().tolist() == [0, 1, 2]
+    assert built == {"new": 1, "appended": 1, "done": 1}

@@ -88,3 +88,28 @@ def test_the_derived_write_refuses_its_verbs_out_of_order(tmp_path):
             write.replace({}, {})
         with pytest.raises(RuntimeError):
             write.finish({})
+
+
+def test_a_write_the_store_refuses_in_a_writing_session_is_one_line(tmp_path):
+    """Inside a writing session's block (analyze, ablate and detect, their --out tables
+    included) a full disk or read-only store is one StoreWriteError naming the store.
+    extract's session (mode "c") creates nothing before its write begins and leaves what the
+    store refuses to that write, which counts the sequences it kept."""
+    import errno
+
+    from attngeom.errors import StoreWriteError
+    from attngeom.store.session import StoreSession
+
+    url = str(tmp_path / "s.zarr")
+    write_synthetic_run(url, "r", n_seq=1, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, length=8)
+    with pytest.raises(StoreWriteError) as raised, StoreSession(url, mode="a"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert str(raised.value) == f"the store {url} ran out of space; free space and run the command again"
+    with pytest.raises(StoreWriteError, match="cannot be written"), StoreSession(url, mode="a"):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    new = tmp_path / "new.zarr"
+    with pytest.raises(OSError) as raised, StoreSession(str(new), mode="c") as session:
+        assert session.root is None and session.run_write("r").recorded() is None
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert raised.type is OSError and not new.exists()

@@ -350,8 +350,8 @@ def ablate(request: AblateRequest) -> AblateResult:
         # and parameters every group carries in its attributes.
         with session.derived(request.run_id, ABLATION) as write:
             write.replace(groups, groups["single"].attrs[ATTR_KEY])
-    if request.out is not None:
-        _write_tables(request.out, request.run_id, groups, table)
+        if request.out is not None:  # inside the session, which tells a full disk in one line
+            _write_tables(request.out, request.run_id, groups, table)
     return AblateResult(
         request.run_id, groups["single"], groups["sweep"], groups["correlations"], groups["critical"],
         groups.get("regimes"), table, inputs.skipped, time.perf_counter() - start,

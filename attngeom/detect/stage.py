@@ -39,7 +39,7 @@ from attngeom.extract.models import load_tokenizer, resolve_dtype, resolve_model
 from attngeom.extract.placement import parse_device_map
 from attngeom.runcheck import check_run_model
 from attngeom.runmodel import evaluating, is_named, run_model
-from attngeom.store import ATTR_KEY, DETECT, DETECT_GROUPS, derived_state, jsonable
+from attngeom.store import ATTR_KEY, DETECT, DETECT_GROUPS, jsonable, read_state
 from attngeom.store.derived import unheld_claims
 from attngeom.store.session import StoreSession
 
@@ -171,7 +171,7 @@ def _kept(session: StoreSession, run_id: str, params: dict[str, Any],
     """The committed groups, in memory, when they were computed with ``params`` from the
     run's ``committed`` sequences (their record claims no other) and are whole (none of
     their objects missing or resized); else None."""
-    state = derived_state(session.url, run_id, DETECT)
+    state = read_state(session.zstore, run_id, DETECT)
     if (state.commit is None or not state.readable or state.commit.parameters != params
             or unheld_claims(state, committed.tolist())):
         return None

@@ -65,9 +65,10 @@ from attngeom.extract.request import (
     values_dtype_refusal,
 )
 from attngeom.store import RUN_ID_PATTERN, RunLayout, default_run_id, jsonable
-from attngeom.store.run_write import Begun, RunWrite
+from attngeom.store.run_write import Begun
 from attngeom.store.runs import IN_FLIGHT
 from attngeom.store.schema import BFLOAT16
+from attngeom.store.session import StoreSession
 
 @dataclass(frozen=True)
 class _Model:
@@ -356,17 +357,22 @@ def _stored_values(values: torch.Tensor, values_dtype: str) -> np.ndarray:
     return values.float().cpu().numpy().astype(values_dtype, copy=False)
 
 
-def extract(request: ExtractRequest, checked: Preflight | None = None) -> ExtractResult:
+def extract(request: ExtractRequest, checked: Preflight | None = None,
+            session: StoreSession | None = None) -> ExtractResult:
     """Run ``extract``; raises :class:`InputError` (or a :class:`StoreError`) on bad input
-    with the store untouched. ``checked``: the request's :func:`preflight`, when the caller
-    ran it already.
+    with the store untouched. ``checked`` and ``session``: the request's :func:`preflight`
+    and the command's store (``StoreSession(store, mode="c")``, through which every read and
+    write of the store goes), where the caller opened them and found nothing answered
+    (:meth:`Preflight.answer`); else opened here.
 
     With ``shard = (i, n)`` this process writes sequences s with s % n == i, so n processes
     (by hand, or ranks of torchrun) fill one run without touching each other's shards.
     """
-    checked = checked or preflight(request)
-    if checked.done is not None:
-        return checked.done
+    if session is None:
+        checked = checked or preflight(request)
+        with StoreSession(request.store, mode="c") as session:
+            done = checked.answer(session)
+            return done if done is not None else extract(request, checked, session)
     shard = checked.shard
     source = _corpus(request)  # before the model, which may take minutes to load the first time
     model = _model(request, shard)
@@ -379,7 +385,7 @@ def extract(request: ExtractRequest, checked: Preflight | None = None) -> Extrac
     run_id = request.run_id or default_run_id(model.name, inputs.id, inputs.length)
     if not RUN_ID_PATTERN.match(run_id):
         raise InputError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-'")
-    write = RunWrite(request.store, run_id, shard=shard)
+    write = session.run_write(run_id, shard=shard)
     recorded = write.recorded()
     identity = jsonable({
         "model": model.provenance,

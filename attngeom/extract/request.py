@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attngeom.errors import InputError
 from attngeom.extract.corpora import (
@@ -29,6 +29,9 @@ from attngeom.extract.sources import model_name
 from attngeom.options import check_options, option
 from attngeom.preflight import RUN_ID_PATTERN, default_run_id, require_writable, run_created, run_record
 from attngeom.runcheck import check_device
+
+if TYPE_CHECKING:
+    from attngeom.store.session import StoreSession
 
 __all__ = ["ExtractRequest", "ExtractResult", "Preflight", "check_arguments", "launcher_shard", "preflight"]
 
@@ -88,11 +91,29 @@ class ExtractResult:
 
 @dataclass(frozen=True)
 class Preflight:
-    """A request that passed :func:`preflight`: its shard (i, n) or None, and ``done``, the
-    result when the run already holds every sequence asked for (nothing to load or write)."""
+    """A request that passed :func:`preflight`: its shard (i, n) or None. Where its run
+    exists: ``run_id``; ``total``, the sequences asked for, where the store alone (no model)
+    can tell whether the run holds them all already (:meth:`answer`); ``lacking``, the
+    arrays the run was extracted without (migrated from an earlier store format)."""
 
     shard: tuple[int, int] | None
-    done: ExtractResult | None = None
+    run_id: str | None = None
+    total: int | None = None
+    lacking: tuple[str, ...] = ()
+
+    def answer(self, session: StoreSession) -> ExtractResult | None:
+        """The result when the run holds every sequence asked for already (nothing to load
+        or write), read through the command's ``session`` (mode "c") and the run checked
+        as a finished extract checks it; None when there is something to write.
+        :class:`InputError` for a run lacking arrays, which takes no new sequences."""
+        done = None if self.total is None else _finished(session, self.run_id, self.total, self.shard)
+        if done is None and self.lacking:
+            raise InputError(
+                f"run '{self.run_id}' in {session.url} was extracted before attngeom kept "
+                f"{' and '.join(self.lacking)} (migrated from an earlier store format) and takes no new sequences; "
+                "choose another --run"
+            )
+        return done
 
 
 def launcher_shard() -> tuple[int, int] | None:
@@ -168,10 +189,10 @@ def preflight(request: ExtractRequest) -> Preflight:
     corpus's name and text field; an existing run's identity as its record states it (model and
     corpus ids, L, window rule, dtypes, rows, queries; an offline or local corpus's documents
     and text field), a difference named by its option, the run's value and the asked one.
-    When that run already holds every sequence asked for (of a named model, an offline or
-    local corpus, and no BOS token named: only the tokenizer tells its id), ``done`` is the answer: its
-    record and commit flags are read (the store's package loads, no model), and the run is
-    checked as a finished extract checks it.
+    Whether that run already holds every sequence asked for (of a named model, an offline or
+    local corpus, and no BOS token named: only the tokenizer tells its id) is answered next,
+    from its commit flags, through the command's store session (:meth:`Preflight.answer`: the
+    store's package loads, no model).
     :class:`InputError` or a :class:`StoreError` otherwise, with the store untouched."""
     shard = check_arguments(request)
     check_device(request.device)
@@ -238,14 +259,8 @@ def preflight(request: ExtractRequest) -> Preflight:
     # A model given in memory is checked by its weights' hash, a BOS token by the tokenizer,
     # a hub corpus by `datasets`: only the full check reads them.
     light = named and request.bos_token is None and local is not None
-    done = _finished(request.store, run_id, total, shard) if total is not None and light else None
-    lacking = (record.get("layout") or {}).get("lacking")
-    if done is None and lacking:
-        raise InputError(
-            f"run '{run_id}' in {request.store} was extracted before attngeom kept {' and '.join(lacking)} "
-            "(migrated from an earlier store format) and takes no new sequences; choose another --run"
-        )
-    return Preflight(shard, done)
+    lacking = tuple((record.get("layout") or {}).get("lacking") or ())
+    return Preflight(shard, run_id, total if light else None, lacking)
 
 
 # The option that sets each part of a run's identity, as the record names it.
@@ -332,13 +347,11 @@ def _local_corpus(request: ExtractRequest) -> Corpus | None:
     return open_corpus(name, split=request.split, text_field=request.text_field)
 
 
-def _finished(store: str, run_id: str, total: int, shard: tuple[int, int] | None) -> ExtractResult | None:
+def _finished(session: StoreSession, run_id: str, total: int, shard: tuple[int, int] | None) -> ExtractResult | None:
     """The result of an extract with nothing to write: run ``run_id`` holds every sequence of
     ``range(total)`` (of this shard) committed; None when it does not."""
-    from attngeom.store.run_write import RunWrite
-
     start = time.perf_counter()
-    with RunWrite(store, run_id, shard=shard).begin(total) as begun:
+    with session.run_write(run_id, shard=shard).begin(total) as begun:
         if begun.todo:
             return None
         committed = begun.commit()

@@ -33,7 +33,7 @@ from attngeom.store.chunks import read_chunk
 from attngeom.store.damage import damaged_chunk, recovery
 from attngeom.store.storage import jsonable, local_path, zarr_store
 from attngeom.store.codecs import compressor, compressors, has_checksum, with_checksum
-from attngeom.store.record import derived_state
+from attngeom.store.record import read_state
 from attngeom.store.runs import (
     SequenceWriter,
     completed,
@@ -119,10 +119,10 @@ __all__ = [
     "VALUE_STATISTICS", "VOTES", "ablation_path", "analysis_path", "array_metadata", "arrays_of",
     "check_arrays", "check_committed", "check_run", "check_writable", "completed", "compressor", "compressors",
     "consolidate",
-    "create_run", "damaged_chunk", "damaged_objects", "default_run_id", "derived_problems", "derived_state",
+    "create_run", "damaged_chunk", "damaged_objects", "default_run_id", "derived_problems",
     "has_checksum", "jsonable", "label_codes", "lacking_message", "lacking_summaries", "label_dtype", "local_path", "lost_objects", "n_sequences",
     "open_dataset", "open_or_create_root", "open_root", "open_run_group", "query_attendable",
-    "read_chunk", "read_root_attrs", "recovery", "reading_run", "repair", "replace_groups", "require_run_group",
+    "read_chunk", "read_root_attrs", "read_state", "recovery", "reading_run", "repair", "replace_groups", "require_run_group",
     "require_runs", "resize_run",
     "run_ids", "run_layout", "run_path", "run_provenance", "store_format", "validate_run",
     "validate_store", "with_checksum", "write_dataset", "write_sequence", "writing", "zarr_store",

@@ -223,14 +223,22 @@ def quiet_leftovers() -> Iterator[None]:
 
 
 def open_or_create_root(url: str) -> zarr.Group:
-    """Open the store at ``url`` for writing, creating it (schema version 1) if absent.
+    """Open the store at ``url`` for writing, creating it if absent (:func:`create_root`),
+    held as one of its writers while the root lives (:class:`WriterHold`)."""
+    check_writable(url)
+    hold = WriterHold(url)
+    root = create_root(cached(zarr_store(url, read_only=False)), url)
+    hold.bind(root)
+    return root
+
+
+def create_root(zstore: Any, url: str) -> zarr.Group:
+    """The root group through ``zstore``, opened for writing and read afresh, the store
+    created (schema version 1) if absent.
 
     The root's metadata and attributes are one object, written at once; an empty group
     without them (a store created by hand, or by older code killed mid-way) is adopted.
     """
-    check_writable(url)
-    hold = WriterHold(url)
-    zstore = cached(zarr_store(url, read_only=False))
     meta = {ATTR_KEY: {"schema_version": SCHEMA_VERSION, "format": FORMAT, "created_by": __version__}}
     try:
         root = zarr.open_group(zstore, mode="r+", use_consolidated=False)
@@ -246,7 +254,6 @@ def open_or_create_root(url: str) -> zarr.Group:
     if ATTR_KEY not in root.attrs and not list(root.keys()):
         root.attrs.update(meta)
     read_root_attrs(root, url, writing=True)
-    hold.bind(root)
     return root
 
 

@@ -4,7 +4,7 @@ zarr-python reads a node's ``zarr.json`` each time it opens the node, a shard's 
 time it reads one of the shard's chunks, and a chunk holding a whole sequence (a run's
 per-query summaries) once for every layer's task: free on a local disk (the page cache), a
 request each on an object store. :func:`cached` gives one command (a
-:class:`~attngeom.store.session.StoreSession`, an extract, a validate) a Store that keeps
+:class:`~attngeom.store.session.StoreSession`, a validate) a Store that keeps
 what it read of these (objects up to ``SMALL`` bytes, ``KEPT`` bytes in all, the oldest
 dropped first), and the metadata it wrote, for the rest of the command:
 
@@ -20,7 +20,8 @@ Its read-only view (which zarr and xarray open for reading) shares what it keeps
 never kept (a peer may create the object a moment later), and what this Store writes or
 removes replaces or drops its copy. What a concurrent writer rewrites meanwhile (a peer
 extract growing a run's arrays) stays as first read: a writer of the store's consolidated
-metadata reads through :func:`uncached`. A Store sent to another process (a Dask worker)
+metadata reads through :func:`uncached`, and extract's write, as it begins, drops what its
+session's Store kept (:func:`drop_kept`). A Store sent to another process (a Dask worker)
 arrives empty and reads afresh.
 """
 
@@ -34,7 +35,7 @@ import zarr
 from zarr.abc.buffer import Buffer, BufferPrototype
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 
-__all__ = ["KEPT", "SMALL", "cached", "note_sizes", "uncached"]
+__all__ = ["KEPT", "SMALL", "cached", "drop_kept", "note_sizes", "uncached"]
 
 # A whole object is kept if it is at most SMALL bytes: a sequence's summaries, a small
 # model's shard of a sequence at a short context (smollm2-135m's values at L = 64: 1.5 MB),
@@ -189,6 +190,13 @@ def uncached(zstore: Any) -> Any:
         return zstore
     return zarr.storage.FsspecStore(fs=zstore.fs, path=zstore.path, read_only=zstore.read_only,
                                     allowed_exceptions=zstore.allowed_exceptions)
+
+
+def drop_kept(zstore: Any) -> None:
+    """Forget all that ``zstore`` kept (nothing for another Store): its next reads see what
+    peers wrote since, as a Store built afresh would."""
+    if isinstance(zstore, _CachedFsspecStore):
+        zstore._kept.forget("", whole=True)
 
 
 def note_sizes(zstore: Any, sizes: Mapping[str, int]) -> None:

@@ -17,13 +17,13 @@ from zarr.buffer import default_buffer_prototype
 from attngeom import __version__
 from attngeom.store._zarr import sync
 from attngeom.store.damage import DECODE_ERRORS
-from attngeom.store.storage import PARTIAL_SUFFIX, metadata_fault, node_metadata, parse_metadata, zarr_store
+from attngeom.store.storage import PARTIAL_SUFFIX, metadata_fault, node_metadata, parse_metadata
 from attngeom.store.stored_objects import chunk_key, chunk_objects, object_damage, object_sizes
 from attngeom.store.schema import ATTR_KEY, run_path
 
 __all__ = [
     "LOST", "STAGING", "Commit", "Damage", "DerivedState", "Pending", "damage_found", "derived_damage",
-    "derived_state", "kind_path", "read_state", "staged_path", "stored_sizes",
+    "kind_path", "read_state", "staged_path", "stored_sizes",
 ]
 
 # The staging group inside a derived group: results replacing committed ones are written
@@ -210,11 +210,6 @@ def _contents(zstore: Any, base: str) -> str:
         return False
 
     return "objects" if sync(first()) else "none"
-
-
-def derived_state(url: str, run_id: str, kind: str) -> DerivedState:
-    """The record of ``runs/<run_id>/<kind>`` of the store at ``url``."""
-    return read_state(zarr_store(url, read_only=True), run_id, kind)
 
 
 def stored_sizes(zstore: Any, base: str, group: str | None = None) -> dict[str, int]:

@@ -1,22 +1,26 @@
 """Extract's write of one run, from begin to commit, as a database writes a transaction
 (docs/store.md#commit-protocol).
 
-A :class:`RunWrite` owns every step between a command's checks and its success: it reads
-the run's record (:meth:`RunWrite.recorded`, what a rerun must match), begins (creates the
-store, or resumes the run: waits for another extract appending to it and names the
-sequences still to write), creates the run or grows its arrays before the first sequence,
-writes and commits each sequence, and commits the write (consolidated metadata refreshed, the run
-checked). Leaving the ``with`` block on an error aborts: a store this write created and
-that holds no committed sequence is removed, and a write the store refused (a full disk,
-a path that cannot be written) is one :class:`StoreWriteError` counting what was kept::
+A :class:`RunWrite`, handed out by the command's
+:class:`~attngeom.store.session.StoreSession` (mode "c", which may create the store), owns
+every step between the command's checks and its success, every read and write through the
+session's one zarr Store: it reads the run's record (:meth:`RunWrite.recorded`, what a
+rerun must match), begins (creates the store, or resumes the run: waits for another extract
+appending to it and names the sequences still to write), creates the run or grows its
+arrays before the first sequence, writes and commits each sequence, and commits the write
+(consolidated metadata refreshed, the run checked). Leaving the ``with`` block on an error
+aborts: a store this write created and that holds no committed sequence is removed, and a
+write the store refused (a full disk, a path that cannot be written) is one
+:class:`StoreWriteError` counting what was kept::
 
-    write = RunWrite(url, run_id)
-    held = write.recorded()
-    with write.begin(total) as begun:
-        begun.create(layout, provenance)     # once, before the first sequence
-        for seq in begun.todo:
-            begun.submit(seq, arrays)
-        committed = begun.commit()
+    with StoreSession(url, mode="c") as session:
+        write = session.run_write(run_id)
+        held = write.recorded()
+        with write.begin(total) as begun:
+            begun.create(layout, provenance)     # once, before the first sequence
+            for seq in begun.todo:
+                begun.submit(seq, arrays)
+            committed = begun.commit()
 
 A reader sees a sequence once its ``complete`` flag is set (:class:`SequenceWriter`),
 whatever becomes of the write.
@@ -26,16 +30,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import shutil
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zarr
 
-from attngeom.errors import StoreNotFoundError, StoreWriteError
+from attngeom.errors import StoreWriteError
 from attngeom.preflight import run_created
-from attngeom.store.access import consolidate, open_or_create_root, open_root
+from attngeom.store.access import consolidate
 from attngeom.store.locks import RunLock
 from attngeom.store.storage import local_path
 from attngeom.store.runs import (
@@ -53,24 +56,24 @@ from attngeom.store.runs import (
 from attngeom.store.schema import ATTR_KEY, RunLayout
 from attngeom.store.validate import check_run
 
+if TYPE_CHECKING:
+    from attngeom.store.session import StoreSession
+
 __all__ = ["Begun", "RunWrite"]
 
 
 class RunWrite:
-    """Extract's write of run ``run_id`` into the store at ``url``; with ``shard = (i, n)``
-    of the sequences s with s % n == i only (peers write the others)."""
+    """Extract's write of run ``run_id`` through ``session`` (:meth:`StoreSession.run_write`);
+    with ``shard = (i, n)`` of the sequences s with s % n == i only (peers write the others)."""
 
-    def __init__(self, url: str, run_id: str, *, shard: tuple[int, int] | None = None) -> None:
-        self.url, self.run_id, self.shard = url, run_id, shard
+    def __init__(self, session: StoreSession, run_id: str, *, shard: tuple[int, int] | None = None) -> None:
+        self.session, self.url, self.run_id, self.shard = session, session.url, run_id, shard
 
     def recorded(self) -> dict[str, Any] | None:
-        """The run's provenance when its creation finished, else None: what a rerun must
-        match. Creates nothing; refuses a store this attngeom does not write."""
-        try:
-            root = open_root(self.url, mode="a")
-        except StoreNotFoundError:
-            return None
-        if self.run_id not in run_ids(root):
+        """The run's provenance when its creation finished, else None (also where the store
+        does not exist yet): what a rerun must match. Creates nothing."""
+        root = self.session.root
+        if root is None or self.run_id not in run_ids(root):
             return None
         provenance = run_provenance(root, self.run_id)
         return provenance if run_created(provenance) else None
@@ -89,7 +92,6 @@ class Begun:
     def __init__(self, write: RunWrite, total: int) -> None:
         self._write, self.total = write, total
         self.todo: list[int] = []
-        self._root: zarr.Group | None = None
         self._run: zarr.Group | None = None
         self._writer: SequenceWriter | None = None
         self._state = "new"  # new -> begun -> committed | aborted
@@ -103,18 +105,15 @@ class Begun:
         # A store this write creates goes again if it fails before committing anything; not
         # with a shard, where a peer may be writing into the new store already.
         self._new_store = path is not None and not path.exists() and write.shard is None
-        self._path = path
         with self._aborting():
-            self._root = open_or_create_root(write.url)
-            run = self._open_run()
+            run = self._open_run(write.session.fresh_root())
             if run is not None and path is not None and write.shard is None:
                 # Two extracts appending to one run take turns: the second waits, then finds
                 # committed what the first wrote (shards split the sequences instead).
                 lock = RunLock(path, write.run_id, "extract", part="complete")
                 self._exit.callback(lock.release)
                 lock.acquire()
-                self._root = open_or_create_root(write.url)  # what the other wrote meanwhile
-                run = self._open_run()
+                run = self._open_run(write.session.fresh_root())  # what the other wrote meanwhile
             mine = [i for i in range(self.total) if write.shard is None or i % write.shard[1] == write.shard[0]]
             if run is None:
                 self.todo = mine
@@ -135,7 +134,7 @@ class Begun:
             raise RuntimeError("the run's writer is open already")
         with self._store_errors():
             if self._run is None:
-                self._run = create_run(self._root, self._write.run_id, layout(), provenance, self.total)
+                self._run = create_run(self._write.session.root, self._write.run_id, layout(), provenance, self.total)
             elif n_sequences(self._run) < self.total:  # grown only once there is something to write
                 resize_run(self._run, self.total)
             self._writer = self._exit.enter_context(SequenceWriter(self._run, in_flight=in_flight))
@@ -161,7 +160,7 @@ class Begun:
                 self._writer.close()
             if self._run is not None:
                 # Also when nothing was written: an extract killed before refreshing it left it stale.
-                consolidate(self._root)
+                consolidate(self._write.session.root)
         self._state = "committed"
         if self._run is None:
             return 0
@@ -180,14 +179,14 @@ class Begun:
             if kind is not None or self._state != "committed":
                 self._state = "aborted"
                 if self._new_store and not self._holds_committed():
-                    shutil.rmtree(self._path, ignore_errors=True)
+                    self._write.session.remove()
 
-    def _open_run(self) -> zarr.Group | None:
-        """The run if its creation finished; None if absent or its creation was interrupted
-        (``create_run`` then finishes it, keeping what is already right)."""
-        if self._write.run_id not in run_ids(self._root):
+    def _open_run(self, root: zarr.Group) -> zarr.Group | None:
+        """The run of ``root`` if its creation finished; None if absent or its creation was
+        interrupted (``create_run`` then finishes it, keeping what is already right)."""
+        if self._write.run_id not in run_ids(root):
             return None
-        run = open_run_group(self._root, self._write.run_id)
+        run = open_run_group(root, self._write.run_id)
         return run if run_created(run.attrs.get(ATTR_KEY)) else None
 
     def _require(self, state: str, what: str) -> None:
@@ -229,10 +228,11 @@ class Begun:
     def _holds_committed(self) -> bool:
         """Whether any run of the store has a committed sequence (True if that cannot be read:
         a store is never removed on a guess)."""
-        if self._root is None:
+        root = self._write.session.root
+        if root is None:
             return True
         try:
-            return any("complete" in (run := open_run_group(self._root, run_id)) and completed(run).size > 0
-                       for run_id in run_ids(self._root))
+            return any("complete" in (run := open_run_group(root, run_id)) and completed(run).size > 0
+                       for run_id in run_ids(root))
         except Exception:  # noqa: BLE001
             return True

@@ -5,7 +5,9 @@ that reads each node's metadata, shard index and small object once: :mod:`~attng
 and its root group, checks the root (schema, format, writability), holds the store as one of
 its writers and the runs it writes (their locks, or leases: :mod:`~attngeom.store.lease`),
 translates a full disk or a read-only store into :class:`~attngeom.errors.StoreWriteError`,
-and looks runs up. Every read of the command goes through it: :meth:`StoreSession.reader`
+and looks runs up. Its writers are the derived groups' (:meth:`StoreSession.derived`) and
+extract's write of a run (:meth:`StoreSession.run_write`, in mode "c", which may create
+the store). Every read of the command goes through it: :meth:`StoreSession.reader`
 hands out a :class:`RunReader`, one run's url, id and group together, which reads the run's
 arrays, its lazy Dataset, its provenance and its committed derived groups, and makes the
 checks a reader needs. What it holds lives exactly as long as its ``with`` block::
@@ -23,6 +25,7 @@ one that needs no ``with`` block, for a reader that outlives its caller's
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -30,11 +33,12 @@ import numpy as np
 import zarr
 
 from attngeom.errors import GroupNotFoundError, StoreNotFoundError, StoreWriteError
-from attngeom.store.access import WriterHold, check_writable, checked_root, writing
-from attngeom.store.cache import cached
+from attngeom.store.access import WriterHold, check_writable, checked_root, create_root, writing
+from attngeom.store.cache import cached, drop_kept
 from attngeom.store.chunks import read_chunk
 from attngeom.store.damage import damaged_chunk
 from attngeom.store.lease import Lease, lease_seconds
+from attngeom.store.run_write import RunWrite
 from attngeom.store.locks import RunLock, wait_for_writer
 from attngeom.store.storage import local_path, zarr_store
 from attngeom.store.runs import (
@@ -63,9 +67,12 @@ Check = Literal["arrays", "committed", "full"]
 class StoreSession:
     """The store at ``url`` for one command: ``mode`` "r" to read, "a" to write (which also
     refuses a store of another format or one that cannot be written, and holds the store as
-    one of its writers: see :func:`~attngeom.store.access.open_root`). Attributes, inside
-    the ``with`` block: ``url``, ``zstore`` (the zarr Store) and ``root`` (its root group).
-    :class:`StoreNotFoundError` if there is no store, creating nothing;
+    one of its writers: see :func:`~attngeom.store.access.open_root`), "c" for extract's
+    write, which may create the store (:meth:`run_write`). Attributes, inside the ``with``
+    block: ``url``, ``zstore`` (the zarr Store) and ``root`` (its root group).
+    :class:`StoreNotFoundError` if there is no store, creating nothing; in mode "c" an
+    absent store is no error: nothing is created until its write begins, ``root`` is None
+    until then, and what the store refuses is told by the write, counting what it kept.
     :class:`DamagedStoreError` for an unreadable root. ``lease_seconds``: how long the lease
     of a run written on an object store lasts (:func:`~attngeom.store.lease.lease_seconds`)."""
 
@@ -81,16 +88,24 @@ class StoreSession:
     def __enter__(self) -> StoreSession:
         writer = self.mode != "r"
         path = local_path(self.url)
-        if path is not None and not (path / "zarr.json").is_file():
-            # Opening a local store for writing would create its folder.
+        # Opening a local store for writing would create its folder.
+        absent = path is not None and not (path / "zarr.json").is_file()
+        if absent and self.mode != "c":
             raise StoreNotFoundError(f"no attngeom store at {self.url}")
         with contextlib.ExitStack() as stack:
+            if self.mode == "a":
+                stack.enter_context(writing(self.url))
             if writer:
                 check_writable(self.url)
-                stack.callback(WriterHold(self.url).release)
-                stack.enter_context(writing(self.url))
             self.zstore = cached(zarr_store(self.url, read_only=not writer))
-            self.root = checked_root(self.zstore, self.url, writing=writer)
+            if not absent:
+                if writer:
+                    stack.callback(WriterHold(self.url).release)
+                try:
+                    self.root = checked_root(self.zstore, self.url, writing=writer)
+                except StoreNotFoundError:
+                    if self.mode != "c":
+                        raise
             self._exit = stack.pop_all()
         return self
 
@@ -159,6 +174,29 @@ class StoreSession:
         after it expired unrenewed): a writer checks before each write of a commit record."""
         if run_id in self._leases:
             self._leases[run_id].check()
+
+    def run_write(self, run_id: str, *, shard: tuple[int, int] | None = None) -> RunWrite:
+        """Extract's write of run ``run_id`` (:class:`~attngeom.store.run_write.RunWrite`),
+        with ``shard = (i, n)`` of the sequences s with s % n == i only, through this
+        session's Store and root."""
+        return RunWrite(self, run_id, shard=shard)
+
+    def fresh_root(self) -> zarr.Group:
+        """The root, read afresh (what peers wrote since this session read it), for a write
+        beginning; in mode "c" the store created first where there is none, this session
+        then holding it as one of its writers (:func:`~attngeom.store.access.create_root`)."""
+        check_writable(self.url)
+        if self.root is None:
+            self._exit.callback(WriterHold(self.url).release)
+        drop_kept(self.zstore)
+        self.root = create_root(self.zstore, self.url)
+        return self.root
+
+    def remove(self) -> None:
+        """Remove the local store, which a write of this session created and left holding
+        nothing committed; ``root`` is None again, as before that write began."""
+        shutil.rmtree(local_path(self.url), ignore_errors=True)
+        self.root = None
 
     def derived(self, run_id: str, kind: str, *, deep: bool = False) -> DerivedWrite:
         """The update of ``runs/<run_id>/<kind>`` (:class:`~attngeom.store.derived.DerivedWrite`),
