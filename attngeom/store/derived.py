@@ -252,7 +252,7 @@ class DerivedWrite:
         """The group ``name`` as a lazy Dataset: during an update, as written so far (not
         through the commit); else as committed last."""
         staged = self._step == "writing" and self.plan is not None and self.plan.staged
-        return open_dataset(self.url, self.path(name, staged=staged), zstore=self.zstore)
+        return open_dataset(self.zstore, self.url, self.path(name, staged=staged))
 
     def finish(self, datasets: Mapping[str, xr.Dataset]) -> None:
         """Write the groups across sequences (name -> Dataset, computed from every target
@@ -305,8 +305,8 @@ class DerivedWrite:
         """Write each Dataset of ``datasets`` (name -> Dataset) as the group ``name`` (in
         staging by default), replacing it, all at once
         (:func:`~attngeom.store.datasets.write_datasets`)."""
-        write_datasets({self.path(name, staged=staged): dataset for name, dataset in datasets.items()}, self.url,
-                       compute=compute, chunks=chunks, zstore=self.zstore)
+        write_datasets(self.zstore, self.url, {self.path(name, staged=staged): dataset for name, dataset in datasets.items()},
+                       compute=compute, chunks=chunks)
 
     def _kept(self, plan: Plan, sequence_groups: Sequence[str]) -> tuple[int, ...]:
         """The prefix of ``plan.keep`` its per-sequence groups hold: all of it, or none when
@@ -517,7 +517,7 @@ def read_derived(zstore: Any, url: str, run_id: str, kind: str, name: str) -> xr
     if damage:
         raise _damaged(url, state, damage[name])
     try:
-        ds = open_dataset(url, f"{kind_path(run_id, kind)}/{name}", zstore=zstore)
+        ds = open_dataset(zstore, url, f"{kind_path(run_id, kind)}/{name}")
     except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError) as exc:
         if state.legacy:
             raise GroupNotFoundError(f"{kind} of run {run_id} has no group '{name}'") from exc

@@ -246,7 +246,7 @@ class RunReader:
         from attngeom.store.datasets import open_dataset
 
         done = self.completed()
-        ds = open_dataset(self.url, run_path(self.id), zstore=self.session.zstore, lost=lost_objects(self.group))
+        ds = open_dataset(self.session.zstore, self.url, run_path(self.id), lost=lost_objects(self.group))
         return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
 
     def derived(self, kind: str, name: str, *, missing_ok: bool = False) -> xr.Dataset | None:
