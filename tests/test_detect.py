@@ -299,7 +299,8 @@ def test_a_damaged_group_is_named_and_rewritten(detected, tmp_path):
     assert "attngeom detect --store" in problems[0]
     result = detect(store)
     assert not result.kept and validate_store(str(store)) == []
-    assert open_dataset(StoreSession.reading(str(store)).zstore, str(store), "runs/r/detect/scores")["induction_score"].notnull().all()
+    scores = open_dataset(StoreSession.reading(str(store)).zstore, str(store), "runs/r/detect/scores")
+    assert scores["induction_score"].notnull().all()
 
 
 # --- the command line ---------------------------------------------------------------------------

@@ -153,8 +153,9 @@ def test_format3_store_migrates_to_fixed_codes(built, tmp_path):
     shutil.copytree(built, store)
     rewritten = as_format3(store)
     assert metadata(store, "runs/r/analysis/heads/regime")["attributes"]["attngeom"]["labels"] == list(REGIMES[::-1])
-    xr.testing.assert_identical(open_dataset(StoreSession.reading(str(store)).zstore, str(store), "runs/r/analysis/heads"),
-                                open_dataset(StoreSession.reading(str(built)).zstore, str(built), "runs/r/analysis/heads"))
+    migrated, original = StoreSession.reading(str(store)), StoreSession.reading(str(built))
+    xr.testing.assert_identical(open_dataset(migrated.zstore, migrated.url, "runs/r/analysis/heads"),
+                                open_dataset(original.zstore, original.url, "runs/r/analysis/heads"))
     report = migrate.migrate(str(store), progress=False)
     assert (report.source, report.target, report.arrays) == (3, FORMAT, rewritten)
     assert validate_store(str(store), deep=True) == []

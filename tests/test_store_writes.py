@@ -95,7 +95,8 @@ def test_write_dataset_stores_what_to_zarr_stores(name, compute, chunks, local, 
     for key in want:
         assert got[key] == want[key], key
     if compute:
-        xr.testing.assert_identical(open_dataset(zarr_store(url, read_only=True), url, "runs/r/analysis/g").load(), dataset.load())
+        written = open_dataset(zarr_store(url, read_only=True), url, "runs/r/analysis/g")
+        xr.testing.assert_identical(written.load(), dataset.load())
 
 
 def test_write_dataset_refuses_a_non_dimension_coordinate():
