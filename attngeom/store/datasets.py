@@ -71,9 +71,9 @@ def open_dataset(zstore: Any, url: str, group: str, *,
     Label variables, stored as integer codes (see :func:`write_dataset`), come back as
     strings. Data are read by dask in the arrays' (inner) chunks; a chunk that fails to
     decode raises :class:`CorruptChunkError` naming it, an unreadable ``zarr.json``
-    :class:`DamagedStoreError`. ``lost``: variable -> grid index -> why, the stored objects known to be missing or empty
-    (:func:`~attngeom.store.validate.lost_objects`), whose reads raise
-    :class:`CorruptChunkError` naming them rather than returning the fill value.
+    :class:`DamagedStoreError`. ``lost``: variable -> grid index -> why, the stored objects
+    known to be missing or empty (:func:`~attngeom.store.validate.lost_objects`), whose reads
+    raise :class:`CorruptChunkError` naming them rather than returning the fill value.
     """
     try:
         with quiet_leftovers():
@@ -159,7 +159,7 @@ def write_dataset(zstore: Any, url: str, group: str, dataset: xr.Dataset, *, com
     With ``compute=False`` only the metadata and the numpy-backed variables are written, for
     later region writes into the dask-backed ones. Arrays are chunked as the data's dask chunks,
     or as zarr chooses; ``chunks`` gives chunk lengths along some dimensions instead (a
-    variable with one of them is chunked whole along its others.
+    variable with one of them is chunked whole along its others).
 
     What is stored is what ``Dataset.to_zarr`` stores (``tests/test_store_writes.py`` holds the two
     side by side): NaN as the fill value of floats, with xarray's ``_FillValue`` attribute;
