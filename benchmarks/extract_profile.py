@@ -90,10 +90,10 @@ def split(events: list[Any], total: float) -> dict[str, float]:
         forward = seconds(BARE_FORWARD)
         return {"forward": forward - seconds(SDPA), "SDPA": seconds(SDPA), "other": total - forward}
     forward, write = seconds(FORWARD), seconds(WRITE)
-    capture, output = seconds(CAPTURE), seconds(OUTPUT)
+    capture, output, sdpa = seconds(CAPTURE), seconds(OUTPUT), seconds(SDPA, inside=FORWARD)
     return {
-        "forward": forward - capture - seconds(SDPA, inside=FORWARD),
-        "attention output": output + seconds(SDPA),
+        "forward": forward - capture - sdpa,
+        "attention output": output + sdpa,
         "rows": seconds(ROWS),
         "summaries": capture - seconds(ROWS) - output,
         "hand-off": seconds(HAND_OFF),
