@@ -14,27 +14,30 @@ SDPA forward (``model.get_decoder()(input_ids=..., use_cache=False)``), the same
 inside ``capturing(model)`` (nothing written), and ``ag.extract(model, token_ids=...)`` into
 a fresh store, writes included; ratios to the SDPA forward, medians of per-repetition ratios.
 
-Then one SDPA forward and one extract under ``torch.profiler`` with Python frames recorded,
-and extract's wall time split by the frames it spends it in (each phase's seconds over the
-profiled SDPA forward's, so the phases of extract add up to its ratio under the profiler):
+Then one SDPA forward and one extract under ``torch.profiler``, and extract's wall time split
+by the ranges the package names its phases with (``attngeom.*``, docs/architecture.md) and
+torch's own SDPA operator, each phase's seconds over the profiled SDPA forward's (so the
+phases of extract add up to its ratio under the profiler):
 
-* forward: the decoder outside the attention function (projections, RoPE, norms, MLP);
-* attention output: the model's SDPA call, or for a float32 model the capture's own
-  ``rows @ v`` (the bmm of the probabilities with the values) that replaces it;
-* rows: the float32 recomputation of the probability rows: q and k laid out and scaled,
-  ``q k^T`` per tile, the causal mask, the row maximum and the softmax;
-* summaries: every other pass over a tile's rows (top-1, entropy, sink, diagonal, previous
-  key, recent windows, the winner's ``A_ij ||v_j||`` and first argmax) and the per-layer
-  layouts of the results;
-* hand-off: the sequence's arrays stacked over layers and converted for the writer;
-* writes: the writer's compression, checksums and writes, and the commit;
+* forward: the decoder outside the attention function (projections, RoPE, norms, MLP):
+  ``attngeom.forward`` less the capture and SDPA inside it;
+* attention output: the model's SDPA call (``aten::scaled_dot_product_attention``), or for a
+  float32 model the capture's own ``rows @ v`` that replaces it (``attngeom.output``);
+* rows: the float32 recomputation of the probability rows, q k^T per tile, the causal mask,
+  the row maximum and the softmax (``attngeom.rows``);
+* summaries: the rest of ``attngeom.capture``: the setup of a layer (q, k and v laid out and
+  scaled), every other pass over a tile's rows (top-1, entropy, sink, diagonal, previous key,
+  recent windows, the winner's ``A_ij ||v_j||`` and first argmax) and the per-layer layouts;
+* hand-off: the sequence's arrays stacked over layers and converted for the writer
+  (``attngeom.hand_off``);
+* writes: the writer's compression, checksums and writes, and the sequence's commit
+  (``attngeom.write`` less the hand-off inside it: on CPU the writer runs in extract's thread);
 * other: the rest of ``ag.extract`` (input checks, the store's creation, provenance).
 
-In the SDPA forward, "SDPA" is its attention calls and "forward" the rest. A phase's
-seconds are the wall time of the frames named in ``PHASES``, on the calling thread (the
-writer's encoder threads run inside "writes"). The profiler adds a few microseconds per
-Python call and operator, more to the capture's many tile passes than to the forward's
-few large products: read the profile for the split, the timed ratios for the total.
+In the SDPA forward, "SDPA" is its attention operators and "forward" the rest of the
+decoder's call. The profiler adds a few microseconds per operator and range, more to the
+capture's many tile passes than to the forward's few large products: read the profile for
+the split, the timed ratios for the total.
 """
 
 from __future__ import annotations
@@ -51,98 +54,60 @@ from typing import Any
 import torch
 from common import median, now, rotate, table
 from extract_thin import add_shape_args, parse_shape, run_shapes, thin_model, token_ids
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import attngeom as ag
 from attngeom.extract.capture import capturing
 
 VARIANTS = ("sdpa", "capture", "extract")
-# Python frames (file name, function) that open a phase; the outermost one claims its time.
-# Inside the capture, the per-tile operators are told apart by the order of a tile's passes:
-# a tile's passes from its q k^T to its softmax are "rows", a bmm is the "attention output",
-# everything else is "summaries".
-PHASES = {
-    ("sdpa_attention.py", "sdpa_attention_forward"): "attention output",
-    ("capture.py", "attention_summaries"): "capture",
-    ("pipeline.py", "_sequence_arrays"): "hand-off",
-    ("runs.py", "write"): "writes",
-}
+# The ranges of a profile that the phases are read from: extract's, as the package names them,
+# the bare forward's own (this script's), and torch's SDPA operator.
+FORWARD, CAPTURE, ROWS, OUTPUT, HAND_OFF, WRITE = (
+    "attngeom.forward", "attngeom.capture", "attngeom.rows", "attngeom.output", "attngeom.hand_off", "attngeom.write")
+BARE_FORWARD = "benchmark.forward"
+SDPA = "aten::scaled_dot_product_attention"
 ORDER = ("forward", "SDPA", "attention output", "rows", "summaries", "hand-off", "writes", "other")
 
 
-def frame(name: str) -> tuple[str, str] | None:
-    """(file name, function) of a Python frame event's name such as 'a/b/c.py(12): f'."""
-    if "): " not in name or "(" not in name:
-        return None
-    where, func = name.rsplit("): ", 1)
-    return Path(where.split("(")[0]).name, func
+def within(inner: Any, outer: Any) -> bool:
+    """Whether the profiler event ``inner`` ran inside ``outer`` (same thread, nested time)."""
+    return (inner.thread == outer.thread and outer.time_range.start <= inner.time_range.start
+            and inner.time_range.end <= outer.time_range.end)
 
 
-def capture_phases(event: Any, out: dict[str, float]) -> None:
-    """Split attention_summaries' direct children: a tile's passes from ``_scores`` to its
-    softmax are rows, bmm the attention output, the rest summaries (the setup before the
-    first tile, q k v laid out and scaled, counts as rows; the Python between the operators,
-    indexing and the loop, as summaries)."""
-    phase = "rows"
-    seen = 0.0
-    for child in sorted(event.cpu_children, key=lambda e: e.time_range.start):
-        f = frame(child.name)
-        label = f[1] if f else child.name
-        dt = child.cpu_time_total / 1e6
-        seen += dt
-        if label == "_scores":
-            phase = "rows"
-        if "bmm" in label:
-            out["attention output"] += dt
-        elif phase == "rows":
-            out["rows"] += dt
-            if "softmax" in label or "exp" in label:
-                phase = "summaries"
-        else:
-            out["summaries"] += dt
-    out["summaries"] += max(0.0, event.cpu_time_total / 1e6 - seen)
+def split(events: list[Any], total: float) -> dict[str, float]:
+    """Seconds per phase of a profiled block that took ``total`` seconds, from its events."""
+    by_name: dict[str, list[Any]] = defaultdict(list)
+    for e in events:
+        by_name[e.name].append(e)
 
+    def seconds(name: str, inside: str | None = None) -> float:
+        """Seconds of the ranges ``name`` (only those inside a range ``inside``)."""
+        return sum(e.cpu_time_total for e in by_name[name]
+                   if inside is None or any(within(e, o) for o in by_name[inside])) / 1e6
 
-def split(prof: Any) -> dict[str, float]:
-    """Seconds per phase of the profiled block, on the thread that ran it: the named phases,
-    "forward" (the decoder's time outside them) and "other" (the rest of the block)."""
-    out: dict[str, float] = defaultdict(float)
-    tops = [e for e in prof.events() if e.cpu_parent is None]
-    # The caller's thread: the one whose outermost frame is not a thread's bootstrap (a pool's).
-    thread = max((e for e in tops if not e.name.startswith(("threading.py", "asyncio"))),
-                 key=lambda e: e.cpu_time_total).thread
-    tops = [e for e in tops if e.thread == thread]
-    total = (max(e.time_range.end for e in tops) - min(e.time_range.start for e in tops)) / 1e6
-
-    def walk(event: Any, in_forward: bool) -> float:
-        """The seconds under ``event`` claimed by a phase (the decoder's rest included)."""
-        f = frame(event.name)
-        phase = PHASES.get(f) if f else None
-        seconds = event.cpu_time_total / 1e6
-        if phase == "capture":
-            capture_phases(event, out)
-            return seconds
-        if phase is not None:
-            out[phase] += seconds
-            return seconds
-        if f is not None and f[0] == "profiler.py":  # the profiler starting and stopping
-            return seconds
-        if not in_forward and event.name.startswith("nn.Module:"):  # the decoder's call
-            out["forward"] += seconds - sum(walk(c, True) for c in event.cpu_children)
-            return seconds
-        return sum(walk(c, in_forward) for c in event.cpu_children)
-
-    out["other"] = total - sum(walk(e, False) for e in tops)
-    out["other"] -= sum(e.cpu_time_total for e in prof.events() if e.thread == thread
-                        and (frame(e.name) or ("",))[0] == "profiler.py" and (e.cpu_parent is None or
-                        (frame(e.cpu_parent.name) or ("",))[0] != "profiler.py")) / 1e6
-    return dict(out)
+    if by_name[BARE_FORWARD]:  # the bare SDPA forward
+        forward = seconds(BARE_FORWARD)
+        return {"forward": forward - seconds(SDPA), "SDPA": seconds(SDPA), "other": total - forward}
+    forward, write = seconds(FORWARD), seconds(WRITE)
+    capture, output, sdpa = seconds(CAPTURE), seconds(OUTPUT), seconds(SDPA, inside=FORWARD)
+    return {
+        "forward": forward - capture - sdpa,
+        "attention output": output + sdpa,
+        "rows": seconds(ROWS),
+        "summaries": capture - seconds(ROWS) - output,
+        "hand-off": seconds(HAND_OFF),
+        "writes": write - seconds(HAND_OFF, inside=WRITE),
+        "other": total - forward - write,
+    }
 
 
 def profiled(fn: Any) -> dict[str, float]:
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        w0, _ = now()
         fn()
-    return split(prof)
+        total = now()[0] - w0
+    return split(list(prof.events()), total)
 
 
 def bench(shape: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -173,14 +138,17 @@ def bench(shape: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]
         reps.append(out)
         print(f"  [{shape} rep {rep + 1}/{args.reps}] " + " ".join(f"{k}={out[k]:.2f}s" for k in VARIANTS)
               + f" load={os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
-    sdpa = profiled(runs["sdpa"])
+    def bare_forward() -> None:
+        with record_function(BARE_FORWARD):
+            forward(False)
+
+    sdpa = profiled(bare_forward)
     ext = profiled(extract)
     return {
         "shape": shape, "layers": args.layers, "mlp": args.mlp, "dtype": args.dtype, "reps": reps,
         "ratio": {k: median([r[k] / r["sdpa"] for r in reps]) for k in ("capture", "extract")},
         "sdpa_s": median([r["sdpa"] for r in reps]),
-        "sdpa_phases": {"SDPA": sdpa.get("attention output", 0.0), "forward": sdpa.get("forward", 0.0),
-                        "other": sdpa.get("other", 0.0)},
+        "sdpa_phases": sdpa,
         "extract_phases": ext,
     }
 

@@ -9,6 +9,7 @@ import xarray as xr
 import zarr
 
 from attngeom.store import ATTR_KEY, open_dataset, open_root, open_run_group, replace_groups, zarr_store
+from attngeom.store.session import StoreSession
 from attngeom.store.stored_objects import object_sizes
 
 RECENT = [16, 64, 256]
@@ -90,7 +91,7 @@ def add_detect(url: str, run_id: str, ds: xr.Dataset) -> None:
 
 def regimes(url: str, run_id: str) -> np.ndarray:
     """The run's regimes (layer, head) as str."""
-    heads = open_dataset(url, f"runs/{run_id}/analysis/heads")
+    heads = open_dataset(StoreSession.reading(url).zstore, url, f"runs/{run_id}/analysis/heads")
     regime = heads["regime"].transpose("layer", "head")
     return np.asarray([str(x) for x in np.asarray(regime.values).ravel()], dtype=object).reshape(regime.shape)
 

@@ -34,6 +34,7 @@ from attngeom.errors import AttngeomError
 from attngeom.extract.models import load_model, resolve_model
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.store import open_dataset, open_root, open_run_group, zarr_store
+from attngeom.store.session import StoreSession
 
 REGIMES = np.array(
     [["Mixer", "Retriever", "Reset", "Mixer"], ["Reset", "Reset", "Mixer", "Retriever"], ["Mixer", "Reset", "Reset", "Mixer"]],
@@ -54,7 +55,7 @@ def one_thread():
 def open_group(store: str, name: str) -> xr.Dataset:
     """An ablation group of run "r", in memory. (Select methods with ``.sel({"method": m})``:
     ``.sel(method=m)`` is the nearest-neighbour option of ``sel``.)"""
-    return open_dataset(store, f"runs/r/ablation/{name}").load()
+    return open_dataset(StoreSession.reading(store).zstore, store, f"runs/r/ablation/{name}").load()
 
 
 def load(folder) -> torch.nn.Module:
@@ -181,7 +182,7 @@ def test_sweep_shapes_and_full_retention_is_intact(store, result):
     assert (keep.sum(axis=1) == kept_per_layer(0.5, 4)).all()
     table = result.table
     assert len(table) == 9 * 5 and set(table.columns) >= {"method", "retention", "delta_nll_mean", "delta_nll_std"}
-    stored = open_dataset(store, "runs/r/ablation/table")
+    stored = open_dataset(StoreSession.reading(store).zstore, store, "runs/r/ablation/table")
     assert stored.sizes["row"] == 45
     attrs = sweep.attrs["attngeom"]
     assert attrs["importance_sequences"] == [0, 2, 4] and attrs["evaluation_sequences"] == [1, 3, 5]

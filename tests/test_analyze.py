@@ -84,7 +84,7 @@ def analyzed(tiny_model_dir, word_corpus, tmp_path_factory, cluster):
 
 
 def group(store, run, name) -> xr.Dataset:
-    return open_dataset(str(store), f"runs/{run}/analysis/{name}")
+    return open_dataset(StoreSession.reading(str(store)).zstore, str(store), f"runs/{run}/analysis/{name}")
 
 
 @pytest.mark.parametrize("run", ["llama", "gemma3"])

@@ -460,3 +460,30 @@ def test_auto_dtype_is_float32_on_every_device():
 
     assert resolve_dtype("auto") == torch.float32
     assert resolve_dtype("bfloat16") == torch.bfloat16
+
+
+def test_a_profile_shows_extracts_phases_and_changes_nothing(tiny_model_dir, tmp_path):
+    """Under torch.profiler extract's phases are the ranges of ``PHASES`` (docs/architecture.md),
+    and what it stores is what it stores unprofiled, bit for bit."""
+    import numpy as np
+    import zarr
+    from torch.profiler import ProfilerActivity, profile
+
+    import attngeom as ag
+    from attngeom.extract.phases import PHASES
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
+    ids = np.random.default_rng(0).integers(4, 100, size=(2, L))
+    ids[:, 0] = model.config.bos_token_id
+    plain, profiled = str(tmp_path / "plain.zarr"), str(tmp_path / "profiled.zarr")
+    ag.extract(model, token_ids=ids, store=plain, run_id="r", progress=False)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        ag.extract(model, token_ids=ids, store=profiled, run_id="r", progress=False)
+    names = [e.name for e in prof.events() if e.name.startswith("attngeom.")]
+    assert set(names) == set(PHASES)
+    # A capture per layer (3) of each forward, a write per sequence.
+    assert names.count("attngeom.capture") == 3 * names.count("attngeom.forward") and names.count("attngeom.write") == 2
+    want, got = zarr.open_group(plain, path="runs/r", mode="r"), zarr.open_group(profiled, path="runs/r", mode="r")
+    assert sorted(want.array_keys()) == sorted(got.array_keys())
+    for name in want.array_keys():
+        np.testing.assert_array_equal(got[name][...], want[name][...], strict=True, err_msg=name)

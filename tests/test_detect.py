@@ -23,6 +23,7 @@ from attngeom.detect.scores import probe_sums, retrieval_hits
 from attngeom.errors import IncompleteGroupError
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.store import open_dataset, validate_store
+from attngeom.store.session import StoreSession
 
 L, S, N, HAYSTACKS, PROBES = 40, 4, 8, 3, 5
 SCORES = ("duplicate_score", "induction_score", "prev_token_score", "retrieval_score")
@@ -298,7 +299,8 @@ def test_a_damaged_group_is_named_and_rewritten(detected, tmp_path):
     assert "attngeom detect --store" in problems[0]
     result = detect(store)
     assert not result.kept and validate_store(str(store)) == []
-    assert open_dataset(str(store), "runs/r/detect/scores")["induction_score"].notnull().all()
+    scores = open_dataset(StoreSession.reading(str(store)).zstore, str(store), "runs/r/detect/scores")
+    assert scores["induction_score"].notnull().all()
 
 
 # --- the command line ---------------------------------------------------------------------------

@@ -357,3 +357,12 @@ def test_every_derived_group_a_command_writes_is_in_its_help_and_store_md():
             if not re.search(rf"`{group}[` ]", store_md) and f"{kind}/{group}" not in store_md:
                 missing.append(f"docs/store.md lacks {kind}/{group}")
     assert not missing, missing
+
+
+def test_architecture_md_names_every_phase_of_extracts_profile():
+    """The profile ranges docs/architecture.md lists are the ones extract records."""
+    from attngeom.extract.phases import PHASES
+
+    text = (DOCS / "architecture.md").read_text()
+    section = text.split("## extract's phases in a profile", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^\| `(attngeom\.\w+)` \|", section, flags=re.M) == list(PHASES)

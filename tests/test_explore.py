@@ -28,6 +28,7 @@ from attngeom.explore.geometry import value_picture
 from attngeom.palette import REGIME_COLORS
 from attngeom.extract.request import ExtractRequest
 from attngeom.store import open_dataset
+from attngeom.store.session import StoreSession
 
 GRID = [1, 2, 4, 8]
 LENGTH = 16
@@ -200,7 +201,8 @@ def test_head_file_matches_the_store(page, store):
     assert (run_id, l, h, payload["kv_head"], payload["shares_kv"]) == ("a", layer, head, 1, [2])
     ds = xr.open_zarr(store, group="runs/a", consolidated=False)
     topn = xr.open_zarr(store, group="runs/a/analysis/topn", consolidated=False)
-    heads = open_dataset(store, "runs/a/analysis/heads")  # labels decoded from their codes
+    # Labels decoded from their codes.
+    heads = open_dataset(StoreSession.reading(store).zstore, store, "runs/a/analysis/heads")
     assert payload["regime"]["regime"] == str(heads["regime"].values[layer, head])
     for inst in payload["instances"]:
         seq = inst["seq"]

@@ -31,6 +31,7 @@ from attngeom.store import (
     open_root,
     validate_store,
 )
+from attngeom.store.session import StoreSession
 
 ts = pytest.importorskip("tensorstore")
 
@@ -70,7 +71,8 @@ def test_tensorstore_reads_every_array_as_zarr_python_does(built):
 
 
 def test_labels_are_codes_on_disk_and_strings_through_attngeom(built):
-    heads = open_dataset(str(built), "runs/r/analysis/heads")
+    session = StoreSession.reading(str(built))
+    heads = open_dataset(session.zstore, session.url, "runs/r/analysis/heads")
     assert heads["regime"].dtype == object and set(heads["regime"].values.ravel()) <= {"Retriever", "Mixer", "Reset"}
     plain = xr.open_zarr(str(built), group="runs/r/analysis/heads", consolidated=False)
     codes = plain["regime"]
@@ -78,9 +80,9 @@ def test_labels_are_codes_on_disk_and_strings_through_attngeom(built):
     assert codes.dtype.kind == "i" and codes.attrs["flag_values"] == list(range(len(labels)))
     assert codes.attrs["flag_meanings"].split() == labels
     np.testing.assert_array_equal(np.array(labels, dtype=object)[codes.values], heads["regime"].values)
-    sweep = open_dataset(str(built), "runs/r/ablation/sweep")
+    sweep = open_dataset(session.zstore, session.url, "runs/r/ablation/sweep")
     assert "single_impact" in list(sweep.indexes["method"])
-    table = open_dataset(str(built), "runs/r/analysis/table")
+    table = open_dataset(session.zstore, session.url, "runs/r/analysis/table")
     assert set(table["run"].values) == {"r"}
 
 
@@ -118,7 +120,7 @@ def test_fixed_vocabularies_have_their_codes_in_every_store(built):
             "runs/r/ablation/single/regime", "runs/r/ablation/regimes/regime"} <= set(coded)
     # The codes a plain reader sees: Retriever 0, Mixer 1, Reset 2, whichever regimes there are.
     plain = xr.open_zarr(str(built), group="runs/r/analysis/heads", consolidated=False)["regime"].values
-    names = open_dataset(str(built), "runs/r/analysis/heads")["regime"].values
+    names = open_dataset(StoreSession.reading(str(built)).zstore, str(built), "runs/r/analysis/heads")["regime"].values
     np.testing.assert_array_equal(plain, [[REGIMES.index(n) for n in row] for row in names])
 
 
@@ -151,8 +153,9 @@ def test_format3_store_migrates_to_fixed_codes(built, tmp_path):
     shutil.copytree(built, store)
     rewritten = as_format3(store)
     assert metadata(store, "runs/r/analysis/heads/regime")["attributes"]["attngeom"]["labels"] == list(REGIMES[::-1])
-    xr.testing.assert_identical(open_dataset(str(store), "runs/r/analysis/heads"),
-                                open_dataset(str(built), "runs/r/analysis/heads"))
+    migrated, original = StoreSession.reading(str(store)), StoreSession.reading(str(built))
+    xr.testing.assert_identical(open_dataset(migrated.zstore, migrated.url, "runs/r/analysis/heads"),
+                                open_dataset(original.zstore, original.url, "runs/r/analysis/heads"))
     report = migrate.migrate(str(store), progress=False)
     assert (report.source, report.target, report.arrays) == (3, FORMAT, rewritten)
     assert validate_store(str(store), deep=True) == []
@@ -190,6 +193,6 @@ def test_tensorstore_reads_bfloat16_values_as_their_bit_patterns(tmp_path):
     assert meta["data_type"] == "uint16" and meta["attributes"]["attngeom"] == {"encoding": "bfloat16"}
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(store / "runs/r/values")}}
     bits = ts.open(spec, open=True, read=True).result().read().result()
-    values = open_dataset(str(store), "runs/r")["values"].values
+    values = open_dataset(StoreSession.reading(str(store)).zstore, str(store), "runs/r")["values"].values
     assert values.dtype == np.float32 and np.array_equal((bits.astype(np.uint32) << 16).view(np.float32), values)
     assert np.array_equal(bits, zarr.open_array(str(store), path="runs/r/values", mode="r")[:])

@@ -31,6 +31,7 @@ from attngeom.store import (
     open_run_group,
     zarr_store,
 )
+from attngeom.store.session import StoreSession
 from attngeom.synthetic import write_synthetic_run
 
 GRID = [1, 2, 4, 8, 16]
@@ -55,7 +56,7 @@ def _add_ablation(store: str, run_id: str) -> None:
     """What ``attngeom ablate`` writes (it needs a model), in its layout: head (0, 1) critical."""
     base = f"runs/{run_id}/ablation"
     rng = np.random.default_rng(1)
-    heads = open_dataset(store, f"runs/{run_id}/analysis/heads")
+    heads = open_dataset(StoreSession.reading(store).zstore, store, f"runs/{run_id}/analysis/heads")
     coords = {"layer": heads["layer"].values, "head": heads["head"].values}
     shape = (heads.sizes["layer"], heads.sizes["head"])
     delta = rng.exponential(0.05, size=(*shape, 2))

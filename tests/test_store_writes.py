@@ -88,20 +88,22 @@ def test_write_dataset_stores_what_to_zarr_stores(name, compute, chunks, local, 
     """Through the store's own writes (fsspec) and the local folder's (files written directly)."""
     dataset = sample_datasets()[name]
     url = str(tmp_path / "s.zarr") if local else f"memory://writes-{name}-{compute}-{chunks is None}"
-    write_dataset(dataset, url, "runs/r/analysis/g", compute=compute, chunks=chunks)
+    write_dataset(zarr_store(url, read_only=False), url, "runs/r/analysis/g", dataset, compute=compute, chunks=chunks)
     got = objects(zarr_store(url, read_only=True), "runs/r/analysis/g")
     want = objects(to_zarr_twin(dataset, "runs/r/analysis/g", compute=compute, chunks=chunks), "runs/r/analysis/g")
     assert sorted(got) == sorted(want)
     for key in want:
         assert got[key] == want[key], key
     if compute:
-        xr.testing.assert_identical(open_dataset(url, "runs/r/analysis/g").load(), dataset.load())
+        written = open_dataset(zarr_store(url, read_only=True), url, "runs/r/analysis/g")
+        xr.testing.assert_identical(written.load(), dataset.load())
 
 
 def test_write_dataset_refuses_a_non_dimension_coordinate():
     dataset = xr.Dataset({"x": ("a", [1.0, 2.0])}, coords={"a": [0, 1], "label": ("a", [5, 6])})
     with pytest.raises(ValueError, match="label"):
-        write_dataset(dataset, "memory://writes-coordinate", "g")
+        write_dataset(zarr_store("memory://writes-coordinate", read_only=False), "memory://writes-coordinate", "g",
+                      dataset)
 
 
 def test_a_failed_sequence_write_commits_nothing_and_ends_every_write(tmp_path):
@@ -264,7 +266,8 @@ def test_consolidate_writes_what_zarr_writes(tmp_path):
 
     ours = tmp_path / "ours.zarr"
     write_synthetic_run(str(ours), "r", n_seq=2, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, length=8)
-    write_dataset(sample_datasets()["analysis_like"], str(ours), "runs/r/analysis/g")
+    write_dataset(zarr_store(str(ours), read_only=False), str(ours), "runs/r/analysis/g",
+                  sample_datasets()["analysis_like"])
     orphan = ours / "runs" / "r" / "loose" / "inner"
     orphan.mkdir(parents=True)
     (orphan / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
@@ -394,7 +397,8 @@ def test_a_local_store_lists_the_metadata_a_store_lists(tmp_path):
 
     url = tmp_path / "s.zarr"
     write_synthetic_run(str(url), "r", n_seq=2, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, length=8)
-    write_dataset(sample_datasets()["analysis_like"], str(url), "runs/r/analysis/g")
+    write_dataset(zarr_store(str(url), read_only=False), str(url), "runs/r/analysis/g",
+                  sample_datasets()["analysis_like"])
     (url / "runs" / "r" / "analysis" / "g" / "f" / "zarr.json").write_bytes(b"{")
     memory = zarr.storage.MemoryStore()
     for path in url.rglob("*"):

@@ -15,6 +15,7 @@ from attngeom.api import analyze
 from attngeom.cli import main
 from attngeom.extract.request import ExtractRequest
 from attngeom.store import SIGNATURE_VARIABLES, open_dataset
+from attngeom.store.session import StoreSession
 
 
 def _votes_from_rows_block(rows, values, *, head_kv):
@@ -126,12 +127,13 @@ def test_rows_and_winners_agree_and_sliding_window_hides_the_sink(tiny_model_dir
     assert int(sink_votes.sel(layer=2).max()) <= 5
 
     analyze(str(store), scheduler="threads", n_grid=[1, 4], progress=False)
-    heads = open_dataset(str(store), "runs/r/analysis/heads")
+    session = StoreSession.reading(str(store))
+    heads = open_dataset(session.zstore, session.url, "runs/r/analysis/heads")
     expected = [[brute_label(ds["winner"].values[:, layer, h]) for h in range(4)] for layer in range(3)]
     assert heads["regime"].values.tolist() == taxonomy.regime_names(np.array(expected)).tolist()
     fractions = heads["vote_diagonal"] + heads["vote_sink"] + heads["vote_other"]
     np.testing.assert_allclose(fractions.values, 1.0)
-    signatures = open_dataset(str(store), "runs/r/analysis/signatures")
+    signatures = open_dataset(session.zstore, session.url, "runs/r/analysis/signatures")
     assert set(signatures["regime"].values) == {"Retriever", "Mixer", "Reset"}
     assert int(signatures["heads"].isel(n=0).sum()) == 12
 

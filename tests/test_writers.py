@@ -30,6 +30,7 @@ from attngeom.store import (
     validate_store,
     zarr_store,
 )
+from attngeom.store.session import StoreSession
 from attngeom.store.stored_objects import chunk_objects
 from attngeom.store.validate import check_run
 from attngeom.synthetic import write_synthetic_run
@@ -189,7 +190,7 @@ def test_s3_store_every_stage(tiny_model_dir, word_corpus, s3_url, reference, tm
     result = CliRunner().invoke(main, ["ablate", "--store", s3_url, "--run", "r", "--device", "cpu",
                                        "--retention", "1.0,0.5", "--random-masks", "2", "--no-progress"])
     assert result.exit_code == 0, result.output
-    single = open_dataset(s3_url, "runs/r/ablation/single")
+    single = open_dataset(StoreSession.reading(s3_url).zstore, s3_url, "runs/r/ablation/single")
     assert dict(single.sizes)["layer"] == 3
     result = CliRunner().invoke(main, ["report", "--store", s3_url, "--out", str(tmp_path / "report")])
     assert result.exit_code == 0, result.output
@@ -218,12 +219,14 @@ def test_multiprocess_cluster_matches_threads(tiny_model_dir, word_corpus, tmp_p
     extract(ExtractRequest(model=str(tiny_model_dir("mistral")), dataset=str(word_corpus), context_length=16,
                            num_sequences=3, store=str(store), run_id="r", progress=False))
     analyze(str(store), scheduler="threads", n_grid=[1, 2, 8], progress=False)
-    single = {g: open_dataset(str(store), f"runs/r/analysis/{g}").load()
+    session = StoreSession.reading(str(store))
+    single = {g: open_dataset(session.zstore, session.url, f"runs/r/analysis/{g}").load()
               for g in ("topn", "values", "heads", "summary")}
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
         analyze(str(store), scheduler=cluster.scheduler_address, n_grid=[1, 2, 8], progress=False)
+    session = StoreSession.reading(str(store))
     for g, expected in single.items():
-        got = open_dataset(str(store), f"runs/r/analysis/{g}").load()
+        got = open_dataset(session.zstore, session.url, f"runs/r/analysis/{g}").load()
         xr.testing.assert_identical(got, expected)
 
 

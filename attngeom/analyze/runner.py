@@ -92,7 +92,7 @@ def _completed(session: StoreSession, run_id: str) -> xr.Dataset:
     run = session.run(run_id)
     check_committed(session.url, run, run_id)
     done = completed(run)
-    ds = open_dataset(session.url, run_path(run_id), zstore=session.zstore)
+    ds = open_dataset(session.zstore, session.url, run_path(run_id))
     return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
 
 

@@ -40,7 +40,7 @@ from attngeom.extract.placement import parse_device_map
 from attngeom.runcheck import check_run_model
 from attngeom.runmodel import evaluating, is_named, run_model
 from attngeom.store import ATTR_KEY, DETECT, DETECT_GROUPS, jsonable, read_state
-from attngeom.store.derived import unheld_claims
+from attngeom.store.derived_read import unheld_claims
 from attngeom.store.session import StoreSession
 
 __all__ = ["DetectResult", "detect"]

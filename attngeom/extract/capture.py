@@ -29,6 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from attngeom.errors import UnsupportedModelError
+from attngeom.extract.phases import phase
 from attngeom.store.schema import RECENT_WINDOWS
 
 ATTN_IMPLEMENTATION = "attngeom_capture"
@@ -318,35 +319,38 @@ def attention_summaries(
         first_prev = max(q0, 1)
         for h0 in range(0, n_kv, kv_tile):
             h1 = min(n_kv, h0 + kv_tile)
-            scores = _scores(q[h0:h1, :, q0 * group : q1 * group].flatten(0, 1), k[h0:h1, :, :n_keys].flatten(0, 1))
-            if softcap is not None:
-                scores = softcap * torch.tanh(scores / softcap)
-            # (kv, B, block, g, keys): the per-query view of the same scores.
-            per_query = scores.view(h1 - h0, bsz, q1 - q0, group, n_keys)
-            # A finite floor, not -inf, for masked keys: their probability still underflows to 0,
-            # and 0 * floor stays 0 in the entropy below. s + MASKED rounds to MASKED exactly for
-            # any score below 1e22, so adding the floor equals filling it; a broadcast add is a
-            # vectorized pass, a broadcast fill is not.
-            if attention_mask is None:
-                per_query[..., q0:q1].add_(above_diagonal[: q1 - q0, :, : q1 - q0])
-            else:
-                per_query.add_(_tile_floor(floor, h0, h1, group))
+            with phase("attngeom.rows"):
+                scores = _scores(q[h0:h1, :, q0 * group : q1 * group].flatten(0, 1),
+                                 k[h0:h1, :, :n_keys].flatten(0, 1))
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                # (kv, B, block, g, keys): the per-query view of the same scores.
+                per_query = scores.view(h1 - h0, bsz, q1 - q0, group, n_keys)
+                # A finite floor, not -inf, for masked keys: their probability still underflows to 0,
+                # and 0 * floor stays 0 in the entropy below. s + MASKED rounds to MASKED exactly for
+                # any score below 1e22, so adding the floor equals filling it; a broadcast add is a
+                # vectorized pass, a broadcast fill is not.
+                if attention_mask is None:
+                    per_query[..., q0:q1].add_(above_diagonal[: q1 - q0, :, : q1 - q0])
+                else:
+                    per_query.add_(_tile_floor(floor, h0, h1, group))
+                if sink_logits is None:
+                    scores.sub_(scores.amax(dim=-1, keepdim=True))
+                    probs = torch.softmax(scores, dim=-1)
+                else:
+                    # The sink's logit joins the row's maximum and its normaliser Z; its weight
+                    # e^(sink - m) / Z is the part of the row no key receives.
+                    sink = sink_logits[h0:h1]
+                    top = torch.maximum(per_query.amax(dim=-1, keepdim=True), sink)
+                    per_query.sub_(top)
+                    sink = (sink - top).squeeze(-1)
+                    probs = torch.exp(scores)
+                    z = probs.sum(dim=-1) + torch.exp(sink).view(scores.shape[:-1])
+                    probs.div_(z[..., None])
+            top1 = probs.amax(dim=-1)
             if sink_logits is None:
-                scores.sub_(scores.amax(dim=-1, keepdim=True))
-                probs = torch.softmax(scores, dim=-1)
-                top1 = probs.amax(dim=-1)
                 log_z = -torch.log(top1)
             else:
-                # The sink's logit joins the row's maximum and its normaliser Z; its weight
-                # e^(sink - m) / Z is the part of the row no key receives.
-                sink = sink_logits[h0:h1]
-                top = torch.maximum(per_query.amax(dim=-1, keepdim=True), sink)
-                per_query.sub_(top)
-                sink = (sink - top).squeeze(-1)
-                probs = torch.exp(scores)
-                z = probs.sum(dim=-1) + torch.exp(sink).view(scores.shape[:-1])
-                probs.div_(z[..., None])
-                top1 = probs.amax(dim=-1)
                 log_z = torch.log(z)
                 sink_weight = torch.exp(sink.view(scores.shape[:-1]) - log_z)
                 learned_sink[h0:h1, :, q0:q1] = sink_weight.view(h1 - h0, bsz, q1 - q0, group)
@@ -377,8 +381,9 @@ def attention_summaries(
             if inside is not None:
                 query_rows[h0:h1, :, lo:hi, :, :n_keys] = tile_probs[:, :, inside]
             if output is not None:
-                torch.bmm(probs, v[h0:h1, :, :n_keys].flatten(0, 1),
-                          out=output[h0:h1, :, q0 * group : q1 * group].flatten(0, 1))
+                with phase("attngeom.output"):
+                    torch.bmm(probs, v[h0:h1, :, :n_keys].flatten(0, 1),
+                              out=output[h0:h1, :, q0 * group : q1 * group].flatten(0, 1))
             if q1 == length:
                 attn_last[h0:h1] = tile_probs[:, :, -1]
     last_allowed = allowed_keys(attention_mask, length - 1, length, length, device)[0, :, -1].all(dim=0)
@@ -567,7 +572,7 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
         )
     checked = recorder.check_queries if recorder is not None else ()
     kept = recorder.queries if recorder else ()
-    with one_thread(query.device):
+    with one_thread(query.device), phase("attngeom.capture"):
         capture, output = attention_summaries(
             query,
             key,

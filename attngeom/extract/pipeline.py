@@ -53,6 +53,7 @@ from attngeom.extract.models import (
     resolve_model,
 )
 from attngeom.extract.families import VERIFIED_TYPES, check_recorded, supported_config
+from attngeom.extract.phases import phase, phased
 from attngeom.extract.placement import parse_device_map
 from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
@@ -307,7 +308,8 @@ def _capturing(model: torch.nn.Module, *, keep_rows: bool, queries: tuple[int, .
     def record(ids: torch.Tensor) -> dict[int, LayerCapture]:
         with torch.inference_mode(), _matmul_precision(tf32), capturing(model, keep_rows=keep_rows, queries=queries,
                                                                         to_host=True) as recorder:
-            decoder(model)(input_ids=ids, use_cache=False)
+            with phase("attngeom.forward"):
+                decoder(model)(input_ids=ids, use_cache=False)
         return recorder.host_layers()
 
     try:
@@ -460,7 +462,9 @@ def _write_sequences(
                         provenance, in_flight=_in_flight(model.device))
                 # Converted, compressed and written beside the next batch's forward (on CPU, before it).
                 for b, (seq, window) in enumerate(zip(seqs[b0 : b0 + request.batch_size], batch)):
-                    begun.submit(seq, functools.partial(_sequence_arrays, layers, b, window, layout))
+                    with phase("attngeom.write"):
+                        begun.submit(seq, phased("attngeom.hand_off",
+                                                 functools.partial(_sequence_arrays, layers, b, window, layout)))
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{bar.n * length / max(time.perf_counter() - start, 1e-9):.0f}")
     finally:

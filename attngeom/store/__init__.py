@@ -8,9 +8,10 @@ which it reads and writes),
 :mod:`~attngeom.store.datasets` (groups as Datasets), :mod:`~attngeom.store.damage` (damage
 errors and recovery), :mod:`~attngeom.store.chunks` (a run's arrays read a chunk at a time),
 :mod:`~attngeom.store.runs` (runs and the per-sequence commit), :mod:`~attngeom.store.run_write`
-(extract's write of a run, begin to commit), :mod:`~attngeom.store.derived`,
-:mod:`~attngeom.store.record` and :mod:`~attngeom.store.plan` (analysis and ablation groups and
-their commit record),
+(extract's write of a run, begin to commit), :mod:`~attngeom.store.derived` and
+:mod:`~attngeom.store.derived_read` (analysis, ablation and detect groups: their write; their
+reading through the commit record, and their problems), :mod:`~attngeom.store.record` and
+:mod:`~attngeom.store.plan` (that record, and the plan of an update),
 :mod:`~attngeom.store._zarr` (the zarr internals used), :mod:`~attngeom.store.stored_objects` (stored
 objects and their checks), :mod:`~attngeom.store.validate`, :mod:`~attngeom.store.repair` and
 :mod:`~attngeom.store.migrate`. Stages import what they use from here.
@@ -130,7 +131,7 @@ __all__ = [
 
 # What loads xarray and Dask, by the module holding it, imported on first use: a command that
 # finds its work done (an analyze with nothing to do) reads and checks the store with zarr alone.
-_LAZY = {"open_dataset": "datasets", "write_dataset": "datasets", "derived_problems": "derived",
+_LAZY = {"open_dataset": "datasets", "write_dataset": "datasets", "derived_problems": "derived_read",
          "replace_groups": "derived"}
 
 

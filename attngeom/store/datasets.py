@@ -22,7 +22,7 @@ from attngeom.store.access import quiet_leftovers, writing
 from attngeom.store.chunks import read_chunk
 from attngeom.store.codecs import chunk_encoder, compressors, decode_chunk, decoded, can_decode
 from attngeom.store.damage import DECODE_ERRORS, damaged_chunk, locate_damage, metadata_damage, stored_grid
-from attngeom.store.storage import Part, get_objects, group_document, metadata_bytes, put_objects, remove_dir, zarr_store
+from attngeom.store.storage import Part, get_objects, group_document, metadata_bytes, put_objects, remove_dir
 from attngeom.store.schema import ATTR_KEY, ENCODING, LABEL_ORDERS, LABELS, label_codes, label_dtype
 
 
@@ -61,21 +61,20 @@ def _overlaps(key: slice | int, start: int, stop: int) -> bool:
     return start <= key < stop
 
 
-def open_dataset(url: str, group: str, *, zstore: Any = None,
+def open_dataset(zstore: Any, url: str, group: str, *,
                  lost: Mapping[str, Mapping[tuple[int, ...], Exception]] | None = None) -> xr.Dataset:
-    """The group ``group`` of the store at ``url`` as a lazy Dataset, read from its own
-    metadata (never the consolidated copy, which lags behind writers). The one way attngeom
-    opens a group as a Dataset.
+    """The group ``group`` of the zarr Store ``zstore`` (the store at ``url``, named in
+    errors: a command's :class:`~attngeom.store.session.StoreSession` holds both) as a lazy
+    Dataset, read from its own metadata (never the consolidated copy, which lags behind
+    writers). The one way attngeom opens a group as a Dataset.
 
     Label variables, stored as integer codes (see :func:`write_dataset`), come back as
     strings. Data are read by dask in the arrays' (inner) chunks; a chunk that fails to
     decode raises :class:`CorruptChunkError` naming it, an unreadable ``zarr.json``
-    :class:`DamagedStoreError`. ``zstore``: the store at ``url`` already open (a writer's).
-    ``lost``: variable -> grid index -> why, the stored objects known to be missing or empty
-    (:func:`~attngeom.store.validate.lost_objects`), whose reads raise
-    :class:`CorruptChunkError` naming them rather than returning the fill value.
+    :class:`DamagedStoreError`. ``lost``: variable -> grid index -> why, the stored objects
+    known to be missing or empty (:func:`~attngeom.store.validate.lost_objects`), whose reads
+    raise :class:`CorruptChunkError` naming them rather than returning the fill value.
     """
-    zstore = zstore if zstore is not None else zarr_store(url, read_only=True)
     try:
         with quiet_leftovers():
             ds = xr.open_zarr(zstore, group=group, consolidated=False, chunks=None)
@@ -151,16 +150,16 @@ def encode_labels(dataset: xr.Dataset) -> xr.Dataset:
     return dataset.assign({n: v for n, v in encoded.items() if n not in dataset.coords})
 
 
-def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = True,
-                  chunks: Mapping[str, int] | None = None, zstore: Any = None) -> None:
-    """Write a derived Dataset to ``group``, replacing it, in the store's format: chunk
+def write_dataset(zstore: Any, url: str, group: str, dataset: xr.Dataset, *, compute: bool = True,
+                  chunks: Mapping[str, int] | None = None) -> None:
+    """Write a derived Dataset to ``group`` of the zarr Store ``zstore`` open for writing
+    (the store at ``url``, named in errors), replacing it, in the store's format: chunk
     checksums, labels as integer codes (:func:`encode_labels`).
 
     With ``compute=False`` only the metadata and the numpy-backed variables are written, for
     later region writes into the dask-backed ones. Arrays are chunked as the data's dask chunks,
     or as zarr chooses; ``chunks`` gives chunk lengths along some dimensions instead (a
-    variable with one of them is chunked whole along its others). ``zstore``: the store at
-    ``url`` already open for writing (a writer's).
+    variable with one of them is chunked whole along its others).
 
     What is stored is what ``Dataset.to_zarr`` stores (``tests/test_store_writes.py`` holds the two
     side by side): NaN as the fill value of floats, with xarray's ``_FillValue`` attribute;
@@ -169,11 +168,11 @@ def write_dataset(dataset: xr.Dataset, url: str, group: str, *, compute: bool = 
     and annotates one array after another: an analysis writes many small arrays, whose
     round trips through zarr would be most of its writing.
     """
-    write_datasets({group: dataset}, url, compute=compute, chunks=chunks, zstore=zstore)
+    write_datasets(zstore, url, {group: dataset}, compute=compute, chunks=chunks)
 
 
-def write_datasets(datasets: Mapping[str, xr.Dataset], url: str, *, compute: bool = True,
-                   chunks: Mapping[str, int] | None = None, zstore: Any = None) -> None:
+def write_datasets(zstore: Any, url: str, datasets: Mapping[str, xr.Dataset], *, compute: bool = True,
+                   chunks: Mapping[str, int] | None = None) -> None:
     """:func:`write_dataset` of each Dataset of ``datasets`` (group -> Dataset), all at once:
     the groups are encoded together, then written together, each replacing its own."""
     encoded = {group: encode_labels(dataset) for group, dataset in datasets.items()}
@@ -187,7 +186,6 @@ def write_datasets(datasets: Mapping[str, xr.Dataset], url: str, *, compute: boo
                        for name, var in dataset.variables.items()}
         if compute:
             data[group].update(zip(lazy, da.compute(*lazy.values())))
-    target = zstore if zstore is not None else zarr_store(url, read_only=False)
     forms: dict[tuple, _Form] = {}
     blocks: list[_Block] = []
     objects = {group: _group_objects(dataset, data[group], group, chunks or {}, forms, blocks)
@@ -201,8 +199,8 @@ def write_datasets(datasets: Mapping[str, xr.Dataset], url: str, *, compute: boo
 
     with writing(url):
         for parent in sorted({group.rpartition("/")[0] for group in encoded} - {""}):
-            zarr.open_group(target, path=parent, mode="a", use_consolidated=False)
-        _replace_groups(target, objects)
+            zarr.open_group(zstore, path=parent, mode="a", use_consolidated=False)
+        _replace_groups(zstore, objects)
 
 
 def _replace_groups(target: Any, objects: Mapping[str, Mapping[str, bytes | tuple[Part]]]) -> None:

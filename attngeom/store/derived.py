@@ -1,4 +1,5 @@
-"""Derived groups (``analysis``, ``ablation``, ``detect``) and their commit record (docs/store.md#commit-protocol).
+"""The write of derived groups (``analysis``, ``ablation``, ``detect``) and of their commit
+record (docs/store.md#commit-protocol).
 
 A derived group ``runs/<id>/<kind>`` carries a record in its attributes, under ``attngeom``:
 
@@ -7,7 +8,7 @@ A derived group ``runs/<id>/<kind>`` carries a record in its attributes, under `
   computed with, the group names, the attngeom version, and every stored object of the
   groups with its size (``objects``), so that a lost, emptied or truncated object is seen
   from one listing. It is the writer's last write. A reader sees the results only through
-  it (:func:`read_derived`).
+  it (:func:`~attngeom.store.derived_read.read_derived`).
 - ``pending``: an update under way or interrupted: its parameters, the sequences already
   written, and whether it writes into the staging group ``runs/<id>/<kind>/_next`` (the
   commit then stays valid meanwhile) or into the groups themselves (the commit was dropped
@@ -16,8 +17,8 @@ A derived group ``runs/<id>/<kind>`` carries a record in its attributes, under `
   and a rerun finishes it.
 
 The record's shape, its reading and the check of the committed objects against it live in
-:mod:`attngeom.store.record`, with zarr alone; this module writes the record and reads the
-groups with xarray.
+:mod:`attngeom.store.record`, with zarr alone; this module writes the record and the groups
+(with xarray), :mod:`attngeom.store.derived_read` reads the groups through it.
 
 So a writer touches nothing a commit covers without dropping the commit first, and it
 writes the commit last: a killed writer leaves either the earlier finished results or a
@@ -42,11 +43,8 @@ import numpy as np
 import xarray as xr
 import zarr
 
-from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError, InProgressError
 from attngeom.store.access import consolidate
-from attngeom.store.damage import Problem
 from attngeom.store.datasets import open_dataset, read_regions, set_regions, write_datasets
-from attngeom.store.locks import holder_words, live_holder
 from attngeom.store.storage import (
     delete_objects,
     group_document,
@@ -66,7 +64,6 @@ from attngeom.store.record import (
     Damage,
     DerivedState,
     Pending,
-    damage_found,
     derived_damage,
     kind_path,
     read_state,
@@ -78,17 +75,7 @@ from attngeom.store.schema import ATTR_KEY, DERIVED
 if TYPE_CHECKING:
     from attngeom.store.session import StoreSession
 
-__all__ = ["DerivedWrite", "derived_problems", "forget_unreadable", "read_derived", "replace_groups", "unheld_claims"]
-
-
-def _rerun(url: str, run_id: str, kind: str) -> str:
-    return f"run `attngeom {DERIVED.get(kind, kind)} --store {url} --run {run_id}` again to rewrite it"
-
-
-def _damaged(url: str, state: DerivedState, damage: Damage) -> DamagedStoreError:
-    return DamagedStoreError(
-        f"{kind_path(state.run_id, state.kind)}/{damage}; {_rerun(url, state.run_id, state.kind)}"
-    )
+__all__ = ["DerivedWrite", "forget_unreadable", "replace_groups"]
 
 
 def forget_unreadable(session: StoreSession, run_id: str, kind: str) -> str | None:
@@ -252,7 +239,7 @@ class DerivedWrite:
         """The group ``name`` as a lazy Dataset: during an update, as written so far (not
         through the commit); else as committed last."""
         staged = self._step == "writing" and self.plan is not None and self.plan.staged
-        return open_dataset(self.url, self.path(name, staged=staged), zstore=self.zstore)
+        return open_dataset(self.zstore, self.url, self.path(name, staged=staged))
 
     def finish(self, datasets: Mapping[str, xr.Dataset]) -> None:
         """Write the groups across sequences (name -> Dataset, computed from every target
@@ -305,8 +292,9 @@ class DerivedWrite:
         """Write each Dataset of ``datasets`` (name -> Dataset) as the group ``name`` (in
         staging by default), replacing it, all at once
         (:func:`~attngeom.store.datasets.write_datasets`)."""
-        write_datasets({self.path(name, staged=staged): dataset for name, dataset in datasets.items()}, self.url,
-                       compute=compute, chunks=chunks, zstore=self.zstore)
+        write_datasets(self.zstore, self.url,
+                       {self.path(name, staged=staged): dataset for name, dataset in datasets.items()},
+                       compute=compute, chunks=chunks)
 
     def _kept(self, plan: Plan, sequence_groups: Sequence[str]) -> tuple[int, ...]:
         """The prefix of ``plan.keep`` its per-sequence groups hold: all of it, or none when
@@ -427,162 +415,3 @@ def replace_groups(url: str, run_id: str, kind: str, groups: Mapping[str, xr.Dat
 
     with StoreSession(url, mode="a") as session, session.derived(run_id, kind) as write:
         write.replace(groups, parameters)
-
-
-# The options of each stage that its recorded parameters give back, in the order its hint
-# names them: an interrupted update is finished by its own command, not by the defaults.
-_OPTIONS = {
-    "analyze": (("n_grid", "--n-grid"), ("seed", "--seed")),
-    "ablate": (("retention", "--retention"), ("random_masks", "--random-masks"), ("seed", "--seed"),
-               ("protect", "--protect"), ("protect_critical", "--protect-critical")),
-    "detect": (("probes", "--probes"), ("haystack_sequences", "--haystacks"), ("needle_length", "--needle-length"),
-               ("depths", "--depths"), ("seed", "--seed")),
-}
-
-
-def _options(stage: str, parameters: Mapping[str, Any]) -> str:
-    """' --probes 4 --haystacks 2 ...': the command-line options giving ``parameters`` back."""
-    out = []
-    for key, flag in _OPTIONS.get(stage, ()):
-        value = parameters.get(key)
-        if value is None or value is False or value == []:
-            continue
-        if key == "haystack_sequences":
-            value = len(value)
-        elif key == "protect":
-            value = ",".join(f"{layer}.{head}" for layer, head in value)
-        elif isinstance(value, list):
-            value = ",".join(map(str, value))
-        out.append(flag if value is True else f"{flag} {value}")
-    return "".join(f" {part}" for part in out)
-
-
-def _incomplete(url: str, state: DerivedState) -> IncompleteGroupError:
-    stage = DERIVED.get(state.kind, "")
-    options = _options(stage, state.pending.parameters) if state.pending is not None else ""
-    return IncompleteGroupError(
-        f"{state.kind} of run {state.run_id} is incomplete (interrupted {stage or 'writer'}); "
-        f"re-run `attngeom {stage} --store {url} --run {state.run_id}{options}`"
-    )
-
-
-def _in_progress(state: DerivedState, holder: Mapping[str, Any]) -> InProgressError:
-    return InProgressError(
-        f"{state.kind} of run {state.run_id} is in progress: {holder_words(state.run_id, dict(holder))} is "
-        f"writing it; wait for it to finish (it is not interrupted)"
-    )
-
-
-def _writer_at_work(zstore: Any, state: DerivedState) -> dict[str, Any] | None:
-    """The live writer of the run if it is this kind's stage (another stage holding the run
-    writes another group); None when none is."""
-    holder = live_holder(zstore, state.run_id)
-    if holder is not None and holder.get("command", DERIVED.get(state.kind)) == DERIVED.get(state.kind):
-        return holder
-    return None
-
-
-def _unreadable_record(url: str, state: DerivedState) -> DamagedStoreError:
-    return DamagedStoreError(
-        f"{kind_path(state.run_id, state.kind)}/zarr.json is {state.fault}; {_rerun(url, state.run_id, state.kind)}"
-    )
-
-
-def read_derived(zstore: Any, url: str, run_id: str, kind: str, name: str) -> xr.Dataset:
-    """The finished group ``runs/<run_id>/<kind>/<name>`` of the store at ``url``, opened
-    as ``zstore``, as a lazy Dataset, through its commit record: the one way attngeom reads
-    derived results, called by :meth:`~attngeom.store.session.RunReader.derived`.
-
-    Groups that grow along ``seq`` are cut to the sequences the commit covers. Raises
-    :class:`GroupNotFoundError` when the run has no such results,
-    :class:`IncompleteGroupError` when they are not finished (an interrupted writer;
-    :class:`InProgressError` while their writer is at work, holding the run), and
-    :class:`DamagedStoreError` when the record does not parse or an object the commit lists
-    is missing or of another size (one listing of the group).
-    """
-    state = read_state(zstore, run_id, kind)
-    if not state.readable and (holder := _writer_at_work(zstore, state)) is not None:
-        raise _in_progress(state, holder)
-    if not state.exists:
-        raise GroupNotFoundError(
-            f"run {run_id} has no {kind} (run `attngeom {DERIVED.get(kind, '')} --store {url} --run {run_id}`)"
-        )
-    if state.unreadable:
-        raise _unreadable_record(url, state)
-    if not state.readable:
-        raise _incomplete(url, state)
-    if state.commit is not None and name not in state.commit.groups:
-        raise GroupNotFoundError(f"{kind} of run {run_id} has no group '{name}'")
-    damage = damage_found(zstore, state, [name], deep=False)
-    if damage:
-        raise _damaged(url, state, damage[name])
-    try:
-        ds = open_dataset(url, f"{kind_path(run_id, kind)}/{name}", zstore=zstore)
-    except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError) as exc:
-        if state.legacy:
-            raise GroupNotFoundError(f"{kind} of run {run_id} has no group '{name}'") from exc
-        raise _incomplete(url, state) from exc
-    if state.commit is not None and name in state.commit.sequence_groups:
-        ds = ds.isel(seq=slice(0, len(state.commit.sequences)))
-    return ds
-
-
-def derived_problems(zstore: Any, url: str, run_id: str, committed_sequences: Sequence[int]) -> list[Problem]:
-    """Problems of a run's derived groups, one line each: an incomplete one (interrupted
-    writer; or one in progress, its writer named), a malformed record, an empty folder left
-    where one would be, a committed group that is missing or whose objects are (or have
-    another size), or a record claiming sequences the run does not hold as committed (those
-    it covers, and those its parameters name). An unparsable or lost record is named as the
-    metadata check words it (validate names it once). ``zstore``: the store at ``url`` as
-    the validator opened it. Each problem names the objects it is about, if any."""
-    problems = []
-    done = set(int(s) for s in committed_sequences)
-    for kind in DERIVED:
-        state = read_state(zstore, run_id, kind)
-        if state.leftover:
-            problems.append(Problem(f"{kind_path(run_id, kind)} is an empty folder, left by a {DERIVED[kind]} "
-                                    f"stopped before its first write (a full disk?); harmless: the next writer "
-                                    f"that writes the store alone removes it"))
-            continue
-        if not state.readable and (holder := _writer_at_work(zstore, state)) is not None:
-            problems.append(Problem(str(_in_progress(state, holder))))
-            continue
-        if not state.exists or state.legacy:
-            continue
-        if state.unreadable:
-            problems.append(Problem(str(_unreadable_record(url, state)), (f"{kind_path(run_id, kind)}/zarr.json",)))
-            continue
-        if not state.readable:
-            problems.append(Problem(str(_incomplete(url, state))))
-            continue
-        assert state.commit is not None
-        damage = damage_found(zstore, state, state.commit.groups, deep=False)
-        for name in state.commit.groups:
-            if name in damage:
-                problems.append(Problem(str(_damaged(url, state, damage[name])),
-                                        tuple(f"{kind_path(run_id, kind)}/{key}" for key, _ in damage[name].objects)))
-            elif not state.commit.objects and not node_exists(zstore, f"{kind_path(run_id, kind)}/{name}"):
-                problems.append(Problem(f"run {run_id}: {kind} is committed but lacks its group '{name}'"))
-        for what, claimed in _claims(state.commit).items():
-            unknown = sorted(set(claimed) - done)
-            if unknown:
-                problems.append(Problem(f"run {run_id}: {kind} {what} sequences {unknown[:5]} the run does not "
-                                        f"hold as complete"))
-    return problems
-
-
-def _claims(done: Commit) -> dict[str, list[int]]:
-    """The run's sequences a commit says its results were computed from, by what says it:
-    the sequences it covers, and each parameter listing sequences (``*_sequences``)."""
-    claims = {"covers": list(done.sequences)}
-    for key, value in sorted(done.parameters.items()):
-        if key.endswith("_sequences") and isinstance(value, list):
-            claims[f"parameter '{key}' names"] = value
-    return claims
-
-
-def unheld_claims(state: DerivedState, committed: Sequence[int]) -> bool:
-    """Whether the commit of ``state`` claims a sequence the run does not hold as committed
-    (``committed``): its results then describe data the run lacks, and are computed again."""
-    held = set(int(s) for s in committed)
-    return state.commit is not None and any(set(claimed) - held for claimed in _claims(state.commit).values())

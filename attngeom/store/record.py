@@ -1,7 +1,8 @@
 """The commit record of a derived group (``runs/<id>/<kind>``: analysis, ablation, detect)
 and the check of its committed objects against it (docs/store.md#commit-protocol), with zarr
 alone: a command finding its groups up to date reads and checks them without loading xarray
-or Dask (:mod:`attngeom.store.derived` writes the record and reads the groups)."""
+or Dask (:mod:`attngeom.store.derived` writes the record and the groups,
+:mod:`attngeom.store.derived_read` reads the groups through it)."""
 
 from __future__ import annotations
 

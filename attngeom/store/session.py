@@ -284,15 +284,15 @@ class RunReader:
         from attngeom.store.datasets import open_dataset
 
         done = self.completed()
-        ds = open_dataset(self.url, run_path(self.id), zstore=self.session.zstore, lost=lost_objects(self.group))
+        ds = open_dataset(self.session.zstore, self.url, run_path(self.id), lost=lost_objects(self.group))
         return ds.isel(seq=done).assign_coords(seq=("seq", done.astype("int64")))
 
     def derived(self, kind: str, name: str, *, missing_ok: bool = False) -> xr.Dataset | None:
         """The committed group ``<kind>/<name>`` as a lazy Dataset, through its commit record
-        (:func:`~attngeom.store.derived.read_derived`): the one way attngeom reads derived
+        (:func:`~attngeom.store.derived_read.read_derived`): the one way attngeom reads derived
         results. With ``missing_ok``, None where it was never written; an unfinished one
         raises :class:`IncompleteGroupError` all the same."""
-        from attngeom.store.derived import read_derived  # here: as open_dataset in dataset()
+        from attngeom.store.derived_read import read_derived  # here: as open_dataset in dataset()
 
         try:
             return read_derived(self.session.zstore, self.url, self.id, kind, name)

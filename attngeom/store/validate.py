@@ -503,9 +503,9 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
             f"run `attngeom migrate --store {url}`"
         )
     problems += consolidated_problems(url, nodes)
-    # Here, not at the top: derived.py loads xarray, which the store's other checks (a
+    # Here, not at the top: derived_read.py loads xarray, which the store's other checks (a
     # writer's check_committed, an analyze with nothing to do) do without.
-    from attngeom.store.derived import derived_problems
+    from attngeom.store.derived_read import derived_problems
 
     unreadable = frozenset(k.rsplit("/", 1)[0] for k in bad_metadata)
     committed: dict[str, set[int]] = {}
