@@ -24,6 +24,25 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 WORDS = [f"w{i}" for i in range(90)]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compiled_kernels(tmp_path_factory):
+    """The analysis kernels compiled, or loaded from numba's cache beside the package, before
+    the first test, by one xdist worker at a time: on a fresh checkout the first compiles (one
+    to two minutes of CPU) and the others load what it cached, where each worker, and each
+    subprocess a test starts meanwhile, would otherwise compile its own copy."""
+    import fcntl
+
+    from attngeom.analyze.kernels import compile_kernels
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        compile_kernels(progress=False)
+        return
+    # The workers' temporary folders share their parent, this run's own.
+    with open(tmp_path_factory.getbasetemp().parent / "kernels.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        compile_kernels(progress=False)
+
+
 # A test needs the model stack (torch, transformers, datasets, the offline model and corpus
 # packages) when it uses `tiny_model_dir`, directly or through another fixture, or is marked
 # `needs_model`. Where torch is not installed those tests are skipped and the rest (store,
