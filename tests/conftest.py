@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,26 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault(var, "1")
 
 WORDS = [f"w{i}" for i in range(90)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_kernels(tmp_path_factory):
+    """The analysis kernels compiled, or loaded from numba's cache beside the package, before
+    the first test, by one xdist worker at a time: on a fresh checkout the first compiles (one
+    to two minutes of CPU) and the others load what it cached, where each worker, and each
+    subprocess a test starts meanwhile, would otherwise compile its own copy."""
+    import fcntl
+
+    from attngeom.analyze.kernels import compile_kernels
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        compile_kernels(progress=False)
+        return
+    # The workers' temporary folders share their parent, this run's own.
+    with open(tmp_path_factory.getbasetemp().parent / "kernels.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        compile_kernels(progress=False)
+
 
 # A test needs the model stack (torch, transformers, datasets, the offline model and corpus
 # packages) when it uses `tiny_model_dir`, directly or through another fixture, or is marked
@@ -183,13 +204,19 @@ def moto_s3(**env: str):
     points s3fs and boto3 (here and in subprocesses) at it, plus ``env``. s3fs keeps one
     file system per set of arguments whatever the environment, so its instances are dropped
     on entry and exit: another module's server, since stopped, is never asked."""
-    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("moto.server")
     import boto3
     import s3fs
+    from moto.moto_server.werkzeug_app import MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
 
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
+    # moto's S3 app served alone, as `moto.server.ThreadedMotoServer` serves its app of every
+    # service: that one finds the service of each request under one lock, listing moto's
+    # package folder twice a request, which made it most of a request's time.
+    server = make_server("127.0.0.1", 0, create_backend_app("s3"), threaded=True, request_handler=MotoRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    host, port = server.server_address[:2]
     endpoint = f"http://{host}:{port}"
     s3fs.S3FileSystem.clear_instance_cache()
     try:
@@ -202,7 +229,8 @@ def moto_s3(**env: str):
             yield endpoint
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
+        server.shutdown()
+        thread.join()
 
 
 # Libraries a refusal must be made without (each takes seconds to import).

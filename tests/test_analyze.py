@@ -4,7 +4,9 @@ uninterrupted analyze, and no reader takes the half state for a finished analysi
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -285,7 +287,7 @@ def test_vectorized_quantiles_equal_numpy():
 
 
 KILLER = textwrap.dedent("""
-    import glob, os, signal, sys
+    import glob, json, os, signal, sys
     import zarr
     from attngeom.analyze import runner
     from attngeom.cli import main
@@ -293,7 +295,7 @@ KILLER = textwrap.dedent("""
 
     # One (sequence, layer) task per batch of the tiny model: many batches, many records.
     runner.BATCH_TASKS = 3
-    limit, count = int(os.environ["KILL_AT_WRITE"]), 0
+    limit, count = int(os.environ.get("KILL_AT_WRITE", 0)), 0
     set_, put_local = zarr.storage.LocalStore.set, storage._put_local
 
     def write():
@@ -314,10 +316,30 @@ KILLER = textwrap.dedent("""
 
     zarr.storage.LocalStore.set = killing
     storage._put_local = killing_local
-    try:
-        main(sys.argv[1:], standalone_mode=False)
-    finally:
-        print("writes", count)
+
+    def run(argv):
+        try:
+            main(argv, standalone_mode=False)
+        finally:
+            print("writes", count)
+
+    if sys.argv[1] != "--serve":
+        run(sys.argv[1:])
+    else:
+        # One command a line of stdin, each run in a child forked from this process, which has
+        # imported the package and loaded the kernels once for them all; its exit status is
+        # answered on stdout, its output is left in the files the line names.
+        from attngeom.analyze.kernels import compile_kernels
+
+        compile_kernels(progress=False)
+        for line in sys.stdin:
+            argv, limit, out, err = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                for fd, name in ((1, out), (2, err)):
+                    os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+                sys.exit(run(argv))
+            print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
 """)
 
 
@@ -332,6 +354,34 @@ def run_killed(tmp_path: Path, store: Path, grid: list[int], kill_at: int,
            "--n-grid", ",".join(map(str, grid)), "--no-progress"]
     env = {**os.environ, "KILL_AT_WRITE": str(kill_at)}
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+
+
+class KillServer:
+    """``run_killed`` for many runs in one process: each ``attngeom analyze`` forked from a
+    server that imported the package and loaded the kernels once, and SIGKILLed as
+    ``run_killed``'s is."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp_path = tmp_path
+        script = tmp_path / "killer.py"
+        script.write_text(KILLER)
+        self.server = subprocess.Popen([sys.executable, str(script), "--serve"], cwd=tmp_path, text=True,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def __call__(self, store: Path, grid: list[int], kill_at: int) -> subprocess.CompletedProcess:
+        argv = ["analyze", "--store", str(store), "--scheduler", "threads", "--n-grid", ",".join(map(str, grid)),
+                "--no-progress"]
+        out, err = self.tmp_path / "run.out", self.tmp_path / "run.err"
+        self.server.stdin.write(json.dumps([argv, kill_at, str(out), str(err)]) + "\n")
+        self.server.stdin.flush()
+        ready, _, _ = select.select([self.server.stdout], [], [], 300)
+        assert ready, f"analyze killed at write {kill_at} did not end in 300 s"
+        returncode = int(self.server.stdout.readline())
+        return subprocess.CompletedProcess(argv, returncode, out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        self.server.stdin.close()
+        assert self.server.wait(timeout=60) == 0
 
 
 def readers_refuse_or_see(store: Path, earlier: dict[str, xr.Dataset], out: Path) -> bool:
@@ -377,7 +427,8 @@ def test_sigkill_then_rerun_equals_uninterrupted(llama_stores, reference, tmp_pa
     consolidate(open_root(str(pristine), mode="a"))  # as extract leaves it
     store = tmp_path / "s.zarr"
     shutil.copytree(pristine, store)
-    full = run_killed(tmp_path, store, grid, 0)
+    run_killed = KillServer(tmp_path)
+    full = run_killed(store, grid, 0)
     assert full.returncode == 0, full.stderr
     total = int(full.stdout.split("writes")[-1])
     want = reference["five" if grid == GRID else "five_14"]
@@ -392,11 +443,11 @@ def test_sigkill_then_rerun_equals_uninterrupted(llama_stores, reference, tmp_pa
     for kill_at in points:
         shutil.rmtree(store)
         shutil.copytree(pristine, store)
-        killed = run_killed(tmp_path, store, grid, kill_at)
+        killed = run_killed(store, grid, kill_at)
         assert killed.returncode == -signal.SIGKILL, (kill_at, killed.stderr)
         readable.append(readers_refuse_or_see(store, reference["three"], tmp_path / "report"))
         if kill_at == total // 2:  # killed again while resuming
-            again = run_killed(tmp_path, store, grid, 5)
+            again = run_killed(store, grid, 5)
             assert again.returncode == -signal.SIGKILL
             readers_refuse_or_see(store, reference["three"], tmp_path / "report")
         (result,) = analyze(str(store), scheduler="threads", n_grid=grid, progress=False)
@@ -406,6 +457,7 @@ def test_sigkill_then_rerun_equals_uninterrupted(llama_stores, reference, tmp_pa
     # groups grow in place, and once finished groups are being moved into place, until the
     # commit, are readers refused.
     assert readable == [True] + [False] * (grid == GRID) + [True] * 4 + [False], readable
+    run_killed.close()
 
 
 def test_worker_processes_equal_threads_and_die_with_analyze(llama_stores, reference, tmp_path):

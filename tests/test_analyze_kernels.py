@@ -932,8 +932,9 @@ def test_head_kv_is_checked():
 
 
 def test_inputs_of_any_layout_reuse_the_compiled_loops():
-    """After compile_kernels, read-only, broadcast, strided and int32 inputs compile nothing
-    more: each worker would otherwise compile its own copy (tens of seconds)."""
+    """After compile_kernels, read-only, broadcast, strided and int32 inputs, and a layer's
+    keys cut to a sliding window, compile nothing more: each worker would otherwise compile its
+    own copy (tens of seconds)."""
     from numba.core.registry import CPUDispatcher
 
     from attngeom.analyze.kernels import coherence, geometry, vectors
@@ -955,6 +956,10 @@ def test_inputs_of_any_layout_reuse_the_compiled_loops():
     topn_metrics(attn, values, attendable, [1, 3, 8], head_kv=head_kv)
     value_statistics(values, attendable)
     head_metrics(attn, values, attendable, (2, 4), head_kv=head_kv)
+    window = np.ones((2, 40), dtype=bool)
+    window[:, 5:20] = False  # a sliding window's layer: its keys picked by index
+    topn_metrics(attn, values, window, [1, 3, 8], head_kv=head_kv)
+    head_metrics(attn, values, window, (2, 4), head_kv=head_kv)
     assert signatures() == before
 
 

@@ -62,15 +62,22 @@ def synthetic(n_seq: int) -> str:
     return url
 
 
-def analyzed(url: str, monkeypatch) -> collections.Counter:
-    monkeypatch.setattr(runner, "BATCH_TASKS", 2)  # one sequence (two layers) a batch
-    with counted() as counts:
+def analyzed(url: str) -> collections.Counter:
+    with pytest.MonkeyPatch.context() as mp, counted() as counts:
+        mp.setattr(runner, "BATCH_TASKS", 2)  # one sequence (two layers) a batch
         analyze(url, run_id="r", scheduler="threads", n_grid=[1, 2, 4], progress=False)
     return counts
 
 
-def test_an_analyze_reads_metadata_and_each_shard_once_whatever_its_batches(s3_env, monkeypatch):
-    few, many = (analyzed(synthetic(n), monkeypatch) for n in (2, 6))
+@pytest.fixture(scope="module")
+def analyzed_stores(s3_env) -> list[tuple[str, collections.Counter]]:
+    """Synthetic stores of 2 and 6 sequences, each analyzed once: its url and the requests
+    of its analyze. The tests only read them."""
+    return [(url, analyzed(url)) for url in (synthetic(n) for n in (2, 6))]
+
+
+def test_an_analyze_reads_metadata_and_each_shard_once_whatever_its_batches(analyzed_stores):
+    few, many = (counts for _, counts in analyzed_stores)
     # Each node's metadata once: the same reads for 2 batches or 6.
     assert total(few, "GetObject", metadata) == total(many, "GetObject", metadata)
     assert total(many, "HeadObject", metadata) <= 1  # the command's first look at the store
@@ -91,12 +98,9 @@ def test_an_analyze_reads_metadata_and_each_shard_once_whatever_its_batches(s3_e
     assert [key for key in reads if key.startswith("runs/r/analysis/")] == ["runs/r/analysis/zarr.json"]
 
 
-def test_validate_reads_each_zarr_json_once_and_lists_per_array_not_per_sequence(s3_env, monkeypatch):
-    stores = [synthetic(n) for n in (2, 6)]
-    for url in stores:
-        analyzed(url, monkeypatch)
+def test_validate_reads_each_zarr_json_once_and_lists_per_array_not_per_sequence(analyzed_stores):
     runs = []
-    for url in stores:
+    for url, _ in analyzed_stores:
         documents = set(node_metadata(zarr_store(url, read_only=True)))
         with counted() as counts:
             assert validate_store(url, deep=True) == []

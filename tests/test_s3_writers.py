@@ -53,6 +53,15 @@ def s3_store(s3_env, ablated_store_source) -> str:
     return url
 
 
+@pytest.fixture(scope="module")
+def analyzed_reference(ablated_store_source, tmp_path_factory) -> Path:
+    """A local copy of `ablated_store_source` analyzed serially with n grid 1, 4: what each
+    store on S3 analyzed so must equal, object for object. The tests only read it."""
+    reference = local_copy(ablated_store_source, tmp_path_factory.mktemp("reference") / "reference.zarr")
+    analyze(str(reference), scheduler="threads", n_grid=[1, 4], progress=False)
+    return reference
+
+
 def downloaded(url: str, folder: Path) -> Path:
     s3_fs().get(url.removeprefix("s3://") + "/", str(folder), recursive=True)
     return folder
@@ -107,9 +116,7 @@ def test_an_expired_lease_goes_to_one_writer_at_a_time(s3_env, capsys):
     assert not s3_fs().exists(f"{zstore.path}/leases/r.json")
 
 
-def test_two_analyzes_of_a_run_on_s3_run_one_after_the_other(s3_store, s3_env, ablated_store_source, tmp_path):
-    reference = local_copy(ablated_store_source, tmp_path / "reference.zarr")
-    analyze(str(reference), scheduler="threads", n_grid=[1, 4], progress=False)
+def test_two_analyzes_of_a_run_on_s3_run_one_after_the_other(s3_store, s3_env, analyzed_reference, tmp_path):
     both = [subprocess.Popen(analyze_cmd(s3_store, "--n-grid", "1,4"), env=s3_env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [p.communicate(timeout=600) for p in both]
@@ -117,7 +124,7 @@ def test_two_analyzes_of_a_run_on_s3_run_one_after_the_other(s3_store, s3_env, a
     # One recomputed every sequence; the other, waiting meanwhile, found the analysis up to date.
     assert sorted(out.split(" new sequences")[0].rsplit(" ", 1)[-1] for out, _ in outputs) == ["0", str(S)], outputs
     assert validate_store(s3_store, deep=True) == []
-    assert_same_tree(downloaded(s3_store, tmp_path / "s3.zarr"), reference)
+    assert_same_tree(downloaded(s3_store, tmp_path / "s3.zarr"), analyzed_reference)
 
 
 def test_an_extract_appending_during_an_analyze_on_s3_ends_valid(s3_store, s3_env, ablated_store_source, tiny_model_dir,
@@ -146,10 +153,7 @@ def test_an_extract_appending_during_an_analyze_on_s3_ends_valid(s3_store, s3_en
 
 
 def test_a_killed_analyze_on_s3_is_taken_over_after_its_lease_and_rerun_to_the_same_store(
-        s3_store, s3_env, ablated_store_source, tmp_path, capsys):
-    reference = local_copy(ablated_store_source, tmp_path / "reference.zarr")
-    analyze(str(reference), scheduler="threads", n_grid=[1, 4], progress=False)
-
+        s3_store, s3_env, analyzed_reference, tmp_path, capsys):
     fs, base = s3_fs(), s3_store.removeprefix("s3://")
     # A lease long enough that the rerun meets it unexpired, and waits.
     victim = subprocess.Popen(analyze_cmd(s3_store, "--n-grid", "1,4"), env={**s3_env, "ATTNGEOM_LEASE_SECONDS": "15"},
@@ -170,7 +174,7 @@ def test_a_killed_analyze_on_s3_is_taken_over_after_its_lease_and_rerun_to_the_s
     assert f"waiting for the analyze of run r held by {lease['host']}:{victim.pid} since {lease['since']}" in (
         capsys.readouterr().err)
     assert validate_store(s3_store, deep=True) == []
-    assert_same_tree(downloaded(s3_store, tmp_path / "s3.zarr"), reference)
+    assert_same_tree(downloaded(s3_store, tmp_path / "s3.zarr"), analyzed_reference)
 
 
 def test_a_commands_object_store_keeps_what_it_read_never_an_absence():

@@ -182,7 +182,10 @@ def _metrics(attn, values, attendable, n_grid, head_kv, learned_sink, seed, rand
             pairs = pair_statistics(screen, settings)
             heads = np.flatnonzero(head_kv == g)
             if heads.size:
-                _query_heads((floats, counts), heads, alpha[heads][:, keys], kv_values.one_kv_head(kv, 0, vals, att),
+                # C-contiguous like every input (`check_batch`): the window's keys picked by
+                # index would leave the rows Fortran-ordered, a signature of their own.
+                rows = np.ascontiguousarray(alpha[heads][:, keys])
+                _query_heads((floats, counts), heads, rows, kv_values.one_kv_head(kv, 0, vals, att),
                              kv.nonsink[0], screen, pairs, grid, draw_keys[heads][:, :, keys], settings)
             if with_values:
                 for name, x in kv_values.statistics(kv, np.array([pairs.median])).items():
