@@ -25,7 +25,6 @@ import torch
 
 import attngeom as ag
 from attngeom.extract.models import load_model, resolve_model
-from attngeom.extract.pipeline import ExtractRequest, extract
 
 
 def top(scores, name: str, count: int = 5) -> str:
@@ -64,8 +63,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             store = f"{tmp}/{name}.zarr"
-            run_id = extract(ExtractRequest(model=name, dataset=args.dataset, context_length=args.length,
-                                            num_sequences=args.num_sequences, store=store, progress=False)).run_id
+            run_id = ag.extract(name, store=store, dataset=args.dataset, context_length=args.length,
+                                num_sequences=args.num_sequences, progress=False).run_id
             start = time.perf_counter()
             result = ag.detect(store, run_id, device=args.device, progress=False)
             seconds = time.perf_counter() - start
