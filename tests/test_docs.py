@@ -359,6 +359,7 @@ def test_every_derived_group_a_command_writes_is_in_its_help_and_store_md():
     assert not missing, missing
 
 
+@pytest.mark.needs_model  # extract's phases are torch profiler ranges
 def test_architecture_md_names_every_phase_of_extracts_profile():
     """The profile ranges docs/architecture.md lists are the ones extract records."""
     from attngeom.extract.phases import PHASES
