@@ -62,14 +62,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def extract(request):
-    """``ag.extract`` of an ``ExtractRequest``'s arguments, imported when called: a test
-    module that imports this, not ``attngeom.extract.pipeline``, is collected without torch."""
-    from dataclasses import fields
+    """The extract stage on an ``ExtractRequest``, imported when called: a test module that
+    imports this, not ``attngeom.extract.pipeline``, is collected without torch."""
+    from attngeom.extract.pipeline import extract as run
 
-    from attngeom import api
-
-    options = {f.name: getattr(request, f.name) for f in fields(request) if f.name not in ("model", "store")}
-    return api.extract(request.model, store=request.store, **options)
+    return run(request)
 
 
 def tiny_config(arch: str):

@@ -62,6 +62,7 @@ from attngeom.extract.request import (
     ExtractResult,
     Preflight,
     check_identity,
+    preflight,
     values_dtype_refusal,
 )
 from attngeom.store import RUN_ID_PATTERN, RunLayout, default_run_id, jsonable
@@ -358,16 +359,22 @@ def _stored_values(values: torch.Tensor, values_dtype: str) -> np.ndarray:
     return values.float().cpu().numpy().astype(values_dtype, copy=False)
 
 
-def extract(request: ExtractRequest, checked: Preflight, session: StoreSession) -> ExtractResult:
+def extract(request: ExtractRequest, checked: Preflight | None = None,
+            session: StoreSession | None = None) -> ExtractResult:
     """Run ``extract``; raises :class:`InputError` (or a :class:`StoreError`) on bad input
-    with the store untouched. ``checked``: the request's :func:`preflight`, which found
-    nothing answered (:meth:`Preflight.answer`); ``session``: the command's store
-    (``StoreSession(store, mode="c")``), through which every read and write of the store goes
-    (:func:`attngeom.extract` opens both).
+    with the store untouched. ``checked`` and ``session``: the request's :func:`preflight`
+    and the command's store (``StoreSession(store, mode="c")``, through which every read and
+    write of the store goes), where the caller opened them and found nothing answered
+    (:meth:`Preflight.answer`); else opened here.
 
     With ``shard = (i, n)`` this process writes sequences s with s % n == i, so n processes
     (by hand, or ranks of torchrun) fill one run without touching each other's shards.
     """
+    if session is None:
+        checked = checked or preflight(request)
+        with StoreSession(request.store, mode="c") as session:
+            done = checked.answer(session)
+            return done if done is not None else extract(request, checked, session)
     shard = checked.shard
     source = _corpus(request)  # before the model, which may take minutes to load the first time
     model = _model(request, shard)
