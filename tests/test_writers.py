@@ -213,19 +213,23 @@ def test_s3_store_migrates(format1_store, s3_url):
 
 
 def test_multiprocess_cluster_matches_threads(tiny_model_dir, word_corpus, tmp_path):
-    from distributed import LocalCluster
+    """The same run analyzed by threads and, in a copy of the store, by a cluster of two
+    worker processes: equal results, and the cluster did the computing."""
+    from distributed import Client, LocalCluster, get_task_stream
 
     store = tmp_path / "s.zarr"
     extract(ExtractRequest(model=str(tiny_model_dir("mistral")), dataset=str(word_corpus), context_length=16,
                            num_sequences=3, store=str(store), run_id="r", progress=False))
+    by_cluster = tmp_path / "c.zarr"
+    shutil.copytree(store, by_cluster)
     analyze(str(store), scheduler="threads", n_grid=[1, 2, 8], progress=False)
-    session = StoreSession.reading(str(store))
-    single = {g: open_dataset(session.zstore, session.url, f"runs/r/analysis/{g}").load()
-              for g in ("topn", "values", "heads", "summary")}
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
-        analyze(str(store), scheduler=cluster.scheduler_address, n_grid=[1, 2, 8], progress=False)
-    session = StoreSession.reading(str(store))
-    for g, expected in single.items():
+    with (LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+          Client(cluster) as client, get_task_stream(client) as stream):
+        analyze(str(by_cluster), scheduler=cluster.scheduler_address, n_grid=[1, 2, 8], progress=False)
+    assert stream.data, "the cluster computed nothing"
+    for g in ("topn", "values", "heads", "summary"):
+        expected = open_dataset(StoreSession.reading(str(store)).zstore, str(store), f"runs/r/analysis/{g}").load()
+        session = StoreSession.reading(str(by_cluster))
         got = open_dataset(session.zstore, session.url, f"runs/r/analysis/{g}").load()
         xr.testing.assert_identical(got, expected)
 
