@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import string
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any, TypeVar
 
 from attngeom.errors import InputError
 
-__all__ = ["Accepts", "check_options", "flag", "keywords_of", "option", "request_field"]
+__all__ = ["Accepts", "check_options", "flag", "keywords_of", "option", "refusal", "request_field"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -53,6 +54,36 @@ def flag(field: dataclasses.Field) -> str:
 def request_field(request: type, name: str) -> dataclasses.Field:
     """Field ``name`` of the request dataclass ``request``."""
     return next(f for f in dataclasses.fields(request) if f.name == name)
+
+
+@dataclass(frozen=True)
+class _Said:
+    """An option as a message names it: ``name=`` to a Python caller, its flag on the command
+    line; a format spec is its value (``{dtype:float16}``: ``dtype=float16``, ``--dtype float16``)."""
+
+    words: str
+    python: bool
+
+    def __format__(self, value: str) -> str:
+        if self.python:
+            return f"{self.words}={value}"
+        return f"{self.words} {value}" if value else self.words
+
+    def __str__(self) -> str:
+        """The option as a noun (``{name!s}``): its name, or its flag."""
+        return self.words
+
+
+def refusal(template: str, request: type, error: type[InputError] = InputError, **values: Any) -> InputError:
+    """``error`` in the words of its caller: ``template`` names options of the request
+    dataclass ``request`` as ``{name}`` (or ``{name:value}``; ``{name!s}``, the option as a
+    noun), said ``name=`` (``name``) to a Python caller and as their flag on the command line (the error's ``command_line``, which the CLI
+    prints); ``values`` fill the template's other fields, the same in both."""
+    names = {f.name: f for f in dataclasses.fields(request)}
+    fields = {key for _, key, _, _ in string.Formatter().parse(template) if key in names}
+    python = template.format(**values, **{key: _Said(key, True) for key in fields})
+    command_line = template.format(**values, **{key: _Said(flag(names[key]), False) for key in fields})
+    return error(python, command_line=command_line if command_line != python else None)
 
 
 def check_options(request: Any) -> None:
