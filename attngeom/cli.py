@@ -358,6 +358,7 @@ def ablate(store: str, run_id: str, protect: str, no_progress: bool, **kwargs) -
 @STORE
 @click.option("--run", "run_id", required=True, help="The run whose model and stored windows to use.")
 @MODEL_NOW
+@_option(DetectRequest, "tokenizer", help=TOKENIZER_HELP + "; its vocabulary, without special tokens, is the probes' [default: the run's; for a run extracted without one, the model's embedding rows without the config's special ids].")
 @_option(DetectRequest, "device", help=DEVICE_HELP)
 @_option(DetectRequest, "device_map", help=DEVICE_MAP_HELP)
 @_option(DetectRequest, "dtype", help="Compute dtype of the model; auto is float32 on every device (attention rows are float32 in any case); float32-tf32 is extract's alone.")

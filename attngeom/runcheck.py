@@ -16,7 +16,7 @@ from typing import Any
 
 from attngeom.errors import InputError
 
-__all__ = ["STAGE_DTYPES", "check_device", "check_run_model", "committed_count", "model_shapes"]
+__all__ = ["STAGE_DTYPES", "check_device", "check_run_model", "committed_count", "layer_differences", "model_shapes"]
 
 DEVICES = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # ablate's and detect's: float32-tf32 is extract's alone (TF32 inside its forward).
@@ -62,23 +62,72 @@ def committed_count(url: str, run_id: str) -> int | None:
     return int((flags == 1).sum())
 
 
+# The names config.json files give what a run's layout records, the most common first.
+_NAMES = {
+    "n_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "n_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    # A model whose values are narrower than its queries and keys (multi-head latent
+    # attention) records the values' width.
+    "head_dim": ("v_head_dim", "head_dim"),
+}
+
+
 def model_shapes(config: dict[str, Any]) -> dict[str, Any]:
-    """What a run's layout records of a model, from its ``config.json`` mapping (the text
-    config of a multimodal one): architecture, layers, heads, kv heads, head dimension."""
+    """What a run records of a model, from its ``config.json`` mapping (the text config of a
+    multimodal one): architecture, all its layers, the indices of its softmax-attention
+    layers (None where the file declares no ``layer_types``), heads, the values' head
+    dimension; None for what the file does not say. Not the kv heads: families name them in
+    several ways, some of which another family's file may carry unused (GPT-2's
+    ``num_key_value_heads``, Falcon's ``multi_query``); the weights' hash tells them apart."""
     text = config.get("text_config") or config
-    heads = text.get("num_attention_heads")
-    head_dim = text.get("head_dim") or (text["hidden_size"] // heads if heads and text.get("hidden_size") else None)
+
+    def named(key: str) -> int | None:
+        return next((text[n] for n in _NAMES[key] if isinstance(text.get(n), int) and text[n] > 0), None)
+
+    n_layers, heads, hidden = named("n_layers"), named("n_heads"), named("hidden")
+    kinds = text.get("layer_types")
+    attention = None
+    if n_layers is not None and isinstance(kinds, list) and len(kinds) == n_layers:
+        from types import SimpleNamespace
+
+        from attngeom.extract.families import attention_layers
+
+        attention = attention_layers(SimpleNamespace(num_hidden_layers=n_layers, layer_types=kinds))
     return {
         "model_type": text.get("model_type"),
-        "n_layers": text.get("num_hidden_layers"),
+        "n_layers": n_layers,
+        "attention_layers": attention,
         "n_heads": heads,
-        "n_kv_heads": text.get("num_key_value_heads") or heads,
-        "head_dim": head_dim,
+        "head_dim": named("head_dim") or (hidden // heads if heads and hidden else None),
     }
 
 
-_SHAPE_WORDS = {"model_type": "architecture", "n_layers": "layers", "n_heads": "heads", "n_kv_heads": "kv heads",
-                "head_dim": "head dimension"}
+def _span(layers: Any) -> str:
+    layers = list(layers)
+    return f"0-{layers[-1]}" if layers == list(range(len(layers))) and len(layers) > 2 else ", ".join(map(str, layers))
+
+
+def layer_differences(shapes: dict[str, Any], layout: dict[str, Any]) -> list[str]:
+    """How a model's layers (:func:`model_shapes`) differ from those a run's ``layout``
+    stored (its ``layers``, the model's own indices, else 0..n_layers-1): the model's
+    softmax-attention layers where its config declares its layer kinds; else all its layers,
+    where the run stored layers 0..n-1, or at least as many as the run's highest index."""
+    stored = [int(i) for i in layout.get("layers") or range(int(layout.get("n_layers") or 0))]
+    total = shapes["n_layers"]
+    if not stored or total is None:
+        return []
+    expected = shapes["attention_layers"]
+    if expected is None and stored == list(range(len(stored))):
+        expected = tuple(range(total))
+    if expected is not None:
+        if list(expected) == stored:
+            return []
+        return [f"softmax-attention layers {_span(expected)} of {total} (the run's: {_span(stored)})"]
+    return [] if max(stored) < total else [f"layers {total} (the run's include layer {max(stored)})"]
+
+
+_SHAPE_WORDS = {"model_type": "architecture", "n_heads": "heads", "head_dim": "head dimension"}
 
 
 def check_run_model(model: Any, record: dict[str, Any], run_id: str, stage: str) -> None:
@@ -130,8 +179,11 @@ def check_run_model(model: Any, record: dict[str, Any], run_id: str, stage: str)
     layout = record.get("layout") or {}
     have = model_shapes(config)
     want = {"model_type": record.get("model_type"), **{k: layout.get(k) for k in _SHAPE_WORDS if k != "model_type"}}
+    # The architecture first, then the layers, then the shapes of each layer.
     diffs = [f"{_SHAPE_WORDS[k]} {have[k]} (the run's: {want[k]})" for k in _SHAPE_WORDS
              if want[k] is not None and have[k] is not None and have[k] != want[k]]
+    first = int(bool(diffs) and diffs[0].startswith(_SHAPE_WORDS["model_type"]))
+    diffs[first:first] = layer_differences(have, layout)
     if diffs:
         raise InputError(
             f"model {found.id} is not the model of run '{run_id}': its " + ", ".join(diffs),

@@ -181,7 +181,7 @@ def run_tokenizer(provenance: dict[str, Any], model: str | None = None) -> Any |
             found = load_tokenizer(resolve_model(name))
             if found is not None:
                 return found
-        if where:
+        if where and not Path(where).is_dir():
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(where)
