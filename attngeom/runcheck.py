@@ -10,13 +10,17 @@ import importlib.metadata
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from attngeom.errors import InputError
 
-__all__ = ["STAGE_DTYPES", "check_device", "check_run_model", "committed_count", "layer_differences", "model_shapes"]
+__all__ = [
+    "STAGE_DTYPES", "check_device", "check_run_model", "committed_count", "layer_differences", "model_shapes",
+    "stage_command",
+]
 
 DEVICES = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # ablate's and detect's: float32-tf32 is extract's alone (TF32 inside its forward).
@@ -124,7 +128,7 @@ def layer_differences(shapes: dict[str, Any], layout: dict[str, Any]) -> list[st
         if list(expected) == stored:
             return []
         return [f"softmax-attention layers {_span(expected)} of {total} (the run's: {_span(stored)})"]
-    return [] if max(stored) < total else [f"layers {total} (the run's include layer {max(stored)})"]
+    return [] if max(stored) < total else [f"{total} layers (the run's include layer {max(stored)})"]
 
 
 _SHAPE_WORDS = {"model_type": "architecture", "n_heads": "heads", "head_dim": "head dimension"}
@@ -208,3 +212,66 @@ def _config_of(name: str) -> dict[str, Any] | None:
         return json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None  # unreadable: transformers says why when it loads it
+
+
+# The stages that load a run's model again.
+_MODEL_STAGES = ("ablate", "detect")
+
+
+def stage_command(stage: str, url: str, run_id: str, options: str = "") -> str:
+    """The command line of ``stage`` for run ``run_id`` of the store at ``url``, as it runs
+    for that run (its record read, before torch loads): with ``--model`` where ablate or
+    detect cannot find the run's model by its recorded name (moved, or given in memory:
+    where the weights its provenance names are saved, else ``FOLDER`` for the caller to
+    fill in), and, for detect, ``--tokenizer`` where the run records a tokenizer that is
+    found nowhere it says. ``options``: the stage's other options, as they follow."""
+    words = ["attngeom", stage, "--store", url, "--run", run_id]
+    if stage in _MODEL_STAGES:
+        from attngeom.preflight import run_record
+
+        record = run_record(url, run_id) or {}
+        model = _model_now(record)
+        if model is not None:
+            words += ["--model", model]
+        if stage == "detect" and _tokenizer_lost(record):
+            words += ["--tokenizer", "NAME_OR_FOLDER"]
+    return shlex.join(words) + options
+
+
+def _model_now(record: dict[str, Any]) -> str | None:
+    """What ``--model`` a stage needs for a run (its ``record``): None where its recorded
+    name is found; the folder a model in memory was loaded from (its ``name_or_path``), where
+    that holds a model; else ``FOLDER``."""
+    from attngeom.extract.sources import model_name
+
+    recorded = record.get("model") or {}
+    if not recorded:
+        return None
+    if recorded.get("source") == "memory":
+        where = recorded.get("name_or_path")
+        return where if where and (Path(where) / "config.json").is_file() else "FOLDER"
+    try:
+        model_name(str(recorded.get("id")))
+    except InputError:
+        return "FOLDER"
+    return None
+
+
+def _tokenizer_lost(record: dict[str, Any]) -> bool:
+    """Whether a run records a tokenizer found nowhere its record says: not in the folder
+    it was loaded from, nor beside its model (a local folder holding none; a model in
+    memory)."""
+    from attngeom.extract.tokenizing import holds_tokenizer
+
+    recorded = record.get("tokenizer")
+    if not isinstance(recorded, dict):
+        return False
+    where = recorded.get("name_or_path")
+    if where and Path(where).is_dir() and holds_tokenizer(Path(where)):
+        return False
+    model = record.get("model") or {}
+    if model.get("source") == "memory":
+        # A name that is no path here is a hub id, left to the hub.
+        return not (where and not Path(where).expanduser().is_absolute() and not Path(where).exists())
+    folder = Path(str(model.get("id")))
+    return folder.is_dir() and not holds_tokenizer(folder)
