@@ -233,7 +233,7 @@ def _given(request: ExtractRequest, ids: np.ndarray, model: _Model, bos: Bos) ->
     vocab = model.config.vocab_size
     outside = np.flatnonzero(((ids < 0) | (ids >= vocab)).any(axis=1))
     if outside.size:
-        raise refusal("{token_ids!s} rows {rows} hold ids outside the model's vocabulary [0, {vocab})", ExtractRequest,
+        raise refusal("{token_ids!s} rows {rows} hold ids outside the vocabulary [0, {vocab})", ExtractRequest,
                       rows=_row_list(outside), vocab=vocab)
     no_bos = np.flatnonzero(ids[:, 0] != bos.id)
     if no_bos.size:

@@ -131,7 +131,7 @@ def check_arguments(request: ExtractRequest) -> tuple[int, int] | None:
         raise InputError(
             "give exactly one input: dataset, texts or token_ids" + (f" (got {' and '.join(given)})" if given else ""),
             command_line="give exactly one input: --dataset or --token-ids FILE.npy"
-            + (f" (got {' and '.join(flags[name] for name in given)})" if given else ""),
+            + (f" (got {' and '.join(flags.get(name, name) for name in given)})" if given else ""),
         )
     if request.dataset is not None and (request.context_length is None or request.num_sequences is None):
         raise refusal("a dataset needs {context_length} and {num_sequences}", ExtractRequest)
