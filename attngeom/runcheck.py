@@ -239,22 +239,18 @@ def stage_command(stage: str, url: str, run_id: str, options: str = "") -> str:
 
 
 def _model_now(record: dict[str, Any]) -> str | None:
-    """What ``--model`` a stage needs for a run (its ``record``): None where its recorded
-    name is found; the folder a model in memory was loaded from (its ``name_or_path``), where
-    that holds a model; else ``FOLDER``."""
-    from attngeom.extract.sources import model_name
-
+    """What ``--model`` a stage needs for a run (its ``record``): None where it loads the
+    model by its recorded name (an offline name or a hub id, which the stage itself checks,
+    or a path that is there); the folder a model in memory was loaded from (its
+    ``name_or_path``), where that holds a model; else ``FOLDER``."""
     recorded = record.get("model") or {}
     if not recorded:
         return None
     if recorded.get("source") == "memory":
         where = recorded.get("name_or_path")
         return where if where and (Path(where) / "config.json").is_file() else "FOLDER"
-    try:
-        model_name(str(recorded.get("id")))
-    except InputError:
-        return "FOLDER"
-    return None
+    path = Path(str(recorded.get("id")))
+    return "FOLDER" if path.is_absolute() and not path.exists() else None
 
 
 def _tokenizer_lost(record: dict[str, Any]) -> bool:
