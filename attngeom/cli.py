@@ -122,8 +122,10 @@ def _token_ids(ctx, param, value: str | None) -> Any:
 
     try:
         return np.load(value, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise click.BadParameter(f"{value} is not a .npy array ({exc})") from None
+    except OSError as exc:
+        raise click.BadParameter(f"{value} cannot be read ({exc.strerror or exc})") from None
+    except ValueError:  # numpy's reason for a file of another format speaks of pickles
+        raise click.BadParameter(f"{value} is not an array saved by numpy.save (.npy)") from None
 
 
 def _comma_list(convert, expected: str):

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from attngeom.errors import AttngeomError, GroupNotFoundError, InputError
+from attngeom.errors import GroupNotFoundError, InputError
 from attngeom.store import (
     ABLATION,
     ABLATION_GROUPS,

@@ -187,17 +187,18 @@ def test_a_run_finds_its_own_model_again(kind, folders, extracted):
     assert layers in refused.output
 
 
-def test_detect_runs_on_a_run_without_a_tokenizer(extracted):
+@pytest.mark.parametrize("kind", ["plain", "sinks"])
+def test_detect_runs_on_a_run_without_a_tokenizer(kind, extracted):
     """A run that records no tokenizer: detect draws its probes from the model's embedding
     rows without the config's special ids, and records that rule."""
-    result = CliRunner().invoke(main, ["detect", "--store", str(extracted), "--run", "plain", "--probes", "2",
+    result = CliRunner().invoke(main, ["detect", "--store", str(extracted), "--run", kind, "--probes", "2",
                                        "--haystacks", "2", "--needle-length", "4", "--no-progress"])
     assert result.exit_code == 0, result.output
-    scores = ag.open_store(extracted).run("plain").detect("scores")
+    scores = ag.open_store(extracted).run(kind).detect("scores")
     recorded = scores.attrs["attngeom"]
     assert recorded["vocabulary_rule"].endswith("(the run records no tokenizer)")
     assert recorded["vocabulary_size"] == 100 - 3  # bos 1, eos 2, pad 0
-    probes = ag.open_store(extracted).run("plain").detect("probes")["probe_tokens"].values
+    probes = ag.open_store(extracted).run(kind).detect("probes")["probe_tokens"].values
     assert (probes[:, 0] == 1).all() and (probes[:, 1:] > 2).all()
 
 

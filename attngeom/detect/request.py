@@ -27,8 +27,9 @@ class DetectRequest:
     seeds the probe tokens and the needles. batch_size: sequences per forward. device:
     "auto", "cpu", "cuda" or "cuda:N"; dtype: "auto" (float32 on every device), "float32",
     "bfloat16" or "float16". model: the run's model when it was extracted from a model in
-    memory; tokenizer: its tokenizer where the run records none that loads (the probe
-    vocabulary is the tokenizer's). Each option's default and what it accepts are declared
+    memory; tokenizer: a tokenizer, or a name or folder, whose vocabulary the probes draw
+    from in place of the run's (needed where the run records one that does not load here; a
+    run extracted without one draws from the model's embedding rows). Each option's default and what it accepts are declared
     here once (:mod:`attngeom.options`).
     """
 
