@@ -202,6 +202,22 @@ def test_detect_runs_on_a_run_without_a_tokenizer(kind, extracted):
     assert (probes[:, 0] == 1).all() and (probes[:, 1:] > 2).all()
 
 
+def test_detect_draws_from_a_tokenizer_given(extracted, tmp_path):
+    """--tokenizer gives detect the vocabulary to draw from (without its special tokens), and
+    is one of the parameters its results depend on: a rerun without it computes again."""
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    args = ["detect", "--store", str(extracted), "--run", "nope", "--probes", "2", "--haystacks", "2",
+            "--needle-length", "4", "--no-progress"]
+    given = CliRunner().invoke(main, [*args, "--tokenizer", str(tmp_path / "tok")])
+    assert given.exit_code == 0, given.output
+    recorded = ag.open_store(extracted).run("nope").detect("scores").attrs["attngeom"]
+    assert recorded["tokenizer"] == str(tmp_path / "tok") and recorded["vocabulary_size"] == 90  # w0..w89
+    assert (ag.open_store(extracted).run("nope").detect("probes")["probe_tokens"].values[:, 1:] >= 4).all()
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0 and "written" in again.output, again.output
+    assert "tokenizer" not in ag.open_store(extracted).run("nope").detect("scores").attrs["attngeom"]
+
+
 def test_every_command_the_report_suggests_runs_as_printed(folders, tmp_path):
     """The report of a store holding a run of a named folder and one of a model in memory
     (loaded from that folder) names a command per missing stage and run, with --model where

@@ -9,6 +9,7 @@ from typing import Any
 
 from attngeom.errors import InputError
 from attngeom.extract.request import check_device_map
+from attngeom.extract.tokenizing import check_tokenizer_name
 from attngeom.options import check_options, option
 from attngeom.runcheck import STAGE_DTYPES, check_device
 
@@ -59,11 +60,13 @@ def probe_length(context_length: int) -> int:
 
 
 def check_request(request: DetectRequest, context_length: int | None = None) -> None:
-    """Refuse options no detect can run with (the device, the device map and the dtype
-    included, reading nothing), and, given the run's L, a needle or probe
+    """Refuse options no detect can run with (the device, the device map, the dtype and a
+    tokenizer named that is not there included, reading no model), and, given the run's L, a needle or probe
     that does not fit it: :class:`InputError`, one line."""
     check_options(request)
     check_device(request.device)
+    if isinstance(request.tokenizer, str | os.PathLike):
+        check_tokenizer_name(str(request.tokenizer))
     check_device_map(request.device_map, request.device, named=request.model is None
                      or isinstance(request.model, str | os.PathLike))
     depths = list(request.depths)
