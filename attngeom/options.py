@@ -88,16 +88,17 @@ def refusal(template: str, request: type, error: type[InputError] = InputError, 
 
 def check_options(request: Any) -> None:
     """Refuse a request option outside its choices or below its least value (None: not given),
-    naming its flag: :class:`InputError`, one line."""
+    naming it in its caller's words (:func:`refusal`): :class:`InputError`, one line."""
     for field in dataclasses.fields(request):
         said, value = accepts(field), getattr(request, field.name)
         if value is None:
             continue
         if said.choices and value not in said.choices:
-            raise InputError(f"{flag(field)} {value!r}: use {', '.join(said.choices[:-1])} or {said.choices[-1]}"
-                             f"{said.why}")
+            raise refusal(f"{{{field.name}:{{value}}}}: use {{choices}}{{why}}", type(request), value=repr(value),
+                          choices=f"{', '.join(said.choices[:-1])} or {said.choices[-1]}", why=said.why)
         if said.least is not None and value < said.least:
-            raise InputError(f"{flag(field)} must be at least {said.least}{said.why} (got {value})")
+            raise refusal(f"{{{field.name}!s}} must be at least {{least}}{{why}} (got {{value}})", type(request),
+                          least=said.least, why=said.why, value=value)
 
 
 def keywords_of(request: type, *, leave: Sequence[str] = ()) -> Callable[[F], F]:
