@@ -246,3 +246,14 @@ def test_every_command_the_report_suggests_runs_as_printed(folders, tmp_path):
         runs.format("ablate", "memory") + f" --model {folders['plain']}",
         runs.format("detect", "memory") + f" --model {folders['plain']}",
     ])
+
+
+def test_explore_shows_ids_for_a_run_without_a_tokenizer(folders, extracted):
+    """explore decodes no token of a run extracted without a tokenizer, nor with the empty
+    stand-in transformers would build for its folder: it says why, and shows ids."""
+    from attngeom.explore.data import token_decoder
+
+    provenance = ag.open_store(extracted).run("plain").provenance
+    assert token_decoder(provenance) == (None, "the run was extracted from token ids without a tokenizer")
+    recorded = {**provenance, "tokenizer": {"name_or_path": str(folders["plain"])}}
+    assert token_decoder(recorded) == (None, f"{folders['plain']} holds no tokenizer")
