@@ -218,10 +218,12 @@ def test_detect_draws_from_a_tokenizer_given(extracted, tmp_path):
     assert "tokenizer" not in ag.open_store(extracted).run("nope").detect("scores").attrs["attngeom"]
 
 
-def test_every_command_the_report_suggests_runs_as_printed(folders, tmp_path):
+def test_every_command_the_report_or_validate_suggests_runs_as_printed(folders, tmp_path):
     """The report of a store holding a run of a named folder and one of a model in memory
     (loaded from that folder) names a command per missing stage and run, with --model where
-    the run needs it; each runs as printed, and then the report lacks nothing they add."""
+    the run needs it; each runs as printed, and then the report lacks nothing they add. A
+    damaged detect group of the run of a model in memory: validate names the command that
+    rewrites it, which runs as printed."""
     from transformers import AutoModelForCausalLM
 
     store = tmp_path / "s.zarr"
@@ -246,6 +248,17 @@ def test_every_command_the_report_suggests_runs_as_printed(folders, tmp_path):
         runs.format("ablate", "memory") + f" --model {folders['plain']}",
         runs.format("detect", "memory") + f" --model {folders['plain']}",
     ])
+
+    chunk = next(p for p in sorted((store / "runs/memory/detect/scores/induction_score").rglob("*"))
+                 if p.is_file() and p.name != "zarr.json")
+    chunk.write_bytes(b"")
+    checked = CliRunner().invoke(main, ["validate", "--store", str(store)])
+    assert checked.exit_code == 1
+    (command,) = re.findall(r"`(attngeom [^`]+)`", checked.output)
+    assert command == runs.format("detect", "memory") + f" --model {folders['plain']}", checked.output
+    result = CliRunner().invoke(main, [*shlex.split(command)[1:], "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert CliRunner().invoke(main, ["validate", "--store", str(store)]).exit_code == 0
 
 
 def test_explore_shows_ids_for_a_run_without_a_tokenizer(folders, extracted):
