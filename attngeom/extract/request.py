@@ -47,7 +47,9 @@ class ExtractRequest:
 
     ``model`` is a name or path, or a loaded transformers causal LM. The input is exactly
     one of ``dataset`` (a corpus name or path, windowed by docs/method.md#preprocessing), ``texts`` (strings,
-    windowed the same way) or ``token_ids`` (S, L) integers used as given. Each option's
+    windowed the same way) or ``token_ids`` (S, L) integers used as given. ``tokenizer``: one
+    in memory, or a name or folder to load one from, in place of the model's own (which a
+    folder saved without one lacks: :mod:`attngeom.extract.tokenizing`). Each option's
     default and what it accepts are declared here once (:mod:`attngeom.options`): the API's
     keywords and the command's options take them from these fields.
     """
