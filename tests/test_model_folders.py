@@ -126,6 +126,27 @@ def test_token_ids_need_no_tokenizer_and_the_run_records_none(folders, extracted
     assert ag.open_store(extracted).run("plain").text(1, tokenizer) == tokenizer.decode(ids[1].tolist())
 
 
+def test_a_tokenizer_that_cannot_be_read_is_left_out_of_token_ids_and_refuses_a_corpus(folders, tmp_path):
+    """A folder whose tokenizer file is damaged: token ids are extracted without it, said in
+    one warning, the run recording none; a corpus is refused in one line."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in folders["plain"].iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    (broken / "tokenizer.json").write_text("{not json")
+    store = tmp_path / "s.zarr"
+    ids = CliRunner().invoke(main, ["extract", "--model", str(broken), "--token-ids", str(folders["ids"]),
+                                    "--store", str(store), "--run", "r", "--no-progress"])
+    assert ids.exit_code == 0, ids.output
+    assert re.fullmatch(rf"attngeom: warning: the tokenizer of {broken} cannot be loaded \(JSONDecodeError: .*\): "
+                        "extracting the token ids without it", ids.stderr.strip())
+    assert ag.open_store(store).run("r").provenance["tokenizer"] is None
+    corpus = CliRunner().invoke(main, ["extract", "--model", str(broken), "--dataset", "wiki-summaries", "-L", "16",
+                                       "-S", "2", "--store", str(store), "--no-progress"])
+    assert corpus.exit_code == 2 and len(corpus.output.splitlines()) == 1
+    assert corpus.output.startswith(f"attngeom: error: the tokenizer of {broken} cannot be loaded (JSONDecodeError")
+
+
 def test_one_bos_rule_said_in_the_callers_words(folders, tmp_path):
     """Rows starting elsewhere than the config's BOS are refused naming their option; a config
     that names no BOS takes the token every row starts with, said in one warning; rows

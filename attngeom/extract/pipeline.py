@@ -20,6 +20,7 @@ import platform
 import shlex
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -30,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from attngeom import __version__
-from attngeom.errors import InputError, UnsupportedModelError
+from attngeom.errors import AttngeomWarning, InputError, UnsupportedModelError
 from attngeom.extract.capture import (
     ATTN_IMPLEMENTATION,
     LayerCapture,
@@ -41,6 +42,7 @@ from attngeom.extract.capture import (
 from attngeom.extract.conformance import check_capture, check_positions, refuse_disagreement
 from attngeom.extract.corpora import Corpus, Window, iter_windows, open_corpus, select_windows
 from attngeom.extract.models import (
+    ModelSource,
     load_config,
     load_model,
     load_tokenizer,
@@ -146,12 +148,24 @@ def _model(request: ExtractRequest, shard: tuple[int, int] | None) -> _Model:
     dtype = resolve_dtype(request.dtype)
     source = resolve_model(str(request.model))
     config = load_config(source)
-    tokenizer = given_tokenizer(request.tokenizer) if request.tokenizer is not None else load_tokenizer(source)
+    tokenizer = given_tokenizer(request.tokenizer) if request.tokenizer is not None else _own_tokenizer(request, source)
     return _Model(
         source.name, config, tokenizer, source.provenance(), device, dtype,
         lambda: load_model(source, device=device, dtype=dtype, device_map=device_map),
         tf32=request.dtype == "float32-tf32",
     )
+
+
+def _own_tokenizer(request: ExtractRequest, source: ModelSource) -> Any:
+    """The named model's own tokenizer, or None where it has none. Token ids need none: a
+    tokenizer that cannot be read is then said in a warning and left out."""
+    try:
+        return load_tokenizer(source)
+    except InputError as exc:
+        if request.token_ids is None:
+            raise
+        warnings.warn(AttngeomWarning(f"{exc}: extracting the token ids without it"), stacklevel=2)
+        return None
 
 
 def _texts_corpus(texts: Iterable[str]) -> Corpus:
