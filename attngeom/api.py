@@ -74,11 +74,15 @@ def extract(model: Any, *, store: str | Path, **options: Any) -> ExtractResult:
       and num_sequences; windows of docs/method.md#preprocessing (BOS + L-1 tokens of one document).
     - texts: strings, windowed the same way with the tokenizer (documents shorter than
       L-1 tokens are skipped); needs context_length; num_sequences defaults to every window.
-    - token_ids: integer array (S, L), used as given: every row must start with BOS (the
-      tokenizer's, else the model config's); an :class:`InputError` names the rows that do not.
+    - token_ids: integer array (S, L), used as given: every row must start with BOS
+      (``bos_token``, else the tokenizer's, else the model config's, else the token every row
+      starts with, said in a warning); an :class:`InputError` names the rows that do not.
 
-    tokenizer: needed for dataset and texts with a model given in memory; optional with
-    token_ids. Writes runs/<run_id> with tokens (S, L), values (S, layers, kv_heads, L,
+    tokenizer: a tokenizer, or a name or folder to load one from; needed for dataset and
+    texts with a model given in memory or a model folder saved without one (refused before
+    anything loads otherwise), never with token_ids. A run extracted without one records
+    ``"tokenizer": None``. Errors name these keywords (``tokenizer=``) where the command
+    line names its options (``--tokenizer``). Writes runs/<run_id> with tokens (S, L), values (S, layers, kv_heads, L,
     head_dim), attn_last (S, layers, heads, L) and the per-query summaries (S, layers,
     heads, L); resumable (a rerun writes only uncommitted sequences) and appendable.
 
@@ -399,7 +403,9 @@ def detect(store: str | Path, run_id: str, **options: Any) -> DetectResult:
     end. The run's model is loaded by its recorded name, or from ``model`` (a name, .gguf file,
     folder or hub id) where it is now, checked as for :func:`ablate`; a run extracted from a
     model in memory needs that model (or where its weights were saved) and, where the run
-    records no tokenizer that loads, ``tokenizer``. device_map places a model larger than
+    records a tokenizer that does not load here, ``tokenizer`` (a tokenizer, or a name or
+    folder); a run extracted without one needs none (the probes draw from the model's
+    embedding rows without the config's special ids). device_map places a model larger than
     one device, as for :func:`extract`. Options are checked before torch loads.
     Writes runs/<id>/detect/{scores, probes, retrieval} and returns them as
     in-memory Datasets (scores: (layer, head)); a rerun with the same parameters keeps the

@@ -114,6 +114,20 @@ def _shard(ctx, param, value: str | None) -> tuple[int, int] | None:
     return index, count
 
 
+def _token_ids(ctx, param, value: str | None) -> Any:
+    """The integer array of a .npy file, mapped (its rows are read as they are used)."""
+    if value is None:
+        return None
+    import numpy as np
+
+    try:
+        return np.load(value, mmap_mode="r", allow_pickle=False)
+    except OSError as exc:
+        raise click.BadParameter(f"{value} cannot be read ({exc.strerror or exc})") from None
+    except ValueError:  # numpy's reason for a file of another format speaks of pickles
+        raise click.BadParameter(f"{value} is not an array saved by numpy.save (.npy)") from None
+
+
 def _comma_list(convert, expected: str):
     """A click callback parsing "a,b,c" with ``convert``; ``expected`` is said on error."""
 
@@ -163,14 +177,17 @@ DEVICE_HELP = "auto, cpu, cuda or cuda:N."
 DEVICE_MAP_HELP = ("Place a model larger than one device over the GPUs, the CPU and the disk: auto (or balanced, "
                    "balanced_low_0, sequential), or a JSON object of module names to devices, e.g. "
                    "'{\"model.layers.0\": 0, \"model.layers.1\": \"disk\"}'.")
+TOKENIZER_HELP = ("A tokenizer for a model folder saved without one: a name or folder, as --model takes them "
+                  "(a folder need hold only the tokenizer's files)")
 MODEL_NOW = click.option("--model", help="Where the run's model is now, if not where extract found it: a name, .gguf file, folder or hub id; checked against the run's architecture, shapes and weights [default: the run's recorded model].")
 
 
 @main.command(short_help="Run the model once; write attention rows, values and per-query summaries into a Zarr store (GPU where there is one).")
 @click.option("--model", required=True, help="Offline name (gemma3-270m, smollm2-135m), hub id, local folder or .gguf file.")
-@click.option("--dataset", required=True, help="wiki-summaries, python-docs, wikitext-103, openwebtext, a datasets name, or a local .txt/.jsonl/.parquet file or folder.")
-@_option(ExtractRequest, "context_length", "-L", required=True, help="L: BOS plus L-1 tokens of one document; at most the model's positions (8192 for smollm2-135m).")
-@_option(ExtractRequest, "num_sequences", "-S", required=True, help="Sequences wanted in the run; a larger number later appends.")
+@click.option("--dataset", help="wiki-summaries, python-docs, wikitext-103, openwebtext, a datasets name, or a local .txt/.jsonl/.parquet file or folder (or give --token-ids).")
+@click.option("--token-ids", type=click.Path(exists=True, dir_okay=False), callback=_token_ids, help="Instead of --dataset: a .npy file of integer token ids (S, L), each row starting with the BOS, used as given; needs no tokenizer.")
+@_option(ExtractRequest, "context_length", "-L", help="L: BOS plus L-1 tokens of one document; at most the model's positions (8192 for smollm2-135m). Needed with --dataset; token ids have theirs.")
+@_option(ExtractRequest, "num_sequences", "-S", help="Sequences wanted in the run; a larger number later appends. Needed with --dataset [default with --token-ids: every row].")
 @STORE
 @_option(ExtractRequest, "run_id", help="Run id inside the store [default: <model>__<dataset>__L<L>].")
 @_option(ExtractRequest, "split", help="Dataset split, for hub datasets.")
@@ -184,7 +201,8 @@ MODEL_NOW = click.option("--model", help="Where the run's model is now, if not w
 @_option(ExtractRequest, "values_dtype", help="Storage dtype of the value vectors; auto is bfloat16 (2 bytes, exact) for a bfloat16 model, float32 otherwise, and what a resumed run holds; float16 halves the store, rounding.")
 @_option(ExtractRequest, "window_rule", help="Which window of each document: the first, or a seeded random offset.")
 @_option(ExtractRequest, "seed", help="Seed of the random window rule.")
-@_option(ExtractRequest, "bos_token", help="Token to use as BOS instead of the tokenizer's.")
+@_option(ExtractRequest, "tokenizer", help=TOKENIZER_HELP + " [default: the model's own].")
+@_option(ExtractRequest, "bos_token", help="Token to use as BOS instead of the tokenizer's (else the model config's bos_token_id).")
 @_option(ExtractRequest, "shard", callback=_shard, help="i/n: write only sequences s with s % n == i, so n processes fill one run together [default: RANK/WORLD_SIZE under torchrun or accelerate].")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def extract(**kwargs) -> None:
@@ -197,6 +215,17 @@ def extract(**kwargs) -> None:
     command finishes with every sequence exactly once; a run that already holds every
     sequence asked for is answered from the store. Sequences become visible to readers
     only when all of their arrays are written.
+
+    The input is --dataset, windowed with the model's tokenizer (--tokenizer for a model
+    folder saved without one), or --token-ids: a .npy file of an integer array (S, L)
+    (numpy.save), used as given, every row starting with the BOS (the tokenizer's, else the
+    config's bos_token_id, else the token every row starts with, said in a warning); it
+    needs no tokenizer.
+
+    \b
+    Examples:
+      attngeom extract --model gemma3-270m --dataset wiki-summaries -L 128 -S 64 --store runs.zarr
+      attngeom extract --model ./my-checkpoint --token-ids ids.npy --store runs.zarr
     """
     from attngeom import api
 
@@ -331,6 +360,7 @@ def ablate(store: str, run_id: str, protect: str, no_progress: bool, **kwargs) -
 @STORE
 @click.option("--run", "run_id", required=True, help="The run whose model and stored windows to use.")
 @MODEL_NOW
+@_option(DetectRequest, "tokenizer", help=TOKENIZER_HELP + "; its vocabulary, without special tokens, is the probes' [default: the run's; for a run extracted without one, the model's embedding rows without the config's special ids].")
 @_option(DetectRequest, "device", help=DEVICE_HELP)
 @_option(DetectRequest, "device_map", help=DEVICE_MAP_HELP)
 @_option(DetectRequest, "dtype", help="Compute dtype of the model; auto is float32 on every device (attention rows are float32 in any case); float32-tf32 is extract's alone.")

@@ -18,7 +18,8 @@ Python callers catch the kind they can handle (never the message text).
                 └── InProgressError       ... or whose writer is still at work
 
 An error whose remedy is said otherwise on the command line carries that wording as
-``command_line``.
+``command_line``; :func:`attngeom.options.refusal` makes both from one message naming
+options, as keywords in Python and flags on the command line.
 
 A stage that goes on without part of its work (a run that lacks some summaries) says so with
 an :class:`AttngeomWarning`, which the CLI prints as one line.

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from attngeom.errors import AttngeomError, GroupNotFoundError, InputError
+from attngeom.errors import GroupNotFoundError, InputError
 from attngeom.store import (
     ABLATION,
     ABLATION_GROUPS,
@@ -123,9 +123,13 @@ class Run:
     def text(self, seq: int, tokenizer: Any = None) -> str:
         """Sequence ``seq`` decoded, BOS included, with ``tokenizer`` or else the run's own
         (loaded from its model's name or path; a run of a model given in memory needs
-        ``tokenizer`` unless its tokenizer was saved where its provenance says)."""
+        ``tokenizer`` unless its tokenizer was saved where its provenance says; a run
+        extracted without a tokenizer, from token ids, needs ``tokenizer``)."""
         if seq not in self._reader.completed():
             raise InputError(f"sequence {seq} of run '{self.id}' is not committed")
+        if tokenizer is None and "tokenizer" in self.provenance and self.provenance["tokenizer"] is None:
+            raise InputError(f"run '{self.id}' was extracted from token ids without a tokenizer (its provenance "
+                             "records none): pass tokenizer= to decode its tokens")
         tokens = self._reader.sequence("tokens", seq)
         return (tokenizer or self._tokenizer()).decode(tokens.tolist())
 
@@ -136,19 +140,10 @@ class Run:
 
 
 def _load_tokenizer(provenance: dict[str, Any], run_id: str) -> Any:
-    """The tokenizer a run was extracted with, from its model's name or path, or from the
-    tokenizer's own ``name_or_path`` for a model given in memory."""
-    model = provenance.get("model") or {}
+    """The tokenizer a run was extracted with (:func:`attngeom.extract.tokenizing.run_tokenizer`)."""
+    from attngeom.extract.tokenizing import run_tokenizer
+
     try:
-        if model.get("source") != "memory" and "id" in model:
-            from attngeom.extract.models import load_tokenizer, resolve_model
-
-            return load_tokenizer(resolve_model(model["id"]))
-        where = (provenance.get("tokenizer") or {}).get("name_or_path")
-        if where:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(where)
-    except (AttngeomError, OSError, ValueError):
-        pass
-    raise InputError(f"the tokenizer of run '{run_id}' cannot be loaded here: pass tokenizer=")
+        return run_tokenizer(provenance)
+    except InputError:
+        raise InputError(f"the tokenizer of run '{run_id}' cannot be loaded here: pass tokenizer=") from None

@@ -22,6 +22,7 @@ import pandas as pd
 import xarray as xr
 
 from attngeom.errors import GroupNotFoundError, InputError
+from attngeom.runcheck import stage_command
 from attngeom.store import (
     ANALYSIS,
     DETECT,
@@ -249,7 +250,7 @@ def kv_scores(session: StoreSession, score: str, run_id: str | None = None) -> n
         raise GroupNotFoundError(f"run {run.id} has no {score}: {why_no_head_scores(run.provenance)}")
     if values is None:
         raise GroupNotFoundError(f"run {run.id} has no {score}: no {DETECT}/{DETECT_GROUP} "
-                                 f"(run `attngeom detect --store {run.url} --run {run.id}`)")
+                                 f"(run `{stage_command('detect', run.url, run.id)}`)")
     x = values.values
     if not np.isfinite(x).any():
         length = run.provenance.get("context_length", "?")

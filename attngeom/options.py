@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import string
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any, TypeVar
 
 from attngeom.errors import InputError
 
-__all__ = ["Accepts", "check_options", "flag", "keywords_of", "option", "request_field"]
+__all__ = ["Accepts", "check_options", "flag", "keywords_of", "option", "refusal", "request_field"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -55,18 +56,49 @@ def request_field(request: type, name: str) -> dataclasses.Field:
     return next(f for f in dataclasses.fields(request) if f.name == name)
 
 
+@dataclass(frozen=True)
+class _Said:
+    """An option as a message names it: ``name=`` to a Python caller, its flag on the command
+    line; a format spec is its value (``{dtype:float16}``: ``dtype=float16``, ``--dtype float16``)."""
+
+    words: str
+    python: bool
+
+    def __format__(self, value: str) -> str:
+        if self.python:
+            return f"{self.words}={value}"
+        return f"{self.words} {value}" if value else self.words
+
+    def __str__(self) -> str:
+        """The option as a noun (``{name!s}``): its name, or its flag."""
+        return self.words
+
+
+def refusal(template: str, request: type, error: type[InputError] = InputError, **values: Any) -> InputError:
+    """``error`` in the words of its caller: ``template`` names options of the request
+    dataclass ``request`` as ``{name}`` (or ``{name:value}``; ``{name!s}``, the option as a
+    noun), said ``name=`` (``name``) to a Python caller and as their flag on the command line (the error's ``command_line``, which the CLI
+    prints); ``values`` fill the template's other fields, the same in both."""
+    names = {f.name: f for f in dataclasses.fields(request)}
+    fields = {key for _, key, _, _ in string.Formatter().parse(template) if key in names}
+    python = template.format(**values, **{key: _Said(key, True) for key in fields})
+    command_line = template.format(**values, **{key: _Said(flag(names[key]), False) for key in fields})
+    return error(python, command_line=command_line if command_line != python else None)
+
+
 def check_options(request: Any) -> None:
     """Refuse a request option outside its choices or below its least value (None: not given),
-    naming its flag: :class:`InputError`, one line."""
+    naming it in its caller's words (:func:`refusal`): :class:`InputError`, one line."""
     for field in dataclasses.fields(request):
         said, value = accepts(field), getattr(request, field.name)
         if value is None:
             continue
         if said.choices and value not in said.choices:
-            raise InputError(f"{flag(field)} {value!r}: use {', '.join(said.choices[:-1])} or {said.choices[-1]}"
-                             f"{said.why}")
+            raise refusal(f"{{{field.name}:{{value}}}}: use {{choices}}{{why}}", type(request), value=repr(value),
+                          choices=f"{', '.join(said.choices[:-1])} or {said.choices[-1]}", why=said.why)
         if said.least is not None and value < said.least:
-            raise InputError(f"{flag(field)} must be at least {said.least}{said.why} (got {value})")
+            raise refusal(f"{{{field.name}!s}} must be at least {{least}}{{why}} (got {{value}})", type(request),
+                          least=said.least, why=said.why, value=value)
 
 
 def keywords_of(request: type, *, leave: Sequence[str] = ()) -> Callable[[F], F]:

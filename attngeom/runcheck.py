@@ -10,13 +10,17 @@ import importlib.metadata
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from attngeom.errors import InputError
 
-__all__ = ["STAGE_DTYPES", "check_device", "check_run_model", "committed_count", "model_shapes"]
+__all__ = [
+    "STAGE_DTYPES", "check_device", "check_run_model", "committed_count", "layer_differences", "model_shapes",
+    "stage_command",
+]
 
 DEVICES = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # ablate's and detect's: float32-tf32 is extract's alone (TF32 inside its forward).
@@ -62,23 +66,72 @@ def committed_count(url: str, run_id: str) -> int | None:
     return int((flags == 1).sum())
 
 
+# The names config.json files give what a run's layout records, the most common first.
+_NAMES = {
+    "n_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "n_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    # A model whose values are narrower than its queries and keys (multi-head latent
+    # attention) records the values' width.
+    "head_dim": ("v_head_dim", "head_dim"),
+}
+
+
 def model_shapes(config: dict[str, Any]) -> dict[str, Any]:
-    """What a run's layout records of a model, from its ``config.json`` mapping (the text
-    config of a multimodal one): architecture, layers, heads, kv heads, head dimension."""
+    """What a run records of a model, from its ``config.json`` mapping (the text config of a
+    multimodal one): architecture, all its layers, the indices of its softmax-attention
+    layers (None where the file declares no ``layer_types``), heads, the values' head
+    dimension; None for what the file does not say. Not the kv heads: families name them in
+    several ways, some of which another family's file may carry unused (GPT-2's
+    ``num_key_value_heads``, Falcon's ``multi_query``); the weights' hash tells them apart."""
     text = config.get("text_config") or config
-    heads = text.get("num_attention_heads")
-    head_dim = text.get("head_dim") or (text["hidden_size"] // heads if heads and text.get("hidden_size") else None)
+
+    def named(key: str) -> int | None:
+        return next((text[n] for n in _NAMES[key] if isinstance(text.get(n), int) and text[n] > 0), None)
+
+    n_layers, heads, hidden = named("n_layers"), named("n_heads"), named("hidden")
+    kinds = text.get("layer_types")
+    attention = None
+    if n_layers is not None and isinstance(kinds, list) and len(kinds) == n_layers:
+        from types import SimpleNamespace
+
+        from attngeom.extract.families import attention_layers
+
+        attention = attention_layers(SimpleNamespace(num_hidden_layers=n_layers, layer_types=kinds))
     return {
         "model_type": text.get("model_type"),
-        "n_layers": text.get("num_hidden_layers"),
+        "n_layers": n_layers,
+        "attention_layers": attention,
         "n_heads": heads,
-        "n_kv_heads": text.get("num_key_value_heads") or heads,
-        "head_dim": head_dim,
+        "head_dim": named("head_dim") or (hidden // heads if heads and hidden else None),
     }
 
 
-_SHAPE_WORDS = {"model_type": "architecture", "n_layers": "layers", "n_heads": "heads", "n_kv_heads": "kv heads",
-                "head_dim": "head dimension"}
+def _span(layers: Any) -> str:
+    layers = list(layers)
+    return f"0-{layers[-1]}" if layers == list(range(len(layers))) and len(layers) > 2 else ", ".join(map(str, layers))
+
+
+def layer_differences(shapes: dict[str, Any], layout: dict[str, Any]) -> list[str]:
+    """How a model's layers (:func:`model_shapes`) differ from those a run's ``layout``
+    stored (its ``layers``, the model's own indices, else 0..n_layers-1): the model's
+    softmax-attention layers where its config declares its layer kinds; else all its layers,
+    where the run stored layers 0..n-1, or at least as many as the run's highest index."""
+    stored = [int(i) for i in layout.get("layers") or range(int(layout.get("n_layers") or 0))]
+    total = shapes["n_layers"]
+    if not stored or total is None:
+        return []
+    expected = shapes["attention_layers"]
+    if expected is None and stored == list(range(len(stored))):
+        expected = tuple(range(total))
+    if expected is not None:
+        if list(expected) == stored:
+            return []
+        return [f"softmax-attention layers {_span(expected)} of {total} (the run's: {_span(stored)})"]
+    return [] if max(stored) < total else [f"{total} layers (the run's include layer {max(stored)})"]
+
+
+_SHAPE_WORDS = {"model_type": "architecture", "n_heads": "heads", "head_dim": "head dimension"}
 
 
 def check_run_model(model: Any, record: dict[str, Any], run_id: str, stage: str) -> None:
@@ -130,8 +183,11 @@ def check_run_model(model: Any, record: dict[str, Any], run_id: str, stage: str)
     layout = record.get("layout") or {}
     have = model_shapes(config)
     want = {"model_type": record.get("model_type"), **{k: layout.get(k) for k in _SHAPE_WORDS if k != "model_type"}}
+    # The architecture first, then the layers, then the shapes of each layer.
     diffs = [f"{_SHAPE_WORDS[k]} {have[k]} (the run's: {want[k]})" for k in _SHAPE_WORDS
              if want[k] is not None and have[k] is not None and have[k] != want[k]]
+    first = int(bool(diffs) and diffs[0].startswith(_SHAPE_WORDS["model_type"]))
+    diffs[first:first] = layer_differences(have, layout)
     if diffs:
         raise InputError(
             f"model {found.id} is not the model of run '{run_id}': its " + ", ".join(diffs),
@@ -156,3 +212,62 @@ def _config_of(name: str) -> dict[str, Any] | None:
         return json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None  # unreadable: transformers says why when it loads it
+
+
+# The stages that load a run's model again.
+_MODEL_STAGES = ("ablate", "detect")
+
+
+def stage_command(stage: str, url: str, run_id: str, options: str = "") -> str:
+    """The command line of ``stage`` for run ``run_id`` of the store at ``url``, as it runs
+    for that run (its record read, before torch loads): with ``--model`` where ablate or
+    detect cannot find the run's model by its recorded name (moved, or given in memory:
+    where the weights its provenance names are saved, else ``FOLDER`` for the caller to
+    fill in), and, for detect, ``--tokenizer`` where the run records a tokenizer that is
+    found nowhere it says. ``options``: the stage's other options, as they follow."""
+    words = ["attngeom", stage, "--store", url, "--run", run_id]
+    if stage in _MODEL_STAGES:
+        from attngeom.preflight import run_record
+
+        record = run_record(url, run_id) or {}
+        model = _model_now(record)
+        if model is not None:
+            words += ["--model", model]
+        if stage == "detect" and _tokenizer_lost(record):
+            words += ["--tokenizer", "NAME_OR_FOLDER"]
+    return shlex.join(words) + options
+
+
+def _model_now(record: dict[str, Any]) -> str | None:
+    """What ``--model`` a stage needs for a run (its ``record``): None where it loads the
+    model by its recorded name (an offline name or a hub id, which the stage itself checks,
+    or a path that is there); the folder a model in memory was loaded from (its
+    ``name_or_path``), where that holds a model; else ``FOLDER``."""
+    recorded = record.get("model") or {}
+    if not recorded:
+        return None
+    if recorded.get("source") == "memory":
+        where = recorded.get("name_or_path")
+        return where if where and (Path(where) / "config.json").is_file() else "FOLDER"
+    path = Path(str(recorded.get("id")))
+    return "FOLDER" if path.is_absolute() and not path.exists() else None
+
+
+def _tokenizer_lost(record: dict[str, Any]) -> bool:
+    """Whether a run records a tokenizer found nowhere its record says: not in the folder
+    it was loaded from, nor beside its model (a local folder holding none; a model in
+    memory)."""
+    from attngeom.extract.tokenizing import holds_tokenizer
+
+    recorded = record.get("tokenizer")
+    if not isinstance(recorded, dict):
+        return False
+    where = recorded.get("name_or_path")
+    if where and Path(where).is_dir() and holds_tokenizer(Path(where)):
+        return False
+    model = record.get("model") or {}
+    if model.get("source") == "memory":
+        # A name that is no path here is a hub id, left to the hub.
+        return not (where and not Path(where).expanduser().is_absolute() and not Path(where).exists())
+    folder = Path(str(model.get("id")))
+    return folder.is_dir() and not holds_tokenizer(folder)

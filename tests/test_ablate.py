@@ -320,7 +320,7 @@ def test_errors_and_parse_heads(store):
         ablate(store, "nope", device="cpu")
     with pytest.raises(AttngeomError, match="--protect 9.0"):
         ablate(store, "r", device="cpu", protect=[(9, 0)])
-    with pytest.raises(AttngeomError, match=r"--max-sequences must be at least 2 \(an importance and an evaluation split\) \(got 1\)"):
+    with pytest.raises(AttngeomError, match=r"^max_sequences must be at least 2 \(an importance and an evaluation split\) \(got 1\)"):
         ablate(store, "r", device="cpu", max_sequences=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -188,7 +188,12 @@ def test_another_compute_dtype_is_refused_and_auto_resumes_a_float32_run(tiny_mo
     assert ds.attrs["attngeom"]["compute_dtype"] == "float32"
 
 
-def test_no_bos_token_is_refused(tiny_model_dir, word_corpus, tmp_path):
+def test_the_bos_is_the_tokenizers_else_the_configs_else_refused(tiny_model_dir, word_corpus, tmp_path):
+    """A tokenizer that names no BOS: the model config's bos_token_id is taken, said in one
+    warning; a config that names none either: refused in one line naming --bos-token, before
+    the store is made."""
+    import attngeom as ag
+
     folder = tmp_path / "nobos"
     src = tiny_model_dir("llama")
     folder.mkdir()
@@ -197,9 +202,21 @@ def test_no_bos_token_is_refused(tiny_model_dir, word_corpus, tmp_path):
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
     cfg.pop("bos_token", None)
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
-    result = CliRunner().invoke(main, ["extract", "--model", str(folder), "--dataset", str(word_corpus),
-                                       "-L", "16", "-S", "1", "--store", str(tmp_path / "s.zarr")])
-    assert result.exit_code == 2 and "no BOS token" in result.stderr
+    args = ["extract", "--model", str(folder), "--dataset", str(word_corpus), "-L", "16", "-S", "1", "--no-progress"]
+    taken = CliRunner().invoke(main, [*args, "--store", str(tmp_path / "taken.zarr")])
+    assert taken.exit_code == 0, taken.output
+    assert ("attngeom: warning: the tokenizer names no BOS token: taking the model config's bos_token_id 1 as the BOS"
+            in taken.stderr)
+    assert ag.open_store(tmp_path / "taken.zarr").run(taken.stdout.split()[1].rstrip(":")).provenance[
+        "bos_token_id"] == 1
+    model = json.loads((folder / "config.json").read_text())
+    model["bos_token_id"] = None  # LlamaConfig's default is 1: left out, it would be there again
+    (folder / "config.json").write_text(json.dumps(model))
+    refused = CliRunner().invoke(main, [*args, "--store", str(tmp_path / "s.zarr")])
+    assert refused.exit_code == 2
+    assert refused.stderr.strip().splitlines() == [
+        "attngeom: error: neither the tokenizer nor the model's config names a BOS token: name one with --bos-token "
+        "(e.g. --bos-token '<|endoftext|>')"]
     assert not (tmp_path / "s.zarr").exists()
 
 

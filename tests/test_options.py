@@ -1,5 +1,5 @@
 """Options declared once on their request (attngeom.options): each refusal names the option's
-flag; the API's keyword arguments are the request's fields, an unknown one refused as by any
+flag on the command line and its keyword in Python; the API's keyword arguments are the request's fields, an unknown one refused as by any
 function (by the request); the command passes no value for an option left out, so the request's default holds."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from attngeom.ablate.request import check_request as check_ablate
 from attngeom.detect.request import DetectRequest
 from attngeom.detect.request import check_request as check_detect
 from attngeom.extract.request import ExtractRequest, check_arguments
+from attngeom.options import flag
 
 
 @pytest.mark.parametrize("request_, check, message", [
@@ -35,10 +36,14 @@ from attngeom.extract.request import ExtractRequest, check_arguments
      "--needle-length must be at least 2 (a token and the one after it) (got 1)"),
     (DetectRequest(store="s", run_id="r", device="gpu"), check_detect, "--device 'gpu': use auto, cpu, cuda or cuda:N"),
 ])
-def test_a_refused_option_is_named_by_its_flag(request_, check, message):
+def test_a_refused_option_is_named_by_its_flag_and_by_its_keyword_in_python(request_, check, message):
     with pytest.raises(ag.InputError) as raised:
         check(request_)
-    assert str(raised.value) == message
+    assert (raised.value.command_line or str(raised.value)) == message
+    option = next(f for f in dataclasses.fields(request_) if f"{flag(f)} " in message)
+    keyword = message.replace(f"{flag(option)} must", f"{option.name} must").replace(f"{flag(option)} '",
+                                                                                     f"{option.name}='")
+    assert str(raised.value) == (message if option.name == "device" else keyword)
 
 
 @pytest.mark.parametrize("name, request_, left", [

@@ -9,6 +9,7 @@ from typing import Any
 
 from attngeom.errors import InputError
 from attngeom.extract.request import check_device_map
+from attngeom.extract.tokenizing import check_tokenizer_name
 from attngeom.options import check_options, option
 from attngeom.runcheck import STAGE_DTYPES, check_device
 
@@ -27,8 +28,9 @@ class DetectRequest:
     seeds the probe tokens and the needles. batch_size: sequences per forward. device:
     "auto", "cpu", "cuda" or "cuda:N"; dtype: "auto" (float32 on every device), "float32",
     "bfloat16" or "float16". model: the run's model when it was extracted from a model in
-    memory; tokenizer: its tokenizer where the run records none that loads (the probe
-    vocabulary is the tokenizer's). Each option's default and what it accepts are declared
+    memory; tokenizer: a tokenizer, or a name or folder, whose vocabulary the probes draw
+    from in place of the run's (needed where the run records one that does not load here; a
+    run extracted without one draws from the model's embedding rows). Each option's default and what it accepts are declared
     here once (:mod:`attngeom.options`).
     """
 
@@ -58,11 +60,13 @@ def probe_length(context_length: int) -> int:
 
 
 def check_request(request: DetectRequest, context_length: int | None = None) -> None:
-    """Refuse options no detect can run with (the device, the device map and the dtype
-    included, reading nothing), and, given the run's L, a needle or probe
+    """Refuse options no detect can run with (the device, the device map, the dtype and a
+    tokenizer named that is not there included, reading no model), and, given the run's L, a needle or probe
     that does not fit it: :class:`InputError`, one line."""
     check_options(request)
     check_device(request.device)
+    if isinstance(request.tokenizer, str | os.PathLike):
+        check_tokenizer_name(str(request.tokenizer))
     check_device_map(request.device_map, request.device, named=request.model is None
                      or isinstance(request.model, str | os.PathLike))
     depths = list(request.depths)

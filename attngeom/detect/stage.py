@@ -35,8 +35,10 @@ from attngeom.detect.scores import probe_queries, probe_sums, retrieval_hits, re
 from attngeom.errors import AttngeomError, InputError
 from attngeom.extract.capture import capturing, decoder
 from attngeom.extract.families import attention_layers
-from attngeom.extract.models import load_tokenizer, resolve_dtype, resolve_model
+from attngeom.extract.models import resolve_dtype
+from attngeom.extract.tokenizing import given_tokenizer, run_tokenizer
 from attngeom.extract.placement import parse_device_map
+from attngeom.options import refusal
 from attngeom.runcheck import check_run_model
 from attngeom.runmodel import evaluating, is_named, run_model
 from attngeom.store import ATTR_KEY, DETECT, DETECT_GROUPS, jsonable, read_state
@@ -59,6 +61,10 @@ RETRIEVAL_RULE = (
 BOS_RULE = "the run's BOS: the token every stored window begins with (the tokenizer's BOS, or extract's --bos-token)"
 VOCABULARY_RULE = (
     "ids 0 .. min(len(tokenizer), embedding rows) - 1 without the tokenizer's special and added tokens and the BOS"
+)
+CONFIG_VOCABULARY_RULE = (
+    "ids 0 .. embedding rows - 1 without the model config's bos, eos and pad ids and the BOS (the run records no "
+    "tokenizer)"
 )
 SEEDING = "probes: numpy default_rng([seed, 0]); needle offsets: default_rng([seed, 1]), one draw per haystack"
 
@@ -111,8 +117,8 @@ def detect(request: DetectRequest) -> DetectResult:
         model, device, compute_dtype = run_model(request.model, inputs.provenance, request.run_id,
                                                  request.device, request.dtype,
                                                  parse_device_map(request.device_map))
-        tokenizer = request.tokenizer if request.tokenizer is not None else _run_tokenizer(request, inputs.provenance)
-        vocab = _vocabulary(tokenizer, model, inputs.bos, request.run_id)
+        tokenizer = _run_tokenizer(request, inputs.provenance)
+        vocab, vocabulary_rule = _vocabulary(tokenizer, model, inputs.bos, request.run_id)
         config = model.config.get_text_config()
         if (_layers(model), config.num_attention_heads) != (tuple(int(i) for i in inputs.layer), len(inputs.head)):
             raise InputError(
@@ -124,7 +130,7 @@ def detect(request: DetectRequest) -> DetectResult:
         with evaluating(model):
             probe = _probe_scores(model, probes, k, request, device)
             hits = _retrieval_hits(model, retrieval, request, device)
-        attrs = _attrs(inputs, params, vocab, device, compute_dtype)
+        attrs = _attrs(inputs, params, vocab, vocabulary_rule, device, compute_dtype)
         groups = _assemble(inputs, probes, probe, retrieval, hits, request.needle_length, attrs)
         with session.derived(request.run_id, DETECT) as write:
             write.replace(groups, params)
@@ -163,7 +169,16 @@ def _parameters(request: DetectRequest, inputs: _RunInputs, retrieval: Retrieval
         "haystack_sequences": haystacks,
         "needle_sequences": sources,
         "seed": request.seed,
+        # The probes' vocabulary: a tokenizer given in place of the run's draws others.
+        **({} if request.tokenizer is None else {"tokenizer": _tokenizer_name(request.tokenizer)}),
     })
+
+
+def _tokenizer_name(tokenizer: Any) -> str:
+    """A tokenizer given to detect, by name: as given, or where it was loaded from."""
+    if is_named(tokenizer):
+        return str(tokenizer)
+    return getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
 
 
 def _kept(session: StoreSession, run_id: str, params: dict[str, Any],
@@ -182,37 +197,35 @@ def _kept(session: StoreSession, run_id: str, params: dict[str, Any],
         return None
 
 
-def _vocabulary(tokenizer: Any, model: torch.nn.Module, bos: int, run_id: str) -> np.ndarray:
-    """The ids probes draw from (:data:`VOCABULARY_RULE`)."""
-    size = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
-    vocab = vocabulary(size, {*tokenizer.all_special_ids, *getattr(tokenizer, "added_tokens_decoder", {}), bos})
+def _vocabulary(tokenizer: Any, model: torch.nn.Module, bos: int, run_id: str) -> tuple[np.ndarray, str]:
+    """The ids probes draw from, and their rule: :data:`VOCABULARY_RULE`, or without a
+    tokenizer :data:`CONFIG_VOCABULARY_RULE`."""
+    rows = model.get_input_embeddings().num_embeddings
+    if tokenizer is None:
+        config = model.config.get_text_config()
+        special = [getattr(config, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")]
+        ids = [i for s in special for i in (s if isinstance(s, list) else [s]) if isinstance(i, int)]
+        vocab, rule = vocabulary(rows, {*ids, bos}), CONFIG_VOCABULARY_RULE
+    else:
+        size = min(len(tokenizer), rows)
+        vocab = vocabulary(size, {*tokenizer.all_special_ids, *getattr(tokenizer, "added_tokens_decoder", {}), bos})
+        rule = VOCABULARY_RULE
     if len(vocab) == 0:
         raise InputError(f"the tokenizer of run '{run_id}' has no token that is not special")
-    return vocab
+    return vocab, rule
 
 
-def _run_tokenizer(request: DetectRequest, provenance: dict[str, Any]) -> Any:
-    """The run's tokenizer: its model's, where the request says the model is now or by its
-    recorded name, or for a model in memory the one its provenance names (else
-    ``tokenizer=`` is needed)."""
-    if is_named(request.model):
-        return load_tokenizer(resolve_model(str(request.model)))
-    model = provenance.get("model") or {}
-    if model.get("source") != "memory":
-        return load_tokenizer(resolve_model(model["id"]))
-    where = (provenance.get("tokenizer") or {}).get("name_or_path")
+def _run_tokenizer(request: DetectRequest, provenance: dict[str, Any]) -> Any | None:
+    """The tokenizer whose vocabulary the probes draw from: the request's, else the run's
+    (:func:`attngeom.extract.tokenizing.run_tokenizer`); None for a run extracted without
+    one, whose probes draw from the model's embedding rows."""
+    if request.tokenizer is not None:
+        return given_tokenizer(request.tokenizer)
     try:
-        if where:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(where)
-    except (OSError, ValueError):
-        pass
-    raise InputError(
-        f"the tokenizer of run '{request.run_id}' cannot be loaded here: pass tokenizer=",
-        command_line=f"the tokenizer of run '{request.run_id}' cannot be loaded here: give --model with the folder "
-        "or hub id that holds the model and its tokenizer",
-    )
+        return run_tokenizer(provenance, str(request.model) if is_named(request.model) else None)
+    except InputError:
+        raise refusal("the tokenizer of run '{run}' cannot be loaded here: give it with {tokenizer} (a name or "
+                      "folder)", DetectRequest, run=request.run_id) from None
 
 
 def _attention_rows(model: torch.nn.Module, ids: np.ndarray, queries: tuple[int, ...], device: str) -> dict[int, torch.Tensor]:
@@ -262,7 +275,7 @@ def _layers(model: torch.nn.Module) -> tuple[int, ...]:
     return attention_layers(model.config.get_text_config())
 
 
-def _attrs(inputs: _RunInputs, params: dict[str, Any], vocab: np.ndarray, device: str,
+def _attrs(inputs: _RunInputs, params: dict[str, Any], vocab: np.ndarray, vocabulary_rule: str, device: str,
            compute_dtype: torch.dtype) -> dict[str, Any]:
     """The protocol and parameters every detect group records."""
     return {
@@ -272,7 +285,7 @@ def _attrs(inputs: _RunInputs, params: dict[str, Any], vocab: np.ndarray, device
             "retrieval_rule": RETRIEVAL_RULE,
             "bos_rule": BOS_RULE,
             "bos_token_id": inputs.bos,
-            "vocabulary_rule": VOCABULARY_RULE,
+            "vocabulary_rule": vocabulary_rule,
             "vocabulary_size": len(vocab),
             "seeding": SEEDING,
             "attention": "float32 rows recomputed from the model's post-RoPE queries and keys (the capture of extract)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -165,11 +166,22 @@ def token_decoder(provenance: dict[str, Any]) -> tuple[Callable[[np.ndarray], li
     tokenizer cannot be loaded here, with the reason.
 
     A GGUF model's tokenizer is read from the folder extract converted it into, when it is
-    still cached: parsing the GGUF again took 31 s of a 37 s explore (smollm2-135m)."""
-    model = provenance.get("model", {})
+    still cached: parsing the GGUF again took 31 s of a 37 s explore (smollm2-135m). A
+    tokenizer given to extract in place of the model's is read from where it was loaded from;
+    a model folder holding none has none (transformers would build an empty stand-in)."""
+    from attngeom.extract.tokenizing import holds_tokenizer
+
+    model, recorded = provenance.get("model", {}), provenance.get("tokenizer", {})
+    if recorded is None:
+        return None, "the run was extracted from token ids without a tokenizer"
     path, gguf = model.get("path"), model.get("gguf_file")
+    where = recorded.get("name_or_path") if isinstance(recorded, dict) else None
+    if where and Path(where).is_dir() and holds_tokenizer(Path(where)):
+        path, gguf = where, None
     if not path:
         return None, "the run's provenance names no model path"
+    if not gguf and Path(path).is_dir() and not holds_tokenizer(Path(path)):
+        return None, f"{path} holds no tokenizer"
     kwargs = {"gguf_file": gguf} if gguf else {}
     if gguf and model.get("file_sha256"):
         from attngeom.extract.models import converted_path

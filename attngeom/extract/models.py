@@ -332,10 +332,11 @@ def load_config(source: ModelSource) -> Any:
     return supported_config(AutoConfig.from_pretrained(_folder(source)))
 
 
-def load_tokenizer(source: ModelSource) -> Any:
-    from transformers import AutoTokenizer
+def load_tokenizer(source: ModelSource) -> Any | None:
+    """The model's tokenizer; None where it has none (:func:`attngeom.extract.tokenizing.folder_tokenizer`)."""
+    from attngeom.extract.tokenizing import folder_tokenizer
 
-    return AutoTokenizer.from_pretrained(_folder(source))
+    return folder_tokenizer(_folder(source), source.name)
 
 
 def load_model(source: ModelSource, *, device: str, dtype: torch.dtype,

@@ -20,6 +20,7 @@ import platform
 import shlex
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -30,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from attngeom import __version__
-from attngeom.errors import InputError, UnsupportedModelError
+from attngeom.errors import AttngeomWarning, InputError, UnsupportedModelError
 from attngeom.extract.capture import (
     ATTN_IMPLEMENTATION,
     LayerCapture,
@@ -41,6 +42,7 @@ from attngeom.extract.capture import (
 from attngeom.extract.conformance import check_capture, check_positions, refuse_disagreement
 from attngeom.extract.corpora import Corpus, Window, iter_windows, open_corpus, select_windows
 from attngeom.extract.models import (
+    ModelSource,
     load_config,
     load_model,
     load_tokenizer,
@@ -53,10 +55,12 @@ from attngeom.extract.models import (
     resolve_model,
 )
 from attngeom.extract.families import VERIFIED_TYPES, check_recorded, supported_config
+from attngeom.extract.tokenizing import Bos, bos_token_id, given_tokenizer, no_tokenizer
 from attngeom.extract.phases import phase, phased
 from attngeom.extract.placement import parse_device_map
 from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
+from attngeom.options import refusal
 from attngeom.extract.request import (
     ExtractRequest,
     ExtractResult,
@@ -113,26 +117,6 @@ def _library_versions() -> dict[str, str]:
     return out
 
 
-def _bos_token_id(tokenizer: Any, bos_token: str | None, config: Any = None) -> int:
-    if tokenizer is None:
-        # token_ids given without a tokenizer: the model's own BOS is the one to check.
-        if bos_token is not None:
-            raise InputError("bos_token names a token of a tokenizer: pass the tokenizer too")
-        if getattr(config, "bos_token_id", None) is None:
-            raise InputError("the model's config names no BOS token: pass its tokenizer")
-        return int(config.bos_token_id)
-    if bos_token is not None:
-        token_id = tokenizer.convert_tokens_to_ids(bos_token)
-        if token_id is None or token_id == tokenizer.unk_token_id:
-            raise InputError(f"--bos-token {bos_token!r} is not a token of this tokenizer")
-        return int(token_id)
-    if tokenizer.bos_token_id is None:
-        raise InputError(
-            "the tokenizer defines no BOS token; name one with --bos-token (e.g. --bos-token '<|endoftext|>')"
-        )
-    return int(tokenizer.bos_token_id)
-
-
 def _values_dtype(asked: str, model: _Model, prov: dict[str, Any] | None) -> str:
     """The values' storage dtype: as asked, or for "auto" the one the run holds, else
     bfloat16 for a bfloat16 model (2 bytes, exact) and float32 for any other."""
@@ -153,7 +137,8 @@ def _model(request: ExtractRequest, shard: tuple[int, int] | None) -> _Model:
         device, dtype = model_placement(model, request.device, request.dtype)
         provenance = memory_provenance(model)
         name = provenance["id"]
-        return _Model(name, supported_config(model.config), request.tokenizer, provenance, device, dtype, lambda: model,
+        tokenizer = None if request.tokenizer is None else given_tokenizer(request.tokenizer)
+        return _Model(name, supported_config(model.config), tokenizer, provenance, device, dtype, lambda: model,
                       tf32=request.dtype == "float32-tf32")
     device_map = parse_device_map(request.device_map)
     device = resolve_device(request.device) if device_map is None else map_device(device_map)
@@ -163,12 +148,24 @@ def _model(request: ExtractRequest, shard: tuple[int, int] | None) -> _Model:
     dtype = resolve_dtype(request.dtype)
     source = resolve_model(str(request.model))
     config = load_config(source)
-    tokenizer = request.tokenizer if request.tokenizer is not None else load_tokenizer(source)
+    tokenizer = given_tokenizer(request.tokenizer) if request.tokenizer is not None else _own_tokenizer(request, source)
     return _Model(
         source.name, config, tokenizer, source.provenance(), device, dtype,
         lambda: load_model(source, device=device, dtype=dtype, device_map=device_map),
         tf32=request.dtype == "float32-tf32",
     )
+
+
+def _own_tokenizer(request: ExtractRequest, source: ModelSource) -> Any:
+    """The named model's own tokenizer, or None where it has none. Token ids need none: a
+    tokenizer that cannot be read is then said in a warning and left out."""
+    try:
+        return load_tokenizer(source)
+    except InputError as exc:
+        if request.token_ids is None:
+            raise
+        warnings.warn(AttngeomWarning(f"{exc}: extracting the token ids without it"), stacklevel=2)
+        return None
 
 
 def _texts_corpus(texts: Iterable[str]) -> Corpus:
@@ -197,7 +194,7 @@ def _corpus(request: ExtractRequest) -> tuple[Corpus, dict[str, Any]] | None:
 def _windowed(request: ExtractRequest, source: tuple[Corpus, dict[str, Any]], model: _Model, bos_id: int) -> _Input:
     """Windows (docs/method.md#preprocessing) from a dataset or texts: BOS and L-1 tokens of one document."""
     if model.tokenizer is None:
-        raise InputError("windowing a dataset or texts needs the model's tokenizer: pass tokenizer=")
+        raise no_tokenizer(model.name, ExtractRequest)
     corpus, provenance = source
     tokenizer, length = model.tokenizer, request.context_length
 
@@ -206,41 +203,57 @@ def _windowed(request: ExtractRequest, source: tuple[Corpus, dict[str, Any]], mo
 
     def windows() -> list[Window]:
         if request.num_sequences is not None:
-            return select_windows(
+            chosen = select_windows(
                 corpus, tokenize, bos_id, length, request.num_sequences, rule=request.window_rule, seed=request.seed
             )
-        every = list(iter_windows(corpus, tokenize, bos_id, length, rule=request.window_rule, seed=request.seed))
-        if not every:
-            raise InputError(f"no text holds the {length - 1:,} tokens a window of L = {length:,} needs")
-        return every
+        else:
+            chosen = list(iter_windows(corpus, tokenize, bos_id, length, rule=request.window_rule, seed=request.seed))
+            if not chosen:
+                raise InputError(f"no text holds the {length - 1:,} tokens a window of L = {length:,} needs")
+        _check_vocabulary(chosen, model.config.vocab_size)
+        return chosen
 
     return _Input(corpus.id, provenance, {"rule": request.window_rule, "seed": request.seed}, length, windows)
 
 
-def _given(request: ExtractRequest, model: _Model, bos_id: int) -> _Input:
-    """token_ids (S, L) as given: integers of the vocabulary, BOS at position 0."""
-    given = request.token_ids
+def _check_vocabulary(windows: list[Window], vocab: int) -> None:
+    """Refuse windows holding ids beyond the model's vocabulary: a tokenizer not the model's."""
+    top = max(int(w.tokens.max()) for w in windows)
+    if top >= vocab:
+        raise refusal("the tokenizer gives token id {top}, outside the model's vocabulary [0, {vocab}): give the "
+                      "model's own tokenizer with {tokenizer}", ExtractRequest, top=top, vocab=vocab)
+
+
+def _token_array(given: Any) -> np.ndarray:
+    """The caller's token ids as an integer array (S, L)."""
     ids = given.cpu().numpy() if isinstance(given, torch.Tensor) else np.asarray(given)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise InputError(f"token_ids must be an integer array (S, L); got {ids.dtype} of shape {ids.shape}")
+    return ids
+
+
+def _given(request: ExtractRequest, ids: np.ndarray, model: _Model, bos: Bos) -> _Input:
+    """token_ids (S, L) as given: integers of the vocabulary, BOS at position 0."""
     n_seq, length = ids.shape
     if length < 2:
-        raise InputError("token_ids need at least 2 positions (BOS and one token)")
+        raise refusal("{token_ids!s} need at least 2 positions (BOS and one token)", ExtractRequest)
     if request.context_length is not None and request.context_length != length:
-        raise InputError(f"context_length {request.context_length} differs from the token_ids' length {length}")
+        raise refusal("{context_length:{asked}} differs from the length of {token_ids!s}, {length}", ExtractRequest,
+                      asked=request.context_length, length=length)
     count = n_seq if request.num_sequences is None else request.num_sequences
     if count > n_seq:
-        raise InputError(f"num_sequences {count} is more than the {n_seq} rows of token_ids")
+        raise refusal("{num_sequences:{count}} is more than the {rows} rows of {token_ids!s}", ExtractRequest,
+                      count=count, rows=n_seq)
     vocab = model.config.vocab_size
     outside = np.flatnonzero(((ids < 0) | (ids >= vocab)).any(axis=1))
     if outside.size:
-        raise InputError(f"token_ids rows {_row_list(outside)} hold ids outside the vocabulary [0, {vocab})")
-    no_bos = np.flatnonzero(ids[:, 0] != bos_id)
+        raise refusal("{token_ids!s} rows {rows} hold ids outside the vocabulary [0, {vocab})", ExtractRequest,
+                      rows=_row_list(outside), vocab=vocab)
+    no_bos = np.flatnonzero(ids[:, 0] != bos.id)
     if no_bos.size:
-        raise InputError(
-            f"token_ids rows {_row_list(no_bos)} do not start with the BOS token {bos_id} "
-            "(position 0 is BOS: docs/method.md#preprocessing)"
-        )
+        raise refusal("{token_ids!s} rows {rows} do not start with the BOS token {bos} ({source}; position 0 is BOS: "
+                      "docs/method.md#preprocessing)", ExtractRequest, rows=_row_list(no_bos), bos=bos.id,
+                      source=bos.source)
     digest = hashlib.sha256(f"{ids.shape}".encode())
     digest.update(np.ascontiguousarray(ids, dtype="<i8").tobytes())
     provenance = {"id": "token_ids", "split": None, "fingerprint": digest.hexdigest(), "text_field": None}
@@ -378,8 +391,10 @@ def extract(request: ExtractRequest, checked: Preflight | None = None,
     shard = checked.shard
     source = _corpus(request)  # before the model, which may take minutes to load the first time
     model = _model(request, shard)
-    bos_id = _bos_token_id(model.tokenizer, request.bos_token, model.config)
-    inputs = _windowed(request, source, model, bos_id) if source is not None else _given(request, model, bos_id)
+    ids = None if request.token_ids is None else _token_array(request.token_ids)
+    bos = bos_token_id(model.tokenizer, request.bos_token, model.config, ExtractRequest, ids)
+    bos_id = bos.id
+    inputs = _windowed(request, source, model, bos_id) if ids is None else _given(request, ids, model, bos)
     # Also here: a hub model's metadata is known once its config is loaded, before its weights.
     check_context_length(inputs.length, config_positions(model.config), model.name)
     queries = query_positions(request.queries, inputs.length)

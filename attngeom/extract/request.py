@@ -25,8 +25,9 @@ from attngeom.extract.corpora import (
 from attngeom.extract.placement import parse_device_map
 from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
-from attngeom.extract.sources import model_name
-from attngeom.options import check_options, option
+from attngeom.extract.sources import OFFLINE_MODELS, model_name
+from attngeom.extract.tokenizing import check_tokenizer_name, holds_tokenizer, no_tokenizer
+from attngeom.options import check_options, option, refusal
 from attngeom.preflight import RUN_ID_PATTERN, default_run_id, require_writable, run_created, run_record
 from attngeom.runcheck import check_device
 
@@ -46,7 +47,9 @@ class ExtractRequest:
 
     ``model`` is a name or path, or a loaded transformers causal LM. The input is exactly
     one of ``dataset`` (a corpus name or path, windowed by docs/method.md#preprocessing), ``texts`` (strings,
-    windowed the same way) or ``token_ids`` (S, L) integers used as given. Each option's
+    windowed the same way) or ``token_ids`` (S, L) integers used as given. ``tokenizer``: one
+    in memory, or a name or folder to load one from, in place of the model's own (which a
+    folder saved without one lacks: :mod:`attngeom.extract.tokenizing`). Each option's
     default and what it accepts are declared here once (:mod:`attngeom.options`): the API's
     keywords and the command's options take them from these fields.
     """
@@ -126,12 +129,14 @@ def check_arguments(request: ExtractRequest) -> tuple[int, int] | None:
     """Refuse arguments that cannot be used, reading nothing; returns the shard."""
     given = [name for name in ("dataset", "texts", "token_ids") if getattr(request, name) is not None]
     if len(given) != 1:
+        flags = {"dataset": "--dataset", "token_ids": "--token-ids"}
         raise InputError(
-            "give exactly one input: dataset, texts or token_ids"
-            + (f" (got {' and '.join(given)})" if given else "")
+            "give exactly one input: dataset, texts or token_ids" + (f" (got {' and '.join(given)})" if given else ""),
+            command_line="give exactly one input: --dataset or --token-ids FILE.npy"
+            + (f" (got {' and '.join(flags.get(name, name) for name in given)})" if given else ""),
         )
     if request.dataset is not None and (request.context_length is None or request.num_sequences is None):
-        raise InputError("a dataset needs context_length and num_sequences")
+        raise refusal("a dataset needs {context_length} and {num_sequences}", ExtractRequest)
     if isinstance(request.texts, str | bytes):
         # A string is an iterable of strings: it would be read one character per document.
         raise InputError("texts is a list of documents (strings), not one string: pass texts=[text]")
@@ -213,6 +218,7 @@ def preflight(request: ExtractRequest) -> Preflight:
         positions = config_positions(getattr(request.model, "config", None) or {})
     if length is not None and positions is not None:
         check_context_length(length, positions, str(request.model) if named else "the model")
+    _check_tokenizer(request)
     if request.dataset is not None:
         input_id = corpus_id(request.dataset, split=request.split)
         check_text_field(request.dataset, request.text_field)
@@ -258,9 +264,25 @@ def preflight(request: ExtractRequest) -> Preflight:
         total = int(shape[0])
     # A model given in memory is checked by its weights' hash, a BOS token by the tokenizer,
     # a hub corpus by `datasets`: only the full check reads them.
-    light = named and request.bos_token is None and local is not None
+    light = named and request.bos_token is None and request.tokenizer is None and local is not None
     lacking = tuple((record.get("layout") or {}).get("lacking") or ())
     return Preflight(shard, run_id, total if light else None, lacking)
+
+
+def _check_tokenizer(request: ExtractRequest) -> None:
+    """Refuse a tokenizer named that is not there, and a dataset or texts for a model that
+    has no tokenizer to window them with (a folder holding none, a model in memory given
+    without one), before anything loads."""
+    if isinstance(request.tokenizer, str | os.PathLike):
+        check_tokenizer_name(str(request.tokenizer))
+    if request.token_ids is not None or request.tokenizer is not None:
+        return
+    if not isinstance(request.model, str | os.PathLike):
+        raise refusal("a dataset or texts are windowed with the model's tokenizer: give {tokenizer} with a model in "
+                      "memory, or extract from {token_ids}", ExtractRequest)
+    folder = Path(request.model).expanduser()
+    if str(request.model) not in OFFLINE_MODELS and folder.is_dir() and not holds_tokenizer(folder):
+        raise no_tokenizer(str(request.model), ExtractRequest)
 
 
 # The option that sets each part of a run's identity, as the record names it.

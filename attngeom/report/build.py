@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import shlex
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from attngeom.report import (
 from attngeom.report.data import OPTIONAL, Missing, Requirement, RunData, load_runs
 from attngeom.report.plots import RC
 from attngeom.report.spec import FigureSpec, TableSpec, TextSpec
+from attngeom.runcheck import stage_command
 
 FIGURES: tuple[FigureSpec, ...] = (
     *figures_geometry.FIGURES, *figures_sink.FIGURES, *figures_values.FIGURES, *figures_heads.FIGURES,
@@ -185,10 +187,10 @@ def missing_summary(store: str, runs: Sequence[RunData], entries: Sequence[html.
     unablated = sorted(r.run_id for r in runs if not r.ablation)
     undetected = sorted(r.run_id for r in runs if r.detect is None)
     remedies = {
-        "analyze": (f"`attngeom analyze --store {store}`", "no analysis yet"),
-        "ablate": (" or ".join(f"`attngeom ablate --store {store} --run {r}`" for r in unablated),
+        "analyze": (f"`{shlex.join(['attngeom', 'analyze', '--store', store])}`", "no analysis yet"),
+        "ablate": (" or ".join(f"`{stage_command('ablate', store, r)}`" for r in unablated),
                    "no ablation yet"),
-        "detect": (" or ".join(f"`attngeom detect --store {store} --run {r}`" for r in undetected),
+        "detect": (" or ".join(f"`{stage_command('detect', store, r)}`" for r in undetected),
                    "no detect yet"),
         "queries": ("a run extracted with --queries", "optional"),
         "sinks": ("a model with learned sinks, such as gpt-oss", "optional"),

@@ -8,6 +8,7 @@ import numpy as np
 import zarr
 
 from attngeom.errors import CorruptChunkError, DamagedStoreError
+from attngeom.runcheck import stage_command
 from attngeom.store.storage import node_metadata, node_path, zarr_store
 from attngeom.store.schema import ANALYSIS, DERIVED, RUNS
 
@@ -41,7 +42,7 @@ def recovery(url: str, path: str, seq: int | None = None, *, decoding: bool = Fa
     if len(parts) >= 3 and parts[0] == RUNS and parts[2] in DERIVED:
         stage = DERIVED[parts[2]]
         deep = " --deep" if decoding and parts[2] == ANALYSIS else ""
-        return f"run `attngeom {stage} --store {url} --run {parts[1]}{deep}` again to rewrite it"
+        return f"run `{stage_command(stage, url, parts[1], deep)}` again to rewrite it"
     if len(parts) >= 2 and parts[0] == RUNS and seq is not None:
         return (
             f"run `attngeom validate --store {url} --deep --repair` to uncommit sequence {seq}, then the "

@@ -19,6 +19,7 @@ import xarray as xr
 import zarr
 
 from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError, InProgressError
+from attngeom.runcheck import stage_command
 from attngeom.store.damage import Problem
 from attngeom.store.datasets import open_dataset
 from attngeom.store.locks import holder_words, live_holder
@@ -30,7 +31,7 @@ __all__ = ["derived_problems", "read_derived", "unheld_claims"]
 
 
 def _rerun(url: str, run_id: str, kind: str) -> str:
-    return f"run `attngeom {DERIVED.get(kind, kind)} --store {url} --run {run_id}` again to rewrite it"
+    return f"run `{stage_command(DERIVED.get(kind, kind), url, run_id)}` again to rewrite it"
 
 
 def _damaged(url: str, state: DerivedState, damage: Damage) -> DamagedStoreError:
@@ -72,7 +73,7 @@ def _incomplete(url: str, state: DerivedState) -> IncompleteGroupError:
     options = _options(stage, state.pending.parameters) if state.pending is not None else ""
     return IncompleteGroupError(
         f"{state.kind} of run {state.run_id} is incomplete (interrupted {stage or 'writer'}); "
-        f"re-run `attngeom {stage} --store {url} --run {state.run_id}{options}`"
+        f"re-run `{stage_command(stage, url, state.run_id, options)}`"
     )
 
 
@@ -115,7 +116,7 @@ def read_derived(zstore: Any, url: str, run_id: str, kind: str, name: str) -> xr
         raise _in_progress(state, holder)
     if not state.exists:
         raise GroupNotFoundError(
-            f"run {run_id} has no {kind} (run `attngeom {DERIVED.get(kind, '')} --store {url} --run {run_id}`)"
+            f"run {run_id} has no {kind} (run `{stage_command(DERIVED.get(kind, ''), url, run_id)}`)"
         )
     if state.unreadable:
         raise _unreadable_record(url, state)
