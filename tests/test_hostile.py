@@ -7,17 +7,20 @@ outside the store."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from click.testing import CliRunner
+from conftest import cli_in_fresh_process
 
 import attngeom as ag
 from attngeom.cli import main
-from attngeom.errors import DamagedStoreError
+from attngeom.errors import DamagedStoreError, ForeignFileError
 from attngeom.store import validate_store
 from attngeom.synthetic import write_synthetic_run
 
@@ -72,9 +75,37 @@ def unknown_codec(store: Path) -> str:
     return "runs/syn/values/zarr.json is not an array this attngeom reads (UnknownCodecError"
 
 
+def absurd_run(store: Path) -> str:
+    """Every per-sequence array of the run 10**15 sequences long, the flags included: the
+    arrays agree with each other, and no machine holds their flags."""
+    root = json.loads((store / "zarr.json").read_text())
+    for folder in (store / "runs" / "syn").iterdir():
+        meta = json.loads((folder / "zarr.json").read_text()) if folder.is_dir() else {}
+        if (meta.get("dimension_names") or [None])[0] == "seq":
+            meta["shape"][0] = 10**15
+            (folder / "zarr.json").write_text(json.dumps(meta))
+            root["consolidated_metadata"]["metadata"][f"runs/syn/{folder.name}"]["shape"][0] = 10**15
+    (store / "zarr.json").write_text(json.dumps(root))
+    return "run syn: its arrays declare 1,000,000,000,000,000 sequences, whose commit flags and indices every reader"
+
+
+def absurd_coordinate(store: Path) -> str:
+    """The ``pos`` coordinate 10**12 positions long (a coordinate is read whole)."""
+    key = "runs/syn/pos"
+    meta = json.loads((store / key / "zarr.json").read_text())
+    meta["shape"][0] = 10**12
+    (store / key / "zarr.json").write_text(json.dumps(meta))
+    root = json.loads((store / "zarr.json").read_text())
+    root["consolidated_metadata"]["metadata"][key]["shape"][0] = 10**12
+    (store / "zarr.json").write_text(json.dumps(root))
+    return "run syn: array 'pos' has shape (1000000000000,), expected (8,)"
+
+
 HOSTILE = {
     "absurd shape": absurd_shape,
     "absurd flags": lambda store: absurd_shape(store, "complete"),
+    "absurd run": absurd_run,
+    "absurd coordinate": absurd_coordinate,
     "not UTF-8": not_utf8,
     "unknown codec": unknown_codec,
 }
@@ -113,8 +144,8 @@ def test_a_link_leading_outside_the_store_is_refused_before_any_write(analyzed, 
     shutil.copytree(analyzed, store)
     before = sorted(p.relative_to(victim) for p in victim.rglob("*"))
     (store / "runs" / "evil").symlink_to(victim / "runs" / "syn")
-    line = (f"runs/evil in {store} is a link to {victim / 'runs' / 'syn'}, outside the store; attngeom writes "
-            f"nothing outside a store's folder: replace the link by a copy of what it leads to, or remove it")
+    line = (f"runs/evil in {store} is a link to {victim / 'runs' / 'syn'}, outside the store; attngeom reads "
+            f"and writes nothing outside a store's folder: replace the link by a copy of what it leads to, or remove it")
     for args in (["analyze", "--no-progress"], ["analyze", "--run", "evil", "--no-progress"],
                  ["validate", "--deep", "--repair"]):
         assert cli(args[0], "--store", str(store), *args[1:]) == (2, [f"attngeom: error: {line}"])
@@ -156,3 +187,75 @@ def test_a_scheduler_nobody_answers_is_one_line(analyzed, tmp_path):
     assert done.stderr.splitlines() == [
         "attngeom: error: cannot reach the Dask scheduler at tcp://127.0.0.1:1 (Timed out trying to connect to "
         "tcp://127.0.0.1:1 after 10 s)"], done.stderr
+
+
+def link_to_device(store: Path) -> str:
+    """The tokens chunk of sequence 3 a link to /dev/zero, which never ends."""
+    chunk = store / "runs" / "syn" / "tokens" / "c" / "3" / "0"
+    chunk.unlink()
+    chunk.symlink_to("/dev/zero")
+    return (f"runs/syn/tokens/c/3/0 in {store} is a link to /dev/zero, outside the store; attngeom reads and writes "
+            f"nothing outside a store's folder: replace the link by a copy of what it leads to, or remove it")
+
+
+def named_pipe(store: Path) -> str:
+    """The tokens chunk of sequence 3 a named pipe, which a reader would wait on for ever."""
+    chunk = store / "runs" / "syn" / "tokens" / "c" / "3" / "0"
+    chunk.unlink()
+    os.mkfifo(chunk)
+    return (f"runs/syn/tokens/c/3/0 in {store} is a named pipe, not a file a store holds; attngeom reads only "
+            f"regular files: remove it")
+
+
+@pytest.mark.parametrize("foreign", [link_to_device, named_pipe])
+def test_a_chunk_that_is_no_file_of_the_store_is_named_and_never_read(analyzed, tmp_path, foreign):
+    """A tokens chunk that is a link to a device, or a named pipe: validate (plain and deep)
+    names it, explore and the Python API refuse it in one line, by kind; none reads it."""
+    store = tmp_path / "s.zarr"
+    shutil.copytree(analyzed, store)
+    line = foreign(store)
+    for deep in ([], ["--deep"]):
+        code, lines = cli("validate", "--store", str(store), *deep)
+        assert code == 1 and line in lines, lines
+    code, lines = cli("explore", "--store", str(store), "--out", str(tmp_path / "page"), "--no-progress")
+    assert (code, lines) == (2, [f"attngeom: error: {line}"])
+    with pytest.raises(ForeignFileError) as caught:
+        ag.open_store(store).run("syn").dataset()["tokens"].values
+    assert str(caught.value) == line
+
+
+def test_a_run_record_linked_to_a_device_is_refused_before_any_library_loads(analyzed, tmp_path):
+    """The first look at a store (a run's record, read before zarr loads) keeps the same rule."""
+    store = tmp_path / "s.zarr"
+    shutil.copytree(analyzed, store)
+    record = store / "runs" / "syn" / "zarr.json"
+    record.unlink()
+    record.symlink_to("/dev/zero")
+    line = (f"runs/syn/zarr.json in {store} is a link to /dev/zero, outside the store; attngeom reads and writes "
+            f"nothing outside a store's folder: replace the link by a copy of what it leads to, or remove it")
+    answers = cli_in_fresh_process([["analyze", "--store", str(store), "--run", "syn", "--n-grid", "1,2"]])
+    assert answers == [(2, f"attngeom: error: {line}\n", [])], answers
+    code, lines = cli("validate", "--store", str(store))
+    assert code == 1 and line in lines, lines
+
+
+def test_report_tables_escape_what_a_strangers_store_holds(analyzed, tmp_path):
+    """A model id made of markup, a column break, a line break and a formula: the Markdown
+    table escapes it (as index.html does), the CSV quotes it and keeps it from running as a
+    formula; read back, the CSV holds the id as written after the leading apostrophe."""
+    store = tmp_path / "s.zarr"
+    shutil.copytree(analyzed, store)
+    hostile = '=HYPERLINK("http://x")|<script>alert(1)</script>\n`rm -rf`'
+    for path, get in ((store / "runs" / "syn" / "zarr.json", lambda m: m),
+                      (store / "zarr.json", lambda m: m["consolidated_metadata"]["metadata"]["runs/syn"])):
+        meta = json.loads(path.read_text())
+        get(meta)["attributes"]["attngeom"]["model"]["id"] = hostile
+        path.write_text(json.dumps(meta))
+    out = tmp_path / "report"
+    assert cli("report", "--store", str(store), "--out", str(out))[0] == 0
+    row = (out / "models.md").read_text().splitlines()[2]
+    assert ('| =HYPERLINK("http://x")\\|&lt;script&gt;alert(1)&lt;/script&gt; \\`rm -rf\\` |' in row), row
+    assert "<" not in row and row.count("|") == (out / "models.md").read_text().splitlines()[0].count("|")
+    raw = (out / "models.csv").read_text()
+    assert '"\'=HYPERLINK(""http://x"")|<script>alert(1)</script>\n`rm -rf`"' in raw, raw
+    assert pd.read_csv(out / "models.csv")["model"].tolist() == ["'" + hostile]

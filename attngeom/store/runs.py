@@ -13,12 +13,13 @@ import numpy as np
 import zarr
 from zarr.buffer import default_buffer_prototype
 
-from attngeom.errors import RunNotFoundError
+from attngeom.errors import DamagedStoreError, RunNotFoundError
+from attngeom.limits import exceeds_memory, memory_bytes, size_text
 from attngeom.preflight import RUN_ID_PATTERN
 from attngeom.store._zarr import sync
 from attngeom.store.access import quiet_leftovers
 from attngeom.store.codecs import VALUES_CODEC, compressors, object_chunks, shard_index
-from attngeom.store.damage import DECODE_ERRORS, metadata_damage
+from attngeom.store.damage import DECODE_ERRORS, RESTORE, metadata_damage
 from attngeom.store.storage import Part, jsonable, node_exists, put_objects, store_url
 from attngeom.store.schema import (
     ATTR_KEY,
@@ -222,9 +223,30 @@ def resize_run(run: zarr.Group, n_seq: int) -> None:
             arr.resize((n_seq, *arr.shape[1:]))
 
 
+# What a reader of a run holds per sequence: its commit flag (the flags are read whole) and,
+# where it is committed, its index.
+_SEQUENCE_BYTES = 9
+
+
+def sequences_problem(run_id: str, n_seq: int) -> str | None:
+    """Why a run whose arrays declare ``n_seq`` sequences cannot be read on this machine, or
+    None: what every reader holds of them (:data:`_SEQUENCE_BYTES` each) exceeds its memory.
+    Metadata of someone else's store may claim any size; nothing is read by it."""
+    need = n_seq * _SEQUENCE_BYTES
+    if not exceeds_memory(need):
+        return None
+    return (f"run {run_id}: its arrays declare {n_seq:,} sequences, whose commit flags and indices every "
+            f"reader holds in memory ({size_text(need)}), more than this machine's {size_text(memory_bytes())}")
+
+
 def completed(run: zarr.Group) -> np.ndarray:
-    """Indices of the sequences whose every array is written."""
-    return np.flatnonzero(run["complete"][:] == 1)
+    """Indices of the sequences whose every array is written; :class:`DamagedStoreError` for
+    flags too many to hold (:func:`sequences_problem`)."""
+    flags = run["complete"]
+    why = sequences_problem(run.path.rsplit("/", 1)[-1], int(flags.shape[0]))
+    if why is not None:
+        raise DamagedStoreError(f"{why}; {RESTORE}")
+    return np.flatnonzero(flags[:] == 1)
 
 
 # Sequences a SequenceWriter holds between submit and commit: one written while the next waits,
