@@ -69,6 +69,8 @@ def model_name(name: str) -> ModelName:
             raise InputError(f"GGUF file {name} does not exist")
         return ModelName(str(path.resolve()), gguf_positions([path]))
     if path.is_dir():
+        if (path / "zarr.json").is_file() and not (path / "config.json").exists():
+            raise InputError(f"{name} is a Zarr store (an attngeom store?), not a model folder: it has no config.json")
         if not (path / "config.json").exists():
             raise InputError(f"model folder {name} has no config.json")
         return ModelName(str(path.resolve()), config_positions(_json(path / "config.json")))
