@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from attngeom.errors import InputError
+from attngeom.extract.model_files import check_config_sizes, check_safetensors
 from attngeom.extract.positions import Positions, config_positions, gguf_positions
 
 __all__ = ["OFFLINE_MODELS", "ModelName", "cache_dir", "hub_address", "hub_cached_config", "model_name"]
@@ -73,14 +74,22 @@ def model_name(name: str) -> ModelName:
             raise InputError(f"{name} is a Zarr store (an attngeom store?), not a model folder: it has no config.json")
         if not (path / "config.json").exists():
             raise InputError(f"model folder {name} has no config.json")
-        return ModelName(str(path.resolve()), config_positions(_json(path / "config.json")))
+        config = _json(path / "config.json")
+        check_config_sizes(config, name, cache_dir())
+        for weights in sorted(path.glob("*.safetensors")):
+            check_safetensors(weights)
+        return ModelName(str(path.resolve()), config_positions(config))
     cached = hub_cached_config(name)
     if cached is None and hub_address() is None:
         raise InputError(
             f"unknown model '{name}': not an offline name ({', '.join(OFFLINE_MODELS)}), "
             "not a local folder or .gguf file, is not in the local hub cache, and the hub cannot be reached (offline)"
         )
-    return ModelName(name, None if cached is None else config_positions(_json(cached)))
+    if cached is None:
+        return ModelName(name, None)
+    config = _json(cached)
+    check_config_sizes(config, name, cache_dir())
+    return ModelName(name, config_positions(config))
 
 
 def _offline_parts(name: str) -> list[Path]:
