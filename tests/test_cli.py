@@ -515,3 +515,32 @@ def test_what_a_folder_or_a_stores_records_tell_is_answered_before_any_library_l
     answers = cli_in_fresh_process([list(args) for args in cases])
     assert answers == [(2, f"attngeom: error: {line}\n", []) for line in cases.values()], answers
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "s.zarr"]
+
+
+def test_a_librarys_logged_warning_is_the_tools_warning_line():
+    """transformers logs its warnings through a handler of its own, added as it loads
+    ("[transformers] ..."): within a command each is one `attngeom: warning: transformers:`
+    line, said once, whether transformers loads during the command or before it; after the
+    command its own handler speaks again."""
+    script = (
+        "import logging\n"
+        "import click\n"
+        "from attngeom.cli import _Group\n"
+        "@click.group(cls=_Group)\n"
+        "def group():\n"
+        "    pass\n"
+        "@group.command()\n"
+        "def noisy():\n"
+        "    from transformers.utils import logging as transformers_logging\n"
+        "    for _ in range(2):\n"
+        "        transformers_logging.get_logger('transformers.models.x').warning('a config\\n  says so')\n"
+        "for _ in range(2):\n"
+        "    group(['noisy'], standalone_mode=False)\n"
+        "logging.getLogger('transformers.models.x').warning('after')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["attngeom: warning: transformers: a config says so"] * 2 + [
+        "[transformers] after"], done.stderr
