@@ -44,8 +44,25 @@ def check_file(root: Path, key: str, url: str) -> None:
     ``url`` as the user gave it), raising :class:`ForeignFileError`, when a link on its way
     leads outside the store or it is no regular file. A missing object passes: the reader
     says it is absent."""
-    path = os.path.join(root, key)
-    real = os.path.realpath(path)
+    # Each part of the key looked at without following it (a read's cost: no path resolved
+    # from the file system's root), until a link: then where the path leads decides.
+    here, mode = str(root), None
+    for part in key.split("/"):
+        here = os.path.join(here, part)
+        try:
+            mode = os.lstat(here).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if stat.S_ISLNK(mode) or part == "..":
+            _check_resolved(root, key, url)
+            return
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise ForeignFileError(special_problem(url, key, mode))
+
+
+def _check_resolved(root: Path, key: str, url: str) -> None:
+    """:func:`check_file` for a key with a link (or "..") on its way: where it leads."""
+    real = os.path.realpath(os.path.join(root, key))
     base = os.path.realpath(root)
     if real != base and not real.startswith(base.rstrip(os.sep) + os.sep):
         raise ForeignFileError(_link_on_the_way(root, key, url))

@@ -255,7 +255,8 @@ def test_report_tables_escape_what_a_strangers_store_holds(analyzed, tmp_path):
     assert cli("report", "--store", str(store), "--out", str(out))[0] == 0
     row = (out / "models.md").read_text().splitlines()[2]
     assert ('| =HYPERLINK("http://x")\\|&lt;script&gt;alert(1)&lt;/script&gt; \\`rm -rf\\` |' in row), row
-    assert "<" not in row and row.count("|") == (out / "models.md").read_text().splitlines()[0].count("|")
+    columns = (out / "models.md").read_text().splitlines()[0].count("|")
+    assert "<" not in row and row.replace("\\|", "").count("|") == columns, row
     raw = (out / "models.csv").read_text()
     assert '"\'=HYPERLINK(""http://x"")|<script>alert(1)</script>\n`rm -rf`"' in raw, raw
     assert pd.read_csv(out / "models.csv")["model"].tolist() == ["'" + hostile]
