@@ -101,11 +101,31 @@ def absurd_coordinate(store: Path) -> str:
     return "run syn: array 'pos' has shape (1000000000000,), expected (8,)"
 
 
+def absurd_layout(store: Path) -> str:
+    """The run's layout and every array with a layer dimension claiming 10**12 layers: the
+    arrays agree with the layout, whose own list of windows does not."""
+    root = json.loads((store / "zarr.json").read_text())
+    run = json.loads((store / "runs" / "syn" / "zarr.json").read_text())
+    for meta in (run, root["consolidated_metadata"]["metadata"]["runs/syn"]):
+        meta["attributes"]["attngeom"]["layout"]["n_layers"] = 10**12
+    (store / "runs" / "syn" / "zarr.json").write_text(json.dumps(run))
+    for folder in (store / "runs" / "syn").iterdir():
+        meta = json.loads((folder / "zarr.json").read_text()) if folder.is_dir() else {}
+        if "layer" in (meta.get("dimension_names") or []):
+            at = meta["dimension_names"].index("layer")
+            meta["shape"][at] = 10**12
+            (folder / "zarr.json").write_text(json.dumps(meta))
+            root["consolidated_metadata"]["metadata"][f"runs/syn/{folder.name}"]["shape"][at] = 10**12
+    (store / "zarr.json").write_text(json.dumps(root))
+    return "run syn: its layout's n_layers is 1,000,000,000,000, but its 'window' lists 2"
+
+
 HOSTILE = {
     "absurd shape": absurd_shape,
     "absurd flags": lambda store: absurd_shape(store, "complete"),
     "absurd run": absurd_run,
     "absurd coordinate": absurd_coordinate,
+    "absurd layout": absurd_layout,
     "not UTF-8": not_utf8,
     "unknown codec": unknown_codec,
 }

@@ -183,11 +183,38 @@ async def _create_arrays(run: zarr.Group, layout: RunLayout, n_seq: int) -> None
     await _every(create(name) for name in layout.names())
 
 
+def layout_problem(layout: Mapping[str, Any]) -> str | None:
+    """Why a run's recorded ``layout`` cannot be read by, or None: counts that are no
+    non-negative integers, counts its own lists contradict (a window per layer, a kv head
+    per head, the model's index of each layer), or one sequence's arrays (its attention
+    rows and values, which a reader holds at once) more than this machine's memory."""
+    counts = {key: layout[key] for key in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "length")}
+    for key, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"its layout's {key} is {value!r}, no count"
+    lists = {"window": "n_layers", "head_kv": "n_heads"}
+    if layout.get("layers"):
+        lists["layers"] = "n_layers"
+    for key, count in lists.items():
+        if len(layout[key]) != counts[count]:
+            return f"its layout's {count} is {counts[count]:,}, but its '{key}' lists {len(layout[key]):,}"
+    n_layers, length = counts["n_layers"], counts["length"]
+    sequence = 4 * n_layers * length * (counts["n_heads"] + counts["n_kv_heads"] * counts["head_dim"])
+    if exceeds_memory(sequence):
+        return (f"its layout declares sequences of {size_text(sequence)} each ({n_layers:,} layers, L = {length:,}), "
+                f"more than this machine's {size_text(memory_bytes())} of memory")
+    return None
+
+
 def run_layout(run: zarr.Group) -> RunLayout:
     """The layout recorded in a run's provenance, with its ``attendable`` keys. A layout
     recorded before format 5 names no ``lacking``: such a run lacks the summaries it does not
-    hold (``attngeom migrate`` records them)."""
+    hold (``attngeom migrate`` records them). :class:`DamagedStoreError` for a layout that
+    cannot be read by (:func:`layout_problem`), before anything is read by it."""
     meta = run.attrs[ATTR_KEY]["layout"]
+    why = layout_problem(meta)
+    if why is not None:
+        raise DamagedStoreError(f"run {run.path.rsplit('/', 1)[-1]}: {why}; {RESTORE}")
     attendable = tuple(tuple(bool(x) for x in row) for row in run["attendable"][:])
     lacking = meta["lacking"] if "lacking" in meta else [name for name in FIELD_SUMMARIES if name not in run]
     return RunLayout(

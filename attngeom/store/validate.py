@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,6 +22,7 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 
 from attngeom.errors import AttngeomError, DamagedStoreError, ForeignFileError
+from attngeom.limits import exceeds_memory
 from attngeom.preflight import RUN_ID_PATTERN, run_created
 from attngeom.store._zarr import sync
 from attngeom.store.access import (
@@ -76,6 +78,8 @@ from attngeom.store.schema import (
     RunLayout,
 )
 
+# What a grid index of an expected object takes in memory (a tuple of a few ints).
+_INDEX_BYTES = 100
 # Arrays a deep check of an object store reads at once (each holds one stored object in
 # memory at a time, a shard read whole).
 _REMOTE_READERS = 4
@@ -321,6 +325,8 @@ def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[s
         layout = run_layout(run)
     except (KeyError, TypeError, *DECODE_ERRORS) as exc:
         return problems + [f"{where}: unreadable layout in provenance ({exc})"]
+    except DamagedStoreError as exc:
+        return problems + [str(exc).removesuffix(f"; {RESTORE}")]
     n_seq = int(members["complete"].shape[0]) if "complete" in members else None
     problems += array_problems(run, run_id, layout, members, url, unreadable)
     problems += coordinate_problems(run, layout, members, url)
@@ -400,6 +406,8 @@ def _expected_objects(arr: zarr.Array, sequences: set[int] | None) -> list[tuple
     if sequences is None:
         return []
     counts = [-(-n // c) for n, c in zip(arr.shape, stored_grid(arr))]
+    if exceeds_memory(_INDEX_BYTES * len(sequences) * math.prod(counts[1:])):
+        return []  # a shape no machine could list the objects of: named by array_problems, not walked
     return [(s, *rest) for s in sorted(sequences) if s < counts[0] for rest in np.ndindex(*counts[1:])]
 
 
