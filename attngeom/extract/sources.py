@@ -61,7 +61,9 @@ class ModelName:
 def model_name(name: str) -> ModelName:
     """Check that ``name`` names a model extract can load (an offline name whose package is
     installed, an existing .gguf file, a folder with a config.json, or a hub id that is in the
-    local hub cache or may be asked of a reachable hub); :class:`InputError` otherwise."""
+    local hub cache or may be asked of a reachable hub); :class:`InputError` otherwise, and
+    for a config declaring what this machine could not hold or a safetensors file that is
+    not whole."""
     if name in OFFLINE_MODELS:
         return ModelName(name, gguf_positions(_offline_parts(name)))
     path = Path(name).expanduser()
@@ -74,22 +76,25 @@ def model_name(name: str) -> ModelName:
             raise InputError(f"{name} is a Zarr store (an attngeom store?), not a model folder: it has no config.json")
         if not (path / "config.json").exists():
             raise InputError(f"model folder {name} has no config.json")
-        config = _json(path / "config.json")
-        check_config_sizes(config, name, cache_dir())
-        for weights in sorted(path.glob("*.safetensors")):
-            check_safetensors(weights)
-        return ModelName(str(path.resolve()), config_positions(config))
+        return ModelName(str(path.resolve()), config_positions(_checked_config(path / "config.json", name)))
     cached = hub_cached_config(name)
     if cached is None and hub_address() is None:
         raise InputError(
             f"unknown model '{name}': not an offline name ({', '.join(OFFLINE_MODELS)}), "
             "not a local folder or .gguf file, is not in the local hub cache, and the hub cannot be reached (offline)"
         )
-    if cached is None:
-        return ModelName(name, None)
-    config = _json(cached)
+    return ModelName(name, None if cached is None else config_positions(_checked_config(cached, name)))
+
+
+def _checked_config(file: Path, name: str) -> dict:
+    """The config.json ``file`` of model ``name``, once its counts and the safetensors files
+    beside it (those of a hub id downloaded already) are checked
+    (:mod:`attngeom.extract.model_files`)."""
+    config = _json(file)
     check_config_sizes(config, name, cache_dir())
-    return ModelName(name, config_positions(config))
+    for weights in sorted(file.parent.glob("*.safetensors")):
+        check_safetensors(weights)
+    return config
 
 
 def _offline_parts(name: str) -> list[Path]:
