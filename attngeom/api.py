@@ -308,7 +308,7 @@ def taxonomy(store: str | Path, *, export: str | Path | None = None, export_kv: 
     export: also write :meth:`Taxonomy.heads` there (``.csv`` or ``.parquet``). export_kv:
     also write :meth:`Taxonomy.kv_scores` of ``score`` and ``run_id`` there (``.tsv``, the
     layout of DuoAttention's ``full_attention_heads.tsv``). Paths and ``score`` are checked
-    before the store is read.
+    before the store is read; folders on the way to a path are made as it is written.
     """
     store = str(store)
     from attngeom.head_classes import TABLE_SUFFIXES, check_kv_score, check_path
