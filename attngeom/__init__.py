@@ -29,6 +29,7 @@ from attngeom.errors import (
     AttngeomWarning,
     CorruptChunkError,
     DamagedStoreError,
+    ForeignFileError,
     GroupNotFoundError,
     IncompleteGroupError,
     InProgressError,
@@ -62,7 +63,8 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
-    "AttngeomError", "AttngeomWarning", "CorruptChunkError", "DamagedStoreError", "GroupNotFoundError",
+    "AttngeomError", "AttngeomWarning", "CorruptChunkError", "DamagedStoreError", "ForeignFileError",
+    "GroupNotFoundError",
     "IncompleteGroupError", "InProgressError", "InputError",
     "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreWriteError",
     "UnsupportedModelError",

@@ -26,10 +26,12 @@ from attngeom.ablate.request import check_request as check_ablate
 from attngeom.detect.request import DetectRequest, check_sequences
 from attngeom.detect.request import check_request as check_detect
 from attngeom.errors import GroupNotFoundError, InputError, StoreNotFoundError
+from attngeom.extract.positions import check_context_length
 from attngeom.extract.request import ExtractRequest
+from attngeom.extract.sources import model_name
 from attngeom.options import keywords_of
-from attngeom.preflight import local_path, require_run, require_store, run_record
-from attngeom.runcheck import check_run_model, committed_count
+from attngeom.preflight import local_path, local_run_ids, require_run, require_store, run_record
+from attngeom.runcheck import check_device, check_run_model, committed_count
 
 if TYPE_CHECKING:
     import numpy as np
@@ -121,10 +123,16 @@ def check_model(model: str, *, device: str = "auto", dtype: str = "auto", length
     model: a name or path as extract takes it. Loads it, runs one forward of BOS and
     ``length - 1`` seeded random tokens, and compares at a few queries each attention layer's
     captured rows and output with its eager attention in float32 (row tolerance 1e-4).
-    Raises :class:`UnsupportedModelError` for a model the capture cannot read at all.
+    Raises :class:`UnsupportedModelError` for a model the capture cannot read at all. The
+    name, the device and ``length`` against the model's positions are checked first, before
+    torch loads.
     """
     if length < 2:
         raise InputError(f"length {length}: needs at least 2 positions (BOS and one token)")
+    check_device(device)
+    named = model_name(model)
+    if named.positions is not None:
+        check_context_length(length, named.positions, model, "--length")
     from attngeom.extract.conformance import check_model as run
 
     return run(model, device=device, dtype=dtype, length=length)
@@ -156,7 +164,7 @@ def analyze(
     stores). Returns the result of ``run_id`` (sequences, head instances, seconds, what was
     healed), or without ``run_id`` a list of one result per run.
     """
-    _check_analyze(store, run_id=run_id, scheduler=scheduler, seed=seed, out=out)
+    _check_analyze(store, run_id=run_id, scheduler=scheduler, n_grid=n_grid, seed=seed, out=out)
     from attngeom.analyze.current import analyzed
     from attngeom.analyze.parameters import AnalyzeRequest
     from attngeom.store.session import StoreSession
@@ -177,9 +185,11 @@ def analyze(
 _SCHEDULER_ADDRESS = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^\s:/]+:\d+$|^[A-Za-z][A-Za-z0-9+.-]*://\S+$")
 
 
-def _check_analyze(store: str | Path, *, run_id: str | None, scheduler: str | None, seed: int,
-                   out: Path | None) -> None:
-    """Refuse analyze's arguments that cannot be used, before Dask, xarray or numba load."""
+def _check_analyze(store: str | Path, *, run_id: str | None, scheduler: str | None, n_grid: Sequence[int] | None,
+                   seed: int, out: Path | None) -> None:
+    """Refuse analyze's arguments that cannot be used, before Dask, xarray or numba load: an
+    N grid against each run's L as its record states it (the runner checks it again against
+    the arrays)."""
     if scheduler not in (None, "threads", "processes") and not _SCHEDULER_ADDRESS.match(scheduler):
         raise InputError(
             f"--scheduler {scheduler!r}: use threads, processes, or a Dask scheduler's address (tcp://host:8786)"
@@ -190,6 +200,11 @@ def _check_analyze(store: str | Path, *, run_id: str | None, scheduler: str | No
         require_store(str(store))
     else:
         require_run(str(store), run_id)
+    if n_grid:
+        for rid in [run_id] if run_id is not None else local_run_ids(str(store)) or []:
+            length = (run_record(str(store), rid) or {}).get("context_length")
+            if isinstance(length, int) and not 1 <= min(n_grid) <= max(n_grid) < length:
+                raise InputError(f"--n-grid must hold sizes 1 <= N < L = {length} (run '{rid}')")
     if out is not None:
         _check_out(out)
 
@@ -297,7 +312,7 @@ def taxonomy(store: str | Path, *, export: str | Path | None = None, export_kv: 
     export: also write :meth:`Taxonomy.heads` there (``.csv`` or ``.parquet``). export_kv:
     also write :meth:`Taxonomy.kv_scores` of ``score`` and ``run_id`` there (``.tsv``, the
     layout of DuoAttention's ``full_attention_heads.tsv``). Paths and ``score`` are checked
-    before the store is read.
+    before the store is read; folders on the way to a path are made as it is written.
     """
     store = str(store)
     from attngeom.head_classes import TABLE_SUFFIXES, check_kv_score, check_path

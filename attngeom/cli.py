@@ -20,6 +20,7 @@ from attngeom.ablate.request import AblateRequest
 from attngeom.detect.request import DetectRequest
 from attngeom.errors import AttngeomError, AttngeomWarning
 from attngeom.extract.request import ExtractRequest
+from attngeom.library_logs import library_warnings
 from attngeom.options import accepts, flag, request_field
 
 # The process ends with its command: Python's last collection at exit would walk every object
@@ -47,19 +48,21 @@ class _Group(click.Group):
         shown = warnings.showwarning
         said: set[str] = set()
 
-        def one_line(message, category, filename, lineno, file=None, line=None):
-            # Python's form adds the file, line and source of the call: noise to a user. A
-            # library's warning names the library; each is said once.
-            text = " ".join(str(message).split()) or category.__name__
-            if not issubclass(category, AttngeomWarning):
-                text = f"{_library(filename)}: {text}"
+        def say(text: str) -> None:
             if text not in said:
                 said.add(text)
                 click.echo(f"attngeom: warning: {text}", err=True)
 
+        def one_line(message, category, filename, lineno, file=None, line=None):
+            # Python's form adds the file, line and source of the call: noise to a user. A
+            # library's warning names the library; each is said once.
+            text = " ".join(str(message).split()) or category.__name__
+            say(text if issubclass(category, AttngeomWarning) else f"{_library(filename)}: {text}")
+
         warnings.showwarning = one_line
         try:
-            return super().invoke(ctx)
+            with library_warnings(say):
+                return super().invoke(ctx)
         except AttngeomError as exc:
             click.echo(f"attngeom: error: {exc.command_line or exc}", err=True)
             sys.exit(2)

@@ -14,6 +14,7 @@ Python callers catch the kind they can handle (never the message text).
         ├── StoreWriteError       the store cannot be written (full, read-only)
         └── DamagedStoreError     unreadable metadata, a missing or corrupt chunk
             ├── CorruptChunkError     a chunk that fails to decode (checksum, compression)
+            ├── ForeignFileError      a link leading outside a local store, a device or pipe in it
             └── IncompleteGroupError  a derived group whose writer was interrupted
                 └── InProgressError       ... or whose writer is still at work
 
@@ -32,6 +33,7 @@ __all__ = [
     "AttngeomWarning",
     "CorruptChunkError",
     "DamagedStoreError",
+    "ForeignFileError",
     "GroupNotFoundError",
     "InProgressError",
     "IncompleteGroupError",
@@ -98,6 +100,11 @@ class DamagedStoreError(StoreError):
 
 class CorruptChunkError(DamagedStoreError):
     """A chunk that fails to decode (its checksum, or its compression)."""
+
+
+class ForeignFileError(DamagedStoreError):
+    """A file of a local store that attngeom neither reads nor writes through: a link that
+    leads outside the store's folder, or no regular file (a device, a named pipe)."""
 
 
 class IncompleteGroupError(DamagedStoreError):

@@ -265,20 +265,26 @@ TABLE_SUFFIXES = (".csv", ".parquet")
 
 
 def check_path(path: str | Path, option: str, suffixes: Sequence[str]) -> Path:
-    """``path`` if its suffix is one of ``suffixes`` and its folder exists, else
-    :class:`InputError` naming ``option``; creates nothing."""
+    """``path`` if its suffix is one of ``suffixes`` and the nearest of its folders that
+    exists is a folder (the others are made as it is written), else :class:`InputError`
+    naming ``option``; creates nothing."""
     path = Path(path)
     if path.suffix.lower() not in suffixes:
         raise InputError(f"{option} {path}: the file name must end in {' or '.join(suffixes)}")
     if path.is_dir():
         raise InputError(f"{option} {path} is a folder")
-    if not path.absolute().parent.is_dir():
-        raise InputError(f"{option} {path} cannot be written (no folder {path.absolute().parent})")
+    above = path.absolute().parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise InputError(f"{option} {path} cannot be written ({above} is a file, not a folder)")
     return path
 
 
 def _writing(path: Path, option: str):
+    """``path`` opened for writing, its folders made first."""
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         return path.open("wb")
     except OSError as exc:
         raise InputError(f"{option} {path} cannot be written ({exc.strerror or exc})") from exc

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from attngeom.errors import InputError, RunNotFoundError, StoreError, StoreNotFoundError, StoreWriteError
+from attngeom.store_files import check_file
 
 __all__ = [
-    "RUN_ID_PATTERN", "default_run_id", "local_path", "require_run", "require_store", "require_writable", "run_created",
+    "RUN_ID_PATTERN", "default_run_id", "local_path", "local_run_ids", "require_run", "require_store", "require_writable", "run_created",
     "run_record",
 ]
 
@@ -60,17 +61,26 @@ def require_run(url: str, run_id: str) -> None:
     the store package says it) unless a local store holds run ``run_id``; a remote store's
     runs are left to the store package, which lists them once."""
     require_store(url)
-    path = local_path(url)
-    if path is None:
+    runs = local_run_ids(url)
+    if runs is None:
         return
-    folder = path / "runs"
-    runs = sorted(p.name for p in folder.iterdir() if RUN_ID_PATTERN.match(p.name) and (p / "zarr.json").is_file()
-                  ) if folder.is_dir() else []
     if run_id in runs:
         return
     if not runs:
         raise RunNotFoundError(f"{url} holds no run yet; run `attngeom extract --store {url}` first")
     raise RunNotFoundError(f"no run '{run_id}' in {url} (runs: {', '.join(runs)})")
+
+
+def local_run_ids(url: str) -> list[str] | None:
+    """The ids of a local store's runs (folders under ``runs/`` named as run ids, with their
+    ``zarr.json``: a link there counts, for its reader to refuse), sorted; None for a remote
+    store."""
+    path = local_path(url)
+    if path is None:
+        return None
+    folder = path / "runs"
+    return sorted(p.name for p in folder.iterdir() if RUN_ID_PATTERN.match(p.name)
+                  and os.path.lexists(p / "zarr.json")) if folder.is_dir() else []
 
 
 def require_writable(url: str) -> None:
@@ -102,9 +112,12 @@ def require_writable(url: str) -> None:
 def run_record(url: str, run_id: str) -> dict[str, Any] | None:
     """The attngeom attributes of run ``run_id`` (its provenance and layout), or None when the
     store holds no such run or its record cannot be read as JSON (then the store package, which
-    names damage, decides)."""
+    names damage, decides). :class:`ForeignFileError` for a record no command opens (a link
+    leading outside the store, a device)."""
     key = f"runs/{run_id}/zarr.json"
     path = local_path(url)
+    if path is not None:
+        check_file(path, key, url)
     try:
         raw = (path / key).read_bytes() if path is not None else _read_remote(url, key)
         meta = json.loads(raw) if raw is not None else None

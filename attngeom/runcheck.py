@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from attngeom.errors import InputError
+from attngeom.limits import exceeds_memory
 
 __all__ = [
     "STAGE_DTYPES", "check_device", "check_run_model", "committed_count", "layer_differences", "model_shapes",
@@ -60,10 +61,15 @@ def committed_count(url: str, run_id: str) -> int | None:
     try:
         import zarr
 
-        flags = zarr.open_array(store=url, path=f"runs/{run_id}/complete", mode="r")[:]
+        from attngeom.store.storage import zarr_store
+
+        # The store's own Store: a local one opens no link out of the store, no device.
+        flags = zarr.open_array(store=zarr_store(url, read_only=True), path=f"runs/{run_id}/complete", mode="r")
+        if exceeds_memory(flags.nbytes):
+            return None  # flags no machine holds: named by the store package, not read
+        return int((flags[:] == 1).sum())
     except Exception:  # noqa: BLE001 - damage and missing arrays are named by the store package
         return None
-    return int((flags == 1).sum())
 
 
 # The names config.json files give what a run's layout records, the most common first.

@@ -482,3 +482,65 @@ def test_a_warning_is_one_line_said_once_naming_its_library():
     assert result.output == (
         "attngeom: warning: matplotlib: Data has no positive values, and therefore cannot be log-scaled.\n"
         "attngeom: warning: type-guided sparsification skipped: no head regimes\n")
+
+
+def test_what_a_folder_or_a_stores_records_tell_is_answered_before_any_library_loads(tmp_path):
+    """In a fresh interpreter, with none of torch, transformers, Dask, numba, xarray, pandas,
+    zarr or datasets imported: L beyond a GPT-2 folder's positions (``n_positions``, not
+    ``max_position_embeddings``), check-model on a folder that is no model and on a store,
+    and analyze's --n-grid outside 1..L-1 of the run's record."""
+    import json
+
+    from attngeom.synthetic import write_synthetic_run
+
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 256, "n_layer": 3,
+                                                  "n_embd": 64, "n_head": 4, "vocab_size": 100}))
+    store = tmp_path / "s.zarr"
+    write_synthetic_run(str(store), "syn", n_seq=2, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, length=8)
+    cases = {
+        ("extract", "--model", str(gpt2), "--dataset", "wiki-summaries", "-L", "300", "-S", "2", "--store",
+         str(tmp_path / "new.zarr")):
+            f"--context-length 300 is more than the 256 positions {gpt2} takes; use -L 256 or less",
+        ("check-model", str(gpt2), "-L", "300"):
+            f"--length 300 is more than the 256 positions {gpt2} takes; use -L 256 or less",
+        ("check-model", str(tmp_path)): f"model folder {tmp_path} has no config.json",
+        ("check-model", str(store)):
+            f"{store} is a Zarr store (an attngeom store?), not a model folder: it has no config.json",
+        ("analyze", "--store", str(store), "--n-grid", "0,2"): "--n-grid must hold sizes 1 <= N < L = 8 (run 'syn')",
+        ("analyze", "--store", str(store), "--run", "syn", "--n-grid", "1,200"):
+            "--n-grid must hold sizes 1 <= N < L = 8 (run 'syn')",
+    }
+    answers = cli_in_fresh_process([list(args) for args in cases])
+    assert answers == [(2, f"attngeom: error: {line}\n", []) for line in cases.values()], answers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "s.zarr"]
+
+
+def test_a_librarys_logged_warning_is_the_tools_warning_line():
+    """transformers logs its warnings through a handler of its own, added as it loads
+    ("[transformers] ..."): within a command each is one `attngeom: warning: transformers:`
+    line, said once, whether transformers loads during the command or before it; after the
+    command its own handler speaks again."""
+    script = (
+        "import logging\n"
+        "import click\n"
+        "from attngeom.cli import _Group\n"
+        "@click.group(cls=_Group)\n"
+        "def group():\n"
+        "    pass\n"
+        "@group.command()\n"
+        "def noisy():\n"
+        "    from transformers.utils import logging as transformers_logging\n"
+        "    for _ in range(2):\n"
+        "        transformers_logging.get_logger('transformers.models.x').warning('a config\\n  says so')\n"
+        "for _ in range(2):\n"
+        "    group(['noisy'], standalone_mode=False)\n"
+        "logging.getLogger('transformers.models.x').warning('after')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["attngeom: warning: transformers: a config says so"] * 2 + [
+        "[transformers] after"], done.stderr

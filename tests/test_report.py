@@ -374,7 +374,7 @@ def test_the_page_opens_with_how_to_read_it(report, runs):
     table = pd.read_csv(report.parent / "certificate_violations.csv")
     rows = table[table["run"] == "full"]
     assert (f"Run full: the paper's bound on inversions is exceeded in {rows['A_N > K_sink'].sum()} of "
-            f"{rows['instances'].sum()} (sequence, head, N) instances") in opening
+            f"{rows['instances'].sum()} (sequence, layer, head, N) instances") in opening
     for item in ("taxonomy_distribution", "precision_recall", "certificate_violations"):
         assert f'<a href="#{item}">{item}</a>' in opening and f'<section id="{item}">' in page
     assert "Run raw" not in opening  # not analyzed: nothing to say

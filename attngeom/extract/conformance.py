@@ -162,7 +162,7 @@ def check_model(name: str, *, device: str = "auto", dtype: str = "auto", length:
 
     source = resolve_model(name)
     config = load_config(source)
-    check_context_length(length, config_positions(config), source.name)
+    check_context_length(length, config_positions(config), source.name, "--length")
     device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     model = load_model(source, device=device, dtype=torch_dtype)
     generator = torch.Generator().manual_seed(seed)

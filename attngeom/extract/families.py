@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from attngeom.errors import UnsupportedModelError
+from attngeom.extract.model_files import check_config_sizes
+from attngeom.extract.sources import cache_dir
 
 __all__ = ["VERIFIED_TYPES", "attention_layers", "layer_kind", "supported_config"]
 
@@ -74,9 +76,11 @@ def attention_layers(config: Any) -> tuple[int, ...]:
 
 def supported_config(config: Any) -> Any:
     """The text config of ``config``; refuses, before any weight loads, a model whose attention
-    the capture cannot read (:class:`UnsupportedModelError`)."""
+    the capture cannot read (:class:`UnsupportedModelError`), and a config declaring more
+    than this machine could hold (:class:`InputError`), before its layers are walked."""
     given, config = config, getattr(config, "text_config", None) or config
     model_type = config.model_type
+    check_config_sizes(given, getattr(given, "name_or_path", None) or f"model type '{model_type}'", cache_dir())
     if model_type in NOT_SOFTMAX:
         raise UnsupportedModelError(f"model type '{model_type}' is not supported: {NOT_SOFTMAX[model_type]}")
     # A multimodal family may map its causal LM from the outer config (Emu3) or the text one.

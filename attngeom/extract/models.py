@@ -350,19 +350,35 @@ def load_model(source: ModelSource, *, device: str, dtype: torch.dtype,
     from transformers import AutoModelForCausalLM
 
     if device_map is None:
-        model = AutoModelForCausalLM.from_pretrained(_folder(source), dtype=dtype)
+        with _weights_read(source):
+            model = AutoModelForCausalLM.from_pretrained(_folder(source), dtype=dtype)
         return model.to(device).eval()
     folder = cache_dir() / "offload"
     folder.mkdir(parents=True, exist_ok=True)
     offload = tempfile.mkdtemp(dir=folder, prefix="weights-")
     try:
-        model = AutoModelForCausalLM.from_pretrained(_folder(source), dtype=dtype, device_map=device_map,
-                                                     offload_folder=offload)
+        with _weights_read(source):
+            model = AutoModelForCausalLM.from_pretrained(_folder(source), dtype=dtype, device_map=device_map,
+                                                         offload_folder=offload)
     except BaseException:
         shutil.rmtree(offload, ignore_errors=True)
         raise
     weakref.finalize(model, shutil.rmtree, offload, True)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _weights_read(source: ModelSource) -> Iterator[None]:
+    """Within the block, a weights file the safetensors library cannot read (one whose header
+    passed :func:`~attngeom.extract.model_files.check_safetensors`: a dtype or shape it does
+    not know) is :class:`InputError` naming the model, not the library's traceback."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as exc:
+        raise InputError(f"the weights of {source.name} cannot be read: {exc}; download or save the model "
+                         "again") from exc
 
 
 def map_device(device_map: str | dict[str, str | int]) -> str:

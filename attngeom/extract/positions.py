@@ -11,7 +11,7 @@ from typing import Any, BinaryIO
 
 from attngeom.errors import InputError
 
-__all__ = ["Positions", "check_context_length", "config_positions", "gguf_positions"]
+__all__ = ["POSITION_KEYS", "Positions", "check_context_length", "config_positions", "gguf_positions"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,12 @@ class Positions:
     window: int | None = None
 
 
+# The names a config.json gives its position limit: transformers' own, then those its config
+# classes map to it (``attribute_map``: GPT-2, GPT-J, CodeGen, StarCoder; DBRX; Kimi Linear),
+# which a config object answers under the first name but its JSON file does not.
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "model_max_length")
+
+
 def config_positions(config: Mapping[str, Any] | Any) -> Positions:
     """The positions of a transformers config, as an object or as its ``config.json`` mapping
     (a multimodal config's ``text_config`` when it has one)."""
@@ -33,12 +39,14 @@ def config_positions(config: Mapping[str, Any] | Any) -> Positions:
         return source.get(key) if isinstance(source, Mapping) else getattr(source, key, None)
 
     text = get(config, "text_config") or config
-    limit, window = get(text, "max_position_embeddings"), get(text, "sliding_window")
+    limit = next((value for key in POSITION_KEYS if (value := get(text, key))), None)
+    window = get(text, "sliding_window")
     return Positions(int(limit) if limit else None, int(window) if window else None)
 
 
-def check_context_length(length: int, positions: Positions, model: str) -> None:
-    """Refuse ``length`` (L: BOS plus L-1 tokens) beyond the model's position limit."""
+def check_context_length(length: int, positions: Positions, model: str, option: str = "--context-length") -> None:
+    """Refuse ``length`` (L: BOS plus L-1 tokens) beyond the model's position limit, named
+    as the command's ``option`` (-L is its short form)."""
     if positions.limit is None or length <= positions.limit:
         return
     window = (
@@ -46,7 +54,7 @@ def check_context_length(length: int, positions: Positions, model: str) -> None:
         if positions.window else ""
     )
     raise InputError(
-        f"--context-length {length:,} is more than the {positions.limit:,} positions {model} takes{window}; "
+        f"{option} {length:,} is more than the {positions.limit:,} positions {model} takes{window}; "
         f"use -L {positions.limit} or less"
     )
 

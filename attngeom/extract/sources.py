@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from attngeom.errors import InputError
+from attngeom.extract.model_files import check_config_sizes, check_safetensors
 from attngeom.extract.positions import Positions, config_positions, gguf_positions
 
 __all__ = ["OFFLINE_MODELS", "ModelName", "cache_dir", "hub_address", "hub_cached_config", "model_name"]
@@ -60,7 +61,9 @@ class ModelName:
 def model_name(name: str) -> ModelName:
     """Check that ``name`` names a model extract can load (an offline name whose package is
     installed, an existing .gguf file, a folder with a config.json, or a hub id that is in the
-    local hub cache or may be asked of a reachable hub); :class:`InputError` otherwise."""
+    local hub cache or may be asked of a reachable hub); :class:`InputError` otherwise, and
+    for a config declaring what this machine could not hold or a safetensors file that is
+    not whole."""
     if name in OFFLINE_MODELS:
         return ModelName(name, gguf_positions(_offline_parts(name)))
     path = Path(name).expanduser()
@@ -69,16 +72,29 @@ def model_name(name: str) -> ModelName:
             raise InputError(f"GGUF file {name} does not exist")
         return ModelName(str(path.resolve()), gguf_positions([path]))
     if path.is_dir():
+        if (path / "zarr.json").is_file() and not (path / "config.json").exists():
+            raise InputError(f"{name} is a Zarr store (an attngeom store?), not a model folder: it has no config.json")
         if not (path / "config.json").exists():
             raise InputError(f"model folder {name} has no config.json")
-        return ModelName(str(path.resolve()), config_positions(_json(path / "config.json")))
+        return ModelName(str(path.resolve()), config_positions(_checked_config(path / "config.json", name)))
     cached = hub_cached_config(name)
     if cached is None and hub_address() is None:
         raise InputError(
             f"unknown model '{name}': not an offline name ({', '.join(OFFLINE_MODELS)}), "
             "not a local folder or .gguf file, is not in the local hub cache, and the hub cannot be reached (offline)"
         )
-    return ModelName(name, None if cached is None else config_positions(_json(cached)))
+    return ModelName(name, None if cached is None else config_positions(_checked_config(cached, name)))
+
+
+def _checked_config(file: Path, name: str) -> dict:
+    """The config.json ``file`` of model ``name``, once its counts and the safetensors files
+    beside it (those of a hub id downloaded already) are checked
+    (:mod:`attngeom.extract.model_files`)."""
+    config = _json(file)
+    check_config_sizes(config, name, cache_dir())
+    for weights in sorted(file.parent.glob("*.safetensors")):
+        check_safetensors(weights)
+    return config
 
 
 def _offline_parts(name: str) -> list[Path]:

@@ -100,8 +100,8 @@ def _certificate(run_id: str, table: pd.DataFrame) -> Finding:
     instances = int(rows["instances"].sum())
     bound, q95, exact = (int(rows[c].sum()) for c in ("A_N > K_sink", "A_N > K_sink (q95)", "A_N > K_exact"))
     return Finding(
-        f"Run {run_id}: the paper's bound on inversions is exceeded in {bound} of {instances} (sequence, head, N) "
-        f"instances, {q95} with its q95 constants; the exact certificate in {exact}"
+        f"Run {run_id}: the paper's bound on inversions is exceeded in {bound} of {instances} "
+        f"(sequence, layer, head, N) instances, {q95} with its q95 constants; the exact certificate in {exact}"
         + (" (as it must be)." if exact == 0 else "."),
         "certificate_violations", "docs/method.md#sink-aware-bound",
     )

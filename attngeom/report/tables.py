@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -203,10 +204,21 @@ def field_criteria(_: Sequence[RunData]) -> pd.DataFrame:
                           "source of the threshold": c.source} for c in CRITERIA])
 
 
+# What a Markdown cell must not hold raw: a store's strings (a model id, a run's corpus) are a
+# stranger's, and a renderer would take "<script>" or a backtick for markup, "|" for a column
+# and a line break for the table's end; a backslash, which escapes the others, is doubled.
+_MARKDOWN = {"\\": "\\\\", "|": "\\|", "`": "\\`", "&": "&amp;", "<": "&lt;", ">": "&gt;"}
+# Cells a spreadsheet application runs as a formula (CSV injection): those starting so.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
 def _cell(x: object) -> str:
+    """A Markdown table cell: a number to 4 significant figures, text with its markup escaped
+    and its line breaks made spaces."""
     if isinstance(x, (float, np.floating)):
         return "" if math.isnan(x) else f"{x:.4g}"
-    return str(x).replace("|", "\\|").replace("\n", " ")
+    text = "".join(_MARKDOWN.get(c, c) for c in str(x))
+    return " ".join(text.splitlines())
 
 
 def to_markdown(frame: pd.DataFrame) -> str:
@@ -218,10 +230,25 @@ def to_markdown(frame: pd.DataFrame) -> str:
     return "\n".join([header, rule, *body]) + "\n"
 
 
+def _inert(x: object) -> object:
+    """A CSV cell that no spreadsheet application runs: text starting as a formula gets a
+    leading apostrophe (which those applications show as text), as OWASP advises."""
+    return f"'{x}" if isinstance(x, str) and x.startswith(_FORMULA_STARTS) else x
+
+
+def to_csv(frame: pd.DataFrame, path: Path) -> None:
+    """``frame`` as CSV at ``path``: every text cell and name quoted, none a formula."""
+    inert = frame.rename(columns=_inert)
+    for i, dtype in enumerate(inert.dtypes):
+        if dtype.kind not in "iufb":
+            inert.isetitem(i, inert.iloc[:, i].map(_inert))
+    inert.to_csv(path, index=False, quoting=csv.QUOTE_NONNUMERIC)
+
+
 def write(frame: pd.DataFrame, out: Path, name: str) -> list[str]:
     """``name``.md and ``name``.csv in ``out``; returns their file names."""
     (out / f"{name}.md").write_text(to_markdown(frame), encoding="utf-8")
-    frame.to_csv(out / f"{name}.csv", index=False)
+    to_csv(frame, out / f"{name}.csv")
     return [f"{name}.md", f"{name}.csv"]
 
 

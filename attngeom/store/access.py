@@ -26,8 +26,7 @@ from attngeom.store.storage import (
     metadata_bytes,
     node_metadata,
     node_path,
-    outside_link_problem,
-    outside_links,
+    foreign_files,
     put_objects,
     store_url,
     zarr_store,
@@ -259,13 +258,13 @@ def create_root(zstore: Any, url: str) -> zarr.Group:
 
 def check_writable(url: str) -> None:
     """Refuse a local store path that cannot be written, before anything is created
-    (:func:`attngeom.preflight.require_writable`), and a store holding a link that leads outside
-    its folder, through which a write would land in someone else's files."""
+    (:func:`attngeom.preflight.require_writable`), and a store holding a file no command opens
+    (:mod:`attngeom.store_files`): a link that leads outside its folder, through which a write
+    would land in someone else's files, a device or pipe."""
     require_writable(url)
-    links = outside_links(url, whole=False)
-    if links:
-        key, target = next(iter(links.items()))
-        raise StoreWriteError(outside_link_problem(url, key, target))
+    foreign = foreign_files(url, whole=False)
+    if foreign:
+        raise StoreWriteError(next(iter(foreign.values())))
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ from attngeom.store._zarr import sync
 from attngeom.store.codecs import codec_setting, decode_chunk, decoded, can_decode
 from attngeom.store.damage import DECODE_ERRORS, damaged_chunk, locate_damage
 from attngeom.store.schema import ATTR_KEY, ENCODING
+from attngeom.store_files import check_file
 
 __all__ = ["read_chunk"]
 
@@ -125,6 +126,7 @@ def _stored_bytes(zstore: Any, address: _Address) -> memoryview | None:
     """The stored bytes of the chunk at ``address``; None if it is not stored."""
     index_size = 16 * address.n_slots + 4
     if isinstance(zstore, zarr.storage.LocalStore):
+        check_file(Path(zstore.root), address.key, str(zstore.root))
         try:
             fd = os.open(Path(zstore.root) / address.key, os.O_RDONLY)
         except FileNotFoundError:

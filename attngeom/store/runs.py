@@ -13,12 +13,13 @@ import numpy as np
 import zarr
 from zarr.buffer import default_buffer_prototype
 
-from attngeom.errors import RunNotFoundError
+from attngeom.errors import DamagedStoreError, RunNotFoundError
+from attngeom.limits import exceeds_memory, memory_bytes, size_text
 from attngeom.preflight import RUN_ID_PATTERN
 from attngeom.store._zarr import sync
 from attngeom.store.access import quiet_leftovers
 from attngeom.store.codecs import VALUES_CODEC, compressors, object_chunks, shard_index
-from attngeom.store.damage import DECODE_ERRORS, metadata_damage
+from attngeom.store.damage import DECODE_ERRORS, RESTORE, metadata_damage
 from attngeom.store.storage import Part, jsonable, node_exists, put_objects, store_url
 from attngeom.store.schema import (
     ATTR_KEY,
@@ -182,11 +183,38 @@ async def _create_arrays(run: zarr.Group, layout: RunLayout, n_seq: int) -> None
     await _every(create(name) for name in layout.names())
 
 
+def layout_problem(layout: Mapping[str, Any]) -> str | None:
+    """Why a run's recorded ``layout`` cannot be read by, or None: counts that are no
+    non-negative integers, counts its own lists contradict (a window per layer, a kv head
+    per head, the model's index of each layer), or one sequence's arrays (its attention
+    rows and values, which a reader holds at once) more than this machine's memory."""
+    counts = {key: layout[key] for key in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "length")}
+    for key, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"its layout's {key} is {value!r}, no count"
+    lists = {"window": "n_layers", "head_kv": "n_heads"}
+    if layout.get("layers"):
+        lists["layers"] = "n_layers"
+    for key, count in lists.items():
+        if len(layout[key]) != counts[count]:
+            return f"its layout's {count} is {counts[count]:,}, but its '{key}' lists {len(layout[key]):,}"
+    n_layers, length = counts["n_layers"], counts["length"]
+    sequence = 4 * n_layers * length * (counts["n_heads"] + counts["n_kv_heads"] * counts["head_dim"])
+    if exceeds_memory(sequence):
+        return (f"its layout declares sequences of {size_text(sequence)} each ({n_layers:,} layers, L = {length:,}), "
+                f"more than this machine's {size_text(memory_bytes())} of memory")
+    return None
+
+
 def run_layout(run: zarr.Group) -> RunLayout:
     """The layout recorded in a run's provenance, with its ``attendable`` keys. A layout
     recorded before format 5 names no ``lacking``: such a run lacks the summaries it does not
-    hold (``attngeom migrate`` records them)."""
+    hold (``attngeom migrate`` records them). :class:`DamagedStoreError` for a layout that
+    cannot be read by (:func:`layout_problem`), before anything is read by it."""
     meta = run.attrs[ATTR_KEY]["layout"]
+    why = layout_problem(meta)
+    if why is not None:
+        raise DamagedStoreError(f"run {run.path.rsplit('/', 1)[-1]}: {why}; {RESTORE}")
     attendable = tuple(tuple(bool(x) for x in row) for row in run["attendable"][:])
     lacking = meta["lacking"] if "lacking" in meta else [name for name in FIELD_SUMMARIES if name not in run]
     return RunLayout(
@@ -222,9 +250,30 @@ def resize_run(run: zarr.Group, n_seq: int) -> None:
             arr.resize((n_seq, *arr.shape[1:]))
 
 
+# What a reader of a run holds per sequence: its commit flag (the flags are read whole) and,
+# where it is committed, its index.
+_SEQUENCE_BYTES = 9
+
+
+def sequences_problem(run_id: str, n_seq: int) -> str | None:
+    """Why a run whose arrays declare ``n_seq`` sequences cannot be read on this machine, or
+    None: what every reader holds of them (:data:`_SEQUENCE_BYTES` each) exceeds its memory.
+    Metadata of someone else's store may claim any size; nothing is read by it."""
+    need = n_seq * _SEQUENCE_BYTES
+    if not exceeds_memory(need):
+        return None
+    return (f"run {run_id}: its arrays declare {n_seq:,} sequences, whose commit flags and indices every "
+            f"reader holds in memory ({size_text(need)}), more than this machine's {size_text(memory_bytes())}")
+
+
 def completed(run: zarr.Group) -> np.ndarray:
-    """Indices of the sequences whose every array is written."""
-    return np.flatnonzero(run["complete"][:] == 1)
+    """Indices of the sequences whose every array is written; :class:`DamagedStoreError` for
+    flags too many to hold (:func:`sequences_problem`)."""
+    flags = run["complete"]
+    why = sequences_problem(run.path.rsplit("/", 1)[-1], int(flags.shape[0]))
+    if why is not None:
+        raise DamagedStoreError(f"{why}; {RESTORE}")
+    return np.flatnonzero(flags[:] == 1)
 
 
 # Sequences a SequenceWriter holds between submit and commit: one written while the next waits,

@@ -21,6 +21,7 @@ from typing import Any
 import zarr
 from zarr.buffer import default_buffer_prototype
 
+from attngeom import store_files
 from attngeom.errors import InputError
 from attngeom.preflight import local_path
 from attngeom.store._zarr import sync
@@ -38,39 +39,35 @@ Part = bytes | tuple[bytes, ...]
 _IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
-def outside_links(url: str, *, whole: bool) -> dict[str, str]:
-    """Key -> resolved target of each link under a local store's folder that leads outside
-    it (empty for a remote store), sorted by key; links are not followed. ``whole``: every
-    folder of the store (validate); else where writers go: every folder but a run array's
-    chunk grid, whose first level (``c/<seq>``) alone is looked at."""
+def foreign_files(url: str, *, whole: bool) -> dict[str, str]:
+    """Key -> the line naming it, for each file of a local store that no command opens (a
+    link leading outside its folder, a device or pipe: :mod:`attngeom.store_files`); empty
+    for a remote store. ``whole``: every folder (validate); else where writers go."""
     path = local_path(url)
     if path is None or not path.is_dir():
         return {}
-    root = path.resolve()
-    found: dict[str, str] = {}
-
-    def walk(folder: Path, key: str, descend: bool) -> None:
-        try:
-            entries = list(os.scandir(folder))
-        except (FileNotFoundError, NotADirectoryError, PermissionError):
-            return
-        for entry in entries:
-            name = f"{key}/{entry.name}" if key else entry.name
-            if entry.is_symlink():
-                target = Path(entry.path).resolve()
-                if not target.is_relative_to(root):
-                    found[name] = str(target)
-            elif descend and entry.is_dir(follow_symlinks=False):
-                walk(Path(entry.path), name, whole or entry.name != "c")
-
-    walk(path, "", True)
-    return dict(sorted(found.items()))
+    return store_files.foreign_files(url, path, whole=whole)
 
 
-def outside_link_problem(url: str, key: str, target: str) -> str:
-    """The one line naming a link of the store at ``url`` that leads outside it."""
-    return (f"{key} in {url} is a link to {target}, outside the store; attngeom writes nothing outside a "
-            f"store's folder: replace the link by a copy of what it leads to, or remove it")
+class ContainedStore(zarr.storage.LocalStore):
+    """zarr-python's LocalStore, reading only what :func:`attngeom.store_files.check_file`
+    lets it: every zarr read of a local store goes through here (the reads outside zarr ask
+    the same function), so that a link out of the store or a device in it is refused in one
+    line by every command, never read until memory runs out."""
+
+    async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+        store_files.check_file(self.root, key, str(self.root))
+        return await super().get(key, prototype, byte_range)
+
+    def get_sync(self, key: str, *, prototype: Any = None, byte_range: Any = None) -> Any:
+        store_files.check_file(self.root, key, str(self.root))
+        return super().get_sync(key, prototype=prototype, byte_range=byte_range)
+
+    async def get_partial_values(self, prototype: Any, key_ranges: Any) -> Any:
+        key_ranges = list(key_ranges)
+        for key, _ in key_ranges:
+            store_files.check_file(self.root, key, str(self.root))
+        return await super().get_partial_values(prototype, key_ranges)
 
 
 def zarr_store(url: str, *, read_only: bool) -> Any:
@@ -81,7 +78,7 @@ def zarr_store(url: str, *, read_only: bool) -> Any:
             return zarr.storage.FsspecStore.from_url(url, read_only=read_only)
         except (ValueError, ImportError) as exc:  # an unknown protocol, or its package missing
             raise InputError(f"cannot open the store {url}: {exc}") from exc
-    return zarr.storage.LocalStore(local, read_only=read_only)
+    return ContainedStore(local, read_only=read_only)
 
 
 def store_url(zstore: Any) -> str:
@@ -100,7 +97,7 @@ def node_metadata(zstore: Any, group: str = "", *, own: str | None = None) -> di
     if isinstance(zstore, zarr.storage.LocalStore):
         # Read here: through the store, each object takes a hop to zarr's thread and one to a
         # file thread, and an analysis has many small ones.
-        return dict(sorted(_local_documents(os.path.join(str(zstore.root), group), group)))
+        return dict(sorted(_local_documents(str(zstore.root), group)))
     prefix = f"{group}/" if group else ""
     fresh = uncached(zstore) if own is not None else zstore
 
@@ -130,24 +127,26 @@ def lost_metadata(nodes: Mapping[str, Any]) -> list[str]:
     return sorted(lost, key=lambda k: (k.count("/"), k))
 
 
-def _local_documents(folder: str, key: str) -> Iterator[tuple[str, dict[str, Any] | None]]:
-    """(key, parsed ``zarr.json``) of the node at ``folder`` (whose key is ``key``) and of
-    every node under it. An array's folders hold its chunks, no node: they are not walked (a
-    run's chunk grid has a folder per sequence and layer, most of a store's folders)."""
+def _local_documents(root: str, key: str) -> Iterator[tuple[str, dict[str, Any] | None]]:
+    """(key, parsed ``zarr.json``) of the node at ``key`` of the local store whose folder is
+    ``root``, and of every node under it. An array's folders hold its chunks, no node: they
+    are not walked (a run's chunk grid has a folder per sequence and layer, most of a store's
+    folders)."""
     try:
-        entries = list(os.scandir(folder))
+        entries = list(os.scandir(os.path.join(root, key)))
     except (FileNotFoundError, NotADirectoryError):
         return
     document = next(
         (entry for entry in entries if entry.name == "zarr.json" and not entry.is_dir(follow_symlinks=False)), None)
     if document is not None:
-        meta = parse_metadata(_read_bytes(document.path))
-        yield f"{key}/zarr.json" if key else "zarr.json", meta
+        name = f"{key}/zarr.json" if key else "zarr.json"
+        meta = parse_metadata(_read_bytes(root, name))
+        yield name, meta
         if meta is not None and meta["node_type"] == "array":
             return
     for entry in entries:
         if entry.is_dir(follow_symlinks=False):
-            yield from _local_documents(entry.path, f"{key}/{entry.name}" if key else entry.name)
+            yield from _local_documents(root, f"{key}/{entry.name}" if key else entry.name)
 
 
 def local_files(folder: str, key: str) -> Iterator[tuple[str, os.DirEntry]]:
@@ -166,9 +165,12 @@ def local_files(folder: str, key: str) -> Iterator[tuple[str, os.DirEntry]]:
             yield name, entry
 
 
-def _read_bytes(path: str) -> bytes | None:
+def _read_bytes(root: str, key: str) -> bytes | None:
+    """The object ``key`` of the local store whose folder is ``root``, once
+    :func:`~attngeom.store_files.check_file` lets it be read; None when absent."""
+    store_files.check_file(Path(root), key, root)
     try:
-        with open(path, "rb") as f:
+        with open(os.path.join(root, key), "rb") as f:
             return f.read()
     except FileNotFoundError:  # removed since the listing
         return None
@@ -281,7 +283,7 @@ def get_objects(zstore: Any, keys: Iterable[str]) -> dict[str, bytes | None]:
     ``zstore``: a local store's read here, one after another, any other store's all at
     once (as :func:`put_objects` writes them)."""
     if isinstance(zstore, zarr.storage.LocalStore):
-        return {key: _read_bytes(os.path.join(str(zstore.root), key)) for key in keys}
+        return {key: _read_bytes(str(zstore.root), key) for key in keys}
     keys, prototype = list(keys), default_buffer_prototype()
 
     async def run() -> list[Any]:

@@ -4,6 +4,7 @@ shard's index, every chunk decoding). Shared by validate and by the derived grou
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -13,10 +14,12 @@ import numpy as np
 import zarr
 from zarr.buffer import default_buffer_prototype
 
+from attngeom.errors import ForeignFileError
 from attngeom.store._zarr import sync
 from attngeom.store.cache import note_sizes
 from attngeom.store.damage import DECODE_ERRORS, stored_grid
 from attngeom.store.storage import local_files
+from attngeom.store_files import special_problem
 
 __all__ = ["chunk_key", "chunk_objects", "object_damage", "object_sizes"]
 
@@ -31,7 +34,7 @@ def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
     if isinstance(zstore, zarr.storage.LocalStore):
         found = local_files(os.path.join(str(zstore.root), prefix), prefix.rstrip("/"))
         return {key: size for key, entry in sorted(found, key=lambda x: x[0])
-                if (size := _size(entry)) is not None}
+                if (size := _size(str(zstore.root), key, entry)) is not None}
     if isinstance(zstore, zarr.storage.FsspecStore):
         root = zstore.path.rstrip("/")
 
@@ -49,13 +52,18 @@ def object_sizes(zstore: Any, prefix: str) -> dict[str, int]:
     return sync(collect())
 
 
-def _size(entry: os.DirEntry) -> int | None:
-    """A listed file's size; None when it is gone since the listing: another writer's
-    ``*.partial`` object renamed into place (``extract --shard`` peers, torchrun ranks)."""
+def _size(root: str, key: str, entry: os.DirEntry) -> int | None:
+    """The size of the file ``entry`` listed at ``key`` of the local store folder ``root``;
+    None when it is gone since the listing: another writer's ``*.partial`` object renamed
+    into place (``extract --shard`` peers, torchrun ranks). :class:`ForeignFileError` for
+    one that is no regular file (a pipe, a device), which no size describes."""
     try:
-        return entry.stat(follow_symlinks=False).st_size
+        info = entry.stat(follow_symlinks=False)
     except FileNotFoundError:
         return None
+    if not (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)):
+        raise ForeignFileError(special_problem(root, key, info.st_mode))
+    return info.st_size
 
 
 def chunk_key(arr: zarr.Array, index: tuple[int, ...]) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -20,7 +21,8 @@ import numpy as np
 import zarr
 from zarr.buffer import default_buffer_prototype
 
-from attngeom.errors import AttngeomError, DamagedStoreError
+from attngeom.errors import AttngeomError, DamagedStoreError, ForeignFileError
+from attngeom.limits import exceeds_memory
 from attngeom.preflight import RUN_ID_PATTERN, run_created
 from attngeom.store._zarr import sync
 from attngeom.store.access import (
@@ -49,14 +51,21 @@ from attngeom.store.storage import (
     metadata_fault,
     node_metadata,
     node_path,
-    outside_link_problem,
-    outside_links,
+    foreign_files,
     read_metadata,
     zarr_store,
 )
 from attngeom.store.stored_objects import chunk_objects, object_damage, object_sizes
 from attngeom.store.rebuild import broken_metadata, cannot_rebuild, derived_node, rebuild_plan
-from attngeom.store.runs import completed, misnamed_runs, open_run_group, run_coordinates, run_ids, run_layout
+from attngeom.store.runs import (
+    completed,
+    misnamed_runs,
+    open_run_group,
+    run_coordinates,
+    run_ids,
+    run_layout,
+    sequences_problem,
+)
 from attngeom.store.schema import (
     ATTR_KEY,
     DERIVED,
@@ -69,20 +78,18 @@ from attngeom.store.schema import (
     RunLayout,
 )
 
+# What a grid index of an expected object takes in memory (a tuple of a few ints).
+_INDEX_BYTES = 100
 # Arrays a deep check of an object store reads at once (each holds one stored object in
 # memory at a time, a shard read whole).
 _REMOTE_READERS = 4
 
 
-def _ranges(indices: Iterable[int]) -> str:
-    idx = sorted(indices)
-    parts, start = [], None
-    for a, b in zip(idx, idx[1:] + [None]):
-        start = a if start is None else start
-        if b != a + 1:
-            parts.append(f"{start}" if start == a else f"{start}-{a}")
-            start = None
-    return ", ".join(parts)
+def _ranges(mask: np.ndarray) -> str:
+    """The indices where ``mask`` holds, as ranges ("0-3, 7"): found by its edges, so that a
+    run of many sequences is not walked one at a time."""
+    edges = np.flatnonzero(np.diff(mask.astype(np.int8), prepend=0, append=0))
+    return ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()))
 
 
 def lost_objects(run: zarr.Group, members: Mapping[str, zarr.Array] | None = None,
@@ -219,6 +226,8 @@ def wrong_coordinates(layout: RunLayout, members: Mapping[str, zarr.Array]) -> l
     for name, values in run_coordinates(layout).items():
         if name == "attendable" or name not in members:  # attendable: recorded nowhere else
             continue
+        if members[name].shape != np.shape(values):
+            continue  # named by its shape (array_problems), not read by it
         try:
             same = np.array_equal(members[name][...], values)
         except DECODE_ERRORS:
@@ -245,7 +254,8 @@ def array_problems(run: zarr.Group, run_id: str, layout: RunLayout, members: Map
     ``unreadable``: paths of arrays whose ``zarr.json`` does not parse (named elsewhere)."""
     where = f"run {run_id}"
     n_seq = sequence_count(members)
-    problems = []
+    too_many = sequences_problem(run_id, n_seq) if n_seq is not None else None
+    problems = [] if too_many is None else [too_many]
     for name in layout.names():
         var = RUN_VARIABLES[name]
         if name not in members:
@@ -315,6 +325,8 @@ def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[s
         layout = run_layout(run)
     except (KeyError, TypeError, *DECODE_ERRORS) as exc:
         return problems + [f"{where}: unreadable layout in provenance ({exc})"]
+    except DamagedStoreError as exc:
+        return problems + [str(exc).removesuffix(f"; {RESTORE}")]
     n_seq = int(members["complete"].shape[0]) if "complete" in members else None
     problems += array_problems(run, run_id, layout, members, url, unreadable)
     problems += coordinate_problems(run, layout, members, url)
@@ -344,8 +356,9 @@ def validate_run(run: zarr.Group, run_id: str, url: str, unreadable: frozenset[s
     partly = sorted(s for s in written if s not in done and s < n_seq)
     for s in partly:
         problems.append(f"{where}: sequence {s} is only partly written (interrupted run; re-run the same extract command)")
-    unwritten = [s for s in range(n_seq) if s not in done and s not in written]
-    if unwritten:
+    unwritten = np.ones(n_seq, dtype=bool)
+    unwritten[[s for s in (*done, *written) if s < n_seq]] = False
+    if unwritten.any():
         problems.append(f"{where}: sequences {_ranges(unwritten)} of {n_seq} are not written yet (re-run the same extract command)")
     return problems
 
@@ -369,7 +382,10 @@ def damaged_objects(
     for index, size in sorted(objects.items()):
         if sequences is not None and index[0] not in sequences:
             continue
-        exc = object_damage(arr, index, size)
+        try:
+            exc = object_damage(arr, index, size)
+        except ForeignFileError:
+            continue  # named, not read: validate's walk of the store's folder names it
         if exc is not None:
             problems.append(problem(index, exc))
     return problems
@@ -390,6 +406,8 @@ def _expected_objects(arr: zarr.Array, sequences: set[int] | None) -> list[tuple
     if sequences is None:
         return []
     counts = [-(-n // c) for n, c in zip(arr.shape, stored_grid(arr))]
+    if exceeds_memory(_INDEX_BYTES * len(sequences) * math.prod(counts[1:])):
+        return []  # a shape no machine could list the objects of: named by array_problems, not walked
     return [(s, *rest) for s in sorted(sequences) if s < counts[0] for rest in np.ndindex(*counts[1:])]
 
 
@@ -458,8 +476,9 @@ def consolidated_problems(url: str, nodes: Mapping[str, Mapping[str, Any] | None
 
 
 def link_problems(url: str) -> list[str]:
-    """One line per link in the store's folder that leads outside it."""
-    return [outside_link_problem(url, key, target) for key, target in outside_links(url, whole=True).items()]
+    """One line per file of the store's folder that no command opens: a link leading outside
+    it, a device or pipe (:mod:`attngeom.store_files`)."""
+    return list(foreign_files(url, whole=True).values())
 
 
 def leftover_problems(url: str) -> list[str]:
@@ -482,9 +501,13 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
         return [f"no Zarr store at {url}"]
     # One store for the whole check: on an object store every object is read once.
     zstore = cached(zarr_store(url, read_only=True))
-    nodes = node_metadata(zstore)
+    foreign = link_problems(url)
+    try:
+        nodes = node_metadata(zstore)
+    except ForeignFileError:
+        return foreign  # metadata that is no file of the store's: nothing more can be read
     bad_metadata = broken_metadata(nodes)
-    problems = metadata_problems(url, zstore, nodes) + leftover_problems(url) + link_problems(url)
+    problems = metadata_problems(url, zstore, nodes) + leftover_problems(url) + foreign
     if "zarr.json" in bad_metadata:
         return problems
     try:
@@ -514,18 +537,28 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
         problems += [f"{RUNS}/{name} is no run: run ids are letters, digits, '.', '_' and '-' (the group is not "
                      f"read); rename or remove it" for name in misnamed_runs(root)]
         for run_id in readable_runs(root, unreadable):
-            run = open_run_group(root, run_id)
+            try:
+                run = open_run_group(root, run_id)
+            except ForeignFileError:
+                continue  # named by the walk of the store's folder, and not read
             try:
                 problems += validate_run(run, run_id, url, unreadable)
             except DECODE_ERRORS as exc:  # a damaged flag or layout chunk: named by --deep
                 problems.append(f"run {run_id}: cannot be checked ({type(exc).__name__}: {exc}); run validate --deep")
+            except ForeignFileError:
+                continue  # named by the walk of the store's folder, and not read
             members = _members(run)
             try:
-                # Flags longer than the run's arrays are named above, not read.
-                fits = "complete" not in members or members["complete"].shape[0] == sequence_count(members)
+                # Flags longer than the run's arrays, or more than this machine holds, are named
+                # above, not read.
+                n_seq = sequence_count(members)
+                fits = "complete" not in members or (members["complete"].shape[0] == n_seq
+                                                     and sequences_problem(run_id, n_seq) is None)
                 committed[run_id] = set(completed(run).tolist()) if fits else set()
             except (KeyError, *DECODE_ERRORS):
                 fits, committed[run_id] = True, set()
+            except ForeignFileError:
+                fits, committed[run_id] = False, set()
             if not fits:
                 continue  # its derived groups are checked against flags that can be read
             # An object named as unreadable metadata above is not named again, nor one
@@ -535,7 +568,10 @@ def validate_store(url: str, *, deep: bool = False) -> list[str]:
             named.update(key for p in derived for key in p.keys)
             problems += [p.line for p in derived]
         if deep:
-            listed = object_sizes(zstore, "")  # one listing, not one per array
+            try:
+                listed = object_sizes(zstore, "")  # one listing, not one per array
+            except ForeignFileError:
+                return list(dict.fromkeys(problems))  # a pipe or device, named: none is read
 
             def check(arr: zarr.Array) -> list[str]:
                 lines = [] if has_checksum(nodes[f"{arr.path}/zarr.json"]) else [
