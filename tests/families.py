@@ -59,6 +59,16 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)),
     "granite": ("multipliers on logits and residuals", dict(attention_multiplier=0.3, residual_multiplier=0.5)),
     "exaone4": ("sliding window, q/k norm", dict(sliding_window=6, layer_types=SLIDING)),
+    "jetmoe": ("mixture of attention heads (its output viewed per expert)", dict(
+        num_local_experts=4, num_experts_per_tok=2, kv_channels=16, num_key_value_heads=4)),
+    "modernbert-decoder": ("local and global layers; get_decoder() answers the LM head", dict(
+        num_key_value_heads=4, sliding_window=6, cls_token_id=None, sep_token_id=None)),
+    "mimo_v2_flash": ("sliding-window layers with learned sinks and twice the kv heads of the full ones, "
+                      "values narrower than keys", dict(
+        num_key_value_heads=1, v_head_dim=12, sliding_window=6,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32)),
 }
 
 

@@ -595,7 +595,9 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
         output, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    return output, None
+    # Contiguous as transformers' own attention functions return it: some layers (JetMoE)
+    # ``view`` the output, which a permuted layout would refuse.
+    return output.contiguous(), None
 
 
 def _kept_rows(rows: torch.Tensor, kept: tuple[int, ...], checked: tuple[int, ...]) -> torch.Tensor | None:
@@ -607,10 +609,18 @@ def _kept_rows(rows: torch.Tensor, kept: tuple[int, ...], checked: tuple[int, ..
 
 
 def decoder(model: torch.nn.Module) -> torch.nn.Module:
-    """The decoder stack of a causal LM (its layers, without the LM head): ``get_decoder()``,
-    or for a class whose ``get_decoder`` answers itself (Llama 4's text model) its ``model``."""
-    found = model.get_decoder()
-    return getattr(model, "model", found) if found is model else found
+    """The decoder stack of a causal LM (its layers, without the LM head): the module that
+    holds the list of its ``num_hidden_layers`` layers. ``get_decoder()`` names it in most
+    classes, but answers the model itself in some (Llama 4's text model) and the LM head in
+    others (ModernBERT-decoder), so the answer is checked by what it holds; the base model,
+    ``model`` and then every submodule in order are the next candidates."""
+    n_layers = model.config.get_text_config().num_hidden_layers
+    for candidate in (model.get_decoder(), model.base_model, getattr(model, "model", None), *model.modules()):
+        if candidate is not model and isinstance(candidate, torch.nn.Module) and any(
+            isinstance(child, torch.nn.ModuleList) and len(child) == n_layers for child in candidate.children()
+        ):
+            return candidate
+    raise UnsupportedModelError(f"{type(model).__name__} holds no list of its {n_layers} decoder layers")
 
 
 def register_capture() -> None:
