@@ -78,3 +78,47 @@ def family_config(model_type: str):
 
     arguments = {**COMMON, **FAMILIES[model_type][1]}
     return AutoConfig.for_model(model_type, **{k: v for k, v in arguments.items() if v is not None})
+
+INKLING = dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=6, d_rel=4,
+               rel_extent=16, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+               mlp_layer_types=["sparse", "sparse", "sparse"], moe_intermediate_size=32, n_routed_experts=4,
+               num_experts_per_tok=2, n_shared_experts=1, log_scaling_n_floor=4)
+
+# Families read through the conformance check (their capture compared with their own eager
+# attention in float32, as extract does for any family outside FAMILIES), each with what it
+# exercises: model_type -> (variants, config arguments beyond COMMON; for a multimodal family,
+# those of its text config).
+CHECKED: dict[str, tuple[str, dict]] = {
+    "emu3": ("an in-memory Emu3ForCausalLM holding Emu3's text config", {}),
+    "mllama": ("an in-memory MllamaForCausalLM; cross-attention layers, which attend no text", dict(
+        cross_attention_layers=[1])),
+    "got_ocr2": ("a Qwen2 text model beside a vision tower that computes its own softmax", {}),
+    "granite_swa": ("learned sinks applied after the product (eager returns rows before them)", dict(
+        sliding_window=6)),
+    "granitemoe_swa": ("learned sinks after the product, mixture of experts", dict(
+        sliding_window=6, num_local_experts=4, num_experts_per_tok=2)),
+    "inkling_text": ("an additive relative position bias (position_bias)", INKLING),
+    "inkling2_text": ("position bias, learned sinks per query, attention over earlier blocks' outputs", INKLING),
+}
+
+
+def checked_model(model_type: str):
+    """A tiny random float32 model of ``model_type`` (a key of CHECKED), in eval mode."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    arguments = {**COMMON, **CHECKED[model_type][1]}
+    torch.manual_seed(0)
+    if model_type in ("emu3", "mllama"):
+        outer = AutoConfig.for_model(model_type)
+        text = type(outer.get_text_config())(**arguments)
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(outer)](text).float().eval()
+    if model_type == "got_ocr2":
+        text = {k: v for k, v in arguments.items() if k != "pad_token_id"}
+        config = AutoConfig.for_model(model_type, text_config=text, vision_config=dict(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=64, patch_size=16, mlp_dim=48,
+            output_channels=16, global_attn_indexes=[1], window_size=2))
+    else:
+        config = AutoConfig.for_model(model_type, **arguments)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

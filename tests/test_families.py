@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 import xarray as xr
-from families import FAMILIES, family_config
+from families import CHECKED, FAMILIES, checked_model, family_config
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
@@ -96,6 +96,45 @@ def test_store_equals_eager_float64(model_type, ids, tmp_path):
         np.testing.assert_allclose(chosen, score.max(-1), rtol=1e-5, atol=1e-9)
         # The last query's attendable keys are those the family's mask leaves it.
         np.testing.assert_array_equal(ds["attendable"].isel(layer=i).values, rows[0, 0, -1] > 0)
+
+
+@pytest.mark.parametrize("model_type", sorted(CHECKED))
+def test_families_read_through_the_conformance_check(model_type, ids, tmp_path):
+    """Multimodal causal LMs' text stacks, learned sinks applied after the product, position
+    biases and per-query sinks: the capture agrees with each family's own eager attention at
+    every checked query (the check extract runs first), and the run holds the text stack's
+    self-attention layers, whose rows and learned sinks sum to 1."""
+    from attngeom.extract.conformance import check_capture, check_positions
+
+    model = checked_model(model_type)
+    checks = check_capture(model, ids[:1], check_positions(L))
+    assert checks and all(c.agrees for c in checks), checks
+    ag.extract(model, store=tmp_path / "s.zarr", token_ids=ids, run_id="r", progress=False)
+    ds = xr.open_zarr(str(tmp_path / "s.zarr"), group="runs/r", consolidated=False)
+    config = model.config.get_text_config()
+    assert list(ds["layer"].values) == list(attention_layers(config)) == [c.layer for c in checks]
+    mass = ds["attn_last"].sum("key").values
+    if "learned_sink_attn" in ds:
+        sink = ds["learned_sink_attn"].isel(query=-1).values
+        assert float(sink.min()) > 0
+        mass = mass + sink
+    np.testing.assert_allclose(mass, 1, atol=1e-5)
+
+
+def test_rows_a_model_applies_after_its_sink():
+    """Known answer: an eager attention that scales each row's output by c after the product
+    (Granite-SWA's learned sink) applies c times its weights; one whose weights already carry
+    the sink (c = 1) applies them as they are."""
+    from attngeom.extract.conformance import applied_rows
+
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.softmax(torch.randn(2, 4, 3, 7, generator=generator, dtype=torch.float64), -1)
+    value = torch.randn(2, 2, 7, 5, generator=generator, dtype=torch.float64)
+    scale = torch.rand(2, 4, 3, generator=generator, dtype=torch.float64)
+    output = (scale[..., None] * (weights @ value.repeat_interleave(2, dim=1))).transpose(1, 2)
+    torch.testing.assert_close(applied_rows(weights, output, value), weights * scale[..., None])
+    plain = (weights @ value.repeat_interleave(2, dim=1)).transpose(1, 2)
+    torch.testing.assert_close(applied_rows(weights, plain, value), weights)
 
 
 def test_windows_chunks_and_sinks_are_what_the_families_declare(ids, tmp_path):

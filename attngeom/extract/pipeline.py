@@ -154,7 +154,7 @@ def _model(request: ExtractRequest, shard: tuple[int, int] | None) -> _Model:
         device, dtype = model_placement(model, request.device, request.dtype)
         provenance = memory_provenance(model)
         name = provenance["id"]
-        return _Model(name, supported_config(model.config), request.tokenizer, provenance, device, dtype, lambda: model,
+        return _Model(name, supported_config(model.config, type(model)), request.tokenizer, provenance, device, dtype, lambda: model,
                       tf32=request.dtype == "float32-tf32")
     device_map = parse_device_map(request.device_map)
     device = resolve_device(request.device) if device_map is None else map_device(device_map)
