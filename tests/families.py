@@ -122,3 +122,32 @@ def checked_model(model_type: str):
     else:
         config = AutoConfig.for_model(model_type, **arguments)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+# Families refused at their first forward, each with the words of its true reason and its
+# config's arguments beyond COMMON.
+REFUSED_AT_FORWARD: dict[str, tuple[str, dict]] = {
+    "dory": ("layer 1 runs its attention 2 times in one forward \\(a looped layer\\)", dict(
+        n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2, sliding_window=6,
+        layer_types=SLIDING)),
+    "hrm_text": ("layer 0 runs its attention 2 times in one forward \\(a looped layer\\)", dict(
+        num_hidden_layers=4, num_layers_per_stack=2, H_cycles=2, L_cycles=2, L_bp_cycles=[1],
+        num_key_value_heads=None)),
+    "zamba": ("one block shared by several depths", dict(
+        num_hidden_layers=6, attn_layer_period=2, attn_layer_offset=1, attention_hidden_size=128,
+        attention_head_dim=32, num_key_value_heads=4, mamba_dt_rank=8, use_mamba_kernels=False, head_dim=None)),
+    "zamba2": ("one block shared by several depths", dict(
+        num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], hybrid_layer_ids=[1, 3],
+        num_key_value_heads=4, mamba_headdim=16, n_mamba_heads=8, use_mamba_kernels=False, mamba_d_state=16,
+        chunk_size=8, head_dim=None)),
+}
+
+
+def refused_model(model_type: str):
+    """A tiny random float32 model of ``model_type`` (a key of REFUSED_AT_FORWARD)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arguments = {**COMMON, **REFUSED_AT_FORWARD[model_type][1]}
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{k: v for k, v in arguments.items() if v is not None})
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

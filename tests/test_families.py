@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 import xarray as xr
-from families import CHECKED, FAMILIES, checked_model, family_config
+from families import CHECKED, FAMILIES, REFUSED_AT_FORWARD, checked_model, family_config, refused_model
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
@@ -159,6 +159,8 @@ def test_every_verified_type_is_tested():
     ("gpt_neo", "not through its attention interface"),
     ("mpt", "not through its attention interface"),
     ("mamba", "no softmax-attention layer"),
+    ("blt", r"its layers sit in 4 stacks \(patcher_config, encoder_config, decoder_config, global_config\)"),
+    ("xlnet", "not through its attention interface"),
 ])
 def test_refused_from_the_config_before_weights(model_type, reason):
     config = AutoConfig.for_model(model_type)
@@ -176,8 +178,17 @@ def test_a_layer_that_calls_attention_twice_is_refused(ids, tmp_path, monkeypatc
              "num_key_value_heads", "bos_token_id")
     config = AutoConfig.for_model("diffllama", **{k: getattr(family_config("llama"), k) for k in sizes})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with pytest.raises(UnsupportedModelError, match="more than once per forward"):
+    with pytest.raises(UnsupportedModelError, match="twice in one run of its attention"):
         ag.extract(model, store=tmp_path / "s.zarr", token_ids=ids, run_id="r", progress=False)
+    assert not (tmp_path / "s.zarr").exists()
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED_AT_FORWARD))
+def test_looped_and_shared_layers_are_refused_with_their_reason(model_type, ids, tmp_path):
+    """A looped layer (Dory, HRM) and a block shared by several depths (Zamba, Zamba 2) are
+    refused in one line saying so, and no store is left behind."""
+    with pytest.raises(UnsupportedModelError, match=REFUSED_AT_FORWARD[model_type][0]):
+        ag.extract(refused_model(model_type), store=tmp_path / "s.zarr", token_ids=ids, run_id="r", progress=False)
     assert not (tmp_path / "s.zarr").exists()
 
 

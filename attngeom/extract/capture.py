@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import inspect
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields, replace
@@ -457,16 +459,24 @@ class Recorder:
     check_queries: tuple[int, ...] = ()
     compare: Callable[..., None] | None = field(default=None, repr=False)
     layers: dict[int, LayerCapture] = field(default_factory=dict)
+    # How many times each attention module ran in this block's forward (a looped layer runs
+    # its module more than once); counted by :func:`capturing`'s hooks.
+    runs: Counter = field(default_factory=Counter, repr=False)
     _stream: torch.cuda.Stream | None = field(default=None, repr=False)
     _copied: torch.cuda.Event | None = field(default=None, repr=False)
 
-    def record(self, layer: int, capture: LayerCapture) -> None:
+    def record(self, layer: int, capture: LayerCapture, runs: int = 1) -> None:
         """Keep ``capture`` as layer ``layer``'s (on its way to host memory with ``to_host``).
-        A layer whose attention runs twice in one forward (differential attention) has no one
-        row per query: refused."""
+        A layer that calls the attention function twice in one forward is refused: its module
+        run ``runs`` times (a looped layer: each call is a softmax, but the run stores one per
+        layer and query), or calls it twice in one run (differential attention: its output is
+        not one softmax over keys)."""
         if layer in self.layers:
             raise UnsupportedModelError(
-                f"layer {layer} calls the attention function more than once per forward (as differential "
+                f"layer {layer} runs its attention {runs} times in one forward (a looped layer): each run is a "
+                "softmax over keys, but a run stores one attention per layer and query"
+                if runs > 1 else
+                f"layer {layer} calls the attention function twice in one run of its attention (as differential "
                 "attention does): its output is not one softmax over keys"
             )
         device = capture.attn_last.device
@@ -532,6 +542,9 @@ def call_refusal(module: torch.nn.Module, query: torch.Tensor, attention_mask: t
     (None when it can): an argument it does not know, dropout, non-causal attention, a head mask."""
     layer = getattr(module, "layer_idx", None)
     where = f"the attention of {type(module).__name__}" + (f" (layer {layer})" if layer is not None else "")
+    if "layer_idx" in inspect.signature(module.forward).parameters:
+        return (f"{where} is one block shared by several depths, each passing it its own layer index: a run stores "
+                "the attention of each layer's own module")
     if layer is None:
         return f"{where} has no layer index (layer_idx)"
     unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED_ARGUMENTS and v is not None)
@@ -611,7 +624,7 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
             recorder.compare(module, query, key, value, attention_mask, scaling, kwargs, capture, output)
             if tuple(checked) != tuple(kept):
                 capture = replace(capture, query_rows=_kept_rows(capture.query_rows, kept, checked))
-        recorder.record(module.layer_idx, capture)
+        recorder.record(module.layer_idx, capture, recorder.runs[module])
     if not own:
         output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **plain)
     # Contiguous as transformers' own attention functions return it: some layers (JetMoE)
@@ -629,16 +642,20 @@ def _kept_rows(rows: torch.Tensor, kept: tuple[int, ...], checked: tuple[int, ..
 
 def decoder(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack of a causal LM (its layers, without the LM head): the module that
-    holds the list of its ``num_hidden_layers`` layers. ``get_decoder()`` names it in most
+    holds the list of its ``num_hidden_layers`` layers (BERT's inside its encoder). ``get_decoder()`` names it in most
     classes, but answers the model itself in some (Llama 4's text model) and the LM head in
     others (ModernBERT-decoder), so the answer is checked by what it holds; the base model,
-    ``model`` and then every submodule in order are the next candidates."""
+    ``model`` and then every submodule in order are the next candidates. A model whose layers
+    sit in several stacks has its base model as the decoder."""
     n_layers = model.config.get_text_config().num_hidden_layers
     for candidate in (model.get_decoder(), model.base_model, getattr(model, "model", None), *model.modules()):
         if candidate is not model and isinstance(candidate, torch.nn.Module) and any(
-            isinstance(child, torch.nn.ModuleList) and len(child) == n_layers for child in candidate.children()
+            isinstance(child, torch.nn.ModuleList) and len(child) == n_layers for child in candidate.modules()
         ):
             return candidate
+    # Layers in several stacks (HRM's, BLT's): the base model runs them all.
+    if model.base_model is not model:
+        return model.base_model
     raise UnsupportedModelError(f"{type(model).__name__} holds no list of its {n_layers} decoder layers")
 
 
@@ -677,9 +694,13 @@ def capturing(
     recorder = Recorder(keep_rows=keep_rows, queries=tuple(queries), to_host=to_host,
                         check_queries=tuple(check_queries), compare=compare)
     token = _RECORDERS.set({**_RECORDERS.get(), **dict.fromkeys(model.modules(), recorder)})
+    counted = [m.register_forward_pre_hook(lambda module, args: recorder.runs.update((module,)))
+               for m in model.modules() if hasattr(m, "layer_idx")]
     try:
         yield recorder
     finally:
+        for hook in counted:
+            hook.remove()
         _RECORDERS.reset(token)
         if previous != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(previous)

@@ -100,6 +100,13 @@ def supported_config(config: Any, model_class: type | None = None) -> Any:
             f"model type '{model_type}' is not supported: transformers computes its attention inside the model's "
             "own code, not through its attention interface, so attngeom cannot read the rows"
         )
+    stacks = [name for name in getattr(config, "sub_configs", {})
+              if getattr(getattr(config, name, None), "num_hidden_layers", None)]
+    if not getattr(config, "num_hidden_layers", None) and len(stacks) > 1:
+        raise UnsupportedModelError(
+            f"model type '{model_type}' is not supported: its layers sit in {len(stacks)} stacks "
+            f"({', '.join(stacks)}) over different sequences (as BLT's bytes and patches), and a run stores one "
+            "attention over the text's tokens per layer")
     if not getattr(config, "num_hidden_layers", None) or not attention_layers(config):
         raise UnsupportedModelError(f"model type '{model_type}' has no softmax-attention layer to capture")
     return config
