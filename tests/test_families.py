@@ -326,3 +326,20 @@ def test_top_n_geometry_of_a_model_with_learned_sinks(tmp_path):
     ag.report(store, tmp_path / "report")
     assert list((tmp_path / "report").rglob("learned_sink_selection_rate*.png"))
 
+
+def test_the_models_page_gives_every_family_its_verdict():
+    """docs/models.md#every-family (written by tools/family_sweep.py) has one row per causal-LM
+    family of the installed transformers, and the families the tests read have the verdict
+    the tests give them."""
+    import re
+    from pathlib import Path
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "models.md").read_text()
+    section = page.split("\n## Every family\n")[1].split("\n## ")[0]
+    verdicts = dict(re.findall(r"^\| `([^`]+)` \| ([^|]+?) \|", section, re.MULTILINE))
+    assert sorted(verdicts) == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    assert {t: verdicts[t] for t in (*FAMILIES, *CHECKED) if verdicts[t] != "captured"} == {}
+    assert {t: verdicts[t] for t in REFUSED_AT_FORWARD if verdicts[t] != "refused"} == {}
+

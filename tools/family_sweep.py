@@ -6,12 +6,13 @@ and read by extract: one verdict per family.
     python tools/family_sweep.py --json sweep.json    # the verdicts as JSON too
     python tools/family_sweep.py --json s.json --only-from s.json --markdown table.md
 
-Each family's default config is shrunk (64 dimensions, 4 heads, 3 to 4 layers keeping one of
+Each family is built as the tests build it (tests/families.py) where they do; any other
+family's default config is shrunk (64 dimensions, 4 heads, 3 to 4 layers keeping one of
 each layer kind, 4 experts, 100 tokens; its sub-configs alike), a random model is built from
 it, and extract reads 2 sequences of 16 tokens after comparing its capture with the family's
 own eager attention in float32 at 6 queries (the conformance check, forced for every family).
 Verdicts: ``captured`` (with the largest row and output differences), ``refused`` (attngeom's
-one-line reason), ``crash`` (an exception attngeom did not turn into a refusal: a bug), and
+one-line reason, a disagreement with the eager attention included), ``crash`` (an exception attngeom did not turn into a refusal: a bug), and
 ``not built`` (the sweep could not shrink the config into a model: a limit of this script,
 not of attngeom).
 """
@@ -24,6 +25,7 @@ import signal
 import sys
 import tempfile
 import warnings
+from pathlib import Path
 from typing import Any
 
 SMALL = dict(
@@ -44,7 +46,8 @@ SMALL = dict(
     intermediate_size_mlp=96, shared_intermediate_size=32, moe_shared_expert_intermediate_size=32,
     embedding_size=64, word_embed_proj_dim=64, lru_width=64, attention_window_size=6, local_attention_window_len=6,
     hidden_size_per_layer_input=16, vocab_size_per_layer_input=100, num_kv_shared_layers=0, bos_token_id=1,
-    eos_token_id=2, pad_token_id=0, use_mamba_kernels=False,
+    eos_token_id=2, pad_token_id=0, use_mamba_kernels=False, rotary_dim=8, attn_layer_period=2, attn_layer_offset=1,
+    expert_layer_period=2, expert_layer_offset=1,
 )
 LAYERS = 3
 # Keys naming layers by index, remapped onto the kept layers.
@@ -78,6 +81,10 @@ def _shrunk(config: Any) -> dict[str, Any]:
     """Constructor arguments of ``config``'s class that make it tiny (sub-configs included)."""
     values = config.to_dict()
     out = {k: v for k, v in SMALL.items() if k in values and values[k] is not None}
+    if values.get("qk_rope_head_dim"):  # latent attention: its rotary head is head_dim, a key per head
+        out["head_dim"] = SMALL["qk_rope_head_dim"]
+        if "num_key_value_heads" in out:
+            out["num_key_value_heads"] = SMALL["num_attention_heads"]
     for name in getattr(config, "sub_configs", {}):
         sub = getattr(config, name, None)
         if sub is not None and hasattr(sub, "to_dict"):
@@ -94,17 +101,32 @@ def _shrunk(config: Any) -> dict[str, Any]:
             elif name in LAYER_INDEX_KEYS and isinstance(value, list):
                 out[name] = [keep.index(i) for i in value if i in keep]
         break
+    if "encoder_layers" in values and "decoder_layers" in values:  # a causal LM's decoder of an encoder-decoder
+        out["encoder_layers"] = out["decoder_layers"] = LAYERS
     return out
 
 
 def tiny_model(model_type: str) -> Any:
+    """A tiny random float32 model of ``model_type``: the tests' own (tests/families.py) where
+    they build one, else one from the family's shrunk default config."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    default = AutoConfig.for_model(model_type)
-    config = type(default)(**{**default.to_dict(), **_shrunk(default)})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import families
+
+    if model_type in families.FAMILIES:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(families.family_config(model_type), dtype=torch.float32).eval()
+    elif model_type in families.CHECKED:
+        model = families.checked_model(model_type)
+    elif model_type in families.REFUSED_AT_FORWARD:
+        model = families.refused_model(model_type)
+    else:
+        default = AutoConfig.for_model(model_type)
+        config = type(default)(**{**default.to_dict(), **_shrunk(default)})
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     parameters = sum(p.numel() for p in model.parameters())
     if parameters > 50_000_000:
         raise MemoryError(f"{parameters / 1e6:.0f}M parameters once shrunk")
@@ -128,7 +150,7 @@ def verdict(model_type: str) -> dict[str, Any]:
     import attngeom as ag
     from attngeom.errors import AttngeomError
     from attngeom.extract import pipeline
-    from attngeom.extract.conformance import check_capture, check_positions
+    from attngeom.extract.conformance import check_capture, check_positions, refuse_disagreement
 
     try:
         model = tiny_model(model_type)
@@ -149,8 +171,7 @@ def verdict(model_type: str) -> dict[str, Any]:
         loaded_model(model)
         checks = check_capture(model, ids[:1], check_positions(LENGTH))
         rows, outputs = max(c.row_error for c in checks), max(c.output_error for c in checks)
-        if not all(c.agrees for c in checks):
-            return {"verdict": "wrong", "detail": f"rows differ by {rows:.2g}, outputs by {outputs:.2g}"}
+        refuse_disagreement(checks, model.config.model_type)  # as extract refuses it
         pipeline.VERIFIED_TYPES = pipeline.VERIFIED_TYPES | {model.config.model_type}
         with tempfile.TemporaryDirectory() as folder:
             ag.extract(model, store=f"{folder}/s.zarr", token_ids=ids, run_id="r", progress=False)
@@ -175,8 +196,7 @@ def markdown(found: dict[str, dict[str, Any]]) -> str:
     """The verdicts as the table of docs/models.md#every-family: one row per model type."""
     from attngeom.extract.families import VERIFIED_TYPES
 
-    words = {"captured": "captured", "refused": "refused", "crash": "CRASH", "wrong": "WRONG",
-             "not built": "not checked"}
+    words = {"captured": "captured", "refused": "refused", "crash": "CRASH", "not built": "not checked"}
     rows = ["| model type | verdict | how |", "|---|---|---|"]
     for model_type, v in sorted(found.items()):
         how = v["detail"].replace("|", "\\|")
@@ -205,7 +225,7 @@ def main() -> None:
     if args.only_from:
         with open(args.only_from) as f:
             found = json.load(f)
-        todo = [t for t in todo if t not in found or found[t]["verdict"] in ("crash", "not built", "wrong")]
+        todo = [t for t in todo if t not in found or found[t]["verdict"] not in ("captured", "refused")]
     for model_type in todo:
         found[model_type] = verdict(model_type)
         print(f"{model_type}\t{found[model_type]['verdict']}\t{found[model_type]['detail']}", flush=True)

@@ -642,11 +642,11 @@ def _kept_rows(rows: torch.Tensor, kept: tuple[int, ...], checked: tuple[int, ..
 
 def decoder(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack of a causal LM (its layers, without the LM head): the module that
-    holds the list of its ``num_hidden_layers`` layers (BERT's inside its encoder). ``get_decoder()`` names it in most
-    classes, but answers the model itself in some (Llama 4's text model) and the LM head in
-    others (ModernBERT-decoder), so the answer is checked by what it holds; the base model,
-    ``model`` and then every submodule in order are the next candidates. A model whose layers
-    sit in several stacks has its base model as the decoder."""
+    holds the list of its ``num_hidden_layers`` layers (BERT's inside its encoder).
+    ``get_decoder()`` names it in most classes, but answers the model itself in some (Llama
+    4's text model) and the LM head in others (ModernBERT-decoder), so the answer is checked
+    by what it holds; the base model, ``model`` and then every submodule in order are the next
+    candidates. A model whose layers sit in several stacks has its base model as decoder."""
     n_layers = model.config.get_text_config().num_hidden_layers
     for candidate in (model.get_decoder(), model.base_model, getattr(model, "model", None), *model.modules()):
         if candidate is not model and isinstance(candidate, torch.nn.Module) and any(
