@@ -99,6 +99,11 @@ CHECKED: dict[str, tuple[str, dict]] = {
         sliding_window=6, num_local_experts=4, num_experts_per_tok=2)),
     "inkling_text": ("an additive relative position bias (position_bias)", INKLING),
     "inkling2_text": ("position bias, learned sinks per query, attention over earlier blocks' outputs", INKLING),
+    "deepseek_v32": ("sparse attention: each query's softmax over the 4 keys its indexer selects", dict(
+        num_key_value_heads=4, head_dim=8, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, index_topk=4, index_head_dim=16, index_n_heads=2, first_k_dense_replace=1,
+        mlp_layer_types=["dense", "sparse", "sparse"], layer_types=["indexed_attention"] * 3)),
 }
 
 

@@ -121,6 +121,28 @@ def test_families_read_through_the_conformance_check(model_type, ids, tmp_path):
     np.testing.assert_allclose(mass, 1, atol=1e-5)
 
 
+def test_sparse_attention_rows_weigh_the_selected_keys_only(tmp_path):
+    """DeepSeek-V3.2: each row is a softmax over the 4 keys its indexer selected, zero at the
+    others, while the attendable keys are the causal mask's (every key for the last query);
+    the analysis reads such rows (docs/method.md#sparse-attention) and the store validates."""
+    model = checked_model("deepseek_v32")
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(4, 100, (3, 40), generator=generator)
+    ids[:, 0] = 1
+    store = str(tmp_path / "s.zarr")
+    ag.extract(model, store=store, token_ids=ids, run_id="r", progress=False)
+    ds = xr.open_zarr(store, group="runs/r", consolidated=False)
+    rows = ds["attn_last"].values
+    assert ((rows > 0).sum(-1) == 4).all()
+    np.testing.assert_allclose(rows.sum(-1), 1, atol=1e-6)
+    assert ds["attendable"].values.all() and (ds["window"].values == 0).all()
+    ag.analyze(store, scheduler="threads", n_grid=[1, 2, 4, 8], progress=False)
+    topn = ag.open_store(store).run("r").analysis("topn").load()
+    assert np.isfinite(topn["precision"].values).all()
+    assert (topn["k_sink_exact"].values >= topn["inversions"].values).all()
+    assert ag.validate(store).valid
+
+
 def test_rows_a_model_applies_after_its_sink():
     """Known answer: an eager attention that scales each row's output by c after the product
     (Granite-SWA's learned sink) applies c times its weights; one whose weights already carry

@@ -1,10 +1,13 @@
 """Terms of an attention call beyond its queries, keys and values that join the scores: a
-learned sink (gpt-oss's ``s_aux`` per head, Inkling 2's ``sinks`` per query) and an additive
-position bias (Inkling's ``position_bias``), under the names the families pass them.
+learned sink (gpt-oss's ``s_aux`` per head, Inkling 2's ``sinks`` per query), an additive
+position bias (Inkling's ``position_bias``) and a sparse attention's selected keys
+(DeepSeek-V3.2's ``indices``), under the names the families pass them.
 
 A position bias is added to the scores before the softmax exactly as an additive mask is,
-so the capture folds it into the mask and reads it as it reads ALiBi's; a sink of either
-shape is one more logit in each row's softmax with no value (docs/models.md#learned-sinks).
+so the capture folds it into the mask and reads it as it reads ALiBi's; the selected keys
+mask the others, as the model's own eager and SDPA paths fold them into the mask; a sink of
+either shape is one more logit in each row's softmax with no value
+(docs/models.md#learned-sinks).
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["BIAS_ARGUMENTS", "SINK_ARGUMENTS", "biased_mask", "learned_sinks", "per_query", "sink_refusal"]
+__all__ = ["BIAS_ARGUMENTS", "SELECTION_ARGUMENTS", "SINK_ARGUMENTS", "biased_mask", "learned_sinks", "per_query",
+           "selected_mask", "sink_refusal"]
 
 SINK_ARGUMENTS = ("s_aux", "sinks")
 BIAS_ARGUMENTS = ("position_bias",)
+SELECTION_ARGUMENTS = ("indices",)
 
 
 def learned_sinks(kwargs: Mapping) -> torch.Tensor | None:
@@ -54,6 +59,28 @@ def biased_mask(attention_mask: torch.Tensor | None, kwargs: Mapping, query: tor
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         bias = bias + attention_mask.to(query.dtype)  # the mask's own biases (ALiBi) stay
     return torch.where(allowed, bias, torch.finfo(query.dtype).min)
+
+
+def selected_mask(attention_mask: torch.Tensor | None, kwargs: Mapping, query: torch.Tensor,
+                  n_keys: int) -> torch.Tensor | None:
+    """``attention_mask`` with every key outside each query's selection hidden: the call's
+    ``indices`` (B, L, k), the keys a sparse attention's indexer chose for each query, are
+    the only ones its softmax weighs (DeepSeek-V3.2, GLM-MoE-DSA). A boolean mask (B, 1, L,
+    n_keys), or the additive mask given with the dtype's lowest value at the other keys; the
+    mask itself without a selection."""
+    indices = next((kwargs[name] for name in SELECTION_ARGUMENTS if kwargs.get(name) is not None), None)
+    if indices is None:
+        return attention_mask
+    bsz, length = indices.shape[:2]
+    chosen = torch.zeros(bsz, length, n_keys, dtype=torch.bool, device=query.device)
+    chosen.scatter_(-1, indices.long(), True)
+    chosen = chosen[:, None]
+    if attention_mask is None:
+        causal = torch.ones(length, n_keys, dtype=torch.bool, device=query.device).tril(n_keys - length)
+        return chosen & causal[None, None]
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & chosen
+    return attention_mask.masked_fill(~chosen, torch.finfo(attention_mask.dtype).min)
 
 
 def per_query(kwargs: Mapping, where: torch.Tensor, length: int) -> dict:

@@ -31,7 +31,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from attngeom.errors import UnsupportedModelError
-from attngeom.extract.call_terms import BIAS_ARGUMENTS, SINK_ARGUMENTS, biased_mask, learned_sinks, sink_refusal
+from attngeom.extract.call_terms import (
+    BIAS_ARGUMENTS,
+    SELECTION_ARGUMENTS,
+    SINK_ARGUMENTS,
+    biased_mask,
+    learned_sinks,
+    selected_mask,
+    sink_refusal,
+)
 from attngeom.extract.phases import phase
 from attngeom.store.schema import RECENT_WINDOWS
 
@@ -523,6 +531,7 @@ def output_description(dtype: torch.dtype) -> str:
 IGNORED_ARGUMENTS = frozenset({
     "sliding_window", "position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value",
     "output_attentions", "layer_idx", "is_causal", "softcap", "head_mask", *SINK_ARGUMENTS, *BIAS_ARGUMENTS,
+    *SELECTION_ARGUMENTS,
 })
 
 
@@ -593,10 +602,13 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
     if refusal is not None:
         raise UnsupportedModelError(refusal)
     softcap, sinks = kwargs.get("softcap"), learned_sinks(kwargs)
-    # A position bias joins the scores as an additive mask does; the eager check is given
-    # the call as the model made it.
-    mask = biased_mask(attention_mask, kwargs, query)
-    plain = {k: v for k, v in kwargs.items() if k not in BIAS_ARGUMENTS}
+    # A sparse attention's selection hides the other keys, as the model's own eager path
+    # does, and a position bias joins the scores as an additive mask does; the eager check
+    # is given the call as the model makes it for eager attention.
+    selected = selected_mask(attention_mask, kwargs, query, key.shape[2])
+    mask = biased_mask(selected, kwargs, query)
+    eager_call = {k: v for k, v in kwargs.items() if k not in SELECTION_ARGUMENTS}
+    plain = {k: v for k, v in eager_call.items() if k not in BIAS_ARGUMENTS}
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     # SDPA takes neither softcapped logits nor learned sinks: those layers return their own
@@ -619,9 +631,15 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
             queries=tuple(sorted({*kept, *checked})),
             need_output=own or bool(checked),
         )
+    if selected is not attention_mask:
+        # The keys the final query may attend are those of the model's mask: the indexer's
+        # choice among them is each row's zeros (docs/method.md#sparse-attention).
+        length = query.shape[2]
+        capture = replace(capture, attendable=allowed_keys(attention_mask, length - 1, length, length,
+                                                           query.device)[0, :, -1].all(dim=0))
     if recorder is not None:
         if checked:
-            recorder.compare(module, query, key, value, attention_mask, scaling, kwargs, capture, output)
+            recorder.compare(module, query, key, value, selected, scaling, eager_call, capture, output)
             if tuple(checked) != tuple(kept):
                 capture = replace(capture, query_rows=_kept_rows(capture.query_rows, kept, checked))
         recorder.record(module.layer_idx, capture, recorder.runs[module])
