@@ -159,6 +159,29 @@ def test_rows_a_model_applies_after_its_sink():
     torch.testing.assert_close(applied_rows(weights, plain, value), weights)
 
 
+def test_layers_of_different_widths_are_stored_as_their_heads_read_them():
+    """Known answers: a layer of 2 kv heads among layers of 4, with a narrower value head, is
+    stored so that head h (of 8) finds in slot h // 2 the values it read from kv head h // 4,
+    zeros after them; kv heads that do not divide the widest count, and layers of different
+    query heads, are refused."""
+    from attngeom.extract.layer_widths import layer_shapes, widened
+
+    narrow = torch.arange(12, dtype=torch.float32).view(1, 2, 3, 2)  # (B, KV, L, Dv)
+    wide = torch.ones(1, 4, 3, 3)
+    assert layer_shapes({0: narrow, 1: wide}, {0: 8, 1: 8}) == (4, 3, (2, 4), (2, 3))
+    assert layer_shapes({0: wide, 1: wide}, {0: 8, 1: 8}) == (4, 3, (), ())
+    stored = widened(narrow[0], 4, 3)
+    for head in range(8):
+        torch.testing.assert_close(stored[head // 2, :, :2], narrow[0, head // 4])
+        assert (stored[head // 2, :, 2:] == 0).all()
+    full = wide[0]
+    assert widened(full, 4, 3) is full  # a layer of the run's own width is stored as it is
+    with pytest.raises(UnsupportedModelError, match="do not divide"):
+        layer_shapes({0: torch.ones(1, 3, 3, 3), 1: wide}, {0: 12, 1: 12})
+    with pytest.raises(UnsupportedModelError, match="different numbers of query heads"):
+        layer_shapes({0: wide, 1: wide}, {0: 8, 1: 4})
+
+
 def test_windows_chunks_and_sinks_are_what_the_families_declare(ids, tmp_path):
     """Known answers: Mistral's window of 6, Llama 4's chunks of 6 (the last query, at 15,
     sees keys 12..15) beside its full layer, gpt-oss's sliding layers."""
