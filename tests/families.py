@@ -59,6 +59,16 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)),
     "granite": ("multipliers on logits and residuals", dict(attention_multiplier=0.3, residual_multiplier=0.5)),
     "exaone4": ("sliding window, q/k norm", dict(sliding_window=6, layer_types=SLIDING)),
+    "jetmoe": ("mixture of attention heads (its output viewed per expert)", dict(
+        num_local_experts=4, num_experts_per_tok=2, kv_channels=16, num_key_value_heads=4)),
+    "modernbert-decoder": ("local and global layers; get_decoder() answers the LM head", dict(
+        num_key_value_heads=4, sliding_window=6, cls_token_id=None, sep_token_id=None)),
+    "mimo_v2_flash": ("sliding-window layers with learned sinks and twice the kv heads of the full ones, "
+                      "values narrower than keys", dict(
+        num_key_value_heads=1, v_head_dim=12, sliding_window=6,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32)),
 }
 
 
@@ -68,3 +78,81 @@ def family_config(model_type: str):
 
     arguments = {**COMMON, **FAMILIES[model_type][1]}
     return AutoConfig.for_model(model_type, **{k: v for k, v in arguments.items() if v is not None})
+
+INKLING = dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=6, d_rel=4,
+               rel_extent=16, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+               mlp_layer_types=["sparse", "sparse", "sparse"], moe_intermediate_size=32, n_routed_experts=4,
+               num_experts_per_tok=2, n_shared_experts=1, log_scaling_n_floor=4)
+
+# Families read through the conformance check (their capture compared with their own eager
+# attention in float32, as extract does for any family outside FAMILIES), each with what it
+# exercises: model_type -> (variants, config arguments beyond COMMON; for a multimodal family,
+# those of its text config).
+CHECKED: dict[str, tuple[str, dict]] = {
+    "emu3": ("an in-memory Emu3ForCausalLM holding Emu3's text config", {}),
+    "mllama": ("an in-memory MllamaForCausalLM; cross-attention layers, which attend no text", dict(
+        cross_attention_layers=[1])),
+    "got_ocr2": ("a Qwen2 text model beside a vision tower that computes its own softmax", {}),
+    "granite_swa": ("learned sinks applied after the product (eager returns rows before them)", dict(
+        sliding_window=6)),
+    "granitemoe_swa": ("learned sinks after the product, mixture of experts", dict(
+        sliding_window=6, num_local_experts=4, num_experts_per_tok=2)),
+    "inkling_text": ("an additive relative position bias (position_bias)", INKLING),
+    "inkling2_text": ("position bias, learned sinks per query, attention over earlier blocks' outputs", INKLING),
+    "deepseek_v32": ("sparse attention: each query's softmax over the 4 keys its indexer selects", dict(
+        num_key_value_heads=4, head_dim=8, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, index_topk=4, index_head_dim=16, index_n_heads=2, first_k_dense_replace=1,
+        mlp_layer_types=["dense", "sparse", "sparse"], layer_types=["indexed_attention"] * 3)),
+}
+
+
+def checked_model(model_type: str):
+    """A tiny random float32 model of ``model_type`` (a key of CHECKED), in eval mode."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    arguments = {**COMMON, **CHECKED[model_type][1]}
+    torch.manual_seed(0)
+    if model_type in ("emu3", "mllama"):
+        outer = AutoConfig.for_model(model_type)
+        text = type(outer.get_text_config())(**arguments)
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(outer)](text).float().eval()
+    if model_type == "got_ocr2":
+        text = {k: v for k, v in arguments.items() if k != "pad_token_id"}
+        config = AutoConfig.for_model(model_type, text_config=text, vision_config=dict(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=64, patch_size=16, mlp_dim=48,
+            output_channels=16, global_attn_indexes=[1], window_size=2))
+    else:
+        config = AutoConfig.for_model(model_type, **arguments)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+# Families refused at their first forward, each with the words of its true reason and its
+# config's arguments beyond COMMON.
+REFUSED_AT_FORWARD: dict[str, tuple[str, dict]] = {
+    "dory": ("layer 1 runs its attention 2 times in one forward \\(a looped layer\\)", dict(
+        n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2, sliding_window=6,
+        layer_types=SLIDING)),
+    "hrm_text": ("layer 0 runs its attention 2 times in one forward \\(a looped layer\\)", dict(
+        num_hidden_layers=4, num_layers_per_stack=2, H_cycles=2, L_cycles=2, L_bp_cycles=[1],
+        num_key_value_heads=None)),
+    "zamba": ("one block shared by several depths", dict(
+        num_hidden_layers=6, attn_layer_period=2, attn_layer_offset=1, attention_hidden_size=128,
+        attention_head_dim=32, num_key_value_heads=4, mamba_dt_rank=8, use_mamba_kernels=False, head_dim=None)),
+    "zamba2": ("one block shared by several depths", dict(
+        num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], hybrid_layer_ids=[1, 3],
+        num_key_value_heads=4, mamba_headdim=16, n_mamba_heads=8, use_mamba_kernels=False, mamba_d_state=16,
+        chunk_size=8, head_dim=None)),
+}
+
+
+def refused_model(model_type: str):
+    """A tiny random float32 model of ``model_type`` (a key of REFUSED_AT_FORWARD)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arguments = {**COMMON, **REFUSED_AT_FORWARD[model_type][1]}
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{k: v for k, v in arguments.items() if v is not None})
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import inspect
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields, replace
@@ -29,6 +31,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from attngeom.errors import UnsupportedModelError
+from attngeom.extract.call_terms import (
+    BIAS_ARGUMENTS,
+    SELECTION_ARGUMENTS,
+    SINK_ARGUMENTS,
+    biased_mask,
+    learned_sinks,
+    selected_mask,
+    sink_refusal,
+)
 from attngeom.extract.phases import phase
 from attngeom.store.schema import RECENT_WINDOWS
 
@@ -233,8 +244,8 @@ def attention_summaries(
     query and key (B, H, L, Dh) and (B, KV, L, Dh), value (B, KV, L, Dv) with query head h
     reading kv head h // (H/KV) (Dv differs from Dh in latent attention). ``softcap``: logits
     c tanh(s / c) before the mask; ``attention_mask`` additive float masks carry their biases
-    (ALiBi) and may differ per head; ``sinks`` (H,): each head's learned sink logit, a key with
-    no value in the softmax, whose weight is ``learned_sink`` and which the rows exclude (they
+    (ALiBi) and may differ per head; ``sinks`` (H,) or (B, H, L, 1): each head's (or each
+    head's and query's) learned sink logit, a key with no value in the softmax, whose weight is ``learned_sink`` and which the rows exclude (they
     sum to 1 - s_i; docs/method.md#learned-sinks). Scores are computed in float32 one ``tile`` at a time: (kv heads, queries),
     default :func:`score_tile` (memory bounded at any L). ``winner`` is argmax_j A_ij ||v_j|| with ties to the smaller
     j (:func:`first_argmax`). ``queries`` (ascending positions) have their float32 rows
@@ -271,8 +282,12 @@ def attention_summaries(
     k = key.float().transpose(0, 1).contiguous()
     v = value.float().transpose(0, 1).contiguous()
     value_dim = value.shape[-1]
-    # (KV, 1, 1, g, 1): each tile's heads' sink logits beside the per-query view of its scores.
-    sink_logits = sinks.float().view(n_kv, 1, 1, group, 1) if sinks is not None else None
+    # (KV, 1, 1, g, 1), or (KV, B, L, g, 1) per query: each tile's sink logits beside the
+    # per-query view of its scores.
+    sink_logits = None
+    if sinks is not None:
+        sink_logits = (sinks.float().view(n_kv, 1, 1, group, 1) if sinks.numel() == n_heads else
+                       sinks.float().view(bsz, n_kv, group, length).permute(1, 0, 3, 2)[..., None].contiguous())
     learned_sink = torch.empty(n_kv, bsz, length, group, device=device) if sinks is not None else None
     v_norm = v.norm(dim=-1)[:, :, None, :]
     kv_tile, block = tile or score_tile(bsz, n_heads, n_kv, length, device)
@@ -340,7 +355,7 @@ def attention_summaries(
                 else:
                     # The sink's logit joins the row's maximum and its normaliser Z; its weight
                     # e^(sink - m) / Z is the part of the row no key receives.
-                    sink = sink_logits[h0:h1]
+                    sink = sink_logits[h0:h1, :, q0:q1] if sink_logits.shape[2] > 1 else sink_logits[h0:h1]
                     top = torch.maximum(per_query.amax(dim=-1, keepdim=True), sink)
                     per_query.sub_(top)
                     sink = (sink - top).squeeze(-1)
@@ -452,16 +467,24 @@ class Recorder:
     check_queries: tuple[int, ...] = ()
     compare: Callable[..., None] | None = field(default=None, repr=False)
     layers: dict[int, LayerCapture] = field(default_factory=dict)
+    # How many times each attention module ran in this block's forward (a looped layer runs
+    # its module more than once); counted by :func:`capturing`'s hooks.
+    runs: Counter = field(default_factory=Counter, repr=False)
     _stream: torch.cuda.Stream | None = field(default=None, repr=False)
     _copied: torch.cuda.Event | None = field(default=None, repr=False)
 
-    def record(self, layer: int, capture: LayerCapture) -> None:
+    def record(self, layer: int, capture: LayerCapture, runs: int = 1) -> None:
         """Keep ``capture`` as layer ``layer``'s (on its way to host memory with ``to_host``).
-        A layer whose attention runs twice in one forward (differential attention) has no one
-        row per query: refused."""
+        A layer that calls the attention function twice in one forward is refused: its module
+        run ``runs`` times (a looped layer: each call is a softmax, but the run stores one per
+        layer and query), or calls it twice in one run (differential attention: its output is
+        not one softmax over keys)."""
         if layer in self.layers:
             raise UnsupportedModelError(
-                f"layer {layer} calls the attention function more than once per forward (as differential "
+                f"layer {layer} runs its attention {runs} times in one forward (a looped layer): each run is a "
+                "softmax over keys, but a run stores one attention per layer and query"
+                if runs > 1 else
+                f"layer {layer} calls the attention function twice in one run of its attention (as differential "
                 "attention does): its output is not one softmax over keys"
             )
         device = capture.attn_last.device
@@ -507,8 +530,19 @@ def output_description(dtype: torch.dtype) -> str:
 # q and k already carry the positions, and the rest describe the cache or what to return.
 IGNORED_ARGUMENTS = frozenset({
     "sliding_window", "position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value",
-    "output_attentions", "layer_idx", "is_causal", "s_aux", "softcap", "head_mask",
+    "output_attentions", "layer_idx", "is_causal", "softcap", "head_mask", *SINK_ARGUMENTS, *BIAS_ARGUMENTS,
+    *SELECTION_ARGUMENTS,
 })
+
+
+def over_other_states(module: torch.nn.Module, attention_mask: torch.Tensor | None, kwargs: Mapping) -> bool:
+    """Whether a call attends something else than the text's earlier tokens: a module of no
+    decoder layer (no ``layer_idx``) attending without a mask and not causally, as Inkling 2's
+    attention over the outputs of earlier blocks of layers at each position. A causal LM's
+    attention over its tokens is causal or masked; such a call is the model's own business and
+    runs as SDPA, unrecorded."""
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    return getattr(module, "layer_idx", None) is None and attention_mask is None and causal is False
 
 
 def call_refusal(module: torch.nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -517,6 +551,9 @@ def call_refusal(module: torch.nn.Module, query: torch.Tensor, attention_mask: t
     (None when it can): an argument it does not know, dropout, non-causal attention, a head mask."""
     layer = getattr(module, "layer_idx", None)
     where = f"the attention of {type(module).__name__}" + (f" (layer {layer})" if layer is not None else "")
+    if "layer_idx" in inspect.signature(module.forward).parameters:
+        return (f"{where} is one block shared by several depths, each passing it its own layer index: a run stores "
+                "the attention of each layer's own module")
     if layer is None:
         return f"{where} has no layer index (layer_idx)"
     unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED_ARGUMENTS and v is not None)
@@ -528,8 +565,9 @@ def call_refusal(module: torch.nn.Module, query: torch.Tensor, attention_mask: t
         return f"{where} is given a head mask"
     if kwargs.get("is_causal") is False and attention_mask is None:
         return f"{where} is not causal: every query attends every key"
-    if kwargs.get("s_aux") is not None and kwargs["s_aux"].numel() != query.shape[1]:
-        return f"{where} passes learned sinks of {kwargs['s_aux'].numel()} values for {query.shape[1]} heads"
+    sinks = learned_sinks(kwargs)
+    if sinks is not None and sink_refusal(sinks, query) is not None:
+        return f"{where} {sink_refusal(sinks, query)}"
     return None
 
 
@@ -557,19 +595,27 @@ def one_thread(device: torch.device) -> Iterator[None]:
 
 def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     recorder = _RECORDERS.get().get(module)
+    if over_other_states(module, attention_mask, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     refusal = call_refusal(module, query, attention_mask, dropout, kwargs)
     if refusal is not None:
         raise UnsupportedModelError(refusal)
-    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    softcap, sinks = kwargs.get("softcap"), learned_sinks(kwargs)
+    # A sparse attention's selection hides the other keys, as the model's own eager path
+    # does, and a position bias joins the scores as an additive mask does; the eager check
+    # is given the call as the model makes it for eager attention.
+    selected = selected_mask(attention_mask, kwargs, query, key.shape[2])
+    mask = biased_mask(selected, kwargs, query)
+    eager_call = {k: v for k, v in kwargs.items() if k not in SELECTION_ARGUMENTS}
+    plain = {k: v for k, v in eager_call.items() if k not in BIAS_ARGUMENTS}
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     # SDPA takes neither softcapped logits nor learned sinks: those layers return their own
     # float32 rows @ v, as a float32 model's do.
     own = softcap is not None or sinks is not None or own_output(query.dtype)
     if recorder is None and not own:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **plain)
     checked = recorder.check_queries if recorder is not None else ()
     kept = recorder.queries if recorder else ()
     with one_thread(query.device), phase("attngeom.capture"):
@@ -577,7 +623,7 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
             query,
             key,
             value,
-            attention_mask,
+            mask,
             scaling,
             softcap=softcap,
             sinks=sinks,
@@ -585,17 +631,23 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
             queries=tuple(sorted({*kept, *checked})),
             need_output=own or bool(checked),
         )
+    if selected is not attention_mask:
+        # The keys the final query may attend are those of the model's mask: the indexer's
+        # choice among them is each row's zeros (docs/method.md#sparse-attention).
+        length = query.shape[2]
+        capture = replace(capture, attendable=allowed_keys(attention_mask, length - 1, length, length,
+                                                           query.device)[0, :, -1].all(dim=0))
     if recorder is not None:
         if checked:
-            recorder.compare(module, query, key, value, attention_mask, scaling, kwargs, capture, output)
+            recorder.compare(module, query, key, value, selected, scaling, eager_call, capture, output)
             if tuple(checked) != tuple(kept):
                 capture = replace(capture, query_rows=_kept_rows(capture.query_rows, kept, checked))
-        recorder.record(module.layer_idx, capture)
+        recorder.record(module.layer_idx, capture, recorder.runs[module])
     if not own:
-        output, _ = sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    return output, None
+        output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **plain)
+    # Contiguous as transformers' own attention functions return it: some layers (JetMoE)
+    # ``view`` the output, which a permuted layout would refuse.
+    return output.contiguous(), None
 
 
 def _kept_rows(rows: torch.Tensor, kept: tuple[int, ...], checked: tuple[int, ...]) -> torch.Tensor | None:
@@ -607,10 +659,22 @@ def _kept_rows(rows: torch.Tensor, kept: tuple[int, ...], checked: tuple[int, ..
 
 
 def decoder(model: torch.nn.Module) -> torch.nn.Module:
-    """The decoder stack of a causal LM (its layers, without the LM head): ``get_decoder()``,
-    or for a class whose ``get_decoder`` answers itself (Llama 4's text model) its ``model``."""
-    found = model.get_decoder()
-    return getattr(model, "model", found) if found is model else found
+    """The decoder stack of a causal LM (its layers, without the LM head): the module that
+    holds the list of its ``num_hidden_layers`` layers (BERT's inside its encoder).
+    ``get_decoder()`` names it in most classes, but answers the model itself in some (Llama
+    4's text model) and the LM head in others (ModernBERT-decoder), so the answer is checked
+    by what it holds; the base model, ``model`` and then every submodule in order are the next
+    candidates. A model whose layers sit in several stacks has its base model as decoder."""
+    n_layers = model.config.get_text_config().num_hidden_layers
+    for candidate in (model.get_decoder(), model.base_model, getattr(model, "model", None), *model.modules()):
+        if candidate is not model and isinstance(candidate, torch.nn.Module) and any(
+            isinstance(child, torch.nn.ModuleList) and len(child) == n_layers for child in candidate.modules()
+        ):
+            return candidate
+    # Layers in several stacks (HRM's, BLT's): the base model runs them all.
+    if model.base_model is not model:
+        return model.base_model
+    raise UnsupportedModelError(f"{type(model).__name__} holds no list of its {n_layers} decoder layers")
 
 
 def register_capture() -> None:
@@ -635,19 +699,26 @@ def capturing(
     keeps its own attention (transformers refuses to switch it) is refused.
     """
     register_capture()
-    previous = model.config._attn_implementation
+    # The text stack's implementation is the one that counts: a multimodal class (GOT-OCR2)
+    # may keep its own while its language model switches.
+    stack = getattr(decoder(model), "config", model.config)
+    previous = stack._attn_implementation
     if previous != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        if stack._attn_implementation != ATTN_IMPLEMENTATION:
             raise UnsupportedModelError(
                 f"{type(model).__name__} keeps its own attention: transformers cannot switch it to the capture"
             )
     recorder = Recorder(keep_rows=keep_rows, queries=tuple(queries), to_host=to_host,
                         check_queries=tuple(check_queries), compare=compare)
     token = _RECORDERS.set({**_RECORDERS.get(), **dict.fromkeys(model.modules(), recorder)})
+    counted = [m.register_forward_pre_hook(lambda module, args: recorder.runs.update((module,)))
+               for m in model.modules() if hasattr(m, "layer_idx")]
     try:
         yield recorder
     finally:
+        for hook in counted:
+            hook.remove()
         _RECORDERS.reset(token)
         if previous != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(previous)

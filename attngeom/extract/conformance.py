@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from attngeom.errors import UnsupportedModelError
+from attngeom.extract.call_terms import learned_sinks, per_query
 from attngeom.extract.capture import capturing, decoder
 from attngeom.extract.families import check_recorded, layer_kind
 
-__all__ = ["ROW_TOLERANCE", "LayerCheck", "ModelCheck", "check_capture", "check_model", "check_positions",
+__all__ = ["ROW_TOLERANCE", "LayerCheck", "ModelCheck", "applied_rows", "check_capture", "check_model", "check_positions",
            "refuse_disagreement"]
 
 # Largest |difference| allowed between a captured row and the eager weights, both float32
@@ -73,6 +74,22 @@ def _eager_mask(mask: torch.Tensor | None, positions: torch.Tensor, length: int)
     return rows.float().clamp(min=low)
 
 
+def applied_rows(weights: torch.Tensor, output: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The rows (B, H, P, L) a layer with learned sinks applies to its keys, from its eager
+    attention's ``weights`` and ``output`` (B, P, H, Dv) on ``value`` (B, KV, L, Dv).
+
+    gpt-oss's eager attention returns the weights after its sink (they sum to 1 - s_i);
+    Granite-SWA's returns them before it and scales each head's output by 1 - s_i after the
+    product. The scale each row took is read from the output, ``<o, w v> / <w v, w v>``
+    (1 where the weights already carry the sink), so the reference is what the model applies
+    whichever way its code applies the sink, without the capture's own s_i."""
+    group = weights.shape[1] // value.shape[1]
+    plain = weights @ value.repeat_interleave(group, dim=1)
+    applied = output.transpose(1, 2)
+    scale = (applied * plain).sum(-1) / (plain * plain).sum(-1)
+    return weights * scale[..., None]
+
+
 def check_capture(model: torch.nn.Module, ids: torch.Tensor, positions: tuple[int, ...]) -> list[LayerCheck]:
     """Capture one forward of ``model`` on ``ids`` (1, L) and compare, at query ``positions``,
     each attention layer's rows and output with its eager attention in float32. Refuses a
@@ -85,13 +102,16 @@ def check_capture(model: torch.nn.Module, ids: torch.Tensor, positions: tuple[in
         rows = capture.query_rows  # this forward keeps no other queries' rows
         try:
             out, weights = eager(module, query[:, :, where].float(), key.float(), value.float(),
-                                 _eager_mask(mask, where, key.shape[2]), scaling=scaling, dropout=0.0, **kwargs)
+                                 _eager_mask(mask, where, key.shape[2]), scaling=scaling, dropout=0.0,
+                                 **per_query(kwargs, where, query.shape[2]))
         except (RuntimeError, TypeError, ValueError) as exc:
             raise UnsupportedModelError(
                 f"the eager attention of {type(module).__name__} (layer {module.layer_idx}) cannot run on the "
                 f"arguments of its own attention call ({type(exc).__name__}): attngeom cannot check its capture"
             ) from exc
         ours = output[:, where].float()
+        if learned_sinks(kwargs) is not None and weights is not None and weights.shape == rows.shape:
+            weights = applied_rows(weights.float(), out.float(), value.float())
         # A shape that differs is a difference too: the eager attention computes something else.
         row_error = (float((rows - weights.float()).abs().max()) if weights is not None and weights.shape == rows.shape
                      else float("inf"))

@@ -25,7 +25,8 @@ __all__ = ["VERIFIED_TYPES", "attention_layers", "layer_kind", "supported_config
 VERIFIED_TYPES = frozenset({
     "llama", "mistral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3", "gpt2", "gpt_neox", "olmo", "olmo2",
     "olmo3", "phi", "phi3", "stablelm", "falcon", "mixtral", "qwen3_moe", "starcoder2", "glm4", "ministral",
-    "cohere2", "smollm3", "llama4_text", "gpt_oss", "deepseek_v3", "qwen3_next", "granite", "exaone4",
+    "cohere2", "smollm3", "llama4_text", "gpt_oss", "deepseek_v3", "qwen3_next", "granite", "exaone4", "jetmoe",
+    "modernbert-decoder", "mimo_v2_flash",
 })
 
 # Families whose layers call the attention interface but whose attention is not one softmax
@@ -43,20 +44,28 @@ SOFTMAX_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_atten
 OTHER_KINDS = frozenset({"linear_attention", "mamba", "conv", "moe", "mlp", "recurrent"})
 
 
-def _class_routes_attention(config: Any) -> bool | None:
-    """Whether the config's causal-LM class computes attention through the attention
-    interface; None when transformers has no causal-LM class for it.
+def _text_stack_class(given: Any, config: Any, model_class: type | None) -> type | None:
+    """The class that runs the text stack's attention: the base model of the text config
+    (a vision tower beside it, as in GOT-OCR2, runs no text attention), else the causal-LM
+    class given or mapped from either config; None when transformers has no causal-LM class
+    for the model."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
+
+    causal = model_class or MODEL_FOR_CAUSAL_LM_MAPPING.get(type(given), None) or MODEL_FOR_CAUSAL_LM_MAPPING.get(
+        type(config), None)
+    if causal is None:
+        return None
+    return MODEL_MAPPING.get(type(config), None) or causal
+
+
+def _class_routes_attention(cls: type) -> bool:
+    """Whether ``cls`` computes attention through the attention interface.
 
     transformers itself decides so, from the class's module source, before it lets a model
     switch its attention implementation (``_can_set_attn_implementation``, a private
     classmethod): asking it here keeps one answer for "may the capture be set" and refuses
     before any weight loads. A class it answers no for would silently keep its own attention.
     """
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if cls is None:
-        return None
     return bool(cls._can_set_attn_implementation())
 
 
@@ -69,31 +78,40 @@ def layer_kind(config: Any, layer: int) -> str:
 def attention_layers(config: Any) -> tuple[int, ...]:
     """The model's own indices of its softmax-attention layers, as its config declares them
     (every layer when it declares no layer types). Layers of an unknown kind count: the
-    forward then tells whether they call the attention interface."""
+    forward then tells whether they call the attention interface. Cross-attention layers
+    (Mllama's) attend an image's states, not the text's keys: they run no attention on text."""
     n_layers = int(config.num_hidden_layers)
-    return tuple(i for i in range(n_layers) if layer_kind(config, i) not in OTHER_KINDS)
+    cross = set(getattr(config, "cross_attention_layers", None) or ())
+    return tuple(i for i in range(n_layers) if layer_kind(config, i) not in OTHER_KINDS and i not in cross)
 
 
-def supported_config(config: Any) -> Any:
+def supported_config(config: Any, model_class: type | None = None) -> Any:
     """The text config of ``config``; refuses, before any weight loads, a model whose attention
     the capture cannot read (:class:`UnsupportedModelError`), and a config declaring more
-    than this machine could hold (:class:`InputError`), before its layers are walked."""
+    than this machine could hold (:class:`InputError`), before its layers are walked.
+    ``model_class``: the class of a model given in memory, whose config may be a multimodal
+    family's text config (an ``Emu3ForCausalLM`` holds an ``Emu3TextConfig``, which maps to no
+    class of its own)."""
     given, config = config, getattr(config, "text_config", None) or config
     model_type = config.model_type
     check_config_sizes(given, getattr(given, "name_or_path", None) or f"model type '{model_type}'", cache_dir())
     if model_type in NOT_SOFTMAX:
         raise UnsupportedModelError(f"model type '{model_type}' is not supported: {NOT_SOFTMAX[model_type]}")
-    # A multimodal family may map its causal LM from the outer config (Emu3) or the text one.
-    routes = _class_routes_attention(given)
-    if routes is None and given is not config:
-        routes = _class_routes_attention(config)
-    if routes is None:
+    stack = _text_stack_class(given, config, model_class)
+    if stack is None:
         raise UnsupportedModelError(f"model type '{model_type}' has no causal language model class in transformers")
-    if not routes:
+    if not _class_routes_attention(stack):
         raise UnsupportedModelError(
             f"model type '{model_type}' is not supported: transformers computes its attention inside the model's "
             "own code, not through its attention interface, so attngeom cannot read the rows"
         )
+    stacks = [name for name in getattr(config, "sub_configs", {})
+              if getattr(getattr(config, name, None), "num_hidden_layers", None)]
+    if not getattr(config, "num_hidden_layers", None) and len(stacks) > 1:
+        raise UnsupportedModelError(
+            f"model type '{model_type}' is not supported: its layers sit in {len(stacks)} stacks "
+            f"({', '.join(stacks)}) over different sequences (as BLT's bytes and patches), and a run stores one "
+            "attention over the text's tokens per layer")
     if not getattr(config, "num_hidden_layers", None) or not attention_layers(config):
         raise UnsupportedModelError(f"model type '{model_type}' has no softmax-attention layer to capture")
     return config

@@ -425,7 +425,7 @@ def loaded_model(model: Any) -> Any:
         raise InputError(
             f"model must be a name or path, or a loaded transformers causal LM; got {type(model).__name__}"
         )
-    supported_config(model.config)
+    supported_config(model.config, type(model))
     return model
 
 

@@ -56,6 +56,7 @@ from attngeom.extract.models import (
 )
 from attngeom.extract.families import VERIFIED_TYPES, check_recorded, supported_config
 from attngeom.extract.tokenizing import Bos, bos_token_id, given_tokenizer, no_tokenizer
+from attngeom.extract.layer_widths import layer_shapes, widened
 from attngeom.extract.phases import phase, phased
 from attngeom.extract.placement import parse_device_map
 from attngeom.extract.positions import check_context_length, config_positions
@@ -138,7 +139,7 @@ def _model(request: ExtractRequest, shard: tuple[int, int] | None) -> _Model:
         provenance = memory_provenance(model)
         name = provenance["id"]
         tokenizer = None if request.tokenizer is None else given_tokenizer(request.tokenizer)
-        return _Model(name, supported_config(model.config), tokenizer, provenance, device, dtype, lambda: model,
+        return _Model(name, supported_config(model.config, type(model)), tokenizer, provenance, device, dtype, lambda: model,
                       tf32=request.dtype == "float32-tf32")
     device_map = parse_device_map(request.device_map)
     device = resolve_device(request.device) if device_map is None else map_device(device_map)
@@ -269,14 +270,16 @@ def _row_list(rows: np.ndarray, shown: int = 10) -> str:
 def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequest, length: int,
             queries: tuple[int, ...], values_dtype: str) -> RunLayout:
     layers = check_recorded(config, list(captures))
-    first = captures[layers[0]]
-    n_heads, n_kv, head_dim = first.attn_last.shape[1], first.values.shape[1], first.values.shape[-1]
+    n_kv, head_dim, layer_kv_heads, layer_head_dims = layer_shapes(
+        {l: captures[l].values for l in layers}, {l: captures[l].attn_last.shape[1] for l in layers})
+    n_heads = captures[layers[0]].attn_last.shape[1]
     attendable = [captures[layer].attendable.cpu().numpy().astype(bool) for layer in layers]
     window = [int(a.sum()) if a.sum() < length else 0 for a in attendable]
     return RunLayout(
         n_layers=len(layers),
         layers=layers,
-        learned_sinks=first.learned_sink is not None,
+        # A model may give learned sinks to some layers only (MiMo-V2-Flash's sliding ones).
+        learned_sinks=any(captures[l].learned_sink is not None for l in layers),
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
@@ -284,6 +287,8 @@ def _layout(config: Any, captures: dict[int, LayerCapture], request: ExtractRequ
         head_kv=tuple(h // (n_heads // n_kv) for h in range(n_heads)),
         window=tuple(window),
         attendable=tuple(tuple(bool(x) for x in a) for a in attendable),
+        layer_kv_heads=layer_kv_heads,
+        layer_head_dims=layer_head_dims,
         values_dtype=values_dtype,
         store_rows=request.store_rows,
         queries=queries,
@@ -343,7 +348,8 @@ def _sequence_arrays(
 
     arrays = {
         "tokens": window.tokens.astype("int32"),
-        "values": _stored_values(torch.stack([captures[l].values[b] for l in layers]), layout.values_dtype),
+        "values": _stored_values(torch.stack([widened(captures[l].values[b], layout.n_kv_heads, layout.head_dim)
+                                              for l in layers]), layout.values_dtype),
         "attn_last": stack("attn_last", "float32"),
         "winner": stack("winner", layout.winner_dtype),
         "sink_attn": stack("sink_attn", "float32"),
@@ -360,7 +366,11 @@ def _sequence_arrays(
     if layout.queries:
         arrays["attn_rows"] = stack("query_rows", "float32")
     if layout.learned_sinks:
-        arrays["learned_sink_attn"] = stack("learned_sink", "float32")
+        # A layer without learned sinks gives its sink no weight.
+        arrays["learned_sink_attn"] = torch.stack([
+            captures[l].learned_sink[b] if captures[l].learned_sink is not None
+            else torch.zeros_like(captures[l].sink_attn[b]) for l in layers
+        ]).cpu().numpy()
     return arrays
 
 

@@ -41,7 +41,8 @@ def config_positions(config: Mapping[str, Any] | Any) -> Positions:
     text = get(config, "text_config") or config
     limit = next((value for key in POSITION_KEYS if (value := get(text, key))), None)
     window = get(text, "sliding_window")
-    return Positions(int(limit) if limit else None, int(window) if window else None)
+    # A model without a position limit (XLNet) says -1.
+    return Positions(int(limit) if limit and int(limit) > 0 else None, int(window) if window else None)
 
 
 def check_context_length(length: int, positions: Positions, model: str, option: str = "--context-length") -> None:

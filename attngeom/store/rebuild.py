@@ -116,6 +116,8 @@ def _layout(nodes: Mapping[str, Any], run_id: str) -> RunLayout | None:
     try:
         return RunLayout(**{**layout, "head_kv": tuple(layout["head_kv"]), "window": tuple(layout["window"]),
                             "queries": tuple(layout.get("queries", ())), "layers": tuple(layout.get("layers", ())),
+                            "layer_kv_heads": tuple(layout.get("layer_kv_heads", ())),
+                            "layer_head_dims": tuple(layout.get("layer_head_dims", ())),
                             "lacking": tuple(lacking)}, attendable=())
     except (KeyError, TypeError):
         return None

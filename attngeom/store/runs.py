@@ -219,7 +219,9 @@ def run_layout(run: zarr.Group) -> RunLayout:
     lacking = meta["lacking"] if "lacking" in meta else [name for name in FIELD_SUMMARIES if name not in run]
     return RunLayout(
         **{**meta, "head_kv": tuple(meta["head_kv"]), "window": tuple(meta["window"]),
-           "queries": tuple(meta.get("queries", ())), "lacking": tuple(lacking), "layers": tuple(meta.get("layers", ()))},
+           "queries": tuple(meta.get("queries", ())), "lacking": tuple(lacking), "layers": tuple(meta.get("layers", ())),
+           "layer_kv_heads": tuple(meta.get("layer_kv_heads", ())),
+           "layer_head_dims": tuple(meta.get("layer_head_dims", ()))},
         attendable=attendable,
     )
 

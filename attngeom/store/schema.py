@@ -263,6 +263,10 @@ class RunLayout:
     layers: tuple[int, ...] = ()
     # Whether the model's heads have learned sinks (learned_sink_attn holds their weights).
     learned_sinks: bool = False
+    # Each stored layer's own kv heads and value head dim where they differ between layers
+    # (docs/store.md#layers-of-different-widths); () when every layer has n_kv_heads and head_dim.
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_head_dims: tuple[int, ...] = ()
     # The FIELD_SUMMARIES a run migrated from an earlier format lacks (the model is needed to
     # compute them); () for a run extracted with them.
     lacking: tuple[str, ...] = ()

@@ -1,0 +1,245 @@
+"""Every causal-LM family of the installed transformers, built tiny from its own config class
+and read by extract: one verdict per family.
+
+    python tools/family_sweep.py                      # every family, one line each
+    python tools/family_sweep.py llama jetmoe zamba   # these only
+    python tools/family_sweep.py --json sweep.json    # the verdicts as JSON too
+    python tools/family_sweep.py --json s.json --only-from s.json --markdown table.md
+
+Each family is built as the tests build it (tests/families.py) where they do; any other
+family's default config is shrunk (64 dimensions, 4 heads, 3 to 4 layers keeping one of
+each layer kind, 4 experts, 100 tokens; its sub-configs alike), a random model is built from
+it, and extract reads 2 sequences of 16 tokens after comparing its capture with the family's
+own eager attention in float32 at 6 queries (the conformance check, forced for every family).
+Verdicts: ``captured`` (with the largest row and output differences), ``refused`` (attngeom's
+one-line reason, a disagreement with the eager attention included), ``crash`` (an exception attngeom did not turn into a refusal: a bug), and
+``not built`` (the sweep could not shrink the config into a model: a limit of this script,
+not of attngeom).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+SMALL = dict(
+    vocab_size=100, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    max_position_embeddings=256, d_model=64, n_embd=64, n_head=4, n_heads=4, n_positions=256, n_ctx=256,
+    ffn_dim=96, d_inner=96, d_head=16, decoder_ffn_dim=96, encoder_ffn_dim=96, decoder_attention_heads=4,
+    encoder_attention_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, n_routed_experts=4,
+    num_experts=4, num_local_experts=4, moe_num_experts=4, num_experts_per_tok=2, num_experts_per_token=2,
+    moe_topk=2, n_group=1, topk_group=1, num_expert_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+    qk_nope_head_dim=8, qk_head_dim=16, v_head_dim=16, sliding_window=6, sliding_window_size=6,
+    attention_chunk_size=6, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_head_dim=16, linear_num_heads=4, index_topk=4, index_head_dim=16,
+    index_n_heads=2, mamba_d_state=16, mamba_n_heads=8, mamba_d_head=16, mamba_headdim=16, n_mamba_heads=8,
+    mamba_dt_rank=8, mamba_chunk_size=8, chunk_size=8, state_size=16, time_step_rank=8, kv_channels=16,
+    num_query_groups=2, attention_head_dim=16, attention_hidden_size=64, swa_num_attention_heads=4,
+    swa_num_key_value_heads=2, swa_head_dim=16, d_rel=4, rel_extent=16, first_dense_intermediate_size=96,
+    dense_intermediate_size=96, mlp_only_intermediate_size=96, expert_ffn_hidden_size=32, ffn_hidden_size=96,
+    intermediate_size_mlp=96, shared_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+    embedding_size=64, word_embed_proj_dim=64, lru_width=64, attention_window_size=6, local_attention_window_len=6,
+    hidden_size_per_layer_input=16, vocab_size_per_layer_input=100, num_kv_shared_layers=0, bos_token_id=1,
+    eos_token_id=2, pad_token_id=0, use_mamba_kernels=False, rotary_dim=8, attn_layer_period=2, attn_layer_offset=1,
+    expert_layer_period=2, expert_layer_offset=1,
+)
+LAYERS = 3
+# Keys naming layers by index, remapped onto the kept layers.
+LAYER_INDEX_KEYS = ("cross_attention_layers", "global_attn_indexes", "hybrid_layer_ids", "full_attn_idxs",
+                    "attn_layer_indices", "local_layer_ids")
+LENGTH = 16
+TIMEOUT_S = 120
+
+
+def _kept_layers(values: dict[str, Any], n_layers: int) -> list[int]:
+    """Layer indices to keep: the first of each kind of every per-layer list, then the first
+    layers up to LAYERS."""
+    keep: set[int] = set()
+    for value in values.values():
+        if isinstance(value, list) and len(value) == n_layers and n_layers > LAYERS:
+            seen: dict[str, list[int]] = {}
+            for i, kind in enumerate(value):
+                seen.setdefault(repr(kind), []).append(i)
+            keep.update(i for first in seen.values() for i in first[:2])  # two: a shared block shows
+    for key in LAYER_INDEX_KEYS:
+        if isinstance(values.get(key), list) and values[key]:
+            keep.add(int(values[key][0]) % n_layers)
+    i = 0
+    while len(keep) < min(LAYERS, n_layers):
+        keep.add(i)
+        i += 1
+    return sorted(keep)
+
+
+def _shrunk(config: Any) -> dict[str, Any]:
+    """Constructor arguments of ``config``'s class that make it tiny (sub-configs included)."""
+    values = config.to_dict()
+    out = {k: v for k, v in SMALL.items() if k in values and values[k] is not None}
+    if values.get("qk_rope_head_dim"):  # latent attention: its rotary head is head_dim, a key per head
+        out["head_dim"] = SMALL["qk_rope_head_dim"]
+        if "num_key_value_heads" in out:
+            out["num_key_value_heads"] = SMALL["num_attention_heads"]
+    for name in getattr(config, "sub_configs", {}):
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            out[name] = {**sub.to_dict(), **_shrunk(sub)}
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers"):
+        n_layers = values.get(key)
+        if not isinstance(n_layers, int) or n_layers <= 0:
+            continue
+        keep = _kept_layers(values, n_layers)
+        out[key] = len(keep)
+        for name, value in values.items():
+            if isinstance(value, list) and len(value) == n_layers and name not in out:
+                out[name] = [value[i] for i in keep]
+            elif name in LAYER_INDEX_KEYS and isinstance(value, list):
+                out[name] = [keep.index(i) for i in value if i in keep]
+        break
+    if "encoder_layers" in values and "decoder_layers" in values:  # a causal LM's decoder of an encoder-decoder
+        out["encoder_layers"] = out["decoder_layers"] = LAYERS
+    return out
+
+
+def tiny_model(model_type: str) -> Any:
+    """A tiny random float32 model of ``model_type``: the tests' own (tests/families.py) where
+    they build one, else one from the family's shrunk default config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import families
+
+    if model_type in families.FAMILIES:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(families.family_config(model_type), dtype=torch.float32).eval()
+    elif model_type in families.CHECKED:
+        model = families.checked_model(model_type)
+    elif model_type in families.REFUSED_AT_FORWARD:
+        model = families.refused_model(model_type)
+    else:
+        default = AutoConfig.for_model(model_type)
+        config = type(default)(**{**default.to_dict(), **_shrunk(default)})
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    parameters = sum(p.numel() for p in model.parameters())
+    if parameters > 50_000_000:
+        raise MemoryError(f"{parameters / 1e6:.0f}M parameters once shrunk")
+    with torch.no_grad():  # peaked rows: queries and keys scaled up
+        for name, p in model.named_parameters():
+            if any(part in name for part in ("q_proj", "k_proj", "query", "key")) and p.dim() == 2:
+                p.mul_(3.0)
+        # A shrunk config the model's own forward cannot run is the sweep's, not attngeom's.
+        model(input_ids=torch.ones(1, 4, dtype=torch.long), use_cache=False)
+    return model
+
+
+def _timeout(signum, frame):
+    raise TimeoutError(f"over {TIMEOUT_S} s")
+
+
+def verdict(model_type: str) -> dict[str, Any]:
+    """The sweep's verdict on ``model_type``: verdict and detail."""
+    import torch
+
+    import attngeom as ag
+    from attngeom.errors import AttngeomError
+    from attngeom.extract import pipeline
+    from attngeom.extract.conformance import check_capture, check_positions, refuse_disagreement
+
+    try:
+        model = tiny_model(model_type)
+    except Exception as exc:  # noqa: BLE001 - any failure to shrink is this script's
+        return {"verdict": "not built", "detail": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    generator = torch.Generator().manual_seed(3)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(4, vocab, (2, LENGTH), generator=generator)
+    text = model.config.get_text_config()
+    if not isinstance(getattr(text, "bos_token_id", None), int) or text.bos_token_id >= vocab:
+        text.bos_token_id = 1
+    ids[:, 0] = text.bos_token_id
+    signal.signal(signal.SIGALRM, _timeout)
+    signal.alarm(TIMEOUT_S)
+    try:
+        from attngeom.extract.models import loaded_model
+
+        loaded_model(model)
+        checks = check_capture(model, ids[:1], check_positions(LENGTH))
+        rows, outputs = max(c.row_error for c in checks), max(c.output_error for c in checks)
+        refuse_disagreement(checks, model.config.model_type)  # as extract refuses it
+        pipeline.VERIFIED_TYPES = pipeline.VERIFIED_TYPES | {model.config.model_type}
+        with tempfile.TemporaryDirectory() as folder:
+            ag.extract(model, store=f"{folder}/s.zarr", token_ids=ids, run_id="r", progress=False)
+        return {"verdict": "captured", "detail": f"{len(checks)} layers, rows within {rows:.1g}, outputs within "
+                                                 f"{outputs:.1g} of eager attention"}
+    except AttngeomError as exc:
+        return {"verdict": "refused", "detail": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - anything else is a crash to report
+        return {"verdict": "crash", "detail": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+    finally:
+        signal.alarm(0)
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type of transformers' causal-LM mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def markdown(found: dict[str, dict[str, Any]]) -> str:
+    """The verdicts as the table of docs/models.md#every-family: one row per model type."""
+    from attngeom.extract.families import VERIFIED_TYPES
+
+    words = {"captured": "captured", "refused": "refused", "crash": "CRASH", "not built": "not checked"}
+    rows = ["| model type | verdict | how |", "|---|---|---|"]
+    for model_type, v in sorted(found.items()):
+        how = v["detail"].replace("|", "\\|")
+        if v["verdict"] == "captured" and model_type in VERIFIED_TYPES:
+            how = f"verified against a float64 eager forward (tests); {how}"
+        elif v["verdict"] == "not built":
+            how = f"the sweep's shrunk config does not build ({how})"
+        rows.append(f"| `{model_type}` | {words[v['verdict']]} | {how} |")
+    return "\n".join(rows) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("families", nargs="*", help="model types (default: every causal-LM family)")
+    parser.add_argument("--json", help="write the verdicts to this file too")
+    parser.add_argument("--markdown", help="write the verdicts as docs/models.md's table to this file")
+    parser.add_argument("--only-from", help="rerun only the families of this JSON whose verdict is crash or "
+                                            "not built, keeping the others' verdicts")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    found: dict[str, dict[str, Any]] = {}
+    todo = args.families or causal_lm_types()
+    if args.only_from:
+        with open(args.only_from) as f:
+            found = json.load(f)
+        todo = [t for t in todo if t not in found or found[t]["verdict"] not in ("captured", "refused")]
+    for model_type in todo:
+        found[model_type] = verdict(model_type)
+        print(f"{model_type}\t{found[model_type]['verdict']}\t{found[model_type]['detail']}", flush=True)
+    counts: dict[str, int] = {}
+    for v in found.values():
+        counts[v["verdict"]] = counts.get(v["verdict"], 0) + 1
+    print(", ".join(f"{n} {k}" for k, n in sorted(counts.items())), file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(found, f, indent=1, sort_keys=True)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(found))
+
+
+if __name__ == "__main__":
+    main()
