@@ -25,7 +25,7 @@ import xarray as xr
 from conftest import ABLATED_SEQUENCES, extract, moto_s3
 
 from attngeom.api import analyze, open_store
-from attngeom.errors import InputError
+from attngeom.errors import InputError, StoreWriteError
 from attngeom.extract.request import ExtractRequest
 from attngeom.store import DERIVED, validate_store, zarr_store
 from attngeom.store.lease import Lease, lease_seconds
@@ -215,6 +215,23 @@ def test_a_killed_analyze_on_s3_is_taken_over_after_its_lease_and_rerun_to_the_s
         capsys.readouterr().err)
     assert validate_store(s3_store, deep=True) == []
     assert_same_objects(s3_store, analyzed_reference, tmp_path / "s3.zarr")
+
+
+@pytest.mark.parametrize("scheme", ["s3://attngeom", "memory://attngeom"])
+def test_a_held_object_is_written_only_while_it_is_the_version_its_writer_last_saw(s3_env, scheme):
+    """Two writers of one record: each write is conditional on the version its writer last
+    read or wrote, so a writer that missed the other's write fails and writes nothing."""
+    zstore = zarr_store(f"{scheme}/{uuid.uuid4().hex}.zarr", read_only=False)
+    first, second = (Lease(zstore, "r", "analyze", 60.0).held_object("runs/r/analysis/zarr.json") for _ in range(2))
+    assert first.read() is None and second.read() is None
+    first.write(b'{"writer": 1}')
+    with pytest.raises(StoreWriteError, match="^the analyze of run r lost its hold: another writer took the run over"):
+        second.write(b'{"writer": 2}')  # created meanwhile
+    assert second.read() == b'{"writer": 1}'
+    second.write(b'{"writer": 2}')
+    with pytest.raises(StoreWriteError, match="lost its hold"):
+        first.write(b'{"writer": 1, "again": true}')
+    assert first.read() == b'{"writer": 2}'
 
 
 # Runs the command of its arguments (``python -c STOPPED_AT_FIRST_TOPN_CHUNK analyze ...``)

@@ -92,11 +92,10 @@ def forget_unreadable(session: StoreSession, run_id: str, kind: str) -> str | No
     was removed ("did not parse", "was malformed", "was lost"), else None. A writer does this
     before opening the run with xarray, which reads every child group's metadata."""
     session.lock(run_id, DERIVED.get(kind, kind))
-    fence = session.held_object(run_id, f"{kind_path(run_id, kind)}/zarr.json")
-    if fence is not None:
-        with DerivedWrite(session, run_id, kind) as write:
-            return write.forgotten
     state = read_state(session.zstore, run_id, kind)
+    if state.unreadable and session.held_object(run_id, kind_path(run_id, kind)) is not None:
+        with DerivedWrite(session, run_id, kind) as write:  # fenced: its record replaced first
+            return write.forgotten
     if state.leftover:
         remove_dir(session.zstore, kind_path(run_id, kind))
     if not state.unreadable:
