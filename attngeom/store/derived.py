@@ -25,6 +25,11 @@ writes the commit last: a killed writer leaves either the earlier finished resul
 group that every reader refuses as incomplete. A derived group without any record predates
 records (attngeom 0.1.0 stores) and is read as it is.
 
+On an object store a writer's lease can end without its knowledge, and then it may not touch
+what a commit covers at all: there the groups of each update go into a generation folder of
+the writer's own, the commit record names it, and every record write is conditional on the
+record the writer last saw (see :class:`DerivedWrite`).
+
 One writer owns one update from start to commit: :class:`DerivedWrite`, made by the
 command's :class:`~attngeom.store.session.StoreSession`, holds the run's lock (a
 lease on object stores), finds what of the committed groups is damaged, plans (:mod:`attngeom.store.plan`),
