@@ -48,7 +48,6 @@ from attngeom.store import (
     write_sequence,
     zarr_store,
 )
-from attngeom.store.lease import LEASES
 from attngeom.store.record import is_generation
 from attngeom.store.session import StoreSession
 from attngeom.synthetic import synthetic_sequence
