@@ -28,7 +28,9 @@ from attngeom.api import analyze, open_store
 from attngeom.errors import InputError, StoreWriteError
 from attngeom.extract.request import ExtractRequest
 from attngeom.store import DERIVED, validate_store, zarr_store
+from attngeom.store.derived import DerivedWrite
 from attngeom.store.lease import Lease, lease_seconds
+from attngeom.synthetic import write_synthetic_run
 
 S = ABLATED_SEQUENCES
 ANALYSIS_GROUPS = ("topn", "values", "taxonomy", "heads", "summary", "signatures", "table")
@@ -285,6 +287,35 @@ def test_a_writer_whose_lease_was_taken_over_changes_nothing_committed(s3_store,
     assert generations(s3_store) == [committed]
     assert validate_store(s3_store, deep=True) == []
     assert_same_objects(s3_store, analyzed_reference, tmp_path / "next")
+
+
+def test_a_writer_stalled_after_its_commit_removes_nothing_a_later_writer_committed(tmp_path, monkeypatch):
+    """What a writer removes after its commit was listed before its first record write: one
+    that sleeps past its lease between its commit and that removal, while another analyze
+    takes the run over and commits, removes nothing of the later commit."""
+    local = tmp_path / "s.zarr"
+    write_synthetic_run(str(local), "r", n_seq=2, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, length=16)
+    url = f"memory://attngeom-{uuid.uuid4().hex}/s.zarr"
+    fsspec.filesystem("memory").put(str(local), url.removeprefix("memory://"), recursive=True)
+    analyze(url, scheduler="threads", n_grid=[1, 2], progress=False)
+    remove = DerivedWrite._remove_garbage
+
+    def asleep_first(write, keep):
+        monkeypatch.setattr(DerivedWrite, "_remove_garbage", remove)
+        lease = write.session._leases["r"]
+        lease._stop.set()
+        lease._thread.join()
+        lease.fs.pipe_file(lease.path, b'{"host": "asleep", "pid": 0, "expires": 0}')
+        analyze(url, scheduler="threads", n_grid=[1, 4], progress=False)
+        remove(write, keep)
+
+    monkeypatch.setattr(DerivedWrite, "_remove_garbage", asleep_first)
+    analyze(url, scheduler="threads", n_grid=[1, 2, 4], progress=False)
+    assert validate_store(url, deep=True) == []
+    analyze(str(local), scheduler="threads", n_grid=[1, 4], progress=False)
+    got, want = open_store(url).run("r"), open_store(str(local)).run("r")
+    for name in ANALYSIS_GROUPS:
+        xr.testing.assert_identical(got.analysis(name).load(), want.analysis(name).load())
 
 
 def test_a_commands_object_store_keeps_what_it_read_never_an_absence():

@@ -193,7 +193,10 @@ class DerivedWrite:
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self._step = "closed"
-        if kind is None:  # last, also when nothing was written: a killed writer may have left it stale
+        # Last, also when nothing was written: a killed writer may have left it stale. Not by
+        # a fenced writer another writer took over from since its last record write: the
+        # copy would describe its own record, and the holder refreshes the copy anyway.
+        if kind is None and (self.fence is None or self.fence.unchanged()):
             consolidate(self.session.root, own=self.base)
 
     def _advance(self, expected: str, to: str) -> None:

@@ -254,6 +254,16 @@ class HeldObject:
             self.fs.pipe_file(self.path, data)
         self._seen = data
 
+    def unchanged(self) -> bool:
+        """Whether the object is still the version last read or written (one request): a
+        check, for what may follow it unfenced."""
+        try:
+            if self._conditional:
+                return self.fs.info(self.path, refresh=True).get("ETag") == self._etag
+            return self.fs.cat_file(self.path) == self._seen
+        except FileNotFoundError:
+            return self._seen is None
+
     def _lost(self) -> StoreWriteError:
         return StoreWriteError(
             f"the {self.lease.holder['command']} of run {self.lease.run_id} lost its hold: another writer took "
