@@ -3,7 +3,11 @@
 Rules: a fresh analyze, sequences appended to the run (an extract going on), a recompute
 with other parameters (into staging), damage to a committed object (then a rerun heals it),
 a writer that withdrew the commit and died, a writer at work in another process (its update
-begun, the run held), and a kill at any chosen store write of any analyze. After every step
+begun, the run held), and a kill at any chosen store write of any analyze; on an object
+store (``memory://``, whose writers are fenced: each writes a generation of its own) also a
+writer whose lease another writer took over while it slept, which wakes after that one
+committed and writes on: it fails at its next record write, and every analyze that
+finishes leaves only the generation its commit names. After every step
 a reader, through the public reading API only, sees either no finished analysis or one whose
 every group equals a fresh analysis of exactly the committed sequences with the committed
 parameters: never a mix; and it is told an unfinished analysis is in progress while its
@@ -20,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -30,7 +35,7 @@ from attngeom.analyze.blocks import all_groups, sequence_groups, template_groups
 from attngeom.analyze.parameters import analysis_parameters
 from attngeom.analyze.runner import open_completed
 from attngeom.api import analyze
-from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError, InProgressError
+from attngeom.errors import DamagedStoreError, GroupNotFoundError, IncompleteGroupError, InProgressError, StoreWriteError
 from attngeom.store import (
     ANALYSIS,
     RunLayout,
@@ -43,6 +48,7 @@ from attngeom.store import (
     write_sequence,
     zarr_store,
 )
+from attngeom.store.record import is_generation
 from attngeom.store.session import StoreSession
 from attngeom.synthetic import synthetic_sequence
 
@@ -183,14 +189,32 @@ class _Kill:
         os.replace, shutil.rmtree = self._replace, self._rmtree
 
 
+def _generations(url: str) -> list[str]:
+    """The generation folders of run r's analysis on a ``memory://`` store."""
+    folder = f"{url.removeprefix('memory://')}/runs/r/{ANALYSIS}"
+    fs = fsspec.filesystem("memory")
+    return sorted(name for p in (fs.ls(folder, detail=False) if fs.exists(folder) else [])
+                  if is_generation(name := p.rstrip("/").rsplit("/", 1)[-1]))
+
+
+def _taken_over(session: StoreSession) -> None:
+    """The run's lease of ``session`` as a sleeping machine's: its renewals stopped, expired
+    for the next writer, and nothing told to its holder."""
+    lease = session._leases["r"]
+    lease._stop.set()
+    lease._thread.join()
+    lease.fs.pipe_file(lease.path, b'{"host": "asleep", "pid": 0, "expires": 0}')
+
+
 class DerivedProtocol(RuleBasedStateMachine):
     """A run growing and being analyzed, killed and damaged; the model: which (sequences,
     parameters) commits a reader may find."""
 
-    @initialize(n=st.integers(1, 3))
-    def make(self, n: int) -> None:
+    @initialize(n=st.integers(1, 3), local=st.booleans())
+    def make(self, n: int, local: bool) -> None:
+        self.local = local
         self.folder = tempfile.mkdtemp()
-        self.url = str(Path(self.folder) / "s.zarr")
+        self.url = str(Path(self.folder) / "s.zarr") if local else f"memory://derived-{Path(self.folder).name}/s.zarr"
         _make_run(self.url, n)
         self.n = n
         # The (sequence count, parameters) a reader may find committed; None: no finished analysis.
@@ -199,6 +223,8 @@ class DerivedProtocol(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+        if not self.local:
+            fsspec.filesystem("memory").rm(self.url.removeprefix("memory://").rsplit("/", 1)[0], recursive=True)
 
     @precondition(lambda self: self.n < CAPACITY)
     @rule(more=st.integers(1, 2))
@@ -213,7 +239,11 @@ class DerivedProtocol(RuleBasedStateMachine):
         _run_analyze(self.url, params)
         self.possible = {(self.n, params)}
         self.damaged = False
+        if not self.local:  # what earlier writers left that no record names is gone
+            generation = read_state(zarr_store(self.url, read_only=True), "r", ANALYSIS).commit.generation
+            assert _generations(self.url) == [generation]
 
+    @precondition(lambda self: self.local)
     @rule(params=st.sampled_from(sorted(PARAMS)),
           kill=st.one_of(st.tuples(st.just("step"), st.integers(1, 28)), st.tuples(st.just("object"), st.integers(1, 340))))
     def killed_analyze(self, params: str, kill: tuple[str, int]) -> None:
@@ -230,6 +260,7 @@ class DerivedProtocol(RuleBasedStateMachine):
         self.possible = self.possible | {None, (self.n, params)}
         assert killing.count[kill[0]] == kill[1]
 
+    @precondition(lambda self: self.local)
     @rule(data=st.data())
     def damage(self, data) -> None:
         """Lose or truncate an object the commit lists (what any rerun heals)."""
@@ -256,6 +287,7 @@ class DerivedProtocol(RuleBasedStateMachine):
             raise Killed
         self.possible = self.possible | {None}
 
+    @precondition(lambda self: self.local)
     @rule(params=st.sampled_from(sorted(PARAMS)), create=st.booleans())
     def live_writer(self, params: str, create: bool) -> None:
         """A writer at work in another process (its update begun, maybe its groups created),
@@ -274,6 +306,36 @@ class DerivedProtocol(RuleBasedStateMachine):
             holder.stdin.close()
             holder.wait()
         self.possible = self.possible | {None}
+
+    @precondition(lambda self: not self.local)
+    @rule(params=st.sampled_from(sorted(PARAMS)), other=st.sampled_from(sorted(PARAMS)), created=st.booleans())
+    def stale_writer(self, params: str, other: str, created: bool) -> None:
+        """A writer (``params``) that began an update (and created its groups, if
+        ``created``), then slept past its lease; another analyze (``other``) takes the run
+        over and commits; the first wakes and writes its first sequence on. Its record write
+        fails (the fence: it never learns its lease ended), and what it wrote is named by no
+        record."""
+        grid, seed = PARAMS[params]
+        try:
+            with StoreSession(self.url, mode="a") as session, session.derived("r", ANALYSIS) as write:
+                ds = open_completed(self.url, "r")
+                plan = write.begin(analysis_parameters(grid, seed), range(self.n), all_groups(ds), sequence_groups(ds))
+                if plan.up_to_date:  # nothing it would write
+                    return
+                if created:
+                    write.create(template_groups(ds, grid, seed), 1)
+                _taken_over(session)
+                self.analyze(other)
+                self.reader_sees_a_commit()
+                if not created:
+                    write.create(template_groups(ds, grid, seed), 1)
+                start = len(plan.keep)
+                write.append({"topn": template_groups(ds, grid, seed)["topn"].isel(seq=slice(start, start + 1)).load()})
+        except StoreWriteError as exc:
+            assert "lost its hold" in str(exc), exc
+        else:
+            raise AssertionError("a writer whose lease was taken over wrote its record")
+        assert len(_generations(self.url)) == 2  # its own, which no record names
 
     @invariant()
     def reader_sees_a_commit(self) -> None:

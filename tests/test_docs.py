@@ -6,8 +6,10 @@ the repository is left."""
 from __future__ import annotations
 
 import re
+import uuid
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pytest
 
@@ -209,7 +211,7 @@ def test_store_md_reading_examples_run_as_written(tmp_path, monkeypatch):
     from attngeom.synthetic import write_synthetic_run
 
     blocks = python_blocks(section(DOCS / "store.md", "reading-a-store"))
-    assert len(blocks) == 4 and "import tensorstore" in blocks[3]
+    assert len(blocks) == 5 and "commit.get(\"generation\")" in blocks[2] and "import tensorstore" in blocks[4]
     pytest.importorskip("tensorstore")  # the interop extra
     monkeypatch.chdir(tmp_path)
     run_id = "gemma3-270m__wiki-summaries__L128"
@@ -218,7 +220,18 @@ def test_store_md_reading_examples_run_as_written(tmp_path, monkeypatch):
     scope: dict = {}
     for block in blocks:
         exec(compile(block, "store.md", "exec"), scope)
+        scope.setdefault("attngeom_topn", scope.get("topn"))
     assert scope["ds"].sizes["seq"] == 2 and scope["topn"].sizes["seq"] == 2
+    np.testing.assert_array_equal(scope["topn"]["precision"], scope["attngeom_topn"]["precision"])
+    # The plain reader of a derived group on an object store, whose writer put it in a generation.
+    url = f"memory://docs-{uuid.uuid4().hex}/runs.zarr"
+    fsspec.filesystem("memory").put("runs.zarr", url.removeprefix("memory://"), recursive=True)
+    ag.analyze(url, scheduler="threads", n_grid=[1, 2], progress=False)
+    plain: dict = {}
+    exec(compile(blocks[2].replace('"runs.zarr"', repr(url)), "store.md", "exec"), plain)
+    assert plain["commit"]["generation"].startswith("gen-")
+    np.testing.assert_array_equal(plain["topn"]["precision"],
+                                  ag.open_store(url).run(run_id).analysis("topn")["precision"])
     assert set(scope["labels"]) == {"Retriever", "Mixer", "Reset"}
     stored = zarr.open_group("runs.zarr", path=f"runs/{run_id}", mode="r")
     np.testing.assert_array_equal(scope["first"], stored["attn_last"][0])

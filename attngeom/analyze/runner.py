@@ -243,7 +243,7 @@ def analyze_run(session: StoreSession, run_id: str, ds: xr.Dataset, grid: Sequen
     names = sequence_groups(ds)
     with session.derived(run_id, ANALYSIS, deep=request.deep) as write:
         plan = write.begin(params, target, all_groups(ds), names)
-        healed = "; ".join(f"{analysis_path(run_id)}/{write.damage[name]}" for name in plan.heal) or None
+        healed = "; ".join(f"{write.state.groups_path}/{write.damage[name]}" for name in plan.heal) or None
         if progress:
             _announce(run_id, plan, healed)
         if plan.up_to_date:

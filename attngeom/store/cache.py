@@ -35,7 +35,7 @@ import zarr
 from zarr.abc.buffer import Buffer, BufferPrototype
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 
-__all__ = ["KEPT", "SMALL", "cached", "drop_kept", "note_sizes", "uncached"]
+__all__ = ["KEPT", "SMALL", "cached", "drop_kept", "note_sizes", "note_written", "uncached"]
 
 # A whole object is kept if it is at most SMALL bytes: a sequence's summaries, a small
 # model's shard of a sequence at a short context (smollm2-135m's values at L = 64: 1.5 MB),
@@ -197,6 +197,15 @@ def drop_kept(zstore: Any) -> None:
     peers wrote since, as a Store built afresh would."""
     if isinstance(zstore, _CachedFsspecStore):
         zstore._kept.forget("", whole=True)
+
+
+def note_written(zstore: Any, key: str, value: bytes) -> None:
+    """Tell a command's Store that the command wrote ``value`` at ``key`` by another way (a
+    conditional write of a commit record): it keeps it as if written through it."""
+    if isinstance(zstore, _CachedFsspecStore):
+        zstore._kept.forget(key)
+        if key.rsplit("/", 1)[-1] == "zarr.json":
+            zstore._kept.keep((key, None), value)
 
 
 def note_sizes(zstore: Any, sizes: Mapping[str, int]) -> None:

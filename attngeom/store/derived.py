@@ -25,6 +25,11 @@ writes the commit last: a killed writer leaves either the earlier finished resul
 group that every reader refuses as incomplete. A derived group without any record predates
 records (attngeom 0.1.0 stores) and is read as it is.
 
+On an object store a writer's lease can end without its knowledge, and then it may not touch
+what a commit covers at all: there the groups of each update go into a generation folder of
+the writer's own, the commit record names it, and every record write is conditional on the
+record the writer last saw (see :class:`DerivedWrite`).
+
 One writer owns one update from start to commit: :class:`DerivedWrite`, made by the
 command's :class:`~attngeom.store.session.StoreSession`, holds the run's lock (a
 lease on object stores), finds what of the committed groups is damaged, plans (:mod:`attngeom.store.plan`),
@@ -35,6 +40,7 @@ order. Analyze, ablate and detect all write through it.
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -44,8 +50,11 @@ import xarray as xr
 import zarr
 
 from attngeom.store.access import consolidate
+from attngeom.store.cache import note_written
 from attngeom.store.datasets import open_dataset, read_regions, set_regions, write_datasets
 from attngeom.store.storage import (
+    child_names,
+    copy_within,
     delete_objects,
     group_document,
     jsonable,
@@ -56,6 +65,7 @@ from attngeom.store.storage import (
     put_objects,
     remove_dir,
 )
+from attngeom.store.lease import HeldObject
 from attngeom.store.plan import Plan, healing, plan_update
 from attngeom.store.record import (
     LOST,
@@ -65,6 +75,8 @@ from attngeom.store.record import (
     DerivedState,
     Pending,
     derived_damage,
+    generation_name,
+    groups_path,
     kind_path,
     read_state,
     staged_path,
@@ -86,11 +98,18 @@ def forget_unreadable(session: StoreSession, run_id: str, kind: str) -> str | No
     before opening the run with xarray, which reads every child group's metadata."""
     session.lock(run_id, DERIVED.get(kind, kind))
     state = read_state(session.zstore, run_id, kind)
+    if state.unreadable and session.held_object(run_id, kind_path(run_id, kind)) is not None:
+        with DerivedWrite(session, run_id, kind) as write:  # fenced: its record replaced first
+            return write.forgotten
     if state.leftover:
         remove_dir(session.zstore, kind_path(run_id, kind))
     if not state.unreadable:
         return None
     remove_dir(session.zstore, kind_path(run_id, kind))
+    return _fault_words(state)
+
+
+def _fault_words(state: DerivedState) -> str:
     return "was lost" if state.fault == LOST else "was malformed" if state.fault.startswith("malformed") \
         else "did not parse"
 
@@ -114,6 +133,16 @@ class DerivedWrite:
 
     or, for groups replaced as a whole, ``write.replace(groups, parameters)``. A verb called
     out of this order raises :class:`RuntimeError`.
+
+    On an object store, where a writer's lease can end without its knowledge, the update is
+    fenced: every group it writes lies in a generation folder of its own
+    (``runs/<id>/<kind>/gen-<token>``, a copy of the kept sequences first), the committed
+    groups are never touched, and each record write is conditional on the record being the
+    one this writer last read or wrote (:class:`~attngeom.store.lease.HeldObject`). The
+    commit, naming the generation, makes it current in one write; what no record names is
+    removed after it. A writer whose lease was taken over thus stops at its next record
+    write, having written only into a folder no record names. On a local disk the run's
+    lock lasts as long as its writer's process and the groups are written in place.
     """
 
     def __init__(self, session: StoreSession, run_id: str, kind: str, *, deep: bool = False) -> None:
@@ -126,20 +155,48 @@ class DerivedWrite:
         self._record: zarr.Group | None = None
         self._step = "closed"
         self._update: _Update | None = None
+        # Fenced writers' (object stores): the record as a conditional object, this writer's
+        # generation, and what the kind's folder held before its first record write.
+        self.fence: HeldObject | None = None
+        self.generation = ""
+        self._listed: tuple[str, ...] = ()
+        self.forgotten: str | None = None
 
     def __enter__(self) -> DerivedWrite:
         self.session.lock(self.run_id, DERIVED.get(self.kind, self.kind))
-        self.state = read_state(self.zstore, self.run_id, self.kind)
-        if self.state.unreadable or self.state.leftover:  # as forget_unreadable
-            remove_dir(self.zstore, self.base)
-            self.state = DerivedState(self.run_id, self.kind)
+        self.fence = self.session.held_object(self.run_id, f"{self.base}/zarr.json")
+        if self.fence is None:
+            self.state = read_state(self.zstore, self.run_id, self.kind)
+            if self.state.unreadable or self.state.leftover:  # as forget_unreadable
+                remove_dir(self.zstore, self.base)
+                self.state = DerivedState(self.run_id, self.kind)
+        else:
+            self.generation = generation_name(uuid.uuid4().hex[:16])
+            self.state = read_state(self.zstore, self.run_id, self.kind, raw=self.fence.read())
+            # Listed after the record was read and before this writer's first write of it,
+            # which fails if another writer wrote it in between: no later commit can name any
+            # of these, so once this writer's commit (or record) is written they are garbage,
+            # also if it stalls and they are removed long after.
+            self._listed = tuple(name for name in child_names(self.zstore, self.base) if name != "zarr.json")
+            if self.state.unreadable:
+                self.forgotten = _fault_words(self.state)
+                self.state = DerivedState(self.run_id, self.kind, exists=True)
+                self._write_record(None, None)
+                self._remove_garbage(keep=())
+            elif self.state.pending is not None and self.state.pending.promoting:
+                # A local-layout promotion cut short: its staging is not resumed here, the
+                # groups are computed again into this writer's generation.
+                self.state = replace(self.state, pending=None)
         self.damage = derived_damage(self.zstore, self.state, deep=self.deep)
         self._step = "open"
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self._step = "closed"
-        if kind is None:  # last, also when nothing was written: a killed writer may have left it stale
+        # Last, also when nothing was written: a killed writer may have left it stale. Not by
+        # a fenced writer another writer took over from since its last record write: the
+        # copy would describe its own record, and the holder refreshes the copy anyway.
+        if kind is None and (self.fence is None or self.fence.unchanged()):
             consolidate(self.session.root, own=self.base)
 
     def _advance(self, expected: str, to: str) -> None:
@@ -167,10 +224,18 @@ class DerivedWrite:
         plan = healing(plan_update(self.state, params, target), self.damage, sequence_groups)
         if plan.up_to_date:
             self._step, self.plan = "done", plan
+            if self.fence is not None and self._garbage(self.state.commit):
+                self._write_record(self.state.commit, None)
+                self._remove_garbage(keep=self._committed_folders(self.state.commit))
             return plan
-        pending = Pending(params, plan.keep, staged=plan.staged)
+        pending = Pending(params, plan.keep, staged=plan.staged, generation=self.generation)
         self._set_pending(pending, keep_commit=plan.keep_commit)
-        self._discard_damaged(sequence_groups if not plan.keep_commit else ())
+        if self.fence is not None:
+            self._start_generation()
+            if plan.keep:
+                self._copy_kept(plan, params, sequence_groups)
+        else:
+            self._discard_damaged(sequence_groups if not plan.keep_commit else ())
         plan = replace(plan, keep=self._kept(plan, sequence_groups))
         self.plan = plan
         self._update = _Update(Commit(params, groups, target, sequence_groups),
@@ -195,7 +260,8 @@ class DerivedWrite:
             # Groups grown in place are read through the kept commit meanwhile. Every array's
             # metadata is rewritten at once, as attngeom writes it (zarr's resize encodes each
             # document through Python's pure-Python JSON encoder, then waits for its write).
-            with contextlib.nullcontext() if plan.staged or not grown else self._commit_withdrawn(update.pending):
+            with (contextlib.nullcontext() if plan.staged or not grown or self.fence is not None
+                  else self._commit_withdrawn(update.pending)):
                 put_objects(self.zstore, {f"{arrays[name][key].path}/zarr.json": metadata_bytes(meta.to_dict())
                                           for (name, key), meta in grown.items()})
             for (name, key), meta in grown.items():
@@ -238,6 +304,8 @@ class DerivedWrite:
     def read(self, name: str) -> xr.Dataset:
         """The group ``name`` as a lazy Dataset: during an update, as written so far (not
         through the commit); else as committed last."""
+        if self.fence is not None and self._step != "writing":
+            return open_dataset(self.zstore, self.url, f"{self.state.groups_path}/{name}")
         staged = self._step == "writing" and self.plan is not None and self.plan.staged
         return open_dataset(self.zstore, self.url, self.path(name, staged=staged))
 
@@ -252,7 +320,9 @@ class DerivedWrite:
         update = self._update
         if update.pending.sequences != update.done.sequences:
             raise RuntimeError(f"{len(update.pending.sequences)} of {len(update.done.sequences)} sequences written")
-        if self.plan.staged or (self.state.commit is not None and local_path(self.url) is not None):
+        if self.fence is not None:
+            self._write(datasets)
+        elif self.plan.staged or (self.state.commit is not None and local_path(self.url) is not None):
             self._write(datasets)
             staged = update.done.sequence_groups if self.plan.staged else ()
             self._promote([*staged, *datasets], update.pending)
@@ -268,7 +338,12 @@ class DerivedWrite:
         results that ``groups`` lacks removed, then committed."""
         self._advance("open", "done")
         params = jsonable(dict(parameters))
-        self._set_pending(Pending(params, staged=True), keep_commit=True)
+        self._set_pending(Pending(params, staged=True, generation=self.generation), keep_commit=True)
+        if self.fence is not None:
+            self._start_generation()
+            self._write(groups)
+            self._commit(Commit(params, tuple(groups)))
+            return
         remove_dir(self.zstore, f"{self.base}/{STAGING}")
         self._write(groups)
         kept = zarr.open_group(self.zstore, path=self.base, mode="r", use_consolidated=False)
@@ -281,7 +356,10 @@ class DerivedWrite:
     # Paths and groups.
 
     def path(self, name: str, *, staged: bool = False) -> str:
-        """``runs/<id>/<kind>/<name>``, or its staging place."""
+        """``runs/<id>/<kind>/<name>``, or its staging place; a fenced writer's own
+        generation's ``runs/<id>/<kind>/<generation>/<name>`` either way."""
+        if self.fence is not None:
+            return f"{self.base}/{self.generation}/{name}"
         return staged_path(self.run_id, self.kind, name) if staged else f"{self.base}/{name}"
 
     def _group(self, name: str, staged: bool) -> zarr.Group:
@@ -317,10 +395,16 @@ class DerivedWrite:
         self.session.check_lock(self.run_id)
         record: dict[str, Any] = {}
         if done is not None:
-            record["commit"] = jsonable(done.__dict__)
+            record["commit"] = _without_generation(jsonable(done.__dict__))
         if pending is not None:
-            record["pending"] = jsonable(pending.__dict__)
-        if not self.state.exists:
+            record["pending"] = _without_generation(jsonable(pending.__dict__))
+        if self.fence is not None:
+            # Named for its writer, so that no other writer's record has its bytes (HeldObject).
+            record["writer"] = self.generation
+            data = metadata_bytes(group_document({ATTR_KEY: record}))
+            self.fence.write(data)
+            note_written(self.zstore, f"{self.base}/zarr.json", data)
+        elif not self.state.exists:
             # The group's metadata, written at once: zarr would first look for a node there,
             # a request on an object store for what the record already told.
             put_objects(self.zstore, {f"{self.base}/zarr.json": metadata_bytes(group_document({ATTR_KEY: record}))})
@@ -336,6 +420,9 @@ class DerivedWrite:
         update appending sequences in place no longer lists the objects of its sequence
         groups: the append rewrites their last chunks (the committed sequences in them
         unchanged) and resizes their arrays."""
+        if self.fence is not None:  # the commit's groups are never touched: kept whole
+            self._write_record(self.state.commit, pending)
+            return
         done = self.state.commit if keep_commit else None
         if done is not None and not pending.staged:
             done = replace(done, objects={key: size for key, size in done.objects.items()
@@ -360,11 +447,62 @@ class DerivedWrite:
     def _commit(self, done: Commit) -> None:
         """Write the commit record, listing every stored object of its groups (and forget the
         pending update): the writer's last write. Leftover staging is removed first."""
+        if self.fence is not None:
+            stored = stored_sizes(self.zstore, groups_path(self.run_id, self.kind, self.generation))
+            objects = {key: size for key, size in stored.items() if key.split("/", 1)[0] in done.groups}
+            self._write_record(replace(done, objects=objects, generation=self.generation), None)
+            self.damage = {}
+            self._remove_garbage(keep=(self.generation,))
+            return
         remove_dir(self.zstore, f"{self.base}/{STAGING}")
         stored = stored_sizes(self.zstore, self.base)
         objects = {key: size for key, size in stored.items() if key.split("/", 1)[0] in done.groups}
         self._write_record(replace(done, objects=objects), None)
         self.damage = {}
+
+    # A fenced writer's generation.
+
+    def _start_generation(self) -> None:
+        """Create this writer's generation folder as a group, so that its groups are nodes
+        of the store's tree; after the record naming it, as every object of the update."""
+        put_objects(self.zstore, {f"{self.base}/{self.generation}/zarr.json": metadata_bytes(group_document({}))})
+
+    def _copy_kept(self, plan: Plan, params: Mapping[str, Any], sequence_groups: Sequence[str]) -> None:
+        """Copy the per-sequence groups holding ``plan.keep`` (the commit's, or those of the
+        interrupted update resumed) into this writer's generation, but their damaged objects:
+        the update appends to its own copy, never to what another writer wrote."""
+        done, pending = self.state.commit, self.state.pending
+        if done is not None and not plan.staged and len(plan.keep) <= len(done.sequences):
+            source = self.state.groups_path
+            damaged = {key for damage in self.damage.values() for key, _ in damage.objects}
+        else:
+            assert pending is not None and pending.parameters == params
+            source = (groups_path(self.run_id, self.kind, pending.generation) if pending.generation
+                      else f"{self.base}/{STAGING}" if pending.staged else self.base)
+            damaged = set()
+        for name in sequence_groups:
+            copy_within(self.zstore, f"{source}/{name}", self.path(name),
+                        skip={f"{source}/{key}" for key in damaged if key.startswith(f"{name}/")})
+
+    def _committed_folders(self, done: Commit | None) -> tuple[str, ...]:
+        """The folders of the kind's that the commit ``done`` reads."""
+        if done is None:
+            return ()
+        return (done.generation,) if done.generation else done.groups
+
+    def _garbage(self, done: Commit | None) -> tuple[str, ...]:
+        """What the kind's folder held, listed before this writer's first record write, that
+        the commit ``done`` does not read."""
+        keep = set(self._committed_folders(done))
+        return tuple(name for name in self._listed if name not in keep)
+
+    def _remove_garbage(self, keep: Sequence[str]) -> None:
+        """Remove what the kind's folder held before this writer's first record write, but
+        ``keep``: called after a record write of this writer, so nothing it removes can be
+        named by a record (:meth:`__enter__`)."""
+        for name in self._listed:
+            if name not in keep:
+                remove_dir(self.zstore, f"{self.base}/{name}")
 
     def _discard_damaged(self, names: Sequence[str]) -> None:
         """Remove the damaged objects of the groups ``names`` (their commit dropped first),
@@ -395,6 +533,12 @@ class DerivedWrite:
             return None
         self._finish_promotion(pending.promoting)
         return pending
+
+
+def _without_generation(record: dict[str, Any]) -> dict[str, Any]:
+    """A commit or pending record as written: without ``generation`` where it is "" (a local
+    writer's, whose records read as before generations)."""
+    return {key: value for key, value in record.items() if key != "generation" or value}
 
 
 @dataclass

@@ -36,7 +36,7 @@ def _rerun(url: str, run_id: str, kind: str) -> str:
 
 def _damaged(url: str, state: DerivedState, damage: Damage) -> DamagedStoreError:
     return DamagedStoreError(
-        f"{kind_path(state.run_id, state.kind)}/{damage}; {_rerun(url, state.run_id, state.kind)}"
+        f"{state.groups_path}/{damage}; {_rerun(url, state.run_id, state.kind)}"
     )
 
 
@@ -128,7 +128,7 @@ def read_derived(zstore: Any, url: str, run_id: str, kind: str, name: str) -> xr
     if damage:
         raise _damaged(url, state, damage[name])
     try:
-        ds = open_dataset(zstore, url, f"{kind_path(run_id, kind)}/{name}")
+        ds = open_dataset(zstore, url, f"{state.groups_path}/{name}")
     except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError) as exc:
         if state.legacy:
             raise GroupNotFoundError(f"{kind} of run {run_id} has no group '{name}'") from exc
@@ -171,8 +171,8 @@ def derived_problems(zstore: Any, url: str, run_id: str, committed_sequences: Se
         for name in state.commit.groups:
             if name in damage:
                 problems.append(Problem(str(_damaged(url, state, damage[name])),
-                                        tuple(f"{kind_path(run_id, kind)}/{key}" for key, _ in damage[name].objects)))
-            elif not state.commit.objects and not node_exists(zstore, f"{kind_path(run_id, kind)}/{name}"):
+                                        tuple(f"{state.groups_path}/{key}" for key, _ in damage[name].objects)))
+            elif not state.commit.objects and not node_exists(zstore, f"{state.groups_path}/{name}"):
                 problems.append(Problem(f"run {run_id}: {kind} is committed but lacks its group '{name}'"))
         for what, claimed in _claims(state.commit).items():
             unknown = sorted(set(claimed) - done)

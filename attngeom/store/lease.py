@@ -12,6 +12,11 @@ back, and each renewal first reads that the lease is still its holder's.
 
 The lease lasts ``ATTNGEOM_LEASE_SECONDS`` seconds (default 60): a killed writer's run is
 taken over that long after its last renewal. Renewals come every third of it.
+
+A lease orders writers; it cannot stop one whose lease ended without its knowledge (a
+machine asleep) from writing on. What fences such a writer is :class:`HeldObject`: a small
+object (a commit record) that its writer replaces only while it is still the version that
+writer last read or wrote, by one conditional write.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 from attngeom.errors import InputError, StoreWriteError
 from attngeom.store._zarr import sync
 
-__all__ = ["LEASES", "Lease", "current_lease", "lease_seconds"]
+__all__ = ["LEASES", "HeldObject", "Lease", "current_lease", "lease_seconds"]
 
 # The folder of the leases, under the store's root: no Zarr node, so no reader lists it.
 LEASES = "leases"
@@ -110,6 +115,11 @@ class Lease:
         if self.lost:
             raise StoreWriteError(self.lost)
 
+    def held_object(self, key: str) -> HeldObject:
+        """The object ``key`` (below the store's root) as this lease's writer replaces it:
+        only while it is still the version the writer last read or wrote."""
+        return HeldObject(self.fs, f"{self.path.rsplit(f'/{LEASES}/', 1)[0]}/{key}", key, self)
+
     def _body(self) -> bytes:
         now = time.time()
         since = self.holder.setdefault("since", datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds"))
@@ -182,6 +192,84 @@ class Lease:
         except ValueError:  # a lease cut short: treated as expired
             body = {}
         return (body if isinstance(body, dict) else {}), etag
+
+
+class HeldObject:
+    """The small object at ``path`` of the file system ``fs`` (``key``: its key below the
+    store's root, in messages), written by the holder of ``lease`` only while it is still the
+    version that writer last read or wrote: the fencing of a writer whose lease ended without
+    its knowledge.
+
+    On S3 each write is one conditional request (``If-Match`` the ETag last seen, or
+    ``If-None-Match: *`` where the object was absent), so that between a check and the write
+    no other writer's version can land and be overwritten. Any other fsspec store (no
+    conditional replace: ``memory://``) compares the object with the version last seen first,
+    a check then a write. The body of every write must differ from any other writer's (it
+    names its writer): S3's ETag is the MD5 of the bytes, and two writers' equal bytes would
+    look like one version."""
+
+    def __init__(self, fs: Any, path: str, key: str, lease: Lease) -> None:
+        self.fs, self.path, self.key, self.lease = fs, path, key, lease
+        self._conditional = hasattr(fs, "_call_s3")
+        self._etag: str | None = None
+        self._seen: bytes | None = None
+
+    def read(self) -> bytes | None:
+        """The object's bytes (None if absent), its version remembered for the next write
+        (the ETag read first, so that a write conditional on it fails if the bytes read are
+        not the version it names)."""
+        try:
+            etag = self.fs.info(self.path, refresh=True).get("ETag") if self._conditional else None
+            data = self.fs.cat_file(self.path)
+        except FileNotFoundError:
+            etag, data = None, None
+        self._etag, self._seen = etag, data
+        return data
+
+    def write(self, data: bytes) -> None:
+        """Replace the object by ``data`` if it is still the version last read or written;
+        else :class:`StoreWriteError` (the writer lost its hold), writing
+        nothing."""
+        self.lease.check()
+        if self._conditional:
+            try:
+                if self._seen is None:
+                    out = self.fs.pipe_file(self.path, data, mode="create")
+                else:
+                    out = self.fs.pipe_file(self.path, data, IfMatch=self._etag)
+            except (FileExistsError, FileNotFoundError):
+                raise self._lost() from None
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:  # s3fs's 412 Precondition Failed
+                    raise self._lost() from None
+                raise
+            self._etag = out.get("ETag") if isinstance(out, dict) else None
+        else:
+            try:
+                current = self.fs.cat_file(self.path)
+            except FileNotFoundError:
+                current = None
+            if current != self._seen:
+                raise self._lost()
+            self.fs.pipe_file(self.path, data)
+        self._seen = data
+
+    def unchanged(self) -> bool:
+        """Whether the object is still the version last read or written (one request): a
+        check, for what may follow it unfenced."""
+        try:
+            if self._conditional:
+                return self.fs.info(self.path, refresh=True).get("ETag") == self._etag
+            return self.fs.cat_file(self.path) == self._seen
+        except FileNotFoundError:
+            return self._seen is None
+
+    def _lost(self) -> StoreWriteError:
+        return StoreWriteError(
+            f"the {self.lease.holder['command']} of run {self.lease.run_id} lost its hold: another writer took "
+            f"the run over and replaced {self.key} (this writer's lease was not renewed within "
+            f"{self.lease.seconds:g} s: its machine asleep or stalled?); nothing it wrote since is named by a "
+            f"record; run the command again")
 
 
 def current_lease(zstore: Any, run_id: str) -> dict[str, Any] | None:

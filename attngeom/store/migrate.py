@@ -206,6 +206,9 @@ MIGRATIONS: tuple[Migration, ...] = (
         "runs marked with their layer indices and as having no learned sinks",
         run=_mark_layers,
     ),
+    # Nothing to rewrite: a record naming no generation reads its groups where they are. The
+    # raised format keeps writers that do not fence (docs/store.md#commit-protocol) off the store.
+    Migration(6, "derived groups read through records that may name a generation"),
 )
 
 

@@ -24,7 +24,7 @@ from attngeom.preflight import run_created
 from attngeom.store._zarr import sync
 from attngeom.store.access import consolidated_fault
 from attngeom.store.codecs import has_checksum
-from attngeom.store.record import STAGING
+from attngeom.store.record import STAGING, is_generation
 from attngeom.store.storage import lost_metadata
 from attngeom.store.runs import array_metadata_bytes
 from attngeom.store.schema import (
@@ -80,10 +80,13 @@ def cannot_rebuild(key: str) -> str:
 def broken_metadata(nodes: Mapping[str, Any]) -> list[str]:
     """Keys of the ``zarr.json`` objects of ``nodes`` that are unreadable, and of those lost
     above a node (:func:`~attngeom.store.storage.lost_metadata`) but in a derived group's
-    staging: parents first, the root last (its format is read from the arrays)."""
+    staging or generations: parents first, the root last (its format is read from the arrays)."""
     # A staged group is a writer's work under way, its metadata written last: its rerun
-    # writes it again, and readers never read it.
-    lost = [key for key in lost_metadata(nodes) if not (derived_node(key) and key.split("/")[3] == STAGING)]
+    # writes it again, and readers never read it. A generation no record names is what a
+    # writer that lost its hold left (the next writer removes it), and the committed one's
+    # objects are checked against its commit.
+    lost = [key for key in lost_metadata(nodes)
+            if not (derived_node(key) and (key.split("/")[3] == STAGING or is_generation(key.split("/")[3])))]
     broken = [key for key, meta in nodes.items() if meta is None] + lost + _lost_arrays(nodes)
     return sorted(broken, key=lambda key: (99 if key == "zarr.json" else key.count("/"), key))
 

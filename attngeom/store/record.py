@@ -24,21 +24,40 @@ from attngeom.store.schema import ATTR_KEY, run_path
 
 __all__ = [
     "LOST", "STAGING", "Commit", "Damage", "DerivedState", "Pending", "damage_found", "derived_damage",
-    "kind_path", "read_state", "staged_path", "stored_sizes",
+    "generation_name", "groups_path", "is_generation", "kind_path", "read_state", "staged_path", "stored_sizes",
 ]
 
 # The staging group inside a derived group: results replacing committed ones are written
 # here first, then moved into place.
 STAGING = "_next"
 
+# A generation: the folder inside a derived group holding one object-store writer's groups,
+# named for that writer alone (docs/store.md#commit-protocol).
+_GENERATION = re.compile(r"gen-[0-9a-f]{16}")
+
+
+def is_generation(name: str) -> bool:
+    """Whether ``name`` (a folder inside a derived group) is a generation's."""
+    return _GENERATION.fullmatch(name) is not None
+
+
+def generation_name(token: str) -> str:
+    """The generation folder of the writer ``token`` (16 hex digits): ``gen-<token>``."""
+    name = f"gen-{token}"
+    if not _GENERATION.fullmatch(name):
+        raise ValueError(f"no generation name: {name!r}")
+    return name
+
 
 @dataclass(frozen=True)
 class Commit:
     """Finished results: ``sequences`` (run sequence ids, in ``seq`` order) covered by the
     ``sequence_groups`` (which grow along ``seq``), computed with ``parameters``; ``objects``:
-    key (below ``runs/<id>/<kind>/``) -> size in bytes of every stored object of the groups
+    key (below the groups' folder) -> size in bytes of every stored object of the groups
     (empty in records written before attngeom kept it; anything rewriting the objects in
-    place, a future migration say, must list them again)."""
+    place, a future migration say, must list them again); ``generation``: the folder below
+    ``runs/<id>/<kind>/`` holding the groups, written by one object-store writer alone
+    ("" where the groups are in ``runs/<id>/<kind>/`` itself, as a local writer keeps them)."""
 
     parameters: dict[str, Any]
     groups: tuple[str, ...]
@@ -46,18 +65,21 @@ class Commit:
     sequence_groups: tuple[str, ...] = ()
     attngeom_version: str = __version__
     objects: dict[str, int] = field(default_factory=dict)
+    generation: str = ""
 
 
 @dataclass(frozen=True)
 class Pending:
     """An update under way (or interrupted): ``sequences`` written so far with
     ``parameters``, into staging when ``staged``; ``promoting`` groups are being moved into
-    place."""
+    place; ``generation``: the folder an object-store writer writes them into ("" for a
+    local writer)."""
 
     parameters: dict[str, Any]
     sequences: tuple[int, ...] = ()
     staged: bool = False
     promoting: tuple[str, ...] = ()
+    generation: str = ""
 
 
 @dataclass(frozen=True)
@@ -76,6 +98,11 @@ class DerivedState:
     unreadable: bool = False
     fault: str = ""
     leftover: bool = False
+
+    @property
+    def groups_path(self) -> str:
+        """Where the committed groups are: ``runs/<id>/<kind>[/<generation>]``."""
+        return groups_path(self.run_id, self.kind, self.commit.generation if self.commit is not None else "")
 
     @property
     def readable(self) -> bool:
@@ -107,22 +134,30 @@ def kind_path(run_id: str, kind: str) -> str:
     return f"{run_path(run_id)}/{kind}"
 
 
+def groups_path(run_id: str, kind: str, generation: str) -> str:
+    """The folder of the groups of ``generation``: ``runs/<id>/<kind>/<generation>``, or
+    ``runs/<id>/<kind>`` for ""."""
+    return f"{kind_path(run_id, kind)}/{generation}" if generation else kind_path(run_id, kind)
+
+
 def staged_path(run_id: str, kind: str, name: str) -> str:
     """Where ``name`` is written while staged: ``runs/<id>/<kind>/_next/<name>``."""
     return f"{kind_path(run_id, kind)}/{STAGING}/{name}"
 
 
-def read_state(zstore: Any, run_id: str, kind: str) -> DerivedState:
+def read_state(zstore: Any, run_id: str, kind: str, *, raw: bytes | None | bool = True) -> DerivedState:
     """The record of ``runs/<run_id>/<kind>`` in ``zstore`` (one read of the group's metadata;
-    where there is none, one listing of what the group's folder holds)."""
+    where there is none, one listing of what the group's folder holds); or, given ``raw``,
+    of those bytes of its ``zarr.json`` (None: absent) as a fenced writer read them."""
     base = kind_path(run_id, kind)
-    raw = sync(zstore.get(f"{base}/zarr.json", prototype=default_buffer_prototype()))
+    if raw is True:
+        got = sync(zstore.get(f"{base}/zarr.json", prototype=default_buffer_prototype()))
+        raw = None if got is None else got.to_bytes()
     if raw is None:
         held = _contents(zstore, base)
         if held == "objects":
             return DerivedState(run_id, kind, exists=True, unreadable=True, fault=LOST)
         return DerivedState(run_id, kind, leftover=held == "empty")
-    raw = raw.to_bytes()
     meta = parse_metadata(raw)
     if meta is None or meta["node_type"] != "group":
         fault = metadata_fault(raw) if meta is None else "malformed (an array's metadata, not a group's)"
@@ -141,10 +176,12 @@ def read_state(zstore: Any, run_id: str, kind: str) -> DerivedState:
             sequences=tuple(done.get("sequences", ())), sequence_groups=tuple(done.get("sequence_groups", ())),
             attngeom_version=str(done.get("attngeom_version", "")),
             objects={str(k): int(v) for k, v in done.get("objects", {}).items()},
+            generation=done.get("generation", ""),
         ) if done is not None else None,
         pending=Pending(
             parameters=dict(pending["parameters"]), sequences=tuple(pending.get("sequences", ())),
             staged=bool(pending.get("staged")), promoting=tuple(pending.get("promoting", ())),
+            generation=pending.get("generation", ""),
         ) if pending is not None else None,
     )
 
@@ -185,6 +222,8 @@ def _record_fault(record: Any) -> str | None:
         objects = done.get("objects", {})
         if not isinstance(objects, Mapping) or not all(isinstance(v, int) and v >= 0 for v in objects.values()):
             return "its commit's objects are not a list of sizes by key"
+        if not _generation_ok(done.get("generation", "")):
+            return "its commit's generation is no generation folder's name"
     if pending is not None:
         if not isinstance(pending, Mapping):
             return f"its pending update is a {type(pending).__name__}, not an object"
@@ -192,7 +231,13 @@ def _record_fault(record: Any) -> str | None:
             return "its pending update's parameters are not an object"
         if not ints(pending.get("sequences", [])) or not names(pending.get("promoting", [])):
             return "its pending update's sequences or promoted groups are malformed"
+        if not _generation_ok(pending.get("generation", "")):
+            return "its pending update's generation is no generation folder's name"
     return None
+
+
+def _generation_ok(name: Any) -> bool:
+    return name == "" or (isinstance(name, str) and is_generation(name))
 
 
 def _contents(zstore: Any, base: str) -> str:
@@ -245,7 +290,7 @@ def damage_found(zstore: Any, state: DerivedState, names: Sequence[str], *, deep
     done = state.commit
     if done is None or not done.objects:
         return {}
-    base = kind_path(state.run_id, state.kind)
+    base = state.groups_path
     stored = stored_sizes(zstore, base) if len(names) > 1 else stored_sizes(zstore, base, names[0])
     found: dict[str, list[tuple[str, str]]] = {}
     for key, size in sorted(done.objects.items()):
@@ -296,7 +341,7 @@ def derived_damage(zstore: Any, state: DerivedState, *, deep: bool) -> dict[str,
     place): such a group cannot be read, nor, on a rerun that found nothing else, rewritten."""
     names = state.commit.groups if state.commit is not None else ()
     damage = damage_found(zstore, state, names, deep=deep) if names else {}
-    base = kind_path(state.run_id, state.kind)
+    base = state.groups_path
     for key, meta in node_metadata(zstore, base).items():
         relative = key[len(base) + 1 :]
         group = relative.split("/", 1)[0]

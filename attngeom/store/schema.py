@@ -4,7 +4,8 @@ A store is a Zarr v3 group. Each run lives in ``runs/<run_id>`` and holds one ar
 captured quantity, with named dimensions (``dimension_names``) so that
 ``xr.open_zarr(url, group="runs/<run_id>")`` gives a Dataset. Derived groups live beside a
 run's arrays: ``runs/<run_id>/analysis/<name>`` (analyze), ``runs/<run_id>/ablation/<name>``
-(ablate) and ``runs/<run_id>/detect/<name>`` (detect). Every name that more than one stage uses is defined here, once.
+(ablate) and ``runs/<run_id>/detect/<name>`` (detect), or, written on an object store, in
+the generation folder their record names (``runs/<run_id>/analysis/gen-<token>/<name>``). Every name that more than one stage uses is defined here, once.
 
 Layout decisions, made for what reads and writes the store:
 
@@ -35,7 +36,9 @@ Two numbers in the root's attributes say what a store is:
   a run migrated from an earlier format lacks: its layout's ``lacking`` names them, for they
   cannot be computed without the model; format 6 records each run's layer indices (the
   model's own: a hybrid keeps its softmax-attention layers only) and whether its model has
-  learned sinks, whose weight per query ``learned_sink_attn`` holds. Format 5 may also store the value vectors of a
+  learned sinks, whose weight per query ``learned_sink_attn`` holds; format 7 lets a derived
+  group's record name the generation folder holding its groups, where writers on object
+  stores put them (docs/store.md#commit-protocol). Format 5 may also store the value vectors of a
   bfloat16 model at 2 bytes losing nothing: their bfloat16 bit patterns as ``uint16``, a
   core type every implementation reads (zarr-python reads no bfloat16), the array's attngeom
   attributes naming the encoding (``{"encoding": "bfloat16"}``); attngeom's readers give
@@ -52,7 +55,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 SCHEMA_VERSION = 1
-FORMAT = 6
+FORMAT = 7
 # The key of attngeom's attributes in the root's, a run's and a derived group's attributes.
 ATTR_KEY = "attngeom"
 

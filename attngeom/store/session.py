@@ -37,7 +37,7 @@ from attngeom.store.access import WriterHold, check_writable, checked_root, crea
 from attngeom.store.cache import cached, drop_kept
 from attngeom.store.chunks import read_chunk
 from attngeom.store.damage import damaged_chunk
-from attngeom.store.lease import Lease, lease_seconds
+from attngeom.store.lease import HeldObject, Lease, lease_seconds
 from attngeom.store.run_write import RunWrite
 from attngeom.store.locks import RunLock, wait_for_writer
 from attngeom.store.storage import local_path, zarr_store
@@ -174,6 +174,13 @@ class StoreSession:
         after it expired unrenewed): a writer checks before each write of a commit record."""
         if run_id in self._leases:
             self._leases[run_id].check()
+
+    def held_object(self, run_id: str, key: str) -> HeldObject | None:
+        """The object ``key`` as the holder of the run's lease writes it, fenced
+        (:class:`~attngeom.store.lease.HeldObject`); None on a local store, where the run's
+        lock is held until the writer's process ends and needs no fence."""
+        lease = self._leases.get(run_id)
+        return None if lease is None else lease.held_object(key)
 
     def run_write(self, run_id: str, *, shard: tuple[int, int] | None = None) -> RunWrite:
         """Extract's write of run ``run_id`` (:class:`~attngeom.store.run_write.RunWrite`),

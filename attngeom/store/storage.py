@@ -383,12 +383,42 @@ def move_group(url: str, zstore: Any, source: str, target: str) -> None:
     sync(move())
 
 
-async def copy_group(source: Any, source_group: str, target: Any, target_group: str) -> None:
+def copy_within(zstore: Any, source: str, target: str, *, skip: Iterable[str] = ()) -> None:
+    """Copy every object of the group at ``source`` of the zarr Store ``zstore`` to ``target``
+    (on the server for an fsspec store), but the keys ``skip``; the group's own ``zarr.json``
+    last."""
+    skipped = frozenset(skip)
+    if isinstance(zstore, zarr.storage.FsspecStore):
+        sync(_copy_group_on_server(zstore, source, target, skipped))
+    else:
+        sync(copy_group(zstore, source, zstore, target, skipped))
+
+
+def child_names(zstore: Any, path: str) -> list[str]:
+    """The names of the objects and folders right below ``path`` of the zarr Store ``zstore``,
+    listed afresh."""
+    if isinstance(zstore, zarr.storage.FsspecStore):
+        # zarr's list_dir answers from the file system's listing cache (s3fs keeps one per
+        # process): a writer must see what was written since by others.
+        try:
+            found = sync(zstore.fs._ls(f"{zstore.path.rstrip('/')}/{path}", detail=False, refresh=True))
+        except FileNotFoundError:
+            return []
+        return sorted(name.rstrip("/").rsplit("/", 1)[-1] for name in found)
+
+    async def names() -> list[str]:
+        return [name async for name in zstore.list_dir(path)]
+
+    return sorted(sync(names()))
+
+
+async def copy_group(source: Any, source_group: str, target: Any, target_group: str,
+                     skip: frozenset[str] = frozenset()) -> None:
     """Copy every object of ``source_group`` in the zarr Store ``source`` to ``target_group`` in
     ``target``, concurrently; the group's own ``zarr.json`` last, so that a group with
     metadata has all of its arrays."""
     own = f"{source_group}/zarr.json"
-    keys = [key async for key in source.list_prefix(f"{source_group}/") if key != own]
+    keys = [key async for key in source.list_prefix(f"{source_group}/") if key != own and key not in skip]
 
     async def copy(key: str) -> None:
         value = await source.get(key, prototype=default_buffer_prototype())
@@ -398,11 +428,12 @@ async def copy_group(source: Any, source_group: str, target: Any, target_group: 
     await copy(own)
 
 
-async def _copy_group_on_server(zstore: zarr.storage.FsspecStore, source: str, target: str) -> None:
+async def _copy_group_on_server(zstore: zarr.storage.FsspecStore, source: str, target: str,
+                                skip: frozenset[str] = frozenset()) -> None:
     """:func:`copy_group` within one fsspec store, each object copied by its filesystem; the
     group's own ``zarr.json`` last."""
     own = f"{source}/zarr.json"
-    keys = [key async for key in zstore.list_prefix(f"{source}/") if key != own]
+    keys = [key async for key in zstore.list_prefix(f"{source}/") if key != own and key not in skip]
     root = zstore.path.rstrip("/")
 
     async def copy(key: str) -> None:
