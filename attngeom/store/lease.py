@@ -29,6 +29,7 @@ from typing import Any
 
 from attngeom.errors import InputError, StoreWriteError
 from attngeom.store._zarr import sync
+from attngeom.store.access import network_failure
 
 __all__ = ["LEASES", "Lease", "current_lease", "lease_seconds"]
 
@@ -56,17 +57,21 @@ def lease_seconds(seconds: float | None = None) -> float:
 class Lease:
     """The lease of the run ``run_id`` in the fsspec store ``zstore`` (a zarr ``FsspecStore``),
     held for ``what`` (the command, in the message a waiting writer prints) from
-    :meth:`acquire` to :meth:`release`, each lasting ``seconds`` unless renewed."""
+    :meth:`acquire` to :meth:`release`, each lasting ``seconds`` unless renewed. ``part``: a
+    lease of the run's array of that name instead of the run's own, as
+    :class:`~attngeom.store.locks.RunLock` (extract's appends hold ``complete``)."""
 
-    def __init__(self, zstore: Any, run_id: str, what: str, seconds: float) -> None:
+    def __init__(self, zstore: Any, run_id: str, what: str, seconds: float, part: str | None = None) -> None:
         self.fs, self.run_id, self.seconds = _own_filesystem(zstore.fs), run_id, seconds
-        self.path = f"{zstore.path.rstrip('/')}/{LEASES}/{run_id}.json"
+        self.path = f"{zstore.path.rstrip('/')}/{LEASES}/{run_id if part is None else f'{run_id}.{part}'}.json"
         self.token = uuid.uuid4().hex
         self.holder = {"token": self.token, "host": socket.gethostname(), "pid": os.getpid(), "command": what}
         # An S3 store replaces an object only if its ETag is still the one read (If-Match).
         self._conditional = hasattr(self.fs, "_call_s3")
         self._etag: str | None = None
         self._stop = threading.Event()
+        # One renewal at a time: each replaces the lease read by the one before (its ETag).
+        self._renewing = threading.Lock()
         self._thread: threading.Thread | None = None
         self.lost: str | None = None
 
@@ -86,8 +91,10 @@ class Lease:
             held = f"{body.get('host')}:{body.get('pid')}"
             if told != (held, body.get("since")):
                 told = (held, body.get("since"))
+                # Said before the first wait: a dead holder's lease keeps a writer waiting its whole term.
                 print(f"attngeom: waiting for the {body.get('command', 'writer')} of run {self.run_id} held by "
-                      f"{held} since {body.get('since')}", file=sys.stderr, flush=True)
+                      f"{held} since {body.get('since')} (its lease ends at {_clock(_expires(body))} unless "
+                      "renewed)", file=sys.stderr, flush=True)
             time.sleep(min(max(_expires(body) - time.time(), 0.05), self.seconds / 6, 2.0) + 0.05)
         self._thread = threading.Thread(target=self._renew_loop, name=f"attngeom-lease-{self.run_id}", daemon=True)
         self._thread.start()
@@ -98,17 +105,32 @@ class Lease:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        current = self._read()
-        if current is not None and current[0].get("token") == self.token:
-            try:
+        try:
+            current = self._read()
+            if current is not None and current[0].get("token") == self.token:
                 self.fs.rm_file(self.path)
-            except FileNotFoundError:
-                pass
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            if network_failure(exc) is None:
+                raise
+            # The store unreachable: the lease ends at its expiry, and the writer's own error says why.
 
     def check(self) -> None:
         """:class:`StoreWriteError` if the lease was lost (not renewed in time, taken over)."""
         if self.lost:
             raise StoreWriteError(self.lost)
+
+    def confirm(self) -> None:
+        """Renew the lease now, if it is still this writer's, else :class:`StoreWriteError`: the
+        fence a writer passes before each write into what others read. A writer stopped past
+        its expiry (its machine asleep) finds it taken over and writes nothing more; one that
+        passes holds it for ``seconds`` more."""
+        self.check()
+        with self._renewing:
+            if not self._renew():
+                self.lost = self._taken_over()
+        self.check()
 
     def _body(self) -> bytes:
         now = time.time()
@@ -157,15 +179,19 @@ class Lease:
         renewed = time.time()
         while not self._stop.wait(self.seconds / 3):
             try:
-                if not self._renew():
-                    self.lost = (f"the lease of run {self.run_id} ({self.path}) was taken over by another writer: "
-                                 f"it was not renewed within {self.seconds:g} s; run the command again")
-                    return
+                with self._renewing:
+                    if not self._renew():
+                        self.lost = self._taken_over()
+                        return
                 renewed = time.time()
             except OSError as exc:  # the store unreachable for a moment: tried again at the next renewal
                 if time.time() - renewed > self.seconds:
                     self.lost = f"the lease of run {self.run_id} could not be renewed ({exc}); run the command again"
                     return
+
+    def _taken_over(self) -> str:
+        return (f"the lease of run {self.run_id} ({self.path}) was taken over by another writer: it was not "
+                f"renewed within {self.seconds:g} s; run the command again")
 
     def _mine(self) -> bool:
         current = self._read()
@@ -203,6 +229,11 @@ def _own_filesystem(fs: Any) -> Any:
     if wrapped is not None:
         return wrapped
     return type(fs)(**{**fs.storage_options, "asynchronous": False, "skip_instance_cache": True})
+
+
+def _clock(when: float) -> str:
+    """A time of day as the lease records it (UTC, to the second)."""
+    return datetime.fromtimestamp(when, UTC).isoformat(timespec="seconds")
 
 
 def _expires(body: dict[str, Any]) -> float:

@@ -32,8 +32,16 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import zarr
 
-from attngeom.errors import GroupNotFoundError, StoreNotFoundError, StoreWriteError
-from attngeom.store.access import WriterHold, check_writable, checked_root, create_root, writing
+from attngeom.errors import AttngeomError, GroupNotFoundError, StoreNotFoundError, StoreWriteError
+from attngeom.store.access import (
+    WriterHold,
+    check_writable,
+    checked_root,
+    create_root,
+    reaching,
+    unreachable,
+    writing,
+)
 from attngeom.store.cache import cached, drop_kept
 from attngeom.store.chunks import read_chunk
 from attngeom.store.damage import damaged_chunk
@@ -86,6 +94,10 @@ class StoreSession:
         self._leases: dict[str, Lease] = {}
 
     def __enter__(self) -> StoreSession:
+        with reaching(self.url):
+            return self._enter()
+
+    def _enter(self) -> StoreSession:
         writer = self.mode != "r"
         path = local_path(self.url)
         # Opening a local store for writing would create its folder.
@@ -119,7 +131,11 @@ class StoreSession:
         lost = next((lease.lost for lease in self._leases.values() if lease.lost), None)
         self._locked.clear()
         self._leases.clear()
-        suppress = self._exit.__exit__(*exc)
+        with reaching(self.url):
+            suppress = self._exit.__exit__(*exc)
+            error = None if exc[1] is None or isinstance(exc[1], AttngeomError) else unreachable(self.url, exc[1])
+            if error is not None:
+                raise error from exc[1]
         if lost and exc[0] is None:
             raise StoreWriteError(lost)
         return suppress

@@ -1,0 +1,210 @@
+"""Collaborators on one object store (moto's S3 server on loopback, behind a fault proxy
+where the network matters): two extracts appending to one run at once, two creating one
+store at once, an appender stopped past its lease while another commits, a run wedged by
+appenders that did not take turns, and the network lost in extract and in analyze. Each
+ends valid and equal, array for array, to an undisturbed write."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import moto_s3
+from s3faults import fault_proxy, through
+from test_run_write import LAYOUT, PROVENANCE, _arrays
+
+import attngeom as ag
+from attngeom.cli import main
+from attngeom.errors import DamagedStoreError
+from attngeom.store import validate_store
+from attngeom.store.repair import repair
+from attngeom.store.session import StoreSession
+
+LEASE = "2"  # seconds: a stopped or cut-off writer's run is taken over that long after its last renewal
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server's endpoint, the environment pointing s3fs at it, short leases."""
+    with moto_s3(ATTNGEOM_LEASE_SECONDS=LEASE) as endpoint:
+        yield endpoint
+
+
+def new_url() -> str:
+    return f"s3://attngeom/{uuid.uuid4().hex}.zarr"
+
+
+def append(url: str, total: int, data=_arrays) -> list[int]:
+    """Extract's write of run r's sequences ``range(total)`` (synthetic, ``data(seq)``); the
+    sequences it wrote."""
+    with StoreSession(url, mode="c") as session, session.run_write("r").begin(total) as begun:
+        todo = list(begun.todo)
+        if todo:
+            begun.create(lambda: LAYOUT, PROVENANCE, in_flight=0)
+        for seq in todo:
+            begun.submit(seq, lambda seq=seq: data(seq))
+        begun.commit()
+    return todo
+
+
+def assert_holds(url: str, n_seq: int, data=_arrays) -> None:
+    """The store is valid, run r's arrays hold ``n_seq`` sequences, all committed, each the
+    arrays ``data(seq)`` wrote."""
+    assert validate_store(url, deep=True) == []
+    run = ag.open_store(url).run("r")
+    assert run.sequences().tolist() == list(range(n_seq))
+    ds = run.dataset()
+    for seq in range(n_seq):
+        for name, written in data(seq).items():
+            if name in ds:
+                assert np.array_equal(ds[name].sel(seq=seq).values, written), (seq, name)
+
+
+def together(*calls) -> list[object]:
+    """Run the calls at once, each in a thread; their results (or errors), in order."""
+    out: list[object] = [None] * len(calls)
+    barrier = threading.Barrier(len(calls))
+
+    def run(i: int, call) -> None:
+        barrier.wait()
+        try:
+            out[i] = call()
+        except Exception as exc:  # noqa: BLE001
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, call)) for i, call in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_two_appenders_at_once_take_turns(s3, trial):
+    """Runs of 4 and 6 sequences appended at once to a run of 3 (without turns 2 of 4 trials
+    wedged it): one waits for the other, then writes only what it left."""
+    url = new_url()
+    append(url, 3)
+    written = together(lambda: append(url, 4), lambda: append(url, 6))
+    assert not [w for w in written if isinstance(w, Exception)], written
+    assert sorted(s for todo in written for s in todo) == [3, 4, 5], "each sequence written once"
+    assert_holds(url, 6)
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_two_creators_of_one_store(s3, trial):
+    """Two extracts creating one store at once: one creates it, the other appends."""
+    url = new_url()
+    written = together(lambda: append(url, 3), lambda: append(url, 5))
+    assert not [w for w in written if isinstance(w, Exception)], written
+    assert sorted(s for todo in written for s in todo) == list(range(5))
+    assert_holds(url, 5)
+
+
+def wedge(url: str, names: tuple[str, ...], n_seq: int) -> None:
+    """Run r's arrays ``names`` set to ``n_seq`` sequences in their metadata, as two
+    appenders growing it without turns left it; every object stays."""
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    for name in names:
+        key = f"{url.removeprefix('s3://')}/runs/r/{name}/zarr.json"
+        meta = json.loads(fs.cat_file(key))
+        meta["shape"][0] = n_seq
+        fs.pipe_file(key, json.dumps(meta).encode())
+
+
+@pytest.mark.parametrize("short", [("tokens", "entropy", "prev_attn", "recent_attn"), ("values", "attn_last", "complete")])
+def test_repair_heals_a_run_whose_arrays_disagree_in_length(s3, short):
+    """The two stores the issue met: some arrays (the flags among them, or not) 4 sequences
+    long, the others 6, every object there. Readers refuse it naming the remedy; repair
+    gives it one length, equal to the undisturbed run."""
+    url = new_url()
+    append(url, 6)
+    wedge(url, short, 4)
+    problems = validate_store(url)
+    assert any("disagree in length" in p and "--repair" in p for p in problems), problems
+    with pytest.raises(DamagedStoreError, match="disagree in length.*--repair"):
+        ag.open_store(url).run("r").dataset()
+    done = repair(url)
+    assert done.unrepairable == () and sorted(done.rebuilt)[:len(short)] == sorted(
+        f"runs/r/{name}/zarr.json" for name in short)
+    assert_holds(url, 6)
+
+
+def test_repair_says_what_it_cannot_heal(s3):
+    """Arrays that disagree beyond their length: one line, the lengths left as they are."""
+    url = new_url()
+    append(url, 4)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    key = f"{url.removeprefix('s3://')}/runs/r/tokens/zarr.json"
+    meta = json.loads(fs.cat_file(key))
+    meta["shape"] = [6, meta["shape"][1] + 1]
+    fs.pipe_file(key, json.dumps(meta).encode())
+    done = repair(url)
+    assert len(done.unrepairable) == 1 and "tokens" in done.unrepairable[0], done.unrepairable
+    assert json.loads(fs.cat_file(key))["shape"] == [6, meta["shape"][1]]
+
+
+# An appender in a process of its own, through the proxy, writing sequences of its own data
+# (argv[3]: the seed): stopped (the proxy holding its traffic) past its lease, then resumed.
+_STALE = """
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[4])
+from test_run_write import LAYOUT
+from test_s3_collaborators import append
+from attngeom.errors import AttngeomError
+from attngeom.synthetic import synthetic_sequence
+
+url, total, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+try:
+    append(url, total, lambda seq: synthetic_sequence(np.random.default_rng(seed + seq), LAYOUT))
+except AttngeomError as exc:
+    print(f"attngeom: error: {exc}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def objects(url: str) -> dict[str, str]:
+    """Key -> ETag of the store's objects, its leases left out."""
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    base = url.removeprefix("s3://")
+    return {key: info["ETag"] for key, info in fs.find(base, detail=True).items() if "/leases/" not in key}
+
+
+def test_an_appender_stopped_past_its_lease_never_changes_what_the_next_committed(s3, capfd):
+    """A (its own data) stopped as it writes sequence 2's objects, past its lease; B takes the
+    run over and commits 2..4; A resumed finds its hold gone and stops, every object B
+    committed unchanged."""
+    url = new_url()
+    append(url, 2, lambda seq: stale_data(seq))
+    with fault_proxy(s3) as proxy:
+        proxy.hold_when(lambda line: line.startswith("PUT") and "/runs/r/values/c/2/" in line)
+        env = {**os.environ, **proxy.env(), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
+                                                                             str(Path(__file__).parent)])}
+        stale = subprocess.Popen([sys.executable, "-c", _STALE, url, "5", "1000", str(Path(__file__).parent)],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proxy.held.wait(120), stale.communicate()
+        assert append(url, 5) == [2, 3, 4]
+        assert "waiting for the extract of run r held by" in capfd.readouterr().err
+        committed = objects(url)
+        proxy.release()
+        _, err = stale.communicate(timeout=120)
+    assert stale.returncode == 2 and "taken over by another writer" in err, err
+    assert objects(url) == committed
+    assert_holds(url, 5, lambda seq: stale_data(seq) if seq < 2 else _arrays(seq))
+
+
+def stale_data(seq: int) -> dict[str, np.ndarray]:
+    from attngeom.synthetic import synthetic_sequence
+
+    return synthetic_sequence(np.random.default_rng(1000 + seq), LAYOUT)
