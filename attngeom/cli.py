@@ -71,7 +71,7 @@ class _Group(click.Group):
         except Exception as exc:
             # A failure of the network met outside the API's own translation (a library's
             # thread, a read deep in Dask): the same one line.
-            from attngeom.store.access import unreachable
+            from attngeom.store.network import unreachable
 
             error = unreachable(ctx.meta.get(_STORE, "at the URL given"), exc)
             if error is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pytest
+import xarray as xr
 from click.testing import CliRunner
 from conftest import moto_s3
 from s3faults import fault_proxy, through
@@ -208,3 +210,82 @@ def stale_data(seq: int) -> dict[str, np.ndarray]:
     from attngeom.synthetic import synthetic_sequence
 
     return synthetic_sequence(np.random.default_rng(1000 + seq), LAYOUT)
+
+
+def cli(*args: str) -> tuple[int, list[str]]:
+    """The CLI on ``args`` in this process: (exit code, output lines). Left out: aiohttp's
+    notes, as the collector meets them, of the sessions of an s3fs dropped by an earlier
+    command of this process (a command's process ends with it)."""
+    result = CliRunner().invoke(main, list(args))
+    lines = result.output.strip().splitlines()
+    return result.exit_code, [line for line in lines if not line.startswith(("Unclosed client session",
+                                                                              "client_session: <"))]
+
+
+def extract_args(model: Path, corpus: Path, url: str, n_seq: int = 6) -> list[str]:
+    return ["extract", "--model", str(model), "--dataset", str(corpus), "-L", "16", "-S", str(n_seq),
+            "--store", url, "--run", "r", "--no-progress"]
+
+
+def test_the_network_lost_in_extract_is_one_line_and_the_rerun_goes_on(s3, tiny_model_dir, word_corpus, tmp_path,
+                                                                      monkeypatch):
+    """The connection cut as sequence 3 commits: one line naming the store and the count
+    committed, exit 2; the rerun says at once whom it waits for and until when, then ends
+    equal, array for array, to an undisturbed extract."""
+    # The rerun meets the cut-off writer's lease unexpired; botocore does not retry (s3fs still does).
+    monkeypatch.setenv("ATTNGEOM_LEASE_SECONDS", "10")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    model = tiny_model_dir("llama")
+    reference = str(tmp_path / "reference.zarr")
+    code, lines = cli(*extract_args(model, word_corpus, reference))
+    assert code == 0, lines
+    url = new_url()
+    with fault_proxy(s3) as proxy:
+        proxy.cut_when(lambda line: line.startswith("PUT") and line.endswith("/runs/r/complete/c/3"))
+        with through(proxy, monkeypatch):
+            code, lines = cli(*extract_args(model, word_corpus, url))
+    assert proxy.cut.is_set()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"attngeom: error: the store {url} does not answer (the connection failed"), lines
+    assert "3 of the 6 sequences to write were committed before and are kept" in lines[0], lines
+
+    code, lines = cli(*extract_args(model, word_corpus, url))
+    assert code == 0, lines
+    assert lines[0].startswith("attngeom: waiting for the extract of run r held by ") and "lease ends at" in lines[0]
+    assert validate_store(url, deep=True) == []
+    xr.testing.assert_identical(ag.open_store(url).run("r").dataset().load(),
+                                ag.open_store(reference).run("r").dataset().load())
+
+
+def test_the_network_lost_in_analyze_is_one_line_and_the_rerun_goes_on(s3, ablated_store_source, tmp_path,
+                                                                      monkeypatch):
+    """The connection cut at analyze's first write into the analysis: one line, exit 2; the
+    rerun waits for the lease the cut-off analyze could not remove, saying so at once, and
+    ends equal to an undisturbed analyze."""
+    from test_s3_writers import ANALYSIS_GROUPS
+
+    # The rerun meets the cut-off writer's lease unexpired; botocore does not retry (s3fs still does).
+    monkeypatch.setenv("ATTNGEOM_LEASE_SECONDS", "20")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    reference = tmp_path / "reference.zarr"
+    shutil.copytree(ablated_store_source, reference)
+    args = ["--scheduler", "threads", "--no-progress", "--n-grid", "1,4"]
+    assert cli("analyze", "--store", str(reference), *args)[0] == 0
+    url = new_url()
+    fsspec.filesystem("s3", skip_instance_cache=True).put(f"{ablated_store_source}/", url.removeprefix("s3://"),
+                                                          recursive=True)
+    with fault_proxy(s3) as proxy:
+        proxy.cut_when(lambda line: line.startswith("PUT") and "/runs/r/analysis/" in line)
+        with through(proxy, monkeypatch):
+            code, lines = cli("analyze", "--store", url, *args)
+    assert proxy.cut.is_set()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"attngeom: error: the store {url} does not answer ("), lines
+
+    code, lines = cli("analyze", "--store", url, *args)
+    assert code == 0, lines
+    assert lines[0].startswith("attngeom: waiting for the analyze of run r held by ") and "lease ends at" in lines[0]
+    assert validate_store(url, deep=True) == []
+    got, want = ag.open_store(url).run("r"), ag.open_store(str(reference)).run("r")
+    for name in ANALYSIS_GROUPS:
+        xr.testing.assert_identical(got.analysis(name).load(), want.analysis(name).load())

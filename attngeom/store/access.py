@@ -1,6 +1,5 @@
 """Opening a store: the root and its attributes, the writers' hold, writability, a full disk
-or read-only store as :class:`StoreWriteError`, a store that does not answer as
-:class:`StoreUnreachableError`, and the root's consolidated metadata."""
+or read-only store as :class:`StoreWriteError`, and the root's consolidated metadata."""
 
 from __future__ import annotations
 
@@ -8,8 +7,6 @@ import contextlib
 import errno
 import os
 import shutil
-import socket
-import sys
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -19,13 +16,7 @@ from typing import Any
 import zarr
 
 from attngeom import __version__
-from attngeom.errors import (
-    DamagedStoreError,
-    SchemaError,
-    StoreNotFoundError,
-    StoreUnreachableError,
-    StoreWriteError,
-)
+from attngeom.errors import DamagedStoreError, SchemaError, StoreNotFoundError, StoreWriteError
 from attngeom.preflight import require_writable
 from attngeom.store.cache import cached, uncached
 from attngeom.store.damage import DECODE_ERRORS, recovery
@@ -288,71 +279,6 @@ def writing(url: str) -> Iterator[None]:
         if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise StoreWriteError(f"the store {url} cannot be written ({exc.strerror})") from exc
         raise
-
-
-# The answers of an object store that say it is throttling requests, or unable to serve
-# them for a while (S3's and those of S3-compatible stores).
-_THROTTLING = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-                         "TooManyRequestsException", "ServiceUnavailable", "503", "429"})
-_NETWORK_ERRNOS = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN, errno.ETIMEDOUT,
-                             errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE})
-
-
-def network_failure(exc: BaseException) -> str | None:
-    """What failed of the network in ``exc`` or the errors that caused it, in words (a
-    connection refused or lost, a timeout, throttling); None when none did. The one place
-    that knows the kinds: botocore's and aiohttp's (looked up only where the library is
-    loaded: none of its errors can be raised otherwise) and Python's own."""
-    botocore = sys.modules.get("botocore.exceptions")
-    aiohttp = sys.modules.get("aiohttp")
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if botocore is not None and isinstance(exc, botocore.ClientError):
-            code = str(exc.response.get("Error", {}).get("Code", ""))
-            if code in _THROTTLING:
-                return f"it kept answering {code} (throttling) beyond the retries"
-        if botocore is not None and isinstance(exc, (botocore.ReadTimeoutError, botocore.ConnectTimeoutError)):
-            return f"a request timed out: {exc}"
-        if botocore is not None and isinstance(exc, botocore.ConnectionError):
-            return f"the connection failed: {exc}"
-        if aiohttp is not None and isinstance(exc, aiohttp.ServerTimeoutError):
-            return f"a request timed out: {exc}"
-        if aiohttp is not None and isinstance(exc, aiohttp.ClientConnectionError):
-            return f"the connection failed: {exc}"
-        if isinstance(exc, TimeoutError):
-            return f"a request timed out{f': {exc}' if str(exc) else ''}"
-        if isinstance(exc, (ConnectionError, socket.gaierror)) or (
-                isinstance(exc, OSError) and exc.errno in _NETWORK_ERRNOS):
-            return f"the connection failed: {exc}"
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-def unreachable(url: str, exc: BaseException, committed: str | None = None) -> StoreUnreachableError | None:
-    """The :class:`StoreUnreachableError` that ``exc`` is (:func:`network_failure`), naming
-    the store and ``committed``, what of the command's work is kept (by default: what was
-    committed before); None if it is no failure of the network."""
-    why = network_failure(exc)
-    if why is None:
-        return None
-    kept = committed or "what it holds committed is kept"
-    return StoreUnreachableError(f"the store {url} does not answer ({why}); {kept}: run the same command again "
-                                 "once it answers to go on")
-
-
-@contextlib.contextmanager
-def reaching(url: str) -> Iterator[None]:
-    """Turn a failure of the network met inside it into :class:`StoreUnreachableError`."""
-    try:
-        yield
-    except StoreUnreachableError:
-        raise
-    except Exception as exc:
-        error = unreachable(url, exc)
-        if error is None:
-            raise
-        raise error from exc
 
 
 def consolidate(root: zarr.Group, *, own: str | None = None) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 from attngeom.errors import InputError, StoreWriteError
 from attngeom.store._zarr import sync
-from attngeom.store.access import network_failure
+from attngeom.store.network import network_failure
 
 __all__ = ["LEASES", "Lease", "current_lease", "lease_seconds"]
 

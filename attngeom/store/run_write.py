@@ -38,7 +38,8 @@ import zarr
 
 from attngeom.errors import StoreWriteError
 from attngeom.preflight import run_created
-from attngeom.store.access import consolidate, network_failure, unreachable
+from attngeom.store.access import consolidate
+from attngeom.store.network import network_failure, unreachable
 from attngeom.store.lease import Lease, lease_seconds
 from attngeom.store.locks import RunLock
 from attngeom.store.storage import local_path

@@ -33,19 +33,12 @@ import numpy as np
 import zarr
 
 from attngeom.errors import AttngeomError, GroupNotFoundError, StoreNotFoundError, StoreWriteError
-from attngeom.store.access import (
-    WriterHold,
-    check_writable,
-    checked_root,
-    create_root,
-    reaching,
-    unreachable,
-    writing,
-)
+from attngeom.store.access import WriterHold, check_writable, checked_root, create_root, writing
 from attngeom.store.cache import cached, drop_kept
 from attngeom.store.chunks import read_chunk
 from attngeom.store.damage import damaged_chunk
 from attngeom.store.lease import Lease, lease_seconds
+from attngeom.store.network import reaching, unreachable
 from attngeom.store.run_write import RunWrite
 from attngeom.store.locks import RunLock, wait_for_writer
 from attngeom.store.storage import local_path, zarr_store

@@ -25,6 +25,7 @@ from attngeom.errors import InputError
 from attngeom.preflight import local_path
 from attngeom.store._zarr import sync
 from attngeom.store.cache import uncached
+from attngeom.store.network import quiet_lost_requests
 
 # zarr-python's LocalStore writes each object as ``<name>.<uuid>.partial`` and renames it; a
 # write killed in between leaves that object behind.
@@ -77,6 +78,7 @@ def zarr_store(url: str, *, read_only: bool) -> Any:
     """A zarr Store for a local path or any fsspec URL (``s3://``, ``memory://``, ``file://``)."""
     local = local_path(url)
     if local is None:
+        quiet_lost_requests()
         try:
             return zarr.storage.FsspecStore.from_url(url, read_only=read_only)
         except (ValueError, ImportError) as exc:  # an unknown protocol, or its package missing
