@@ -289,3 +289,27 @@ def test_the_network_lost_in_analyze_is_one_line_and_the_rerun_goes_on(s3, ablat
     got, want = ag.open_store(url).run("r"), ag.open_store(str(reference)).run("r")
     for name in ANALYSIS_GROUPS:
         xr.testing.assert_identical(got.analysis(name).load(), want.analysis(name).load())
+
+
+COMMANDS = {
+    "validate": [], "validate --deep --repair": [], "analyze": ["--no-progress"], "report": ["--out", "{tmp}/report"],
+    "explore": ["--out", "{tmp}/page", "--no-progress"], "migrate": [], "ablate": ["--run", "r"],
+    "detect": ["--run", "r"],
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_store_that_does_not_answer_is_one_line_for_every_command(s3, command, tmp_path, monkeypatch):
+    """Every command meeting a store whose connection is cut at its first request: one line
+    naming the store, exit 2."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    url = new_url()
+    append(url, 2)
+    name, *flags = command.split()
+    with fault_proxy(s3) as proxy:
+        proxy.cut_when(lambda line: True)
+        with through(proxy, monkeypatch):
+            code, lines = cli(name, "--store", url, *flags,
+                              *(arg.format(tmp=tmp_path) for arg in COMMANDS[command]))
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("attngeom: error: ") and url in lines[0], lines
