@@ -37,6 +37,7 @@ from attngeom.errors import (
     SchemaError,
     StoreError,
     StoreNotFoundError,
+    StoreUnreachableError,
     StoreWriteError,
     UnsupportedModelError,
 )
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AttngeomError", "AttngeomWarning", "CorruptChunkError", "DamagedStoreError", "GroupNotFoundError",
     "IncompleteGroupError", "InProgressError", "InputError",
-    "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreWriteError",
+    "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreUnreachableError", "StoreWriteError",
     "UnsupportedModelError",
     "Taxonomy", "Validation", "__version__", "ablate", "analyze", "check_model", "detect", "explore", "extract",
     "migrate", "open_store", "repair", "report", "taxonomy", "validate",

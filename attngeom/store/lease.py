@@ -11,7 +11,10 @@ each renewal are such conditional replaces, so two writers never both hold it; e
 back, and each renewal first reads that the lease is still its holder's.
 
 The lease lasts ``ATTNGEOM_LEASE_SECONDS`` seconds (default 60): a killed writer's run is
-taken over that long after its last renewal. Renewals come every third of it.
+taken over that long after its last renewal. Renewals come every third of it, and a writer
+that must not write once its hold is gone renews it itself before such a write
+(:meth:`Lease.confirm`): stopped past its expiry, it finds the lease taken over and stops.
+A waiting writer says at once whom it waits for and when that lease ends unless renewed.
 """
 
 from __future__ import annotations

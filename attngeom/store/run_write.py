@@ -5,13 +5,16 @@ A :class:`RunWrite`, handed out by the command's
 :class:`~attngeom.store.session.StoreSession` (mode "c", which may create the store), owns
 every step between the command's checks and its success, every read and write through the
 session's one zarr Store: it reads the run's record (:meth:`RunWrite.recorded`, what a
-rerun must match), begins (creates the store, or resumes the run: waits for another extract
-appending to it and names the sequences still to write), creates the run or grows its
+rerun must match), begins (waits for another extract writing the run, by a lock on a local
+disk and a lease on an object store; creates the store, or resumes the run, and names the
+sequences still to write), creates the run or grows its
 arrays before the first sequence, writes and commits each sequence, and commits the write
 (consolidated metadata refreshed, the run checked). Leaving the ``with`` block on an error
 aborts: a store this write created and that holds no committed sequence is removed, and a
 write the store refused (a full disk, a path that cannot be written) is one
-:class:`StoreWriteError` counting what was kept::
+:class:`StoreWriteError` counting what was kept, a store that stopped answering one
+:class:`StoreUnreachableError` (:mod:`~attngeom.store.network`) the same. On an object
+store each write is fenced by the lease (:class:`~attngeom.store.runs.SequenceWriter`)::
 
     with StoreSession(url, mode="c") as session:
         write = session.run_write(run_id)
