@@ -438,7 +438,7 @@ def explore(store: str, out: Path, run_id: str | None, sequences: int, no_progre
 @main.command(short_help="Check a store against the schema.")
 @STORE
 @click.option("--deep", is_flag=True, help="Also read every chunk and name any damaged one (empty, truncated, failing its checksum).")
-@click.option("--repair", is_flag=True, help="Rebuild unreadable metadata that can be derived, refresh stale consolidated metadata, and uncommit every committed sequence with a missing or empty chunk (with --deep, also a corrupt one, and remove a corrupt analysis or ablation chunk), so that the run's extract command (analyze), run again, rewrites it.")
+@click.option("--repair", is_flag=True, help="Rebuild unreadable metadata that can be derived, refresh stale consolidated metadata, give a run whose arrays disagree in length one length again, and uncommit every committed sequence with a missing or empty chunk (with --deep, also a corrupt one, and remove a corrupt analysis or ablation chunk), so that the run's extract command (analyze), run again, rewrites it.")
 def validate(store: str, deep: bool, repair: bool) -> None:
     """Check the store against schema version 1 and its format; one line per problem, exit 1 if any.
 

@@ -146,7 +146,10 @@ def create_run(
     committed sequences survive; one left with another layout by an interrupted creation is
     replaced. Provenance is written last, with ``initialized: true``.
     """
-    run = root.require_group(run_path(run_id))
+    try:
+        run = root.require_group(run_path(run_id))
+    except zarr.errors.ContainsGroupError:  # a concurrent writer created it a moment ago (shards)
+        run = open_run_group(root, run_id)
     sync(_create_arrays(run, layout, n_seq))
     meta = dict(provenance)
     # Not asdict: it deep-copies ``attendable``, L x layers booleans (30 ms at L=1024), to drop it.

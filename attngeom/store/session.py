@@ -4,7 +4,8 @@ A :class:`StoreSession` turns the command's URL into one zarr Store (on an objec
 that reads each node's metadata, shard index and small object once: :mod:`~attngeom.store.cache`)
 and its root group, checks the root (schema, format, writability), holds the store as one of
 its writers and the runs it writes (their locks, or leases: :mod:`~attngeom.store.lease`),
-translates a full disk or a read-only store into :class:`~attngeom.errors.StoreWriteError`,
+translates a full disk or a read-only store into :class:`~attngeom.errors.StoreWriteError`
+and a store that stops answering into :class:`~attngeom.errors.StoreUnreachableError`,
 and looks runs up. Its writers are the derived groups' (:meth:`StoreSession.derived`) and
 extract's write of a run (:meth:`StoreSession.run_write`, in mode "c", which may create
 the store). Every read of the command goes through it: :meth:`StoreSession.reader`
