@@ -187,7 +187,11 @@ class Lease:
                         self.lost = self._taken_over()
                         return
                 renewed = time.time()
-            except OSError as exc:  # the store unreachable for a moment: tried again at the next renewal
+            except Exception as exc:
+                # The store unreachable for a moment (botocore's connection errors are no
+                # OSError): tried again at the next renewal.
+                if not isinstance(exc, OSError) and network_failure(exc) is None:
+                    raise
                 if time.time() - renewed > self.seconds:
                     self.lost = f"the lease of run {self.run_id} could not be renewed ({exc}); run the command again"
                     return
