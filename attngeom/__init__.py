@@ -38,6 +38,7 @@ from attngeom.errors import (
     SchemaError,
     StoreError,
     StoreNotFoundError,
+    StoreUnreachableError,
     StoreWriteError,
     UnsupportedModelError,
 )
@@ -66,7 +67,7 @@ __all__ = [
     "AttngeomError", "AttngeomWarning", "CorruptChunkError", "DamagedStoreError", "ForeignFileError",
     "GroupNotFoundError",
     "IncompleteGroupError", "InProgressError", "InputError",
-    "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreWriteError",
+    "RunNotFoundError", "SchemaError", "StoreError", "StoreNotFoundError", "StoreUnreachableError", "StoreWriteError",
     "UnsupportedModelError",
     "Taxonomy", "Validation", "__version__", "ablate", "analyze", "check_model", "detect", "explore", "extract",
     "migrate", "open_store", "repair", "report", "taxonomy", "validate",

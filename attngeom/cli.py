@@ -71,6 +71,16 @@ class _Group(click.Group):
             where = " ".join(["attngeom", *filter(None, [ctx.invoked_subcommand])])
             click.echo(f"attngeom: error: {exc.format_message()} (see `{where} --help`)", err=True)
             sys.exit(2)
+        except Exception as exc:
+            # A failure of the network met outside the API's own translation (a library's
+            # thread, a read deep in Dask): the same one line.
+            from attngeom.store.network import unreachable
+
+            error = unreachable(ctx.meta.get(_STORE, "at the URL given"), exc)
+            if error is None:
+                raise
+            click.echo(f"attngeom: error: {error}", err=True)
+            sys.exit(2)
         except (KeyboardInterrupt, click.exceptions.Abort):
             how = RESUME.get(ctx.invoked_subcommand or "", "run the same command again")
             click.echo(f"attngeom: interrupted; {how}", err=True)
@@ -175,7 +185,18 @@ def _given(options: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in options.items() if value is not None}
 
 
-STORE = click.option("--store", required=True, help="Store: a local path or an fsspec URL (s3://, memory://, file://).")
+# Where the command's --store is kept for the group's error lines (the contexts share ``meta``).
+_STORE = "attngeom.store"
+
+
+def _noted_store(ctx: click.Context, _: click.Parameter, value: str | None) -> str | None:
+    if value is not None:
+        ctx.meta[_STORE] = value
+    return value
+
+
+STORE = click.option("--store", required=True, callback=_noted_store,
+                     help="Store: a local path or an fsspec URL (s3://, memory://, file://).")
 DEVICE_HELP = "auto, cpu, cuda or cuda:N."
 DEVICE_MAP_HELP = ("Place a model larger than one device over the GPUs, the CPU and the disk: auto (or balanced, "
                    "balanced_low_0, sequential), or a JSON object of module names to devices, e.g. "
@@ -450,7 +471,7 @@ def explore(store: str, out: Path, run_id: str | None, sequences: int, no_progre
 @main.command(short_help="Check a store against the schema.")
 @STORE
 @click.option("--deep", is_flag=True, help="Also read every chunk and name any damaged one (empty, truncated, failing its checksum).")
-@click.option("--repair", is_flag=True, help="Rebuild unreadable metadata that can be derived, refresh stale consolidated metadata, and uncommit every committed sequence with a missing or empty chunk (with --deep, also a corrupt one, and remove a corrupt analysis or ablation chunk), so that the run's extract command (analyze), run again, rewrites it.")
+@click.option("--repair", is_flag=True, help="Rebuild unreadable metadata that can be derived, refresh stale consolidated metadata, give a run whose arrays disagree in length one length again, and uncommit every committed sequence with a missing or empty chunk (with --deep, also a corrupt one, and remove a corrupt analysis or ablation chunk), so that the run's extract command (analyze), run again, rewrites it.")
 def validate(store: str, deep: bool, repair: bool) -> None:
     """Check the store against schema version 1 and its format; one line per problem, exit 1 if any.
 

@@ -12,6 +12,7 @@ Python callers catch the kind they can handle (never the message text).
         ├── RunNotFoundError      no such run (or no completed sequence in it)
         ├── GroupNotFoundError    no such analysis, ablation or detect group in a run (not computed yet)
         ├── StoreWriteError       the store cannot be written (full, read-only)
+        ├── StoreUnreachableError the store does not answer (a connection lost or refused, a timeout, throttling)
         └── DamagedStoreError     unreadable metadata, a missing or corrupt chunk
             ├── CorruptChunkError     a chunk that fails to decode (checksum, compression)
             ├── ForeignFileError      a link leading outside a local store, a device or pipe in it
@@ -42,6 +43,7 @@ __all__ = [
     "SchemaError",
     "StoreError",
     "StoreNotFoundError",
+    "StoreUnreachableError",
     "StoreWriteError",
     "UnsupportedModelError",
 ]
@@ -92,6 +94,12 @@ class GroupNotFoundError(StoreError):
 
 class StoreWriteError(StoreError):
     """The store cannot be written: out of space, read-only, or not a folder."""
+
+
+class StoreUnreachableError(StoreError):
+    """The store does not answer: a connection lost or refused, a timeout, or throttling
+    that outlasted the retries. What was committed before is kept; the same command, run
+    again once the store answers, goes on from there."""
 
 
 class DamagedStoreError(StoreError):

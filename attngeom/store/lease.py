@@ -11,7 +11,10 @@ each renewal are such conditional replaces, so two writers never both hold it; e
 back, and each renewal first reads that the lease is still its holder's.
 
 The lease lasts ``ATTNGEOM_LEASE_SECONDS`` seconds (default 60): a killed writer's run is
-taken over that long after its last renewal. Renewals come every third of it.
+taken over that long after its last renewal. Renewals come every third of it, and a writer
+that must not write once its hold is gone renews it itself before such a write
+(:meth:`Lease.confirm`): stopped past its expiry, it finds the lease taken over and stops.
+A waiting writer says at once whom it waits for and when that lease ends unless renewed.
 
 A lease orders writers; it cannot stop one whose lease ended without its knowledge (a
 machine asleep) from writing on. What fences such a writer is :class:`HeldObject`: a small
@@ -34,6 +37,7 @@ from typing import Any
 
 from attngeom.errors import InputError, StoreWriteError
 from attngeom.store._zarr import sync
+from attngeom.store.network import network_failure
 
 __all__ = ["LEASES", "HeldObject", "Lease", "current_lease", "lease_seconds"]
 
@@ -61,17 +65,21 @@ def lease_seconds(seconds: float | None = None) -> float:
 class Lease:
     """The lease of the run ``run_id`` in the fsspec store ``zstore`` (a zarr ``FsspecStore``),
     held for ``what`` (the command, in the message a waiting writer prints) from
-    :meth:`acquire` to :meth:`release`, each lasting ``seconds`` unless renewed."""
+    :meth:`acquire` to :meth:`release`, each lasting ``seconds`` unless renewed. ``part``: a
+    lease of the run's array of that name instead of the run's own, as
+    :class:`~attngeom.store.locks.RunLock` (extract's appends hold ``complete``)."""
 
-    def __init__(self, zstore: Any, run_id: str, what: str, seconds: float) -> None:
+    def __init__(self, zstore: Any, run_id: str, what: str, seconds: float, part: str | None = None) -> None:
         self.fs, self.run_id, self.seconds = _own_filesystem(zstore.fs), run_id, seconds
-        self.path = f"{zstore.path.rstrip('/')}/{LEASES}/{run_id}.json"
+        self.path = f"{zstore.path.rstrip('/')}/{LEASES}/{run_id if part is None else f'{run_id}.{part}'}.json"
         self.token = uuid.uuid4().hex
         self.holder = {"token": self.token, "host": socket.gethostname(), "pid": os.getpid(), "command": what}
         # An S3 store replaces an object only if its ETag is still the one read (If-Match).
         self._conditional = hasattr(self.fs, "_call_s3")
         self._etag: str | None = None
         self._stop = threading.Event()
+        # One renewal at a time: each replaces the lease read by the one before (its ETag).
+        self._renewing = threading.Lock()
         self._thread: threading.Thread | None = None
         self.lost: str | None = None
 
@@ -91,8 +99,10 @@ class Lease:
             held = f"{body.get('host')}:{body.get('pid')}"
             if told != (held, body.get("since")):
                 told = (held, body.get("since"))
+                # Said before the first wait: a dead holder's lease keeps a writer waiting its whole term.
                 print(f"attngeom: waiting for the {body.get('command', 'writer')} of run {self.run_id} held by "
-                      f"{held} since {body.get('since')}", file=sys.stderr, flush=True)
+                      f"{held} since {body.get('since')} (its lease ends at {_clock(_expires(body))} unless "
+                      "renewed)", file=sys.stderr, flush=True)
             time.sleep(min(max(_expires(body) - time.time(), 0.05), self.seconds / 6, 2.0) + 0.05)
         self._thread = threading.Thread(target=self._renew_loop, name=f"attngeom-lease-{self.run_id}", daemon=True)
         self._thread.start()
@@ -103,12 +113,16 @@ class Lease:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        current = self._read()
-        if current is not None and current[0].get("token") == self.token:
-            try:
+        try:
+            current = self._read()
+            if current is not None and current[0].get("token") == self.token:
                 self.fs.rm_file(self.path)
-            except FileNotFoundError:
-                pass
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            if network_failure(exc) is None:
+                raise
+            # The store unreachable: the lease ends at its expiry, and the writer's own error says why.
 
     def check(self) -> None:
         """:class:`StoreWriteError` if the lease was lost (not renewed in time, taken over)."""
@@ -119,6 +133,17 @@ class Lease:
         """The object ``key`` (below the store's root) as this lease's writer replaces it:
         only while it is still the version the writer last read or wrote."""
         return HeldObject(self.fs, f"{self.path.rsplit(f'/{LEASES}/', 1)[0]}/{key}", key, self)
+
+    def confirm(self) -> None:
+        """Renew the lease now, if it is still this writer's, else :class:`StoreWriteError`: the
+        fence a writer passes before each write into what others read. A writer stopped past
+        its expiry (its machine asleep) finds it taken over and writes nothing more; one that
+        passes holds it for ``seconds`` more."""
+        self.check()
+        with self._renewing:
+            if not self._renew():
+                self.lost = self._taken_over()
+        self.check()
 
     def _body(self) -> bytes:
         now = time.time()
@@ -167,15 +192,23 @@ class Lease:
         renewed = time.time()
         while not self._stop.wait(self.seconds / 3):
             try:
-                if not self._renew():
-                    self.lost = (f"the lease of run {self.run_id} ({self.path}) was taken over by another writer: "
-                                 f"it was not renewed within {self.seconds:g} s; run the command again")
-                    return
+                with self._renewing:
+                    if not self._renew():
+                        self.lost = self._taken_over()
+                        return
                 renewed = time.time()
-            except OSError as exc:  # the store unreachable for a moment: tried again at the next renewal
+            except Exception as exc:
+                # The store unreachable for a moment (botocore's connection errors are no
+                # OSError): tried again at the next renewal.
+                if not isinstance(exc, OSError) and network_failure(exc) is None:
+                    raise
                 if time.time() - renewed > self.seconds:
                     self.lost = f"the lease of run {self.run_id} could not be renewed ({exc}); run the command again"
                     return
+
+    def _taken_over(self) -> str:
+        return (f"the lease of run {self.run_id} ({self.path}) was taken over by another writer: it was not "
+                f"renewed within {self.seconds:g} s; run the command again")
 
     def _mine(self) -> bool:
         current = self._read()
@@ -291,6 +324,11 @@ def _own_filesystem(fs: Any) -> Any:
     if wrapped is not None:
         return wrapped
     return type(fs)(**{**fs.storage_options, "asynchronous": False, "skip_instance_cache": True})
+
+
+def _clock(when: float) -> str:
+    """A time of day as the lease records it (UTC, to the second)."""
+    return datetime.fromtimestamp(when, UTC).isoformat(timespec="seconds")
 
 
 def _expires(body: dict[str, Any]) -> float:

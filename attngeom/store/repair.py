@@ -6,6 +6,10 @@ in a committed sequence is uncommitted for extract to rewrite.
   copy, the root's from its runs). A derived group's is rewritten by its stage, not here.
 - Coordinates: a run's coordinate array (layer, head, ...) not holding what its layout
   records (a lost chunk reads as zeros) is written again.
+- Lengths: a run whose per-sequence arrays disagree in length (two appenders that grew it
+  at once, before appends took turns on object stores) is given one length again, that of
+  its stored objects (the longest array's at most, the shortest's at least); its arrays'
+  other dimensions must be its layout's, else it is named as one that cannot be repaired.
 - Sequences: a committed sequence with a missing, empty (and with ``deep``, corrupt) object
   is uncommitted, so that the run's extract command rewrites it.
 - Derived groups, with ``deep``: an object failing to decode is removed, so that the next
@@ -33,13 +37,21 @@ from attngeom.store.access import (
     stale_consolidated,
     writing,
 )
-from attngeom.store.damage import DECODE_ERRORS
-from attngeom.store.storage import local_path, lost_metadata, metadata_bytes, node_metadata, put_objects, zarr_store
-from attngeom.store.stored_objects import chunk_key, chunk_objects, object_damage
+from attngeom.store.damage import DECODE_ERRORS, RESTORE
+from attngeom.store.storage import (
+    local_path,
+    lost_metadata,
+    metadata_bytes,
+    node_metadata,
+    put_objects,
+    read_metadata,
+    zarr_store,
+)
+from attngeom.store.stored_objects import chunk_key, chunk_objects, object_damage, object_sizes
 from attngeom.store.rebuild import cannot_rebuild, rebuild_plan
 from attngeom.store.runs import completed, open_run_group, run_coordinates, run_layout
 from attngeom.store.validate import arrays_of, committed_damage, readable_runs, wrong_coordinates
-from attngeom.store.schema import DERIVED, RUNS, SEQUENCE_ARRAYS
+from attngeom.store.schema import DERIVED, RUN_VARIABLES, RUNS, SEQUENCE_ARRAYS
 
 __all__ = ["Repair", "repair"]
 
@@ -75,6 +87,9 @@ def repair(url: str, *, deep: bool = False) -> Repair:
         unreadable = frozenset(key.rpartition("/")[0] for key in cannot)
         runs = readable_runs(root, unreadable)
         rebuilt += _rewrite_coordinates(root, runs)
+        resized, uneven = _even_lengths(root, runs)
+        rebuilt += resized
+        unrepairable += uneven
         uncommitted = _uncommit(root, runs, deep)
         removed = _remove_damaged_derived(root) if deep else []
         refreshed = False
@@ -124,6 +139,40 @@ def _rewrite_coordinates(root: zarr.Group, runs: list[str]) -> list[str]:
             members[name][...] = run_coordinates(layout)[name]
             rewritten.append(f"{run.path}/{name}/c/0")
     return rewritten
+
+
+def _even_lengths(root: zarr.Group, runs: list[str]) -> tuple[list[str], tuple[str, ...]]:
+    """Give the per-sequence arrays of each of ``runs`` one length again where they disagree:
+    one past the last sequence any of them stores an object of, kept within their lengths.
+    Only their ``zarr.json`` is rewritten (a resize through zarr visits every chunk
+    position of a shrinking array: an absurd length takes forever). The keys rewritten, and
+    one line for each run whose arrays disagree otherwise than in length."""
+    rewritten, cannot = [], []
+    for run_id in runs:
+        run = open_run_group(root, run_id)
+        try:
+            layout = run_layout(run)
+            arrays = {name: run[name] for name in layout.names() if RUN_VARIABLES[name].per_sequence and name in run}
+        except (KeyError, TypeError, *DECODE_ERRORS):
+            continue  # named by validate
+        lengths = {name: int(arr.shape[0]) for name, arr in arrays.items()}
+        if len(set(lengths.values())) < 2:
+            continue
+        odd = [name for name, arr in arrays.items() if tuple(arr.shape[1:]) != layout.shape(name, 0)[1:]]
+        if odd:
+            cannot.append(f"run {run_id}: arrays {', '.join(odd)} disagree with the run's layout beyond their "
+                          f"length, so its arrays' lengths are left as they are; {RESTORE}")
+            continue
+        listed = object_sizes(run.store, f"{run.path}/")
+        stored = max((index[0] + 1 for arr in arrays.values() for index in chunk_objects(arr, listed)), default=0)
+        n_seq = min(max(stored, min(lengths.values())), max(lengths.values()))
+        for name, arr in arrays.items():
+            if lengths[name] != n_seq:
+                key = f"{arr.path}/zarr.json"
+                meta = read_metadata(run.store, arr.path)
+                put_objects(run.store, {key: metadata_bytes({**meta, "shape": [n_seq, *meta["shape"][1:]]})})
+                rewritten.append(key)
+    return rewritten, tuple(cannot)
 
 
 def _uncommit(root: zarr.Group, runs: list[str], deep: bool) -> dict[str, list[int]]:

@@ -5,13 +5,16 @@ A :class:`RunWrite`, handed out by the command's
 :class:`~attngeom.store.session.StoreSession` (mode "c", which may create the store), owns
 every step between the command's checks and its success, every read and write through the
 session's one zarr Store: it reads the run's record (:meth:`RunWrite.recorded`, what a
-rerun must match), begins (creates the store, or resumes the run: waits for another extract
-appending to it and names the sequences still to write), creates the run or grows its
+rerun must match), begins (waits for another extract writing the run, by a lock on a local
+disk and a lease on an object store; creates the store, or resumes the run, and names the
+sequences still to write), creates the run or grows its
 arrays before the first sequence, writes and commits each sequence, and commits the write
 (consolidated metadata refreshed, the run checked). Leaving the ``with`` block on an error
 aborts: a store this write created and that holds no committed sequence is removed, and a
 write the store refused (a full disk, a path that cannot be written) is one
-:class:`StoreWriteError` counting what was kept::
+:class:`StoreWriteError` counting what was kept, a store that stopped answering one
+:class:`StoreUnreachableError` (:mod:`~attngeom.store.network`) the same. On an object
+store each write is fenced by the lease (:class:`~attngeom.store.runs.SequenceWriter`)::
 
     with StoreSession(url, mode="c") as session:
         write = session.run_write(run_id)
@@ -39,6 +42,8 @@ import zarr
 from attngeom.errors import StoreWriteError
 from attngeom.preflight import run_created
 from attngeom.store.access import consolidate
+from attngeom.store.network import network_failure, unreachable
+from attngeom.store.lease import Lease, lease_seconds
 from attngeom.store.locks import RunLock
 from attngeom.store.storage import local_path
 from attngeom.store.runs import (
@@ -96,6 +101,7 @@ class Begun:
         self._writer: SequenceWriter | None = None
         self._state = "new"  # new -> begun -> committed | aborted
         self._exit = contextlib.ExitStack()
+        self._lease: Lease | None = None
 
     def __enter__(self) -> Begun:
         self._require("new", "begin")
@@ -106,10 +112,18 @@ class Begun:
         # with a shard, where a peer may be writing into the new store already.
         self._new_store = path is not None and not path.exists() and write.shard is None
         with self._aborting():
+            if path is None and write.shard is None:
+                # Two extracts writing one run take turns, also to create it: the second waits,
+                # then finds committed what the first wrote (shards split the sequences
+                # instead). On an object store nothing else orders the growth of the arrays'
+                # metadata, and a writer stopped past its lease is fenced off (SequenceWriter).
+                self._lease = Lease(write.session.zstore, write.run_id, "extract",
+                                    lease_seconds(write.session.lease_seconds), part="complete")
+                self._exit.callback(self._lease.release)
+                self._lease.acquire()
             run = self._open_run(write.session.fresh_root())
             if run is not None and path is not None and write.shard is None:
-                # Two extracts appending to one run take turns: the second waits, then finds
-                # committed what the first wrote (shards split the sequences instead).
+                # The same on a local disk, where the run's folder must exist to be locked.
                 lock = RunLock(path, write.run_id, "extract", part="complete")
                 self._exit.callback(lock.release)
                 lock.acquire()
@@ -133,11 +147,13 @@ class Begun:
         if self._writer is not None:
             raise RuntimeError("the run's writer is open already")
         with self._store_errors():
+            self._confirm()
             if self._run is None:
                 self._run = create_run(self._write.session.root, self._write.run_id, layout(), provenance, self.total)
             elif n_sequences(self._run) < self.total:  # grown only once there is something to write
                 resize_run(self._run, self.total)
-            self._writer = self._exit.enter_context(SequenceWriter(self._run, in_flight=in_flight))
+            fence = None if self._lease is None else self._lease.confirm
+            self._writer = self._exit.enter_context(SequenceWriter(self._run, in_flight=in_flight, fence=fence))
         return run_layout(self._run)
 
     def submit(self, seq: int, arrays: Callable[[], Mapping[str, np.ndarray]]) -> None:
@@ -159,6 +175,7 @@ class Begun:
             if self._writer is not None:
                 self._writer.close()
             if self._run is not None:
+                self._confirm()
                 # Also when nothing was written: an extract killed before refreshing it left it stale.
                 consolidate(self._write.session.root)
         self._state = "committed"
@@ -189,6 +206,11 @@ class Begun:
         run = open_run_group(root, self._write.run_id)
         return run if run_created(run.attrs.get(ATTR_KEY)) else None
 
+    def _confirm(self) -> None:
+        """Raise unless this write still holds the run's lease (none on a local disk)."""
+        if self._lease is not None:
+            self._lease.confirm()
+
     def _require(self, state: str, what: str) -> None:
         if self._state != state:
             raise RuntimeError(f"cannot {what}: the write of run {self._write.run_id} is {self._state}")
@@ -208,22 +230,35 @@ class Begun:
         sequences to write are committed and kept, and what to do."""
         try:
             yield
-        except OSError as exc:
+        except Exception as exc:
+            if network_failure(exc) is None:
+                if isinstance(exc, OSError):
+                    self._refused(exc)
+                raise
             if self._writer is not None:
-                self._writer.__exit__(type(exc), exc, None)  # stopped, its write in flight ended: then counted
-            done = 0 if self._run is None else int(np.isin(self.todo, completed(self._run)).sum())
-            kept = "; committed sequences are kept:" if done else ";"
-            finish = " to finish" if done else ""
-            if exc.errno == errno.ENOSPC:
-                raise StoreWriteError(
-                    f"the store ran out of space after {done} of {len(self.todo)} sequences were committed{kept} "
-                    f"free space and re-run the same command{finish}"
-                ) from exc
+                self._writer.__exit__(type(exc), exc, None)
+            done = 0 if self._writer is None else len(self._writer.committed)
+            kept = (f"{done} of the {len(self.todo)} sequences to write were committed before and are kept"
+                    if done else f"none of the {len(self.todo)} sequences to write was committed")
+            raise unreachable(self._write.url, exc, kept) from exc
+
+    def _refused(self, exc: OSError) -> None:
+        """Raise the :class:`StoreWriteError` of a write the store refused (``exc``)."""
+        if self._writer is not None:
+            self._writer.__exit__(type(exc), exc, None)  # stopped, its write in flight ended: then counted
+        done = 0 if self._run is None else int(np.isin(self.todo, completed(self._run)).sum())
+        kept = "; committed sequences are kept:" if done else ";"
+        finish = " to finish" if done else ""
+        if exc.errno == errno.ENOSPC:
             raise StoreWriteError(
-                f"the store cannot be written at {exc.filename or self._write.url} ({exc.strerror or exc}) after "
-                f"{done} of {len(self.todo)} sequences were committed{kept} repair that path and re-run the same "
-                f"command{finish}"
+                f"the store ran out of space after {done} of {len(self.todo)} sequences were committed{kept} "
+                f"free space and re-run the same command{finish}"
             ) from exc
+        raise StoreWriteError(
+            f"the store cannot be written at {exc.filename or self._write.url} ({exc.strerror or exc}) after "
+            f"{done} of {len(self.todo)} sequences were committed{kept} repair that path and re-run the same "
+            f"command{finish}"
+        ) from exc
 
     def _holds_committed(self) -> bool:
         """Whether any run of the store has a committed sequence (True if that cannot be read:

@@ -147,7 +147,10 @@ def create_run(
     committed sequences survive; one left with another layout by an interrupted creation is
     replaced. Provenance is written last, with ``initialized: true``.
     """
-    run = root.require_group(run_path(run_id))
+    try:
+        run = root.require_group(run_path(run_id))
+    except zarr.errors.ContainsGroupError:  # a concurrent writer created it a moment ago (shards)
+        run = open_run_group(root, run_id)
     sync(_create_arrays(run, layout, n_seq))
     meta = dict(provenance)
     # Not asdict: it deep-copies ``attendable``, L x layers booleans (30 ms at L=1024), to drop it.
@@ -293,6 +296,9 @@ class SequenceWriter:
     are between submit and commit (``submit`` waits for room), so memory holds at most that
     many sequences' arrays (and what their ``arrays`` callables keep alive) beside the caller's.
     With ``in_flight=0`` ``submit`` converts, writes and commits in the caller's thread.
+    ``fence``: called before a sequence's objects are written and before its commit, raising
+    once the writer no longer holds the run (:meth:`~attngeom.store.lease.Lease.confirm`);
+    with it, objects are created only where absent on an object store.
 
     The first failed write stops the writer: the sequences after it are dropped uncommitted
     and its error is raised by the next ``submit`` or by ``close``. Leaving the ``with``
@@ -300,10 +306,12 @@ class SequenceWriter:
     nothing is written once the caller sees the error.
     """
 
-    def __init__(self, run: zarr.Group, *, in_flight: int = IN_FLIGHT) -> None:
+    def __init__(self, run: zarr.Group, *, in_flight: int = IN_FLIGHT, fence: Callable[[], None] | None = None,
+                 ) -> None:
         self._arrays = sync(_sequence_members(run))
         self._store = run.store
         self._in_flight = in_flight
+        self._fence = fence
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attngeom-writer")
         # Chunks are compressed here on every core, not by zarr: Blosc releases the GIL, and
         # zarr's writes (one coroutine and thread hop per chunk, the shard assembled in
@@ -315,6 +323,7 @@ class SequenceWriter:
         self._encoders = ThreadPoolExecutor(max_workers=cpu_count(), thread_name_prefix="attngeom-encode")
         self._pending: deque[Future[None]] = deque()
         self._stopped = False
+        self.committed: list[int] = []  # by this writer, in order: counted also where the store no longer answers
 
     def write(self, seq: int, arrays: Mapping[str, np.ndarray]) -> None:
         """Write sequence ``seq`` and commit it, in the calling thread: every chunk of every
@@ -329,8 +338,20 @@ class SequenceWriter:
             encode, chunks, sharded = object_chunks(arr.metadata.to_dict(), values)
             key = f"{arr.path}/{arr.metadata.encode_chunk_key((seq,) + (0,) * (values.ndim - 1))}"
             objects[key] = _stored_parts(deque(self._encoders.submit(encode, chunk) for chunk in chunks), sharded)
-        put_objects(self._store, objects)
+        if self._fence is None:
+            put_objects(self._store, objects)
+        else:
+            self._fence()
+            # Created only where absent: a committed sequence's objects are never replaced by a
+            # writer that lost its hold meanwhile. One present is a killed writer's leftover,
+            # or a stale writer's; this writer replaces it only while it still holds the run.
+            present = put_objects(self._store, objects, only_new=True)
+            if present:
+                self._fence()
+                put_objects(self._store, present)
+            self._fence()
         sync(self._arrays["complete"].setitem(seq, 1))
+        self.committed.append(seq)
 
     def submit(self, seq: int, arrays: Callable[[], Mapping[str, np.ndarray]]) -> None:
         """Queue sequence ``seq``, whose arrays ``arrays()`` returns, for the background thread;

@@ -4,7 +4,8 @@ A :class:`StoreSession` turns the command's URL into one zarr Store (on an objec
 that reads each node's metadata, shard index and small object once: :mod:`~attngeom.store.cache`)
 and its root group, checks the root (schema, format, writability), holds the store as one of
 its writers and the runs it writes (their locks, or leases: :mod:`~attngeom.store.lease`),
-translates a full disk or a read-only store into :class:`~attngeom.errors.StoreWriteError`,
+translates a full disk or a read-only store into :class:`~attngeom.errors.StoreWriteError`
+and a store that stops answering into :class:`~attngeom.errors.StoreUnreachableError`,
 and looks runs up. Its writers are the derived groups' (:meth:`StoreSession.derived`) and
 extract's write of a run (:meth:`StoreSession.run_write`, in mode "c", which may create
 the store). Every read of the command goes through it: :meth:`StoreSession.reader`
@@ -32,12 +33,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import zarr
 
-from attngeom.errors import GroupNotFoundError, StoreNotFoundError, StoreWriteError
+from attngeom.errors import AttngeomError, GroupNotFoundError, StoreNotFoundError, StoreWriteError
 from attngeom.store.access import WriterHold, check_writable, checked_root, create_root, writing
 from attngeom.store.cache import cached, drop_kept
 from attngeom.store.chunks import read_chunk
 from attngeom.store.damage import damaged_chunk
 from attngeom.store.lease import HeldObject, Lease, lease_seconds
+from attngeom.store.network import reaching, unreachable
 from attngeom.store.run_write import RunWrite
 from attngeom.store.locks import RunLock, wait_for_writer
 from attngeom.store.storage import local_path, zarr_store
@@ -86,6 +88,10 @@ class StoreSession:
         self._leases: dict[str, Lease] = {}
 
     def __enter__(self) -> StoreSession:
+        with reaching(self.url):
+            return self._enter()
+
+    def _enter(self) -> StoreSession:
         writer = self.mode != "r"
         path = local_path(self.url)
         # Opening a local store for writing would create its folder.
@@ -119,7 +125,11 @@ class StoreSession:
         lost = next((lease.lost for lease in self._leases.values() if lease.lost), None)
         self._locked.clear()
         self._leases.clear()
-        suppress = self._exit.__exit__(*exc)
+        with reaching(self.url):
+            suppress = self._exit.__exit__(*exc)
+            error = None if exc[1] is None or isinstance(exc[1], AttngeomError) else unreachable(self.url, exc[1])
+            if error is not None:
+                raise error from exc[1]
         if lost and exc[0] is None:
             raise StoreWriteError(lost)
         return suppress

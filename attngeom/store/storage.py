@@ -26,6 +26,7 @@ from attngeom.errors import InputError
 from attngeom.preflight import local_path
 from attngeom.store._zarr import sync
 from attngeom.store.cache import uncached
+from attngeom.store.network import quiet_lost_requests
 
 # zarr-python's LocalStore writes each object as ``<name>.<uuid>.partial`` and renames it; a
 # write killed in between leaves that object behind.
@@ -74,6 +75,7 @@ def zarr_store(url: str, *, read_only: bool) -> Any:
     """A zarr Store for a local path or any fsspec URL (``s3://``, ``memory://``, ``file://``)."""
     local = local_path(url)
     if local is None:
+        quiet_lost_requests()
         try:
             return zarr.storage.FsspecStore.from_url(url, read_only=read_only)
         except (ValueError, ImportError) as exc:  # an unknown protocol, or its package missing
@@ -252,30 +254,47 @@ def node_path(key: str) -> str:
     return key.rpartition("/")[0]
 
 
-def put_objects(zstore: Any, objects: Mapping[str, bytes | Iterable[Part]]) -> None:
+def put_objects(zstore: Any, objects: Mapping[str, bytes | Iterable[Part]], *, only_new: bool = False,
+                ) -> dict[str, bytes]:
     """Store ``objects`` (key -> bytes, or an object's parts in order) in the zarr Store
     ``zstore``; a local store's are written one after another, each part as it comes (a
     sequence's values shard is written while its last chunks are compressed) with one
     vectored write, any other store's all at once. The first error is raised once every
-    write has ended, so that nothing is written after a failed caller has cleaned up."""
+    write has ended, so that nothing is written after a failed caller has cleaned up.
+
+    With ``only_new``, an object store's objects are created only where absent (S3's
+    ``If-None-Match: *``): those found present are not written and returned, key -> bytes,
+    for the caller to decide (a writer that no longer holds its run must not replace
+    them). A local store's writers take turns by a lock instead: there it returns nothing."""
     if isinstance(zstore, zarr.storage.LocalStore):
         # Written here: through the store, each object takes a hop to zarr's thread and one
         # to a file thread (an analysis writes some 350).
         root, folders = Path(str(zstore.root)), set()
         for key, value in objects.items():
             _put_local(root / key, value, folders)
-        return
+        return {}
     prototype = default_buffer_prototype()
+    data = {key: value if isinstance(value, bytes) else b"".join(b for part in value for b in _buffers(part))
+            for key, value in objects.items()}
+    present: dict[str, bytes] = {}
+
+    async def put(key: str, value: bytes) -> None:
+        if not only_new:
+            await zstore.set(key, prototype.buffer.from_bytes(value))
+            return
+        try:
+            await zstore.fs._pipe_file(f"{zstore.path.rstrip('/')}/{key}", value, mode="create")
+        except FileExistsError:
+            present[key] = value
 
     async def run() -> None:
-        sets = (zstore.set(key, prototype.buffer.from_bytes(
-            value if isinstance(value, bytes) else b"".join(b for part in value for b in _buffers(part))))
-            for key, value in objects.items())
-        for outcome in await asyncio.gather(*sets, return_exceptions=True):
+        for outcome in await asyncio.gather(*(put(key, value) for key, value in data.items()),
+                                            return_exceptions=True):
             if isinstance(outcome, BaseException):
                 raise outcome
 
     sync(run())
+    return present
 
 
 def get_objects(zstore: Any, keys: Iterable[str]) -> dict[str, bytes | None]:

@@ -140,7 +140,8 @@ def check_arrays(url: str, run: zarr.Group, run_id: str, members: Mapping[str, z
         return None
     problems = array_problems(run, run_id, layout, _members(run) if members is None else members, url)
     if problems:
-        raise DamagedStoreError(problems[0] if problems[0].startswith(RUNS) else f"{problems[0]}; {RESTORE}")
+        remedied = problems[0].startswith(RUNS) or problems[0].endswith(even_lengths(url))
+        raise DamagedStoreError(problems[0] if remedied else f"{problems[0]}; {RESTORE}")
     return layout
 
 
@@ -285,8 +286,16 @@ def array_problems(run: zarr.Group, run_id: str, layout: RunLayout, members: Map
                             f"is {layout.values_dtype!r}; {RESTORE}")
         expected = layout.shape(name, n_seq if n_seq is not None else arr.shape[0])
         if tuple(arr.shape) != expected:
-            problems.append(f"{where}: array '{name}' has shape {tuple(arr.shape)}, expected {expected}")
+            line = f"{where}: array '{name}' has shape {tuple(arr.shape)}, expected {expected}"
+            if tuple(arr.shape[1:]) == expected[1:]:
+                line += f" (the run's arrays disagree in length); {even_lengths(url)}"
+            problems.append(line)
     return problems
+
+
+def even_lengths(url: str) -> str:
+    """The remedy of a run whose arrays disagree in length (:mod:`~attngeom.store.repair`)."""
+    return f"run `attngeom validate --store {url} --repair` to give them one length again"
 
 
 def sequence_count(members: Mapping[str, zarr.Array]) -> int | None:
