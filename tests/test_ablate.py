@@ -318,8 +318,10 @@ def test_errors_and_parse_heads(store):
         parse_heads("0-12")
     with pytest.raises(AttngeomError, match="no run"):
         ablate(store, "nope", device="cpu")
-    with pytest.raises(AttngeomError, match="--protect 9.0"):
+    with pytest.raises(AttngeomError, match="^protect 9.0: the run has layers"):
         ablate(store, "r", device="cpu", protect=[(9, 0)])
+    with pytest.raises(AttngeomError, match=r"^seed=3 seeds the random masks, and random_masks=0 asks for none: drop seed"):
+        ablate(store, "r", device="cpu", seed=3, random_masks=0)
     with pytest.raises(AttngeomError, match=r"^max_sequences must be at least 2 \(an importance and an evaluation split\) \(got 1\)"):
         ablate(store, "r", device="cpu", max_sequences=1)
     with warnings.catch_warnings():

@@ -10,7 +10,7 @@ from typing import Any
 
 from attngeom.errors import InputError
 from attngeom.extract.request import check_device_map
-from attngeom.options import check_options, option
+from attngeom.options import check_options, option, refusal
 from attngeom.runcheck import STAGE_DTYPES, check_device
 
 __all__ = ["DEFAULT_RETENTION", "AblateRequest", "check_request", "parse_heads"]
@@ -82,27 +82,24 @@ def check_request(request: AblateRequest, layout: dict[str, Any] | None = None, 
     retention = list(request.retention)
     outside = [f for f in retention if not 0.0 < f <= 1.0]
     if not retention or outside:
-        raise InputError(
-            f"--retention {','.join(map(str, outside or retention))}: each fraction of heads kept is above 0 and "
-            "at most 1, e.g. 1.0,0.75,0.5"
-        )
+        raise refusal("{retention:{value}}: each fraction of heads kept is above 0 and at most 1, e.g. 1.0,0.75,0.5",
+                      AblateRequest, value=",".join(map(str, outside or retention)))
     if request.random_masks == 0 and request.seed != 0:
-        raise InputError(f"--seed {request.seed} seeds the random masks, and --random-masks 0 asks for none: "
-                         "drop --seed, or ask for random masks")
+        raise refusal("{seed:{value}} seeds the random masks, and {random_masks:0} asks for none: drop {seed!s}, "
+                      "or ask for random masks", AblateRequest, value=request.seed)
     if layout:
         n_layers, n_heads = layout["n_layers"], layout["n_heads"]
         for layer, head in request.protect:
             if not (0 <= layer < n_layers and 0 <= head < n_heads):
-                raise InputError(
-                    f"--protect {layer}.{head}: the run has layers 0-{n_layers - 1} and heads 0-{n_heads - 1}"
-                )
+                raise refusal("{protect!s} {layer}.{head}: the run has layers 0-{last_layer} and heads "
+                              "0-{last_head}", AblateRequest, layer=layer, head=head, last_layer=n_layers - 1,
+                              last_head=n_heads - 1)
         # kept_per_layer: f * H rounded half up.
         none_kept = [f for f in retention if int(f * n_heads + 0.5) == 0]
         if none_kept:
-            raise InputError(
-                f"--retention {none_kept[0]} keeps no head of a layer of {n_heads} (its fraction of heads, rounded); "
-                f"the smallest fraction keeping one is {0.5 / n_heads:g}"
-            )
+            raise refusal("{retention:{value}} keeps no head of a layer of {n_heads} (its fraction of heads, "
+                          "rounded); the smallest fraction keeping one is {least}", AblateRequest, value=none_kept[0],
+                          n_heads=n_heads, least=f"{0.5 / n_heads:g}")
     if committed is not None:
         used = committed if request.max_sequences is None else min(committed, request.max_sequences)
         if used < 2:

@@ -10,7 +10,7 @@ from typing import Any
 from attngeom.errors import InputError
 from attngeom.extract.request import check_device_map
 from attngeom.extract.tokenizing import check_tokenizer_name
-from attngeom.options import check_options, option
+from attngeom.options import check_options, option, refusal
 from attngeom.runcheck import STAGE_DTYPES, check_device
 
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -71,16 +71,15 @@ def check_request(request: DetectRequest, context_length: int | None = None) -> 
                      or isinstance(request.model, str | os.PathLike))
     depths = list(request.depths)
     if not depths or not all(0.0 <= d <= 1.0 for d in depths) or len(set(depths)) != len(depths):
-        raise InputError("--depths takes distinct fractions between 0 and 1, e.g. 0.1,0.5,0.9")
+        raise refusal("{depths!s} takes distinct fractions between 0 and 1, e.g. 0.1,0.5,0.9", DetectRequest)
     if context_length is None:
         return
     if probe_length(context_length) < 1:
         raise InputError(f"the run's L = {context_length} leaves no room for a repeated random sequence (L >= 3)")
     if context_length < 2 * request.needle_length + 2:
-        raise InputError(
-            f"--needle-length {request.needle_length} needs L >= {2 * request.needle_length + 2} "
-            f"(BOS, a haystack token, the needle and its copy); the run has L = {context_length}"
-        )
+        raise refusal("{needle_length:{value}} needs L >= {least} (BOS, a haystack token, the needle and its copy); "
+                      "the run has L = {length}", DetectRequest, value=request.needle_length,
+                      least=2 * request.needle_length + 2, length=context_length)
 
 
 def check_sequences(run_id: str, committed: int) -> None:
