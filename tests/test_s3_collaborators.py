@@ -305,7 +305,6 @@ def test_the_network_lost_in_analyze_is_one_line_and_the_rerun_goes_on(s3, ablat
 
     # The rerun meets the cut-off writer's lease unexpired; botocore does not retry (s3fs still does).
     monkeypatch.setenv("ATTNGEOM_LEASE_SECONDS", "20")
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     reference = tmp_path / "reference.zarr"
     shutil.copytree(ablated_store_source, reference)
     args = ["--scheduler", "threads", "--no-progress", "--n-grid", "1,4"]
@@ -313,6 +312,7 @@ def test_the_network_lost_in_analyze_is_one_line_and_the_rerun_goes_on(s3, ablat
     url = new_url()
     fsspec.filesystem("s3", skip_instance_cache=True).put(f"{ablated_store_source}/", url.removeprefix("s3://"),
                                                           recursive=True)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     with fault_proxy(s3) as proxy:
         proxy.cut_when(lambda line: line.startswith("PUT") and "/runs/r/analysis/" in line)
         with through(proxy, monkeypatch):
@@ -341,9 +341,9 @@ COMMANDS = {
 def test_a_store_that_does_not_answer_is_one_line_for_every_command(s3, command, tmp_path, monkeypatch):
     """Every command meeting a store whose connection is cut at its first request: one line
     naming the store, exit 2."""
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     url = new_url()
     append(url, 2)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     name, *flags = command.split()
     with fault_proxy(s3) as proxy:
         proxy.cut_when(lambda line: True)
