@@ -75,3 +75,22 @@ def test_summaries_are_the_same_bits_on_any_number_of_threads(masked):
         for f in fields(one):
             want, got = getattr(one, f.name), getattr(capture, f.name)
             assert (want is None and got is None) or torch.equal(got, want), f.name
+
+
+def test_threads_started_after_take_the_callers_thread_count():
+    """torch keeps one thread count for threads yet to start: the pool's one thread each must
+    not become every later thread's."""
+    import attngeom.extract.threads as threads_module
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threads_module._pool = None  # a pool started by this test
+        share_out(lambda _: None, list(range(10)), 3)
+        later = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert later == [2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

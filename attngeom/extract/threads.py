@@ -60,10 +60,22 @@ def _executor(size: int) -> ThreadPoolExecutor:
         if _pool is None or _pool[0] != os.getpid() or _pool[1] < size:
             if _pool is not None and _pool[0] == os.getpid():
                 _pool[2].shutdown(wait=False)
-            executor = ThreadPoolExecutor(size, thread_name_prefix="attngeom-tiles",
-                                          initializer=torch.set_num_threads, initargs=(1,))
-            _pool = (os.getpid(), size, executor)
+            _pool = (os.getpid(), size, _started(size))
         return _pool[2]
+
+
+def _started(size: int) -> ThreadPoolExecutor:
+    """``size`` threads, each set to one torch thread before this returns. torch's
+    set_num_threads also sets the count that every thread starting later takes (ATen keeps
+    one for the process): the caller's is set again after, so that threads started later,
+    the caller's own, take the caller's count, not the pool's."""
+    caller = torch.get_num_threads()
+    executor = ThreadPoolExecutor(size, thread_name_prefix="attngeom-tiles")
+    # Each waits for all the others, so each runs in a thread of its own.
+    everyone = threading.Barrier(size)
+    wait([executor.submit(lambda: (torch.set_num_threads(1), everyone.wait())) for _ in range(size)])
+    torch.set_num_threads(caller)
+    return executor
 
 
 def share_out(fn: Callable[[T], None], items: Sequence[T], threads: int) -> None:
