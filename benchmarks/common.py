@@ -19,7 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,19 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+@contextmanager
+def busy(count: int) -> Iterator[None]:
+    """Within the block, ``count`` CPU-bound processes (a Python loop each) compete with the
+    benchmark for the machine's cores: the busy machine, made on purpose."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
 
 def now() -> tuple[float, float]:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from common import int_list, median, now, rotate, table
 
-from attngeom.extract import capture
+from attngeom.extract import tiles
 
 # The last revision whose capture kept no prev_attn or recent_attn.
 BEFORE = "3c6ce5c"
@@ -69,7 +69,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     old = capture_at(args.revision)
-    variants = {"new": capture.attention_summaries, "old": old.attention_summaries}
+    variants = {"new": tiles.attention_summaries, "old": old.attention_summaries}
     rows, results = [], []
     for shape in args.shapes.split(","):
         for length in args.lengths:

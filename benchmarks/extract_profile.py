@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where extract's time goes beyond the bare forward, phase by phase (run by hand).
 
-    python benchmarks/extract_profile.py                                 # 32/32/128 at L=1024, 32/8/128 at L=4096
+    python benchmarks/extract_profile.py                                 # extract_thin.py's four shapes
     python benchmarks/extract_profile.py --shapes 32/32/128@1024 --reps 5 --dtype bfloat16
 
 The models are extract_thin.py's: random-weight Llama models with the paper's attention
@@ -111,8 +111,8 @@ def profiled(fn: Any) -> dict[str, float]:
 
 
 def bench(shape: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    heads, kv_heads, head_dim, length = parse_shape(shape)
-    model = thin_model(heads, kv_heads, head_dim, args.layers, args.mlp).to(getattr(torch, args.dtype))
+    heads, kv_heads, head_dim, length, hidden = parse_shape(shape)
+    model = thin_model(heads, kv_heads, head_dim, args.layers, args.mlp, hidden).to(getattr(torch, args.dtype))
     ids = token_ids(1, length)
     store = str(workdir / "profile.zarr")
 

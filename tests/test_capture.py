@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM
 from attngeom.extract.capture import (
     ATTN_IMPLEMENTATION,
     Recorder,
-    attention_summaries,
     capturing,
     output_description,
 )
+from attngeom.extract.tiles import attention_summaries
 from attngeom.extract.models import ModelSource, load_model
 
 L = 16  # longer than the sliding window (6) of the Mistral and Gemma 3 fixtures
@@ -268,8 +268,9 @@ def test_a_model_under_no_recorder_runs_plain_sdpa(tiny_model_dir):
 
 
 def test_a_layers_capture_runs_on_one_thread(tiny_model_dir, monkeypatch):
-    """Each layer's capture runs on one torch thread and the rest of the forward on the
-    caller's thread count, which is restored after each layer, also when a layer raises."""
+    """Each layer's capture runs on one torch thread, its tiles shared out among as many
+    threads as the caller has torch threads, and the rest of the forward on the caller's
+    thread count, which is restored after each layer, also when a layer raises."""
     import attngeom.extract.capture as capture_module
 
     model = stock(tiny_model_dir("llama"))
@@ -277,7 +278,7 @@ def test_a_layers_capture_runs_on_one_thread(tiny_model_dir, monkeypatch):
     in_capture, in_mlp = [], []
 
     def spy(*args, **kwargs):
-        in_capture.append(torch.get_num_threads())
+        in_capture.append((torch.get_num_threads(), kwargs["threads"]))
         return real(*args, **kwargs)
 
     def fail(*args, **kwargs):
@@ -290,7 +291,7 @@ def test_a_layers_capture_runs_on_one_thread(tiny_model_dir, monkeypatch):
         monkeypatch.setattr(capture_module, "attention_summaries", spy)
         with torch.no_grad(), capturing(model):
             model.model(input_ids=tiny_ids(), use_cache=False)
-        assert in_capture == [1] * model.config.num_hidden_layers
+        assert in_capture == [(1, 2)] * model.config.num_hidden_layers
         assert in_mlp == [2]
         monkeypatch.setattr(capture_module, "attention_summaries", fail)
         with pytest.raises(RuntimeError, match="capture failed"), torch.no_grad(), capturing(model):
@@ -364,7 +365,7 @@ assert ATTN_IMPLEMENTATION in AttentionInterface() and ATTN_IMPLEMENTATION in At
 def test_first_argmax_is_torch_argmax(seed):
     """Known answers where ties are the rule: small integers (many equal maxima), all-zero rows,
     subnormal values one ulp apart, and a single column."""
-    from attngeom.extract.capture import first_argmax
+    from attngeom.extract.tiles import first_argmax
 
     g = torch.Generator().manual_seed(seed)
     cases = [
@@ -381,7 +382,7 @@ def test_first_argmax_is_torch_argmax(seed):
 def test_additive_floor_equals_filling_the_mask():
     """Adding ``masked_floor`` is bit for bit ``masked_fill(~allowed, MASKED)`` for any score
     a model produces (|s| far below 1e22)."""
-    from attngeom.extract.capture import MASKED, masked_floor
+    from attngeom.extract.tiles import MASKED, masked_floor
 
     torch.manual_seed(3)
     scores = torch.randn(2, 3, 4, 64) * torch.logspace(-30, 6, 64)
@@ -393,7 +394,7 @@ def test_cpu_scores_are_the_batched_product():
     """On CPU the scores are one mm per kv head (bmm left a core idle): bmm's bits at the block
     shapes of smollm2-135m and gemma3-270m, and bmm's values to rounding at tiny ones, where
     the two take different kernels."""
-    from attngeom.extract.capture import _scores
+    from attngeom.extract.tiles import _scores
 
     torch.manual_seed(4)
     for n, rows, keys, dim in [(1, 512, 300, 256), (3, 168, 1024, 64), (3, 168, 56, 64), (4, 7, 9, 5)]:
@@ -408,7 +409,7 @@ def test_score_tiles_follow_the_layers_shape():
     """Layers whose 2 MiB tile of every kv head keeps 128 rows per product keep it (smollm2-135m,
     gemma3-270m: the tiles their stores were measured and written with); many heads or long
     rows take fewer kv heads per tile, in even tiles, and never fewer than 128 product rows."""
-    from attngeom.extract.capture import score_tile
+    from attngeom.extract.tiles import score_tile
 
     cpu = torch.device("cpu")
     assert score_tile(1, 9, 3, 1024, cpu) == (3, 56)  # smollm2-135m

@@ -19,7 +19,7 @@ from attngeom.store import RECENT_WINDOWS
 
 torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 
-from attngeom.extract.capture import attention_summaries  # noqa: E402
+from attngeom.extract.tiles import attention_summaries  # noqa: E402
 
 # Long enough for distant_mass at W = 16 and 64 (queries i >= 2W); W = 256 has none (NaN).
 L = 160

@@ -23,7 +23,7 @@ from attngeom.analyze.parameters import instance_seed
 from attngeom.api import analyze
 from attngeom.cli import main
 from attngeom.errors import InputError
-from attngeom.extract.capture import attention_summaries
+from attngeom.extract.tiles import attention_summaries
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.extract.queries import query_positions
 from attngeom.store import TOPN_VARIABLES, VALUE_STATISTICS, query_attendable, validate_store

@@ -11,7 +11,7 @@ from typing import TypeVar
 import torch
 from torch.profiler import record_function
 
-__all__ = ["PHASES", "phase", "phased"]
+__all__ = ["PHASES", "phase", "phased", "profiling"]
 
 T = TypeVar("T")
 
@@ -28,12 +28,17 @@ PHASES = {
 _NOTHING = contextlib.nullcontext()
 
 
+def profiling() -> bool:
+    """Whether a torch profiler records the calling thread's ranges."""
+    # torch's own check is private (a C call, a tenth of a us); record_function costs some
+    # 15 us even with no profiler running, and a layer at L = 4096 has a thousand tiles.
+    # tests/test_capture.py sees every range under a profiler, or fails.
+    return torch.autograd._profiler_enabled()
+
+
 def phase(name: str) -> contextlib.AbstractContextManager[object]:
     """The block as the range ``name`` (one of :data:`PHASES`) of a running torch profiler."""
-    # record_function costs some 15 us even with no profiler running, and a layer at
-    # L = 4096 has a thousand tiles: torch's own check (private; a C call) costs a tenth of
-    # a us. tests/test_capture.py sees every range under a profiler, or fails.
-    return record_function(name) if torch.autograd._profiler_enabled() else _NOTHING
+    return record_function(name) if profiling() else _NOTHING
 
 
 def phased(name: str, fn: Callable[[], T]) -> Callable[[], T]:
