@@ -146,14 +146,15 @@ def open_groups(run: RunReader) -> tuple[xr.Dataset | None, xr.Dataset | None]:
     return (None if head_scores is None else head_scores.load()), (None if detect is None else detect.load())
 
 
-def why_no_head_scores(provenance: Mapping) -> str:
-    """Why a run has no ``analysis/head_scores``, and what adds it: a run extracted before
-    attngeom kept prev_attn and recent_attn must be extracted again; any other, analyzed."""
+def why_no_head_scores(provenance: Mapping, url: str, run_id: str) -> str:
+    """Why run ``run_id`` of the store at ``url`` has no ``analysis/head_scores``, and what adds
+    it: a run extracted before attngeom kept prev_attn and recent_attn must be extracted
+    again; any other, analyzed (the command, as it runs for that run)."""
     lacking = lacking_summaries(provenance)
     if lacking:
         return (f"no analysis/{HEAD_SCORES}: the run was extracted before attngeom kept {' and '.join(lacking)} "
                 "(extract it again into a new run)")
-    return f"no analysis/{HEAD_SCORES} (run `attngeom analyze`)"
+    return f"no analysis/{HEAD_SCORES} (run `{stage_command('analyze', url, run_id)}`)"
 
 
 def _run_frame(run: RunReader, heads: xr.Dataset) -> pd.DataFrame:
@@ -247,7 +248,7 @@ def kv_scores(session: StoreSession, score: str, run_id: str | None = None) -> n
     spec = _BY_NAME[score]
     values = run_scores(*open_groups(run)).get(score)
     if values is None and spec.group == HEAD_SCORES:
-        raise GroupNotFoundError(f"run {run.id} has no {score}: {why_no_head_scores(run.provenance)}")
+        raise GroupNotFoundError(f"run {run.id} has no {score}: {why_no_head_scores(run.provenance, run.url, run.id)}")
     if values is None:
         raise GroupNotFoundError(f"run {run.id} has no {score}: no {DETECT}/{DETECT_GROUP} "
                                  f"(run `{stage_command('detect', run.url, run.id)}`)")

@@ -67,7 +67,7 @@ def require_run(url: str, run_id: str) -> None:
     if run_id in runs:
         return
     if not runs:
-        raise RunNotFoundError(f"{url} holds no run yet; run `attngeom extract --store {url}` first")
+        raise RunNotFoundError(f"{url} holds no run yet: extract one into it first")
     raise RunNotFoundError(f"no run '{run_id}' in {url} (runs: {', '.join(runs)})")
 
 

@@ -41,7 +41,7 @@ def test_every_reader_of_a_store_without_runs_says_so_in_one_line(tmp_path):
 
     store = str(tmp_path / "empty.zarr")
     open_or_create_root(store)
-    expected = f"attngeom: error: {store} holds no run yet; run `attngeom extract --store {store}` first\n"
+    expected = f"attngeom: error: {store} holds no run yet: extract one into it first\n"
     for args in (["analyze", "--no-progress"], ["taxonomy"], ["report", "--out", str(tmp_path / "report")],
                  ["explore", "--out", str(tmp_path / "explore"), "--no-progress"], ["ablate", "--run", "r"]):
         result = CliRunner().invoke(main, [*args, "--store", store])

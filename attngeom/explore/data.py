@@ -17,6 +17,7 @@ import xarray as xr
 from attngeom.analyze.parameters import default_n_grid
 from attngeom.errors import RunNotFoundError
 from attngeom.head_classes import DETECT, DETECT_GROUP, open_groups, why_no_head_scores
+from attngeom.runcheck import stage_command
 from attngeom.store import ABLATION, ANALYSIS, RunLayout, query_attendable
 from attngeom.store.session import RunReader, StoreSession
 
@@ -93,18 +94,20 @@ def _open_run(reader: RunReader, sequences: int) -> ExploreRun:
         missing = [int(s) for s in run.sequences if int(s) not in analyzed]
         if missing:
             run.notes.append(f"sequences {missing} were committed after the analysis: their curves are "
-                             "missing (re-run `attngeom analyze`)")
+                             f"missing (run `{stage_command('analyze', reader.url, reader.id)}`)")
     else:
-        run.notes.append("no analysis (run `attngeom analyze`): no regimes, no curves; precision and "
+        run.notes.append(f"no analysis (run `{stage_command('analyze', reader.url, reader.id)}`): no regimes, "
+                         "no curves; precision and "
                          "recall are computed here from the picture's distances")
     if run.ablation is None:
-        run.notes.append("no ablation (run `attngeom ablate`): no delta NLL")
+        run.notes.append(f"no ablation (run `{stage_command('ablate', reader.url, reader.id)}`): no delta NLL")
     run.head_scores, run.detect = open_groups(reader)
     if run.head_scores is None:
-        run.field_missing.append(f"{why_no_head_scores(run.provenance)}: no sink, previous-token or "
+        run.field_missing.append(f"{why_no_head_scores(run.provenance, reader.url, reader.id)}: no sink, previous-token or "
                                  "distant-mass scores")
     if run.detect is None:
-        run.field_missing.append(f"no {DETECT}/{DETECT_GROUP} (run `attngeom detect`): no duplicate-token, "
+        run.field_missing.append(f"no {DETECT}/{DETECT_GROUP} (run `{stage_command('detect', reader.url, reader.id)}`): "
+                                 "no duplicate-token, "
                                  "induction or retrieval scores")
     return run
 

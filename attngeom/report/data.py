@@ -181,7 +181,7 @@ def load_run(run: RunReader) -> RunData:
     # Lazy as topn: (stat, layer, head, query_pos, n) grows with the stored queries.
     data.summary_by_query = run.derived(ANALYSIS, "summary_by_query", missing_ok=True)
     data.head_scores, data.detect = open_groups(run)
-    data.no_head_scores = why_no_head_scores(meta)
+    data.no_head_scores = why_no_head_scores(meta, run.url, run.id)
     for name in ABLATION_GROUPS:
         ds = run.derived(ABLATION, name, missing_ok=True)
         if ds is not None:

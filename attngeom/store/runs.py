@@ -65,7 +65,7 @@ def require_runs(root: zarr.Group, url: str) -> list[str]:
     reader says so in the same words)."""
     runs = run_ids(root)
     if not runs:
-        raise RunNotFoundError(f"{url} holds no run yet; run `attngeom extract --store {url}` first")
+        raise RunNotFoundError(f"{url} holds no run yet: extract one into it first")
     return runs
 
 
