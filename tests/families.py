@@ -69,6 +69,10 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         layer_types=["full_attention", "sliding_attention", "sliding_attention"],
         mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32)),
+    "gpt_neo": ("attention in the model's own code, unscaled logits, local layers of a window of 6", dict(
+        attention_types=[[["global", "local", "local"], 1]], window_size=6)),
+    "openai-gpt": ("attention in the model's own code (GPT-1)", dict(n_embd=64, n_layer=3, n_head=4,
+                                                                      n_positions=256)),
 }
 
 

@@ -19,6 +19,7 @@ import attngeom as ag
 from attngeom.errors import UnsupportedModelError
 from attngeom.extract.capture import decoder
 from attngeom.extract.families import VERIFIED_TYPES, attention_layers, supported_config
+from attngeom.extract.own_code import OWN_CODE_TYPES
 
 pytestmark = pytest.mark.needs_model
 L = 16
@@ -26,10 +27,13 @@ L = 16
 
 def eager64(model: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Per attention layer, (rows (B, H, L, L), values (B, KV, L, Dv)) of the family's own eager
-    attention on a float64 copy of ``model``: the modeling module's eager function, recorded."""
+    attention on a float64 copy of ``model``: the modeling module's eager function, recorded
+    (for a family that computes attention in its own code, that code's weights)."""
     reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float64, attn_implementation="eager",
                                                  experts_implementation="eager").eval()
     reference.load_state_dict({k: v.double() if v.is_floating_point() else v for k, v in model.state_dict().items()})
+    if model.config.model_type in OWN_CODE_TYPES:
+        return own_code64(reference, ids)
     seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def recording(module, query, key, value, attention_mask, **kwargs):
@@ -43,6 +47,22 @@ def eager64(model: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.nda
     reference.set_attn_implementation("eager_recording")
     with torch.no_grad():
         decoder(reference)(input_ids=ids, use_cache=False)
+    return seen
+
+
+def own_code64(reference: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """eager64 of a float64 model whose attention modules compute their weights in their own
+    ``_attn``: each call's weights and values, recorded in layer order."""
+    seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    modules = [m for m in reference.modules() if "_attn" in type(m).__dict__]
+    for layer, module in enumerate(modules):
+        def recording(*args, module=module, layer=layer, **kwargs):
+            result = type(module)._attn(module, *args, **kwargs)
+            seen[layer] = (result[1].numpy(), args[2].numpy())
+            return result
+        module._attn = recording
+    with torch.no_grad():
+        decoder(reference)(input_ids=ids, use_cache=False, output_attentions=True)
     return seen
 
 
@@ -201,7 +221,6 @@ def test_every_verified_type_is_tested():
 @pytest.mark.parametrize("model_type, reason", [
     ("diffllama", "differential attention"),
     ("bloom", "not through its attention interface"),
-    ("gpt_neo", "not through its attention interface"),
     ("mpt", "not through its attention interface"),
     ("mamba", "no softmax-attention layer"),
     ("blt", r"its layers sit in 4 stacks \(patcher_config, encoder_config, decoder_config, global_config\)"),
