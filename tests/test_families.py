@@ -61,9 +61,31 @@ def own_code64(reference: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple
             seen[layer] = (result[1].numpy(), args[2].numpy())
             return result
         module._attn = recording
+    if not modules:  # the attention module's forward computes its weights: its values are its v projection's
+        def weights(module, args, kwargs, result, layer):
+            seen[layer] = (result[1].numpy(), values[layer])
+
+        values: dict[int, np.ndarray] = {}
+        fused = [m for m in reference.modules() if hasattr(m, "query_key_value") or hasattr(m, "Wqkv")]
+        for layer, module in enumerate(fused):
+            module.register_forward_hook(lambda m, a, k, r, layer=layer: weights(m, a, k, r, layer), with_kwargs=True)
+            projection = getattr(module, "query_key_value", None) or module.Wqkv
+            heads = module.n_heads if hasattr(module, "n_heads") else module.num_heads
+            projection.register_forward_hook(lambda m, a, r, layer=layer, heads=heads: values.__setitem__(
+                layer, own_values(r, heads, reference.config.model_type)))
     with torch.no_grad():
         decoder(reference)(input_ids=ids, use_cache=False, output_attentions=True)
     return seen
+
+
+def own_values(fused: torch.Tensor, heads: int, model_type: str) -> np.ndarray:
+    """Values (B, H, L, Dh) of a fused qkv projection's output (B, L, 3 H Dh): BLOOM's
+    interleaved per head, MPT's in three blocks."""
+    bsz, length, width = fused.shape
+    dh = width // (3 * heads)
+    if model_type == "bloom":
+        return fused.view(bsz, length, heads, 3, dh)[..., 2, :].transpose(1, 2).numpy()
+    return fused.chunk(3, dim=2)[2].reshape(bsz, length, heads, dh).transpose(1, 2).numpy()
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +242,6 @@ def test_every_verified_type_is_tested():
 
 @pytest.mark.parametrize("model_type, reason", [
     ("diffllama", "differential attention"),
-    ("bloom", "not through its attention interface"),
-    ("mpt", "not through its attention interface"),
     ("mamba", "no softmax-attention layer"),
     ("blt", r"its layers sit in 4 stacks \(patcher_config, encoder_config, decoder_config, global_config\)"),
     ("xlnet", "not through its attention interface"),

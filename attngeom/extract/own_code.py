@@ -1,18 +1,20 @@
 """Capture of the families whose attention transformers computes in the model's own code.
 
-GPT-Neo and GPT-1 (openai-gpt) never call the attention interface: each attention module
-computes its probabilities in a method of its own (``_attn``) from the queries, keys and
-values its forward has split into heads. For the duration of a capture, that method of each
-of the model's attention modules is replaced, on the instance only, by one that hands the
-same q, k, v, the family's mask (its causal or windowed ``bias`` buffer and the model's
-padding mask) and its scale to the capture's path, and returns the output in the family's
-own layout. The model's own method stays the reference: with queries to check, it runs on
-the same arguments in float32 and its weights are what the conformance check compares with.
+GPT-Neo, GPT-1 (openai-gpt), BLOOM and MPT never call the attention interface: each attention
+module computes its probabilities itself, GPT-Neo's and GPT-1's in an inner ``_attn`` from
+the queries, keys and values their forward split into heads, BLOOM's and MPT's inside their
+forward with an ALiBi bias. For the duration of a capture, that method of each of the
+model's attention modules is replaced, on the instance only, by one that takes the same
+q, k, v, the family's mask (its causal or windowed ``bias`` buffer, its ALiBi bias and the
+model's padding mask, as one additive mask) and its scale to the capture's path, layer by
+layer as the forward runs, and returns what the method returns. The model's own method stays
+the reference: with queries to check, it runs on the same arguments in float32 and its
+weights are what the conformance check compares the rows with.
 
 This is the one module that reaches into those modules' internals (``_attn``, ``bias``,
-``scale``): transformers exposes no interface for them. tests/test_families.py compares the
-stored rows of each family with the model's own float64 forward, so a change in transformers
-shows there.
+``scale``, BLOOM's and MPT's projections and ALiBi arguments): transformers exposes no
+interface for them. tests/test_families.py compares each family's stored rows with the
+model's own float64 forward, so a change in transformers shows there.
 """
 
 from __future__ import annotations
@@ -40,52 +42,118 @@ Attend = Callable[..., torch.Tensor]
 
 @dataclass(frozen=True)
 class Family:
-    """How one family's attention method is read: ``attention`` the class holding it, ``read``
-    (module, its method's arguments) -> (query, key, value (B, H|KV, L, D), allowed (1, 1, L, L)
-    bool, padding mask or None, scaling), and ``returns`` (module, output (B, H, L, Dv)) -> what
-    the method returns."""
+    """How one family's attention is read. ``attention``: the class whose ``method`` is
+    replaced; ``read`` (module, the method's arguments by name) -> (query, key, value
+    (B, H, L, D), additive float32 mask (B|1, 1|H, L, L), scaling); ``returns`` (module,
+    output (B, L, H, Dv), the arguments) -> what the method returns. The method returns its
+    weights (B, H, L, L) second (when asked, by ``output_attentions``), and first its attention
+    output (B, H, L, Dv) where ``method`` is the inner ``_attn``, or the layer's output where
+    it is the module's ``forward``."""
 
     attention: str
+    method: str
     read: Callable[..., tuple]
-    returns: Callable[[torch.nn.Module, torch.Tensor], object]
+    returns: Callable[..., object]
 
 
-def _read_gpt_neo(module, query, key, value, attention_mask=None):
-    length = key.shape[-2]
-    # Local layers' bias buffer holds their window; GPT-Neo scales no logit by 1/sqrt(d).
-    allowed = module.bias[:, :, length - query.shape[-2]: length, :length]
-    return query, key, value, allowed, attention_mask, 1.0
-
-
-def _read_openai_gpt(module, q, k, v, attention_mask=None, output_attentions=False):
-    length = k.shape[-1]
-    allowed = module.bias[:, :, :length, :length].bool()
-    # Keys arrive transposed (B, H, Dh, L) for the product; the scale is 1/sqrt(Dv) when set.
-    return q, k.transpose(-1, -2), v, allowed, attention_mask, 1 / math.sqrt(v.shape[-1]) if module.scale else 1.0
-
-
-FAMILIES: dict[str, Family] = {
-    "gpt_neo": Family("GPTNeoSelfAttention", _read_gpt_neo, lambda module, out: (out, None)),
-    "openai-gpt": Family("Attention", _read_openai_gpt, lambda module, out: [out]),
-}
-OWN_CODE_TYPES = frozenset(FAMILIES)
+LOW = torch.finfo(torch.float32).min
 
 
 def _additive(allowed: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
     """Float32 (B|1, 1, L, L): 0 (or the padding mask's value) where ``allowed``, the float32
     lowest value where the family's mask hides a key."""
-    low = torch.finfo(torch.float32).min
     if padding is None:
-        return torch.where(allowed, 0.0, low)
+        return torch.where(allowed, 0.0, LOW)
     if padding.dtype == torch.bool:
-        return torch.where(allowed & padding, 0.0, low)
-    return torch.where(allowed, padding.float().clamp(min=low), low)
+        return torch.where(allowed & padding, 0.0, LOW)
+    return torch.where(allowed, padding.float().clamp(min=LOW), LOW)
 
 
-def _own_reference(original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict
-                   ) -> Callable[[tuple[int, ...]], Reference]:
-    """The model's own method on its own arguments in float32 (asked for its weights where it
-    returns them on request), at the queries asked for."""
+def _read_gpt_neo(module, a):
+    query, key = a["query"], a["key"]
+    length = key.shape[-2]
+    # Local layers' bias buffer holds their window; GPT-Neo scales no logit by 1/sqrt(d).
+    allowed = module.bias[:, :, length - query.shape[-2]: length, :length]
+    return query, key, a["value"], _additive(allowed, a["attention_mask"]), 1.0
+
+
+def _read_openai_gpt(module, a):
+    k, v = a["k"], a["v"]
+    length = k.shape[-1]
+    allowed = module.bias[:, :, :length, :length].bool()
+    # Keys arrive transposed (B, H, Dh, L) for the product; the scale is 1/sqrt(Dv) when set.
+    scaling = 1 / math.sqrt(v.shape[-1]) if module.scale else 1.0
+    return a["q"], k.transpose(-1, -2), v, _additive(allowed, a["attention_mask"]), scaling
+
+
+def _read_bloom(module, a):
+    hidden = a["hidden_states"]
+    query, key, value = module._reshape(module.query_key_value(hidden))
+    if a["layer_past"] is not None:
+        key, value = a["layer_past"].update(key, value, module.layer_idx)
+    bsz, n_heads, length = query.shape[:3]
+    # scores = beta * alibi + q k^T / sqrt(d), then the additive causal mask.
+    bias = module.beta * a["alibi"].float().view(bsz, n_heads, 1, key.shape[2])
+    mask = a["attention_mask"]
+    if mask is None:
+        mask = torch.where(torch.ones(length, key.shape[2], dtype=torch.bool, device=hidden.device).tril(
+            key.shape[2] - length), 0.0, LOW)
+    mask = mask.float() if mask.dtype != torch.bool else torch.where(mask, 0.0, LOW)
+    return query, key, value, torch.where(mask > LOW / 2, bias + mask, LOW), module.inv_norm_factor
+
+
+def _bloom_returns(module, output, a):
+    context = output.reshape(*output.shape[:2], -1)
+    if module.pretraining_tp > 1 and module.slow_but_exact:
+        slices = module.hidden_size / module.pretraining_tp
+        dense = torch.zeros_like(context)
+        for i in range(module.pretraining_tp):
+            dense = dense + torch.nn.functional.linear(context[:, :, int(i * slices): int((i + 1) * slices)],
+                                                       module.dense.weight[:, int(i * slices): int((i + 1) * slices)])
+    else:
+        dense = module.dense(context)
+    from transformers.models.bloom.modeling_bloom import dropout_add
+
+    return dropout_add(dense, a["residual"], module.hidden_dropout, module.training), None
+
+
+def _read_mpt(module, a):
+    hidden = a["hidden_states"]
+    bsz, length = hidden.shape[:2]
+    mixed = module.Wqkv(hidden)
+    if module.clip_qkv:
+        mixed = mixed.clamp(min=-module.clip_qkv, max=module.clip_qkv)
+    query, key, value = (t.reshape(bsz, length, module.n_heads, module.head_dim).transpose(1, 2)
+                         for t in mixed.chunk(3, dim=2))
+    if a["cache"] is not None:
+        key, value = a["cache"].update(key, value, module.layer_idx, kwargs=a.get("kwargs", {}))
+    n_keys = key.shape[2]
+    bias = torch.zeros(1, module.n_heads, 1, n_keys, device=hidden.device)
+    if a["position_bias"] is not None:
+        bias = a["position_bias"][:, -1:, -n_keys:].float()[None]
+    # MPT fills its scores where the mask is set (nonzero), whatever the mask's dtype.
+    mask = a["attention_mask"]
+    return query, key, value, bias if mask is None else bias.masked_fill(mask.bool(), LOW), module.softmax_scale
+
+
+def _mpt_returns(module, output, a):
+    return module.out_proj(output.reshape(*output.shape[:2], -1)), None
+
+
+FAMILIES: dict[str, Family] = {
+    "gpt_neo": Family("GPTNeoSelfAttention", "_attn", _read_gpt_neo, lambda module, out, a: (out.transpose(1, 2), None)),
+    "openai-gpt": Family("Attention", "_attn", _read_openai_gpt, lambda module, out, a: [out.transpose(1, 2)]),
+    "bloom": Family("BloomAttention", "forward", _read_bloom, _bloom_returns),
+    "mpt": Family("MptAttention", "forward", _read_mpt, _mpt_returns),
+}
+OWN_CODE_TYPES = frozenset(FAMILIES)
+
+
+def _own_reference(family: Family, original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict,
+                   value: torch.Tensor) -> Callable[[tuple[int, ...]], Reference]:
+    """The model's own method on its own arguments in float32, asked for its weights, at the
+    queries asked for; its output there, or the weights @ ``value`` where its output is the
+    layer's."""
 
     def at(positions: tuple[int, ...]) -> Reference:
         call = inspect.signature(original).bind(module, *args, **kwargs)
@@ -95,8 +163,10 @@ def _own_reference(original: Callable, module: torch.nn.Module, args: tuple, kwa
         if "output_attentions" in inspect.signature(original).parameters:
             call.arguments["output_attentions"] = True
         out, weights = original(*call.args, **call.kwargs)[:2]
-        where = list(positions)
-        return out[:, :, where].transpose(1, 2), weights[:, :, where]
+        weights = weights[:, :, list(positions)].float()
+        if family.method == "_attn":
+            return out[:, :, list(positions)].transpose(1, 2), weights
+        return (weights @ value.float()).transpose(1, 2), weights
 
     return at
 
@@ -115,17 +185,19 @@ def own_code_attention(model: torch.nn.Module, model_type: str, attend: Attend) 
             "attngeom cannot tell their layers"
         )
     for layer, module in enumerate(modules):
-        original = type(module)._attn
+        original = getattr(type(module), family.method)
 
         def replaced(self, *args, layer=layer, original=original, **kwargs):
-            query, key, value, allowed, padding, scaling = family.read(self, *args, **kwargs)
-            output = attend(self, layer, query, key, value, _additive(allowed, padding), scaling,
-                            _own_reference(original, self, args, kwargs))
-            return family.returns(self, output.transpose(1, 2))
+            call = inspect.signature(original).bind(self, *args, **kwargs)
+            call.apply_defaults()
+            query, key, value, mask, scaling = family.read(self, call.arguments)
+            output = attend(self, layer, query, key, value, mask, scaling,
+                            _own_reference(family, original, self, args, kwargs, value))
+            return family.returns(self, output, call.arguments)
 
-        module._attn = types.MethodType(replaced, module)
+        setattr(module, family.method, types.MethodType(replaced, module))
     try:
         yield
     finally:
         for module in modules:
-            del module._attn
+            delattr(module, family.method)
