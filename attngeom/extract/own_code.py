@@ -112,9 +112,7 @@ def _bloom_returns(module, output, a):
                                                        module.dense.weight[:, int(i * slices): int((i + 1) * slices)])
     else:
         dense = module.dense(context)
-    from transformers.models.bloom.modeling_bloom import dropout_add
-
-    return dropout_add(dense, a["residual"], module.hidden_dropout, module.training), None
+    return a["residual"] + torch.nn.functional.dropout(dense, p=module.hidden_dropout, training=module.training), None
 
 
 def _read_mpt(module, a):
