@@ -236,6 +236,29 @@ def test_windows_chunks_and_sinks_are_what_the_families_declare(ids, tmp_path):
         assert list(ds["window"].values) == windows, model_type
 
 
+@pytest.mark.parametrize("model_type", sorted(OWN_CODE_TYPES))
+def test_own_code_families_agree_with_their_own_code_on_peaked_rows(model_type, ids):
+    """With weights scaled so that rows are peaked, the capture of a family that computes
+    attention in its own code agrees with that code at every checked query, and after the
+    capture the model runs its own methods again: the same logits, bit for bit."""
+    from attngeom.extract.conformance import check_capture, check_positions
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(3)
+        before = model(ids, output_attentions=True)
+    # Peaked: the top keys take twice the mass they would in uniform causal rows.
+    uniform = float((1 / torch.arange(1, L + 1)).mean())
+    assert float(torch.stack(before.attentions).amax(-1).mean()) > 2 * uniform
+    checks = check_capture(model, ids[:1], check_positions(L))
+    assert [c.layer for c in checks] == [0, 1, 2] and all(c.agrees for c in checks), checks
+    assert not [m for m in model.modules() if "_attn" in vars(m) or "forward" in vars(m)]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before.logits)
+
+
 def test_every_verified_type_is_tested():
     assert set(FAMILIES) == set(VERIFIED_TYPES)
 
