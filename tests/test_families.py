@@ -358,6 +358,42 @@ def test_ablating_a_head_zeroes_its_attention_output(model_type):
         torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", sorted(OWN_CODE_TYPES))
+def test_ablating_a_head_of_an_own_code_family(model_type):
+    """In a family that computes attention in its own code, the batched masks equal the
+    model's own forward with that head's output zeroed at the input of its output projection."""
+    from attngeom.ablate.masking import head_geometry, masked_nll
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32).eval()
+    geo = head_geometry(model)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(4, 100, (2, L), generator=generator)
+    masks = torch.ones(3, geo.n_layers, geo.n_heads)
+    masks[1, -1, 0] = 0
+    masks[2, 0, 1:3] = 0
+    nll = masked_nll(model, tokens, masks)
+    assert not torch.allclose(nll[:, 0], nll[:, 1]) and not torch.allclose(nll[:, 0], nll[:, 2])
+    name = {"gpt_neo": "out_proj", "openai-gpt": "c_proj", "bloom": "dense", "mpt": "out_proj"}[model_type]
+    attention = {"gpt_neo": "GPTNeoSelfAttention", "openai-gpt": "Attention", "bloom": "BloomAttention",
+                 "mpt": "MptAttention"}[model_type]
+    projections = [getattr(m, name) for m in model.modules() if type(m).__name__ == attention]
+    for m in range(3):
+        def zeroing(module, args, keep):
+            context = args[0]
+            heads = context.view(*context.shape[:2], geo.n_heads, -1) * keep[None, None, :, None]
+            return (heads.view(context.shape),)
+
+        hooks = [p.register_forward_pre_hook(lambda module, args, keep=masks[m, i]: zeroing(module, args, keep))
+                 for i, p in enumerate(projections)]
+        with torch.no_grad():
+            logits = model(input_ids=tokens[:, :-1], use_cache=False).logits[:, -1]
+        for hook in hooks:
+            hook.remove()
+        expected = -torch.log_softmax(logits, -1).gather(1, tokens[:, -1:])[:, 0]
+        torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)
+
+
 def analyzed(model_type: str, folder) -> tuple[torch.nn.Module, str]:
     """A tiny model of the family, and a store of 3 of its sequences (L = 40) extracted and
     analyzed (N in 1, 2, 4) in ``folder``."""

@@ -30,7 +30,7 @@ import torch
 
 from attngeom.errors import UnsupportedModelError
 
-__all__ = ["OWN_CODE_TYPES", "Attend", "Reference", "own_code_attention"]
+__all__ = ["OWN_CODE_TYPES", "Attend", "Reference", "own_code_attention", "plain_attention"]
 
 # (output (B, P, H, Dv), weights (B, H, P, L)) of the model's own code at the checked queries.
 Reference = tuple[torch.Tensor, torch.Tensor]
@@ -93,7 +93,9 @@ def _read_bloom(module, a):
         key, value = a["layer_past"].update(key, value, module.layer_idx)
     bsz, n_heads, length = query.shape[:3]
     # scores = beta * alibi + q k^T / sqrt(d), then the additive causal mask.
-    bias = module.beta * a["alibi"].float().view(bsz, n_heads, 1, key.shape[2])
+    bias = module.beta * a["alibi"].float().view(-1, n_heads, 1, key.shape[2])
+    # Ablation repeats each sequence's states per head mask, but not the (B H, 1, L) ALiBi.
+    bias = bias.repeat_interleave(bsz // bias.shape[0], dim=0)
     mask = a["attention_mask"]
     if mask is None:
         mask = torch.where(torch.ones(length, key.shape[2], dtype=torch.bool, device=hidden.device).tril(
@@ -145,6 +147,14 @@ FAMILIES: dict[str, Family] = {
     "mpt": Family("MptAttention", "forward", _read_mpt, _mpt_returns),
 }
 OWN_CODE_TYPES = frozenset(FAMILIES)
+
+
+def plain_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """softmax(scaling q k^T + mask) @ v in float32, as these families compute it: query, key,
+    value (B, H, L, D), mask additive (B|1, 1|H, L, L) -> output (B, L, H, Dv) in value's dtype."""
+    scores = scaling * query.float() @ key.float().transpose(-1, -2) + mask
+    return (torch.softmax(scores, dim=-1) @ value.float()).transpose(1, 2).to(value.dtype)
 
 
 def _own_reference(family: Family, original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict,
