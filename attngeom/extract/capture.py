@@ -521,9 +521,10 @@ def own_output(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def output_description(dtype: torch.dtype) -> str:
-    """How a capturing layer's output is computed for a model of this compute dtype."""
-    return "output = float32 rows @ v" if own_output(dtype) else "sdpa output"
+def output_description(dtype: torch.dtype, model_type: str) -> str:
+    """How a capturing layer's output is computed for a model of this compute dtype and type
+    (a family whose attention is its own code has no SDPA to run)."""
+    return "output = float32 rows @ v" if own_output(dtype) or model_type in OWN_CODE_TYPES else "sdpa output"
 
 
 # Arguments of the attention call that change nothing the capture computes: the mask already
