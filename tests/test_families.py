@@ -226,8 +226,10 @@ def test_layers_of_different_widths_are_stored_as_their_heads_read_them():
 
 def test_windows_chunks_and_sinks_are_what_the_families_declare(ids, tmp_path):
     """Known answers: Mistral's window of 6, Llama 4's chunks of 6 (the last query, at 15,
-    sees keys 12..15) beside its full layer, gpt-oss's sliding layers."""
-    expected = {"mistral": [6, 6, 6], "llama4_text": [4, 4, 0], "gpt_oss": [6, 0, 6], "cohere2": [6, 6, 0]}
+    sees keys 12..15) beside its full layer, gpt-oss's sliding layers, GPT-Neo's local layers
+    (a window its own code holds in a buffer)."""
+    expected = {"mistral": [6, 6, 6], "llama4_text": [4, 4, 0], "gpt_oss": [6, 0, 6], "cohere2": [6, 6, 0],
+                "gpt_neo": [0, 6, 6]}
     for model_type, windows in expected.items():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32).eval()
