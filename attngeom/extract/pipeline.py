@@ -406,7 +406,7 @@ def extract(request: ExtractRequest, checked: Preflight | None = None,
     bos_id = bos.id
     inputs = _windowed(request, source, model, bos_id) if ids is None else _given(request, ids, model, bos)
     # Also here: a hub model's metadata is known once its config is loaded, before its weights.
-    check_context_length(inputs.length, config_positions(model.config), model.name)
+    check_context_length(inputs.length, config_positions(model.config), model.name, ExtractRequest)
     queries = query_positions(request.queries, inputs.length)
     _check_chunks(model.config, queries, inputs.length)
     run_id = request.run_id or default_run_id(model.name, inputs.id, inputs.length)
