@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from attngeom.errors import InputError
+from attngeom.extract.positions import POSITION_KEYS
 from attngeom.limits import memory_bytes, size_text
 
 __all__ = ["check_config_sizes", "check_safetensors"]
@@ -29,7 +30,6 @@ COUNT_KEYS = (
     "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings", "n_positions", "max_seq_len",
     "num_local_experts", "num_experts", "n_routed_experts",
 )
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len")
 # What a model holds in memory per layer wherever its weights are placed (the disk, with a
 # device map): its modules and parameter objects, over a KiB a layer.
 _LAYER_OBJECT_BYTES = 1024
