@@ -111,6 +111,10 @@ CHECKED: dict[str, tuple[str, dict]] = {
         n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
         v_head_dim=16, index_topk=4, index_head_dim=16, index_n_heads=2, first_k_dense_replace=1,
         mlp_layer_types=["dense", "sparse", "sparse"], layer_types=["indexed_attention"] * 3)),
+    # XGLM's own code does not run in float64 (it clamps its scores with a float64 lowest value
+    # in a float32 tensor), so it has no float64 reference.
+    "xglm": ("attention in the model's own code, queries scaled before the product", dict(
+        d_model=64, num_layers=3, attention_heads=4, ffn_dim=96)),
 }
 
 

@@ -19,6 +19,7 @@ import attngeom as ag
 from attngeom.errors import UnsupportedModelError
 from attngeom.extract.capture import decoder
 from attngeom.extract.families import VERIFIED_TYPES, attention_layers, supported_config
+from attngeom.extract.own_code import FAMILIES as OWN_FAMILIES
 from attngeom.extract.own_code import OWN_CODE_TYPES
 
 pytestmark = pytest.mark.needs_model
@@ -52,40 +53,38 @@ def eager64(model: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.nda
 
 def own_code64(reference: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """eager64 of a float64 model whose attention modules compute their weights in their own
-    ``_attn``: each call's weights and values, recorded in layer order."""
+    code: each layer's weights, as its method returns them, and values (B, H, L, Dh), as its
+    ``_attn`` is given them or its fused qkv projection computes them."""
+    family = OWN_FAMILIES[reference.config.model_type]
     seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    modules = [m for m in reference.modules() if "_attn" in type(m).__dict__]
+    values: dict[int, np.ndarray] = {}
+    modules = [m for m in reference.modules() if type(m).__name__ == family.attention]
     for layer, module in enumerate(modules):
-        def recording(*args, module=module, layer=layer, **kwargs):
-            result = type(module)._attn(module, *args, **kwargs)
-            seen[layer] = (result[1].numpy(), args[2].numpy())
-            return result
-        module._attn = recording
-    if not modules:  # the attention module's forward computes its weights: its values are its v projection's
-        def weights(module, args, kwargs, result, layer):
-            seen[layer] = (result[1].numpy(), values[layer])
-
-        values: dict[int, np.ndarray] = {}
-        fused = [m for m in reference.modules() if hasattr(m, "query_key_value") or hasattr(m, "Wqkv")]
-        for layer, module in enumerate(fused):
-            module.register_forward_hook(lambda m, a, k, r, layer=layer: weights(m, a, k, r, layer), with_kwargs=True)
-            projection = getattr(module, "query_key_value", None) or module.Wqkv
-            heads = module.n_heads if hasattr(module, "n_heads") else module.num_heads
-            projection.register_forward_hook(lambda m, a, r, layer=layer, heads=heads: values.__setitem__(
-                layer, own_values(r, heads, reference.config.model_type)))
+        if family.method == "_attn":
+            def recording(*args, module=module, layer=layer, **kwargs):
+                result = type(module)._attn(module, *args, **kwargs)
+                seen[layer] = (result[1].numpy(), args[2].numpy())
+                return result
+            module._attn = recording
+            continue
+        module.register_forward_hook(lambda m, a, r, layer=layer: seen.__setitem__(layer, (r[1].numpy(), values[layer])))
+        projection = getattr(module, "query_key_value", None) or module.Wqkv
+        heads = getattr(module, "n_heads", None) or module.num_heads
+        projection.register_forward_hook(lambda m, a, r, layer=layer, heads=heads: values.__setitem__(
+            layer, own_values(r, heads, reference.config.model_type)))
     with torch.no_grad():
         decoder(reference)(input_ids=ids, use_cache=False, output_attentions=True)
     return seen
 
 
-def own_values(fused: torch.Tensor, heads: int, model_type: str) -> np.ndarray:
-    """Values (B, H, L, Dh) of a fused qkv projection's output (B, L, 3 H Dh): BLOOM's
-    interleaved per head, MPT's in three blocks."""
-    bsz, length, width = fused.shape
+def own_values(projected: torch.Tensor, heads: int, model_type: str) -> np.ndarray:
+    """Values (B, H, L, Dh) of a projection's output: BLOOM's fused qkv (B, L, 3 H Dh),
+    interleaved per head; MPT's, in three blocks."""
+    bsz, length, width = projected.shape
     dh = width // (3 * heads)
     if model_type == "bloom":
-        return fused.view(bsz, length, heads, 3, dh)[..., 2, :].transpose(1, 2).numpy()
-    return fused.chunk(3, dim=2)[2].reshape(bsz, length, heads, dh).transpose(1, 2).numpy()
+        return projected.view(bsz, length, heads, 3, dh)[..., 2, :].transpose(1, 2).numpy()
+    return projected.chunk(3, dim=2)[2].reshape(bsz, length, heads, dh).transpose(1, 2).numpy()
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +237,14 @@ def test_windows_chunks_and_sinks_are_what_the_families_declare(ids, tmp_path):
         assert list(ds["window"].values) == windows, model_type
 
 
+def own_code_model(model_type: str) -> torch.nn.Module:
+    """A tiny random float32 model of a family that computes attention in its own code."""
+    if model_type in CHECKED:
+        return checked_model(model_type)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32).eval()
+
+
 @pytest.mark.parametrize("model_type", sorted(OWN_CODE_TYPES))
 def test_own_code_families_agree_with_their_own_code_on_peaked_rows(model_type, ids):
     """With weights scaled so that rows are peaked, the capture of a family that computes
@@ -245,8 +252,7 @@ def test_own_code_families_agree_with_their_own_code_on_peaked_rows(model_type, 
     capture the model runs its own methods again: the same logits, bit for bit."""
     from attngeom.extract.conformance import check_capture, check_positions
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32).eval()
+    model = own_code_model(model_type)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.mul_(3)
@@ -366,8 +372,7 @@ def test_ablating_a_head_of_an_own_code_family(model_type):
     model's own forward with that head's output zeroed at the input of its output projection."""
     from attngeom.ablate.masking import head_geometry, masked_nll
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32).eval()
+    model = own_code_model(model_type)
     geo = head_geometry(model)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(4, 100, (2, L), generator=generator)
@@ -376,9 +381,8 @@ def test_ablating_a_head_of_an_own_code_family(model_type):
     masks[2, 0, 1:3] = 0
     nll = masked_nll(model, tokens, masks)
     assert not torch.allclose(nll[:, 0], nll[:, 1]) and not torch.allclose(nll[:, 0], nll[:, 2])
-    name = {"gpt_neo": "out_proj", "openai-gpt": "c_proj", "bloom": "dense", "mpt": "out_proj"}[model_type]
-    attention = {"gpt_neo": "GPTNeoSelfAttention", "openai-gpt": "Attention", "bloom": "BloomAttention",
-                 "mpt": "MptAttention"}[model_type]
+    name = {"openai-gpt": "c_proj", "bloom": "dense"}.get(model_type, "out_proj")
+    attention = OWN_FAMILIES[model_type].attention
     projections = [getattr(m, name) for m in model.modules() if type(m).__name__ == attention]
     for m in range(3):
         def zeroing(module, args, keep):

@@ -1,9 +1,9 @@
 """Capture of the families whose attention transformers computes in the model's own code.
 
-GPT-Neo, GPT-1 (openai-gpt), BLOOM and MPT never call the attention interface: each attention
-module computes its probabilities itself, GPT-Neo's and GPT-1's in an inner ``_attn`` from
-the queries, keys and values their forward split into heads, BLOOM's and MPT's inside their
-forward with an ALiBi bias. For the duration of a capture, that method of each of the
+GPT-Neo, GPT-1 (openai-gpt), BLOOM, MPT and XGLM never call the attention interface: each
+attention module computes its probabilities itself, GPT-Neo's and GPT-1's in an inner
+``_attn`` from the queries, keys and values their forward split into heads, BLOOM's and MPT's
+inside their forward with an ALiBi bias, XGLM's inside its forward. For the duration of a capture, that method of each of the
 model's attention modules is replaced, on the instance only, by one that takes the same
 q, k, v, the family's mask (its causal or windowed ``bias`` buffer, its ALiBi bias and the
 model's padding mask, as one additive mask) and its scale to the capture's path, layer by
@@ -12,7 +12,7 @@ the reference: with queries to check, it runs on the same arguments in float32 a
 weights are what the conformance check compares the rows with.
 
 This is the one module that reaches into those modules' internals (``_attn``, ``bias``,
-``scale``, BLOOM's and MPT's projections and ALiBi arguments): transformers exposes no
+``scale``, the projections and ALiBi arguments of the others): transformers exposes no
 interface for them. tests/test_families.py compares each family's stored rows with the
 model's own float64 forward, so a change in transformers shows there.
 """
@@ -136,15 +136,36 @@ def _read_mpt(module, a):
     return query, key, value, bias if mask is None else bias.masked_fill(mask.bool(), LOW), module.softmax_scale
 
 
-def _mpt_returns(module, output, a):
+def _out_proj_returns(module, output, a):
     return module.out_proj(output.reshape(*output.shape[:2], -1)), None
+
+
+def _read_xglm(module, a):
+    if a["key_value_states"] is not None:
+        raise UnsupportedModelError("XGLM's cross-attention attends an encoder's states, not the text's tokens")
+    hidden = a["hidden_states"]
+    bsz, length = hidden.shape[:2]
+
+    def heads(t):
+        return t.view(bsz, length, -1, module.head_dim).transpose(1, 2)
+
+    # XGLM scales the queries, not the scores: the capture's scale is then 1, the same bits.
+    query = heads(module.q_proj(hidden) * module.scaling)
+    key, value = heads(module.k_proj(hidden)), heads(module.v_proj(hidden))
+    if a["cache"] is not None:
+        key, value = a["cache"].update(key, value, module.layer_idx, kwargs=a["kwargs"])
+    mask = a["attention_mask"]
+    if mask is None:  # XGLM masks nothing then
+        return query, key, value, torch.zeros(1, 1, length, key.shape[2], device=hidden.device), 1.0
+    return query, key, value, mask.float().clamp(min=LOW), 1.0
 
 
 FAMILIES: dict[str, Family] = {
     "gpt_neo": Family("GPTNeoSelfAttention", "_attn", _read_gpt_neo, lambda module, out, a: (out.transpose(1, 2), None)),
     "openai-gpt": Family("Attention", "_attn", _read_openai_gpt, lambda module, out, a: [out.transpose(1, 2)]),
     "bloom": Family("BloomAttention", "forward", _read_bloom, _bloom_returns),
-    "mpt": Family("MptAttention", "forward", _read_mpt, _mpt_returns),
+    "mpt": Family("MptAttention", "forward", _read_mpt, _out_proj_returns),
+    "xglm": Family("XGLMAttention", "forward", _read_xglm, _out_proj_returns),
 }
 OWN_CODE_TYPES = frozenset(FAMILIES)
 
