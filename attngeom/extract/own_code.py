@@ -178,18 +178,18 @@ def plain_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return (torch.softmax(scores, dim=-1) @ value.float()).transpose(1, 2).to(value.dtype)
 
 
-def _own_reference(family: Family, original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict,
-                   value: torch.Tensor) -> Callable[[tuple[int, ...]], Reference]:
+def _own_reference(family: Family, original: Callable, signature: inspect.Signature, module: torch.nn.Module,
+                   args: tuple, kwargs: dict, value: torch.Tensor) -> Callable[[tuple[int, ...]], Reference]:
     """The model's own method on its own arguments in float32, asked for its weights, at the
     queries asked for; its output there, or the weights @ ``value`` where its output is the
     layer's."""
 
     def at(positions: tuple[int, ...]) -> Reference:
-        call = inspect.signature(original).bind(module, *args, **kwargs)
+        call = signature.bind(module, *args, **kwargs)
         for name, given in call.arguments.items():
             if isinstance(given, torch.Tensor) and given.is_floating_point():
                 call.arguments[name] = given.float()
-        if "output_attentions" in inspect.signature(original).parameters:
+        if "output_attentions" in signature.parameters:
             call.arguments["output_attentions"] = True
         out, weights = original(*call.args, **call.kwargs)[:2]
         weights = weights[:, :, list(positions)].float()
@@ -216,12 +216,12 @@ def own_code_attention(model: torch.nn.Module, model_type: str, attend: Attend) 
     for layer, module in enumerate(modules):
         original = getattr(type(module), family.method)
 
-        def replaced(self, *args, layer=layer, original=original, **kwargs):
-            call = inspect.signature(original).bind(self, *args, **kwargs)
+        def replaced(self, *args, layer=layer, original=original, signature=inspect.signature(original), **kwargs):
+            call = signature.bind(self, *args, **kwargs)
             call.apply_defaults()
             query, key, value, mask, scaling = family.read(self, call.arguments)
             output = attend(self, layer, query, key, value, mask, scaling,
-                            _own_reference(family, original, self, args, kwargs, value))
+                            _own_reference(family, original, signature, self, args, kwargs, value))
             return family.returns(self, output, call.arguments)
 
         setattr(module, family.method, types.MethodType(replaced, module))
