@@ -73,6 +73,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         attention_types=[[["global", "local", "local"], 1]], window_size=6)),
     "openai-gpt": ("attention in the model's own code (GPT-1)", dict(n_embd=64, n_layer=3, n_head=4,
                                                                       n_positions=256)),
+    "gpt_neox_japanese": ("attention in the model's own code, rotary", dict(intermediate_multiple_size=2)),
     "bloom": ("ALiBi in the model's own code", dict(n_layer=3, n_head=4)),
     "mpt": ("ALiBi in the model's own code, clipped qkv", dict(
         d_model=64, n_heads=4, n_layers=3, max_seq_len=256, attn_config=dict(alibi=True, clip_qkv=8.0))),

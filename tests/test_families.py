@@ -381,7 +381,7 @@ def test_ablating_a_head_of_an_own_code_family(model_type):
     masks[2, 0, 1:3] = 0
     nll = masked_nll(model, tokens, masks)
     assert not torch.allclose(nll[:, 0], nll[:, 1]) and not torch.allclose(nll[:, 0], nll[:, 2])
-    name = {"openai-gpt": "c_proj", "bloom": "dense"}.get(model_type, "out_proj")
+    name = {"openai-gpt": "c_proj", "bloom": "dense", "gpt_neox_japanese": "dense"}.get(model_type, "out_proj")
     attention = OWN_FAMILIES[model_type].attention
     projections = [getattr(m, name) for m in model.modules() if type(m).__name__ == attention]
     for m in range(3):

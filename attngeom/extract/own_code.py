@@ -1,9 +1,9 @@
 """Capture of the families whose attention transformers computes in the model's own code.
 
-GPT-Neo, GPT-1 (openai-gpt), BLOOM, MPT and XGLM never call the attention interface: each
-attention module computes its probabilities itself, GPT-Neo's and GPT-1's in an inner
-``_attn`` from the queries, keys and values their forward split into heads, BLOOM's and MPT's
-inside their forward with an ALiBi bias, XGLM's inside its forward. For the duration of a capture, that method of each of the
+GPT-Neo, GPT-1 (openai-gpt), GPT-NeoX-Japanese, BLOOM, MPT and XGLM never call the attention
+interface: each attention module computes its probabilities itself, the first three in an
+inner ``_attn`` from the queries, keys and values their forward split into heads, BLOOM's and
+MPT's inside their forward with an ALiBi bias, XGLM's inside its forward. For the duration of a capture, that method of each of the
 model's attention modules is replaced, on the instance only, by one that takes the same
 q, k, v, the family's mask (its causal or windowed ``bias`` buffer, its ALiBi bias and the
 model's padding mask, as one additive mask) and its scale to the capture's path, layer by
@@ -86,6 +86,16 @@ def _read_openai_gpt(module, a):
     return a["q"], k.transpose(-1, -2), v, _additive(allowed, a["attention_mask"]), scaling
 
 
+def _read_gpt_neox_japanese(module, a):
+    mask = a["attention_mask"]
+    query, key = a["query"], a["key"]
+    if mask is None:  # its own code masks nothing then
+        mask = torch.zeros(1, 1, query.shape[-2], key.shape[-2], device=query.device)
+    elif mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, LOW)
+    return query, key, a["value"], mask.float().clamp(min=LOW), 1 / module.norm_factor
+
+
 def _read_bloom(module, a):
     hidden = a["hidden_states"]
     query, key, value = module._reshape(module.query_key_value(hidden))
@@ -163,6 +173,8 @@ def _read_xglm(module, a):
 FAMILIES: dict[str, Family] = {
     "gpt_neo": Family("GPTNeoSelfAttention", "_attn", _read_gpt_neo, lambda module, out, a: (out.transpose(1, 2), None)),
     "openai-gpt": Family("Attention", "_attn", _read_openai_gpt, lambda module, out, a: [out.transpose(1, 2)]),
+    "gpt_neox_japanese": Family("GPTNeoXJapaneseAttention", "_attn", _read_gpt_neox_japanese,
+                                lambda module, out, a: (out.transpose(1, 2), None)),
     "bloom": Family("BloomAttention", "forward", _read_bloom, _bloom_returns),
     "mpt": Family("MptAttention", "forward", _read_mpt, _out_proj_returns),
     "xglm": Family("XGLMAttention", "forward", _read_xglm, _out_proj_returns),
