@@ -273,6 +273,7 @@ def test_every_verified_type_is_tested():
 
 @pytest.mark.parametrize("model_type, reason", [
     ("diffllama", "differential attention"),
+    ("rwkv", "linear recurrence"),
     ("mamba", "no softmax-attention layer"),
     ("blt", r"its layers sit in 4 stacks \(patcher_config, encoder_config, decoder_config, global_config\)"),
     ("xlnet", "not through its attention interface"),

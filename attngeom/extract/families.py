@@ -30,11 +30,11 @@ VERIFIED_TYPES = frozenset({
     "modernbert-decoder", "mimo_v2_flash", "gpt_neo", "openai-gpt", "bloom", "mpt", "gpt_neox_japanese",
 })
 
-# Families whose layers call the attention interface but whose attention is not one softmax
-# over keys, as transformers implements them.
+# Families whose attention is not one softmax over keys, as transformers implements them.
 NOT_SOFTMAX = {
     "diffllama": "differential attention: each head subtracts two softmax attentions, so no row is one softmax "
                  "over keys",
+    "rwkv": "its time mixing is a linear recurrence over the tokens, with no softmax over keys",
 }
 
 # config.layer_types entries (transformers normalises every hybrid's to these) whose layers
