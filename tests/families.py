@@ -69,6 +69,14 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         layer_types=["full_attention", "sliding_attention", "sliding_attention"],
         mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32)),
+    "gpt_neo": ("attention in the model's own code, unscaled logits, local layers of a window of 6", dict(
+        attention_types=[[["global", "local", "local"], 1]], window_size=6)),
+    "openai-gpt": ("attention in the model's own code (GPT-1)", dict(n_embd=64, n_layer=3, n_head=4,
+                                                                      n_positions=256)),
+    "gpt_neox_japanese": ("attention in the model's own code, rotary", dict(intermediate_multiple_size=2)),
+    "bloom": ("ALiBi in the model's own code", dict(n_layer=3, n_head=4)),
+    "mpt": ("ALiBi in the model's own code, clipped qkv", dict(
+        d_model=64, n_heads=4, n_layers=3, max_seq_len=256, attn_config=dict(alibi=True, clip_qkv=8.0))),
 }
 
 
@@ -104,6 +112,10 @@ CHECKED: dict[str, tuple[str, dict]] = {
         n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
         v_head_dim=16, index_topk=4, index_head_dim=16, index_n_heads=2, first_k_dense_replace=1,
         mlp_layer_types=["dense", "sparse", "sparse"], layer_types=["indexed_attention"] * 3)),
+    # XGLM's own code does not run in float64 (it clamps its scores with a float64 lowest value
+    # in a float32 tensor), so it has no float64 reference.
+    "xglm": ("attention in the model's own code, queries scaled before the product", dict(
+        d_model=64, num_layers=3, attention_heads=4, ffn_dim=96)),
 }
 
 

@@ -167,15 +167,20 @@ def test_a_context_longer_than_the_model_positions_is_refused_naming_the_limit(t
     # The tiny models' configs take 256 positions; Mistral's slides a window of 6 keys.
     store = str(tmp_path / "s.zarr")
     assert refusal(*extract_args(extracted, context_length="300", store=store)) == (
-        "--context-length 300 is more than the 256 positions " f"{extracted[0]} takes; use -L 256 or less")
+        "--context-length 300 is more than the 256 positions " f"{extracted[0]} takes; use --context-length 256 or less")
     mistral = str(tiny_model_dir("mistral"))
     assert refusal(*extract_args(extracted, model=mistral, context_length="257", store=store)) == (
         f"--context-length 257 is more than the 256 positions {mistral} takes (its sliding window of 6 keys "
-        "bounds its local layers' attention, not the positions); use -L 256 or less")
+        "bounds its local layers' attention, not the positions); use --context-length 256 or less")
     # An offline name: the limit from its GGUF header, read from the pieces its package ships.
     assert refusal(*extract_args(extracted, model="gemma3-270m", context_length="40000", store=store)) == (
         "--context-length 40,000 is more than the 32,768 positions gemma3-270m takes (its sliding window of "
-        "512 keys bounds its local layers' attention, not the positions); use -L 32768 or less")
+        "512 keys bounds its local layers' attention, not the positions); use --context-length 32768 or less")
+    # A Python caller is told its keyword.
+    model, corpus, _ = extracted
+    with pytest.raises(ag.InputError, match=r"^context_length=300 is more than the 256 positions .* takes; "
+                                            r"use context_length=256 or less$"):
+        ag.extract(str(model), dataset=str(corpus), context_length=300, num_sequences=2, store=store, progress=False)
     assert not (tmp_path / "s.zarr").exists()
 
 
@@ -502,7 +507,7 @@ def test_what_a_folder_or_a_stores_records_tell_is_answered_before_any_library_l
     cases = {
         ("extract", "--model", str(gpt2), "--dataset", "wiki-summaries", "-L", "300", "-S", "2", "--store",
          str(tmp_path / "new.zarr")):
-            f"--context-length 300 is more than the 256 positions {gpt2} takes; use -L 256 or less",
+            f"--context-length 300 is more than the 256 positions {gpt2} takes; use --context-length 256 or less",
         ("check-model", str(gpt2), "-L", "300"):
             f"--length 300 is more than the 256 positions {gpt2} takes; use -L 256 or less",
         ("check-model", str(tmp_path)): f"model folder {tmp_path} has no config.json",

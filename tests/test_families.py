@@ -19,6 +19,8 @@ import attngeom as ag
 from attngeom.errors import UnsupportedModelError
 from attngeom.extract.capture import decoder
 from attngeom.extract.families import VERIFIED_TYPES, attention_layers, supported_config
+from attngeom.extract.own_code import FAMILIES as OWN_FAMILIES
+from attngeom.extract.own_code import OWN_CODE_TYPES
 
 pytestmark = pytest.mark.needs_model
 L = 16
@@ -26,10 +28,13 @@ L = 16
 
 def eager64(model: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Per attention layer, (rows (B, H, L, L), values (B, KV, L, Dv)) of the family's own eager
-    attention on a float64 copy of ``model``: the modeling module's eager function, recorded."""
+    attention on a float64 copy of ``model``: the modeling module's eager function, recorded
+    (for a family that computes attention in its own code, that code's weights)."""
     reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float64, attn_implementation="eager",
                                                  experts_implementation="eager").eval()
     reference.load_state_dict({k: v.double() if v.is_floating_point() else v for k, v in model.state_dict().items()})
+    if model.config.model_type in OWN_CODE_TYPES:
+        return own_code64(reference, ids)
     seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def recording(module, query, key, value, attention_mask, **kwargs):
@@ -44,6 +49,42 @@ def eager64(model: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.nda
     with torch.no_grad():
         decoder(reference)(input_ids=ids, use_cache=False)
     return seen
+
+
+def own_code64(reference: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """eager64 of a float64 model whose attention modules compute their weights in their own
+    code: each layer's weights, as its method returns them, and values (B, H, L, Dh), as its
+    ``_attn`` is given them or its fused qkv projection computes them."""
+    family = OWN_FAMILIES[reference.config.model_type]
+    seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    values: dict[int, np.ndarray] = {}
+    modules = [m for m in reference.modules() if type(m).__name__ == family.attention]
+    for layer, module in enumerate(modules):
+        if family.method == "_attn":
+            def recording(*args, module=module, layer=layer, **kwargs):
+                result = type(module)._attn(module, *args, **kwargs)
+                seen[layer] = (result[1].numpy(), args[2].numpy())
+                return result
+            module._attn = recording
+            continue
+        module.register_forward_hook(lambda m, a, r, layer=layer: seen.__setitem__(layer, (r[1].numpy(), values[layer])))
+        projection = getattr(module, "query_key_value", None) or module.Wqkv
+        heads = getattr(module, "n_heads", None) or module.num_heads
+        projection.register_forward_hook(lambda m, a, r, layer=layer, heads=heads: values.__setitem__(
+            layer, own_values(r, heads, reference.config.model_type)))
+    with torch.no_grad():
+        decoder(reference)(input_ids=ids, use_cache=False, output_attentions=True)
+    return seen
+
+
+def own_values(projected: torch.Tensor, heads: int, model_type: str) -> np.ndarray:
+    """Values (B, H, L, Dh) of a projection's output: BLOOM's fused qkv (B, L, 3 H Dh),
+    interleaved per head; MPT's, in three blocks."""
+    bsz, length, width = projected.shape
+    dh = width // (3 * heads)
+    if model_type == "bloom":
+        return projected.view(bsz, length, heads, 3, dh)[..., 2, :].transpose(1, 2).numpy()
+    return projected.chunk(3, dim=2)[2].reshape(bsz, length, heads, dh).transpose(1, 2).numpy()
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +225,10 @@ def test_layers_of_different_widths_are_stored_as_their_heads_read_them():
 
 def test_windows_chunks_and_sinks_are_what_the_families_declare(ids, tmp_path):
     """Known answers: Mistral's window of 6, Llama 4's chunks of 6 (the last query, at 15,
-    sees keys 12..15) beside its full layer, gpt-oss's sliding layers."""
-    expected = {"mistral": [6, 6, 6], "llama4_text": [4, 4, 0], "gpt_oss": [6, 0, 6], "cohere2": [6, 6, 0]}
+    sees keys 12..15) beside its full layer, gpt-oss's sliding layers, GPT-Neo's local layers
+    (a window its own code holds in a buffer)."""
+    expected = {"mistral": [6, 6, 6], "llama4_text": [4, 4, 0], "gpt_oss": [6, 0, 6], "cohere2": [6, 6, 0],
+                "gpt_neo": [0, 6, 6]}
     for model_type, windows in expected.items():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32).eval()
@@ -194,15 +237,43 @@ def test_windows_chunks_and_sinks_are_what_the_families_declare(ids, tmp_path):
         assert list(ds["window"].values) == windows, model_type
 
 
+def own_code_model(model_type: str) -> torch.nn.Module:
+    """A tiny random float32 model of a family that computes attention in its own code."""
+    if model_type in CHECKED:
+        return checked_model(model_type)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("model_type", sorted(OWN_CODE_TYPES))
+def test_own_code_families_agree_with_their_own_code_on_peaked_rows(model_type, ids):
+    """With weights scaled so that rows are peaked, the capture of a family that computes
+    attention in its own code agrees with that code at every checked query, and after the
+    capture the model runs its own methods again: the same logits, bit for bit."""
+    from attngeom.extract.conformance import check_capture, check_positions
+
+    model = own_code_model(model_type)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(3)
+        before = model(ids, output_attentions=True)
+    # Peaked: the top keys take twice the mass they would in uniform causal rows.
+    uniform = float((1 / torch.arange(1, L + 1)).mean())
+    assert float(torch.stack(before.attentions).amax(-1).mean()) > 2 * uniform
+    checks = check_capture(model, ids[:1], check_positions(L))
+    assert [c.layer for c in checks] == [0, 1, 2] and all(c.agrees for c in checks), checks
+    assert not [m for m in model.modules() if "_attn" in vars(m) or "forward" in vars(m)]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before.logits)
+
+
 def test_every_verified_type_is_tested():
     assert set(FAMILIES) == set(VERIFIED_TYPES)
 
 
 @pytest.mark.parametrize("model_type, reason", [
     ("diffllama", "differential attention"),
-    ("bloom", "not through its attention interface"),
-    ("gpt_neo", "not through its attention interface"),
-    ("mpt", "not through its attention interface"),
+    ("rwkv", "linear recurrence"),
     ("mamba", "no softmax-attention layer"),
     ("blt", r"its layers sit in 4 stacks \(patcher_config, encoder_config, decoder_config, global_config\)"),
     ("xlnet", "not through its attention interface"),
@@ -292,6 +363,40 @@ def test_ablating_a_head_zeroes_its_attention_output(model_type):
         with torch.no_grad():
             logits = model(input_ids=tokens[:, :-1], use_cache=False).logits[:, -1]
         model.set_attn_implementation(previous)
+        expected = -torch.log_softmax(logits, -1).gather(1, tokens[:, -1:])[:, 0]
+        torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", sorted(OWN_CODE_TYPES))
+def test_ablating_a_head_of_an_own_code_family(model_type):
+    """In a family that computes attention in its own code, the batched masks equal the
+    model's own forward with that head's output zeroed at the input of its output projection."""
+    from attngeom.ablate.masking import head_geometry, masked_nll
+
+    model = own_code_model(model_type)
+    geo = head_geometry(model)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(4, 100, (2, L), generator=generator)
+    masks = torch.ones(3, geo.n_layers, geo.n_heads)
+    masks[1, -1, 0] = 0
+    masks[2, 0, 1:3] = 0
+    nll = masked_nll(model, tokens, masks)
+    assert not torch.allclose(nll[:, 0], nll[:, 1]) and not torch.allclose(nll[:, 0], nll[:, 2])
+    name = {"openai-gpt": "c_proj", "bloom": "dense", "gpt_neox_japanese": "dense"}.get(model_type, "out_proj")
+    attention = OWN_FAMILIES[model_type].attention
+    projections = [getattr(m, name) for m in model.modules() if type(m).__name__ == attention]
+    for m in range(3):
+        def zeroing(module, args, keep):
+            context = args[0]
+            heads = context.view(*context.shape[:2], geo.n_heads, -1) * keep[None, None, :, None]
+            return (heads.view(context.shape),)
+
+        hooks = [p.register_forward_pre_hook(lambda module, args, keep=masks[m, i]: zeroing(module, args, keep))
+                 for i, p in enumerate(projections)]
+        with torch.no_grad():
+            logits = model(input_ids=tokens[:, :-1], use_cache=False).logits[:, -1]
+        for hook in hooks:
+            hook.remove()
         expected = -torch.log_softmax(logits, -1).gather(1, tokens[:, -1:])[:, 0]
         torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)
 

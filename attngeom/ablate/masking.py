@@ -20,6 +20,7 @@ predicts token ``L-1``; only that position's logits are computed (``logits_to_ke
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -37,6 +38,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from attngeom.errors import UnsupportedModelError
 from attngeom.extract.capture import decoder
 from attngeom.extract.families import attention_layers
+from attngeom.extract.own_code import OWN_CODE_TYPES, own_code_attention, plain_attention
 
 MASKED_IMPLEMENTATION = "attngeom_masked"
 
@@ -113,6 +115,7 @@ class HeadMasker:
         self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._previous = model.config._attn_implementation
         self._token = None
+        self._own_code: contextlib.ExitStack | None = None
 
     def set(self, masks: torch.Tensor | None, start: int = 0, repeat: int = 1) -> None:
         """Apply ``masks`` (B', layers, heads) from layer ``start`` (a position on the masks'
@@ -134,6 +137,12 @@ class HeadMasker:
         if self._masks is None or position is None or position < self._start:
             return output
         return output * self._masks[:, position].to(output.dtype)[:, None, :, None]
+
+    def _own_code_output(self, module: torch.nn.Module, layer: int, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor, mask: torch.Tensor, scaling: float, reference: Callable) -> torch.Tensor:
+        """The masked output (B', L, heads, Dv) of a layer of a family that computes attention in
+        its own code (:mod:`attngeom.extract.own_code`)."""
+        return self.masked(layer, plain_attention(query, key, value, mask, scaling))
 
     def _model_start(self) -> int:
         """The model's index of the first decoder layer the masks may change."""
@@ -174,7 +183,14 @@ class HeadMasker:
         previous_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(self._previous) or ALL_MASK_ATTENTION_FUNCTIONS["eager"]
         AttentionMaskInterface.register(MASKED_IMPLEMENTATION, previous_mask)
         self._token = _MASKERS.set({**_MASKERS.get(), **dict.fromkeys(self.model.modules(), self)})
-        self.model.set_attn_implementation(MASKED_IMPLEMENTATION)
+        model_type = self.model.config.get_text_config().model_type
+        if model_type in OWN_CODE_TYPES:
+            # No attention implementation to switch to: the family's own attention method is
+            # replaced for the block, and its output masked as the interface's is.
+            self._own_code = contextlib.ExitStack()
+            self._own_code.enter_context(own_code_attention(self.model, model_type, self._own_code_output))
+        else:
+            self.model.set_attn_implementation(MASKED_IMPLEMENTATION)
         for i, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._layer_hook(i), with_kwargs=True))
         return self
@@ -183,7 +199,11 @@ class HeadMasker:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self.model.set_attn_implementation(self._previous)
+        if self._own_code is not None:
+            self._own_code.close()
+            self._own_code = None
+        else:
+            self.model.set_attn_implementation(self._previous)
         _MASKERS.reset(self._token)
         self.set(None)
 

@@ -39,6 +39,7 @@ from attngeom.extract.call_terms import (
     selected_mask,
     sink_refusal,
 )
+from attngeom.extract.own_code import OWN_CODE_TYPES, own_code_attention
 from attngeom.extract.phases import phase
 from attngeom.extract.threads import one_thread, tile_threads
 from attngeom.extract.tiles import LayerCapture, allowed_keys, attention_summaries
@@ -131,9 +132,10 @@ def own_output(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def output_description(dtype: torch.dtype) -> str:
-    """How a capturing layer's output is computed for a model of this compute dtype."""
-    return "output = float32 rows @ v" if own_output(dtype) else "sdpa output"
+def output_description(dtype: torch.dtype, model_type: str) -> str:
+    """How a capturing layer's output is computed for a model of this compute dtype and type
+    (a family whose attention is its own code has no SDPA to run)."""
+    return "output = float32 rows @ v" if own_output(dtype) or model_type in OWN_CODE_TYPES else "sdpa output"
 
 
 # Arguments of the attention call that change nothing the capture computes: the mask already
@@ -205,6 +207,27 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
     own = softcap is not None or sinks is not None or own_output(query.dtype)
     if recorder is None and not own:
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **plain)
+    # The keys the final query may attend are those of the model's mask: a sparse attention's
+    # indexer choice among them is each row's zeros (docs/method.md#sparse-attention).
+    attendable = attention_mask if selected is not attention_mask else None
+    output = _summarise(recorder, module, module.layer_idx, query, key, value, mask, scaling, softcap=softcap,
+                        sinks=sinks, need_output=own, attendable=attendable,
+                        check=lambda: dict(mask=selected, kwargs=eager_call))
+    if not own:
+        output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **plain)
+    # Contiguous as transformers' own attention functions return it: some layers (JetMoE)
+    # ``view`` the output, which a permuted layout would refuse.
+    return output.contiguous(), None
+
+
+def _summarise(recorder: Recorder | None, module: torch.nn.Module, layer: int, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float, *,
+               softcap: float | None = None, sinks: torch.Tensor | None = None, need_output: bool,
+               attendable: torch.Tensor | None = None, check: Callable[[], dict]) -> torch.Tensor | None:
+    """One attention call's summaries, recorded as layer ``layer``'s by ``recorder`` (if any) once
+    the conformance check (given what ``check()`` adds to its arguments) has compared them;
+    the float32 rows @ v (B, L, H, Dv) when ``need_output`` or checked, else None.
+    ``attendable``: the mask whose keys the final query may attend, when not ``mask``."""
     checked = recorder.check_queries if recorder is not None else ()
     kept = recorder.queries if recorder else ()
     # The layer's setup runs on one torch thread and its tiles on as many threads as the caller's
@@ -212,35 +235,36 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
     threads = tile_threads(query.device)
     with one_thread(query.device), phase("attngeom.capture"):
         capture, output = attention_summaries(
-            query,
-            key,
-            value,
-            mask,
-            scaling,
-            softcap=softcap,
-            sinks=sinks,
+            query, key, value, mask, scaling, softcap=softcap, sinks=sinks,
             keep_rows=recorder.keep_rows if recorder else False,
             queries=tuple(sorted({*kept, *checked})),
-            need_output=own or bool(checked),
+            need_output=need_output or bool(checked),
             threads=threads,
         )
-    if selected is not attention_mask:
-        # The keys the final query may attend are those of the model's mask: the indexer's
-        # choice among them is each row's zeros (docs/method.md#sparse-attention).
+    if attendable is not None:
         length = query.shape[2]
-        capture = replace(capture, attendable=allowed_keys(attention_mask, length - 1, length, length,
+        capture = replace(capture, attendable=allowed_keys(attendable, length - 1, length, length,
                                                            query.device)[0, :, -1].all(dim=0))
     if recorder is not None:
         if checked:
-            recorder.compare(module, query, key, value, selected, scaling, eager_call, capture, output)
+            recorder.compare(module, layer, query, key, value, scaling=scaling, capture=capture, output=output,
+                             **check())
             if tuple(checked) != tuple(kept):
                 capture = replace(capture, query_rows=_kept_rows(capture.query_rows, kept, checked))
-        recorder.record(module.layer_idx, capture, recorder.runs[module])
-    if not own:
-        output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **plain)
-    # Contiguous as transformers' own attention functions return it: some layers (JetMoE)
-    # ``view`` the output, which a permuted layout would refuse.
-    return output.contiguous(), None
+        recorder.record(layer, capture, recorder.runs[module])
+    return output
+
+
+def _own_code_call(module: torch.nn.Module, layer: int, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, mask: torch.Tensor, scaling: float,
+                   reference: Callable[[tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The capture of one call of a family that computes attention in its own code
+    (:mod:`attngeom.extract.own_code`): its output is always the float32 rows @ v, there being
+    no attention function of transformers' to defer to; ``reference`` runs the model's own
+    code at the checked queries."""
+    recorder = _RECORDERS.get().get(module)
+    return _summarise(recorder, module, layer, query, key, value, mask, scaling, need_output=True,
+                      check=lambda: dict(mask=mask, kwargs={}, reference=reference(recorder.check_queries)))
 
 
 def _kept_rows(rows: torch.Tensor, kept: tuple[int, ...], checked: tuple[int, ...]) -> torch.Tensor | None:
@@ -296,6 +320,9 @@ def capturing(
     # may keep its own while its language model switches.
     stack = getattr(decoder(model), "config", model.config)
     previous = stack._attn_implementation
+    own_code = stack.model_type in OWN_CODE_TYPES
+    if own_code:
+        previous = ATTN_IMPLEMENTATION  # its attention method is replaced instead, for the block
     if previous != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if stack._attn_implementation != ATTN_IMPLEMENTATION:
@@ -308,7 +335,8 @@ def capturing(
     counted = [m.register_forward_pre_hook(lambda module, args: recorder.runs.update((module,)))
                for m in model.modules() if hasattr(m, "layer_idx")]
     try:
-        yield recorder
+        with own_code_attention(model, stack.model_type, _own_code_call) if own_code else contextlib.nullcontext():
+            yield recorder
     finally:
         for hook in counted:
             hook.remove()

@@ -97,16 +97,17 @@ def check_capture(model: torch.nn.Module, ids: torch.Tensor, positions: tuple[in
     errors: dict[int, tuple[float, float]] = {}
     where = torch.tensor(positions, device=ids.device)
 
-    def compare(module, query, key, value, mask, scaling, kwargs: Mapping, capture, output) -> None:
-        eager = _eager_function(module)
+    def compare(module, layer: int, query, key, value, *, mask, scaling: float, kwargs: Mapping, capture, output,
+                reference: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         rows = capture.query_rows  # this forward keeps no other queries' rows
         try:
-            out, weights = eager(module, query[:, :, where].float(), key.float(), value.float(),
-                                 _eager_mask(mask, where, key.shape[2]), scaling=scaling, dropout=0.0,
-                                 **per_query(kwargs, where, query.shape[2]))
+            # A family that computes attention in its own code brings that code's answer.
+            out, weights = reference or _eager_function(module)(
+                module, query[:, :, where].float(), key.float(), value.float(), _eager_mask(mask, where, key.shape[2]),
+                scaling=scaling, dropout=0.0, **per_query(kwargs, where, query.shape[2]))
         except (RuntimeError, TypeError, ValueError) as exc:
             raise UnsupportedModelError(
-                f"the eager attention of {type(module).__name__} (layer {module.layer_idx}) cannot run on the "
+                f"the eager attention of {type(module).__name__} (layer {layer}) cannot run on the "
                 f"arguments of its own attention call ({type(exc).__name__}): attngeom cannot check its capture"
             ) from exc
         ours = output[:, where].float()
@@ -117,7 +118,7 @@ def check_capture(model: torch.nn.Module, ids: torch.Tensor, positions: tuple[in
                      else float("inf"))
         scale = max(1.0, float(out.abs().max()))
         output_error = float((ours - out.float()).abs().max()) / scale if out.shape == ours.shape else float("inf")
-        errors[module.layer_idx] = (row_error, output_error)
+        errors[layer] = (row_error, output_error)
 
     training = model.training
     model.eval()

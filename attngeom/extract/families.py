@@ -16,6 +16,7 @@ from typing import Any
 
 from attngeom.errors import UnsupportedModelError
 from attngeom.extract.model_files import check_config_sizes
+from attngeom.extract.own_code import OWN_CODE_TYPES
 from attngeom.extract.sources import cache_dir
 
 __all__ = ["VERIFIED_TYPES", "attention_layers", "layer_kind", "supported_config"]
@@ -26,14 +27,14 @@ VERIFIED_TYPES = frozenset({
     "llama", "mistral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3", "gpt2", "gpt_neox", "olmo", "olmo2",
     "olmo3", "phi", "phi3", "stablelm", "falcon", "mixtral", "qwen3_moe", "starcoder2", "glm4", "ministral",
     "cohere2", "smollm3", "llama4_text", "gpt_oss", "deepseek_v3", "qwen3_next", "granite", "exaone4", "jetmoe",
-    "modernbert-decoder", "mimo_v2_flash",
+    "modernbert-decoder", "mimo_v2_flash", "gpt_neo", "openai-gpt", "bloom", "mpt", "gpt_neox_japanese",
 })
 
-# Families whose layers call the attention interface but whose attention is not one softmax
-# over keys, as transformers implements them.
+# Families whose attention is not one softmax over keys, as transformers implements them.
 NOT_SOFTMAX = {
     "diffllama": "differential attention: each head subtracts two softmax attentions, so no row is one softmax "
                  "over keys",
+    "rwkv": "its time mixing is a linear recurrence over the tokens, with no softmax over keys",
 }
 
 # config.layer_types entries (transformers normalises every hybrid's to these) whose layers
@@ -100,7 +101,7 @@ def supported_config(config: Any, model_class: type | None = None) -> Any:
     stack = _text_stack_class(given, config, model_class)
     if stack is None:
         raise UnsupportedModelError(f"model type '{model_type}' has no causal language model class in transformers")
-    if not _class_routes_attention(stack):
+    if not _class_routes_attention(stack) and model_type not in OWN_CODE_TYPES:
         raise UnsupportedModelError(
             f"model type '{model_type}' is not supported: transformers computes its attention inside the model's "
             "own code, not through its attention interface, so attngeom cannot read the rows"

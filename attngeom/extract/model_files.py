@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from attngeom.errors import InputError
+from attngeom.extract.positions import POSITION_KEYS
 from attngeom.limits import memory_bytes, size_text
 
 __all__ = ["check_config_sizes", "check_safetensors"]
@@ -54,7 +55,10 @@ def check_config_sizes(config: Mapping[str, Any] | Any, model: str, cache: Path)
     for part in (config, text) if text is not config else (config,):
         for key in COUNT_KEYS:
             value = _get(part, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            # A position limit of -1 says there is none (XLNet's relative positions).
+            unlimited = key in POSITION_KEYS and value == -1
+            if value is not None and not unlimited and (isinstance(value, bool) or not isinstance(value, int)
+                                                        or value < 0):
                 raise InputError(f"the config of {model} declares {key} = {value!r}, which is no count of anything")
     layers = max((_get(text, k) or 0 for k in LAYER_KEYS), default=0)
     hidden = max((_get(text, k) or 0 for k in HIDDEN_KEYS), default=0)

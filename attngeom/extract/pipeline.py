@@ -406,7 +406,7 @@ def extract(request: ExtractRequest, checked: Preflight | None = None,
     bos_id = bos.id
     inputs = _windowed(request, source, model, bos_id) if ids is None else _given(request, ids, model, bos)
     # Also here: a hub model's metadata is known once its config is loaded, before its weights.
-    check_context_length(inputs.length, config_positions(model.config), model.name)
+    check_context_length(inputs.length, config_positions(model.config), model.name, ExtractRequest)
     queries = query_positions(request.queries, inputs.length)
     _check_chunks(model.config, queries, inputs.length)
     run_id = request.run_id or default_run_id(model.name, inputs.id, inputs.length)
@@ -452,7 +452,7 @@ def _run_provenance(request: ExtractRequest, model: _Model, bos_id: int, shard: 
         "device_map": jsonable(parse_device_map(request.device_map)),
         # What float32 matmuls of the forward computed in: "high" is TF32 on a GPU.
         "float32_matmul_precision": "high" if model.tf32 else torch.get_float32_matmul_precision(),
-        "attention_implementation": f"{ATTN_IMPLEMENTATION} ({output_description(model.dtype)}; float32 rows recomputed from post-RoPE q/k)",
+        "attention_implementation": f"{ATTN_IMPLEMENTATION} ({output_description(model.dtype, model.config.get_text_config().model_type)}; float32 rows recomputed from post-RoPE q/k)",
         "library_versions": _library_versions(),
         "attngeom_version": __version__,
         "command_line": shlex.join(request.command_line),

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from attngeom.errors import InputError
+from attngeom.options import refusal
 
 __all__ = ["POSITION_KEYS", "Positions", "check_context_length", "config_positions", "gguf_positions"]
 
@@ -45,15 +46,22 @@ def config_positions(config: Mapping[str, Any] | Any) -> Positions:
     return Positions(int(limit) if limit and int(limit) > 0 else None, int(window) if window else None)
 
 
-def check_context_length(length: int, positions: Positions, model: str, option: str = "--context-length") -> None:
-    """Refuse ``length`` (L: BOS plus L-1 tokens) beyond the model's position limit, named
-    as the command's ``option`` (-L is its short form)."""
+def check_context_length(length: int, positions: Positions, model: str, option: str | type = "--context-length"
+                         ) -> None:
+    """Refuse ``length`` (L: BOS plus L-1 tokens) beyond the model's position limit, naming the
+    option in its caller's words: a request dataclass whose ``context_length`` it is (its keyword
+    to a Python caller, its flag on the command line: :func:`attngeom.options.refusal`), or a
+    command's option (-L is its short form)."""
     if positions.limit is None or length <= positions.limit:
         return
     window = (
         f" (its sliding window of {positions.window:,} keys bounds its local layers' attention, not the positions)"
         if positions.window else ""
     )
+    if isinstance(option, type):
+        raise refusal("{context_length:{given}} is more than the {limit} positions {which} takes{bound}; "
+                      "use {context_length:{least}} or less", option, given=f"{length:,}",
+                      limit=f"{positions.limit:,}", which=model, bound=window, least=positions.limit)
     raise InputError(
         f"{option} {length:,} is more than the {positions.limit:,} positions {model} takes{window}; "
         f"use -L {positions.limit} or less"

@@ -217,7 +217,7 @@ def preflight(request: ExtractRequest) -> Preflight:
     else:
         positions = config_positions(getattr(request.model, "config", None) or {})
     if length is not None and positions is not None:
-        check_context_length(length, positions, str(request.model) if named else "the model")
+        check_context_length(length, positions, str(request.model) if named else "the model", ExtractRequest)
     _check_tokenizer(request)
     if request.dataset is not None:
         input_id = corpus_id(request.dataset, split=request.split)

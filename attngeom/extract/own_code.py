@@ -1,0 +1,244 @@
+"""Capture of the families whose attention transformers computes in the model's own code.
+
+GPT-Neo, GPT-1 (openai-gpt), GPT-NeoX-Japanese, BLOOM, MPT and XGLM never call the attention
+interface: each attention module computes its probabilities itself, the first three in an
+inner ``_attn`` from the queries, keys and values their forward split into heads, BLOOM's and
+MPT's inside their forward with an ALiBi bias, XGLM's inside its forward. For the duration of a capture, that method of each of the
+model's attention modules is replaced, on the instance only, by one that takes the same
+q, k, v, the family's mask (its causal or windowed ``bias`` buffer, its ALiBi bias and the
+model's padding mask, as one additive mask) and its scale to the capture's path, layer by
+layer as the forward runs, and returns what the method returns. The model's own method stays
+the reference: with queries to check, it runs on the same arguments in float32 and its
+weights are what the conformance check compares the rows with.
+
+This is the one module that reaches into those modules' internals (``_attn``, ``bias``,
+``scale``, the projections and ALiBi arguments of the others): transformers exposes no
+interface for them. tests/test_families.py compares each family's stored rows with the
+model's own float64 forward, so a change in transformers shows there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from attngeom.errors import UnsupportedModelError
+
+__all__ = ["OWN_CODE_TYPES", "Attend", "Reference", "own_code_attention", "plain_attention"]
+
+# (output (B, P, H, Dv), weights (B, H, P, L)) of the model's own code at the checked queries.
+Reference = tuple[torch.Tensor, torch.Tensor]
+# The capture's path for one call: (module, layer, query, key, value, additive float32 mask,
+# scaling, the model's own code at the checked queries (a callable of those queries)) ->
+# output (B, L, H, Dv).
+Attend = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one family's attention is read. ``attention``: the class whose ``method`` is
+    replaced; ``read`` (module, the method's arguments by name) -> (query, key, value
+    (B, H, L, D), additive float32 mask (B|1, 1|H, L, L), scaling); ``returns`` (module,
+    output (B, L, H, Dv), the arguments) -> what the method returns. The method returns its
+    weights (B, H, L, L) second (when asked, by ``output_attentions``), and first its attention
+    output (B, H, L, Dv) where ``method`` is the inner ``_attn``, or the layer's output where
+    it is the module's ``forward``."""
+
+    attention: str
+    method: str
+    read: Callable[..., tuple]
+    returns: Callable[..., object]
+
+
+LOW = torch.finfo(torch.float32).min
+
+
+def _additive(allowed: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+    """Float32 (B|1, 1, L, L): 0 (or the padding mask's value) where ``allowed``, the float32
+    lowest value where the family's mask hides a key."""
+    if padding is None:
+        return torch.where(allowed, 0.0, LOW)
+    if padding.dtype == torch.bool:
+        return torch.where(allowed & padding, 0.0, LOW)
+    return torch.where(allowed, padding.float().clamp(min=LOW), LOW)
+
+
+def _read_gpt_neo(module, a):
+    query, key = a["query"], a["key"]
+    length = key.shape[-2]
+    # Local layers' bias buffer holds their window; GPT-Neo scales no logit by 1/sqrt(d).
+    allowed = module.bias[:, :, length - query.shape[-2]: length, :length]
+    return query, key, a["value"], _additive(allowed, a["attention_mask"]), 1.0
+
+
+def _read_openai_gpt(module, a):
+    k, v = a["k"], a["v"]
+    length = k.shape[-1]
+    allowed = module.bias[:, :, :length, :length].bool()
+    # Keys arrive transposed (B, H, Dh, L) for the product; the scale is 1/sqrt(Dv) when set.
+    scaling = 1 / math.sqrt(v.shape[-1]) if module.scale else 1.0
+    return a["q"], k.transpose(-1, -2), v, _additive(allowed, a["attention_mask"]), scaling
+
+
+def _read_gpt_neox_japanese(module, a):
+    mask = a["attention_mask"]
+    query, key = a["query"], a["key"]
+    if mask is None:  # its own code masks nothing then
+        mask = torch.zeros(1, 1, query.shape[-2], key.shape[-2], device=query.device)
+    elif mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, LOW)
+    return query, key, a["value"], mask.float().clamp(min=LOW), 1 / module.norm_factor
+
+
+def _read_bloom(module, a):
+    hidden = a["hidden_states"]
+    query, key, value = module._reshape(module.query_key_value(hidden))
+    if a["layer_past"] is not None:
+        key, value = a["layer_past"].update(key, value, module.layer_idx)
+    bsz, n_heads, length = query.shape[:3]
+    # scores = beta * alibi + q k^T / sqrt(d), then the additive causal mask.
+    bias = module.beta * a["alibi"].float().view(-1, n_heads, 1, key.shape[2])
+    # Ablation repeats each sequence's states per head mask, but not the (B H, 1, L) ALiBi.
+    bias = bias.repeat_interleave(bsz // bias.shape[0], dim=0)
+    mask = a["attention_mask"]
+    if mask is None:
+        mask = torch.where(torch.ones(length, key.shape[2], dtype=torch.bool, device=hidden.device).tril(
+            key.shape[2] - length), 0.0, LOW)
+    mask = mask.float() if mask.dtype != torch.bool else torch.where(mask, 0.0, LOW)
+    return query, key, value, torch.where(mask > LOW / 2, bias + mask, LOW), module.inv_norm_factor
+
+
+def _bloom_returns(module, output, a):
+    context = output.reshape(*output.shape[:2], -1)
+    if module.pretraining_tp > 1 and module.slow_but_exact:
+        slices = module.hidden_size / module.pretraining_tp
+        dense = torch.zeros_like(context)
+        for i in range(module.pretraining_tp):
+            dense = dense + torch.nn.functional.linear(context[:, :, int(i * slices): int((i + 1) * slices)],
+                                                       module.dense.weight[:, int(i * slices): int((i + 1) * slices)])
+    else:
+        dense = module.dense(context)
+    return a["residual"] + torch.nn.functional.dropout(dense, p=module.hidden_dropout, training=module.training), None
+
+
+def _read_mpt(module, a):
+    hidden = a["hidden_states"]
+    bsz, length = hidden.shape[:2]
+    mixed = module.Wqkv(hidden)
+    if module.clip_qkv:
+        mixed = mixed.clamp(min=-module.clip_qkv, max=module.clip_qkv)
+    query, key, value = (t.reshape(bsz, length, module.n_heads, module.head_dim).transpose(1, 2)
+                         for t in mixed.chunk(3, dim=2))
+    if a["cache"] is not None:
+        key, value = a["cache"].update(key, value, module.layer_idx, kwargs=a.get("kwargs", {}))
+    n_keys = key.shape[2]
+    bias = torch.zeros(1, module.n_heads, 1, n_keys, device=hidden.device)
+    if a["position_bias"] is not None:
+        bias = a["position_bias"][:, -1:, -n_keys:].float()[None]
+    # MPT fills its scores where the mask is set (nonzero), whatever the mask's dtype.
+    mask = a["attention_mask"]
+    return query, key, value, bias if mask is None else bias.masked_fill(mask.bool(), LOW), module.softmax_scale
+
+
+def _out_proj_returns(module, output, a):
+    return module.out_proj(output.reshape(*output.shape[:2], -1)), None
+
+
+def _read_xglm(module, a):
+    if a["key_value_states"] is not None:
+        raise UnsupportedModelError("XGLM's cross-attention attends an encoder's states, not the text's tokens")
+    hidden = a["hidden_states"]
+    bsz, length = hidden.shape[:2]
+
+    def heads(t):
+        return t.view(bsz, length, -1, module.head_dim).transpose(1, 2)
+
+    # XGLM scales the queries, not the scores: the capture's scale is then 1, the same bits.
+    query = heads(module.q_proj(hidden) * module.scaling)
+    key, value = heads(module.k_proj(hidden)), heads(module.v_proj(hidden))
+    if a["cache"] is not None:
+        key, value = a["cache"].update(key, value, module.layer_idx, kwargs=a["kwargs"])
+    mask = a["attention_mask"]
+    if mask is None:  # XGLM masks nothing then
+        return query, key, value, torch.zeros(1, 1, length, key.shape[2], device=hidden.device), 1.0
+    return query, key, value, mask.float().clamp(min=LOW), 1.0
+
+
+FAMILIES: dict[str, Family] = {
+    "gpt_neo": Family("GPTNeoSelfAttention", "_attn", _read_gpt_neo, lambda module, out, a: (out.transpose(1, 2), None)),
+    "openai-gpt": Family("Attention", "_attn", _read_openai_gpt, lambda module, out, a: [out.transpose(1, 2)]),
+    "gpt_neox_japanese": Family("GPTNeoXJapaneseAttention", "_attn", _read_gpt_neox_japanese,
+                                lambda module, out, a: (out.transpose(1, 2), None)),
+    "bloom": Family("BloomAttention", "forward", _read_bloom, _bloom_returns),
+    "mpt": Family("MptAttention", "forward", _read_mpt, _out_proj_returns),
+    "xglm": Family("XGLMAttention", "forward", _read_xglm, _out_proj_returns),
+}
+OWN_CODE_TYPES = frozenset(FAMILIES)
+
+
+def plain_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """softmax(scaling q k^T + mask) @ v in float32, as these families compute it: query, key,
+    value (B, H, L, D), mask additive (B|1, 1|H, L, L) -> output (B, L, H, Dv) in value's dtype."""
+    scores = scaling * query.float() @ key.float().transpose(-1, -2) + mask
+    return (torch.softmax(scores, dim=-1) @ value.float()).transpose(1, 2).to(value.dtype)
+
+
+def _own_reference(family: Family, original: Callable, signature: inspect.Signature, module: torch.nn.Module,
+                   args: tuple, kwargs: dict, value: torch.Tensor) -> Callable[[tuple[int, ...]], Reference]:
+    """The model's own method on its own arguments in float32, asked for its weights, at the
+    queries asked for; its output there, or the weights @ ``value`` where its output is the
+    layer's."""
+
+    def at(positions: tuple[int, ...]) -> Reference:
+        call = signature.bind(module, *args, **kwargs)
+        for name, given in call.arguments.items():
+            if isinstance(given, torch.Tensor) and given.is_floating_point():
+                call.arguments[name] = given.float()
+        if "output_attentions" in signature.parameters:
+            call.arguments["output_attentions"] = True
+        out, weights = original(*call.args, **call.kwargs)[:2]
+        weights = weights[:, :, list(positions)].float()
+        if family.method == "_attn":
+            return out[:, :, list(positions)].transpose(1, 2), weights
+        return (weights @ value.float()).transpose(1, 2), weights
+
+    return at
+
+
+@contextlib.contextmanager
+def own_code_attention(model: torch.nn.Module, model_type: str, attend: Attend) -> Iterator[None]:
+    """Within the block, each attention module of ``model`` (a ``model_type`` of
+    ``OWN_CODE_TYPES``) runs its attention through ``attend``, layer by layer in model order;
+    the modules' own methods are restored on exit."""
+    family = FAMILIES[model_type]
+    modules = [m for m in model.modules() if type(m).__name__ == family.attention]
+    n_layers = model.config.get_text_config().num_hidden_layers
+    if len(modules) != n_layers:
+        raise UnsupportedModelError(
+            f"model type '{model_type}' holds {len(modules)} {family.attention} modules for its {n_layers} layers: "
+            "attngeom cannot tell their layers"
+        )
+    for layer, module in enumerate(modules):
+        original = getattr(type(module), family.method)
+
+        def replaced(self, *args, layer=layer, original=original, signature=inspect.signature(original), **kwargs):
+            call = signature.bind(self, *args, **kwargs)
+            call.apply_defaults()
+            query, key, value, mask, scaling = family.read(self, call.arguments)
+            output = attend(self, layer, query, key, value, mask, scaling,
+                            _own_reference(family, original, signature, self, args, kwargs, value))
+            return family.returns(self, output, call.arguments)
+
+        setattr(module, family.method, types.MethodType(replaced, module))
+    try:
+        yield
+    finally:
+        for module in modules:
+            delattr(module, family.method)
