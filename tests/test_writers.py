@@ -21,6 +21,8 @@ from attngeom.api import analyze
 from attngeom.cli import main
 from attngeom.extract.request import ExtractRequest
 from attngeom.store import (
+    ABLATION,
+    ANALYSIS,
     FORMAT,
     open_dataset,
     open_root,
@@ -166,7 +168,8 @@ def test_memory_store_pipeline(tiny_model_dir, word_corpus):
                            num_sequences=2, store=url, run_id="r", progress=False))
     assert validate_store(url, deep=True) == []
     analyze(url, n_grid=[1, 4], progress=False)
-    topn = xr.open_zarr(zarr_store(url, read_only=True), group="runs/r/analysis/topn")
+    # On an object store the analysis lies in the generation folder its record names.
+    topn = StoreSession.reading(url).reader("r").derived(ANALYSIS, "topn")
     assert dict(topn.sizes) == {"seq": 2, "layer": 3, "head": 4, "n": 2}
 
 
@@ -190,7 +193,7 @@ def test_s3_store_every_stage(tiny_model_dir, word_corpus, s3_url, reference, tm
     result = CliRunner().invoke(main, ["ablate", "--store", s3_url, "--run", "r", "--device", "cpu",
                                        "--retention", "1.0,0.5", "--random-masks", "2", "--no-progress"])
     assert result.exit_code == 0, result.output
-    single = open_dataset(StoreSession.reading(s3_url).zstore, s3_url, "runs/r/ablation/single")
+    single = StoreSession.reading(s3_url).reader("r").derived(ABLATION, "single")
     assert dict(single.sizes)["layer"] == 3
     result = CliRunner().invoke(main, ["report", "--store", s3_url, "--out", str(tmp_path / "report")])
     assert result.exit_code == 0, result.output
