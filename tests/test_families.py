@@ -493,3 +493,10 @@ def test_the_models_page_gives_every_family_its_verdict():
     assert {t: verdicts[t] for t in (*FAMILIES, *CHECKED) if verdicts[t] != "captured"} == {}
     assert {t: verdicts[t] for t in REFUSED_AT_FORWARD if verdicts[t] != "refused"} == {}
 
+
+
+def test_the_own_code_families_judged_from_the_config_are_those_the_capture_adapts():
+    from attngeom.extract.families import OWN_CODE_TYPES
+    from attngeom.extract.own_code import FAMILIES
+
+    assert set(FAMILIES) == OWN_CODE_TYPES

@@ -153,8 +153,8 @@ def test_report_section_states_what_the_scores_make_of_the_regimes(store, page):
         "retrieval heads, 1 of the 3 retrieval heads is not a Retriever head.",
     ]
     (text_run,) = [lines for name, lines in blocks.items() if name.startswith("Run text (")]
-    assert text_run[0] == ("Duplicate-token, induction and retrieval heads are not compared: no "
-                           "detect/scores (run `attngeom detect`).")
+    assert re.fullmatch(r"Duplicate-token, induction and retrieval heads are not compared: no detect/scores "
+                        r"\(run `attngeom detect --store \S+ --run text[^`]*`\)\.", text_run[0]), text_run[0]
     assert len(text_run) == 1 + 7  # the note, then the three text classes
     # The run without head_scores is named in the notes, with what would add them.
     assert ("run plain: no analysis/head_scores: the run was extracted before attngeom kept prev_attn and "
@@ -181,7 +181,8 @@ def test_report_without_any_score_group_says_so(tmp_path):
     result = build_report(url, tmp_path / "out")
     page = result.index.read_text()
     assert '<h2 id="heads-of-the-field">Heads of the field</h2>' in page and "could not be made" not in page
-    assert "run r: no analysis/head_scores (run `attngeom analyze`) and no detect/scores (run `attngeom detect`)" in page
+    assert (f"run r: no analysis/head_scores (run `attngeom analyze --store {url} --run r`) and no detect/scores "
+            f"(run `attngeom detect --store {url} --run r`)") in page
     assert (tmp_path / "out" / "field_criteria.csv").exists() and not (tmp_path / "out" / "field_agreement.md").exists()
     err = "\n".join(result.missing)
     assert f"`attngeom detect --store {url} --run r` (no detect yet)" in err

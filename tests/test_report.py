@@ -140,8 +140,9 @@ def test_index_references_every_output_and_nothing_online(report):
 def test_missing_inputs_are_notes_not_crashes(report):
     page = report.read_text()
     assert "Missing inputs" in page
-    assert "run raw: no analysis/summary (run `attngeom analyze`)" in page
-    assert "run plain: no ablation/sweep (run `attngeom ablate`)" in page
+    # Each with the command that adds it, as it runs for that run.
+    assert re.search(r"run raw: no analysis/summary \(run `attngeom analyze --store \S+ --run raw`\)", page)
+    assert re.search(r"run plain: no ablation/sweep \(run `attngeom ablate --store \S+ --run plain[^`]*`\)", page)
     assert "could not be made" not in page
 
 

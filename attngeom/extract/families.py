@@ -16,10 +16,13 @@ from typing import Any
 
 from attngeom.errors import UnsupportedModelError
 from attngeom.extract.model_files import check_config_sizes
-from attngeom.extract.own_code import OWN_CODE_TYPES
 from attngeom.extract.sources import cache_dir
 
-__all__ = ["VERIFIED_TYPES", "attention_layers", "layer_kind", "supported_config"]
+__all__ = ["OWN_CODE_TYPES", "VERIFIED_TYPES", "attention_layers", "layer_kind", "supported_config"]
+
+# The families whose attention is their own code and which `own_code.py` captures (one
+# adapter each in its FAMILIES): named here, where the config is judged before torch loads.
+OWN_CODE_TYPES = frozenset({"gpt_neo", "openai-gpt", "gpt_neox_japanese", "bloom", "mpt", "xglm"})
 
 # The families whose capture the test suite compares with an eager float64 forward
 # (tests/test_families.py); extract checks any other against its eager attention first.

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from attngeom.errors import UnsupportedModelError
+from attngeom.extract.families import OWN_CODE_TYPES
 
 __all__ = ["OWN_CODE_TYPES", "Attend", "Reference", "own_code_attention", "plain_attention"]
 
@@ -179,7 +180,6 @@ FAMILIES: dict[str, Family] = {
     "mpt": Family("MptAttention", "forward", _read_mpt, _out_proj_returns),
     "xglm": Family("XGLMAttention", "forward", _read_xglm, _out_proj_returns),
 }
-OWN_CODE_TYPES = frozenset(FAMILIES)
 
 
 def plain_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,

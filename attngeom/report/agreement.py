@@ -10,6 +10,7 @@ import numpy as np
 from attngeom.head_classes import CRITERIA, DETECT, DETECT_GROUP, Criterion, class_counts, regimes_of, run_scores
 from attngeom.report.data import RunData, has_field_scores
 from attngeom.report.spec import TextSpec
+from attngeom.runcheck import stage_command
 from attngeom.store import REGIMES
 
 SECTION = "Heads of the field"
@@ -85,7 +86,7 @@ def agreement(runs: Sequence[RunData]) -> list[str]:
             lines.append(f"Sink, previous-token and streaming heads are not compared: {run.no_head_scores}.")
         if run.detect is None:
             lines.append(f"Duplicate-token, induction and retrieval heads are not compared: no "
-                         f"{DETECT}/{DETECT_GROUP} (run `attngeom detect`).")
+                         f"{DETECT}/{DETECT_GROUP} (run `{stage_command('detect', run.url, run.run_id)}`).")
         for criterion in CRITERIA:
             if criterion.score in scores:
                 values = scores[criterion.score].values.ravel()

@@ -15,6 +15,7 @@ import pandas as pd
 import xarray as xr
 
 from attngeom.head_classes import DETECT, DETECT_GROUP, HEAD_SCORES, open_groups, why_no_head_scores
+from attngeom.runcheck import stage_command
 from attngeom.store import ABLATION, ABLATION_GROUPS, ANALYSIS, REGIMES
 from attngeom.store.session import RunReader, StoreSession
 
@@ -45,6 +46,7 @@ class RunData:
     no_head_scores: str = ""                # why head_scores is None
     detect: xr.Dataset | None = None        # the detect stage's scores (layer, head)
     ablation: dict[str, xr.Dataset] = field(default_factory=dict)
+    url: str = ""                           # the store's, for the commands the report suggests
 
     @property
     def model(self) -> str:
@@ -107,10 +109,11 @@ def requires(group: str, *variables: str) -> Requirement:
         if ds is None and group == HEAD_SCORES:
             return Missing(run.no_head_scores, stage)
         if ds is None:
-            return Missing(f"no {where} (run `attngeom {stage}`)", stage)
+            return Missing(f"no {where} (run `{stage_command(stage, run.url, run.run_id)}`)", stage)
         lacking = [v for v in variables if v not in ds.variables]
         if lacking:
-            return Missing(f"{where} lacks {', '.join(lacking)} (run `attngeom {stage}` again)", stage)
+            return Missing(f"{where} lacks {', '.join(lacking)} (run `{stage_command(stage, run.url, run.run_id)}` "
+                           "again)", stage)
         return None
 
     return check
@@ -164,6 +167,7 @@ def load_run(run: RunReader) -> RunData:
     layout = meta.get("layout", {})
     data = RunData(
         run_id=run.id,
+        url=run.url,
         model_id=str(meta.get("model", {}).get("id") or "?"),
         dataset_id=str(meta.get("dataset", {}).get("id") or "?"),
         context_length=int(meta.get("context_length", layout.get("length", 0)) or 0),
