@@ -522,6 +522,7 @@ def test_what_a_folder_or_a_stores_records_tell_is_answered_before_any_library_l
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "s.zarr"]
 
 
+@pytest.mark.needs_model
 def test_a_librarys_logged_warning_is_the_tools_warning_line():
     """transformers logs its warnings through a handler of its own, added as it loads
     ("[transformers] ..."): within a command each is one `attngeom: warning: transformers:`
