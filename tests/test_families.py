@@ -328,18 +328,11 @@ def test_an_unverified_family_is_checked_against_its_eager_attention(ids, tmp_pa
     assert not (tmp_path / "bad.zarr").exists()
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "deepseek_v3", "gpt_oss", "gpt2"])
-def test_ablating_a_head_zeroes_its_attention_output(model_type):
-    """A head's ablation removes its output sum_j A_ij v_j before the output projection, the
-    same for grouped queries, latent attention, learned sinks and a hybrid (whose masks cover
-    its softmax-attention layers only): the batched masks equal a forward whose attention
-    function zeroes that head itself."""
-    from attngeom.ablate.masking import head_geometry, masked_nll
+def three_masks(model, geo):
+    """Two sequences of random tokens, three head masks (none; head 0 of the last layer; heads
+    1 and 2 of the first) and ablate's masked NLL of each, which both masks change."""
+    from attngeom.ablate.masking import masked_nll
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32).eval()
-    geo = head_geometry(model)
-    assert geo.layers == attention_layers(model.config)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(4, 100, (2, L), generator=generator)
     masks = torch.ones(3, geo.n_layers, geo.n_heads)
@@ -347,6 +340,22 @@ def test_ablating_a_head_zeroes_its_attention_output(model_type):
     masks[2, 0, 1:3] = 0
     nll = masked_nll(model, tokens, masks)
     assert not torch.allclose(nll[:, 0], nll[:, 1]) and not torch.allclose(nll[:, 0], nll[:, 2])
+    return tokens, masks, nll
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "deepseek_v3", "gpt_oss", "gpt2"])
+def test_ablating_a_head_zeroes_its_attention_output(model_type):
+    """A head's ablation removes its output sum_j A_ij v_j before the output projection, the
+    same for grouped queries, latent attention, learned sinks and a hybrid (whose masks cover
+    its softmax-attention layers only): the batched masks equal a forward whose attention
+    function zeroes that head itself."""
+    from attngeom.ablate.masking import head_geometry
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32).eval()
+    geo = head_geometry(model)
+    assert geo.layers == attention_layers(model.config)
+    tokens, masks, nll = three_masks(model, geo)
     previous = model.config._attn_implementation
     for m in range(3):
         def zeroing(module, query, key, value, attention_mask, m=m, **kwargs):
@@ -371,17 +380,11 @@ def test_ablating_a_head_zeroes_its_attention_output(model_type):
 def test_ablating_a_head_of_an_own_code_family(model_type):
     """In a family that computes attention in its own code, the batched masks equal the
     model's own forward with that head's output zeroed at the input of its output projection."""
-    from attngeom.ablate.masking import head_geometry, masked_nll
+    from attngeom.ablate.masking import head_geometry
 
     model = own_code_model(model_type)
     geo = head_geometry(model)
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(4, 100, (2, L), generator=generator)
-    masks = torch.ones(3, geo.n_layers, geo.n_heads)
-    masks[1, -1, 0] = 0
-    masks[2, 0, 1:3] = 0
-    nll = masked_nll(model, tokens, masks)
-    assert not torch.allclose(nll[:, 0], nll[:, 1]) and not torch.allclose(nll[:, 0], nll[:, 2])
+    tokens, masks, nll = three_masks(model, geo)
     name = {"openai-gpt": "c_proj", "bloom": "dense", "gpt_neox_japanese": "dense"}.get(model_type, "out_proj")
     attention = OWN_FAMILIES[model_type].attention
     projections = [getattr(m, name) for m in model.modules() if type(m).__name__ == attention]

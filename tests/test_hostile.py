@@ -41,15 +41,20 @@ def analyzed(tmp_path_factory) -> Path:
     return url
 
 
-def absurd_shape(store: Path, name: str = "values") -> str:
-    """``name`` 10**12 sequences long, in its zarr.json and the consolidated copy alike."""
-    key = f"runs/syn/{name}"
+def declare_length(store: Path, key: str, length: int) -> None:
+    """The array ``key`` declared ``length`` long along its first dimension, in its zarr.json
+    and the consolidated copy alike."""
     meta = json.loads((store / key / "zarr.json").read_text())
-    meta["shape"][0] = 10**12
+    meta["shape"][0] = length
     (store / key / "zarr.json").write_text(json.dumps(meta))
     root = json.loads((store / "zarr.json").read_text())
-    root["consolidated_metadata"]["metadata"][key]["shape"][0] = 10**12
+    root["consolidated_metadata"]["metadata"][key]["shape"][0] = length
     (store / "zarr.json").write_text(json.dumps(root))
+
+
+def absurd_shape(store: Path, name: str = "values") -> str:
+    """``name`` 10**12 sequences long, in its zarr.json and the consolidated copy alike."""
+    declare_length(store, f"runs/syn/{name}", 10**12)
     if name == "complete":
         return "run syn: array 'complete' has shape (1000000000000,), expected (4,)"
     return "run syn: array 'values' has shape (1000000000000, 2, 1, 8, 4), expected (4, 2, 1, 8, 4)"
@@ -91,13 +96,7 @@ def absurd_run(store: Path) -> str:
 
 def absurd_coordinate(store: Path) -> str:
     """The ``pos`` coordinate 10**12 positions long (a coordinate is read whole)."""
-    key = "runs/syn/pos"
-    meta = json.loads((store / key / "zarr.json").read_text())
-    meta["shape"][0] = 10**12
-    (store / key / "zarr.json").write_text(json.dumps(meta))
-    root = json.loads((store / "zarr.json").read_text())
-    root["consolidated_metadata"]["metadata"][key]["shape"][0] = 10**12
-    (store / "zarr.json").write_text(json.dumps(root))
+    declare_length(store, "runs/syn/pos", 10**12)
     return "run syn: array 'pos' has shape (1000000000000,), expected (8,)"
 
 
