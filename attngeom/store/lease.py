@@ -151,12 +151,8 @@ class Lease:
         return json.dumps({**self.holder, "since": since, "expires": now + self.seconds}).encode()
 
     def _create(self) -> bool:
-        try:
-            out = self.fs.pipe_file(self.path, self._body(), mode="create")
-        except FileExistsError:
-            return False
-        self._etag = (out or {}).get("ETag") if isinstance(out, dict) else None
-        return self._conditional or self._mine()
+        written, self._etag = _put_if(self.fs, self.path, self._body(), None)
+        return written and (self._conditional or self._mine())
 
     def _take_over(self, etag: str | None) -> bool:
         if self._conditional:
@@ -169,16 +165,10 @@ class Lease:
 
     def _replace(self, etag: str | None) -> bool:
         """Write a renewed lease over the one whose ETag is ``etag``; False if it changed."""
-        try:
-            out = self.fs.pipe_file(self.path, self._body(), IfMatch=etag)
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:  # s3fs's 412 Precondition Failed
-                return False
-            raise
-        self._etag = out.get("ETag")
-        return True
+        written, new = _put_if(self.fs, self.path, self._body(), etag)
+        if written:
+            self._etag = new
+        return written
 
     def _renew(self) -> bool:
         if self._conditional:
@@ -227,6 +217,22 @@ class Lease:
         return (body if isinstance(body, dict) else {}), etag
 
 
+def _put_if(fs: Any, path: str, data: bytes, etag: str | None) -> tuple[bool, str | None]:
+    """``data`` written at ``path`` in one conditional request: where ``etag`` is None only if
+    nothing is there (S3's ``If-None-Match: *``, fsspec's ``mode="create"``), else only over the
+    version whose ETag it is (``If-Match``). Whether it was written, and the ETag of what was
+    (None where the store names none)."""
+    try:
+        out = fs.pipe_file(path, data, mode="create") if etag is None else fs.pipe_file(path, data, IfMatch=etag)
+    except (FileExistsError, FileNotFoundError):
+        return False, None
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # s3fs's 412 Precondition Failed
+            return False, None
+        raise
+    return True, out.get("ETag") if isinstance(out, dict) else None
+
+
 class HeldObject:
     """The small object at ``path`` of the file system ``fs`` (``key``: its key below the
     store's root, in messages), written by the holder of ``lease`` only while it is still the
@@ -265,18 +271,9 @@ class HeldObject:
         nothing."""
         self.lease.check()
         if self._conditional:
-            try:
-                if self._seen is None:
-                    out = self.fs.pipe_file(self.path, data, mode="create")
-                else:
-                    out = self.fs.pipe_file(self.path, data, IfMatch=self._etag)
-            except (FileExistsError, FileNotFoundError):
-                raise self._lost() from None
-            except OSError as exc:
-                if exc.errno == errno.EINVAL:  # s3fs's 412 Precondition Failed
-                    raise self._lost() from None
-                raise
-            self._etag = out.get("ETag") if isinstance(out, dict) else None
+            written, self._etag = _put_if(self.fs, self.path, data, None if self._seen is None else self._etag)
+            if not written:
+                raise self._lost()
         else:
             try:
                 current = self.fs.cat_file(self.path)
