@@ -222,7 +222,7 @@ def objects(url: str) -> dict[str, str]:
     return {key: info["ETag"] for key, info in fs.find(base, detail=True).items() if "/leases/" not in key}
 
 
-def test_an_appender_stopped_past_its_lease_never_changes_what_the_next_committed(s3, capfd):
+def test_an_appender_stopped_past_its_lease_never_changes_what_the_next_committed(s3):
     """A (its own data) stopped as it writes sequence 2's objects, past its lease; B takes the
     run over and commits 2..4; A resumed finds its hold gone and stops, every object B
     committed unchanged."""
@@ -235,8 +235,8 @@ def test_an_appender_stopped_past_its_lease_never_changes_what_the_next_committe
         stale = subprocess.Popen([sys.executable, "-c", _STALE, url, "5", "1000", str(Path(__file__).parent)],
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert proxy.held.wait(120), stale.communicate()
+        # B waits out A's lease (or finds it already expired, on a slow machine) and takes it over.
         assert append(url, 5) == [2, 3, 4]
-        assert "waiting for the extract of run r held by" in capfd.readouterr().err
         committed = objects(url)
         proxy.release()
         _, err = stale.communicate(timeout=120)
