@@ -116,6 +116,10 @@ CHECKED: dict[str, tuple[str, dict]] = {
     # in a float32 tensor), so it has no float64 reference.
     "xglm": ("attention in the model's own code, queries scaled before the product", dict(
         d_model=64, num_layers=3, attention_heads=4, ffn_dim=96)),
+    # TrOCR's decoder, like XGLM's, scales its queries in float32 in its own code; each layer
+    # holds a cross-attention of the same class, which a text alone does not run.
+    "trocr": ("attention in the model's own code beside an unused cross-attention of its class", dict(
+        d_model=64, decoder_layers=3, decoder_attention_heads=4, decoder_ffn_dim=96)),
 }
 
 

@@ -386,8 +386,9 @@ def test_ablating_a_head_of_an_own_code_family(model_type):
     geo = head_geometry(model)
     tokens, masks, nll = three_masks(model, geo)
     name = {"openai-gpt": "c_proj", "bloom": "dense", "gpt_neox_japanese": "dense"}.get(model_type, "out_proj")
-    attention = OWN_FAMILIES[model_type].attention
-    projections = [getattr(m, name) for m in model.modules() if type(m).__name__ == attention]
+    family = OWN_FAMILIES[model_type]
+    projections = [getattr(m, name) for path, m in model.named_modules() if type(m).__name__ == family.attention
+                   and (family.name is None or path.endswith(f".{family.name}"))]
     for m in range(3):
         def zeroing(module, args, keep):
             context = args[0]

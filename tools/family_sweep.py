@@ -47,12 +47,59 @@ SMALL = dict(
     embedding_size=64, word_embed_proj_dim=64, lru_width=64, attention_window_size=6, local_attention_window_len=6,
     hidden_size_per_layer_input=16, vocab_size_per_layer_input=100, num_kv_shared_layers=0, bos_token_id=1,
     eos_token_id=2, pad_token_id=0, use_mamba_kernels=False, rotary_dim=8, attn_layer_period=2, attn_layer_offset=1,
-    expert_layer_period=2, expert_layer_offset=1,
+    expert_layer_period=2, expert_layer_offset=1, adapter_in_dim=64, adapter_out_dim=64, adapter_input_size=64,
 )
 LAYERS = 3
 # Keys naming layers by index, remapped onto the kept layers.
 LAYER_INDEX_KEYS = ("cross_attention_layers", "global_attn_indexes", "hybrid_layer_ids", "full_attn_idxs",
                     "attn_layer_indices", "local_layer_ids")
+# Per family, what shrinking its default config alone gets wrong: sizes its default leaves
+# unset that its modeling code reads, fields whose values name layers, its own constraints.
+EXTRA: dict[str, dict[str, Any]] = {
+    "deepseek_v2": dict(num_experts_per_tok=2, n_group=1, topk_group=1),
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),
+    "ernie4_5_moe": dict(moe_k=2),
+    "hunyuan_v1_dense": dict(head_dim=16),
+    "hunyuan_v1_moe": dict(head_dim=16),
+    "nemotron": dict(num_key_value_heads=2),
+    "lfm2_moe": dict(num_hidden_layers=4, num_dense_layers=1,
+                     layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    "zaya": dict(num_experts_per_tok=1),
+    "mamba2": dict(num_heads=8, head_dim=16),
+    "falcon_h1": dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16),
+    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+    "reformer": dict(is_decoder=True, axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16], attention_head_size=16,
+                     feed_forward_size=96, lsh_attn_chunk_length=8, local_attn_chunk_length=8),
+    "kolibri1_1": dict(num_hidden_layers=3, layer_types=["sliding_attention", "indexed_attention", "indexed_attention"],
+                       index_layers=[1], kv_source_layers=[0, 1, 1], mlp_only_layers=[0], index_pool_size=16,
+                       index_num_heads=2),
+    # transformers' DBRX attention reads a rope_theta its attention config class does not
+    # declare; DBRX's checkpoints set it there.
+    "dbrx": dict(attn_config=dict(rope_theta=500000.0, kv_n_heads=2, clip_qkv=8.0)),
+    "dots3_note_text": dict(head_dim=24),  # its sliding layers' qk_nope_head_dim (16) + qk_rope_head_dim
+    "xlstm": dict(embedding_dim=64, num_heads=4),
+    "xlm": dict(emb_dim=64, n_heads=4, causal=True),
+    "musicgen": dict(num_codebooks=1),
+    "musicgen_melody": dict(num_codebooks=1),
+    "blt": dict(encoder_config=dict(hidden_size_global=64), decoder_config=dict(hidden_size_global=64),
+                encoder_hash_byte_group_vocab=100, local_attention_window_len=6, max_position_embeddings=256),
+    "cohere_compass_text": dict(rope_parameters={"full_attention": None, "sliding_attention": dict(
+        rope_type="default", rope_theta=10000.0)}),
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=2, hc_lowrank=16, ple_embed_dim=64),
+}
+EXTRA["qwen4_exp"] = EXTRA["qwen4_exp_text"]
+EXTRA["dots3_note"] = EXTRA["dots3_note_text"]
+# Families whose causal-LM class is built from one sub-config (EXTRA then applies to it):
+# MusicGen's decoder; Dots3 Note's and Qwen4-Exp's text stacks (their causal-LM classes read
+# the text config);
+# Gemma 3n's text stack (its multimodal class needs timm for its vision tower), as attngeom
+# judges it.
+SUB_CONFIG = {"musicgen": "decoder", "musicgen_melody": "decoder", "gemma3n": "text_config", "dots3_note": "text_config",
+              "qwen4_exp": "text_config"}
+# Speculative drafters: their forward reads the key and value states of the model they draft
+# for, so no text alone runs them (and Gemma 4's default assistant config does not validate).
+DRAFTERS = frozenset({"gemma4_assistant", "gemma4_unified_assistant"})
 LENGTH = 16
 TIMEOUT_S = 120
 
@@ -75,6 +122,23 @@ def _kept_layers(values: dict[str, Any], n_layers: int) -> list[int]:
         keep.add(i)
         i += 1
     return sorted(keep)
+
+
+def _per_layer(sizes: dict[str, Any]) -> dict[str, Any]:
+    """A per-layer override of sizes, shrunk to twice SMALL's: those layers stay wider."""
+    out = {k: 2 * SMALL[k] if isinstance(SMALL.get(k), int) and not isinstance(SMALL[k], bool) else v
+           for k, v in sizes.items()}
+    if "num_key_value_heads" in sizes and sizes["num_key_value_heads"] == sizes.get("num_attention_heads"):
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    return out
+
+
+def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` updated by ``extra``, sub-config dicts merged key by key."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def _shrunk(config: Any) -> dict[str, Any]:
@@ -100,6 +164,9 @@ def _shrunk(config: Any) -> dict[str, Any]:
                 out[name] = [value[i] for i in keep]
             elif name in LAYER_INDEX_KEYS and isinstance(value, list):
                 out[name] = [keep.index(i) for i in value if i in keep]
+        if isinstance(values.get("per_layer_config"), dict):  # {"05": {"head_dim": 512}}: sizes of some layers
+            out["per_layer_config"] = {str(keep.index(int(k))).zfill(len(k)): _per_layer(v)
+                                       for k, v in values["per_layer_config"].items() if int(k) in keep}
         break
     if "encoder_layers" in values and "decoder_layers" in values:  # a causal LM's decoder of an encoder-decoder
         out["encoder_layers"] = out["decoder_layers"] = LAYERS
@@ -111,6 +178,7 @@ def tiny_model(model_type: str) -> Any:
     they build one, else one from the family's shrunk default config."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import families
@@ -123,10 +191,15 @@ def tiny_model(model_type: str) -> Any:
     elif model_type in families.REFUSED_AT_FORWARD:
         model = families.refused_model(model_type)
     else:
-        default = AutoConfig.for_model(model_type)
-        config = type(default)(**{**default.to_dict(), **_shrunk(default)})
+        default = causal = AutoConfig.for_model(model_type)
+        if model_type in SUB_CONFIG:
+            default = getattr(default, SUB_CONFIG[model_type])
+        config = type(default)(**{**default.to_dict(), **_merged(_shrunk(default), EXTRA.get(model_type, {}))})
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) or MODEL_FOR_CAUSAL_LM_MAPPING[type(causal)]
+        model = cls._from_config(config, dtype=torch.float32).eval()
+        if hasattr(model, "set_default_language"):  # X-MOD's adapters need one
+            model.set_default_language(config.languages[0])
     parameters = sum(p.numel() for p in model.parameters())
     if parameters > 50_000_000:
         raise MemoryError(f"{parameters / 1e6:.0f}M parameters once shrunk")
@@ -152,6 +225,9 @@ def verdict(model_type: str) -> dict[str, Any]:
     from attngeom.extract import pipeline
     from attngeom.extract.conformance import check_capture, check_positions, refuse_disagreement
 
+    if model_type in DRAFTERS:
+        return {"verdict": "not built", "detail": "a speculative drafter: its forward reads the key and value states "
+                                                  "of the model it drafts for, not a text alone"}
     try:
         model = tiny_model(model_type)
     except Exception as exc:  # noqa: BLE001 - any failure to shrink is this script's

@@ -158,10 +158,11 @@ def over_other_states(module: torch.nn.Module, attention_mask: torch.Tensor | No
     return getattr(module, "layer_idx", None) is None and attention_mask is None and causal is False
 
 
-def call_refusal(module: torch.nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None,
+def call_refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
                  dropout: float, kwargs: Mapping) -> str | None:
-    """Why the capture cannot reproduce this attention call as one softmax over keys, in words
-    (None when it can): an argument it does not know, dropout, non-causal attention, a head mask."""
+    """Why the capture cannot reproduce this attention call as one softmax over the text's
+    keys, in words (None when it can): keys beyond the text's tokens, an argument it does not
+    know, dropout, non-causal attention, a head mask."""
     layer = getattr(module, "layer_idx", None)
     where = f"the attention of {type(module).__name__}" + (f" (layer {layer})" if layer is not None else "")
     if "layer_idx" in inspect.signature(module.forward).parameters:
@@ -169,6 +170,11 @@ def call_refusal(module: torch.nn.Module, query: torch.Tensor, attention_mask: t
                 "the attention of each layer's own module")
     if layer is None:
         return f"{where} has no layer index (layer_idx)"
+    # The capture runs without a cache: each call's keys are the text's tokens, one per query.
+    extra = key.shape[2] - query.shape[2]
+    if extra > 0:
+        return (f"{where} attends {extra} keys beyond the text's {query.shape[2]} tokens (as DeepSeek-V4's compressed "
+                "entries, each pooled from several tokens): a row over the text's keys cannot hold their weight")
     unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED_ARGUMENTS and v is not None)
     if unknown:
         return f"{where} passes {', '.join(repr(k) for k in unknown)}, which the capture does not reproduce"
@@ -189,7 +195,7 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
     if over_other_states(module, attention_mask, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    refusal = call_refusal(module, query, attention_mask, dropout, kwargs)
+    refusal = call_refusal(module, query, key, attention_mask, dropout, kwargs)
     if refusal is not None:
         raise UnsupportedModelError(refusal)
     softcap, sinks = kwargs.get("softcap"), learned_sinks(kwargs)

@@ -22,7 +22,7 @@ __all__ = ["OWN_CODE_TYPES", "VERIFIED_TYPES", "attention_layers", "layer_kind",
 
 # The families whose attention is their own code and which `own_code.py` captures (one
 # adapter each in its FAMILIES): named here, where the config is judged before torch loads.
-OWN_CODE_TYPES = frozenset({"gpt_neo", "openai-gpt", "gpt_neox_japanese", "bloom", "mpt", "xglm"})
+OWN_CODE_TYPES = frozenset({"gpt_neo", "openai-gpt", "gpt_neox_japanese", "bloom", "mpt", "xglm", "trocr"})
 
 # The families whose capture the test suite compares with an eager float64 forward
 # (tests/test_families.py); extract checks any other against its eager attention first.
@@ -38,6 +38,8 @@ NOT_SOFTMAX = {
     "diffllama": "differential attention: each head subtracts two softmax attentions, so no row is one softmax "
                  "over keys",
     "rwkv": "its time mixing is a linear recurrence over the tokens, with no softmax over keys",
+    "xlstm": "its mLSTM blocks are a gated linear recurrence over the tokens (a matrix memory), with no softmax over "
+             "keys",
 }
 
 # config.layer_types entries (transformers normalises every hybrid's to these) whose layers

@@ -41,7 +41,17 @@ _MAX_HEADER = 100_000_000
 
 
 def _get(config: Mapping[str, Any] | Any, key: str) -> Any:
-    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+    if isinstance(config, Mapping):
+        return config.get(key)
+    # A heterogeneous config (Gemma 4's wider global layers) refuses a global read of a count
+    # that varies per layer: its own value, that of every layer it does not override, is read.
+    if key in (getattr(config, "per_layer_attributes", None) or ()):
+        return vars(config).get(key)
+    return getattr(config, key, None)
+
+
+def _is_count(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 0
 
 
 def check_config_sizes(config: Mapping[str, Any] | Any, model: str, cache: Path) -> None:
@@ -57,8 +67,9 @@ def check_config_sizes(config: Mapping[str, Any] | Any, model: str, cache: Path)
             value = _get(part, key)
             # A position limit of -1 says there is none (XLNet's relative positions).
             unlimited = key in POSITION_KEYS and value == -1
-            if value is not None and not unlimited and (isinstance(value, bool) or not isinstance(value, int)
-                                                        or value < 0):
+            # A list holds a count per layer (Gemma 3n's intermediate sizes).
+            per_layer = isinstance(value, list) and value and all(_is_count(v) for v in value)
+            if value is not None and not unlimited and not per_layer and not _is_count(value):
                 raise InputError(f"the config of {model} declares {key} = {value!r}, which is no count of anything")
     layers = max((_get(text, k) or 0 for k in LAYER_KEYS), default=0)
     hidden = max((_get(text, k) or 0 for k in HIDDEN_KEYS), default=0)

@@ -1,9 +1,10 @@
 """Capture of the families whose attention transformers computes in the model's own code.
 
-GPT-Neo, GPT-1 (openai-gpt), GPT-NeoX-Japanese, BLOOM, MPT and XGLM never call the attention
-interface: each attention module computes its probabilities itself, the first three in an
-inner ``_attn`` from the queries, keys and values their forward split into heads, BLOOM's and
-MPT's inside their forward with an ALiBi bias, XGLM's inside its forward. For the duration of a capture, that method of each of the
+GPT-Neo, GPT-1 (openai-gpt), GPT-NeoX-Japanese, BLOOM, MPT, XGLM and TrOCR never call the
+attention interface: each attention module computes its probabilities itself, the first three
+in an inner ``_attn`` from the queries, keys and values their forward split into heads,
+BLOOM's and MPT's inside their forward with an ALiBi bias, XGLM's and TrOCR's inside their
+forward. For the duration of a capture, that method of each of the
 model's attention modules is replaced, on the instance only, by one that takes the same
 q, k, v, the family's mask (its causal or windowed ``bias`` buffer, its ALiBi bias and the
 model's padding mask, as one additive mask) and its scale to the capture's path, layer by
@@ -49,12 +50,14 @@ class Family:
     output (B, L, H, Dv), the arguments) -> what the method returns. The method returns its
     weights (B, H, L, L) second (when asked, by ``output_attentions``), and first its attention
     output (B, H, L, Dv) where ``method`` is the inner ``_attn``, or the layer's output where
-    it is the module's ``forward``."""
+    it is the module's ``forward``. ``name``: the attribute naming the self-attention in its
+    layer, where a layer holds a cross-attention of the same class beside it."""
 
     attention: str
     method: str
     read: Callable[..., tuple]
     returns: Callable[..., object]
+    name: str | None = None
 
 
 LOW = torch.finfo(torch.float32).min
@@ -151,22 +154,25 @@ def _out_proj_returns(module, output, a):
     return module.out_proj(output.reshape(*output.shape[:2], -1)), None
 
 
-def _read_xglm(module, a):
+def _read_scaled_queries(module, a):
+    """XGLM's and TrOCR's decoder self-attention."""
     if a["key_value_states"] is not None:
-        raise UnsupportedModelError("XGLM's cross-attention attends an encoder's states, not the text's tokens")
+        raise UnsupportedModelError(f"{type(module).__name__}'s cross-attention attends an encoder's states, not the "
+                                    "text's tokens")
     hidden = a["hidden_states"]
     bsz, length = hidden.shape[:2]
 
     def heads(t):
         return t.view(bsz, length, -1, module.head_dim).transpose(1, 2)
 
-    # XGLM scales the queries, not the scores: the capture's scale is then 1, the same bits.
+    # Both scale the queries, not the scores: the capture's scale is then 1, the same bits.
     query = heads(module.q_proj(hidden) * module.scaling)
     key, value = heads(module.k_proj(hidden)), heads(module.v_proj(hidden))
-    if a["cache"] is not None:
-        key, value = a["cache"].update(key, value, module.layer_idx, kwargs=a["kwargs"])
+    cache = getattr(a["cache"], "self_attention_cache", a["cache"])  # TrOCR's is an encoder-decoder cache
+    if cache is not None:
+        key, value = cache.update(key, value, module.layer_idx, kwargs=a["kwargs"])
     mask = a["attention_mask"]
-    if mask is None:  # XGLM masks nothing then
+    if mask is None:  # these mask nothing then
         return query, key, value, torch.zeros(1, 1, length, key.shape[2], device=hidden.device), 1.0
     return query, key, value, mask.float().clamp(min=LOW), 1.0
 
@@ -178,7 +184,8 @@ FAMILIES: dict[str, Family] = {
                                 lambda module, out, a: (out.transpose(1, 2), None)),
     "bloom": Family("BloomAttention", "forward", _read_bloom, _bloom_returns),
     "mpt": Family("MptAttention", "forward", _read_mpt, _out_proj_returns),
-    "xglm": Family("XGLMAttention", "forward", _read_xglm, _out_proj_returns),
+    "xglm": Family("XGLMAttention", "forward", _read_scaled_queries, _out_proj_returns),
+    "trocr": Family("TrOCRAttention", "forward", _read_scaled_queries, _out_proj_returns, name="self_attn"),
 }
 
 
@@ -218,7 +225,8 @@ def own_code_attention(model: torch.nn.Module, model_type: str, attend: Attend) 
     ``OWN_CODE_TYPES``) runs its attention through ``attend``, layer by layer in model order;
     the modules' own methods are restored on exit."""
     family = FAMILIES[model_type]
-    modules = [m for m in model.modules() if type(m).__name__ == family.attention]
+    modules = [m for name, m in model.named_modules() if type(m).__name__ == family.attention
+               and (family.name is None or name.rsplit(".", 1)[-1] == family.name)]
     n_layers = model.config.get_text_config().num_hidden_layers
     if len(modules) != n_layers:
         raise UnsupportedModelError(
