@@ -120,6 +120,12 @@ CHECKED: dict[str, tuple[str, dict]] = {
     # holds a cross-attention of the same class, which a text alone does not run.
     "trocr": ("attention in the model's own code beside an unused cross-attention of its class", dict(
         d_model=64, decoder_layers=3, decoder_attention_heads=4, decoder_ffn_dim=96)),
+    # BERT-like decoders (is_decoder, as their causal-LM classes ask), attention in their own
+    # code, read through the conformance check as TrOCR is.
+    "megatron-bert": ("attention in the model's own code, a BERT decoder", dict(is_decoder=True)),
+    "rembert": ("attention in the model's own code, narrower input embeddings", dict(
+        is_decoder=True, input_embedding_size=32, output_embedding_size=32)),
+    "roformer": ("attention in the model's own code, rotary", dict(is_decoder=True)),
 }
 
 

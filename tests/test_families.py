@@ -387,8 +387,13 @@ def test_ablating_a_head_of_an_own_code_family(model_type):
     tokens, masks, nll = three_masks(model, geo)
     name = {"openai-gpt": "c_proj", "bloom": "dense", "gpt_neox_japanese": "dense"}.get(model_type, "out_proj")
     family = OWN_FAMILIES[model_type]
-    projections = [getattr(m, name) for path, m in model.named_modules() if type(m).__name__ == family.attention
-                   and (family.name is None or path.endswith(f".{family.name}"))]
+    modules = dict(model.named_modules())
+    paths = [path for path, m in modules.items() if type(m).__name__ == family.attention
+             and (family.name is None or path.endswith(f".{family.name}"))]
+    if family.name == "attention.self":  # a BERT-like self-attention's heads are projected by its sibling
+        projections = [modules[path.removesuffix(".self") + ".output.dense"] for path in paths]
+    else:
+        projections = [getattr(modules[path], name) for path in paths]
     for m in range(3):
         def zeroing(module, args, keep):
             context = args[0]

@@ -68,6 +68,11 @@ EXTRA: dict[str, dict[str, Any]] = {
     "mamba2": dict(num_heads=8, head_dim=16),
     "falcon_h1": dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16),
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+    # BERT-like decoders: their causal-LM classes ask for is_decoder (else their attention is
+    # bidirectional).
+    "megatron-bert": dict(is_decoder=True),
+    "rembert": dict(is_decoder=True),
+    "roformer": dict(is_decoder=True),
     "reformer": dict(is_decoder=True, axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16], attention_head_size=16,
                      feed_forward_size=96, lsh_attn_chunk_length=8, local_attn_chunk_length=8),
     "kolibri1_1": dict(num_hidden_layers=3, layer_types=["sliding_attention", "indexed_attention", "indexed_attention"],

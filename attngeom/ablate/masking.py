@@ -59,9 +59,11 @@ class HeadGeometry:
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers of a causal LM, in order, attention or not: the module list of its
-    decoder that holds one module per layer (``layers``, GPT-2's ``h``, ...)."""
+    decoder that holds one module per layer (``layers``, GPT-2's ``h``, ...; a BERT-like
+    decoder's ``encoder.layer``, one level down)."""
     n_layers = model.config.get_text_config().num_hidden_layers
-    for child in decoder(model).children():
+    stack = decoder(model)
+    for child in (*stack.children(), *stack.modules()):
         if isinstance(child, torch.nn.ModuleList) and len(child) == n_layers:
             return list(child)
     raise UnsupportedModelError(f"{type(model).__name__}: no list of its {n_layers} decoder layers to ablate")

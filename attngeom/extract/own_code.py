@@ -1,10 +1,10 @@
 """Capture of the families whose attention transformers computes in the model's own code.
 
-GPT-Neo, GPT-1 (openai-gpt), GPT-NeoX-Japanese, BLOOM, MPT, XGLM and TrOCR never call the
-attention interface: each attention module computes its probabilities itself, the first three
-in an inner ``_attn`` from the queries, keys and values their forward split into heads,
-BLOOM's and MPT's inside their forward with an ALiBi bias, XGLM's and TrOCR's inside their
-forward. For the duration of a capture, that method of each of the
+GPT-Neo, GPT-1 (openai-gpt), GPT-NeoX-Japanese, BLOOM, MPT, XGLM, TrOCR, Megatron-BERT,
+RemBERT and RoFormer never call the attention interface: each attention module computes its
+probabilities itself, the first three in an inner ``_attn`` from the queries, keys and values
+their forward split into heads, BLOOM's and MPT's inside their forward with an ALiBi bias, the
+others inside their forward (RoFormer's with its rotary). For the duration of a capture, that method of each of the
 model's attention modules is replaced, on the instance only, by one that takes the same
 q, k, v, the family's mask (its causal or windowed ``bias`` buffer, its ALiBi bias and the
 model's padding mask, as one additive mask) and its scale to the capture's path, layer by
@@ -50,8 +50,8 @@ class Family:
     output (B, L, H, Dv), the arguments) -> what the method returns. The method returns its
     weights (B, H, L, L) second (when asked, by ``output_attentions``), and first its attention
     output (B, H, L, Dv) where ``method`` is the inner ``_attn``, or the layer's output where
-    it is the module's ``forward``. ``name``: the attribute naming the self-attention in its
-    layer, where a layer holds a cross-attention of the same class beside it."""
+    it is the module's ``forward``. ``name``: how the self-attention's module path ends, where
+    a layer holds a cross-attention of the same class beside it."""
 
     attention: str
     method: str
@@ -177,6 +177,35 @@ def _read_scaled_queries(module, a):
     return query, key, value, mask.float().clamp(min=LOW), 1.0
 
 
+def _read_bert_self_attention(module, a):
+    """Megatron-BERT's, RemBERT's and RoFormer's self-attention as a decoder (RoFormer's
+    rotary from the ``sinusoidal_pos`` its encoder hands every layer)."""
+    if a["encoder_hidden_states"] is not None:
+        raise UnsupportedModelError(f"{type(module).__name__}'s cross-attention attends an encoder's states, not the "
+                                    "text's tokens")
+    hidden = a["hidden_states"]
+    shape = (*hidden.shape[:-1], -1, module.attention_head_size)
+    query, key, value = (getattr(module, name)(hidden).view(shape).transpose(1, 2) for name in ("query", "key", "value"))
+    if a.get("sinusoidal_pos") is not None:
+        if module.rotary_value:
+            query, key, value = module.apply_rotary_position_embeddings(a["sinusoidal_pos"], query, key, value)
+        else:
+            query, key = module.apply_rotary_position_embeddings(a["sinusoidal_pos"], query, key)
+    cache = getattr(a["cache"], "self_attention_cache", a["cache"])
+    if cache is not None:
+        key, value = cache.update(key, value, module.layer_idx, kwargs=a["kwargs"])
+    mask = a["attention_mask"]
+    if mask is None:  # their own code masks nothing then
+        mask = torch.zeros(1, 1, query.shape[2], key.shape[2], device=hidden.device)
+    elif mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, LOW)
+    return query, key, value, mask.float().clamp(min=LOW), 1 / math.sqrt(module.attention_head_size)
+
+
+def _context_returns(module, output, a):
+    return output.reshape(*output.shape[:2], -1), None
+
+
 FAMILIES: dict[str, Family] = {
     "gpt_neo": Family("GPTNeoSelfAttention", "_attn", _read_gpt_neo, lambda module, out, a: (out.transpose(1, 2), None)),
     "openai-gpt": Family("Attention", "_attn", _read_openai_gpt, lambda module, out, a: [out.transpose(1, 2)]),
@@ -186,6 +215,12 @@ FAMILIES: dict[str, Family] = {
     "mpt": Family("MptAttention", "forward", _read_mpt, _out_proj_returns),
     "xglm": Family("XGLMAttention", "forward", _read_scaled_queries, _out_proj_returns),
     "trocr": Family("TrOCRAttention", "forward", _read_scaled_queries, _out_proj_returns, name="self_attn"),
+    "megatron-bert": Family("MegatronBertSelfAttention", "forward", _read_bert_self_attention, _context_returns,
+                            name="attention.self"),
+    "rembert": Family("RemBertSelfAttention", "forward", _read_bert_self_attention, _context_returns,
+                      name="attention.self"),
+    "roformer": Family("RoFormerSelfAttention", "forward", _read_bert_self_attention, _context_returns,
+                       name="attention.self"),
 }
 
 
@@ -226,7 +261,7 @@ def own_code_attention(model: torch.nn.Module, model_type: str, attend: Attend) 
     the modules' own methods are restored on exit."""
     family = FAMILIES[model_type]
     modules = [m for name, m in model.named_modules() if type(m).__name__ == family.attention
-               and (family.name is None or name.rsplit(".", 1)[-1] == family.name)]
+               and (family.name is None or name.endswith(f".{family.name}"))]
     n_layers = model.config.get_text_config().num_hidden_layers
     if len(modules) != n_layers:
         raise UnsupportedModelError(
