@@ -1,7 +1,7 @@
 """Capture of the families whose attention transformers computes in the model's own code.
 
 GPT-Neo, GPT-1 (openai-gpt), GPT-NeoX-Japanese, BLOOM, MPT, XGLM, TrOCR, Megatron-BERT,
-RemBERT and RoFormer never call the attention interface: each attention module computes its
+RemBERT, RoFormer and Git's text stack never call the attention interface: each attention module computes its
 probabilities itself, the first three in an inner ``_attn`` from the queries, keys and values
 their forward split into heads, BLOOM's and MPT's inside their forward with an ALiBi bias, the
 others inside their forward (RoFormer's with its rotary). For the duration of a capture, that method of each of the
@@ -178,9 +178,9 @@ def _read_scaled_queries(module, a):
 
 
 def _read_bert_self_attention(module, a):
-    """Megatron-BERT's, RemBERT's and RoFormer's self-attention as a decoder (RoFormer's
+    """Megatron-BERT's, RemBERT's, RoFormer's and Git's self-attention as a decoder (RoFormer's
     rotary from the ``sinusoidal_pos`` its encoder hands every layer)."""
-    if a["encoder_hidden_states"] is not None:
+    if a.get("encoder_hidden_states") is not None:
         raise UnsupportedModelError(f"{type(module).__name__}'s cross-attention attends an encoder's states, not the "
                                     "text's tokens")
     hidden = a["hidden_states"]
@@ -221,6 +221,7 @@ FAMILIES: dict[str, Family] = {
                       name="attention.self"),
     "roformer": Family("RoFormerSelfAttention", "forward", _read_bert_self_attention, _context_returns,
                        name="attention.self"),
+    "git": Family("GitSelfAttention", "forward", _read_bert_self_attention, _context_returns, name="attention.self"),
 }
 
 
