@@ -8,13 +8,16 @@ and read by extract: one verdict per family.
 
 Each family is built as the tests build it (tests/families.py) where they do; any other
 family's default config is shrunk (64 dimensions, 4 heads, 3 to 4 layers keeping one of
-each layer kind, 4 experts, 100 tokens; its sub-configs alike), a random model is built from
-it, and extract reads 2 sequences of 16 tokens after comparing its capture with the family's
-own eager attention in float32 at 6 queries (the conformance check, forced for every family).
-Verdicts: ``captured`` (with the largest row and output differences), ``refused`` (attngeom's
-one-line reason, a disagreement with the eager attention included), ``crash`` (an exception attngeom did not turn into a refusal: a bug), and
-``not built`` (the sweep could not shrink the config into a model: a limit of this script,
-not of attngeom).
+each layer kind, 4 experts, 100 tokens; its sub-configs and per-layer overrides alike), with
+what shrinking alone gets wrong set per family (EXTRA: sizes a default leaves unset, fields
+naming layers, a family's own constraints), a random model is built from it, its queries and
+keys scaled up so that rows are peaked, and extract reads 2 sequences of 16 tokens after
+comparing its capture with the family's own eager attention in float32 at 6 queries (the
+conformance check, forced for every family). Verdicts: ``captured`` (with the largest row and
+output differences), ``refused`` (attngeom's one-line reason, a disagreement with the eager
+attention included), ``crash`` (an exception attngeom did not turn into a refusal: a bug),
+and ``not built`` (a speculative drafter, which no text alone runs, or a config the sweep
+could not shrink into a model: a limit of this script, not of attngeom).
 """
 
 from __future__ import annotations
@@ -93,15 +96,12 @@ EXTRA: dict[str, dict[str, Any]] = {
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                            indexer_compress_ratio=2, hc_lowrank=16, ple_embed_dim=64),
 }
-EXTRA["qwen4_exp"] = EXTRA["qwen4_exp_text"]
-EXTRA["dots3_note"] = EXTRA["dots3_note_text"]
+EXTRA["qwen4_exp"] = dict(text_config=EXTRA["qwen4_exp_text"])
+EXTRA["dots3_note"] = dict(text_config=EXTRA["dots3_note_text"])
 # Families whose causal-LM class is built from one sub-config (EXTRA then applies to it):
-# MusicGen's decoder; Dots3 Note's and Qwen4-Exp's text stacks (their causal-LM classes read
-# the text config);
-# Gemma 3n's text stack (its multimodal class needs timm for its vision tower), as attngeom
-# judges it.
-SUB_CONFIG = {"musicgen": "decoder", "musicgen_melody": "decoder", "gemma3n": "text_config", "dots3_note": "text_config",
-              "qwen4_exp": "text_config"}
+# MusicGen's decoder; Gemma 3n's text stack (its multimodal class needs timm for its vision
+# tower), as attngeom judges it.
+SUB_CONFIG = {"musicgen": "decoder", "musicgen_melody": "decoder", "gemma3n": "text_config"}
 # Speculative drafters: their forward reads the key and value states of the model they draft
 # for, so no text alone runs them (and Gemma 4's default assistant config does not validate).
 DRAFTERS = frozenset({"gemma4_assistant", "gemma4_unified_assistant"})
@@ -201,8 +201,11 @@ def tiny_model(model_type: str) -> Any:
             default = getattr(default, SUB_CONFIG[model_type])
         config = type(default)(**{**default.to_dict(), **_merged(_shrunk(default), EXTRA.get(model_type, {}))})
         torch.manual_seed(0)
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) or MODEL_FOR_CAUSAL_LM_MAPPING[type(causal)]
-        model = cls._from_config(config, dtype=torch.float32).eval()
+        if model_type in SUB_CONFIG:
+            cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) or MODEL_FOR_CAUSAL_LM_MAPPING[type(causal)]
+            model = cls._from_config(config, dtype=torch.float32).eval()
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         if hasattr(model, "set_default_language"):  # X-MOD's adapters need one
             model.set_default_language(config.languages[0])
     parameters = sum(p.numel() for p in model.parameters())
@@ -283,7 +286,7 @@ def markdown(found: dict[str, dict[str, Any]]) -> str:
         how = v["detail"].replace("|", "\\|")
         if v["verdict"] == "captured" and model_type in VERIFIED_TYPES:
             how = f"verified against a float64 eager forward (tests); {how}"
-        elif v["verdict"] == "not built":
+        elif v["verdict"] == "not built" and model_type not in DRAFTERS:
             how = f"the sweep's shrunk config does not build ({how})"
         rows.append(f"| `{model_type}` | {words[v['verdict']]} | {how} |")
     return "\n".join(rows) + "\n"
