@@ -169,6 +169,13 @@ REFUSED_AT_FORWARD: dict[str, tuple[str, dict]] = {
         num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], hybrid_layer_ids=[1, 3],
         num_key_value_heads=4, mamba_headdim=16, n_mamba_heads=8, use_mamba_kernels=False, mamba_d_state=16,
         chunk_size=8, head_dim=None)),
+    # Its compressed sparse layer (1) attends, beside its window's tokens, one entry pooled
+    # from every 4 tokens; its heavily compressed layers pool 128, none in 16 tokens.
+    "deepseek_v4": (r"\(layer 1\) attends 4 keys beyond the text's 16 tokens", dict(
+        num_hidden_layers=3, num_key_value_heads=4, head_dim=8, q_lora_rank=32, qk_rope_head_dim=8, sliding_window=6,
+        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, index_topk=4, index_head_dim=16,
+        index_n_heads=2, layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
+                                      "heavily_compressed_attention"], mlp_layer_types=["hash_moe", "moe", "moe"])),
 }
 
 

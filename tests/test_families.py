@@ -301,8 +301,9 @@ def test_a_layer_that_calls_attention_twice_is_refused(ids, tmp_path, monkeypatc
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED_AT_FORWARD))
 def test_looped_and_shared_layers_are_refused_with_their_reason(model_type, ids, tmp_path):
-    """A looped layer (Dory, HRM) and a block shared by several depths (Zamba, Zamba 2) are
-    refused in one line saying so, and no store is left behind."""
+    """A looped layer (Dory, HRM), a block shared by several depths (Zamba, Zamba 2) and keys
+    beyond the text's tokens (DeepSeek-V4's compressed entries) are refused in one line saying
+    so, and no store is left behind."""
     with pytest.raises(UnsupportedModelError, match=REFUSED_AT_FORWARD[model_type][0]):
         ag.extract(refused_model(model_type), store=tmp_path / "s.zarr", token_ids=ids, run_id="r", progress=False)
     assert not (tmp_path / "s.zarr").exists()
@@ -509,3 +510,18 @@ def test_the_own_code_families_judged_from_the_config_are_those_the_capture_adap
     from attngeom.extract.own_code import FAMILIES
 
     assert set(FAMILIES) == OWN_CODE_TYPES
+
+
+def test_counts_per_layer_pass_the_config_check(tmp_path):
+    """A heterogeneous config (Gemma 4's wider global layers), whose per-layer counts refuse a
+    global read, and a count per layer (Gemma 3n's intermediate sizes) pass the config's size
+    check; a per-layer list holding no count is refused."""
+    from attngeom.errors import InputError
+    from attngeom.extract.model_files import check_config_sizes
+
+    gemma4 = AutoConfig.for_model("gemma4_text")
+    assert "head_dim" in gemma4.per_layer_attributes
+    check_config_sizes(gemma4, "gemma4", tmp_path)
+    check_config_sizes(AutoConfig.for_model("gemma3n_text"), "gemma3n", tmp_path)
+    with pytest.raises(InputError, match=r"declares intermediate_size = \[96, -1\], which is no count"):
+        check_config_sizes({"num_hidden_layers": 2, "intermediate_size": [96, -1]}, "m", tmp_path)
