@@ -126,6 +126,8 @@ CHECKED: dict[str, tuple[str, dict]] = {
     "rembert": ("attention in the model's own code, narrower input embeddings", dict(
         is_decoder=True, input_embedding_size=32, output_embedding_size=32)),
     "roformer": ("attention in the model's own code, rotary", dict(is_decoder=True)),
+    "big_bird": ("attention in the model's own code, its full attention as a decoder", dict(
+        is_decoder=True, attention_type="original_full")),
     "git": ("attention in the model's own code; a vision tower beside it, which a text alone does not run", dict(
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
                            image_size=32, patch_size=16))),

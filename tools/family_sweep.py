@@ -76,6 +76,7 @@ EXTRA: dict[str, dict[str, Any]] = {
     "megatron-bert": dict(is_decoder=True),
     "rembert": dict(is_decoder=True),
     "roformer": dict(is_decoder=True),
+    "big_bird": dict(is_decoder=True, attention_type="original_full"),
     "reformer": dict(is_decoder=True, axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16], attention_head_size=16,
                      feed_forward_size=96, lsh_attn_chunk_length=8, local_attn_chunk_length=8),
     "kolibri1_1": dict(num_hidden_layers=3, layer_types=["sliding_attention", "indexed_attention", "indexed_attention"],

@@ -23,7 +23,7 @@ __all__ = ["OWN_CODE_TYPES", "VERIFIED_TYPES", "attention_layers", "layer_kind",
 # The families whose attention is their own code and which `own_code.py` captures (one
 # adapter each in its FAMILIES): named here, where the config is judged before torch loads.
 OWN_CODE_TYPES = frozenset({"gpt_neo", "openai-gpt", "gpt_neox_japanese", "bloom", "mpt", "xglm", "trocr",
-                            "megatron-bert", "rembert", "roformer", "git"})
+                            "megatron-bert", "rembert", "roformer", "git", "big_bird"})
 
 # The families whose capture the test suite compares with an eager float64 forward
 # (tests/test_families.py); extract checks any other against its eager attention first.

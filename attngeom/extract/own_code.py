@@ -1,7 +1,7 @@
 """Capture of the families whose attention transformers computes in the model's own code.
 
 GPT-Neo, GPT-1 (openai-gpt), GPT-NeoX-Japanese, BLOOM, MPT, XGLM, TrOCR, Megatron-BERT,
-RemBERT, RoFormer and Git's text stack never call the attention interface: each attention module computes its
+RemBERT, RoFormer, BigBird and Git's text stack never call the attention interface: each attention module computes its
 probabilities itself, the first three in an inner ``_attn`` from the queries, keys and values
 their forward split into heads, BLOOM's and MPT's inside their forward with an ALiBi bias, the
 others inside their forward (RoFormer's with its rotary). For the duration of a capture, that method of each of the
@@ -178,8 +178,8 @@ def _read_scaled_queries(module, a):
 
 
 def _read_bert_self_attention(module, a):
-    """Megatron-BERT's, RemBERT's, RoFormer's and Git's self-attention as a decoder (RoFormer's
-    rotary from the ``sinusoidal_pos`` its encoder hands every layer)."""
+    """Megatron-BERT's, RemBERT's, RoFormer's, BigBird's and Git's self-attention as a decoder
+    (RoFormer's rotary from the ``sinusoidal_pos`` its encoder hands every layer)."""
     if a.get("encoder_hidden_states") is not None:
         raise UnsupportedModelError(f"{type(module).__name__}'s cross-attention attends an encoder's states, not the "
                                     "text's tokens")
@@ -222,6 +222,9 @@ FAMILIES: dict[str, Family] = {
     "roformer": Family("RoFormerSelfAttention", "forward", _read_bert_self_attention, _context_returns,
                        name="attention.self"),
     "git": Family("GitSelfAttention", "forward", _read_bert_self_attention, _context_returns, name="attention.self"),
+    # A BigBird decoder's attention is its full one (its block-sparse one refuses to decode).
+    "big_bird": Family("BigBirdSelfAttention", "forward", _read_bert_self_attention, _context_returns,
+                       name="attention.self"),
 }
 
 
@@ -264,6 +267,11 @@ def own_code_attention(model: torch.nn.Module, model_type: str, attend: Attend) 
     modules = [m for name, m in model.named_modules() if type(m).__name__ == family.attention
                and (family.name is None or name.endswith(f".{family.name}"))]
     n_layers = model.config.get_text_config().num_hidden_layers
+    if not modules:
+        raise UnsupportedModelError(
+            f"model type '{model_type}' runs no {family.attention}: its attention is another of its own code's "
+            "(BigBird's block-sparse attention of an encoder, for one), which attngeom does not read"
+        )
     if len(modules) != n_layers:
         raise UnsupportedModelError(
             f"model type '{model_type}' holds {len(modules)} {family.attention} modules for its {n_layers} layers: "
