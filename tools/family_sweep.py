@@ -108,6 +108,8 @@ SUB_CONFIG = {"musicgen": "decoder", "musicgen_melody": "decoder", "gemma3n": "t
 DRAFTERS = frozenset({"gemma4_assistant", "gemma4_unified_assistant"})
 LENGTH = 16
 TIMEOUT_S = 120
+# Largest |difference| between a stored row (float32) and the eager float64 forward's.
+FLOAT64_TOLERANCE = 1e-4
 
 
 def _kept_layers(values: dict[str, Any], n_layers: int) -> list[int]:
@@ -221,6 +223,47 @@ def tiny_model(model_type: str) -> Any:
     return model
 
 
+def float64_error(model: Any, ids: Any, store: str) -> float | None:
+    """Largest |difference| between the stored last rows (attn_last) and the weights the
+    model's own eager forward returns in float64 (``output_attentions``) on the same weights;
+    None where that forward returns no weights for each layer (or weights of another shape:
+    layers of different widths)."""
+    import copy
+
+    import numpy as np
+    import torch
+    import xarray as xr
+
+    config = copy.deepcopy(model.config)
+    try:
+        reference = type(model)._from_config(config, dtype=torch.float64, attn_implementation="eager").eval()
+        reference.load_state_dict({k: v.double() if v.is_floating_point() else v
+                                   for k, v in model.state_dict().items()})
+        with torch.no_grad():
+            attentions = reference(input_ids=ids, output_attentions=True, use_cache=False).attentions
+    except Exception:  # noqa: BLE001 - a family whose eager forward returns no weights has no such reference
+        return None
+    ds = xr.open_zarr(store, group="runs/r", consolidated=False)
+    n_layers = model.config.get_text_config().num_hidden_layers
+    if attentions is None or len(attentions) != n_layers:
+        return None
+    errors = []
+    for i, layer in enumerate(ds["layer"].values):
+        weights = attentions[int(layer)]
+        stored = ds["attn_last"].isel(layer=i).values
+        if weights is None or tuple(weights.shape[:2]) + (weights.shape[-1],) != stored.shape:
+            return None
+        last = weights[:, :, -1].numpy()
+        if "learned_sink_attn" in ds:
+            # A row the eager attention returns whole (Granite-SWA's, whose sink scales the
+            # output after the product) is the stored row over 1 - its sink's weight.
+            sink = ds["learned_sink_attn"].isel(layer=i).values[..., -1]
+            whole = np.isclose(last.sum(-1), 1.0, rtol=0, atol=1e-5)
+            last = np.where(whole[..., None], last * (1 - sink)[..., None], last)
+        errors.append(float(np.abs(stored - last).max()))
+    return max(errors)
+
+
 def _timeout(signum, frame):
     raise TimeoutError(f"over {TIMEOUT_S} s")
 
@@ -260,8 +303,13 @@ def verdict(model_type: str) -> dict[str, Any]:
         pipeline.VERIFIED_TYPES = pipeline.VERIFIED_TYPES | {model.config.model_type}
         with tempfile.TemporaryDirectory() as folder:
             ag.extract(model, store=f"{folder}/s.zarr", token_ids=ids, run_id="r", progress=False)
-        return {"verdict": "captured", "detail": f"{len(checks)} layers, rows within {rows:.1g}, outputs within "
-                                                 f"{outputs:.1g} of eager attention"}
+            float64 = float64_error(model, ids, f"{folder}/s.zarr")
+        detail = f"{len(checks)} layers, rows within {rows:.1g}, outputs within {outputs:.1g} of eager attention"
+        if float64 is not None:
+            detail += f"; stored last rows within {float64:.1g} of an eager float64 forward"
+        if float64 is not None and float64 > FLOAT64_TOLERANCE:
+            return {"verdict": "wrong", "detail": detail}
+        return {"verdict": "captured", "detail": detail}
     except AttngeomError as exc:
         return {"verdict": "refused", "detail": str(exc)}
     except Exception as exc:  # noqa: BLE001 - anything else is a crash to report
@@ -281,7 +329,7 @@ def markdown(found: dict[str, dict[str, Any]]) -> str:
     """The verdicts as the table of docs/models.md#every-family: one row per model type."""
     from attngeom.extract.families import VERIFIED_TYPES
 
-    words = {"captured": "captured", "refused": "refused", "crash": "CRASH", "not built": "not checked"}
+    words = {"captured": "captured", "refused": "refused", "crash": "CRASH", "wrong": "WRONG", "not built": "not checked"}
     rows = ["| model type | verdict | how |", "|---|---|---|"]
     for model_type, v in sorted(found.items()):
         how = v["detail"].replace("|", "\\|")
