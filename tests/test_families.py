@@ -525,3 +525,19 @@ def test_counts_per_layer_pass_the_config_check(tmp_path):
     check_config_sizes(AutoConfig.for_model("gemma3n_text"), "gemma3n", tmp_path)
     with pytest.raises(InputError, match=r"declares intermediate_size = \[96, -1\], which is no count"):
         check_config_sizes({"num_hidden_layers": 2, "intermediate_size": [96, -1]}, "m", tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "megatron-bert"])
+def test_a_bert_built_without_is_decoder_is_refused_as_not_causal(model_type, ids, tmp_path):
+    """A BERT-like causal-LM class is causal as a decoder only: built without is_decoder, its
+    attention (through the interface or its own code) attends every key, and the run is
+    refused saying so rather than stored as causal rows."""
+    from families import COMMON
+
+    config = AutoConfig.for_model(model_type, **COMMON)
+    assert not config.is_decoder
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with pytest.raises(UnsupportedModelError, match="is not causal"):
+        ag.extract(model, store=tmp_path / "s.zarr", token_ids=ids, run_id="r", progress=False)
+    assert not (tmp_path / "s.zarr").exists()

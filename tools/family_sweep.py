@@ -13,10 +13,12 @@ what shrinking alone gets wrong set per family (EXTRA: sizes a default leaves un
 naming layers, a family's own constraints), a random model is built from it, its queries and
 keys scaled up so that rows are peaked, and extract reads 2 sequences of 16 tokens after
 comparing its capture with the family's own eager attention in float32 at 6 queries (the
-conformance check, forced for every family). Verdicts: ``captured`` (with the largest row and
-output differences), ``refused`` (attngeom's one-line reason, a disagreement with the eager
-attention included), ``crash`` (an exception attngeom did not turn into a refusal: a bug),
-and ``not built`` (a speculative drafter, which no text alone runs, or a config the sweep
+conformance check, forced for every family); the stored last rows are then compared with
+the weights of the family's eager forward in float64 on the same weights, where it returns
+them for each layer. Verdicts: ``captured`` (with the largest row and output differences),
+``wrong`` (a stored row more than 1e-4 from the float64 forward's: the worst outcome),
+``refused`` (attngeom's one-line reason, a disagreement with the eager attention included),
+``crash`` (an exception attngeom did not turn into a refusal: a bug), and ``not built`` (a speculative drafter, which no text alone runs, or a config the sweep
 could not shrink into a model: a limit of this script, not of attngeom).
 """
 
@@ -176,6 +178,9 @@ def _shrunk(config: Any) -> dict[str, Any]:
             out["per_layer_config"] = {str(keep.index(int(k))).zfill(len(k)): _per_layer(v)
                                        for k, v in values["per_layer_config"].items() if int(k) in keep}
         break
+    if values.get("is_decoder") is False and "is_decoder" in type(config).__dataclass_fields__:
+        # A BERT-like causal LM is causal as a decoder only (its class warns without it).
+        out["is_decoder"] = True
     if "encoder_layers" in values and "decoder_layers" in values:  # a causal LM's decoder of an encoder-decoder
         out["encoder_layers"] = out["decoder_layers"] = LAYERS
     return out

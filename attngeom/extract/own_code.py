@@ -183,6 +183,9 @@ def _read_bert_self_attention(module, a):
     if a.get("encoder_hidden_states") is not None:
         raise UnsupportedModelError(f"{type(module).__name__}'s cross-attention attends an encoder's states, not the "
                                     "text's tokens")
+    if not getattr(module, "is_decoder", True):
+        raise UnsupportedModelError(f"the attention of {type(module).__name__} is not causal (its config is no "
+                                    "decoder's: is_decoder is off): every query attends every key")
     hidden = a["hidden_states"]
     shape = (*hidden.shape[:-1], -1, module.attention_head_size)
     query, key, value = (getattr(module, name)(hidden).view(shape).transpose(1, 2) for name in ("query", "key", "value"))
