@@ -182,9 +182,13 @@ def call_refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
         return f"{where} applies dropout {dropout}"
     if kwargs.get("head_mask") is not None:
         return f"{where} is given a head mask"
-    # Without a mask, a module that says it is not causal (a BERT built without is_decoder)
-    # attends every key, as its eager attention does.
-    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False and attention_mask is None:
+    # Without a mask, a module of no decoder that says it is not causal (a BERT built without
+    # is_decoder) attends every key, as its eager attention does. A decoder's causal mask
+    # reaches the capture as None too, whatever its module says (BigBird-Pegasus's: not causal).
+    causal = kwargs.get("is_causal")
+    if causal is None and not getattr(module, "is_decoder", False):
+        causal = getattr(module, "is_causal", True)
+    if causal is False and attention_mask is None:
         return f"{where} is not causal: every query attends every key"
     sinks = learned_sinks(kwargs)
     if sinks is not None and sink_refusal(sinks, query) is not None:
