@@ -4,7 +4,7 @@
     python benchmarks/analyze_stage.py                          # ~10 min on 2 cores
     python benchmarks/analyze_stage.py --shapes llama2-7b --reps 5
 
-For each shape, two synthetic stores (``attngeom.synthetic.write_synthetic_run``) of
+For each shape, two synthetic stores (``attngeom.extract.synthetic.write_synthetic_run``) of
 ``--layers`` layers at L = ``--length``, one of 1 sequence and one of ``--sequences``. In every
 repetition, in this process, order rotating:
 
@@ -45,7 +45,7 @@ from threadpoolctl import threadpool_limits
 import attngeom as ag
 from attngeom.analyze.kernels import head_metrics
 from attngeom.analyze.parameters import RANDOM_DRAWS
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 RUN = "synthetic"
 
