@@ -55,11 +55,11 @@ RUN = "synthetic"
 # replaced: a renamed function reads as 0.
 PHASES = (
     ("analyze/runner.py", "_checked_input", "open + check input"),
-    ("store/derived.py", "begin", "record: begin"),
-    ("store/derived.py", "create", "write: create groups"),
-    ("store/derived.py", "append", "write: append batch"),
+    ("store/derived_groups/derived.py", "begin", "record: begin"),
+    ("store/derived_groups/derived.py", "create", "write: create groups"),
+    ("store/derived_groups/derived.py", "append", "write: append batch"),
     ("analyze/reductions.py", "cross_sequence_groups", "reduce across sequences"),
-    ("store/derived.py", "finish", "write: finish + commit"),
+    ("store/derived_groups/derived.py", "finish", "write: finish + commit"),
 )
 BLOCKS = ("analysis_block", "blocks (worker threads, wall)")  # the tasks' name, as Dask's key_split gives it
 PHASE_NAMES = (*(phase for _, _, phase in PHASES), BLOCKS[1])

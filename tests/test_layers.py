@@ -208,3 +208,11 @@ def test_each_store_layer_imports_only_those_below_it():
     wrong = [f"{module} imports {target} (line {line})" for module, target, line in edges()
              if (own := layer(module)) is not None and (other := layer(target)) is not None and other > own]
     assert not wrong, wrong
+
+
+def test_architecture_md_draws_the_store_layers_in_their_order():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    drawing = text.split("## Layers", 1)[1].split("```")[3]
+    drawn = [line.split()[0].removeprefix("store/").removesuffix("/").removesuffix(".py")
+             for line in drawing.splitlines() if line.startswith("store/")]
+    assert drawn == list(reversed(STORE_LAYERS))
