@@ -12,9 +12,12 @@ import os
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from attngeom.errors import InputError
+from attngeom.extract.families import attention_layers
+from attngeom.extract.sources import hub_cached_config, model_name
 from attngeom.limits import exceeds_memory
 
 __all__ = [
@@ -97,10 +100,6 @@ def model_shapes(config: dict[str, Any]) -> dict[str, Any]:
     kinds = text.get("layer_types")
     attention = None
     if n_layers is not None and isinstance(kinds, list) and len(kinds) == n_layers:
-        from types import SimpleNamespace
-
-        from attngeom.extract.families import attention_layers
-
         attention = attention_layers(SimpleNamespace(num_hidden_layers=n_layers, layer_types=kinds))
     return {
         "model_type": text.get("model_type"),
@@ -157,8 +156,6 @@ def check_run_model(model: Any, record: dict[str, Any], run_id: str, stage: str)
             )
         if "id" not in recorded:
             raise InputError(f"run '{run_id}' records no model in its provenance")
-        from attngeom.extract.sources import model_name
-
         try:
             model_name(recorded["id"])
         except InputError as exc:
@@ -178,8 +175,6 @@ def check_run_model(model: Any, record: dict[str, Any], run_id: str, stage: str)
             )
         return  # its state dict is compared with the record's once torch is loaded
     name = str(model)
-    from attngeom.extract.sources import model_name
-
     found = model_name(name)
     config = _config_of(name)
     if config is None:
@@ -207,8 +202,6 @@ def _config_of(name: str) -> dict[str, Any] | None:
     elif name.endswith(".gguf") or "/" not in name:
         return None
     else:
-        from attngeom.extract.sources import hub_cached_config
-
         file = hub_cached_config(name)
         if file is None:
             return None

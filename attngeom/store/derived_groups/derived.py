@@ -32,8 +32,8 @@ record the writer last saw (see :class:`DerivedWrite`).
 
 One writer owns one update from start to commit: :class:`DerivedWrite`, made by the
 command's :class:`~attngeom.store.session.StoreSession`, holds the run's lock (a
-lease on object stores), finds what of the committed groups is damaged, plans (:mod:`attngeom.store.derived_groups.plan`),
-stages, writes, promotes and commits, through a few verbs that cannot be called in a wrong
+lease on object stores), finds what of the committed groups is damaged, plans
+(:mod:`attngeom.store.derived_groups.plan`), stages, writes, promotes and commits, through a few verbs that cannot be called in a wrong
 order. Analyze, ablate and detect all write through it.
 """
 
