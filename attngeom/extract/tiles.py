@@ -114,8 +114,10 @@ def masked_floor(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(allowed, 0.0, MASKED).float()
 
 
-def first_argmax(x: torch.Tensor) -> torch.Tensor:
+def first_argmax(x: torch.Tensor, descending: torch.Tensor | None = None) -> torch.Tensor:
     """``x.argmax(-1)`` for finite ``x``: int64 index of each row's first maximum. Overwrites x.
+    ``descending``: the weights n, n-1, ..., 1 (n = x's last dimension) in x's dtype, where the
+    caller keeps them.
 
     On CPU ``argmax`` over the last dimension is a scalar loop, about 10x slower than ``amax``
     on attention-row shapes. With m the row maximum, [x_j >= m] is 1 exactly where x_j == m
@@ -124,7 +126,7 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     (max, compare, weight, max), where ``1 + sign(x_j - m)`` took six.
     """
     n = x.shape[-1]
-    weight = torch.arange(n, 0, -1, dtype=x.dtype, device=x.device)
+    weight = torch.arange(n, 0, -1, dtype=x.dtype, device=x.device) if descending is None else descending
     x.ge_(x.amax(dim=-1, keepdim=True)).mul_(weight)
     return n - x.amax(dim=-1).long()
 
@@ -172,19 +174,19 @@ def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return scores
 
 
-def recent_mass(tile_probs: torch.Tensor, q0: int, window: int) -> torch.Tensor:
+def recent_mass(tile_probs: torch.Tensor, q0: int, window: int, out: torch.Tensor) -> None:
     """The mass on the last ``window`` keys but the sink of each query of a tile:
     sum of A_ij over j in max(1, i-W+1)..i (docs/method.md#the-fields-head-scores).
 
     tile_probs (kv, B, Q, g, K), contiguous, holds the rows of queries q0..q0+Q-1 over keys
-    0..K-1 (K > q0+Q-1) -> (kv, B, Q, g). A query's last W keys lie at a fixed offset from its
+    0..K-1 (K > q0+Q-1); the sums are written into ``out`` (kv, B, Q, g), which may be a
+    strided view. A query's last W keys lie at a fixed offset from its
     own position, so for the queries whose window starts after the sink they are one strided
     view (a row step of one row plus one key), summed over W keys and no more; the earlier
     queries (i < W, only when q0 < W) sum keys 1..i of their rows.
     """
     kv, bsz, block, group, keys = tile_probs.shape
     first = min(block, max(0, window - q0))  # the tile's first query whose window starts after the sink
-    out = torch.empty(kv, bsz, block, group, device=tile_probs.device)
     if first:
         key = torch.arange(1, q0 + first, device=tile_probs.device)
         early = (key <= torch.arange(q0, q0 + first, device=tile_probs.device)[:, None]).float()[:, None]
@@ -195,8 +197,7 @@ def recent_mass(tile_probs: torch.Tensor, q0: int, window: int) -> torch.Tensor:
             (kv, bsz, block - first, group, window), (*stride[:2], stride[2] + 1, stride[3], 1),
             tile_probs.storage_offset() + first * stride[2] + q0 + first - window + 1,
         )
-        out[:, :, first:] = band.sum(dim=-1)
-    return out
+        torch.sum(band, dim=-1, out=out[:, :, first:])
 
 
 def attention_summaries(
@@ -250,14 +251,20 @@ def attention_summaries(
     # block of matrices that multiplies its keys as it is, one product per kv head shared by
     # the group, with no copy (the head-major einsum copied every block; 1.13 -> 1.04 of the
     # SDPA forward, smollm2-135m L=1024). Scaling q costs one pass over L x Dh instead of one
-    # over every tile of scores.
-    q = torch.empty(n_kv, bsz, length * group, head_dim, device=device)
-    q.view(n_kv, bsz, length, group, head_dim).copy_(
-        query.reshape(bsz, n_kv, group, length, head_dim).permute(1, 0, 3, 2, 4)
-    ).mul_(scaling)
-    k = key.float().transpose(0, 1).contiguous()
-    v = value.float().transpose(0, 1).contiguous()
+    # over every tile of scores. Laid out one kv head per item on the tiles' threads: copies,
+    # the same bits on any of them.
     value_dim = value.shape[-1]
+    q = torch.empty(n_kv, bsz, length * group, head_dim, device=device)
+    k = torch.empty(n_kv, bsz, length, head_dim, device=device)
+    v = torch.empty(n_kv, bsz, length, value_dim, device=device)
+    grouped = query.reshape(bsz, n_kv, group, length, head_dim)
+
+    def lay_out(h: int) -> None:
+        q[h].view(bsz, length, group, head_dim).copy_(grouped[:, h].transpose(1, 2)).mul_(scaling)
+        k[h].copy_(key[:, h])
+        v[h].copy_(value[:, h])
+
+    share_out(lay_out, range(n_kv), threads)
     # (KV, 1, 1, g, 1), or (KV, B, L, g, 1) per query: each tile's sink logits beside the
     # per-query view of its scores.
     sink_logits = None
@@ -295,6 +302,7 @@ def attention_summaries(
         else None
     )
     attn_last = torch.empty(n_kv, bsz, group, length, device=device)
+    descending = torch.arange(length, 0, -1, dtype=torch.float32, device=device)  # first_argmax's weights
 
     def run_tile(tile: tuple[int, int]) -> None:
         q0, h0 = tile
@@ -362,11 +370,11 @@ def attention_summaries(
             entropy -= sink_weight * sink.view(scores.shape[:-1])
         out["entropy"][at] = entropy.view(h1 - h0, bsz, q1 - q0, group)
         weighted = torch.mul(probs, v_norm[h0:h1, :, :, :n_keys].flatten(0, 1), out=scores)
-        winner[at] = first_argmax(weighted).view(h1 - h0, bsz, q1 - q0, group)
+        winner[at] = first_argmax(weighted, descending[length - n_keys :]).view(h1 - h0, bsz, q1 - q0, group)
         # Summed over each window's keys, not as a difference of running sums over the
         # row, which would lose the window's few digits beside the mass before it.
         for r, w in enumerate(recent):
-            recent_attn[h0:h1, :, q0:q1, :, r] = recent_mass(tile_probs, q0, w)
+            recent_mass(tile_probs, q0, w, recent_attn[h0:h1, :, q0:q1, :, r])
         if rows is not None:
             rows.transpose(2, 3)[h0:h1, :, q0:q1, :, :n_keys] = tile_probs
         if inside is not None:
@@ -404,11 +412,9 @@ def attention_summaries(
         ),
         learned_sink=heads(learned_sink) if learned_sink is not None else None,
     )
-    attn_output = (
-        output.view(n_kv, bsz, length, group, value_dim).permute(1, 2, 0, 3, 4)
-        .reshape(bsz, length, n_heads, value_dim)
-        .to(query.dtype)
-        if output is not None
-        else None
-    )
+    attn_output = None
+    if output is not None:
+        attn_output = torch.empty(bsz, length, n_heads, value_dim, device=device, dtype=query.dtype)
+        per_query = output.view(n_kv, bsz, length, group, value_dim)
+        share_out(lambda h: attn_output[:, :, h * group : (h + 1) * group].copy_(per_query[h]), range(n_kv), threads)
     return capture, attn_output
