@@ -3,8 +3,8 @@ queries and keys one tile of scores at a time, and each row reduced to what the 
 
 :func:`attention_summaries` is the kernel (docs/store.md#run-arrays for what it yields);
 :func:`score_tile` sizes its tiles; tests/test_capture.py holds its brute-force twin.
-On CPU a layer's tiles are shared out among threads of one torch thread each
-(:mod:`attngeom.extract.threads`).
+On CPU a layer's tiles, and the copies of its layout, are shared out among threads of one
+torch thread each (:mod:`attngeom.extract.threads`).
 """
 
 from __future__ import annotations
