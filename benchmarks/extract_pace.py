@@ -3,14 +3,14 @@
 process: the real offline models and the thin paper shapes in one command (run by hand).
 
     python benchmarks/extract_pace.py                       # every case, quiet then busy: about 6-8 minutes
-    python benchmarks/extract_pace.py --cases 32/32/128@1024:256 --states busy --reps 5
+    python benchmarks/extract_pace.py --shapes 32/32/128@1024:256 --states busy --reps 5
 
-Cases are offline model names at a context length (``smollm2-135m@1024``: windows of the
+Cases (``--shapes``) are offline model names at a context length (``smollm2-135m@1024``: windows of the
 ``--dataset`` corpus, as ``attngeom extract`` reads them) or extract_thin.py's thin shapes
 ``H/KV/Dh@L[:D]`` (random-weight Llama models, ``--layers`` layers, MLP ``--mlp`` wide, random
 token ids). Each case's model is loaded once; then for each state, "quiet" (nothing started
 beside it: the machine as it is, its load average reported) and "busy" (one CPU-bound process
-started beside it, common.busy), an untimed warm-up and ``--reps`` repetitions of, in rotating
+started beside it, common.busy; ``--busy N`` adds N more throughout), an untimed warm-up and ``--reps`` repetitions of, in rotating
 order over the same sequences:
 
 * "SDPA fwd": ``model.get_decoder()(input_ids=ids, use_cache=False)`` with stock SDPA attention;
@@ -25,17 +25,15 @@ and extract() wall seconds, and extract()'s process CPU seconds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from common import busy, extract_store, load, median, now, rotate, store_tokens, table
-from extract_thin import parse_shape, thin_model, token_ids
+from extract_thin import add_shape_args, parse_shape, run_shapes, thin_model, token_ids
 
 import attngeom as ag
 
@@ -85,10 +83,10 @@ def one_rep(model: Any, ids: torch.Tensor, extract: Any, store: str, rep: int) -
     return out
 
 
-def bench(case: str, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+def bench(case: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model, ids, extract = prepared(case, args, workdir)
     store = str(workdir / "pace.zarr")
-    rows = []
+    states = []
     for state in args.states.split(","):
         with busy(STATES[state]):
             one_rep(model, ids, extract, store, 0)  # warm-up, untimed
@@ -100,52 +98,40 @@ def bench(case: str, args: argparse.Namespace, workdir: Path) -> list[dict[str, 
                 print(f"  [{case} {state} rep {rep + 1}/{args.reps}] sdpa={r['sdpa']:.2f}s "
                       f"extract={r['extract']:.2f}s loop={r['loop']:.2f}s load={r['loadavg_1min']:.1f}",
                       file=sys.stderr, flush=True)
-        rows.append({
-            "case": case, "state": state, "sequences": len(ids),
-            "times_s": {k: [r[k] for r in reps] for k in reps[0]},
+        states.append({
+            "state": state, "times_s": {k: [r[k] for r in reps] for k in reps[0]},
             "ratio": {"loop": median([r["loop"] / r["sdpa"] for r in reps]),
                       "extract": median([r["extract"] / r["sdpa"] for r in reps]),
                       "extract_cpu": median([r["extract_cpu"] / r["sdpa_cpu"] for r in reps])},
         })
-    return rows
+    return {"case": case, "sequences": len(ids), "states": states}
+
+
+COLUMNS = ["case", "machine", "seqs", "SDPA fwd s", "loop/SDPA", "extract/SDPA", "extract/SDPA CPU", "load avg"]
+NOTE = ("busy = one CPU-bound process started beside the run; load avg = 1-minute load average after each rep. "
+        "Ratios: medians of per-rep ratios (wall; CPU = process CPU seconds). loop = ExtractResult.seconds; "
+        "extract() adds the store's creation and the model's provenance.")
 
 
 def report(results: dict[str, Any]) -> str:
-    rows = [[r["case"], r["state"], r["sequences"], median(r["times_s"]["sdpa"]), r["ratio"]["loop"],
-             r["ratio"]["extract"], r["ratio"]["extract_cpu"],
-             "/".join(f"{x:.1f}" for x in r["times_s"]["loadavg_1min"])] for r in results["rows"]]
-    return (
-        f"## extract's loop against the SDPA forward, quiet and busy ({results['torch_threads']} torch threads, "
-        f"{os.cpu_count()} CPUs, {results['reps']} reps)\n\n"
-        + table(["case", "machine", "seqs", "SDPA fwd s", "loop/SDPA", "extract/SDPA", "extract/SDPA CPU",
-                 "load avg"], rows)
-        + "\n\nbusy = one CPU-bound process started beside the run; load avg = 1-minute load average after "
-        "each rep. Ratios: medians of per-rep ratios (wall; CPU = process CPU seconds). loop = "
-        "ExtractResult.seconds; extract() adds the store's creation and the model's provenance."
-    )
+    rows = [[r["case"], s["state"], r["sequences"], median(s["times_s"]["sdpa"]), s["ratio"]["loop"],
+             s["ratio"]["extract"], s["ratio"]["extract_cpu"],
+             "/".join(f"{x:.1f}" for x in s["times_s"]["loadavg_1min"])]
+            for r in results["shapes"] for s in r["states"]]
+    heading = (f"## extract's loop against the SDPA forward, quiet and busy ({results['torch_threads']} torch "
+               f"threads, {os.cpu_count()} CPUs, {results['reps']} reps)")
+    return "\n\n".join([heading, table(COLUMNS, rows), NOTE])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--cases", default=CASES, help="comma-separated model@L or H/KV/Dh@L[:D]")
+    add_shape_args(p)
+    p.set_defaults(shapes=CASES)
     p.add_argument("--states", default="quiet,busy", help="comma-separated: quiet, busy")
-    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--num-sequences", type=int, default=1)
     p.add_argument("--dataset", default="python-docs")
-    p.add_argument("--layers", type=int, default=2, help="thin shapes' layers")
-    p.add_argument("--mlp", type=int, default=256, help="thin shapes' MLP width")
-    p.add_argument("--workdir", default=None, help="folder for the temporary stores (default: a temp dir)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write all figures as JSON")
-    args = p.parse_args(argv)
-    results: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "reps": args.reps, "rows": []}
-    with tempfile.TemporaryDirectory(prefix="attngeom-pace-", dir=args.workdir) as tmp:
-        for case in args.cases.split(","):
-            results["rows"].extend(bench(case, args, Path(tmp)))
-    print(report(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    return results
+    return run_shapes(p.parse_args(argv), bench, report, "attngeom-pace-")
 
 
 if __name__ == "__main__":
