@@ -39,6 +39,11 @@ MIN_PRODUCT_ROWS = 128
 # the same tiles and a float32 model's rows @ v the same rounding, run after run.
 CUDA_TILE_SHARE = 64
 CUDA_MIN_TILE_BYTES = 64 * 2**20
+# Bytes of float32 queries from which a layer's layout copies are shared out among the tile
+# threads (CPU). On one thread they took 0.2 ms at smollm2-135m's and gemma3-270m's layers
+# (L=1024), less than waking and meeting a thread may cost on a busy machine, and 23 ms at
+# 32/32/128 (L=1024), 94 ms at 32/8/128 (L=4096): a tenth and a thirtieth of their captures.
+LAYOUT_SHARE_BYTES = 8 * 2**20
 MASKED = -1e30
 
 
@@ -251,9 +256,10 @@ def attention_summaries(
     # block of matrices that multiplies its keys as it is, one product per kv head shared by
     # the group, with no copy (the head-major einsum copied every block; 1.13 -> 1.04 of the
     # SDPA forward, smollm2-135m L=1024). Scaling q costs one pass over L x Dh instead of one
-    # over every tile of scores. Laid out one kv head per item on the tiles' threads: copies,
-    # the same bits on any of them.
+    # over every tile of scores. Large layers are laid out one kv head per item on the tiles'
+    # threads: copies, the same bits on any of them.
     value_dim = value.shape[-1]
+    copy_threads = threads if query.numel() * 4 >= LAYOUT_SHARE_BYTES else 1
     q = torch.empty(n_kv, bsz, length * group, head_dim, device=device)
     k = torch.empty(n_kv, bsz, length, head_dim, device=device)
     v = torch.empty(n_kv, bsz, length, value_dim, device=device)
@@ -264,7 +270,7 @@ def attention_summaries(
         k[h].copy_(key[:, h])
         v[h].copy_(value[:, h])
 
-    share_out(lay_out, range(n_kv), threads)
+    share_out(lay_out, range(n_kv), copy_threads)
     # (KV, 1, 1, g, 1), or (KV, B, L, g, 1) per query: each tile's sink logits beside the
     # per-query view of its scores.
     sink_logits = None
@@ -416,5 +422,6 @@ def attention_summaries(
     if output is not None:
         attn_output = torch.empty(bsz, length, n_heads, value_dim, device=device, dtype=query.dtype)
         per_query = output.view(n_kv, bsz, length, group, value_dim)
-        share_out(lambda h: attn_output[:, :, h * group : (h + 1) * group].copy_(per_query[h]), range(n_kv), threads)
+        share_out(lambda h: attn_output[:, :, h * group : (h + 1) * group].copy_(per_query[h]), range(n_kv),
+                  copy_threads)
     return capture, attn_output
