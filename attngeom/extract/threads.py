@@ -1,5 +1,6 @@
-"""How the capture uses a CPU's cores: a layer's tiles shared out among threads of one torch
-thread each, which take the next tile whenever they are free and meet once per layer.
+"""How the capture uses a CPU's cores: a layer's tiles (and the copies that lay out its inputs
+and gather its output, one kv head per item) shared out among threads of one torch thread
+each, which take the next item whenever they are free and meet when the last item ends.
 
 A tile is some twenty operators (docs/design-notes.md#extract-score-tiles-and-threads); run on
 torch's threads, each is an OpenMP parallel region that ends in a barrier, and with OpenMP's

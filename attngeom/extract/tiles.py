@@ -3,8 +3,8 @@ queries and keys one tile of scores at a time, and each row reduced to what the 
 
 :func:`attention_summaries` is the kernel (docs/store.md#run-arrays for what it yields);
 :func:`score_tile` sizes its tiles; tests/test_capture.py holds its brute-force twin.
-On CPU a layer's tiles are shared out among threads of one torch thread each
-(:mod:`attngeom.extract.threads`).
+On CPU a layer's tiles, and the copies of its layout, are shared out among threads of one
+torch thread each (:mod:`attngeom.extract.threads`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ MIN_PRODUCT_ROWS = 128
 # the same tiles and a float32 model's rows @ v the same rounding, run after run.
 CUDA_TILE_SHARE = 64
 CUDA_MIN_TILE_BYTES = 64 * 2**20
+# Bytes of float32 queries from which a layer's layout copies are shared out among the tile
+# threads (CPU). On one thread they took 0.2 ms at smollm2-135m's and gemma3-270m's layers
+# (L=1024), less than waking and meeting a thread may cost on a busy machine, and 23 ms at
+# 32/32/128 (L=1024), 94 ms at 32/8/128 (L=4096): a tenth and a thirtieth of their captures.
+LAYOUT_SHARE_BYTES = 8 * 2**20
 MASKED = -1e30
 
 
@@ -114,8 +119,10 @@ def masked_floor(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(allowed, 0.0, MASKED).float()
 
 
-def first_argmax(x: torch.Tensor) -> torch.Tensor:
+def first_argmax(x: torch.Tensor, descending: torch.Tensor | None = None) -> torch.Tensor:
     """``x.argmax(-1)`` for finite ``x``: int64 index of each row's first maximum. Overwrites x.
+    ``descending``: the weights n, n-1, ..., 1 (n = x's last dimension) in x's dtype, where the
+    caller keeps them.
 
     On CPU ``argmax`` over the last dimension is a scalar loop, about 10x slower than ``amax``
     on attention-row shapes. With m the row maximum, [x_j >= m] is 1 exactly where x_j == m
@@ -124,7 +131,7 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     (max, compare, weight, max), where ``1 + sign(x_j - m)`` took six.
     """
     n = x.shape[-1]
-    weight = torch.arange(n, 0, -1, dtype=x.dtype, device=x.device)
+    weight = torch.arange(n, 0, -1, dtype=x.dtype, device=x.device) if descending is None else descending
     x.ge_(x.amax(dim=-1, keepdim=True)).mul_(weight)
     return n - x.amax(dim=-1).long()
 
@@ -172,19 +179,19 @@ def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return scores
 
 
-def recent_mass(tile_probs: torch.Tensor, q0: int, window: int) -> torch.Tensor:
+def recent_mass(tile_probs: torch.Tensor, q0: int, window: int, out: torch.Tensor) -> None:
     """The mass on the last ``window`` keys but the sink of each query of a tile:
     sum of A_ij over j in max(1, i-W+1)..i (docs/method.md#the-fields-head-scores).
 
     tile_probs (kv, B, Q, g, K), contiguous, holds the rows of queries q0..q0+Q-1 over keys
-    0..K-1 (K > q0+Q-1) -> (kv, B, Q, g). A query's last W keys lie at a fixed offset from its
+    0..K-1 (K > q0+Q-1); the sums are written into ``out`` (kv, B, Q, g), which may be a
+    strided view. A query's last W keys lie at a fixed offset from its
     own position, so for the queries whose window starts after the sink they are one strided
     view (a row step of one row plus one key), summed over W keys and no more; the earlier
     queries (i < W, only when q0 < W) sum keys 1..i of their rows.
     """
     kv, bsz, block, group, keys = tile_probs.shape
     first = min(block, max(0, window - q0))  # the tile's first query whose window starts after the sink
-    out = torch.empty(kv, bsz, block, group, device=tile_probs.device)
     if first:
         key = torch.arange(1, q0 + first, device=tile_probs.device)
         early = (key <= torch.arange(q0, q0 + first, device=tile_probs.device)[:, None]).float()[:, None]
@@ -195,8 +202,7 @@ def recent_mass(tile_probs: torch.Tensor, q0: int, window: int) -> torch.Tensor:
             (kv, bsz, block - first, group, window), (*stride[:2], stride[2] + 1, stride[3], 1),
             tile_probs.storage_offset() + first * stride[2] + q0 + first - window + 1,
         )
-        out[:, :, first:] = band.sum(dim=-1)
-    return out
+        torch.sum(band, dim=-1, out=out[:, :, first:])
 
 
 def attention_summaries(
@@ -250,14 +256,21 @@ def attention_summaries(
     # block of matrices that multiplies its keys as it is, one product per kv head shared by
     # the group, with no copy (the head-major einsum copied every block; 1.13 -> 1.04 of the
     # SDPA forward, smollm2-135m L=1024). Scaling q costs one pass over L x Dh instead of one
-    # over every tile of scores.
-    q = torch.empty(n_kv, bsz, length * group, head_dim, device=device)
-    q.view(n_kv, bsz, length, group, head_dim).copy_(
-        query.reshape(bsz, n_kv, group, length, head_dim).permute(1, 0, 3, 2, 4)
-    ).mul_(scaling)
-    k = key.float().transpose(0, 1).contiguous()
-    v = value.float().transpose(0, 1).contiguous()
+    # over every tile of scores. Large layers are laid out one kv head per item on the tiles'
+    # threads: copies, the same bits on any of them.
     value_dim = value.shape[-1]
+    copy_threads = threads if query.numel() * 4 >= LAYOUT_SHARE_BYTES else 1
+    q = torch.empty(n_kv, bsz, length * group, head_dim, device=device)
+    k = torch.empty(n_kv, bsz, length, head_dim, device=device)
+    v = torch.empty(n_kv, bsz, length, value_dim, device=device)
+    grouped = query.reshape(bsz, n_kv, group, length, head_dim)
+
+    def lay_out(h: int) -> None:
+        q[h].view(bsz, length, group, head_dim).copy_(grouped[:, h].transpose(1, 2)).mul_(scaling)
+        k[h].copy_(key[:, h])
+        v[h].copy_(value[:, h])
+
+    share_out(lay_out, range(n_kv), copy_threads)
     # (KV, 1, 1, g, 1), or (KV, B, L, g, 1) per query: each tile's sink logits beside the
     # per-query view of its scores.
     sink_logits = None
@@ -295,6 +308,7 @@ def attention_summaries(
         else None
     )
     attn_last = torch.empty(n_kv, bsz, group, length, device=device)
+    descending = torch.arange(length, 0, -1, dtype=torch.float32, device=device)  # first_argmax's weights
 
     def run_tile(tile: tuple[int, int]) -> None:
         q0, h0 = tile
@@ -362,11 +376,11 @@ def attention_summaries(
             entropy -= sink_weight * sink.view(scores.shape[:-1])
         out["entropy"][at] = entropy.view(h1 - h0, bsz, q1 - q0, group)
         weighted = torch.mul(probs, v_norm[h0:h1, :, :, :n_keys].flatten(0, 1), out=scores)
-        winner[at] = first_argmax(weighted).view(h1 - h0, bsz, q1 - q0, group)
+        winner[at] = first_argmax(weighted, descending[length - n_keys :]).view(h1 - h0, bsz, q1 - q0, group)
         # Summed over each window's keys, not as a difference of running sums over the
         # row, which would lose the window's few digits beside the mass before it.
         for r, w in enumerate(recent):
-            recent_attn[h0:h1, :, q0:q1, :, r] = recent_mass(tile_probs, q0, w)
+            recent_mass(tile_probs, q0, w, recent_attn[h0:h1, :, q0:q1, :, r])
         if rows is not None:
             rows.transpose(2, 3)[h0:h1, :, q0:q1, :, :n_keys] = tile_probs
         if inside is not None:
@@ -404,11 +418,10 @@ def attention_summaries(
         ),
         learned_sink=heads(learned_sink) if learned_sink is not None else None,
     )
-    attn_output = (
-        output.view(n_kv, bsz, length, group, value_dim).permute(1, 2, 0, 3, 4)
-        .reshape(bsz, length, n_heads, value_dim)
-        .to(query.dtype)
-        if output is not None
-        else None
-    )
+    attn_output = None
+    if output is not None:
+        attn_output = torch.empty(bsz, length, n_heads, value_dim, device=device, dtype=query.dtype)
+        per_query = output.view(n_kv, bsz, length, group, value_dim)
+        share_out(lambda h: attn_output[:, :, h * group : (h + 1) * group].copy_(per_query[h]), range(n_kv),
+                  copy_threads)
     return capture, attn_output
