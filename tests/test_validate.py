@@ -9,26 +9,21 @@ import pytest
 import xarray as xr
 import zarr
 from click.testing import CliRunner
-from conftest import extract
+from stores import Run, copy_store
 
 from attngeom.cli import main
-from attngeom.extract.request import ExtractRequest
 from attngeom.store import resize_run
 
 
-@pytest.fixture(scope="module")
-def good_store(tiny_model_dir, word_corpus, tmp_path_factory):
-    store = tmp_path_factory.mktemp("good") / "s.zarr"
-    extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
-                           num_sequences=3, store=str(store), run_id="r", progress=False))
-    return store
+@pytest.fixture
+def good_store(extracted_store):
+    """Run r of the tiny llama: 3 sequences at L = 16."""
+    return extracted_store()
 
 
 @pytest.fixture
 def store(good_store, tmp_path):
-    copy = tmp_path / "s.zarr"
-    shutil.copytree(good_store, copy)
-    return copy
+    return copy_store(good_store, tmp_path)
 
 
 def problems_of(path) -> list[str]:
@@ -124,3 +119,18 @@ def test_not_a_store(tmp_path):
     assert problems_of(tmp_path / "plain.zarr") == [
         "not an attngeom store (no attngeom schema version in its root attributes)"
     ]
+
+
+def test_deep_validate_names_a_corrupt_chunk(extracted_store, tmp_path):
+    store = copy_store(extracted_store(Run(sequences=2)), tmp_path)
+    shard = store / "runs/r/attn_last/c/1/0/0/0"
+    data = bytearray(shard.read_bytes())
+    data[40] ^= 0xFF
+    shard.write_bytes(data)
+    runner = CliRunner()
+    assert runner.invoke(main, ["validate", "--store", str(store)]).exit_code == 0  # metadata is fine
+    deep = runner.invoke(main, ["validate", "--deep", "--store", str(store)])
+    assert deep.exit_code == 1
+    (line,) = deep.output.strip().splitlines()
+    assert line.startswith("array 'runs/r/attn_last' chunk c/1/0/0/0 (sequence 1) is damaged")
+    assert "checksum" in line
