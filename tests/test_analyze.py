@@ -75,12 +75,10 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def analyzed(tiny_model_dir, word_corpus, tmp_path_factory, cluster):
+def analyzed(extracted_store, tmp_path_factory, cluster):
     """Two runs (Llama with GQA; Gemma 3 with a 6-key sliding window at L=16), analyzed."""
-    store = tmp_path_factory.mktemp("an") / "s.zarr"
-    for arch in ("llama", "gemma3"):
-        extract(ExtractRequest(model=str(tiny_model_dir(arch)), dataset=str(word_corpus), context_length=16,
-                               num_sequences=3, store=str(store), run_id=arch, progress=False))
+    store = copy_store(extracted_store(Run("llama", 3, "llama"), Run("gemma3", 3, "gemma3")),
+                       tmp_path_factory.mktemp("an"))
     out = tmp_path_factory.mktemp("tables")
     analyze(str(store), scheduler=cluster.scheduler_address, n_grid=GRID, out=out, progress=False)
     return store, out
