@@ -56,18 +56,8 @@ def good_copy(good_store, tmp_path):
 # ------------------------------------------------------------------ validate on a good store and on broken ones
 
 
-def problems_of(path) -> list[str]:
-    result = CliRunner().invoke(main, ["validate", "--store", str(path)])
-    lines = result.output.strip().splitlines()
-    if result.exit_code == 0:
-        assert lines == [f"{path}: valid"]
-        return []
-    assert result.exit_code == 1
-    return lines
-
-
 def test_good_store_is_valid_and_opens_with_xarray(good_store):
-    assert problems_of(good_store) == []
+    assert validate(good_store) == []
     ds = xr.open_zarr(str(good_store), group="runs/r")
     assert set(ds.coords) >= {"layer", "head", "kv_head", "pos", "head_kv"}
     assert ds["head_kv"].dims == ("head",)
@@ -83,7 +73,7 @@ def test_missing_array(good_copy):
     """An array the run's layout names, gone whole: its metadata is rebuilt from the layout by
     --repair, which then finds its sequences without their chunks (extract rewrites them)."""
     shutil.rmtree(good_copy / "runs/r/entropy")
-    assert problems_of(good_copy) == [
+    assert validate(good_copy) == [
         f"runs/r/entropy/zarr.json is missing (lost metadata of a run array); run `attngeom validate --store "
         f"{good_copy} --repair` to rebuild it",
         f"the root's consolidated metadata (read by xr.open_zarr) is out of date for runs/r/entropy (a writer was "
@@ -96,7 +86,7 @@ def test_wrong_dtype_and_dims(good_copy):
     shape = run["sink_attn"].shape
     run.create_array("sink_attn", shape=shape, dtype="float64", dimension_names=("seq", "layer", "head", "query"), overwrite=True)
     run.create_array("top1_attn", shape=shape, dtype="float32", dimension_names=("seq", "layer", "head", "key"), overwrite=True)
-    lines = problems_of(good_copy)
+    lines = validate(good_copy)
     assert "run r: array 'sink_attn' has dtype float64, expected float32" in lines
     assert "run r: array 'top1_attn' has dims ('seq', 'layer', 'head', 'key'), expected ('seq', 'layer', 'head', 'query')" in lines
 
@@ -127,7 +117,7 @@ def test_schema_version_from_the_future(good_copy):
     meta["attributes"]["attngeom"]["schema_version"] = 2
     meta.pop("consolidated_metadata", None)
     (good_copy / "zarr.json").write_text(json.dumps(meta))
-    (line,) = problems_of(good_copy)
+    (line,) = validate(good_copy)
     assert "schema version 2, newer than this attngeom" in line
 
 
@@ -136,7 +126,7 @@ def test_partly_written_and_unwritten_sequences(good_copy):
     resize_run(run, 6)
     run["tokens"][3] = run["tokens"][0]  # an interrupted write of sequence 3: no commit flag
     shutil.rmtree(good_copy / "runs/r/values/c/1")  # a committed sequence that lost a shard
-    lines = problems_of(good_copy)
+    lines = validate(good_copy)
     assert (f"run r: sequence 1 is marked complete but lacks values; run `attngeom validate --store {good_copy} --deep "
             "--repair` to uncommit sequence 1, then the run's extract command again to rewrite it") in lines
     assert any(line.startswith("run r: sequence 3 is only partly written") for line in lines)
@@ -144,9 +134,9 @@ def test_partly_written_and_unwritten_sequences(good_copy):
 
 
 def test_not_a_store(tmp_path):
-    assert problems_of(tmp_path / "nothing") == [f"no Zarr store at {tmp_path / 'nothing'}"]
+    assert validate(tmp_path / "nothing") == [f"no Zarr store at {tmp_path / 'nothing'}"]
     zarr.open_group(str(tmp_path / "plain.zarr"), mode="w")
-    assert problems_of(tmp_path / "plain.zarr") == [
+    assert validate(tmp_path / "plain.zarr") == [
         "not an attngeom store (no attngeom schema version in its root attributes)"
     ]
 
