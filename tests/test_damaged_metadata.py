@@ -31,7 +31,7 @@ import attngeom as ag
 from attngeom.cli import main
 from attngeom.errors import DamagedStoreError, ForeignFileError, GroupNotFoundError
 from attngeom.store import validate_store
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 A = "runs/r/analysis"
 

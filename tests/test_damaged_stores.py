@@ -31,7 +31,7 @@ from stores import Run, copy_store
 from attngeom.api import ablate, analyze
 from attngeom.cli import main
 from attngeom.store import FORMAT, SEQUENCE_ARRAYS, resize_run, validate_store
-from attngeom.store.schema import ANALYSIS
+from attngeom.store.objects.schema import ANALYSIS
 from attngeom.store.session import StoreSession
 
 S = ABLATED_SEQUENCES
@@ -95,7 +95,7 @@ def test_bfloat16_values_without_their_encoding(tmp_path):
     """A bfloat16-valued run whose values lost the attribute naming their encoding would pass
     bit patterns off as numbers: validate names it (and the reverse)."""
     from attngeom.store import validate_store
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     for values_dtype in ("bfloat16", "float32"):
         store = tmp_path / f"{values_dtype}.zarr"
@@ -436,7 +436,7 @@ def test_an_unwritable_chunk_path_is_one_line(tiny_model_dir, word_corpus, tmp_p
 @pytest.fixture(scope="module")
 def synthetic_source(tmp_path_factory) -> Path:
     """A synthetic run of 4 sequences holding every per-sequence array (rows at queries too)."""
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     url = tmp_path_factory.mktemp("synthetic") / "s.zarr"
     write_synthetic_run(str(url), "syn", n_seq=4, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, length=8,
@@ -642,7 +642,7 @@ def test_consolidated_metadata_is_refreshed_after_a_killed_extract(ablated_store
     """An extract appending sequences, interrupted before it refreshes the consolidated
     metadata: validate names it, and the rerun (with nothing left to write) refreshes it,
     so that the README's xr.open_zarr sees every committed sequence."""
-    import attngeom.store.run_write as run_write
+    import attngeom.store.extracted.run_write as run_write
 
     store = tmp_path / "s.zarr"
     shutil.copytree(ablated_store_source, store)
@@ -729,7 +729,7 @@ def test_a_corrupt_kept_chunk_met_by_an_appending_analyze_is_rewritten_under_dee
     import attngeom as ag
     from attngeom.errors import CorruptChunkError
     from attngeom.store import RunLayout, consolidate, create_run, open_or_create_root, write_sequence
-    from attngeom.synthetic import synthetic_sequence
+    from attngeom.extract.synthetic import synthetic_sequence
 
     layout = RunLayout(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, length=32, head_kv=(0, 0, 1, 1),
                        window=(0, 0), attendable=((True,) * 32,) * 2, queries=())

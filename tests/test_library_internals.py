@@ -15,7 +15,7 @@ import pytest
 import zarr
 from fsspec.asyn import AsyncFileSystem
 
-from attngeom.store import cache
+from attngeom.store.objects import cache
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ def _fs_coroutines() -> set[str]:
 
 def test_the_file_system_coroutines_the_store_awaits_are_fsspecs_async_api():
     """Each is the async twin of a public method of every async file system (its name less
-    the underscore), as store/_zarr.py explains."""
+    the underscore), as store/objects/_zarr.py explains."""
     used = _fs_coroutines()
     assert used >= {"_cat_file", "_pipe_file", "_ls", "_find", "_cp_file", "_rm"}, used
     for name in sorted(used):

@@ -17,10 +17,11 @@ import pytest
 import xarray as xr
 from stores import Run
 
-from attngeom.store import open_root, open_run_group, run_ids, stored_objects, validate_store
-from attngeom.store.stored_objects import chunk_objects
-from attngeom.store.validate import check_run
-from attngeom.synthetic import write_synthetic_run
+from attngeom.store import open_root, open_run_group, run_ids, validate_store
+from attngeom.store.objects import stored_objects
+from attngeom.store.objects.stored_objects import chunk_objects
+from attngeom.store.extracted.checks import check_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 S = 10
 

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from attngeom.errors import InputError
 from attngeom.extract.families import supported_config
 from attngeom.extract.placement import uses_accelerator
+from attngeom.extract.saved_tokenizer import folder_tokenizer
 from attngeom.extract.sources import OFFLINE_MODELS, cache_dir, hub_address
 # float32-tf32: float32 weights and activations, float32 matmuls in TF32 on a GPU (inside
 # extract's forward only: pipeline._matmul_precision).
@@ -333,9 +334,7 @@ def load_config(source: ModelSource) -> Any:
 
 
 def load_tokenizer(source: ModelSource) -> Any | None:
-    """The model's tokenizer; None where it has none (:func:`attngeom.extract.tokenizing.folder_tokenizer`)."""
-    from attngeom.extract.tokenizing import folder_tokenizer
-
+    """The model's tokenizer; None where it has none (:func:`attngeom.extract.saved_tokenizer.folder_tokenizer`)."""
     return folder_tokenizer(_folder(source), source.name)
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from attngeom import __version__
+from attngeom.version import __version__
 from attngeom.errors import AttngeomWarning, InputError, UnsupportedModelError
 from attngeom.extract.capture import (
     ATTN_IMPLEMENTATION,
@@ -71,9 +71,9 @@ from attngeom.extract.request import (
     values_dtype_refusal,
 )
 from attngeom.store import RUN_ID_PATTERN, RunLayout, default_run_id, jsonable
-from attngeom.store.run_write import Begun
-from attngeom.store.runs import IN_FLIGHT
-from attngeom.store.schema import BFLOAT16
+from attngeom.store.extracted.run_write import Begun
+from attngeom.store.extracted.runs import IN_FLIGHT
+from attngeom.store.objects.schema import BFLOAT16
 from attngeom.store.session import StoreSession
 
 @dataclass(frozen=True)
