@@ -66,7 +66,7 @@ def measure(store: str, length: int, positions: tuple[int, ...], reps: int) -> d
     H = head_kv.size
 
     def per_query():
-        return blocks._query_block(
+        return blocks.query_block(
             block_id=(0, 0), seqs=np.array([0]), store=store, inputs=(run["attn_rows"], run["values"]),
             attendable=attendable, head_kv=head_kv, positions=np.asarray(positions), n_grid=grid, seed=0)
 

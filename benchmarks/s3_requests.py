@@ -52,6 +52,9 @@ def counted() -> Iterator[collections.Counter]:
     """Count every S3 request made in the block by (operation, what it names)."""
     from aiobotocore.client import AioBaseClient
 
+    # aiobotocore's private entry of every request: botocore's public event hooks need the
+    # client, which s3fs makes inside each file system. tests/test_s3_requests.py counts the
+    # same way and fails when this stops counting.
     counts: collections.Counter = collections.Counter()
     original = AioBaseClient._make_api_call
 

@@ -152,21 +152,57 @@ def word_corpus(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def extracted_store(tiny_model_dir, word_corpus, tmp_path_factory):
+    """Factory: the store holding ``runs`` (`stores.Run`, a llama run r of 3 sequences at
+    L = 16 by default), extracted once per session for every test asking for the same runs;
+    never changed (copy it with `stores.copy_store` to change it)."""
+    from stores import Run, build_extracted
+
+    made: dict[tuple, Path] = {}
+
+    def make(*runs: Run) -> Path:
+        runs = runs or (Run(),)
+        if runs not in made:
+            made[runs] = build_extracted(tmp_path_factory.mktemp("extracted") / "s.zarr", runs, tiny_model_dir,
+                                         word_corpus)
+        return made[runs]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def analyzed_store(extracted_store, tmp_path_factory):
+    """Factory: `extracted_store`'s store of ``runs``, every run analyzed with threads on the
+    grid ``n_grid``, once per session for each (runs, n_grid); never changed."""
+    from stores import Run, build_analyzed, copy_store
+
+    made: dict[tuple, Path] = {}
+
+    def make(*runs: Run, n_grid: tuple[int, ...] = (1, 2, 4)) -> Path:
+        runs = runs or (Run(),)
+        key = (runs, tuple(n_grid))
+        if key not in made:
+            made[key] = build_analyzed(copy_store(extracted_store(*runs), tmp_path_factory.mktemp("analyzed")),
+                                       key[1])
+        return made[key]
+
+    return make
+
+
 # Sequences of the `ablated_store` fixture's run r.
 ABLATED_SEQUENCES = 6
 
 
 @pytest.fixture(scope="session")
-def ablated_store_source(tiny_model_dir, word_corpus, tmp_path_factory) -> Path:
+def ablated_store_source(analyzed_store, tmp_path_factory) -> Path:
     """A real store: run r, ABLATED_SEQUENCES sequences of a tiny llama (L = 16), analyzed
     (n grid 1, 2, 4) and ablated; never changed (see `ablated_store`)."""
-    from attngeom.api import ablate, analyze
-    from attngeom.extract.pipeline import ExtractRequest, extract
+    from stores import Run, copy_store
 
-    store = tmp_path_factory.mktemp("ablated") / "s.zarr"
-    extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
-                           num_sequences=ABLATED_SEQUENCES, store=str(store), run_id="r", progress=False))
-    analyze(str(store), scheduler="threads", n_grid=[1, 2, 4], progress=False)
+    from attngeom.api import ablate
+
+    store = copy_store(analyzed_store(Run(sequences=ABLATED_SEQUENCES)), tmp_path_factory.mktemp("ablated"))
     ablate(str(store), "r", device="cpu", random_masks=2, retention=[1.0, 0.5], progress=False)
     return store
 
@@ -174,11 +210,9 @@ def ablated_store_source(tiny_model_dir, word_corpus, tmp_path_factory) -> Path:
 @pytest.fixture
 def ablated_store(ablated_store_source, tmp_path) -> Path:
     """A copy of `ablated_store_source` of the test's own, to damage."""
-    import shutil
+    from stores import copy_store
 
-    copy = tmp_path / "s.zarr"
-    shutil.copytree(ablated_store_source, copy)
-    return copy
+    return copy_store(ablated_store_source, tmp_path)
 
 
 FORMAT1_STORE = Path(__file__).parent / "data" / "store-format1.tar.gz"

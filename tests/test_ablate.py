@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 import xarray as xr
 from scipy import stats
+from stores import Run, copy_store
 
 from attngeom.ablate import parse_heads
 from attngeom.ablate.kernels import (
@@ -32,7 +33,6 @@ from attngeom.ablate.masking import (
 from attngeom.api import ablate
 from attngeom.errors import AttngeomError
 from attngeom.extract.models import load_model, resolve_model
-from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.store import open_dataset, open_root, open_run_group, zarr_store
 from attngeom.store.session import StoreSession
 
@@ -75,11 +75,9 @@ def reference_nll(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tens
 
 
 @pytest.fixture(scope="module")
-def store(tiny_model_dir, word_corpus, tmp_path_factory) -> str:
+def store(extracted_store, tmp_path_factory) -> str:
     """A tiny llama run of 6 sequences (L = 16) with a stand-in analysis/heads holding regimes."""
-    path = str(tmp_path_factory.mktemp("ablate") / "s.zarr")
-    extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
-                           num_sequences=6, store=path, run_id="r", progress=False))
+    path = str(copy_store(extracted_store(Run(sequences=6)), tmp_path_factory.mktemp("ablate")))
     heads = xr.Dataset(
         {"regime": (("layer", "head"), REGIMES), "C": (("layer", "head"), np.arange(12.0).reshape(3, 4) ** 0.5)},
         coords={"layer": np.arange(3, dtype="int32"), "head": np.arange(4, dtype="int32")},
@@ -294,10 +292,8 @@ def test_keep_mask_ranking():
     assert not np.array_equal(draws[0], draws[1])
 
 
-def test_type_guided_skipped_without_regimes(tiny_model_dir, word_corpus, tmp_path):
-    path = str(tmp_path / "s.zarr")
-    extract(ExtractRequest(model=str(tiny_model_dir("mistral")), dataset=str(word_corpus), context_length=12,
-                           num_sequences=3, store=path, run_id="q", progress=False))
+def test_type_guided_skipped_without_regimes(extracted_store, tmp_path):
+    path = str(copy_store(extracted_store(Run("mistral", run_id="q", length=12)), tmp_path))
     with pytest.warns(UserWarning, match="type-guided sparsification skipped"):
         out = ablate(path, "q", device="cpu", retention=(1.0, 0.5), random_masks=2, out=tmp_path / "tables",
                      progress=False)

@@ -24,6 +24,7 @@ import xarray as xr
 import zarr
 from click.testing import CliRunner
 from conftest import extract
+from stores import Run, copy_store
 from test_analyze_kernels import brute_topn, brute_value_statistics
 
 from attngeom.analyze import runner
@@ -74,12 +75,10 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def analyzed(tiny_model_dir, word_corpus, tmp_path_factory, cluster):
+def analyzed(extracted_store, tmp_path_factory, cluster):
     """Two runs (Llama with GQA; Gemma 3 with a 6-key sliding window at L=16), analyzed."""
-    store = tmp_path_factory.mktemp("an") / "s.zarr"
-    for arch in ("llama", "gemma3"):
-        extract(ExtractRequest(model=str(tiny_model_dir(arch)), dataset=str(word_corpus), context_length=16,
-                               num_sequences=3, store=str(store), run_id=arch, progress=False))
+    store = copy_store(extracted_store(Run("llama", 3, "llama"), Run("gemma3", 3, "gemma3")),
+                       tmp_path_factory.mktemp("an"))
     out = tmp_path_factory.mktemp("tables")
     analyze(str(store), scheduler=cluster.scheduler_address, n_grid=GRID, out=out, progress=False)
     return store, out
@@ -162,6 +161,23 @@ def test_cli_local_cluster_of_processes(analyzed, tmp_path):
     assert bad.exit_code == 2 and "no run 'nope'" in bad.stderr
 
 
+def test_multiprocess_cluster_matches_threads(extracted_store, analyzed_store, tmp_path):
+    """The same run analyzed by threads and, in a copy of the store never analyzed, by a
+    cluster of two worker processes: equal results, and the cluster did the computing."""
+    from distributed import Client, LocalCluster, get_task_stream
+
+    run = Run("mistral", sequences=3)
+    by_cluster = copy_store(extracted_store(run), tmp_path)
+    with (LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+          Client(cluster) as client, get_task_stream(client) as stream):
+        analyze(str(by_cluster), scheduler=cluster.scheduler_address, n_grid=[1, 2, 8], progress=False)
+    assert stream.data, "the cluster computed nothing"
+    by_threads = str(analyzed_store(run, n_grid=(1, 2, 8)))
+    for g in ("topn", "values", "heads", "summary"):
+        xr.testing.assert_identical(read_group(str(by_cluster), "r", ANALYSIS, g).load(),
+                                    read_group(by_threads, "r", ANALYSIS, g).load())
+
+
 # ------------------------------------------------------------------ incremental and safe to kill
 
 
@@ -187,24 +203,22 @@ def assert_bitwise(a: dict[str, xr.Dataset], b: dict[str, xr.Dataset]) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama_stores(tiny_model_dir, word_corpus, tmp_path_factory):
+def llama_stores(tiny_model_dir, word_corpus, extracted_store, tmp_path_factory):
     """Run r of the tiny Llama (L = 16): 3 sequences, and the same run extracted to 5."""
-    folder = tmp_path_factory.mktemp("inc")
     model = tiny_model_dir("llama")
-    extract_llama(model, word_corpus, folder / "three.zarr", 3)
-    shutil.copytree(folder / "three.zarr", folder / "five.zarr")
-    extract_llama(model, word_corpus, folder / "five.zarr", 5)
-    return folder / "three.zarr", folder / "five.zarr", model
+    three = extracted_store(Run(sequences=3))
+    five = copy_store(three, tmp_path_factory.mktemp("inc"), "five.zarr")
+    extract_llama(model, word_corpus, five, 5)
+    return three, five, model
 
 
 @pytest.fixture(scope="module")
-def reference(llama_stores, tmp_path_factory):
+def reference(llama_stores, analyzed_store, tmp_path_factory):
     """Uninterrupted analyses: 5 sequences with GRID and with [1, 4]; 3 sequences with GRID."""
-    three, five, _ = llama_stores
-    out = {}
-    for key, source, grid in (("five", five, GRID), ("five_14", five, [1, 4]), ("three", three, GRID)):
-        store = tmp_path_factory.mktemp("ref") / "s.zarr"
-        shutil.copytree(source, store)
+    _, five, _ = llama_stores
+    out = {"three": analysis(analyzed_store(Run(sequences=3), n_grid=tuple(GRID)))}
+    for key, grid in (("five", GRID), ("five_14", [1, 4])):
+        store = copy_store(five, tmp_path_factory.mktemp("ref"))
         analyze(str(store), scheduler="threads", n_grid=grid, progress=False)
         out[key] = analysis(store)
     return out

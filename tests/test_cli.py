@@ -15,6 +15,7 @@ import click
 import pytest
 from click.testing import CliRunner
 from conftest import cli_in_fresh_process
+from stores import Run
 
 import attngeom as ag
 from attngeom.cli import main
@@ -94,16 +95,10 @@ def refusal(*args: str) -> str:
     return lines[0].removeprefix("attngeom: error: ")
 
 
-@pytest.fixture(scope="module")
-def extracted(tiny_model_dir, word_corpus, tmp_path_factory):
+@pytest.fixture
+def extracted(tiny_model_dir, word_corpus, extracted_store):
     """(model folder, corpus folder, store) with run r: 2 sequences of a tiny llama at L = 16."""
-    from attngeom.extract.pipeline import ExtractRequest, extract
-
-    model = tiny_model_dir("llama")
-    store = tmp_path_factory.mktemp("extracted") / "s.zarr"
-    extract(ExtractRequest(model=str(model), dataset=str(word_corpus), context_length=16, num_sequences=2,
-                           store=str(store), run_id="r", progress=False))
-    return model, word_corpus, store
+    return tiny_model_dir("llama"), word_corpus, extracted_store(Run(sequences=2))
 
 
 def extract_args(extracted, **options: str) -> list[str]:

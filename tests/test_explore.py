@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner
-from conftest import extract
 from hypothesis import given, settings, strategies as st
+from stores import Run, copy_store
 
 from attngeom.analyze.kernels import topn_metrics
 from attngeom.api import analyze
@@ -26,7 +26,6 @@ from attngeom.cli import main
 from attngeom.errors import InputError, RunNotFoundError, StoreNotFoundError
 from attngeom.explore.geometry import value_picture
 from attngeom.analyze.palette import REGIME_COLORS
-from attngeom.extract.request import ExtractRequest
 from attngeom.store import open_dataset
 from attngeom.store.session import StoreSession
 
@@ -106,15 +105,13 @@ def test_projection_is_a_contraction_with_s_n_in_place():
 
 
 @pytest.fixture(scope="module")
-def store(tiny_model_dir, word_corpus, tmp_path_factory) -> str:
+def store(extracted_store, tmp_path_factory) -> str:
     """Run "a": tiny Llama (3 layers x 4 heads, 2 kv heads), analyzed, with an ablation table;
     run "g": tiny Gemma 3 (layers 0 and 2 slide a window of 6), analyzed; run "raw": extracted in
     bfloat16, never analyzed."""
-    url = str(tmp_path_factory.mktemp("explore") / "store.zarr")
-    for run_id, arch, n, dtype in (("a", "llama", 3, "auto"), ("g", "gemma3", 1, "auto"),
-                                   ("raw", "llama", 2, "bfloat16")):
-        extract(ExtractRequest(model=str(tiny_model_dir(arch)), dataset=str(word_corpus), context_length=LENGTH,
-                               num_sequences=n, store=url, run_id=run_id, dtype=dtype, progress=False))
+    runs = (Run("llama", 3, "a", LENGTH), Run("gemma3", 1, "g", LENGTH),
+            Run("llama", 2, "raw", LENGTH, (("dtype", "bfloat16"),)))
+    url = str(copy_store(extracted_store(*runs), tmp_path_factory.mktemp("explore"), "store.zarr"))
     for run_id in ("a", "g"):
         analyze(url, run_id=run_id, scheduler="threads", n_grid=GRID, progress=False)
     # What `attngeom ablate` writes to ablation/single (it needs the model's weights).

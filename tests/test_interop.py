@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 import xarray as xr
 import zarr
-from conftest import assert_tensorstore_reads, extract
+from conftest import assert_tensorstore_reads
+from stores import Run, copy_store
 
-from attngeom.api import analyze
 from attngeom.api import ablate
-from attngeom.extract.request import ExtractRequest
 from attngeom.store import (
     FORMAT,
     LABEL_ORDERS,
@@ -40,14 +39,12 @@ CORE = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", 
 
 
 @pytest.fixture(scope="module")
-def built(tiny_model_dir, word_corpus, tmp_path_factory) -> Path:
+def built(analyzed_store, tmp_path_factory) -> Path:
     """A real store: 4 sequences of a tiny llama (L = 16) with rows kept at queries 5, 10 and
     15 (attn_rows, topn_by_query), analyzed and ablated; no head is critical, so
     ``ablation/critical`` holds zero-length arrays."""
-    store = tmp_path_factory.mktemp("interop") / "s.zarr"
-    extract(ExtractRequest(model=str(tiny_model_dir("llama")), dataset=str(word_corpus), context_length=16,
-                           num_sequences=4, store=str(store), run_id="r", queries="every:5", progress=False))
-    analyze(str(store), scheduler="threads", n_grid=[1, 2, 4], progress=False)
+    store = copy_store(analyzed_store(Run(sequences=4, options=(("queries", "every:5"),))),
+                       tmp_path_factory.mktemp("interop"))
     ablate(str(store), "r", device="cpu", random_masks=2, retention=[1.0, 0.5], progress=False)
     return store
 
@@ -196,3 +193,29 @@ def test_tensorstore_reads_bfloat16_values_as_their_bit_patterns(tmp_path):
     values = open_dataset(StoreSession.reading(str(store)).zstore, str(store), "runs/r")["values"].values
     assert values.dtype == np.float32 and np.array_equal((bits.astype(np.uint32) << 16).view(np.float32), values)
     assert np.array_equal(bits, zarr.open_array(str(store), path="runs/r/values", mode="r")[:])
+
+
+def _label_codes_brute(values):
+    """label_codes one value at a time: labels by first appearance, bytes decoded, -1 for non-strings."""
+    labels, codes = {}, []
+    for value in values.ravel():
+        value = value.decode() if isinstance(value, bytes) else value
+        codes.append(labels.setdefault(value, len(labels)) if isinstance(value, str) else -1)
+    return list(labels), np.asarray(codes, dtype=np.int64).reshape(values.shape)
+
+
+def test_label_codes_equal_their_brute_force_twin():
+    from attngeom.store import label_codes
+
+    pool = ["a", "b", "", "c d", None, b"a", b"e", float("nan"), 3]
+    rng = np.random.default_rng(0)
+    cases = [np.array(["x", "y", "x"]), np.array([b"x", b"z"]), np.empty((0, 3), dtype=object)]
+    for _ in range(200):
+        n = int(rng.integers(0, 40)) // 2 * 2
+        cases.append(np.array([pool[i] for i in rng.integers(0, len(pool), n)], dtype=object).reshape(2, n // 2))
+    for values in cases:
+        labels, codes = label_codes(values)
+        want_labels, want_codes = _label_codes_brute(values)
+        assert labels == want_labels
+        np.testing.assert_array_equal(codes, want_codes)
+        assert codes.dtype == np.int64 and codes.shape == values.shape

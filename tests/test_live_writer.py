@@ -22,8 +22,7 @@ import pytest
 
 import attngeom as ag
 from attngeom.errors import InProgressError
-from test_damage import one_error, run, validate
-from test_recovery import assert_same_tree
+from damage import assert_same_tree, one_error, run, validate
 
 A = "runs/r/analysis"
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}

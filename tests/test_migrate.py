@@ -18,7 +18,7 @@ import pytest
 import xarray as xr
 import zarr
 from click.testing import CliRunner
-from conftest import extract
+from conftest import extract, moto_s3
 
 from attngeom.api import analyze
 from attngeom.cli import main
@@ -32,6 +32,7 @@ from attngeom.store import (
     has_checksum,
     open_root,
     validate_store,
+    zarr_store,
 )
 from attngeom.store.integrity import migrate as store_migrate
 
@@ -188,6 +189,21 @@ def test_migrate_memory_store(format1_store):
     assert (report.source, report.target, report.arrays) == (1, FORMAT, 150)
     assert_same_contents(before, contents(url))
     assert validate_store(url, deep=True) == []
+
+
+def test_s3_store_migrates(format1_store):
+    with moto_s3():
+        url = "s3://attngeom/format1.zarr"
+        fsspec.filesystem("s3").put(str(format1_store), url.removeprefix("s3://"), recursive=True)
+        assert validate_store(url)[0].startswith(
+            f"store format 1 is older than the one this attngeom writes ({FORMAT}) and has no chunk checksums")
+        result = CliRunner().invoke(main, ["migrate", "--store", url, "--no-progress"])
+        assert result.exit_code == 0, result.output
+        assert f"format 1 -> {FORMAT}: rewrote 150 arrays" in result.output
+        assert validate_store(url, deep=True) == []
+        values = xr.open_zarr(zarr_store(url, read_only=True), group="runs/tiny-llama")["values"]
+        before = xr.open_zarr(str(format1_store), group="runs/tiny-llama")["values"]
+        np.testing.assert_array_equal(values.values, before.values)
 
 
 def test_current_store_needs_nothing_and_future_format_is_refused(tiny_model_dir, word_corpus, tmp_path):

@@ -1,6 +1,7 @@
 """A researcher's own checkpoint: tiny random models of several families saved with
 ``save_pretrained`` alone (no tokenizer), through extract (a corpus, token ids), report,
-ablate and detect, from the command line and from Python."""
+ablate and detect, from the command line and from Python; and a stranger's folder (counts no
+machine could hold, weights not whole or unreadable) refused in one line."""
 
 from __future__ import annotations
 
@@ -291,3 +292,75 @@ def test_explore_shows_ids_for_a_run_without_a_tokenizer(folders, extracted):
     assert token_decoder(provenance) == (None, "the run was extracted from token ids without a tokenizer")
     recorded = {**provenance, "tokenizer": {"name_or_path": str(folders["plain"])}}
     assert token_decoder(recorded) == (None, f"{folders['plain']} holds no tokenizer")
+
+
+# ------------------------------------------------------------------ a stranger's model folder
+
+
+def model_folder(folder: Path, config: dict, weights: bytes | None = None) -> Path:
+    """A model folder holding ``config`` as its config.json and, if given, ``weights`` as its
+    model.safetensors."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    if weights is not None:
+        (folder / "model.safetensors").write_bytes(weights)
+    return folder
+
+
+LLAMA = {"model_type": "llama", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 100, "max_position_embeddings": 256}
+
+
+def safetensors_file(data_bytes: int, claimed: int = 16) -> bytes:
+    """A safetensors file of one float32 tensor of ``claimed`` bytes, holding ``data_bytes``."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [claimed // 4], "data_offsets": [0, claimed]}}).encode()
+    return len(header).to_bytes(8, "little") + header + bytes(data_bytes)
+
+
+def test_a_hostile_model_folder_is_refused_in_one_line_before_any_library_loads(tmp_path):
+    """Counts a config.json declares beyond what this machine could hold, or that are no
+    counts, and a safetensors file that is not whole: extract and check-model refuse them in
+    one line, in a fresh interpreter with none of torch, transformers or zarr imported."""
+    huge = model_folder(tmp_path / "huge", dict(LLAMA, num_hidden_layers=10**12))
+    wide = model_folder(tmp_path / "wide", dict(LLAMA, num_hidden_layers=10**6, hidden_size=10**6))
+    text = model_folder(tmp_path / "text", dict(LLAMA, num_hidden_layers="3"))
+    truncated = model_folder(tmp_path / "truncated", LLAMA, safetensors_file(10))
+    junk = model_folder(tmp_path / "junk", LLAMA, b"not a safetensors file")
+    store = str(tmp_path / "s.zarr")
+    cases = {
+        huge: (f"the config of {huge} declares 1,000,000,000,000 layers, more than this machine's "),
+        wide: (f"the config of {wide} declares 1,000,000 layers of hidden size 1,000,000: at least 1.73 EiB of "
+               "weights, more than this machine's memory and free disk ("),
+        text: f"the config of {text} declares num_hidden_layers = '3', which is no count of anything",
+        truncated: (f"{truncated / 'model.safetensors'} is truncated: its tensors take 16 bytes, the file holds 10 "
+                    "after its header; download or save the model again"),
+        junk: (f"{junk / 'model.safetensors'} is truncated or no safetensors file: its header claims "
+               f"{int.from_bytes(b'not a sa', 'little'):,} bytes, the file holds 22"),
+    }
+    commands = [["extract", "--model", str(folder), "--dataset", "wiki-summaries", "-L", "16", "-S", "1",
+                 "--store", store] for folder in cases] + [["check-model", str(folder)] for folder in cases]
+    answers = cli_in_fresh_process(commands)
+    for (code, output, heavy), line in zip(answers, [*cases.values(), *cases.values()]):
+        assert (code, heavy) == (2, []) and output.startswith(f"attngeom: error: {line}"), (output, line)
+        assert output.count("\n") == 1, output
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_weights_the_safetensors_library_cannot_read_are_one_line(tiny_model_dir, tmp_path):
+    """A whole safetensors file whose header names a dtype the library does not know: the
+    load's error, translated by its kind, in one line naming the model."""
+    import shutil as sh
+
+    folder = tmp_path / "model"
+    sh.copytree(tiny_model_dir("llama"), folder)
+    weights = folder / "model.safetensors"
+    raw = weights.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = raw[8:8 + length].replace(b'"F32"', b'"Q7 "', 1)
+    weights.write_bytes(raw[:8] + header + raw[8 + length:])
+    result = CliRunner().invoke(main, ["check-model", str(folder), "--device", "cpu"])
+    code, lines = result.exit_code, result.output.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"attngeom: error: the weights of {folder} cannot be read: Error while deserializing "
+                               "header: "), lines
+    assert lines[0].endswith("; download or save the model again"), lines

@@ -332,7 +332,7 @@ def test_analyze_heals_damaged_query_groups(built, tmp_path):
 def test_explore_checks_the_rows_it_reads(built, tmp_path):
     """A flipped byte in a committed sequence's attn_rows shard: explore ends in one line naming
     the sequence and how to recover, leaving no page."""
-    from test_damage import flip, one_error
+    from damage import flip, one_error
 
     store = tmp_path / "s.zarr"
     shutil.copytree(built[1], store)

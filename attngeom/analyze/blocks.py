@@ -55,12 +55,14 @@ from attngeom.store import (
     read_chunk,
 )
 
-__all__ = ["all_groups", "computed_groups", "has_queries", "has_scores", "sequence_groups", "template_groups"]
+__all__ = [
+    "all_groups", "computed_groups", "has_queries", "has_scores", "query_block", "sequence_groups", "template_groups",
+]
 
 # The columns of a (sequence, layer) block's results (`_analysis_block`).
 _BLOCK_COLUMNS = (*TOPN_VARIABLES, *VALUE_STATISTICS, *(f"votes_{vote}" for vote in VOTES))
 
-# The columns of a (sequence, layer) block's results at the stored queries (`_query_block`):
+# The columns of a (sequence, layer) block's results at the stored queries (`query_block`):
 # every topn variable, then the value statistics of the query's keys (the same at every n).
 _QUERY_COLUMNS = (*TOPN_VARIABLES, *VALUE_STATISTICS)
 
@@ -142,13 +144,14 @@ def _learned_sinks(run: Any, ds: xr.Dataset) -> tuple[Any, ...]:
     return (run["learned_sink_attn"],) if "learned_sink_attn" in ds else ()
 
 
-def _query_block(*, block_id, seqs, store, inputs, attendable, head_kv, positions, n_grid,
-                 seed) -> np.ndarray:
+def query_block(*, block_id: tuple[int, ...], seqs: np.ndarray, store: str, inputs: tuple[Any, ...],
+                attendable: np.ndarray, head_kv: np.ndarray, positions: np.ndarray, n_grid: np.ndarray,
+                seed: int) -> np.ndarray:
     """The (sequence, layer) block ``block_id[:2]`` (sequence seqs[block_id[0]] of the run), read
     here from the run's zarr arrays ``inputs``: attn_rows (H, Q, K), values (KV, K, D) and
     learned_sink_attn (H, L) of a model with learned sinks; attendable (layer, K) the final
-    query's mask, positions (Q,) the queries -> (1, 1, H, Q, n, column) float64 of
-    _QUERY_COLUMNS."""
+    query's mask, positions (Q,) the queries -> (1, 1, H, Q, n, column) float64: the columns
+    are `TOPN_VARIABLES`, then `VALUE_STATISTICS` of the query's keys (the same at every n)."""
     seq, layer = int(seqs[block_id[0]]), block_id[1]
     rows, kv_values, *learned = (read_chunk(store, arr, (seq, layer)) for arr in inputs)
     out = np.empty((rows.shape[0], len(positions), len(n_grid), len(_QUERY_COLUMNS)))
@@ -174,7 +177,7 @@ def _query_blocks(store: str, run: Any, ds: xr.Dataset, grid: np.ndarray, seed: 
     """Lazy (seq, layer, head, query_pos, n, column) float64 of the sequences of ``ds`` (the run
     group ``run`` of ``store``, opened by ``open_completed``): one task per (sequence, layer)."""
     return da.map_blocks(
-        _query_block,
+        query_block,
         chunks=((1,) * ds.sizes["seq"], (1,) * ds.sizes["layer"], (ds.sizes["head"],),
                 (ds.sizes["query_pos"],), (len(grid),), (len(_QUERY_COLUMNS),)),
         dtype=np.float64, meta=np.empty((0,) * 6),

@@ -25,6 +25,9 @@ from numba.core import caching
 import attngeom.store.objects.schema
 
 # numba's list of cache locators, tried in order (CacheImpl in recent numba, _CacheImpl before).
+# numba has no public way to key a cached function on more than its own file: a locator of
+# ours goes first in its private list (`_PackageLocator`); tests/test_kernel_cache.py fails
+# when a numba release changes that list or the locator's methods.
 _LOCATORS = getattr(caching, "CacheImpl", None) or caching._CacheImpl
 _PACKAGE = Path(__file__).resolve().parent
 # Every source a compiled loop can read: the package's modules and the schema's names.
@@ -84,8 +87,3 @@ class _PackageLocator(caching._CacheLocator):
 if _PackageLocator not in _LOCATORS._locator_classes:
     _LOCATORS._locator_classes.insert(0, _PackageLocator)
 
-
-def cache_is_warm(dispatchers) -> bool:
-    """Whether numba's cache holds each of the compiled functions dispatchers, built from
-    today's sources (a read of their index files, no compile)."""
-    return all(dispatcher._cache._cache_file._load_index() for dispatcher in dispatchers)

@@ -27,13 +27,13 @@ unit vectors (docs/method.md#arithmetic).
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from attngeom.analyze.kernels import values as kv_values
-from attngeom.analyze.kernels._jit import cache_is_warm
 from attngeom.analyze.kernels.balls import error_bound, group_exact_keys, squared_distances
 from attngeom.analyze.kernels.coherence import Coherence, group_coherence
 from attngeom.analyze.kernels.geometry import TOPN_INTEGERS, group_geometry
@@ -47,6 +47,10 @@ from attngeom.store.objects.schema import TOPN_FLAGS, TOPN_FLOATS, VALUE_STATIST
 MAX_KEYS = 1 << 16
 
 DEFAULT_SETTINGS = KernelSettings()
+
+# A load of the kernels from numba's cache takes under a second, a compile one to two
+# minutes: `compile_kernels` says it compiles once its work has taken longer than this.
+COMPILE_NOTICE_AFTER_S = 3.0
 
 
 def topn_metrics(
@@ -130,21 +134,33 @@ def compile_kernels(*, progress: bool = True) -> None:
     this process: worker processes forked after it share them (the stage calls it before
     forking its workers; otherwise the first call in each process pays it). A compile takes
     one to two minutes on 2 cores, once after installing or changing the package; a load
-    from the cache under a second. progress: say on stderr when it compiles (nothing is said
-    when the cache is warm).
+    from the cache under a second. progress: say on stderr that it compiles once the work has
+    taken longer than `COMPILE_NOTICE_AFTER_S` (nothing is said when the cache is warm).
 
     It compiles what a run takes: the loops for the float64 Gram matrix that only non-finite
     values take (`values.nonsink_gram`) are compiled when a block first needs them."""
-    cold = progress and not cache_is_warm((kv_values.kv_head, pair_statistics, group_aggregates, group_coherence,
-                                           group_exact_keys, group_geometry))
-    if cold:
+    said = threading.Event()
+
+    def say_compiling() -> None:
         print("compiling the analysis kernels (first run only, one to two minutes on 2 cores) ...", end="",
               file=sys.stderr, flush=True)
+        said.set()
+
+    # Timed rather than asked of numba beforehand: numba tells whether its cache served a
+    # function (the dispatcher's `stats`) only once it has loaded or compiled it.
+    notice = threading.Timer(COMPILE_NOTICE_AFTER_S, say_compiling)
     start = time.perf_counter()
-    rng = np.random.default_rng(0)
-    head_metrics(rng.random((2, 8)), rng.normal(size=(2, 8, 2)), np.ones((2, 8), dtype=bool), [1, 2, 4],
-                 head_kv=np.arange(2), random_draws=1)
-    if cold:
+    if progress:
+        notice.start()
+    try:
+        rng = np.random.default_rng(0)
+        head_metrics(rng.random((2, 8)), rng.normal(size=(2, 8, 2)), np.ones((2, 8), dtype=bool), [1, 2, 4],
+                     head_kv=np.arange(2), random_draws=1)
+    finally:
+        notice.cancel()
+        if progress:
+            notice.join()  # a notice already begun is said whole, before its end
+    if said.is_set():
         print(f" done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 

@@ -2,6 +2,15 @@
 
 attngeom works with zarr 3.1.6 and later: keep this module small, and prefer zarr's public
 API (``zarr.buffer``, ``zarr.storage``, ``zarr.api``) wherever it serves.
+
+An FsspecStore's objects are listed, read, written, copied and removed beyond what the Store
+API offers (a write only where absent, a listing with sizes, a copy within the store) through
+its file system's coroutines (``fs._cat_file``, ``fs._pipe_file``, ``fs._ls``, ``fs._find``,
+``fs._cp_file``, ``fs._rm``). The leading underscore is fsspec's name for the async twin of a
+public method, its documented API for async file systems, and what zarr's FsspecStore itself
+awaits: the blocking twins need a loop of fsspec's own, which a file system opened for async
+use, as zarr opens the Store's, does not have. tests/test_library_internals.py checks that
+each is still one.
 """
 
 from __future__ import annotations

@@ -154,8 +154,10 @@ class _CachedFsspecStore(zarr.storage.FsspecStore):
     async def delete_dir(self, prefix: str) -> None:
         # One listing, then the objects found removed in bulk: the file system's recursive
         # removal also asks about the folder itself (on S3 two listings and a HEAD more),
-        # also where nothing is stored.
-        self._check_writable()
+        # also where nothing is stored. Refused on a read-only Store as zarr's own delete_dir
+        # refuses it (its check is private).
+        if self.read_only:
+            raise ValueError("store was opened in read-only mode and does not support writing")
         prefix = prefix.rstrip("/") + "/"
         self._kept.forget(prefix, whole=True)
         keys = [key async for key in self.list_prefix(prefix)]
