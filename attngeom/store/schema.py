@@ -175,6 +175,9 @@ class Variable:
 SUMMARY_DIMS = ("seq", "layer", "head", "query")
 # The windows W of recent_attn, its coordinate ``recent`` (docs/method.md#the-fields-head-scores).
 RECENT_WINDOWS = (16, 64, 256)
+# The per-query summaries a capture keeps of each row (B, H, L) per layer; recent_attn has a
+# last axis of RECENT_WINDOWS.
+QUERY_SUMMARIES = ("sink_attn", "diag_attn", "top1_attn", "entropy", "prev_attn", "recent_attn")
 # The per-query summaries format 5 added: a run migrated from an earlier format lacks them.
 FIELD_SUMMARIES = ("prev_attn", "recent_attn")
 
