@@ -47,7 +47,7 @@ def differences(record: Mapping[str, Any], identity: Mapping[str, Any],
         if now is None:
             continue
         was = record.get(key, _IDENTITY_BEFORE.get(key))
-        if isinstance(now, dict):
+        if key in ("model", "dataset"):
             held = was if isinstance(was, dict) else {}
             if {k: held.get(k) for k in now} != now:
                 out.append(_part_difference(key, held, now, given.get(key)))

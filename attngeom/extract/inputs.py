@@ -126,10 +126,11 @@ def _texts_corpus(texts: Iterable[str]) -> Corpus:
     return Corpus("texts", None, digest.hexdigest(), lambda: texts)
 
 
-def corpus(request: ExtractRequest) -> tuple[Corpus, dict[str, Any]] | None:
+def corpus(plan: ExtractPlan) -> tuple[Corpus, dict[str, Any]] | None:
     """The dataset or texts to window, and their provenance; None for token ids."""
+    request = plan.request
     if request.dataset is not None:
-        opened = open_corpus(request.dataset, split=request.split, text_field=request.text_field)
+        opened = plan.corpus or open_corpus(request.dataset, split=request.split, text_field=request.text_field)
         return opened, {"id": opened.id, "split": opened.split, "fingerprint": opened.fingerprint,
                         "text_field": request.text_field}
     if request.texts is not None:

@@ -96,9 +96,10 @@ class ExtractPlan:
     """A request resolved once and checked (:func:`preflight`): what the rest of extract reads
     instead of the request's raw arguments. ``shard``: (i, n) or None; ``run_id``: the run it
     writes; ``length``: L; ``queries``: the positions whose rows it keeps; ``token_ids``: the
-    caller's token ids as an integer array (S, L), or None; ``identity``: the run's identity
-    as far as the names tell (:func:`attngeom.extract.identity.differences`), and ``given``
-    its values as the command gave them; ``total``: the sequences asked for, where the store
+    caller's token ids as an integer array (S, L), or None; ``corpus``: an offline or local
+    corpus, opened (its documents fingerprinted, nothing tokenized), or None; ``given``: the
+    values of the run's identity as the command gave them, to be said in a refusal
+    (:func:`attngeom.extract.identity.differences`); ``total``: the sequences asked for, where the store
     alone (no model) can tell whether the run holds them all already
     (:func:`attngeom.extract.pipeline.answer`);
     ``lacking``: the arrays an existing run was extracted without (migrated from an earlier
@@ -110,7 +111,7 @@ class ExtractPlan:
     length: int
     queries: tuple[int, ...]
     token_ids: Any = field(default=None, repr=False)
-    identity: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    corpus: Corpus | None = field(default=None, repr=False)
     given: Mapping[str, Any] = field(default_factory=dict, repr=False)
     total: int | None = None
     lacking: tuple[str, ...] = ()
@@ -236,7 +237,7 @@ def preflight(request: ExtractRequest) -> ExtractPlan:
         "compute_dtype": ("float32" if request.dtype == "auto" else request.dtype) if named else None,
     }
     given = {"dataset": request.dataset, **({"queries": request.queries} if isinstance(request.queries, str) else {})}
-    plan = ExtractPlan(request, shard, run_id, length, queries, ids, identity, given)
+    plan = ExtractPlan(request, shard, run_id, length, queries, ids, local, given)
     record = run_record(request.store, run_id)
     if not run_created(record):
         return plan

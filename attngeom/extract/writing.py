@@ -38,7 +38,7 @@ def write_run(plan: ExtractPlan, session: StoreSession) -> ExtractResult:
     (by hand, or ranks of torchrun) fill one run without touching each other's shards.
     """
     request = plan.request
-    source = corpus(request)  # before the model, which may take minutes to load the first time
+    source = corpus(plan)  # before the model, which may take minutes to load the first time
     captured = model(plan)
     bos = bos_token_id(captured.tokenizer, request.bos_token, captured.config, ExtractRequest, plan.token_ids)
     given = inputs(plan, source, captured, bos)
