@@ -83,6 +83,9 @@ def local_run_ids(url: str) -> list[str] | None:
                   and os.path.lexists(p / "zarr.json")) if folder.is_dir() else []
 
 
+_PROBE = ".attngeom-probe-"
+
+
 def require_writable(url: str) -> None:
     """Refuse a local store path that cannot be written, before anything is created: one
     whose parent folder does not exist, or where a file made and removed in the store's
@@ -93,7 +96,9 @@ def require_writable(url: str) -> None:
         return
     if path.exists() and not path.is_dir():
         raise StoreWriteError(f"store path {path} exists and is not a folder")
-    if path.is_dir() and any(path.iterdir()) and not (path / "zarr.json").exists():
+    # A probe (below) is another creator's of the same new store, a moment before its root.
+    if (path.is_dir() and any(not entry.name.startswith(_PROBE) for entry in path.iterdir())
+            and not (path / "zarr.json").exists()):
         raise StoreWriteError(f"{path} is a non-empty folder that is not a Zarr store")
     probe = path if path.exists() else path.parent
     if probe.exists() and not probe.is_dir():
@@ -102,7 +107,7 @@ def require_writable(url: str) -> None:
         # A mistyped folder would otherwise be made, silently, with the store in it.
         raise StoreWriteError(f"cannot create store {path}: its folder {probe} does not exist (make it first)")
     try:
-        fd, name = tempfile.mkstemp(dir=probe, prefix=".attngeom-probe-")
+        fd, name = tempfile.mkstemp(dir=probe, prefix=_PROBE)
         os.close(fd)
         os.unlink(name)
     except OSError as exc:

@@ -143,9 +143,11 @@ class TestAppenders(AppendersMachine.TestCase):
 
 
 @pytest.mark.parametrize("trial", range(3))
-def test_two_creators_of_one_store(s3, trial):
-    """Two extracts creating one store at once: one creates it, the other appends."""
-    url = new_url()
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_two_creators_of_one_store(s3, tmp_path, where, trial):
+    """Two extracts creating one store at once: one creates it, the other appends (on a
+    local disk the second waits at the store's runs folder until the run's own exists)."""
+    url = new_url() if where == "s3" else str(tmp_path / "s.zarr")
     written = together(lambda: append(url, 3), lambda: append(url, 5))
     assert not [w for w in written if isinstance(w, Exception)], written
     assert sorted(s for todo in written for s in todo) == list(range(5))

@@ -49,16 +49,27 @@ class RunLock:
     other's (extract's appends lock ``complete``, not the derived writers' run lock)."""
 
     def __init__(self, folder: Path, run_id: str, what: str, part: str | None = None) -> None:
-        self.folder, self.run_id, self.part = folder, run_id, part
+        self.folder, self.run_id = folder, run_id
+        self.target = folder / run_path(run_id) / (part or "")
         self.path = folder / LEASES / (f"{run_id}.json" if part is None else f"{run_id}.{part}.json")
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "command": what}
         self.fd: int | None = None
 
+    @classmethod
+    def creating(cls, folder: Path, run_id: str, what: str) -> RunLock:
+        """The lock of the store's ``runs`` folder, which a writer creating the run ``run_id``
+        holds until the run's own folder exists and can be locked: two creators of one run
+        then take turns, the second appending to what the first created. Creators of other
+        runs of the store wait for it too, named by the run they create."""
+        lock = cls(folder, run_id, what)
+        lock.target, lock.path = folder / "runs", folder / LEASES / "runs.json"
+        lock.holder["run"] = run_id
+        return lock
+
     def acquire(self) -> None:
         """Wait until the run's lock is this writer's, saying once per holder whom it waits
         for, then name this writer as its holder."""
-        target = self.folder / run_path(self.run_id)
-        self.fd = os.open(target if self.part is None else target / self.part, os.O_RDONLY)
+        self.fd = os.open(self.target, os.O_RDONLY)
         if fcntl is None:
             return
         told = None
@@ -70,7 +81,8 @@ class RunLock:
                 body = _read(self.path)
                 if told != body:
                     told = body
-                    print(f"attngeom: waiting for {holder_words(self.run_id, body)}", file=sys.stderr, flush=True)
+                    print(f"attngeom: waiting for {holder_words(body.get('run', self.run_id), body)}",
+                          file=sys.stderr, flush=True)
                 time.sleep(_POLL_SECONDS)
         since = datetime.now(UTC).isoformat(timespec="seconds")
         while True:

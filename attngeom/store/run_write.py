@@ -103,6 +103,7 @@ class Begun:
         self._state = "new"  # new -> begun -> committed | aborted
         self._exit = contextlib.ExitStack()
         self._lease: Lease | None = None
+        self._creating: RunLock | None = None
 
     def __enter__(self) -> Begun:
         self._require("new", "begin")
@@ -122,12 +123,18 @@ class Begun:
                                     lease_seconds(write.session.lease_seconds), part="complete")
                 self._exit.callback(self._lease.release)
                 self._lease.acquire()
-            run = self._open_run(write.session.fresh_root())
+            root = write.session.fresh_root()
+            run = self._open_run(root)
+            if run is None and path is not None and write.shard is None:
+                # The same on a local disk, where a run's folder must exist to be locked: until
+                # it does (create), the store's runs folder is the lock.
+                root.require_group("runs")
+                self._creating = RunLock.creating(path, write.run_id, "extract")
+                self._exit.callback(self._creating.release)
+                self._creating.acquire()
+                run = self._open_run(write.session.fresh_root())  # what a creator before it wrote
             if run is not None and path is not None and write.shard is None:
-                # The same on a local disk, where the run's folder must exist to be locked.
-                lock = RunLock(path, write.run_id, "extract", part="complete")
-                self._exit.callback(lock.release)
-                lock.acquire()
+                self._lock_run()
                 run = self._open_run(write.session.fresh_root())  # what the other wrote meanwhile
             mine = [i for i in range(self.total) if write.shard is None or i % write.shard[1] == write.shard[0]]
             if run is None:
@@ -150,6 +157,9 @@ class Begun:
             self._confirm()
             if self._run is None:
                 self._run = create_run(self._write.session.root, self._write.run_id, layout, provenance, self.total)
+                if self._creating is not None:  # the run's own lock from here on
+                    self._lock_run()
+                    self._creating.release()
             elif n_sequences(self._run) < self.total:  # grown only once there is something to write
                 resize_run(self._run, self.total)
             fence = None if self._lease is None else self._lease.confirm
@@ -198,6 +208,13 @@ class Begun:
                 self._state = "aborted"
                 if self._new_store and not self._holds_committed():
                     self._write.session.remove()
+
+    def _lock_run(self) -> None:
+        """Hold the lock of the run's appends on a local disk (its ``complete`` array's folder)
+        for the rest of the write."""
+        lock = RunLock(local_path(self._write.url), self._write.run_id, "extract", part="complete")
+        self._exit.callback(lock.release)
+        lock.acquire()
 
     def _open_run(self, root: zarr.Group) -> zarr.Group | None:
         """The run of ``root`` if its creation finished; None if absent or its creation was
