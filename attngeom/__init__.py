@@ -22,8 +22,6 @@ import types
 # are strings, never evaluated); type checkers read the block below as typing.TYPE_CHECKING.
 TYPE_CHECKING = False
 
-__version__ = "0.1.0"
-
 from attngeom.errors import (
     AttngeomError,
     AttngeomWarning,
@@ -42,6 +40,7 @@ from attngeom.errors import (
     StoreWriteError,
     UnsupportedModelError,
 )
+from attngeom.version import __version__
 
 if TYPE_CHECKING:
     from typing import Any

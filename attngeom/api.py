@@ -30,8 +30,8 @@ from attngeom.extract.positions import check_context_length
 from attngeom.extract.request import ExtractRequest
 from attngeom.extract.sources import model_name
 from attngeom.options import keywords_of
-from attngeom.preflight import local_path, local_run_ids, require_run, require_store, run_record
-from attngeom.runcheck import check_device, check_run_model, committed_count
+from attngeom.store.objects.preflight import local_path, local_run_ids, require_run, require_store, run_record
+from attngeom.extract.runcheck import check_device, check_run_model, committed_count
 
 if TYPE_CHECKING:
     import numpy as np
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from attngeom.handles import Store
     from attngeom.report import Report
     from attngeom.store import Repair
-    from attngeom.store.migrate import MigrationReport
+    from attngeom.store.integrity.migrate import MigrationReport
     from attngeom.store.session import StoreSession
 
 __all__ = [
@@ -251,7 +251,7 @@ class Taxonomy:
         """One row per run: counts and percentages of Retriever, Mixer and Reset heads."""
         import pandas as pd
 
-        from attngeom.taxonomy_tables import distribution
+        from attngeom.analyze.taxonomy_tables import distribution
 
         return pd.DataFrame(distribution(self.labels))
 
@@ -260,7 +260,7 @@ class Taxonomy:
         per regime and the share of heads whose label agrees."""
         import pandas as pd
 
-        from attngeom.taxonomy_tables import cross_corpus
+        from attngeom.analyze.taxonomy_tables import cross_corpus
 
         return pd.DataFrame(cross_corpus(self.labels))
 
@@ -269,7 +269,7 @@ class Taxonomy:
         kv_head, regime, vote fractions, value statistics, the mechanistic signatures at
         N = ``signature_n``, the field's scores and classes (docs/method.md#field-classes);
         a score a run lacks is empty (NaN, <NA>)."""
-        from attngeom.head_classes import head_table
+        from attngeom.detect.head_classes import head_table
 
         return head_table(self._reading(), list(self.labels))
 
@@ -277,7 +277,7 @@ class Taxonomy:
         """(layers, kv_heads) in [0, 1], 1 = keep the full KV cache: ``score`` of run
         ``run_id`` (the store's only run by default), a kv head taking the largest of its
         query heads' (docs/cli.md#taxonomy)."""
-        from attngeom.head_classes import kv_scores
+        from attngeom.detect.head_classes import kv_scores
 
         return kv_scores(self._reading(), score, run_id)
 
@@ -289,7 +289,7 @@ class Taxonomy:
         return StoreSession.reading(self.store)
 
     def __str__(self) -> str:
-        from attngeom.taxonomy_tables import format_tables
+        from attngeom.analyze.taxonomy_tables import format_tables
 
         return format_tables(self.labels)
 
@@ -305,7 +305,7 @@ def taxonomy(store: str | Path, *, export: str | Path | None = None, export_kv: 
     before the store is read; folders on the way to a path are made as it is written.
     """
     store = str(store)
-    from attngeom.head_classes import TABLE_SUFFIXES, check_kv_score, check_path
+    from attngeom.detect.head_classes import TABLE_SUFFIXES, check_kv_score, check_path
 
     if export is not None:
         check_path(export, "--export", TABLE_SUFFIXES)
@@ -315,7 +315,7 @@ def taxonomy(store: str | Path, *, export: str | Path | None = None, export_kv: 
     elif score is not None or run_id is not None:
         raise InputError("--score and --run choose what --export-kv writes: give --export-kv too")
     require_store(store)
-    from attngeom.taxonomy_tables import run_regimes
+    from attngeom.analyze.taxonomy_tables import run_regimes
     from attngeom.store.session import StoreSession
 
     session = StoreSession.reading(store)
@@ -324,11 +324,11 @@ def taxonomy(store: str | Path, *, export: str | Path | None = None, export_kv: 
         raise GroupNotFoundError(f"no analyzed run in {store}: run 'attngeom analyze --store {store}' first")
     result = Taxonomy(labels, store, session)
     if export_kv is not None:
-        from attngeom.head_classes import write_kv
+        from attngeom.detect.head_classes import write_kv
 
         write_kv(result.kv_scores(score, run_id), export_kv)
     if export is not None:
-        from attngeom.head_classes import write_table
+        from attngeom.detect.head_classes import write_table
 
         write_table(result.heads(), export)
     return result
@@ -484,7 +484,7 @@ def migrate(store: str | Path, *, progress: bool = True) -> MigrationReport:
     """Bring a store of an older format up to the one this attngeom writes (data unchanged);
     an interrupted migration is finished by running it again."""
     require_store(str(store))
-    from attngeom.store.migrate import migrate as run
+    from attngeom.store.integrity.migrate import migrate as run
 
     return run(str(store), progress=progress)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from attngeom import __version__
+from attngeom.version import __version__
 from attngeom.ablate.request import AblateRequest
 from attngeom.detect.request import DetectRequest
 from attngeom.errors import AttngeomError, AttngeomWarning
@@ -74,7 +74,7 @@ class _Group(click.Group):
         except Exception as exc:
             # A failure of the network met outside the API's own translation (a library's
             # thread, a read deep in Dask): the same one line.
-            from attngeom.store.network import unreachable
+            from attngeom.store.objects.network import unreachable
 
             error = unreachable(ctx.meta.get(_STORE, "at the URL given"), exc)
             if error is None:

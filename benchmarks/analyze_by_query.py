@@ -4,7 +4,7 @@
     python benchmarks/analyze_by_query.py                         # ~2 min on 2 cores
     python benchmarks/analyze_by_query.py --shapes llama2-7b --every 64 --json out.json
 
-For each of the paper's shapes a synthetic store (``attngeom.synthetic.write_synthetic_run``:
+For each of the paper's shapes a synthetic store (``attngeom.extract.synthetic.write_synthetic_run``:
 softmax rows with a heavy sink, Gaussian values) of one layer and ``--sequences`` sequences at
 L = ``--length``, with rows kept at ``every:K`` (the queries L-1, L-1-K, ... down to 1):
 
@@ -40,7 +40,7 @@ from attngeom.analyze.kernels import head_metrics  # noqa: E402
 from attngeom.analyze.parameters import RANDOM_DRAWS, default_n_grid, instance_seed  # noqa: E402
 from attngeom.extract.queries import query_positions  # noqa: E402
 from attngeom.store import TOPN_VARIABLES  # noqa: E402
-from attngeom.synthetic import write_synthetic_run  # noqa: E402
+from attngeom.extract.synthetic import write_synthetic_run  # noqa: E402
 
 RUN = "synthetic"
 OTHER = ("values", "attn_last", "winner", "sink_attn", "diag_attn", "top1_attn", "entropy")

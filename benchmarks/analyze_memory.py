@@ -3,7 +3,7 @@
 
     python benchmarks/analyze_memory.py --json big.json
 
-Synthetic stores of realistic shape (``attngeom.synthetic.write_synthetic_run``; by default
+Synthetic stores of realistic shape (``attngeom.extract.synthetic.write_synthetic_run``; by default
 L = 1024, 16 layers, 4 heads, 4 kv heads, head_dim 256: 64 MiB of float32 values per sequence,
 4 MiB per (sequence, layer) chunk; sizes from ``--seqs``, by default 8 and 36 sequences: 0.5 and
 2.25 GiB of values; random values barely compress, so the store takes about as much disk)
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from common import fmt, int_list, table as md_table
 
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 GiB = 2**30
 MiB = 2**20

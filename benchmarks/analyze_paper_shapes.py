@@ -6,7 +6,7 @@
     python benchmarks/analyze_paper_shapes.py --long mistral-7b     # also L = 4096
     python benchmarks/analyze_paper_shapes.py --against 455de4e     # old: the kernels at that revision
 
-For each shape a synthetic store (``attngeom.synthetic.write_synthetic_run``: softmax rows with
+For each shape a synthetic store (``attngeom.extract.synthetic.write_synthetic_run``: softmax rows with
 a heavy sink, Gaussian values) of ``--layers`` layers and ``--sequences`` sequences at L = 1024:
 
 - **core-ms per instance**, old vs new: ``head_metrics`` on one (sequence, layer) block read
@@ -57,7 +57,7 @@ from common import (
 from threadpoolctl import threadpool_limits
 
 import attngeom as ag
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 # The kernels before they were compiled (numba): numpy throughout.
 NUMPY_KERNELS = "1f327e3^"

@@ -4,7 +4,7 @@
     python benchmarks/analyze_scaling.py --json scaling.json        # ~5 min on 2 cores
 
 ``ag.analyze(store, scheduler="threads")`` wall time on synthetic stores
-(``attngeom.synthetic.write_synthetic_run``) of 2 layers, 8 heads, 2 kv heads, head_dim 128:
+(``attngeom.extract.synthetic.write_synthetic_run``) of 2 layers, 8 heads, 2 kv heads, head_dim 128:
 over L = 128, 512, 1024 at 4 and 8 sequences, and over 8, 16, 32 sequences at L = 512 (each
 repetition analyzes anew: the earlier analysis is deleted). Seconds per head-instance, split
 into the fixed part (what one analyze call costs whatever the number of sequences: the
@@ -35,7 +35,7 @@ import attngeom as ag
 from attngeom.analyze.kernels import topn_metrics, value_statistics
 from attngeom.analyze.parameters import RANDOM_DRAWS, default_n_grid
 from attngeom.analyze.runner import open_completed
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 BLAS = Blas()
 

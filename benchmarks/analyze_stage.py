@@ -4,7 +4,7 @@
     python benchmarks/analyze_stage.py                          # ~10 min on 2 cores
     python benchmarks/analyze_stage.py --shapes llama2-7b --reps 5
 
-For each shape, two synthetic stores (``attngeom.synthetic.write_synthetic_run``) of
+For each shape, two synthetic stores (``attngeom.extract.synthetic.write_synthetic_run``) of
 ``--layers`` layers at L = ``--length``, one of 1 sequence and one of ``--sequences``. In every
 repetition, in this process, order rotating:
 
@@ -45,7 +45,7 @@ from threadpoolctl import threadpool_limits
 import attngeom as ag
 from attngeom.analyze.kernels import head_metrics
 from attngeom.analyze.parameters import RANDOM_DRAWS
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 RUN = "synthetic"
 
@@ -55,11 +55,11 @@ RUN = "synthetic"
 # replaced: a renamed function reads as 0.
 PHASES = (
     ("analyze/runner.py", "_checked_input", "open + check input"),
-    ("store/derived.py", "begin", "record: begin"),
-    ("store/derived.py", "create", "write: create groups"),
-    ("store/derived.py", "append", "write: append batch"),
+    ("store/derived_groups/derived.py", "begin", "record: begin"),
+    ("store/derived_groups/derived.py", "create", "write: create groups"),
+    ("store/derived_groups/derived.py", "append", "write: append batch"),
     ("analyze/reductions.py", "cross_sequence_groups", "reduce across sequences"),
-    ("store/derived.py", "finish", "write: finish + commit"),
+    ("store/derived_groups/derived.py", "finish", "write: finish + commit"),
 )
 BLOCKS = ("analysis_block", "blocks (worker threads, wall)")  # the tasks' name, as Dask's key_split gives it
 PHASE_NAMES = (*(phase for _, _, phase in PHASES), BLOCKS[1])

@@ -4,7 +4,7 @@
     python benchmarks/analyze_stage_incremental.py                 # ~3 min on 2 cores
     python benchmarks/analyze_stage_incremental.py --sequences 12 --length 512 --reps 5
 
-For each shape a synthetic run (the arrays of ``attngeom.synthetic.synthetic_sequence``) of
+For each shape a synthetic run (the arrays of ``attngeom.extract.synthetic.synthetic_sequence``) of
 ``--sequences`` sequences, the first half analyzed before the second half is written: the
 state a researcher is in after extracting more sequences. In every repetition, order
 rotating, on fresh copies of that store:
@@ -31,7 +31,7 @@ from common import fmt, median, rotate, table
 
 import attngeom as ag
 from attngeom.store import RunLayout, analysis_path, consolidate, create_run, open_or_create_root, write_sequence
-from attngeom.synthetic import synthetic_sequence
+from attngeom.extract.synthetic import synthetic_sequence
 
 RUN = "synthetic"
 

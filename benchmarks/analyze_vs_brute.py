@@ -39,7 +39,7 @@ BLAS = Blas()
 
 
 def synthetic_batch(rng: np.random.Generator, B: int, L: int, D: int):
-    """Like `attngeom.synthetic`: softmax of Gaussian scores with a heavy sink, Gaussian values
+    """Like `attngeom.extract.synthetic`: softmax of Gaussian scores with a heavy sink, Gaussian values
     with a small sink vector, every key attendable."""
     scores = rng.normal(scale=2.0, size=(B, L))
     scores[:, 0] += 4.0

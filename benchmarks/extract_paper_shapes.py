@@ -53,7 +53,7 @@ from extract_writer import fsync_write, stored_objects
 
 import attngeom as ag
 from attngeom.extract.capture import capturing
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 VOCAB = 32_000
 THIN_MLP = 64

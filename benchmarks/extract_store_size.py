@@ -29,7 +29,7 @@ import zarr
 from common import add_store_args, bench_stores, int_list, median, open_run, rotate, table
 
 from attngeom.store import n_sequences
-from attngeom.store.codecs import BLOSC_LEVEL
+from attngeom.store.objects.codecs import BLOSC_LEVEL
 
 SUMMARIES = ("winner", "sink_attn", "diag_attn", "top1_attn", "entropy")
 LEVEL_ARRAYS = ("values", "attn_last", *SUMMARIES)

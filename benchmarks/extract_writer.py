@@ -5,7 +5,7 @@
     python benchmarks/extract_writer.py --shapes Llama-2-7B,Mistral-7B --reps 3 --json writer.json
 
 Needs no torch, so that it also runs in an environment with the newest zarr. One synthetic
-sequence (``attngeom.synthetic``) of the shape at full depth, as extract writes it: values
+sequence (``attngeom.extract.synthetic``) of the shape at full depth, as extract writes it: values
 (layer, kv_head, pos, head_dim), the final query's attention row, the per-query summaries.
 Per values encoding (``--values``):
 
@@ -67,8 +67,8 @@ from numcodecs import Blosc
 from common import median, now, rotate, table, timed
 
 from attngeom.store import RunLayout, SequenceWriter, create_run, open_or_create_root, open_run_group
-from attngeom.store.codecs import object_chunks
-from attngeom.synthetic import synthetic_sequence
+from attngeom.store.objects.codecs import object_chunks
+from attngeom.extract.synthetic import synthetic_sequence
 
 # (layers, heads, kv heads, head dim) of the paper's models.
 SHAPES = {

@@ -4,7 +4,7 @@
     python benchmarks/migrate_throughput.py                  # 8 sequences of a Gemma-3-270m-shaped run, ~150 MB
     python benchmarks/migrate_throughput.py --num-sequences 32 --reps 3
 
-A synthetic run (``attngeom.synthetic``) is written, then re-encoded with zarr into format 1,
+A synthetic run (``attngeom.extract.synthetic``) is written, then re-encoded with zarr into format 1,
 as attngeom 0.1.0 wrote it (every array rewritten with Blosc only, no chunk checksums; no
 ``format`` attribute). Each repetition then times, side
 by side: a plain file copy of the store (``shutil.copytree``, the floor for touching every
@@ -27,7 +27,7 @@ import numpy as np
 
 import attngeom as ag
 from attngeom.store import compressor, consolidate, open_root, open_run_group, validate_store
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 
 def format1_store(path: Path, args: argparse.Namespace) -> None:

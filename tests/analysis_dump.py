@@ -36,7 +36,7 @@ from attngeom.store import (
     zarr_store,
 )
 from attngeom.store.session import StoreSession
-from attngeom.synthetic import synthetic_sequence, write_synthetic_run
+from attngeom.extract.synthetic import synthetic_sequence, write_synthetic_run
 
 # Run "full": full causal attention, no stored queries; run "window": a sliding window of 6
 # keys in its second layer and rows stored at three queries.

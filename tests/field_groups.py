@@ -10,7 +10,7 @@ import zarr
 
 from attngeom.store import ATTR_KEY, open_dataset, open_root, open_run_group, replace_groups, zarr_store
 from attngeom.store.session import StoreSession
-from attngeom.store.stored_objects import object_sizes
+from attngeom.store.objects.stored_objects import object_sizes
 
 RECENT = [16, 64, 256]
 

@@ -32,10 +32,10 @@ from attngeom.analyze.parameters import instance_seed
 from attngeom.analyze.reductions import _sorted_median, _sorted_quantiles
 from attngeom.analyze.scheduling import _worker_processes
 from attngeom.api import analyze
-from attngeom.taxonomy_tables import run_regimes
+from attngeom.analyze.taxonomy_tables import run_regimes
 from attngeom.cli import main
 from attngeom.errors import IncompleteGroupError
-from attngeom.store import storage
+from attngeom.store.objects import storage
 from attngeom.store.session import StoreSession
 from attngeom.extract.request import ExtractRequest
 from attngeom.report.data import load_runs
@@ -291,7 +291,7 @@ KILLER = textwrap.dedent("""
     import zarr
     from attngeom.analyze import runner
     from attngeom.cli import main
-    from attngeom.store import storage
+    from attngeom.store.objects import storage
 
     # One (sequence, layer) task per batch of the tiny model: many batches, many records.
     runner.BATCH_TASKS = 3
@@ -535,7 +535,7 @@ def test_interrupted_ablation_write_is_reported_and_earlier_kept(tmp_path, monke
     it runs, as after SIGKILL."""
     import zarr
 
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     url = str(tmp_path / "s.zarr")
     write_synthetic_run(url, "r", n_seq=2, length=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4)
@@ -597,8 +597,8 @@ def test_bfloat16_values_give_the_analysis_of_their_float32_store(tmp_path):
     float32: every analysis value is the same, bit for bit."""
     from attngeom.api import open_store
     from attngeom.store import create_run, write_sequence
-    from attngeom.store.codecs import bfloat16_values
-    from attngeom.synthetic import synthetic_sequence, write_synthetic_run
+    from attngeom.store.objects.codecs import bfloat16_values
+    from attngeom.extract.synthetic import synthetic_sequence, write_synthetic_run
 
     shape = dict(n_seq=3, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, length=24, queries=(7, 23))
     two, four = str(tmp_path / "two.zarr"), str(tmp_path / "four.zarr")

@@ -313,7 +313,7 @@ def test_readme_example_runs_as_written(given, tiny_model_dir, tmp_path, monkeyp
 def test_readme_blocks_on_the_store_run_as_written(tmp_path, monkeypatch):
     """The README's other python blocks, which read `runs.zarr` (its first command's store)
     given the run id, on a synthetic store of that run."""
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     python = readme.split("## Python", 1)[1].split("\n## ", 1)[1]

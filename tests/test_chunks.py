@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from attngeom.errors import CorruptChunkError
 from attngeom.store import compressors, read_chunk
-from attngeom.store.chunks import _address
-from attngeom.store.codecs import decoded
+from attngeom.store.extracted.chunks import _address
+from attngeom.store.objects.codecs import decoded
 from attngeom.store.session import StoreSession
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 
 def zarr_read(arr: zarr.Array, key: tuple[int, ...]) -> np.ndarray:

@@ -51,7 +51,7 @@ def test_every_reader_of_a_store_without_runs_says_so_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("command", ["report", "explore"])
 def test_an_out_that_cannot_be_a_folder_is_one_line(command, tmp_path):
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     store = str(tmp_path / "s.zarr")
     write_synthetic_run(store, "r", n_seq=1, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, length=8)
@@ -69,7 +69,7 @@ def test_a_run_longer_than_the_kernels_take_is_one_line_and_writes_nothing(tmp_p
     """analyze refuses a run of more keys per query than its kernels index (MAX_KEYS) before
     it writes anything."""
     from attngeom.analyze.kernels import MAX_KEYS
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     store = tmp_path / "s.zarr"
     write_synthetic_run(str(store), "r", n_seq=1, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2,
@@ -371,7 +371,7 @@ def test_a_finished_run_over_a_changed_corpus_is_not_answered_from_its_record(ex
 def test_run_ids_are_readable_and_match_the_pattern_the_store_checks():
     """Known answers: the last part of each path, other characters as '-', and every id one
     the store's pattern accepts."""
-    from attngeom.preflight import RUN_ID_PATTERN, default_run_id
+    from attngeom.store.objects.preflight import RUN_ID_PATTERN, default_run_id
 
     expected = {("gemma3-270m", "wiki-summaries", 128): "gemma3-270m__wiki-summaries__L128",
                 ("/m/x.gguf", "/data/notes/", 16): "x.gguf__notes__L16",
@@ -496,7 +496,7 @@ def test_what_a_folder_or_a_stores_records_tell_is_answered_before_any_library_l
     and analyze's --n-grid outside 1..L-1 of the run's record."""
     import json
 
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()

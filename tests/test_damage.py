@@ -339,7 +339,7 @@ def test_an_unwritable_chunk_path_is_one_line(tiny_model_dir, word_corpus, tmp_p
 @pytest.fixture(scope="module")
 def synthetic_source(tmp_path_factory) -> Path:
     """A synthetic run of 4 sequences holding every per-sequence array (rows at queries too)."""
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     url = tmp_path_factory.mktemp("synthetic") / "s.zarr"
     write_synthetic_run(str(url), "syn", n_seq=4, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, length=8,

@@ -48,9 +48,9 @@ from attngeom.store import (
     write_sequence,
     zarr_store,
 )
-from attngeom.store.record import is_generation
+from attngeom.store.derived_groups.record import is_generation
 from attngeom.store.session import StoreSession
-from attngeom.synthetic import synthetic_sequence
+from attngeom.extract.synthetic import synthetic_sequence
 
 CAPACITY = 5
 LENGTH = 12

@@ -206,7 +206,7 @@ def test_a_rerun_keeps_and_other_parameters_recompute(detected, tmp_path):
 def test_an_interrupted_detect_is_refused_then_finished_equal(detected, tmp_path, monkeypatch):
     """Killed before its commit (the groups moved into place, the record not yet written):
     readers refuse the group as incomplete, validate names it, a rerun writes the same groups."""
-    from attngeom.store.derived import DerivedWrite
+    from attngeom.store.derived_groups.derived import DerivedWrite
 
     _, source = detected("llama")
     want = {name: ag.open_store(source).run("r").detect(name).load() for name in ("scores", "probes", "retrieval")}

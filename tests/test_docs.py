@@ -208,7 +208,7 @@ def test_store_md_reading_examples_run_as_written(tmp_path, monkeypatch):
     import zarr
 
     import attngeom as ag
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     blocks = python_blocks(section(DOCS / "store.md", "reading-a-store"))
     assert len(blocks) == 5 and "commit.get(\"generation\")" in blocks[2] and "import tensorstore" in blocks[4]
@@ -243,7 +243,7 @@ def test_store_md_bfloat16_decoding_runs_as_written(tmp_path, monkeypatch):
     """docs/store.md's decoding of bfloat16 values with zarr-python alone, on a synthetic run
     of bfloat16 values: it gives the float32 values attngeom reads."""
     import attngeom as ag
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     (block,) = python_blocks(section(DOCS / "store.md", "values-in-the-models-precision"))
     monkeypatch.chdir(tmp_path)

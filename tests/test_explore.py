@@ -25,7 +25,7 @@ from attngeom.api import explore
 from attngeom.cli import main
 from attngeom.errors import InputError, RunNotFoundError, StoreNotFoundError
 from attngeom.explore.geometry import value_picture
-from attngeom.palette import REGIME_COLORS
+from attngeom.analyze.palette import REGIME_COLORS
 from attngeom.extract.request import ExtractRequest
 from attngeom.store import open_dataset
 from attngeom.store.session import StoreSession
@@ -177,7 +177,7 @@ def test_index_carries_the_head_table_and_decoded_tokens(page):
     assert raw["stats"] == {} and any("no analysis" in n for n in raw["notes"])
     assert any("no ablation" in n for n in raw["notes"]) and not any("no ablation" in n for n in a["notes"])
     # The report's palette: a regime has one colour wherever it is drawn.
-    from attngeom.palette import VOTE_COLORS
+    from attngeom.analyze.palette import VOTE_COLORS
 
     assert index["palette"] == {"regime": REGIME_COLORS, "vote": VOTE_COLORS}
 
@@ -252,7 +252,7 @@ QUERIES = tuple(range(15, 256, 16))
 def query_page(tmp_path_factory) -> tuple[str, Path]:
     """A synthetic run kept at every 16th query of L = 256 (the final one among them), 4
     sequences, Gemma 3 270M's head shape (one kv head of dimension 256), and its page."""
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     folder = tmp_path_factory.mktemp("queries")
     url = str(folder / "s.zarr")

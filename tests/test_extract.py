@@ -290,7 +290,7 @@ def test_two_extracts_appending_to_one_run_take_turns(tiny_model_dir, word_corpu
     run_extract(folder, word_corpus, store, num_sequences=2)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pathlib import Path; from attngeom.store.locks import RunLock; "
+        [sys.executable, "-c", "import sys; from pathlib import Path; from attngeom.store.holds.locks import RunLock; "
          "lock = RunLock(Path(sys.argv[1]), 'r', 'extract', part='complete'); lock.acquire(); print('held', flush=True); "
          "sys.stdin.readline(); lock.release()", str(store)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)

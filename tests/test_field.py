@@ -27,10 +27,10 @@ from field_groups import (
 from attngeom.api import analyze, taxonomy
 from attngeom.errors import GroupNotFoundError, InputError
 from attngeom.explore.build import explore
-from attngeom.head_classes import CRITERIA, KV_SCORES
+from attngeom.detect.head_classes import CRITERIA, KV_SCORES
 from attngeom.report import build_report
 from attngeom.report.agreement import class_sentences
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 SHAPE = dict(n_seq=3, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8)
 # Two Retrievers and three Mixers; the seven other heads are Resets.

@@ -22,7 +22,7 @@ import attngeom as ag
 from attngeom.cli import main
 from attngeom.errors import DamagedStoreError, ForeignFileError
 from attngeom.store import validate_store
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 
 def cli(*args: str) -> tuple[int, list[str]]:

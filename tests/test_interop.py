@@ -26,11 +26,11 @@ from attngeom.store import (
     REGIMES,
     arrays_of,
     compressors,
-    migrate,
     open_dataset,
     open_root,
     validate_store,
 )
+from attngeom.store.integrity import migrate
 from attngeom.store.session import StoreSession
 
 ts = pytest.importorskip("tensorstore")
@@ -184,7 +184,7 @@ def test_tensorstore_reads_bfloat16_values_as_their_bit_patterns(tmp_path):
     """A bfloat16 model's values: any Zarr v3 reader (tensorstore here) reads the uint16 bit
     patterns whose encoding the array's attributes name; shifted into the upper half of a
     float32 they are the values attngeom gives."""
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     store = tmp_path / "s.zarr"
     write_synthetic_run(str(store), "r", n_seq=2, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, length=16,

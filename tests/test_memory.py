@@ -8,7 +8,7 @@ import xarray as xr
 
 from attngeom.analyze.kernels import compile_kernels
 from attngeom.api import analyze
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 # Measured peak: 58, 59 and 62 MiB for 16, 64 and 128 sequences (32 to 256 MiB of values;
 # tracemalloc counts every numpy and Python allocation of this process, threads included).

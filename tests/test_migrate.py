@@ -30,10 +30,10 @@ from attngeom.store import (
     array_metadata,
     arrays_of,
     has_checksum,
-    migrate as store_migrate,
     open_root,
     validate_store,
 )
+from attngeom.store.integrity import migrate as store_migrate
 
 RUN = "tiny-llama"
 # The data types of the Zarr v3 core that attngeom writes.

@@ -1,4 +1,4 @@
-"""The plan of a derived update (attngeom.store.plan), from a table of cases: which
+"""The plan of a derived update (attngeom.store.derived_groups.plan), from a table of cases: which
 sequences are kept, whether the update writes into staging or in place, whether the commit
 stays readable meanwhile, and why earlier results are recomputed."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from attngeom.store.record import Commit, Damage, DerivedState, Pending
-from attngeom.store.plan import changes, healing, plan_update
+from attngeom.store.derived_groups.record import Commit, Damage, DerivedState, Pending
+from attngeom.store.derived_groups.plan import changes, healing, plan_update
 
 A = {"n_grid": [1, 2, 4], "seed": 0}
 B = {"n_grid": [1, 2, 4], "seed": 1}

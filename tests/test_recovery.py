@@ -20,7 +20,7 @@ import zarr
 from attngeom.api import analyze
 from attngeom.api import ablate
 from attngeom.store.session import StoreSession
-from attngeom.store.schema import ANALYSIS
+from attngeom.store.objects.schema import ANALYSIS
 
 from conftest import ABLATED_SEQUENCES
 from test_damage import flip, one_error, run, validate
@@ -208,7 +208,7 @@ def test_consolidated_metadata_is_refreshed_after_a_killed_extract(ablated_store
     """An extract appending sequences, interrupted before it refreshes the consolidated
     metadata: validate names it, and the rerun (with nothing left to write) refreshes it,
     so that the README's xr.open_zarr sees every committed sequence."""
-    import attngeom.store.run_write as run_write
+    import attngeom.store.extracted.run_write as run_write
 
     store = tmp_path / "s.zarr"
     shutil.copytree(ablated_store_source, store)
@@ -295,7 +295,7 @@ def test_a_corrupt_kept_chunk_met_by_an_appending_analyze_is_rewritten_under_dee
     import attngeom as ag
     from attngeom.errors import CorruptChunkError
     from attngeom.store import RunLayout, consolidate, create_run, open_or_create_root, write_sequence
-    from attngeom.synthetic import synthetic_sequence
+    from attngeom.extract.synthetic import synthetic_sequence
 
     layout = RunLayout(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, length=32, head_kv=(0, 0, 1, 1),
                        window=(0, 0), attendable=((True,) * 32,) * 2, queries=())

@@ -17,7 +17,7 @@ from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
 from attngeom.api import analyze
-from attngeom.palette import REGIME_COLORS
+from attngeom.analyze.palette import REGIME_COLORS
 from attngeom.report import build_report
 from attngeom.report.build import FIGURES, TABLES, draw_figure, select_runs
 from attngeom.report.data import RunData, load_runs
@@ -32,7 +32,7 @@ from attngeom.store import (
     zarr_store,
 )
 from attngeom.store.session import StoreSession
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 GRID = [1, 2, 4, 8, 16]
 SHAPE = dict(n_seq=3, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8)

@@ -1,4 +1,4 @@
-"""Extract's write of a run (:class:`~attngeom.store.run_write.RunWrite`, from
+"""Extract's write of a run (:class:`~attngeom.store.extracted.run_write.RunWrite`, from
 ``StoreSession(url, mode="c").run_write``) as a state machine (hypothesis), as zarr-python
 tests its stores.
 
@@ -34,7 +34,7 @@ import attngeom as ag
 from attngeom.errors import AttngeomError, StoreWriteError
 from attngeom.store import RunLayout, SequenceWriter, validate_store
 from attngeom.store.session import StoreSession
-from attngeom.synthetic import synthetic_sequence
+from attngeom.extract.synthetic import synthetic_sequence
 
 CAPACITY = 6
 LENGTH = 8
@@ -73,9 +73,9 @@ def _write(url: str, total: int, k: int | None) -> list[int]:
 _KILLED = """
 import os, sys
 import numpy as np
-import attngeom.store.runs as runs
+import attngeom.store.extracted.runs as runs
 from attngeom.store.session import StoreSession
-from attngeom.synthetic import synthetic_sequence
+from attngeom.extract.synthetic import synthetic_sequence
 sys.path.insert(0, sys.argv[4])
 from test_run_write import LAYOUT, PROVENANCE, _arrays
 

@@ -31,7 +31,7 @@ import attngeom as ag
 from attngeom.cli import main
 from attngeom.errors import DamagedStoreError
 from attngeom.store import validate_store
-from attngeom.store.repair import repair
+from attngeom.store.integrity.repair import repair
 from attngeom.store.session import StoreSession
 
 # Seconds a lease lasts: long enough that a live writer's renewals land on a busy machine
@@ -206,7 +206,7 @@ sys.path.insert(0, sys.argv[4])
 from test_run_write import LAYOUT
 from test_s3_collaborators import append
 from attngeom.errors import AttngeomError
-from attngeom.synthetic import synthetic_sequence
+from attngeom.extract.synthetic import synthetic_sequence
 
 url, total, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 try:
@@ -248,7 +248,7 @@ def test_an_appender_stopped_past_its_lease_never_changes_what_the_next_committe
 
 
 def stale_data(seq: int) -> dict[str, np.ndarray]:
-    from attngeom.synthetic import synthetic_sequence
+    from attngeom.extract.synthetic import synthetic_sequence
 
     return synthetic_sequence(np.random.default_rng(1000 + seq), LAYOUT)
 

@@ -18,8 +18,8 @@ from conftest import moto_s3
 from attngeom.analyze import runner
 from attngeom.api import analyze
 from attngeom.store import validate_store, zarr_store
-from attngeom.store.storage import node_metadata
-from attngeom.synthetic import write_synthetic_run
+from attngeom.store.objects.storage import node_metadata
+from attngeom.extract.synthetic import write_synthetic_run
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +123,8 @@ def test_a_small_objects_parts_are_cut_from_one_read_of_it_and_equal_ranged_read
     from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
     from zarr.core.buffer import default_buffer_prototype
 
-    from attngeom.store._zarr import sync
-    from attngeom.store.cache import cached, note_sizes, uncached
+    from attngeom.store.objects._zarr import sync
+    from attngeom.store.objects.cache import cached, note_sizes, uncached
 
     url = f"memory://attngeom-{uuid.uuid4().hex}/s.zarr"
     mine = cached(zarr_store(url, read_only=False))

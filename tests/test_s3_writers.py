@@ -28,9 +28,9 @@ from attngeom.api import analyze, open_store
 from attngeom.errors import InputError, StoreWriteError
 from attngeom.extract.request import ExtractRequest
 from attngeom.store import DERIVED, validate_store, zarr_store
-from attngeom.store.derived import DerivedWrite
-from attngeom.store.lease import Lease, lease_seconds
-from attngeom.synthetic import write_synthetic_run
+from attngeom.store.derived_groups.derived import DerivedWrite
+from attngeom.store.holds.lease import Lease, lease_seconds
+from attngeom.extract.synthetic import write_synthetic_run
 
 S = ABLATED_SEQUENCES
 ANALYSIS_GROUPS = ("topn", "values", "taxonomy", "heads", "summary", "signatures", "table")
@@ -323,8 +323,8 @@ def test_a_commands_object_store_keeps_what_it_read_never_an_absence():
     what it removes, and reads again what it found absent (a peer may create it)."""
     from zarr.core.buffer import default_buffer_prototype
 
-    from attngeom.store._zarr import sync
-    from attngeom.store.cache import cached, uncached
+    from attngeom.store.objects._zarr import sync
+    from attngeom.store.objects.cache import cached, uncached
 
     url = f"memory://attngeom-{uuid.uuid4().hex}/s.zarr"
     mine, peer = cached(zarr_store(url, read_only=False)), zarr_store(url, read_only=False)

@@ -12,7 +12,7 @@ from field_groups import add_detect, detect_scores
 
 from attngeom import api
 from attngeom.report.data import load_runs
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 SHAPE = dict(n_seq=3, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4, length=40)
 

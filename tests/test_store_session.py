@@ -11,7 +11,7 @@ import zarr
 
 from attngeom.analyze import runner
 from attngeom.api import analyze
-from attngeom.synthetic import write_synthetic_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 
 def _stores_built(monkeypatch, url: str, batch_tasks: int) -> int:

@@ -12,10 +12,10 @@ import xarray as xr
 import zarr
 from zarr.buffer import default_buffer_prototype
 
-from attngeom.store._zarr import sync
+from attngeom.store.objects._zarr import sync
 from attngeom.store import open_dataset, write_dataset, zarr_store
-from attngeom.store.datasets import encode_labels
-from attngeom.store.codecs import compressors
+from attngeom.store.extracted.datasets import encode_labels
+from attngeom.store.objects.codecs import compressors
 
 
 def to_zarr_twin(dataset: xr.Dataset, group: str, *, compute: bool = True, chunks=None) -> zarr.storage.MemoryStore:
@@ -114,7 +114,7 @@ def test_a_failed_sequence_write_commits_nothing_and_ends_every_write(tmp_path):
     import errno
 
     from attngeom.store import RUNS, open_root, open_run_group, resize_run, run_layout, write_sequence
-    from attngeom.synthetic import synthetic_sequence, write_synthetic_run
+    from attngeom.extract.synthetic import synthetic_sequence, write_synthetic_run
 
     class FullForValues(zarr.storage.WrapperStore):
         def __init__(self, store):
@@ -165,7 +165,7 @@ class GatedStore(zarr.storage.WrapperStore):
 
 def gated_run(tmp_path, n_seq: int, failing: str | None = None):
     from attngeom.store import RUNS, open_root, open_run_group, resize_run
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     store = tmp_path / "s.zarr"
     write_synthetic_run(str(store), "r", n_seq=1, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, length=16)
@@ -199,7 +199,7 @@ def test_the_writer_converts_and_writes_beside_the_caller_in_order(tmp_path):
     """submit returns while the store holds the write back; the layers' parts are stacked in
     the writer, one sequence after another; close commits every sequence with its own arrays."""
     from attngeom.store import SequenceWriter, run_layout
-    from attngeom.synthetic import synthetic_sequence
+    from attngeom.extract.synthetic import synthetic_sequence
 
     gated, run = gated_run(tmp_path, 4)
     layout = run_layout(run)
@@ -229,7 +229,7 @@ def test_a_failed_write_stops_the_writer_and_nothing_is_written_after(tmp_path):
     """Sequence 1's values cannot be stored: the OSError reaches the caller, sequence 0 stays
     committed, and no sequence after 1 is stacked or written."""
     from attngeom.store import SequenceWriter, run_layout
-    from attngeom.synthetic import synthetic_sequence
+    from attngeom.extract.synthetic import synthetic_sequence
 
     gated, run = gated_run(tmp_path, 5, failing="/values/c/2")
     gated.gate.set()
@@ -253,7 +253,7 @@ def test_without_sequences_in_flight_submit_writes_in_the_callers_thread(tmp_pat
     import threading
 
     from attngeom.store import SequenceWriter, run_layout
-    from attngeom.synthetic import synthetic_sequence
+    from attngeom.extract.synthetic import synthetic_sequence
 
     gated, run = gated_run(tmp_path, 4, failing="/values/c/3")
     gated.gate.set()
@@ -280,8 +280,8 @@ def test_consolidate_writes_what_zarr_writes(tmp_path):
     import shutil
     import warnings
 
-    from attngeom.store.access import consolidate
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.store.holds.access import consolidate
+    from attngeom.extract.synthetic import write_synthetic_run
 
     ours = tmp_path / "ours.zarr"
     write_synthetic_run(str(ours), "r", n_seq=2, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, length=8)
@@ -309,7 +309,7 @@ def test_regions_are_stored_as_zarr_stores_them(local, tmp_path):
     stored before the region, whole chunks, an edge chunk (padded with the fill value) and
     a chunk all fill value (stored all the same), float and integer, chunked along the
     second axis too."""
-    from attngeom.store.datasets import set_regions
+    from attngeom.store.extracted.datasets import set_regions
 
     url = str(tmp_path / "s.zarr") if local else f"memory://regions-{local}"
     zstore = zarr_store(url, read_only=False)
@@ -344,7 +344,7 @@ def test_regions_read_as_zarr_reads_them(local, tmp_path):
     chunks split along the second axis too, an edge chunk, a chunk never stored (the fill
     value), an empty region, float and integer; a flipped byte is named as the damaged chunk."""
     from attngeom.errors import CorruptChunkError
-    from attngeom.store.datasets import read_regions
+    from attngeom.store.extracted.datasets import read_regions
 
     url = str(tmp_path / "s.zarr") if local else f"memory://read-regions-{local}"
     zstore = zarr_store(url, read_only=False)
@@ -380,7 +380,7 @@ def test_a_sequence_is_stored_as_zarr_stores_it(local, values_dtype, tmp_path):
     (a layer of zero values) and a chunk all fill value (window_start 0) stored too; every
     run array, attention rows of every query and of chosen queries included."""
     from attngeom.store import RunLayout, create_run, open_or_create_root, write_sequence
-    from attngeom.synthetic import synthetic_sequence
+    from attngeom.extract.synthetic import synthetic_sequence
 
     layout = RunLayout(n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, length=16, head_kv=(0, 0, 1, 1),
                        window=(0, 0, 4), attendable=((True,) * 16,) * 3, values_dtype=values_dtype,
@@ -411,8 +411,8 @@ def test_a_sequence_is_stored_as_zarr_stores_it(local, values_dtype, tmp_path):
 def test_a_local_store_lists_the_metadata_a_store_lists(tmp_path):
     """node_metadata reads a local folder itself: the documents the store's own listing
     gives, an unreadable one as None, whatever the folder order."""
-    from attngeom.store.storage import node_metadata
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.store.objects.storage import node_metadata
+    from attngeom.extract.synthetic import write_synthetic_run
 
     url = tmp_path / "s.zarr"
     write_synthetic_run(str(url), "r", n_seq=2, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, length=8)
@@ -437,7 +437,7 @@ def test_a_failed_local_write_leaves_no_partial_object(tmp_path, monkeypatch):
     import errno
     from pathlib import Path
 
-    from attngeom.store.storage import put_objects
+    from attngeom.store.objects.storage import put_objects
 
     url = tmp_path / "s.zarr"
     zstore = zarr_store(str(url), read_only=False)

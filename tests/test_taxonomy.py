@@ -8,7 +8,7 @@ import xarray as xr
 from click.testing import CliRunner
 from conftest import extract
 
-from attngeom import taxonomy_tables
+from attngeom.analyze import taxonomy_tables
 from attngeom.analyze import taxonomy
 from attngeom.analyze.blocks import _votes_variables
 from attngeom.api import analyze
@@ -164,7 +164,7 @@ def test_distribution_and_cross_corpus_tables():
 
 
 def test_taxonomy_command_needs_an_analyzed_run(tmp_path):
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     store = str(tmp_path / "s.zarr")
     write_synthetic_run(store, "syn", n_seq=2, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, length=8)

@@ -80,7 +80,7 @@ def test_bfloat16_values_without_their_encoding(tmp_path):
     """A bfloat16-valued run whose values lost the attribute naming their encoding would pass
     bit patterns off as numbers: validate names it (and the reverse)."""
     from attngeom.store import validate_store
-    from attngeom.synthetic import write_synthetic_run
+    from attngeom.extract.synthetic import write_synthetic_run
 
     for values_dtype in ("bfloat16", "float32"):
         store = tmp_path / f"{values_dtype}.zarr"

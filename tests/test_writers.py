@@ -28,14 +28,14 @@ from attngeom.store import (
     open_root,
     open_run_group,
     run_ids,
-    stored_objects,
     validate_store,
     zarr_store,
 )
 from attngeom.store.session import StoreSession
-from attngeom.store.stored_objects import chunk_objects
-from attngeom.store.validate import check_run
-from attngeom.synthetic import write_synthetic_run
+from attngeom.store.objects import stored_objects
+from attngeom.store.objects.stored_objects import chunk_objects
+from attngeom.store.extracted.checks import check_run
+from attngeom.extract.synthetic import write_synthetic_run
 
 S = 10
 

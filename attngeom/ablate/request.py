@@ -11,7 +11,7 @@ from typing import Any
 from attngeom.errors import InputError
 from attngeom.extract.request import check_device_map
 from attngeom.options import check_options, option, refusal
-from attngeom.runcheck import STAGE_DTYPES, check_device
+from attngeom.extract.runcheck import STAGE_DTYPES, check_device
 
 __all__ = ["DEFAULT_RETENTION", "AblateRequest", "check_request", "parse_heads"]
 

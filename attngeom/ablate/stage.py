@@ -43,7 +43,7 @@ import pandas as pd
 import torch
 import xarray as xr
 
-from attngeom import __version__
+from attngeom.version import __version__
 from attngeom.ablate.kernels import (
     CRITICAL_RULE,
     attention_diagnostics,
@@ -61,8 +61,8 @@ from attngeom.ablate.masking import head_geometry, head_weight_norms, masked_nll
 from attngeom.ablate.request import AblateRequest, check_request
 from attngeom.errors import AttngeomWarning, InProgressError, InputError
 from attngeom.extract.placement import parse_device_map
-from attngeom.runcheck import check_run_model
-from attngeom.runmodel import evaluating, run_model
+from attngeom.extract.runcheck import check_run_model
+from attngeom.extract.runmodel import evaluating, run_model
 from attngeom.store import ABLATION, ANALYSIS, ATTR_KEY, REGIMES
 from attngeom.store.session import RunReader, StoreSession
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 from attngeom.analyze.parameters import AnalyzeRequest, AnalyzeResult, analysis_parameters, default_n_grid
 from attngeom.store import ANALYSIS, DERIVED, check_committed, completed, consolidate, jsonable, local_path, run_layout
-from attngeom.store.damage import DECODE_ERRORS
-from attngeom.store.plan import plan_update
-from attngeom.store.record import derived_damage, kind_path, read_state
+from attngeom.store.objects.damage import DECODE_ERRORS
+from attngeom.store.derived_groups.plan import plan_update
+from attngeom.store.derived_groups.record import derived_damage, kind_path, read_state
 
 if TYPE_CHECKING:
     from attngeom.store.session import StoreSession

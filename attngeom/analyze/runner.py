@@ -24,14 +24,14 @@ back to the store under ``runs/<id>/analysis/``:
   them, for a run that holds ``prev_attn`` and ``recent_attn`` (one migrated from a format
   before them is analyzed without, and analyze says so).
 
-The analysis is committed last (:mod:`attngeom.store.derived`): its record says which
+The analysis is committed last (:mod:`attngeom.store.derived_groups.derived`): its record says which
 sequences and which parameters (:func:`~attngeom.analyze.parameters.analysis_parameters`) it covers. A rerun with the same
 parameters computes only the sequences not yet covered, appending them along ``seq``, then
 recomputes the groups across sequences; with other parameters everything is recomputed into
 staging while the earlier analysis stays readable. Killed at any moment, the same command
 resumes and ends bit for bit where an uninterrupted one does. A rerun also rewrites what of
-the committed analysis is lost or damaged (:func:`attngeom.store.plan.healing`). One
-:class:`~attngeom.store.derived.DerivedWrite` owns the record from the plan to the commit.
+the committed analysis is lost or damaged (:func:`attngeom.store.derived_groups.plan.healing`). One
+:class:`~attngeom.store.derived_groups.derived.DerivedWrite` owns the record from the plan to the commit.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from attngeom.store import (
     open_dataset,
     run_path,
 )
-from attngeom.store.derived import DerivedWrite, forget_unreadable
+from attngeom.store.derived_groups.derived import DerivedWrite, forget_unreadable
 from attngeom.store.session import StoreSession
 
 __all__ = ["analyze", "open_completed"]

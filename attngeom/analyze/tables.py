@@ -10,7 +10,7 @@ import pandas as pd
 import xarray as xr
 
 from attngeom.store import STATS
-from attngeom.store.datasets import encode_labels
+from attngeom.store.extracted.datasets import encode_labels
 
 __all__ = ["TABLE_COLUMNS", "table_dataset", "tidy_table"]
 

@@ -11,7 +11,7 @@ from attngeom.errors import InputError
 from attngeom.extract.request import check_device_map
 from attngeom.extract.tokenizing import check_tokenizer_name
 from attngeom.options import check_options, option, refusal
-from attngeom.runcheck import STAGE_DTYPES, check_device
+from attngeom.extract.runcheck import STAGE_DTYPES, check_device
 
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 # The longest copy of the repeated random tokens, as in TransformerLens's head detector.

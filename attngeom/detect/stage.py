@@ -28,7 +28,7 @@ import torch
 import xarray as xr
 from tqdm.auto import tqdm
 
-from attngeom import __version__
+from attngeom.version import __version__
 from attngeom.detect.inputs import Retrieval, probe_tokens, retrieval_samples, vocabulary
 from attngeom.detect.request import DetectRequest, check_request, check_sequences, probe_length
 from attngeom.detect.scores import probe_queries, probe_sums, retrieval_hits, retrieval_queries
@@ -39,10 +39,10 @@ from attngeom.extract.models import resolve_dtype
 from attngeom.extract.tokenizing import given_tokenizer, run_tokenizer
 from attngeom.extract.placement import parse_device_map
 from attngeom.options import refusal
-from attngeom.runcheck import check_run_model
-from attngeom.runmodel import evaluating, is_named, run_model
+from attngeom.extract.runcheck import check_run_model
+from attngeom.extract.runmodel import evaluating, is_named, run_model
 from attngeom.store import ATTR_KEY, DETECT, DETECT_GROUPS, jsonable, read_state
-from attngeom.store.derived_read import unheld_claims
+from attngeom.store.derived_groups.derived_read import unheld_claims
 from attngeom.store.session import StoreSession
 
 __all__ = ["DetectResult", "detect"]

@@ -35,12 +35,12 @@ import xarray as xr
 from threadpoolctl import threadpool_limits
 from tqdm.auto import tqdm
 
-from attngeom import __version__
+from attngeom.version import __version__
 from attngeom.errors import InputError
 from attngeom.explore import data
 from attngeom.explore.geometry import Picture, value_picture
-from attngeom.head_classes import CRITERIA, SCORES, run_scores
-from attngeom.palette import REGIME_COLORS, VOTE_COLORS
+from attngeom.detect.head_classes import CRITERIA, SCORES, run_scores
+from attngeom.analyze.palette import REGIME_COLORS, VOTE_COLORS
 from attngeom.store import VOTES
 
 PAGE_FILES = ("explore.js", "explore.css")

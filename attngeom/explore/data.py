@@ -16,8 +16,8 @@ import xarray as xr
 
 from attngeom.analyze.parameters import default_n_grid
 from attngeom.errors import RunNotFoundError
-from attngeom.head_classes import DETECT, DETECT_GROUP, open_groups, why_no_head_scores
-from attngeom.runcheck import stage_command
+from attngeom.detect.head_classes import DETECT, DETECT_GROUP, open_groups, why_no_head_scores
+from attngeom.store.objects.commands import stage_command
 from attngeom.store import ABLATION, ANALYSIS, RunLayout, query_attendable
 from attngeom.store.session import RunReader, StoreSession
 

@@ -22,9 +22,8 @@ from attngeom.extract.inputs import Model
 from attngeom.extract.layer_widths import widened
 from attngeom.extract.phases import phase
 from attngeom.extract.tiles import LayerCapture
-from attngeom.store import RunLayout
-from attngeom.store.runs import IN_FLIGHT, SequenceValue
-from attngeom.store.schema import BFLOAT16, QUERY_SUMMARIES
+from attngeom.store.extracted.runs import IN_FLIGHT, SequenceValue
+from attngeom.store.objects.schema import BFLOAT16, QUERY_SUMMARIES, RunLayout
 
 __all__ = ["capturing_forward", "check_chunks", "check_conformance", "in_flight", "sequence_parts"]
 
@@ -74,7 +73,7 @@ def sequence_parts(captures: dict[int, LayerCapture], b: int, window: Window,
                    layout: RunLayout) -> dict[str, SequenceValue]:
     """Sequence ``b`` of a batch's ``captures`` as the writer takes it: each per-layer array as
     one part per stored layer, views of the captures' host memory where their dtype allows
-    (the writer stacks and converts them: :func:`attngeom.store.runs.sequence_values`)."""
+    (the writer stacks and converts them: :func:`attngeom.store.extracted.runs.sequence_values`)."""
     layers = layout.layer_indices
 
     def parts(name: str) -> list[np.ndarray]:

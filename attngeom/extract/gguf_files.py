@@ -25,17 +25,14 @@ import time
 from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from attngeom.errors import InputError
 from attngeom.extract.hashing import file_sha256
-from attngeom.extract.sources import OFFLINE_MODELS, cache_dir
-
-if TYPE_CHECKING:
-    from attngeom.extract.models import ModelSource
+from attngeom.extract.sources import OFFLINE_MODELS, ModelSource, cache_dir
 
 __all__ = ["assemble_parts", "converted_folder", "converted_path", "offline_gguf", "one_time_progress"]
 

@@ -24,7 +24,6 @@ from attngeom.errors import AttngeomWarning, InputError
 from attngeom.extract.corpora import Corpus, Window, iter_windows, open_corpus, select_windows
 from attngeom.extract.families import supported_config
 from attngeom.extract.models import (
-    ModelSource,
     load_config,
     load_model,
     load_tokenizer,
@@ -38,6 +37,7 @@ from attngeom.extract.models import (
 )
 from attngeom.extract.placement import parse_device_map
 from attngeom.extract.request import ExtractPlan, ExtractRequest
+from attngeom.extract.sources import ModelSource
 from attngeom.extract.tokenizing import Bos, given_tokenizer, no_tokenizer
 from attngeom.options import refusal
 

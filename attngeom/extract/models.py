@@ -11,7 +11,6 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,32 +21,13 @@ from attngeom.extract.families import supported_config
 from attngeom.extract.gguf_files import converted_folder, offline_gguf, one_time_progress
 from attngeom.extract.hashing import file_sha256, state_dict_sha256
 from attngeom.extract.placement import uses_accelerator
-from attngeom.extract.sources import OFFLINE_MODELS, cache_dir, hub_address, memory_model_id
+from attngeom.extract.saved_tokenizer import folder_tokenizer
+from attngeom.extract.sources import OFFLINE_MODELS, ModelSource, cache_dir, hub_address, memory_model_id
 
 # float32-tf32: float32 weights and activations, float32 matmuls in TF32 on a GPU (inside
 # extract's forward only: forward.matmul_precision).
 COMPUTE_DTYPES = {"float32": torch.float32, "float32-tf32": torch.float32, "bfloat16": torch.bfloat16,
                   "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model comes from and how it is identified in provenance."""
-
-    name: str
-    path: str
-    gguf_file: str | None = None
-    revision: str | None = None
-    file_sha256: str | None = None
-
-    def provenance(self) -> dict[str, Any]:
-        return {
-            "id": self.name,
-            "path": self.path,
-            "gguf_file": self.gguf_file,
-            "revision": self.revision,
-            "file_sha256": self.file_sha256,
-        }
 
 
 @contextlib.contextmanager
@@ -120,9 +100,7 @@ def load_config(source: ModelSource) -> Any:
 
 
 def load_tokenizer(source: ModelSource) -> Any | None:
-    """The model's tokenizer; None where it has none (:func:`attngeom.extract.tokenizing.folder_tokenizer`)."""
-    from attngeom.extract.tokenizing import folder_tokenizer
-
+    """The model's tokenizer; None where it has none (:func:`attngeom.extract.saved_tokenizer.folder_tokenizer`)."""
     return folder_tokenizer(_folder(source), source.name)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from attngeom import __version__
+from attngeom.version import __version__
 from attngeom.errors import InputError
 from attngeom.extract.attention_hook import ATTN_IMPLEMENTATION, output_description
 from attngeom.extract.families import check_recorded
@@ -20,8 +20,8 @@ from attngeom.extract.layer_widths import layer_shapes
 from attngeom.extract.placement import parse_device_map
 from attngeom.extract.request import ExtractPlan, values_dtype_refusal
 from attngeom.extract.tiles import LayerCapture
-from attngeom.store import RunLayout, jsonable
-from attngeom.store.schema import BFLOAT16
+from attngeom.store.objects.schema import BFLOAT16, RunLayout
+from attngeom.store.objects.storage import jsonable
 
 __all__ = ["identity", "run_layout", "run_provenance"]
 

@@ -30,8 +30,8 @@ from attngeom.extract.queries import query_positions
 from attngeom.extract.sources import OFFLINE_MODELS, memory_model_id, model_name
 from attngeom.extract.tokenizing import check_tokenizer_name, holds_tokenizer, no_tokenizer
 from attngeom.options import check_options, option, refusal
-from attngeom.preflight import RUN_ID_PATTERN, default_run_id, require_writable, run_created, run_record
-from attngeom.runcheck import check_device
+from attngeom.store.objects.preflight import RUN_ID_PATTERN, default_run_id, require_writable, run_created, run_record
+from attngeom.extract.runcheck import check_device
 
 __all__ = ["ExtractPlan", "ExtractRequest", "ExtractResult", "check_arguments", "launcher_shard", "preflight", "token_array"]
 

@@ -16,7 +16,7 @@ import torch
 
 from attngeom.extract.phases import phase
 from attngeom.extract.threads import share_out
-from attngeom.store.schema import RECENT_WINDOWS
+from attngeom.store.objects.schema import RECENT_WINDOWS
 
 __all__ = ["MASKED", "LayerCapture", "allowed_keys", "attention_summaries", "first_argmax", "key_floor",
            "masked_floor", "recent_mass", "score_tile"]

@@ -21,22 +21,13 @@ import numpy as np
 
 from attngeom.errors import AttngeomWarning, InputError
 from attngeom.options import refusal
+from attngeom.extract.saved_tokenizer import folder_tokenizer
+from attngeom.store.objects.commands import TOKENIZER_FILES, holds_tokenizer
 
 __all__ = [
     "TOKENIZER_FILES", "Bos", "bos_token_id", "check_tokenizer_name", "folder_tokenizer", "given_tokenizer",
     "holds_tokenizer", "no_tokenizer", "run_tokenizer",
 ]
-
-# The files a tokenizer is saved in: its config, or a vocabulary of one of the formats
-# transformers reads. A folder holding none of them has no tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model", "sentencepiece.bpe.model", "tokenizer.tiktoken")
-
-
-def holds_tokenizer(folder: Path) -> bool:
-    """Whether ``folder`` holds a saved tokenizer (one of :data:`TOKENIZER_FILES`)."""
-    return any((folder / name).is_file() for name in TOKENIZER_FILES)
-
 
 def no_tokenizer(model: str, request: type) -> InputError:
     """The refusal of a dataset or texts for ``model``, which has no tokenizer to window them
@@ -61,25 +52,6 @@ def check_tokenizer_name(name: str) -> None:
         model_name(name)
     except InputError as exc:
         raise InputError(f"tokenizer {name!r}: {exc}") from None
-
-
-def folder_tokenizer(folder: str, name: str) -> Any | None:
-    """The tokenizer saved in ``folder`` (a local folder, or a hub id), of the model or
-    tokenizer named ``name``; None where it has none: no tokenizer file in a local folder, or
-    one transformers builds without a token that is not special. :class:`InputError` when its
-    files cannot be read."""
-    local = Path(folder)
-    if local.is_dir() and not holds_tokenizer(local):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as exc:
-        said = str(exc).strip().splitlines()
-        raise InputError(f"the tokenizer of {name} cannot be loaded ({type(exc).__name__}: "
-                         f"{said[0] if said else 'no reason given'})") from exc
-    return tokenizer if len(tokenizer) > len(set(tokenizer.all_special_ids)) else None
 
 
 def given_tokenizer(tokenizer: Any) -> Any:

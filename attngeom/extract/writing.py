@@ -2,7 +2,7 @@
 docs/store.md): the model and the input built (:mod:`~attngeom.extract.inputs`), the run's
 identity checked against its record once they are read, then each batch's forward
 (:mod:`~attngeom.extract.forward`) written through the command's
-:class:`~attngeom.store.run_write.RunWrite`: the run created from the first forward's layout,
+:class:`~attngeom.store.extracted.run_write.RunWrite`: the run created from the first forward's layout,
 each sequence's arrays handed to the writer, the write committed. The store is handed values
 (a layout, a provenance, arrays), never a function of extract's."""
 
@@ -24,7 +24,7 @@ from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.provenance import identity, run_layout, run_provenance
 from attngeom.extract.request import ExtractPlan, ExtractRequest, ExtractResult
 from attngeom.extract.tokenizing import bos_token_id
-from attngeom.store.run_write import Begun
+from attngeom.store.extracted.run_write import Begun
 from attngeom.store.session import StoreSession
 
 __all__ = ["write_run"]

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attngeom.head_classes import CRITERIA, DETECT, DETECT_GROUP, Criterion, class_counts, regimes_of, run_scores
+from attngeom.detect.head_classes import CRITERIA, DETECT, DETECT_GROUP, Criterion, class_counts, regimes_of, run_scores
 from attngeom.report.data import RunData, has_field_scores
 from attngeom.report.spec import TextSpec
-from attngeom.runcheck import stage_command
+from attngeom.store.objects.commands import stage_command
 from attngeom.store import REGIMES
 
 SECTION = "Heads of the field"

@@ -32,7 +32,7 @@ from attngeom.report import (
 from attngeom.report.data import OPTIONAL, Missing, Requirement, RunData, load_runs
 from attngeom.report.plots import RC
 from attngeom.report.spec import FigureSpec, TableSpec, TextSpec
-from attngeom.runcheck import stage_command
+from attngeom.store.objects.commands import stage_command
 
 FIGURES: tuple[FigureSpec, ...] = (
     *figures_geometry.FIGURES, *figures_sink.FIGURES, *figures_values.FIGURES, *figures_heads.FIGURES,

@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from attngeom.head_classes import DETECT, DETECT_GROUP, HEAD_SCORES, open_groups, why_no_head_scores
-from attngeom.runcheck import stage_command
+from attngeom.detect.head_classes import DETECT, DETECT_GROUP, HEAD_SCORES, open_groups, why_no_head_scores
+from attngeom.store.objects.commands import stage_command
 from attngeom.store import ABLATION, ABLATION_GROUPS, ANALYSIS, REGIMES
 from attngeom.store.session import RunReader, StoreSession
 

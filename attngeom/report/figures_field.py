@@ -10,8 +10,8 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from attngeom.head_classes import CRITERIA, DETECT, HEAD_SCORES, SCORES, regimes_of, run_scores
-from attngeom.palette import REGIME_COLORS
+from attngeom.detect.head_classes import CRITERIA, DETECT, HEAD_SCORES, SCORES, regimes_of, run_scores
+from attngeom.analyze.palette import REGIME_COLORS
 from attngeom.report.data import RunData, all_of, requires
 from attngeom.report.plots import UNIT, color_legend, new_figure, no_data, short_label
 from attngeom.report.spec import FigureSpec

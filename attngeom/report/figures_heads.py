@@ -10,7 +10,7 @@ import xarray as xr
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from attngeom.palette import REGIME_COLORS
+from attngeom.analyze.palette import REGIME_COLORS
 from attngeom.report.data import (
     RunData,
     all_of,

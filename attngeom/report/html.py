@@ -13,7 +13,7 @@ from html import escape
 
 import pandas as pd
 
-from attngeom import __version__
+from attngeom.version import __version__
 from attngeom.report.reading import QUESTIONS, Finding
 from attngeom.report.spec import SECTIONS
 

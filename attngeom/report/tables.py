@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from attngeom.head_classes import CRITERIA, SCORES, class_counts, regimes_of, run_scores, share
+from attngeom.detect.head_classes import CRITERIA, SCORES, class_counts, regimes_of, run_scores, share
 from attngeom.report.data import (
     RunData,
     all_of,

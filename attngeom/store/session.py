@@ -1,9 +1,9 @@
 """One command's store: opened once, passed down to every reader and writer.
 
 A :class:`StoreSession` turns the command's URL into one zarr Store (on an object store one
-that reads each node's metadata, shard index and small object once: :mod:`~attngeom.store.cache`)
+that reads each node's metadata, shard index and small object once: :mod:`~attngeom.store.objects.cache`)
 and its root group, checks the root (schema, format, writability), holds the store as one of
-its writers and the runs it writes (their locks, or leases: :mod:`~attngeom.store.lease`),
+its writers and the runs it writes (their locks, or leases: :mod:`~attngeom.store.holds.lease`),
 translates a full disk or a read-only store into :class:`~attngeom.errors.StoreWriteError`
 and a store that stops answering into :class:`~attngeom.errors.StoreUnreachableError`,
 and looks runs up. Its writers are the derived groups' (:meth:`StoreSession.derived`) and
@@ -27,23 +27,23 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import zarr
 
 from attngeom.errors import AttngeomError, GroupNotFoundError, StoreNotFoundError, StoreWriteError
-from attngeom.store.access import WriterHold, check_writable, checked_root, create_root, writing
-from attngeom.store.cache import cached, drop_kept
-from attngeom.store.chunks import read_chunk
-from attngeom.store.damage import damaged_chunk
-from attngeom.store.lease import HeldObject, Lease, lease_seconds
-from attngeom.store.network import reaching, unreachable
-from attngeom.store.run_write import RunWrite
-from attngeom.store.locks import RunLock, wait_for_writer
-from attngeom.store.storage import local_path, zarr_store
-from attngeom.store.runs import (
+from attngeom.store.holds.access import WriterHold, check_writable, checked_root, create_root, writing
+from attngeom.store.objects.cache import cached, drop_kept
+from attngeom.store.extracted.chunks import read_chunk
+from attngeom.store.objects.damage import damaged_chunk
+from attngeom.store.holds.lease import HeldObject, Lease, lease_seconds
+from attngeom.store.objects.network import reaching, unreachable
+from attngeom.store.extracted.run_write import RunWrite
+from attngeom.store.holds.locks import RunLock, wait_for_writer
+from attngeom.store.objects.storage import local_path, zarr_store
+from attngeom.store.extracted.runs import (
     RunLayout,
     completed,
     open_run_group,
@@ -52,15 +52,15 @@ from attngeom.store.runs import (
     run_ids,
     run_layout,
 )
-from attngeom.store.schema import ATTR_KEY, run_path
-from attngeom.store.validate import check_arrays, check_committed, check_run, lost_objects, reading_run
+from attngeom.store.objects.schema import ATTR_KEY, run_path
+from attngeom.store.extracted.checks import check_arrays, check_committed, check_run, lost_objects, reading_run
 
 if TYPE_CHECKING:
     import xarray as xr
 
-    from attngeom.store.derived import DerivedWrite
+    from attngeom.store.derived_groups.derived import DerivedWrite
 
-__all__ = ["Check", "RunReader", "StoreSession"]
+__all__ = ["Check", "RunReader", "StoreSession", "replace_groups"]
 
 # What a reader checks of a run before it reads (:meth:`RunReader.check`).
 Check = Literal["arrays", "committed", "full"]
@@ -69,14 +69,14 @@ Check = Literal["arrays", "committed", "full"]
 class StoreSession:
     """The store at ``url`` for one command: ``mode`` "r" to read, "a" to write (which also
     refuses a store of another format or one that cannot be written, and holds the store as
-    one of its writers: see :func:`~attngeom.store.access.open_root`), "c" for extract's
+    one of its writers: see :func:`~attngeom.store.holds.access.open_root`), "c" for extract's
     write, which may create the store (:meth:`run_write`). Attributes, inside the ``with``
     block: ``url``, ``zstore`` (the zarr Store) and ``root`` (its root group).
     :class:`StoreNotFoundError` if there is no store, creating nothing; in mode "c" an
     absent store is no error: nothing is created until its write begins, ``root`` is None
     until then, and what the store refuses is told by the write, counting what it kept.
     :class:`DamagedStoreError` for an unreadable root. ``lease_seconds``: how long the lease
-    of a run written on an object store lasts (:func:`~attngeom.store.lease.lease_seconds`)."""
+    of a run written on an object store lasts (:func:`~attngeom.store.holds.lease.lease_seconds`)."""
 
     def __init__(self, url: str, *, mode: str = "r", lease_seconds: float | None = None) -> None:
         self.url, self.mode = url, mode
@@ -162,9 +162,9 @@ class StoreSession:
         derived groups (two analyzes, an analyze and an ablate: ``what``, named to a writer
         waiting for it) run one after the other. On a local store an advisory lock on the
         run's folder (``flock``), released when the session ends or the process dies; on an
-        object store (``s3://``, ``memory://``) a :class:`~attngeom.store.lease.Lease`,
+        object store (``s3://``, ``memory://``) a :class:`~attngeom.store.holds.lease.Lease`,
         renewed while held, removed when the session ends and taken over once expired. A
-        writer waiting for either says whom it waits for (:mod:`~attngeom.store.locks`)."""
+        writer waiting for either says whom it waits for (:mod:`~attngeom.store.holds.locks`)."""
         if run_id in self._locked:
             return
         local = local_path(self.url)
@@ -187,13 +187,13 @@ class StoreSession:
 
     def held_object(self, run_id: str, key: str) -> HeldObject | None:
         """The object ``key`` as the holder of the run's lease writes it, fenced
-        (:class:`~attngeom.store.lease.HeldObject`); None on a local store, where the run's
+        (:class:`~attngeom.store.holds.lease.HeldObject`); None on a local store, where the run's
         lock is held until the writer's process ends and needs no fence."""
         lease = self._leases.get(run_id)
         return None if lease is None else lease.held_object(key)
 
     def run_write(self, run_id: str, *, shard: tuple[int, int] | None = None) -> RunWrite:
-        """Extract's write of run ``run_id`` (:class:`~attngeom.store.run_write.RunWrite`),
+        """Extract's write of run ``run_id`` (:class:`~attngeom.store.extracted.run_write.RunWrite`),
         with ``shard = (i, n)`` of the sequences s with s % n == i only, through this
         session's Store and root."""
         return RunWrite(self, run_id, shard=shard)
@@ -201,7 +201,7 @@ class StoreSession:
     def fresh_root(self) -> zarr.Group:
         """The root, read afresh (what peers wrote since this session read it), for a write
         beginning; in mode "c" the store created first where there is none, this session
-        then holding it as one of its writers (:func:`~attngeom.store.access.create_root`)."""
+        then holding it as one of its writers (:func:`~attngeom.store.holds.access.create_root`)."""
         check_writable(self.url)
         if self.root is None:
             self._exit.callback(WriterHold(self.url).release)
@@ -216,11 +216,11 @@ class StoreSession:
         self.root = None
 
     def derived(self, run_id: str, kind: str, *, deep: bool = False) -> DerivedWrite:
-        """The update of ``runs/<run_id>/<kind>`` (:class:`~attngeom.store.derived.DerivedWrite`),
+        """The update of ``runs/<run_id>/<kind>`` (:class:`~attngeom.store.derived_groups.derived.DerivedWrite`),
         the run locked for the rest of the session."""
         # Here, not at the top: derived groups are written with xarray, which a command that
         # only reads or checks the store does not load.
-        from attngeom.store.derived import DerivedWrite
+        from attngeom.store.derived_groups.derived import DerivedWrite
 
         return DerivedWrite(self, run_id, kind, deep=deep)
 
@@ -236,10 +236,10 @@ class RunReader:
     def check(self, check: Check | None) -> RunReader:
         """This reader once the run passes ``check`` (:class:`DamagedStoreError` names the
         first problem): "arrays", its arrays' metadata agree with its records
-        (:func:`~attngeom.store.validate.check_arrays`); "committed", also every committed
+        (:func:`~attngeom.store.extracted.checks.check_arrays`); "committed", also every committed
         sequence has its stored objects and the coordinates are right
-        (:func:`~attngeom.store.validate.check_committed`); "full", also the run's metadata
-        parses (:func:`~attngeom.store.validate.check_run`); None, nothing."""
+        (:func:`~attngeom.store.extracted.checks.check_committed`); "full", also the run's metadata
+        parses (:func:`~attngeom.store.extracted.checks.check_run`); None, nothing."""
         if check == "arrays":
             check_arrays(self.url, self.group, self.id)
         elif check == "committed":
@@ -273,7 +273,7 @@ class RunReader:
         return self.group[name]
 
     def chunk(self, name: str, index: tuple[int, ...]) -> np.ndarray:
-        """The chunk ``index`` of the array ``name`` (:func:`~attngeom.store.chunks.read_chunk`)."""
+        """The chunk ``index`` of the array ``name`` (:func:`~attngeom.store.extracted.chunks.read_chunk`)."""
         return read_chunk(self.url, self.group[name], index)
 
     def sequence(self, name: str, seq: int) -> np.ndarray:
@@ -289,7 +289,7 @@ class RunReader:
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
         """Reads of the run's arrays inside it name a damaged chunk
-        (:func:`~attngeom.store.validate.reading_run`)."""
+        (:func:`~attngeom.store.extracted.checks.reading_run`)."""
         with reading_run(self.url, self.group, self.id):
             yield
 
@@ -298,7 +298,7 @@ class RunReader:
         read of a stored object known to be lost raises :class:`CorruptChunkError`."""
         # Here, not at the top: xarray loads only where a Dataset is read (an analyze with
         # nothing to do checks the run with zarr alone).
-        from attngeom.store.datasets import open_dataset
+        from attngeom.store.extracted.datasets import open_dataset
 
         done = self.completed()
         ds = open_dataset(self.session.zstore, self.url, run_path(self.id), lost=lost_objects(self.group))
@@ -306,10 +306,10 @@ class RunReader:
 
     def derived(self, kind: str, name: str, *, missing_ok: bool = False) -> xr.Dataset | None:
         """The committed group ``<kind>/<name>`` as a lazy Dataset, through its commit record
-        (:func:`~attngeom.store.derived_read.read_derived`): the one way attngeom reads derived
+        (:func:`~attngeom.store.derived_groups.derived_read.read_derived`): the one way attngeom reads derived
         results. With ``missing_ok``, None where it was never written; an unfinished one
         raises :class:`IncompleteGroupError` all the same."""
-        from attngeom.store.derived_read import read_derived  # here: as open_dataset in dataset()
+        from attngeom.store.derived_groups.derived_read import read_derived  # here: as open_dataset in dataset()
 
         try:
             return read_derived(self.session.zstore, self.url, self.id, kind, name)
@@ -321,3 +321,11 @@ class RunReader:
     def wait_for_writer(self) -> None:
         """Wait while a live writer holds the run, saying whom it waits for."""
         wait_for_writer(self.session.zstore, self.id)
+
+
+def replace_groups(url: str, run_id: str, kind: str, groups: Mapping[str, xr.Dataset],
+                   parameters: Mapping[str, Any]) -> None:
+    """Replace every group of ``runs/<run_id>/<kind>`` by ``groups``, as a whole
+    (:meth:`~attngeom.store.derived_groups.derived.DerivedWrite.replace`)."""
+    with StoreSession(url, mode="a") as session, session.derived(run_id, kind) as write:
+        write.replace(groups, parameters)

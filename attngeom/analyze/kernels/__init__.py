@@ -27,7 +27,7 @@ from attngeom.analyze.kernels.metrics import (
     value_statistics,
 )
 from attngeom.analyze.kernels.settings import KernelSettings
-from attngeom.store.schema import TOPN_COUNTS, TOPN_FLOATS, VALUE_STATISTICS
+from attngeom.store.objects.schema import TOPN_COUNTS, TOPN_FLOATS, VALUE_STATISTICS
 
 __all__ = ["DEFAULT_SETTINGS", "MAX_KEYS", "SINK_THRESHOLD", "TOPN_COUNTS", "TOPN_FLOATS", "VALUE_STATISTICS",
            "FieldScores", "KernelSettings", "compile_kernels", "distant_attn", "head_metrics", "head_scores",

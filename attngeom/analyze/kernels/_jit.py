@@ -22,13 +22,13 @@ from pathlib import Path
 from numba import njit
 from numba.core import caching
 
-import attngeom.store.schema
+import attngeom.store.objects.schema
 
 # numba's list of cache locators, tried in order (CacheImpl in recent numba, _CacheImpl before).
 _LOCATORS = getattr(caching, "CacheImpl", None) or caching._CacheImpl
 _PACKAGE = Path(__file__).resolve().parent
 # Every source a compiled loop can read: the package's modules and the schema's names.
-_SOURCES = (*sorted(_PACKAGE.glob("*.py")), Path(attngeom.store.schema.__file__).resolve())
+_SOURCES = (*sorted(_PACKAGE.glob("*.py")), Path(attngeom.store.objects.schema.__file__).resolve())
 
 jit = njit(cache=True, nogil=True, error_model="numpy")
 # A query head's loop, which one loop over the heads of a group calls: compiled into it, not

@@ -27,7 +27,7 @@ from attngeom.analyze.kernels.vectors import (
     row_cache,
     squared_difference,
 )
-from attngeom.store.schema import TOPN_FLOATS, TOPN_VARIABLES
+from attngeom.store.objects.schema import TOPN_FLOATS, TOPN_VARIABLES
 
 # The integer outputs: the counts, then the flags of the two sinks' selection.
 TOPN_INTEGERS = TOPN_VARIABLES[len(TOPN_FLOATS):]

@@ -40,7 +40,7 @@ from attngeom.analyze.kernels.geometry import TOPN_INTEGERS, group_geometry
 from attngeom.analyze.kernels.pairs import pair_statistics
 from attngeom.analyze.kernels.selection import group_aggregates
 from attngeom.analyze.kernels.settings import KernelSettings, Tolerances
-from attngeom.store.schema import TOPN_FLAGS, TOPN_FLOATS, VALUE_STATISTICS
+from attngeom.store.objects.schema import TOPN_FLAGS, TOPN_FLOATS, VALUE_STATISTICS
 
 # The loops index a kv head's pairs as int32 (`pairs.pair_statistics`); the Gram matrix
 # alone would take 16 GiB here.
@@ -77,7 +77,7 @@ def topn_metrics(
     like any key, has ``beta = 0`` in the bounds, and takes no part in the statistics of the
     values (C, lambda, the cosines, mu).
 
-    Returns an array (B, len(n_grid)) per name of ``TOPN_VARIABLES`` (attngeom.store.schema):
+    Returns an array (B, len(n_grid)) per name of ``TOPN_VARIABLES`` (attngeom.store.objects.schema):
     floats, then int64 counts and the sink's int8 selection flag, each defined in
     docs/method.md and, with its formula, in `geometry.head_geometry`. N is valid for an
     instance iff N < |K_b| (``nosink_*``: N < |K_b \\ {0}|; the virtual key counts in K_b);
@@ -93,7 +93,7 @@ def value_statistics(
     """Norm and coherence statistics of each kv head (docs/method.md#norms-and-coherence).
 
     values (G, K, D), attendable (G, K) bool; returns an array (G,) per name of
-    ``VALUE_STATISTICS`` (attngeom.store.schema), each defined, with its formula, in
+    ``VALUE_STATISTICS`` (attngeom.store.objects.schema), each defined, with its formula, in
     `values.statistics`. They depend on the values only: a query head takes those of the kv
     head it reads.
     """

@@ -19,7 +19,7 @@ from scipy.linalg.blas import dsyrk, ssyrk
 from attngeom.analyze.kernels._jit import jit
 from attngeom.analyze.kernels.pairs import Screen, quantile
 from attngeom.analyze.kernels.vectors import dot, norm
-from attngeom.store.schema import VALUE_STATISTICS
+from attngeom.store.objects.schema import VALUE_STATISTICS
 
 
 class KvHeads(NamedTuple):

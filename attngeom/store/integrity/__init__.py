@@ -1,0 +1,2 @@
+"""A store checked against its contract, repaired, its metadata rebuilt, migrated. Imports only
+the layers below (objects, holds, extracted, derived_groups)."""
