@@ -99,22 +99,12 @@ def extract(model: Any, *, store: str | Path, **options: Any) -> ExtractResult:
     query_pos, L) float32, which analyze turns into analysis/topn_by_query
     (docs/method.md#any-query).
     """
-    from attngeom.extract.request import preflight
+    from attngeom.extract.pipeline import extract as run
 
     request = ExtractRequest(model=model, store=str(store), **options)
     # Mistakes are answered before the store's libraries load, and a run that holds every
-    # sequence already before torch loads.
-    checked = preflight(request)
-    from attngeom.store.session import StoreSession
-
-    with StoreSession(request.store, mode="c") as session:
-        done = checked.answer(session)
-        if done is not None:
-            return done
-        from attngeom.extract.pipeline import extract as run
-
-        with _library_bars(request.progress):
-            return run(request, checked, session)
+    # sequence already before torch loads (attngeom.extract.pipeline).
+    return run(request)
 
 
 def check_model(model: str, *, device: str = "auto", dtype: str = "auto", length: int = 64) -> ModelCheck:
@@ -371,7 +361,9 @@ def ablate(store: str | Path, run_id: str, **options: Any) -> AblateResult:
     check_ablate(request, record.get("layout"), committed_count(str(store), run_id))
     from attngeom.ablate.stage import ablate as run
 
-    with _library_bars(request.progress):
+    from attngeom.extract.models import library_bars
+
+    with library_bars(request.progress):
         return run(request)
 
 
@@ -382,28 +374,6 @@ def _run_model_record(store: str, run_id: str, model: Any, stage: str) -> dict[s
     if record:
         check_run_model(model, record, run_id, stage)
     return record
-
-
-@contextlib.contextmanager
-def _library_bars(progress: bool) -> Iterator[None]:
-    """Within the block, transformers' and huggingface_hub's own bars (loading weights,
-    downloads) and the details of a model's one-time preparation (the steps of a GGUF's
-    conversion, their bars) are shown only with ``progress``; as they were after."""
-    if progress:
-        yield
-        return
-    from transformers.utils import logging as transformers_logging
-
-    from attngeom.extract.models import one_time_progress
-
-    shown = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
-    try:
-        with one_time_progress(False):
-            yield
-    finally:
-        if shown:
-            transformers_logging.enable_progress_bar()
 
 
 @keywords_of(DetectRequest)
@@ -436,7 +406,9 @@ def detect(store: str | Path, run_id: str, **options: Any) -> DetectResult:
         check_sequences(run_id, committed)
     from attngeom.detect.stage import detect as run
 
-    with _library_bars(request.progress):
+    from attngeom.extract.models import library_bars
+
+    with library_bars(request.progress):
         return run(request)
 
 

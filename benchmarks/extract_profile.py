@@ -28,10 +28,11 @@ phases of extract add up to its ratio under the profiler):
 * summaries: the rest of ``attngeom.capture``: the setup of a layer (q, k and v laid out and
   scaled), every other pass over a tile's rows (top-1, entropy, sink, diagonal, previous key,
   recent windows, the winner's ``A_ij ||v_j||`` and first argmax) and the per-layer layouts;
-* hand-off: the sequence's arrays stacked over layers and converted for the writer
+* hand-off: the sequence's arrays taken from the capture for the writer, one part per layer
   (``attngeom.hand_off``);
-* writes: the writer's compression, checksums and writes, and the sequence's commit
-  (``attngeom.write`` less the hand-off inside it: on CPU the writer runs in extract's thread);
+* writes: the writer's stack of the parts over layers, their conversion, compression,
+  checksums and writes, and the sequence's commit (``attngeom.write`` less the hand-off
+  inside it: on CPU the writer runs in extract's thread);
 * other: the rest of ``ag.extract`` (input checks, the store's creation, provenance).
 
 In the SDPA forward, "SDPA" is its attention operators and "forward" the rest of the

@@ -364,12 +364,12 @@ def test_help_of_a_stage_shows_its_function(name):
 
 
 def test_a_missing_dataset_is_said_before_the_model_is_looked_at(tmp_path, monkeypatch):
-    import attngeom.extract.pipeline as pipeline
+    import attngeom.extract.inputs as inputs
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was resolved before the dataset was checked")
 
-    monkeypatch.setattr(pipeline, "resolve_model", no_model)
+    monkeypatch.setattr(inputs, "resolve_model", no_model)
     missing = str(tmp_path / "notes.txt")
     result = CliRunner().invoke(main, ["extract", "--model", "smollm2-135m", "--dataset", missing, "-L", "16",
                                        "-S", "2", "--store", str(tmp_path / "s.zarr")])

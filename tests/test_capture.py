@@ -12,12 +12,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 from transformers import AutoModelForCausalLM
 
-from attngeom.extract.capture import (
-    ATTN_IMPLEMENTATION,
-    Recorder,
-    capturing,
-    output_description,
-)
+from attngeom.extract.attention_hook import ATTN_IMPLEMENTATION, output_description
+from attngeom.extract.capture import capturing
+from attngeom.extract.recorder import Recorder
 from attngeom.extract.tiles import attention_summaries
 from attngeom.extract.models import ModelSource, load_model
 
@@ -272,7 +269,7 @@ def test_a_layers_capture_runs_on_one_thread(tiny_model_dir, monkeypatch):
     """Each layer's capture runs on one torch thread, its tiles shared out among as many
     threads as the caller has torch threads, and the rest of the forward on the caller's
     thread count, which is restored after each layer, also when a layer raises."""
-    import attngeom.extract.capture as capture_module
+    import attngeom.extract.attention_hook as capture_module
 
     model = stock(tiny_model_dir("llama"))
     real = capture_module.attention_summaries
@@ -351,8 +348,8 @@ def test_registration_is_an_explicit_call():
     code = """
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
-import attngeom.extract.pipeline, attngeom.ablate.stage
-from attngeom.extract.capture import ATTN_IMPLEMENTATION, register_capture
+import attngeom.extract.writing, attngeom.ablate.stage
+from attngeom.extract.attention_hook import ATTN_IMPLEMENTATION, register_capture
 assert ATTN_IMPLEMENTATION not in AttentionInterface(), "registered at import"
 assert ATTN_IMPLEMENTATION not in AttentionMaskInterface(), "mask registered at import"
 register_capture()

@@ -315,7 +315,7 @@ def test_a_finished_run_is_answered_from_the_store_and_the_demo_says_so(extracte
     """A rerun with every sequence committed writes nothing and loads no model; the demo names
     the steps that had nothing to do."""
     from attngeom import api, demo
-    from attngeom.extract import pipeline
+    from attngeom.extract import writing
 
     model, corpus, store = extracted
     before = tree(store)
@@ -323,7 +323,7 @@ def test_a_finished_run_is_answered_from_the_store_and_the_demo_says_so(extracte
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(pipeline, "_model", no_model)
+    monkeypatch.setattr(writing, "model", no_model)
     result = CliRunner().invoke(main, extract_args(extracted))
     assert result.exit_code == 0, result.output
     assert re.fullmatch(r"run r: wrote 0 sequences in \d+\.\d s; the run holds 2 committed of 2\n", result.output)

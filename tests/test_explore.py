@@ -413,7 +413,7 @@ def test_a_gguf_runs_tokens_are_decoded_from_the_converted_folder(tmp_path, monk
     from conftest import tiny_tokenizer
 
     from attngeom.explore.data import token_decoder
-    from attngeom.extract.models import converted_path
+    from attngeom.extract.gguf_files import converted_path
 
     monkeypatch.setenv("ATTNGEOM_CACHE", str(tmp_path))
     model = {"id": "m", "path": str(tmp_path / "gone"), "gguf_file": "m.gguf", "file_sha256": "ab" * 32}

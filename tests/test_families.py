@@ -313,15 +313,15 @@ def test_an_unverified_family_is_checked_against_its_eager_attention(ids, tmp_pa
     """A family outside the verified list is compared with its eager attention first: it
     agrees (a Llama taken for unverified), or the run is refused with the size of the
     difference (the same model whose capture is made to scale its scores wrongly)."""
-    from attngeom.extract import capture, pipeline
+    from attngeom.extract import attention_hook, writing
 
-    monkeypatch.setattr(pipeline, "VERIFIED_TYPES", frozenset())
+    monkeypatch.setattr(writing, "VERIFIED_TYPES", frozenset())
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(family_config("llama"), dtype=torch.float32).eval()
     ag.extract(model, store=tmp_path / "ok.zarr", token_ids=ids, run_id="r")
     assert "checking the capture of model type 'llama' against its eager attention" in capsys.readouterr().err
-    summaries = capture.attention_summaries
-    monkeypatch.setattr(capture, "attention_summaries",
+    summaries = attention_hook.attention_summaries
+    monkeypatch.setattr(attention_hook, "attention_summaries",
                         lambda q, k, v, mask, scaling, **kw: summaries(q, k, v, mask, scaling * 1.5, **kw))
     with pytest.raises(UnsupportedModelError, match=r"disagrees with its own eager attention in 3 of 3 layers: "
                                                     r"layer 0 \(attention\) rows differ by"):

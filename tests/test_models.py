@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs a model: torch is not installed")
 
 from attngeom.errors import InputError
-from attngeom.extract import models
+from attngeom.extract import gguf_files, models
 from conftest import tiny_config, tiny_tokenizer
 
 
@@ -32,15 +32,15 @@ def _parts(folder: Path, sizes=(3000, 5000, 1)) -> tuple[list[Path], bytes]:
 def test_assembly_says_what_it_does_once(tmp_path, capsys):
     parts, whole = _parts(tmp_path / "parts")
     target = tmp_path / "cache" / "gguf" / "m.gguf"
-    assert models.assemble_parts(parts, target, hashlib.sha256(whole).hexdigest()) == target
+    assert gguf_files.assemble_parts(parts, target, hashlib.sha256(whole).hexdigest()) == target
     assert target.read_bytes() == whole
     assert "assembling m.gguf once from 3 parts into " in capsys.readouterr().err
     assert [p.name for p in target.parent.iterdir()] == ["m.gguf"]
-    models.assemble_parts(parts, target, hashlib.sha256(whole).hexdigest())
+    gguf_files.assemble_parts(parts, target, hashlib.sha256(whole).hexdigest())
     assert capsys.readouterr().err == ""
     # A truncated file in its place (an assembler that wrote in place, stopped midway).
     target.write_bytes(whole[:100])
-    models.assemble_parts(parts, target, hashlib.sha256(whole).hexdigest())
+    gguf_files.assemble_parts(parts, target, hashlib.sha256(whole).hexdigest())
     assert target.read_bytes() == whole
     assert "is not the published file (sha256 differs): assembling it again" in capsys.readouterr().err
 
@@ -49,13 +49,13 @@ def test_assembly_that_fails_or_is_interrupted_leaves_no_file(tmp_path):
     parts, whole = _parts(tmp_path / "parts")
     target = tmp_path / "gguf" / "m.gguf"
     with pytest.raises(InputError, match="do not add up to the published file"):
-        models.assemble_parts(parts, target, "0" * 64)
+        gguf_files.assemble_parts(parts, target, "0" * 64)
     assert list(target.parent.iterdir()) == []
 
     # A part that cannot be read after others were written: an assembly stopped midway.
     (tmp_path / "parts" / "gone").mkdir()
     with pytest.raises(IsADirectoryError):
-        models.assemble_parts([*parts, tmp_path / "parts" / "gone"], target, hashlib.sha256(whole).hexdigest())
+        gguf_files.assemble_parts([*parts, tmp_path / "parts" / "gone"], target, hashlib.sha256(whole).hexdigest())
     assert list(target.parent.iterdir()) == []
 
 
@@ -97,7 +97,7 @@ def fake_gguf(tmp_path, monkeypatch):
 
 def test_conversion_says_each_step_once_and_reads_the_file_once(fake_gguf, capsys):
     source, opened = fake_gguf
-    folder = models._converted_folder(source)
+    folder = gguf_files.converted_folder(source)
     err = capsys.readouterr().err
     assert err.splitlines()[0].startswith("converting tiny once into ")
     steps = [line.strip()[:3] for line in err.splitlines() if line.startswith("  ")]
@@ -107,18 +107,17 @@ def test_conversion_says_each_step_once_and_reads_the_file_once(fake_gguf, capsy
     assert (folder / "config.json").exists() and (folder / "tokenizer.json").exists()
     assert not hasattr(models.load_config(source), "quantization_config")
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]
-    assert models._converted_folder(source) == folder
+    assert gguf_files.converted_folder(source) == folder
     assert capsys.readouterr().err == ""
 
 
 def test_without_progress_the_conversion_says_only_what_it_makes_and_where(fake_gguf, capsys):
     """extract's, ablate's and detect's progress=False (their --no-progress): no step lines,
     no bar, transformers' own over the tensors included; the first line stays."""
-    from attngeom import api
 
     source, _ = fake_gguf
-    with api._library_bars(False):
-        folder = models._converted_folder(source)
+    with models.library_bars(False):
+        folder = gguf_files.converted_folder(source)
     assert (folder / "config.json").exists()
     err = capsys.readouterr().err
     assert err.startswith("converting tiny once into ") and err.count("\n") == 1, err
@@ -130,15 +129,15 @@ def test_without_progress_the_conversion_says_only_what_it_makes_and_where(fake_
 
 
 def test_with_progress_transformers_bar_over_the_tensors_shows(fake_gguf, capsys):
-    models._converted_folder(fake_gguf[0])
+    gguf_files.converted_folder(fake_gguf[0])
     assert "Converting and de-quantizing GGUF tensors..." in capsys.readouterr().err
 
 
 def test_without_progress_the_assembly_says_only_its_first_line(tmp_path, capsys):
     parts, whole = _parts(tmp_path / "parts")
     target = tmp_path / "cache" / "gguf" / "m.gguf"
-    with models.one_time_progress(False):
-        models.assemble_parts(parts, target, hashlib.sha256(whole).hexdigest())
+    with gguf_files.one_time_progress(False):
+        gguf_files.assemble_parts(parts, target, hashlib.sha256(whole).hexdigest())
     err = capsys.readouterr().err
     assert err.startswith("assembling m.gguf once from 3 parts into ") and err.count("\n") == 1, err
     assert target.read_bytes() == whole
@@ -153,8 +152,8 @@ def test_an_interrupted_conversion_leaves_no_folder(fake_gguf, monkeypatch):
 
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", killed)
     with pytest.raises(KeyboardInterrupt):
-        models._converted_folder(source)
-    assert list(models.converted_path(source.gguf_file, source.file_sha256).parent.iterdir()) == []
+        gguf_files.converted_folder(source)
+    assert list(gguf_files.converted_path(source.gguf_file, source.file_sha256).parent.iterdir()) == []
 
 
 def test_a_step_on_a_terminal_keeps_its_line_and_ends_it(monkeypatch):
@@ -168,11 +167,46 @@ def test_a_step_on_a_terminal_keeps_its_line_and_ends_it(monkeypatch):
 
     terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
-    with models._step("  2/4 building the tokenizer"):
+    with gguf_files._step("  2/4 building the tokenizer"):
         pass
-    with pytest.raises(KeyboardInterrupt), models._step("  3/4 stopped"):
+    with pytest.raises(KeyboardInterrupt), gguf_files._step("  3/4 stopped"):
         raise KeyboardInterrupt
     lines = terminal.getvalue().replace("\r", "\n").split("\n")
     assert any(line.startswith("  2/4 building the tokenizer (") for line in lines)
     assert any(line.startswith("  3/4 stopped (") for line in lines)
     assert terminal.getvalue().endswith("\n")
+
+
+def test_transformers_takes_the_gguf_reader_from_the_gguf_module_at_each_load():
+    """A conversion shares one parsed reader by standing in for ``gguf.GGUFReader`` during
+    its block (``gguf_files._shared_reader``): that reaches transformers' loader only while it
+    imports the class from the module at each call and opens a file by (path, mode)."""
+    import inspect
+
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as loader
+
+    assert "from gguf import GGUFReader" in inspect.getsource(loader.load_gguf_checkpoint)
+    assert "GGUFReader" not in vars(loader)
+    assert list(inspect.signature(gguf.GGUFReader).parameters)[:2] == ["path", "mode"]
+
+
+def test_the_shared_reader_reaches_only_its_own_thread_and_file(tmp_path, monkeypatch):
+    """Within the block this thread's openings of the file get the shared reader; another
+    file, another thread and any opening after the block open as gguf does."""
+    import threading
+
+    import gguf
+
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path, mode="r": ("opened", Path(path).name))
+    shared = object()
+    file, other = tmp_path / "m.gguf", tmp_path / "n.gguf"
+    seen = []
+    with gguf_files._shared_reader(shared, file):
+        here = (gguf.GGUFReader(file), gguf.GGUFReader(other))
+        thread = threading.Thread(target=lambda: seen.append(gguf.GGUFReader(file)))
+        thread.start()
+        thread.join()
+    assert here == (shared, ("opened", "n.gguf"))
+    assert seen == [("opened", "m.gguf")]
+    assert gguf.GGUFReader(file) == ("opened", "m.gguf")

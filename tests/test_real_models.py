@@ -8,7 +8,8 @@ torch = pytest.importorskip("torch", reason="needs a model: torch is not install
 import xarray as xr
 from test_capture import eager_reference
 
-from attngeom.extract.models import _converted_folder, resolve_model
+from attngeom.extract.gguf_files import converted_folder
+from attngeom.extract.models import resolve_model
 from attngeom.extract.pipeline import ExtractRequest, extract
 from attngeom.store import validate_store
 
@@ -40,7 +41,7 @@ def test_real_model_extract(name, tmp_path):
     assert ds.attrs["attngeom"]["model"]["file_sha256"] == resolve_model(name).file_sha256
 
     # The stored rows, values and winners are those of the converted model's eager attention.
-    rows, values, _ = eager_reference(_converted_folder(resolve_model(name)), torch.from_numpy(ds["tokens"].values.astype("int64")))
+    rows, values, _ = eager_reference(converted_folder(resolve_model(name)), torch.from_numpy(ds["tokens"].values.astype("int64")))
     for layer in (0, layers - 1):
         a, v = rows[layer].numpy(), values[layer].numpy()
         np.testing.assert_allclose(ds["attn_last"].isel(layer=layer).values, a[:, :, -1], atol=1e-5)

@@ -58,9 +58,9 @@ def _write(url: str, total: int, k: int | None) -> list[int]:
     with StoreSession(url, mode="c") as session, session.run_write("r").begin(total) as begun:
         todo = list(begun.todo)
         if todo:
-            begun.create(lambda: LAYOUT, PROVENANCE, in_flight=0)
+            begun.create(LAYOUT, PROVENANCE, in_flight=0)
         for seq in todo[:k]:
-            begun.submit(seq, lambda seq=seq: _arrays(seq))
+            begun.submit(seq, _arrays(seq))
         if k is not None:
             raise Failed
         begun.commit()
@@ -93,11 +93,11 @@ with StoreSession(url, mode="c") as session, session.run_write("r").begin(total)
     print(",".join(map(str, begun.todo)), flush=True)
     if at == "begun":
         os._exit(9)
-    begun.create(lambda: LAYOUT, PROVENANCE, in_flight=0)
+    begun.create(LAYOUT, PROVENANCE, in_flight=0)
     if at == "created":
         os._exit(9)
     for seq in begun.todo:
-        begun.submit(seq, lambda seq=seq: _arrays(seq))
+        begun.submit(seq, _arrays(seq))
     os._exit(9)
 """
 
@@ -199,10 +199,10 @@ class RunWriteMachine(RuleBasedStateMachine):
         with StoreSession(self.url, mode="c") as session, session.run_write("r").begin(1) as begun:
             if begun.todo:
                 with pytest.raises(RuntimeError, match="create the run before"):
-                    begun.submit(0, lambda: _arrays(0))
+                    begun.submit(0, _arrays(0))
             begun.commit()
-            for verb in (begun.commit, lambda: begun.create(lambda: LAYOUT, PROVENANCE),
-                         lambda: begun.submit(0, lambda: _arrays(0))):
+            for verb in (begun.commit, lambda: begun.create(LAYOUT, PROVENANCE),
+                         lambda: begun.submit(0, _arrays(0))):
                 with pytest.raises(RuntimeError, match="is committed"):
                     verb()
         with pytest.raises(RuntimeError, match="cannot begin: the write of run r is committed"):

@@ -57,9 +57,9 @@ def append(url: str, total: int, data=_arrays) -> list[int]:
     with StoreSession(url, mode="c") as session, session.run_write("r").begin(total) as begun:
         todo = list(begun.todo)
         if todo:
-            begun.create(lambda: LAYOUT, PROVENANCE, in_flight=0)
+            begun.create(LAYOUT, PROVENANCE, in_flight=0)
         for seq in todo:
-            begun.submit(seq, lambda seq=seq: data(seq))
+            begun.submit(seq, data(seq))
         begun.commit()
     return todo
 

@@ -174,29 +174,50 @@ def gated_run(tmp_path, n_seq: int, failing: str | None = None):
     return gated, zarr.open_group(gated, path=f"{RUNS}/r", mode="r+", use_consolidated=False)
 
 
+class LayerPart:
+    """One layer's part of a sequence's array as extract hands it to the writer; the writer's
+    stack reads it, and the first layer's read is noted in ``log`` as (seq, thread)."""
+
+    def __init__(self, seq, layer, value, log):
+        self.seq, self.layer, self.value, self.log = seq, layer, value, log
+
+    def __array__(self, dtype=None, copy=None):
+        import threading
+
+        if self.layer == 0:
+            self.log.append((self.seq, threading.current_thread()))
+        return self.value
+
+
+def in_parts(seq, arrays, log):
+    """``arrays`` with their values handed over one part per layer (:class:`LayerPart`)."""
+    values = arrays["values"]
+    return {**arrays, "values": [LayerPart(seq, layer, values[layer], log) for layer in range(values.shape[0])]}
+
+
 def test_the_writer_converts_and_writes_beside_the_caller_in_order(tmp_path):
-    """submit returns while the store holds the write back; conversion happens in the writer,
-    one sequence after another; close commits every sequence with its own arrays."""
+    """submit returns while the store holds the write back; the layers' parts are stacked in
+    the writer, one sequence after another; close commits every sequence with its own arrays."""
     from attngeom.store import SequenceWriter, run_layout
     from attngeom.extract.synthetic import synthetic_sequence
 
     gated, run = gated_run(tmp_path, 4)
     layout = run_layout(run)
     sequences = {s: synthetic_sequence(np.random.default_rng(s), layout) for s in (1, 2, 3)}
-    converted: list[int] = []
+    stacked: list[tuple] = []
 
     def arrays(seq):
-        converted.append(seq)
-        return sequences[seq]
+        return in_parts(seq, sequences[seq], stacked)
 
     with SequenceWriter(run, in_flight=2) as writer:
-        writer.submit(1, lambda: arrays(1))
-        writer.submit(2, lambda: arrays(2))
+        writer.submit(1, arrays(1))
+        writer.submit(2, arrays(2))
         assert list(zarr.open_array(gated._store, path="runs/r/complete", mode="r")[:]) == [1, 0, 0, 0]
-        assert converted in ([], [1])  # the second waits for the first to be written
+        assert [seq for seq, _ in stacked] in ([], [1])  # the second waits for the first to be written
         gated.gate.set()
-        writer.submit(3, lambda: arrays(3))
-    assert converted == [1, 2, 3]
+        writer.submit(3, arrays(3))
+    assert [seq for seq, _ in stacked] == [1, 2, 3]
+    assert all(thread.name.startswith("attngeom-writer") for _, thread in stacked)
     reread = zarr.open_group(gated._store, path="runs/r", mode="r", use_consolidated=False)
     assert list(reread["complete"][:]) == [1, 1, 1, 1]
     for seq, expected in sequences.items():
@@ -206,29 +227,28 @@ def test_the_writer_converts_and_writes_beside_the_caller_in_order(tmp_path):
 
 def test_a_failed_write_stops_the_writer_and_nothing_is_written_after(tmp_path):
     """Sequence 1's values cannot be stored: the OSError reaches the caller, sequence 0 stays
-    committed, and no sequence after 1 is converted or written."""
+    committed, and no sequence after 1 is stacked or written."""
     from attngeom.store import SequenceWriter, run_layout
     from attngeom.extract.synthetic import synthetic_sequence
 
     gated, run = gated_run(tmp_path, 5, failing="/values/c/2")
     gated.gate.set()
     layout = run_layout(run)
-    converted: list[int] = []
+    stacked: list[tuple] = []
 
     def arrays(seq):
-        converted.append(seq)
-        return synthetic_sequence(np.random.default_rng(seq), layout)
+        return in_parts(seq, synthetic_sequence(np.random.default_rng(seq), layout), stacked)
 
     with pytest.raises(OSError, match="No space"), SequenceWriter(run, in_flight=2) as writer:
         for seq in (1, 2, 3, 4):
-            writer.submit(seq, lambda seq=seq: arrays(seq))
-    assert converted == [1, 2]
+            writer.submit(seq, arrays(seq))
+    assert [seq for seq, _ in stacked] == [1, 2]
     assert not [key for key in gated.written if "/c/3" in key or "/c/4" in key]
     assert list(zarr.open_array(gated._store, path="runs/r/complete", mode="r")[:]) == [1, 1, 0, 0, 0]
 
 
 def test_without_sequences_in_flight_submit_writes_in_the_callers_thread(tmp_path):
-    """in_flight=0 (extract on CPU): each submit returns with its sequence committed, converted
+    """in_flight=0 (extract on CPU): each submit returns with its sequence committed, stacked
     in the caller's thread; a failed write is raised by that submit and stops the writer."""
     import threading
 
@@ -238,20 +258,19 @@ def test_without_sequences_in_flight_submit_writes_in_the_callers_thread(tmp_pat
     gated, run = gated_run(tmp_path, 4, failing="/values/c/3")
     gated.gate.set()
     layout = run_layout(run)
-    converted: list[tuple[int, threading.Thread]] = []
+    stacked: list[tuple[int, threading.Thread]] = []
 
     def arrays(seq):
-        converted.append((seq, threading.current_thread()))
-        return synthetic_sequence(np.random.default_rng(seq), layout)
+        return in_parts(seq, synthetic_sequence(np.random.default_rng(seq), layout), stacked)
 
     complete = zarr.open_array(gated._store, path="runs/r/complete", mode="r")
     with pytest.raises(OSError, match="No space"), SequenceWriter(run, in_flight=0) as writer:
-        writer.submit(1, lambda: arrays(1))
+        writer.submit(1, arrays(1))
         assert list(complete[:]) == [1, 1, 0, 0]
-        writer.submit(2, lambda: arrays(2))
+        writer.submit(2, arrays(2))
         assert list(complete[:]) == [1, 1, 1, 0]
-        writer.submit(3, lambda: arrays(3))
-    assert converted == [(s, threading.current_thread()) for s in (1, 2, 3)]
+        writer.submit(3, arrays(3))
+    assert stacked == [(s, threading.current_thread()) for s in (1, 2, 3)]
     assert list(complete[:]) == [1, 1, 1, 0]
 
 

@@ -187,7 +187,7 @@ def token_decoder(provenance: dict[str, Any]) -> tuple[Callable[[np.ndarray], li
         return None, f"{path} holds no tokenizer"
     kwargs = {"gguf_file": gguf} if gguf else {}
     if gguf and model.get("file_sha256"):
-        from attngeom.extract.models import converted_path
+        from attngeom.extract.gguf_files import converted_path
 
         converted = converted_path(gguf, model["file_sha256"])
         if (converted / "tokenizer_config.json").is_file():

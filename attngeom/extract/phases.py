@@ -20,9 +20,10 @@ PHASES = {
     "attngeom.capture": "one layer's attention captured: its rows, summaries and own output",
     "attngeom.rows": "a tile's float32 probability rows: q k^T, the mask, the row maximum, the softmax",
     "attngeom.output": "a tile's rows @ v, the layer's output where the capture returns its own",
-    "attngeom.hand_off": "a sequence's arrays stacked over layers and converted for the writer",
-    "attngeom.write": "a sequence handed to the writer: its conversion (attngeom.hand_off) and writes "
-                      "where the writer runs in the caller's thread, the wait for room beside it otherwise",
+    "attngeom.hand_off": "a sequence's arrays taken from the capture for the writer, one part per layer",
+    "attngeom.write": "a sequence handed to the writer (attngeom.hand_off), and its parts stacked and converted "
+                      "and its writes where the writer runs in the caller's thread, the wait for room beside it "
+                      "otherwise",
 }
 
 _NOTHING = contextlib.nullcontext()

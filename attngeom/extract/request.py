@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
 
 from attngeom.errors import InputError
 from attngeom.extract.corpora import (
@@ -22,19 +23,17 @@ from attngeom.extract.corpora import (
     corpus_id,
     open_corpus,
 )
+from attngeom.extract.identity import differences, other_run
 from attngeom.extract.placement import parse_device_map
 from attngeom.extract.positions import check_context_length, config_positions
 from attngeom.extract.queries import query_positions
-from attngeom.extract.sources import OFFLINE_MODELS, model_name
+from attngeom.extract.sources import OFFLINE_MODELS, memory_model_id, model_name
 from attngeom.extract.tokenizing import check_tokenizer_name, holds_tokenizer, no_tokenizer
 from attngeom.options import check_options, option, refusal
 from attngeom.store.objects.preflight import RUN_ID_PATTERN, default_run_id, require_writable, run_created, run_record
 from attngeom.extract.runcheck import check_device
 
-if TYPE_CHECKING:
-    from attngeom.store.session import StoreSession
-
-__all__ = ["ExtractRequest", "ExtractResult", "Preflight", "check_arguments", "launcher_shard", "preflight"]
+__all__ = ["ExtractPlan", "ExtractRequest", "ExtractResult", "check_arguments", "launcher_shard", "preflight", "token_array"]
 
 # Compute dtypes: "auto" is float32 on every device; float32-tf32 runs float32 matmuls in
 # TF32 inside the forward.
@@ -93,30 +92,29 @@ class ExtractResult:
 
 
 @dataclass(frozen=True)
-class Preflight:
-    """A request that passed :func:`preflight`: its shard (i, n) or None. Where its run
-    exists: ``run_id``; ``total``, the sequences asked for, where the store alone (no model)
-    can tell whether the run holds them all already (:meth:`answer`); ``lacking``, the
-    arrays the run was extracted without (migrated from an earlier store format)."""
+class ExtractPlan:
+    """A request resolved once and checked (:func:`preflight`): what the rest of extract reads
+    instead of the request's raw arguments. ``shard``: (i, n) or None; ``run_id``: the run it
+    writes; ``length``: L; ``queries``: the positions whose rows it keeps; ``token_ids``: the
+    caller's token ids as an integer array (S, L), or None; ``corpus``: an offline or local
+    corpus, opened (its documents fingerprinted, nothing tokenized), or None; ``given``: the
+    values of the run's identity as the command gave them, to be said in a refusal
+    (:func:`attngeom.extract.identity.differences`); ``total``: the sequences asked for, where the store
+    alone (no model) can tell whether the run holds them all already
+    (:func:`attngeom.extract.pipeline.answer`);
+    ``lacking``: the arrays an existing run was extracted without (migrated from an earlier
+    store format)."""
 
+    request: ExtractRequest = field(repr=False)
     shard: tuple[int, int] | None
-    run_id: str | None = None
+    run_id: str
+    length: int
+    queries: tuple[int, ...]
+    token_ids: Any = field(default=None, repr=False)
+    corpus: Corpus | None = field(default=None, repr=False)
+    given: Mapping[str, Any] = field(default_factory=dict, repr=False)
     total: int | None = None
     lacking: tuple[str, ...] = ()
-
-    def answer(self, session: StoreSession) -> ExtractResult | None:
-        """The result when the run holds every sequence asked for already (nothing to load
-        or write), read through the command's ``session`` (mode "c") and the run checked
-        as a finished extract checks it; None when there is something to write.
-        :class:`InputError` for a run lacking arrays, which takes no new sequences."""
-        done = None if self.total is None else _finished(session, self.run_id, self.total, self.shard)
-        if done is None and self.lacking:
-            raise InputError(
-                f"run '{self.run_id}' in {session.url} was extracted before attngeom kept "
-                f"{' and '.join(self.lacking)} (migrated from an earlier store format) and takes no new sequences; "
-                "choose another --run"
-            )
-        return done
 
 
 def launcher_shard() -> tuple[int, int] | None:
@@ -186,37 +184,34 @@ def values_dtype_refusal(compute_dtype: str) -> str:
             "use --dtype bfloat16, or --values-dtype float32 or float16")
 
 
-def preflight(request: ExtractRequest) -> Preflight:
-    """Everything about ``request`` that its arguments, the model's and the corpus's names and
-    metadata, and the store's records decide, before torch, the model or the corpus loads:
-    the arguments; the queries for L; the store's writability; the model (an offline name, an
-    existing path, a hub id it can reach or has cached) and L against its positions; the
-    corpus's name and text field; an existing run's identity as its record states it (model and
-    corpus ids, L, window rule, dtypes, rows, queries; an offline or local corpus's documents
-    and text field), a difference named by its option, the run's value and the asked one.
-    Whether that run already holds every sequence asked for (of a named model, an offline or
-    local corpus, and no BOS token named: only the tokenizer tells its id) is answered next,
-    from its commit flags, through the command's store session (:meth:`Preflight.answer`: the
-    store's package loads, no model).
-    :class:`InputError` or a :class:`StoreError` otherwise, with the store untouched."""
+def preflight(request: ExtractRequest) -> ExtractPlan:
+    """The request resolved and checked as far as its arguments, the model's and the corpus's
+    names and metadata, and the store's records decide, before torch, the model or the
+    corpus loads: the arguments; L and the queries for it; the store's writability; the model
+    (an offline name, an existing path, a hub id it can reach or has cached, or one in memory)
+    and L against its positions; the corpus's name and text field; the run id; an existing
+    run's identity as its record states it (model and corpus ids, L, window rule, dtypes,
+    rows, queries; an offline or local corpus's documents and text field), a difference
+    named by its option, the run's value and the asked one. Whether that run already holds
+    every sequence asked for (of a named model, an offline or local corpus, and no BOS token
+    named: only the tokenizer tells its id) is answered next, from its commit flags, through
+    the command's store session (:func:`attngeom.extract.pipeline.answer`: the store's package loads, no
+    model). :class:`InputError` or a :class:`StoreError` otherwise, with the store untouched."""
     shard = check_arguments(request)
     check_device(request.device)
-    length = request.context_length
-    shape = getattr(request.token_ids, "shape", None)
-    if request.token_ids is not None and shape is not None and len(shape) == 2:
-        length = int(shape[1])
-    queries = query_positions(request.queries, length) if length is not None else None
+    ids = None if request.token_ids is None else token_array(request.token_ids)
+    length = int(ids.shape[1]) if ids is not None else request.context_length
+    queries = query_positions(request.queries, length)
     require_writable(request.store)
     named = isinstance(request.model, str | os.PathLike)
     if named and request.values_dtype == "bfloat16" and request.dtype != "bfloat16":
         raise InputError(values_dtype_refusal(request.dtype))
-    model_id = None
     if named:
         model = model_name(str(request.model))
         model_id, positions = model.id, model.positions
     else:
-        positions = config_positions(getattr(request.model, "config", None) or {})
-    if length is not None and positions is not None:
+        model_id, positions = memory_model_id(request.model), config_positions(getattr(request.model, "config", None) or {})
+    if positions is not None:
         check_context_length(length, positions, str(request.model) if named else "the model", ExtractRequest)
     _check_tokenizer(request)
     if request.dataset is not None:
@@ -224,49 +219,54 @@ def preflight(request: ExtractRequest) -> Preflight:
         check_text_field(request.dataset, request.text_field)
     else:
         input_id = "texts" if request.texts is not None else "token_ids"
-    run_id = request.run_id
-    if run_id is None and model_id is not None and length is not None:
-        run_id = default_run_id(model_id, input_id, length)
-    record = run_record(request.store, run_id) if run_id is not None else None
-    if not run_created(record):
-        return Preflight(shard)
-    rule = ({"rule": "given", "seed": None} if request.token_ids is not None
-            else {"rule": request.window_rule, "seed": request.seed})
-    asked = {
-        "model": model_id, "dataset": input_id, "context_length": length, "window_rule": rule,
-        # "auto" keeps what a run holds (pipeline._values_dtype).
+    run_id = request.run_id or default_run_id(model_id, input_id, length)
+    local = _local_corpus(request)
+    identity = {
+        # A model given in memory is known by its weights' hash alone, read with the model.
+        "model": {"id": model_id} if named else None,
+        "dataset": {"id": input_id} if local is None else {"id": input_id, "text_field": request.text_field,
+                                                          "fingerprint": local.fingerprint},
+        "context_length": length,
+        "window_rule": ({"rule": "given", "seed": None} if ids is not None
+                        else {"rule": request.window_rule, "seed": request.seed}),
+        # "auto" keeps what a run holds (provenance.values_dtype).
         "values_dtype": None if request.values_dtype == "auto" else request.values_dtype,
         "store_rows": request.store_rows,
-        "queries": None if queries is None else list(queries),
+        "queries": list(queries),
         # "auto" computes in float32 on every device (models.resolve_dtype).
         "compute_dtype": ("float32" if request.dtype == "auto" else request.dtype) if named else None,
     }
-    held = dict(record, model=(record.get("model") or {}).get("id"), dataset=(record.get("dataset") or {}).get("id"))
-    held.setdefault("queries", [])
-    diffs = [(key, held.get(key), request.queries if key == "queries" and isinstance(request.queries, str) else value)
-             for key, value in asked.items() if value is not None and held.get(key) != value]
-    local = _local_corpus(request)
-    if local is not None and not diffs:
-        recorded = record.get("dataset") or {}
-        if recorded.get("text_field") != request.text_field:
-            diffs.append(("text_field", recorded.get("text_field"), request.text_field))
-        elif recorded.get("fingerprint") != local.fingerprint:
-            diffs.append(("documents", "", ""))
+    given = {"dataset": request.dataset, **({"queries": request.queries} if isinstance(request.queries, str) else {})}
+    plan = ExtractPlan(request, shard, run_id, length, queries, ids, local, given)
+    record = run_record(request.store, run_id)
+    if not run_created(record):
+        return plan
+    diffs = differences(record, identity, given)
     if diffs:
         # A store this attngeom may not write (another format, a migration under way) is
         # the first thing to fix: said before the run's parameters, as the store says it.
         from attngeom.store import open_root
 
         open_root(request.store, mode="a")
-        raise _other_run(request.store, run_id, [_difference(key, was, now, request.dataset) for key, was, now in diffs])
+        raise other_run(request.store, run_id, diffs)
     total = request.num_sequences
-    if total is None and request.token_ids is not None and shape is not None:
-        total = int(shape[0])
+    if total is None and ids is not None:
+        total = int(ids.shape[0])
     # A model given in memory is checked by its weights' hash, a BOS token by the tokenizer,
     # a hub corpus by `datasets`: only the full check reads them.
     light = named and request.bos_token is None and request.tokenizer is None and local is not None
     lacking = tuple((record.get("layout") or {}).get("lacking") or ())
-    return Preflight(shard, run_id, total if light else None, lacking)
+    return replace(plan, total=total if light else None, lacking=lacking)
+
+
+def token_array(given: Any) -> np.ndarray:
+    """The caller's token ids as an integer array (S, L): a torch tensor (torch is loaded
+    where one is given), or anything numpy reads."""
+    torch = sys.modules.get("torch")
+    ids = given.cpu().numpy() if torch is not None and isinstance(given, torch.Tensor) else np.asarray(given)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"token_ids must be an integer array (S, L); got {ids.dtype} of shape {ids.shape}")
+    return ids
 
 
 def _check_tokenizer(request: ExtractRequest) -> None:
@@ -285,81 +285,6 @@ def _check_tokenizer(request: ExtractRequest) -> None:
         raise no_tokenizer(str(request.model), ExtractRequest)
 
 
-# The option that sets each part of a run's identity, as the record names it.
-IDENTITY_FLAGS = {
-    "model": "--model", "dataset": "--dataset", "context_length": "--context-length", "window_rule": "--window",
-    "values_dtype": "--values-dtype", "store_rows": "--store-rows", "queries": "--queries", "compute_dtype": "--dtype",
-    "text_field": "--text-field",
-}
-
-
-def _shown(key: str, value: Any) -> str:
-    """A recorded or asked value as its option takes it."""
-    if key == "window_rule" and isinstance(value, dict):
-        rule = value.get("rule")
-        if rule == "random":
-            return f"random --seed {value.get('seed')}"
-        return "token_ids" if rule == "given" else str(rule)
-    if key == "queries" and isinstance(value, list):
-        if not value:
-            return "last"
-        shown = ",".join(map(str, value))
-        return shown if len(value) <= 8 else f"{','.join(map(str, value[:3]))},...,{value[-1]} ({len(value)} positions)"
-    return str(value)
-
-
-def _difference(key: str, was: Any, now: Any, dataset: str | None) -> str:
-    """One difference between a run and a command, in words: the option, the run's value, the asked one."""
-    if key == "documents":
-        return f"the documents of --dataset {dataset} changed since the run read them"
-    return f"{IDENTITY_FLAGS[key]} is {_shown(key, was)} in the run, {_shown(key, now)} here"
-
-
-# What makes a run: the provenance keys in which a rerun must agree with it to resume or
-# append to it.
-IDENTITY = ("model", "dataset", "context_length", "window_rule", "bos_token_id", "values_dtype", "store_rows",
-            "queries", "compute_dtype")
-# The value of an identity key in a run that predates it. compute_dtype (the resolved dtype,
-# never "auto") has none: every run extract has written records it, since the first store
-# schema, so an older run is held to the dtype it was written in; a run without it was not
-# written by extract and is refused, as one lacking any other identity key.
-_IDENTITY_BEFORE = {"queries": []}
-
-
-def check_identity(record: Mapping[str, Any] | None, identity: Mapping[str, Any], store: str, run_id: str) -> None:
-    """Refuse to resume or append to a run (its ``record``; None: no run) that holds another
-    model, corpus, L, BOS, dtype, rows or queries than ``identity`` (each :data:`IDENTITY`
-    key, as the record stores it): the full check, once the model and the corpus are read."""
-    if record is None:
-        return
-    diffs = [identity_difference(key, record.get(key, _IDENTITY_BEFORE.get(key)), identity[key])
-             for key in IDENTITY if identity[key] != record.get(key, _IDENTITY_BEFORE.get(key))]
-    if diffs:
-        raise _other_run(store, run_id, diffs)
-
-
-def _other_run(store: str, run_id: str, diffs: Sequence[str]) -> InputError:
-    """The refusal of a command that differs from run ``run_id`` in ``diffs`` (in words)."""
-    return InputError(f"run '{run_id}' in {store} differs from this command: " + "; ".join(diffs)
-                      + "; give the run's values to continue it, or another --run")
-
-
-def identity_difference(key: str, was: Any, now: Any) -> str:
-    """A difference of the full identity check (extract's, once the model and corpus are
-    read), in the words of :func:`_difference`: the model and the corpus by their names, or
-    by their weights and documents where the names agree."""
-    if key in ("model", "dataset"):
-        was, now = was if isinstance(was, dict) else {}, now if isinstance(now, dict) else {}
-        if was.get("id") != now.get("id"):
-            return _difference(key, was.get("id"), now.get("id"), None)
-        if key == "dataset":
-            return _difference("documents", None, None, now.get("id"))
-        return f"the weights of model {now.get('id')} differ from those the run was extracted from"
-    if key == "bos_token_id":
-        return f"the BOS token is id {was} in the run, {now} here (--bos-token)"
-    return _difference(key, was, now, None)
-
-
 def _local_corpus(request: ExtractRequest) -> Corpus | None:
     """The request's corpus when it is offline or local, opened (its fingerprint computed
     over the documents, nothing tokenized); None for a hub corpus, texts or token ids."""
@@ -367,14 +292,3 @@ def _local_corpus(request: ExtractRequest) -> Corpus | None:
     if name is None or not (name in OFFLINE_CORPORA or Path(name).expanduser().exists()):
         return None
     return open_corpus(name, split=request.split, text_field=request.text_field)
-
-
-def _finished(session: StoreSession, run_id: str, total: int, shard: tuple[int, int] | None) -> ExtractResult | None:
-    """The result of an extract with nothing to write: run ``run_id`` holds every sequence of
-    ``range(total)`` (of this shard) committed; None when it does not."""
-    start = time.perf_counter()
-    with session.run_write(run_id, shard=shard).begin(total) as begun:
-        if begun.todo:
-            return None
-        committed = begun.commit()
-        return ExtractResult(run_id, 0, committed, begun.capacity, time.perf_counter() - start)

@@ -11,13 +11,14 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from attngeom.errors import InputError
 from attngeom.extract.model_files import check_config_sizes, check_safetensors
 from attngeom.extract.positions import Positions, config_positions, gguf_positions
 
-__all__ = ["OFFLINE_MODELS", "ModelName", "cache_dir", "hub_address", "hub_cached_config", "model_name"]
+__all__ = ["OFFLINE_MODELS", "ModelName", "ModelSource", "cache_dir", "hub_address", "hub_cached_config", "memory_model_id", "model_name"]
 
 # Offline name -> (its PyPI package's module, the GGUF file, the pip install argument).
 OFFLINE_MODELS = {
@@ -84,6 +85,33 @@ def model_name(name: str) -> ModelName:
             "not a local folder or .gguf file, is not in the local hub cache, and the hub cannot be reached (offline)"
         )
     return ModelName(name, None if cached is None else config_positions(_checked_config(cached, name)))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from and how it is identified in provenance."""
+
+    name: str
+    path: str
+    gguf_file: str | None = None
+    revision: str | None = None
+    file_sha256: str | None = None
+
+    def provenance(self) -> dict[str, Any]:
+        return {
+            "id": self.name,
+            "path": self.path,
+            "gguf_file": self.gguf_file,
+            "revision": self.revision,
+            "file_sha256": self.file_sha256,
+        }
+
+
+def memory_model_id(model: Any) -> str:
+    """The id a run records for a model given in memory: the name or path its config was
+    loaded from, else its class's name."""
+    config = getattr(model, "config", None)
+    return getattr(config, "name_or_path", None) or type(model).__name__
 
 
 def _checked_config(file: Path, name: str) -> dict:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -49,6 +49,7 @@ from attngeom.store.holds.locks import RunLock
 from attngeom.store.objects.storage import local_path
 from attngeom.store.extracted.runs import (
     IN_FLIGHT,
+    SequenceValue,
     SequenceWriter,
     completed,
     create_run,
@@ -142,9 +143,8 @@ class Begun:
                 self._run = run
         return self
 
-    def create(self, layout: Callable[[], RunLayout], provenance: Mapping[str, Any], *,
-               in_flight: int = IN_FLIGHT) -> RunLayout:
-        """Create the run unless it exists (its layout ``layout()``, its ``provenance``), else
+    def create(self, layout: RunLayout, provenance: Mapping[str, Any], *, in_flight: int = IN_FLIGHT) -> RunLayout:
+        """Create the run unless it exists (its ``layout`` and ``provenance``), else
         grow its arrays to ``total`` sequences, and open its writer, ``in_flight`` sequences
         written beside the caller (:class:`SequenceWriter`); returns the run's layout as
         recorded (a resumed run's own)."""
@@ -154,7 +154,7 @@ class Begun:
         with self._store_errors():
             self._confirm()
             if self._run is None:
-                self._run = create_run(self._write.session.root, self._write.run_id, layout(), provenance, self.total)
+                self._run = create_run(self._write.session.root, self._write.run_id, layout, provenance, self.total)
                 if self._creating is not None:  # the run's own lock from here on
                     self._lock_run()
                     self._creating.release()
@@ -164,9 +164,10 @@ class Begun:
             self._writer = self._exit.enter_context(SequenceWriter(self._run, in_flight=in_flight, fence=fence))
         return run_layout(self._run)
 
-    def submit(self, seq: int, arrays: Callable[[], Mapping[str, np.ndarray]]) -> None:
-        """Write sequence ``seq`` (its arrays ``arrays()``) and commit it, beside the caller
-        (:meth:`SequenceWriter.submit`); raises the error of an earlier write."""
+    def submit(self, seq: int, arrays: Mapping[str, SequenceValue]) -> None:
+        """Write sequence ``seq`` (its ``arrays``, each whole or one part per stored layer) and
+        commit it, beside the caller (:meth:`SequenceWriter.submit`); raises the error of an
+        earlier write."""
         self._require("begun", "write a sequence")
         if self._writer is None:
             raise RuntimeError("create the run before writing its sequences")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
@@ -281,6 +281,18 @@ def completed(run: zarr.Group) -> np.ndarray:
     return np.flatnonzero(flags[:] == 1)
 
 
+# A sequence's array as a writer is handed it: whole, or one part per stored layer.
+SequenceValue = np.ndarray | Sequence[np.ndarray]
+
+
+def sequence_values(arrays: Mapping[str, SequenceValue], dtypes: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
+    """A sequence's arrays whole: those given as one part per stored layer stacked along the
+    layer axis and converted to their stored dtype (``dtypes``), the others as given. The
+    parts may view a capture's buffers: the stack is the one copy, made in the writer's thread."""
+    return {name: np.stack(value).astype(dtypes[name], copy=False) if isinstance(value, list | tuple) else value
+            for name, value in arrays.items()}
+
+
 # Sequences a SequenceWriter holds between submit and commit: one written while the next waits,
 # so the model never waits for a write shorter than its own forward.
 IN_FLIGHT = 2
@@ -290,12 +302,13 @@ class SequenceWriter:
     """Writes sequences of one run beside the caller, each committed when all of it is stored.
 
     The run's arrays are opened once. ``submit(seq, arrays)`` hands over a sequence: one
-    background thread calls ``arrays()`` (the conversion, e.g. tensors to numpy), writes every
-    array at once (their chunks compressed on a thread per core) and then sets the
-    sequence's ``complete`` flag, in the order submitted. At most ``in_flight`` sequences
-    are between submit and commit (``submit`` waits for room), so memory holds at most that
-    many sequences' arrays (and what their ``arrays`` callables keep alive) beside the caller's.
-    With ``in_flight=0`` ``submit`` converts, writes and commits in the caller's thread.
+    background thread stacks the arrays given as one part per stored layer and converts
+    them to their stored dtype (:func:`sequence_values`), writes every array at once (their
+    chunks compressed on a thread per core) and then sets the sequence's ``complete`` flag,
+    in the order submitted. At most ``in_flight`` sequences are between submit and commit
+    (``submit`` waits for room), so memory holds at most that many sequences' arrays (and
+    the buffers their parts view) beside the caller's. With ``in_flight=0`` ``submit``
+    stacks, writes and commits in the caller's thread.
     ``fence``: called before a sequence's objects are written and before its commit, raising
     once the writer no longer holds the run (:meth:`~attngeom.store.holds.lease.Lease.confirm`);
     with it, objects are created only where absent on an object store.
@@ -353,9 +366,9 @@ class SequenceWriter:
         sync(self._arrays["complete"].setitem(seq, 1))
         self.committed.append(seq)
 
-    def submit(self, seq: int, arrays: Callable[[], Mapping[str, np.ndarray]]) -> None:
-        """Queue sequence ``seq``, whose arrays ``arrays()`` returns, for the background thread;
-        raises the error of an earlier write."""
+    def submit(self, seq: int, arrays: Mapping[str, SequenceValue]) -> None:
+        """Queue sequence ``seq``, its ``arrays`` (each whole, or its parts along the layer axis:
+        :func:`sequence_values`), for the background thread; raises the error of an earlier write."""
         if not self._in_flight:
             self._convert_and_write(seq, arrays)
             return
@@ -371,11 +384,11 @@ class SequenceWriter:
         finally:
             self._stop()
 
-    def _convert_and_write(self, seq: int, arrays: Callable[[], Mapping[str, np.ndarray]]) -> None:
+    def _convert_and_write(self, seq: int, arrays: Mapping[str, SequenceValue]) -> None:
         if self._stopped:
             return
         try:
-            self.write(seq, arrays())
+            self.write(seq, sequence_values(arrays, {name: arr.dtype for name, arr in self._arrays.items()}))
         except BaseException:
             self._stopped = True
             raise

@@ -175,6 +175,21 @@ class Variable:
 SUMMARY_DIMS = ("seq", "layer", "head", "query")
 # The windows W of recent_attn, its coordinate ``recent`` (docs/method.md#the-fields-head-scores).
 RECENT_WINDOWS = (16, 64, 256)
+# The per-query summaries a capture keeps of each attention row, float32 per layer, head and
+# query (recent_attn also per window W of RECENT_WINDOWS): named here once, for the run's
+# arrays below, extract's hand-off and the capture's records.
+SUMMARY_VARIABLES: dict[str, Variable] = {
+    "sink_attn": Variable(SUMMARY_DIMS, ("float32",), doc="A_i0, per query"),
+    "diag_attn": Variable(SUMMARY_DIMS, ("float32",), doc="A_ii, per query"),
+    "top1_attn": Variable(SUMMARY_DIMS, ("float32",), doc="max_j A_ij, per query"),
+    "entropy": Variable(SUMMARY_DIMS, ("float32",), doc="-sum_j A_ij log A_ij (nats), per query"),
+    "prev_attn": Variable(SUMMARY_DIMS, ("float32",), doc="A_i,i-1 (0 at i = 0), per query"),
+    "recent_attn": Variable(
+        (*SUMMARY_DIMS, "recent"), ("float32",),
+        doc="sum of A_ij over attendable j in max(1, i-W+1)..i, per query and window W",
+    ),
+}
+QUERY_SUMMARIES = tuple(SUMMARY_VARIABLES)
 # The per-query summaries format 5 added: a run migrated from an earlier format lacks them.
 FIELD_SUMMARIES = ("prev_attn", "recent_attn")
 
@@ -191,15 +206,7 @@ RUN_VARIABLES: dict[str, Variable] = {
     "winner": Variable(
         SUMMARY_DIMS, ("int16", "int32"), doc="j* = argmax_j A_ij ||v_j|| (docs/method.md#head-taxonomy), per query"
     ),
-    "sink_attn": Variable(SUMMARY_DIMS, ("float32",), doc="A_i0, per query"),
-    "diag_attn": Variable(SUMMARY_DIMS, ("float32",), doc="A_ii, per query"),
-    "top1_attn": Variable(SUMMARY_DIMS, ("float32",), doc="max_j A_ij, per query"),
-    "entropy": Variable(SUMMARY_DIMS, ("float32",), doc="-sum_j A_ij log A_ij (nats), per query"),
-    "prev_attn": Variable(SUMMARY_DIMS, ("float32",), doc="A_i,i-1 (0 at i = 0), per query"),
-    "recent_attn": Variable(
-        (*SUMMARY_DIMS, "recent"), ("float32",),
-        doc="sum of A_ij over attendable j in max(1, i-W+1)..i, per query and window W",
-    ),
+    **SUMMARY_VARIABLES,
     "learned_sink_attn": Variable(
         SUMMARY_DIMS, ("float32",), optional=True,
         doc="s_i, the weight of the head's learned sink (runs of models with learned sinks), per query",
