@@ -28,7 +28,7 @@ def layer_shapes(values: dict[int, torch.Tensor], heads: dict[int, int]) -> tupl
     if len(set(heads.values())) > 1:
         raise UnsupportedModelError(
             f"the attention layers have different numbers of query heads "
-            f"({', '.join(f'layer {l}: {heads[l]}' for l in layers)}): a run stores one head dimension")
+            f"({', '.join(f'layer {l}: {heads[l]}' for l in layers)}): a run stores one count of query heads for every layer")
     kv = tuple(int(values[l].shape[1]) for l in layers)
     dims = tuple(int(values[l].shape[-1]) for l in layers)
     n_kv, head_dim = max(kv), max(dims)
