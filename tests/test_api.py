@@ -171,11 +171,10 @@ def test_memory_model_input_errors_by_kind(tmp_path):
     with pytest.raises(ag.InputError, match="outside the vocabulary"):
         ag.extract(model, token_ids=np.full((1, L), 1000), store=store, progress=False)
     with pytest.raises(ag.UnsupportedModelError, match="not through its attention interface"):
-        from transformers import RoFormerConfig, RoFormerForCausalLM
+        from transformers import XLMConfig, XLMWithLMHeadModel
 
-        ag.extract(RoFormerForCausalLM(RoFormerConfig(num_hidden_layers=1, hidden_size=8, embedding_size=8,
-                                                      num_attention_heads=2, intermediate_size=16, is_decoder=True,
-                                                      vocab_size=100)), token_ids=ids, store=store)
+        ag.extract(XLMWithLMHeadModel(XLMConfig(n_layers=1, emb_dim=8, n_heads=2, vocab_size=100, causal=True,
+                                                bos_index=1)), token_ids=ids, store=store)
     assert not Path(store).exists()
 
     # The same run id with another model (edited weights) is refused, the store untouched.

@@ -126,7 +126,10 @@ class Begun:
             if run is None and path is not None and write.shard is None:
                 # The same on a local disk, where a run's folder must exist to be locked: until
                 # it does (create), the store's runs folder is the lock.
-                root.require_group("runs")
+                try:
+                    root.require_group("runs")
+                except zarr.errors.ContainsGroupError:  # the other creator made it a moment ago
+                    pass
                 self._creating = RunLock.creating(path, write.run_id, "extract")
                 self._exit.callback(self._creating.release)
                 self._creating.acquire()
