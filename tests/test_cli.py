@@ -504,7 +504,7 @@ def test_what_a_folder_or_a_stores_records_tell_is_answered_before_any_library_l
          str(tmp_path / "new.zarr")):
             f"--context-length 300 is more than the 256 positions {gpt2} takes; use --context-length 256 or less",
         ("check-model", str(gpt2), "-L", "300"):
-            f"--length 300 is more than the 256 positions {gpt2} takes; use -L 256 or less",
+            f"--length 300 is more than the 256 positions {gpt2} takes; use --length 256 or less",
         ("check-model", str(tmp_path)): f"model folder {tmp_path} has no config.json",
         ("check-model", str(store)):
             f"{store} is a Zarr store (an attngeom store?), not a model folder: it has no config.json",
@@ -515,6 +515,9 @@ def test_what_a_folder_or_a_stores_records_tell_is_answered_before_any_library_l
     answers = cli_in_fresh_process([list(args) for args in cases])
     assert answers == [(2, f"attngeom: error: {line}\n", []) for line in cases.values()], answers
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "s.zarr"]
+    # From Python, in a keyword's words.
+    with pytest.raises(ag.InputError, match=r"^length=300 is more than the 256 positions .* takes; use length=256 or less$"):
+        ag.check_model(str(gpt2), length=300)
 
 
 @pytest.mark.needs_model

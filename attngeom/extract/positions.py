@@ -51,7 +51,7 @@ def check_context_length(length: int, positions: Positions, model: str, option: 
     """Refuse ``length`` (L: BOS plus L-1 tokens) beyond the model's position limit, naming the
     option in its caller's words: a request dataclass whose ``context_length`` it is (its keyword
     to a Python caller, its flag on the command line: :func:`attngeom.options.refusal`), or a
-    command's option (-L is its short form)."""
+    command's option, its flag (``--length``: ``length=`` to a Python caller)."""
     if positions.limit is None or length <= positions.limit:
         return
     window = (
@@ -62,9 +62,12 @@ def check_context_length(length: int, positions: Positions, model: str, option: 
         raise refusal("{context_length:{given}} is more than the {limit} positions {which} takes{bound}; "
                       "use {context_length:{least}} or less", option, given=f"{length:,}",
                       limit=f"{positions.limit:,}", which=model, bound=window, least=positions.limit)
+    keyword = option.lstrip("-").replace("-", "_")
+    template = "{} is more than the {:,} positions {} takes{}; use {} or less"
     raise InputError(
-        f"{option} {length:,} is more than the {positions.limit:,} positions {model} takes{window}; "
-        f"use -L {positions.limit} or less"
+        template.format(f"{keyword}={length:,}", positions.limit, model, window, f"{keyword}={positions.limit}"),
+        command_line=template.format(f"{option} {length:,}", positions.limit, model, window,
+                                     f"{option} {positions.limit}"),
     )
 
 
