@@ -158,9 +158,8 @@ class Begun:
             self._confirm()
             if self._run is None:
                 self._run = create_run(self._write.session.root, self._write.run_id, layout, provenance, self.total)
-                if self._creating is not None:  # the run's own lock from here on
+                if self._creating is not None:
                     self._lock_run()
-                    self._creating.release()
             elif n_sequences(self._run) < self.total:  # grown only once there is something to write
                 resize_run(self._run, self.total)
             fence = None if self._lease is None else self._lease.confirm
@@ -212,10 +211,14 @@ class Begun:
 
     def _lock_run(self) -> None:
         """Hold the lock of the run's appends on a local disk (its ``complete`` array's folder)
-        for the rest of the write."""
+        for the rest of the write, and let the store's runs folder go if this write held it:
+        creators of other runs wait for it only until this run's folder exists."""
         lock = RunLock(local_path(self._write.url), self._write.run_id, "extract", part="complete")
         self._exit.callback(lock.release)
         lock.acquire()
+        if self._creating is not None:
+            self._creating.release()
+            self._creating = None
 
     def _open_run(self, root: zarr.Group) -> zarr.Group | None:
         """The run of ``root`` if its creation finished; None if absent or its creation was
