@@ -77,6 +77,14 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "bloom": ("ALiBi in the model's own code", dict(n_layer=3, n_head=4)),
     "mpt": ("ALiBi in the model's own code, clipped qkv", dict(
         d_model=64, n_heads=4, n_layers=3, max_seq_len=256, attn_config=dict(alibi=True, clip_qkv=8.0))),
+    "zamba": ("hybrid: one attention block, its weights tied, applied at depths 2 and 4 beside Mamba layers",
+              dict(num_hidden_layers=6, attn_layer_period=2, attn_layer_offset=1, attention_hidden_size=128,
+                   attention_head_dim=32, num_key_value_heads=4, mamba_dt_rank=8, use_mamba_kernels=False,
+                   head_dim=None)),
+    "zamba2": ("hybrid: a shared attention block with per-depth adapters, at depths 1 and 3", dict(
+        num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], hybrid_layer_ids=[1, 3],
+        num_key_value_heads=4, mamba_headdim=16, n_mamba_heads=8, use_mamba_kernels=False, mamba_d_state=16,
+        chunk_size=8, head_dim=None, use_shared_attention_adapter=True, adapter_rank=8)),
 }
 
 
@@ -164,13 +172,6 @@ REFUSED_AT_FORWARD: dict[str, tuple[str, dict]] = {
     "hrm_text": ("layer 0 runs its attention 2 times in one forward \\(a looped layer\\)", dict(
         num_hidden_layers=4, num_layers_per_stack=2, H_cycles=2, L_cycles=2, L_bp_cycles=[1],
         num_key_value_heads=None)),
-    "zamba": ("one block shared by several depths", dict(
-        num_hidden_layers=6, attn_layer_period=2, attn_layer_offset=1, attention_hidden_size=128,
-        attention_head_dim=32, num_key_value_heads=4, mamba_dt_rank=8, use_mamba_kernels=False, head_dim=None)),
-    "zamba2": ("one block shared by several depths", dict(
-        num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], hybrid_layer_ids=[1, 3],
-        num_key_value_heads=4, mamba_headdim=16, n_mamba_heads=8, use_mamba_kernels=False, mamba_d_state=16,
-        chunk_size=8, head_dim=None)),
     # Its compressed sparse layer (1) attends, beside its window's tokens, one entry pooled
     # from every 4 tokens; its heavily compressed layers pool 128, none in 16 tokens.
     "deepseek_v4": (r"\(layer 1\) attends 4 keys beyond the text's 16 tokens", dict(

@@ -14,9 +14,11 @@ import xarray as xr
 from families import CHECKED, FAMILIES, REFUSED_AT_FORWARD, checked_model, family_config, refused_model
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import attngeom as ag
 from attngeom.errors import UnsupportedModelError
+from attngeom.extract.call_layers import CallLayers
 from attngeom.extract.capture import decoder
 from attngeom.extract.families import VERIFIED_TYPES, attention_layers, supported_config
 from attngeom.extract.own_code import FAMILIES as OWN_FAMILIES
@@ -36,17 +38,18 @@ def eager64(model: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.nda
     if model.config.model_type in OWN_CODE_TYPES:
         return own_code64(reference, ids)
     seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    calls = CallLayers(reference)
 
     def recording(module, query, key, value, attention_mask, **kwargs):
         eager = sys.modules[type(module).__module__].eager_attention_forward
         out, weights = eager(module, query, key, value, attention_mask, **kwargs)
-        seen[module.layer_idx] = (weights.numpy(), value.numpy())
+        seen[calls.layer(module)] = (weights.numpy(), value.numpy())
         return out, weights
 
     AttentionInterface.register("eager_recording", recording)
     AttentionMaskInterface.register("eager_recording", eager_mask)
     reference.set_attn_implementation("eager_recording")
-    with torch.no_grad():
+    with torch.no_grad(), calls:
         decoder(reference)(input_ids=ids, use_cache=False)
     return seen
 
@@ -407,6 +410,61 @@ def test_ablating_a_head_of_an_own_code_family(model_type):
             logits = model(input_ids=tokens[:, :-1], use_cache=False).logits[:, -1]
         for hook in hooks:
             hook.remove()
+        expected = -torch.log_softmax(logits, -1).gather(1, tokens[:, -1:])[:, 0]
+        torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["zamba", "zamba2"])
+def test_ablating_a_head_of_a_shared_block_at_one_depth(model_type):
+    """A block shared by several depths is ablated at the depth a mask names only: with head 1
+    masked at the last depth, the first depth's call gives its output projection what it gives
+    unmasked, and the last depth's call the same but head 1's zeros; the batched masks equal a
+    forward that zeroes the head in the attention module of the decoder layer named."""
+    from attngeom.ablate.masking import HeadMasker, head_geometry
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32).eval()
+    with torch.no_grad():  # the attention's part in the loss, tiny in a random Zamba, made visible
+        for name, parameter in model.named_parameters():
+            if ".shared_transf" in name or ".linear." in name:
+                parameter.mul_(3)
+    geo = head_geometry(model)
+    assert geo.layers == attention_layers(model.config)
+    blocks = decoder(model).layers
+    # Each depth's attention module, found by the decoder layer that holds it.
+    depth = {m: i for i, block in enumerate(blocks) for m in block.modules() if type(m).__name__.endswith("Attention")}
+    assert sorted(set(depth.values())) == list(geo.layers)
+    tokens, masks, nll = three_masks(model, geo)
+
+    def projected(masker_masks=None):
+        inputs: dict[int, torch.Tensor] = {}
+        hooks = [m.o_proj.register_forward_pre_hook(lambda _, args, d=d: inputs.__setitem__(d, args[0]))
+                 for m, d in depth.items()]
+        with torch.no_grad(), HeadMasker(model) as masker:
+            masker.set(masker_masks)
+            model(input_ids=tokens[:, :-1], use_cache=False)
+        for hook in hooks:
+            hook.remove()
+        return {d: x.view(*x.shape[:2], geo.n_heads, -1) for d, x in inputs.items()}
+
+    plain, masked = projected(), projected(masks[1:2].expand(len(tokens), -1, -1))
+    first, last = geo.layers
+    torch.testing.assert_close(masked[first], plain[first], rtol=0, atol=0)
+    assert (masked[last][:, :, 0] == 0).all() and (plain[last][:, :, 0] != 0).any()
+    torch.testing.assert_close(masked[last][:, :, 1:], plain[last][:, :, 1:], rtol=0, atol=0)
+    previous = model.config._attn_implementation
+    for m in range(3):
+        def zeroing(module, query, key, value, attention_mask, m=m, **kwargs):
+            out, weights = ALL_ATTENTION_FUNCTIONS[previous](module, query, key, value, attention_mask, **kwargs)
+            keep = masks[m, geo.layers.index(depth[module])]
+            return out * keep[None, None, :, None], weights
+
+        AttentionInterface.register("zeroing", zeroing)
+        AttentionMaskInterface.register("zeroing", sdpa_mask)
+        model.set_attn_implementation("zeroing")
+        with torch.no_grad():
+            logits = model(input_ids=tokens[:, :-1], use_cache=False).logits[:, -1]
+        model.set_attn_implementation(previous)
         expected = -torch.log_softmax(logits, -1).gather(1, tokens[:, -1:])[:, 0]
         torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)
 

@@ -36,6 +36,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from attngeom.errors import UnsupportedModelError
+from attngeom.extract.call_layers import CallLayers
 from attngeom.extract.capture import decoder
 from attngeom.extract.families import attention_layers
 from attngeom.extract.own_code import OWN_CODE_TYPES, own_code_attention, plain_attention
@@ -97,7 +98,7 @@ def _masked_attention(module, query, key, value, attention_mask, **kwargs):
     if masker is None:
         raise RuntimeError(f"{type(module).__name__} runs {MASKED_IMPLEMENTATION!r} outside a HeadMasker")
     output, weights = masker.attention(module)(module, query, key, value, attention_mask, **kwargs)
-    return masker.masked(module.layer_idx, output), weights
+    return masker.masked(masker.calls.layer(module), output), weights
 
 
 class HeadMasker:
@@ -108,6 +109,8 @@ class HeadMasker:
     def __init__(self, model: torch.nn.Module, layers: tuple[int, ...] | None = None) -> None:
         self.model = model
         self.blocks = decoder_layers(model)
+        # A block shared by several depths is masked at the depth of each call only.
+        self.calls = CallLayers(model)
         self.layers = tuple(layers if layers is not None else head_geometry(model).layers)
         self._position = {layer: p for p, layer in enumerate(self.layers)}
         self._masks: torch.Tensor | None = None
@@ -195,12 +198,14 @@ class HeadMasker:
             self.model.set_attn_implementation(MASKED_IMPLEMENTATION)
         for i, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._layer_hook(i), with_kwargs=True))
+        self.calls.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.calls.__exit__()
         if self._own_code is not None:
             self._own_code.close()
             self._own_code = None

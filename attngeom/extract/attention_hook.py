@@ -12,7 +12,6 @@ runs plain SDPA.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
@@ -31,6 +30,7 @@ from attngeom.extract.call_terms import (
     selected_mask,
     sink_refusal,
 )
+from attngeom.extract.call_layers import shared_by_depths
 from attngeom.extract.families import OWN_CODE_TYPES
 from attngeom.extract.phases import phase
 from attngeom.extract.recorder import Recorder, recorder_of
@@ -75,17 +75,14 @@ def over_other_states(module: torch.nn.Module, attention_mask: torch.Tensor | No
     return getattr(module, "layer_idx", None) is None and attention_mask is None and causal is False
 
 
-def call_refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
-                 dropout: float, kwargs: Mapping) -> str | None:
+def call_refusal(module: torch.nn.Module, layer: int | None, query: torch.Tensor, key: torch.Tensor,
+                 attention_mask: torch.Tensor | None, dropout: float, kwargs: Mapping) -> str | None:
     """Why the capture cannot reproduce this attention call as one softmax over the text's
-    keys, in words (None when it can): keys beyond the text's tokens, an argument it does not
-    know, dropout, non-causal attention, a head mask."""
-    layer = getattr(module, "layer_idx", None)
+    keys, in words (None when it can): no layer (``layer``: the call's, from
+    :class:`~attngeom.extract.call_layers.CallLayers`), keys beyond the text's tokens, an
+    argument it does not know, dropout, non-causal attention, a head mask."""
     where = f"the attention of {type(module).__name__}" + (f" (layer {layer})" if layer is not None else "")
-    if "layer_idx" in inspect.signature(module.forward).parameters:
-        return (f"{where} is one block shared by several depths, each passing it its own layer index: a run stores "
-                "the attention of each layer's own module")
-    if layer is None:
+    if layer is None and not shared_by_depths(module):
         return f"{where} has no layer index (layer_idx)"
     # The capture runs without a cache: each call's keys are the text's tokens, one per query.
     extra = key.shape[2] - query.shape[2]
@@ -118,7 +115,8 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
     if over_other_states(module, attention_mask, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    refusal = call_refusal(module, query, key, attention_mask, dropout, kwargs)
+    layer = recorder.layer_of(module) if recorder is not None else getattr(module, "layer_idx", None)
+    refusal = call_refusal(module, layer, query, key, attention_mask, dropout, kwargs)
     if refusal is not None:
         raise UnsupportedModelError(refusal)
     softcap, sinks = kwargs.get("softcap"), learned_sinks(kwargs)
@@ -139,7 +137,7 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
     # The keys the final query may attend are those of the model's mask: a sparse attention's
     # indexer choice among them is each row's zeros (docs/method.md#sparse-attention).
     attendable = attention_mask if selected is not attention_mask else None
-    output = _summarise(recorder, module, module.layer_idx, query, key, value, mask, scaling, softcap=softcap,
+    output = _summarise(recorder, module, layer, query, key, value, mask, scaling, softcap=softcap,
                         sinks=sinks, need_output=own, attendable=attendable,
                         check=lambda: dict(mask=selected, kwargs=eager_call))
     if not own:

@@ -16,6 +16,7 @@ import torch
 
 from attngeom.errors import UnsupportedModelError
 from attngeom.extract.attention_hook import ATTN_IMPLEMENTATION, own_code_call, register_capture
+from attngeom.extract.call_layers import CallLayers
 from attngeom.extract.own_code import OWN_CODE_TYPES, own_code_attention
 from attngeom.extract.recorder import Recorder, recording
 
@@ -69,13 +70,14 @@ def capturing(
             raise UnsupportedModelError(
                 f"{type(model).__name__} keeps its own attention: transformers cannot switch it to the capture"
             )
+    calls = CallLayers(model)
     recorder = Recorder(keep_rows=keep_rows, queries=tuple(queries), to_host=to_host,
-                        check_queries=tuple(check_queries), compare=compare)
+                        check_queries=tuple(check_queries), compare=compare, layer_of=calls.layer)
     counted = [m.register_forward_pre_hook(lambda module, args: recorder.runs.update((module,)))
                for m in model.modules() if hasattr(m, "layer_idx")]
     try:
-        with recording(model, recorder), (own_code_attention(model, stack.model_type, own_code_call) if own_code
-                                          else contextlib.nullcontext()):
+        with calls, recording(model, recorder), (own_code_attention(model, stack.model_type, own_code_call)
+                                                 if own_code else contextlib.nullcontext()):
             yield recorder
     finally:
         for hook in counted:

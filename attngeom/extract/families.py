@@ -31,7 +31,8 @@ VERIFIED_TYPES = frozenset({
     "llama", "mistral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3", "gpt2", "gpt_neox", "olmo", "olmo2",
     "olmo3", "phi", "phi3", "stablelm", "falcon", "mixtral", "qwen3_moe", "starcoder2", "glm4", "ministral",
     "cohere2", "smollm3", "llama4_text", "gpt_oss", "deepseek_v3", "qwen3_next", "granite", "exaone4", "jetmoe",
-    "modernbert-decoder", "mimo_v2_flash", "gpt_neo", "openai-gpt", "bloom", "mpt", "gpt_neox_japanese",
+    "modernbert-decoder", "mimo_v2_flash", "gpt_neo", "openai-gpt", "bloom", "mpt", "gpt_neox_japanese", "zamba",
+    "zamba2",
 })
 
 # Families whose attention is not one softmax over keys, as transformers implements them.

@@ -36,6 +36,10 @@ class Recorder:
     # (:mod:`attngeom.extract.conformance`); () checks nothing.
     check_queries: tuple[int, ...] = ()
     compare: Callable[..., None] | None = field(default=None, repr=False)
+    # The layer of a module's current attention call (its own ``layer_idx``, or the depth a
+    # shared block is applied at: :class:`~attngeom.extract.call_layers.CallLayers`).
+    layer_of: Callable[[torch.nn.Module], int | None] = field(
+        default=lambda module: getattr(module, "layer_idx", None), repr=False)
     layers: dict[int, LayerCapture] = field(default_factory=dict)
     # How many times each attention module ran in this block's forward (a looped layer runs
     # its module more than once); counted by :func:`~attngeom.extract.capture.capturing`'s hooks.

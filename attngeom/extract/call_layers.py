@@ -1,0 +1,60 @@
+"""The decoder layer each attention call belongs to.
+
+A module's ``layer_idx`` names its layer in most families. A block shared by several depths
+(Zamba's, Zamba 2's: one attention block, its weights tied, applied by several hybrid
+layers) is called with the index of the decoder layer applying it, passed to its forward as
+``layer_idx``, as its cache update takes it: that index is the call's layer. A
+:class:`CallLayers` follows a model's forward and answers, for each attention call, that
+layer (docs/models.md#shared-blocks).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+__all__ = ["CallLayers", "shared_by_depths"]
+
+# The argument through which a shared block is told the depth that applies it.
+DEPTH_ARGUMENT = "layer_idx"
+
+
+def shared_by_depths(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is told its layer by each call (its forward takes ``layer_idx``)
+    rather than holding it."""
+    return DEPTH_ARGUMENT in inspect.signature(module.forward).parameters
+
+
+class CallLayers:
+    """Within the block, the layer of each call of ``model``'s attention modules: its own
+    ``layer_idx``, or for a block shared by several depths the ``layer_idx`` its current call
+    was given (read by a forward pre-hook)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        self._current: dict[torch.nn.Module, int] = {}
+        self._handles: list[Any] = []
+
+    def layer(self, module: torch.nn.Module) -> int | None:
+        """The layer of ``module``'s current attention call (None: it names none)."""
+        if module in self._current:
+            return self._current[module]
+        return getattr(module, "layer_idx", None)
+
+    def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        if bound.get(DEPTH_ARGUMENT) is not None:
+            self._current[module] = int(bound[DEPTH_ARGUMENT])
+
+    def __enter__(self) -> CallLayers:
+        self._handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self._model.modules()
+                         if hasattr(m, "layer_idx") and shared_by_depths(m)]
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._current.clear()
