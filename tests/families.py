@@ -85,6 +85,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], hybrid_layer_ids=[1, 3],
         num_key_value_heads=4, mamba_headdim=16, n_mamba_heads=8, use_mamba_kernels=False, mamba_d_state=16,
         chunk_size=8, head_dim=None, use_shared_attention_adapter=True, adapter_rank=8)),
+    "hrm_text": ("looped stacks: two stacks of 2 layers run in 2 high cycles of 2 low cycles each, every run a "
+                 "layer of its own (12)", dict(
+        num_hidden_layers=2, H_cycles=2, L_cycles=2, L_bp_cycles=[1], num_key_value_heads=None)),
 }
 
 
@@ -166,12 +169,10 @@ def checked_model(model_type: str):
 # Families refused at their first forward, each with the words of its true reason and its
 # config's arguments beyond COMMON.
 REFUSED_AT_FORWARD: dict[str, tuple[str, dict]] = {
-    "dory": ("layer 1 runs its attention 2 times in one forward \\(a looped layer\\)", dict(
+    "dory": ("layer 1 runs its attention 2 times in one forward \\(a looped layer\\) and the model's config "
+             "counts it once", dict(
         n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2, sliding_window=6,
         layer_types=SLIDING)),
-    "hrm_text": ("layer 0 runs its attention 2 times in one forward \\(a looped layer\\)", dict(
-        num_hidden_layers=4, num_layers_per_stack=2, H_cycles=2, L_cycles=2, L_bp_cycles=[1],
-        num_key_value_heads=None)),
     # Its compressed sparse layer (1) attends, beside its window's tokens, one entry pooled
     # from every 4 tokens; its heavily compressed layers pool 128, none in 16 tokens.
     "deepseek_v4": (r"\(layer 1\) attends 4 keys beyond the text's 16 tokens", dict(

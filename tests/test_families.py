@@ -414,12 +414,14 @@ def test_ablating_a_head_of_an_own_code_family(model_type):
         torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["zamba", "zamba2"])
-def test_ablating_a_head_of_a_shared_block_at_one_depth(model_type):
-    """A block shared by several depths is ablated at the depth a mask names only: with head 1
-    masked at the last depth, the first depth's call gives its output projection what it gives
-    unmasked, and the last depth's call the same but head 1's zeros; the batched masks equal a
-    forward that zeroes the head in the attention module of the decoder layer named."""
+@pytest.mark.parametrize("model_type", ["zamba", "zamba2", "hrm_text"])
+def test_ablating_a_head_at_one_call_of_a_module_called_at_several_layers(model_type):
+    """A block shared by several depths (Zamba, Zamba 2) and a module of a looped stack (HRM,
+    run at several of its layers) are ablated at the layer a mask names only. The k-th
+    attention call of a forward is the run's k-th layer: with head 0 masked at a layer p
+    whose module ran before, every call before p gives its output projection what it gives
+    unmasked, and call p the same but head 0's zeros; the batched masks equal a forward
+    that zeroes the head in the call of the layer named."""
     from attngeom.ablate.masking import HeadMasker, head_geometry
 
     torch.manual_seed(0)
@@ -430,34 +432,38 @@ def test_ablating_a_head_of_a_shared_block_at_one_depth(model_type):
                 parameter.mul_(3)
     geo = head_geometry(model)
     assert geo.layers == attention_layers(model.config)
-    blocks = decoder(model).layers
-    # Each depth's attention module, found by the decoder layer that holds it.
-    depth = {m: i for i, block in enumerate(blocks) for m in block.modules() if type(m).__name__.endswith("Attention")}
-    assert sorted(set(depth.values())) == list(geo.layers)
+    modules = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    if model_type == "hrm_text":
+        assert len(modules) == 4 and geo.n_layers == 12  # each module runs at 3 layers
     tokens, masks, nll = three_masks(model, geo)
+    p = geo.n_layers // 2
 
     def projected(masker_masks=None):
-        inputs: dict[int, torch.Tensor] = {}
-        hooks = [m.o_proj.register_forward_pre_hook(lambda _, args, d=d: inputs.__setitem__(d, args[0]))
-                 for m, d in depth.items()]
+        inputs: list[torch.Tensor] = []
+        hooks = [m.o_proj.register_forward_pre_hook(lambda _, args: inputs.append(args[0])) for m in modules]
         with torch.no_grad(), HeadMasker(model) as masker:
             masker.set(masker_masks)
             model(input_ids=tokens[:, :-1], use_cache=False)
         for hook in hooks:
             hook.remove()
-        return {d: x.view(*x.shape[:2], geo.n_heads, -1) for d, x in inputs.items()}
+        return [x.view(*x.shape[:2], geo.n_heads, -1) for x in inputs]
 
-    plain, masked = projected(), projected(masks[1:2].expand(len(tokens), -1, -1))
-    first, last = geo.layers
-    torch.testing.assert_close(masked[first], plain[first], rtol=0, atol=0)
-    assert (masked[last][:, :, 0] == 0).all() and (plain[last][:, :, 0] != 0).any()
-    torch.testing.assert_close(masked[last][:, :, 1:], plain[last][:, :, 1:], rtol=0, atol=0)
+    one = torch.ones(len(tokens), geo.n_layers, geo.n_heads)
+    one[:, p, 0] = 0
+    plain, masked = projected(), projected(one)
+    assert len(plain) == len(masked) == geo.n_layers
+    for k in range(p):
+        torch.testing.assert_close(masked[k], plain[k], rtol=0, atol=0)
+    assert (masked[p][:, :, 0] == 0).all() and (plain[p][:, :, 0] != 0).any()
+    torch.testing.assert_close(masked[p][:, :, 1:], plain[p][:, :, 1:], rtol=0, atol=0)
     previous = model.config._attn_implementation
     for m in range(3):
+        calls = []
+
         def zeroing(module, query, key, value, attention_mask, m=m, **kwargs):
             out, weights = ALL_ATTENTION_FUNCTIONS[previous](module, query, key, value, attention_mask, **kwargs)
-            keep = masks[m, geo.layers.index(depth[module])]
-            return out * keep[None, None, :, None], weights
+            calls.append(module)
+            return out * masks[m, len(calls) - 1][None, None, :, None], weights
 
         AttentionInterface.register("zeroing", zeroing)
         AttentionMaskInterface.register("zeroing", sdpa_mask)
@@ -465,6 +471,7 @@ def test_ablating_a_head_of_a_shared_block_at_one_depth(model_type):
         with torch.no_grad():
             logits = model(input_ids=tokens[:, :-1], use_cache=False).logits[:, -1]
         model.set_attn_implementation(previous)
+        assert len(calls) == geo.n_layers
         expected = -torch.log_softmax(logits, -1).gather(1, tokens[:, -1:])[:, 0]
         torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)
 
@@ -483,18 +490,22 @@ def analyzed(model_type: str, folder) -> tuple[torch.nn.Module, str]:
     return model, store
 
 
-def test_every_stage_on_a_hybrid_keeps_its_layer_indices(tmp_path):
-    """A Qwen3-Next of 4 layers (linear, softmax, linear, softmax) through every stage: the
-    run, its analysis, detect and ablation groups all name layers 1 and 3."""
+@pytest.mark.parametrize("model_type, layers", [("qwen3_next", [1, 3]), ("zamba2", [1, 3]),
+                                                ("hrm_text", list(range(12)))])
+def test_every_stage_on_a_hybrid_keeps_its_layer_indices(model_type, layers, tmp_path):
+    """A Qwen3-Next of 4 layers (linear, softmax, linear, softmax), a Zamba 2 whose shared
+    block runs at its hybrid layers 1 and 3, and an HRM whose 4 modules run at its 12 layers,
+    through every stage: the run, its analysis, detect and ablation groups all name the
+    model's layers."""
     from conftest import tiny_tokenizer
 
-    model, store = analyzed("qwen3_next", tmp_path)
+    model, store = analyzed(model_type, tmp_path)
     ag.detect(store, "r", model=model, tokenizer=tiny_tokenizer(), probes=2, progress=False)
     ag.ablate(store, "r", model=model, device="cpu", random_masks=1, retention=[1.0, 0.5], progress=False)
     run = ag.open_store(store).run("r")
-    assert run.provenance["layout"]["layers"] == [1, 3]
+    assert run.provenance["layout"]["layers"] == layers
     for group in (run.dataset(), run.analysis("heads"), run.analysis("topn"), run.detect(), run.ablation("single")):
-        assert list(group["layer"].values) == [1, 3]
+        assert list(group["layer"].values) == layers
     assert (run.analysis("topn")["learned_sink_selected"].values == -1).all()  # no learned sinks
     assert ag.validate(store).valid
     ag.report(store, tmp_path / "report")

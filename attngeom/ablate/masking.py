@@ -35,7 +35,6 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from attngeom.errors import UnsupportedModelError
 from attngeom.extract.call_layers import CallLayers
 from attngeom.extract.capture import decoder
 from attngeom.extract.families import attention_layers
@@ -58,16 +57,17 @@ class HeadGeometry:
         return len(self.layers)
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def layer_list(model: torch.nn.Module) -> list[torch.nn.Module] | None:
     """The decoder layers of a causal LM, in order, attention or not: the module list of its
     decoder that holds one module per layer (``layers``, GPT-2's ``h``, ...; a BERT-like
-    decoder's ``encoder.layer``, one level down)."""
+    decoder's ``encoder.layer``, one level down); None for a looped stack, whose modules run
+    once per layer of several (HRM's)."""
     n_layers = model.config.get_text_config().num_hidden_layers
     stack = decoder(model)
     for child in (*stack.children(), *stack.modules()):
         if isinstance(child, torch.nn.ModuleList) and len(child) == n_layers:
             return list(child)
-    raise UnsupportedModelError(f"{type(model).__name__}: no list of its {n_layers} decoder layers to ablate")
+    return None
 
 
 def head_geometry(model: torch.nn.Module) -> HeadGeometry:
@@ -108,7 +108,9 @@ class HeadMasker:
 
     def __init__(self, model: torch.nn.Module, layers: tuple[int, ...] | None = None) -> None:
         self.model = model
-        self.blocks = decoder_layers(model)
+        # A looped stack has no module per layer to start the masks' repeats at: its input
+        # is repeated instead, and every layer runs once per mask.
+        self.blocks = layer_list(model)
         # A block shared by several depths is masked at the depth of each call only.
         self.calls = CallLayers(model)
         self.layers = tuple(layers if layers is not None else head_geometry(model).layers)
@@ -153,18 +155,34 @@ class HeadMasker:
         """The model's index of the first decoder layer the masks may change."""
         return self.layers[self._start] if self._start < len(self.layers) else len(self.blocks)
 
-    def _repeated(self, value: Any, batch: int) -> Any:
+    def _stack_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        """The decoder's inputs repeated once per mask (a looped stack's)."""
+        if self._masks is None or self._repeat == 1:
+            return None
+        name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+        first = args[0] if args else kwargs[name]
+        batch = first.shape[0]
+        first = first.repeat_interleave(self._repeat, dim=0)
+        kwargs = {k: self._repeated(v, batch) for k, v in kwargs.items() if args or k != name}
+        if args:
+            return (first, *self._repeated(args[1:], batch)), kwargs
+        return (), {**kwargs, name: first}
+
+    def _repeated(self, value: Any, batch: int, state: tuple[int, ...] = ()) -> Any:
         """``value`` with every tensor of two or more dims whose leading dim is the input batch
         repeated per mask (attention masks, per-sequence positions); batch-1 tensors broadcast
-        as they are, and 1-D ones (cache positions) carry no batch."""
-        if isinstance(value, torch.Tensor) and batch > 1 and value.ndim >= 2 and value.shape[0] == batch:
+        as they are, but for those of the shape ``state`` of the layer's input hidden state
+        (Zamba's embeddings, which its layers join to their input), and 1-D ones (cache
+        positions) carry no batch."""
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[0] == batch and (
+                batch > 1 or tuple(value.shape) == state):
             key = id(value)
             if key not in self._memo:
                 # Every layer from the start on receives the model's batch-B tensors again.
                 self._memo[key] = (value, value.repeat_interleave(self._repeat, dim=0))
             return self._memo[key][1]
         if isinstance(value, tuple | list):
-            return type(value)(self._repeated(v, batch) for v in value)
+            return type(value)(self._repeated(v, batch, state) for v in value)
         return value
 
     def _layer_hook(self, layer: int) -> Callable:
@@ -176,9 +194,10 @@ class HeadMasker:
             batch = hidden.shape[0] if layer == start else hidden.shape[0] // self._repeat
             if layer == start:
                 hidden = hidden.repeat_interleave(self._repeat, dim=0)
-            kwargs = {k: self._repeated(v, batch) for k, v in kwargs.items() if k != "hidden_states"}
+            state = (batch, *hidden.shape[1:])
+            kwargs = {k: self._repeated(v, batch, state) for k, v in kwargs.items() if k != "hidden_states"}
             if args:
-                return (hidden, *self._repeated(args[1:], batch)), kwargs
+                return (hidden, *self._repeated(args[1:], batch, state)), kwargs
             return (), {**kwargs, "hidden_states": hidden}
 
         return hook
@@ -196,7 +215,9 @@ class HeadMasker:
             self._own_code.enter_context(own_code_attention(self.model, model_type, self._own_code_output))
         else:
             self.model.set_attn_implementation(MASKED_IMPLEMENTATION)
-        for i, block in enumerate(self.blocks):
+        if self.blocks is None:
+            self._handles.append(decoder(self.model).register_forward_pre_hook(self._stack_hook, with_kwargs=True))
+        for i, block in enumerate(self.blocks or ()):
             self._handles.append(block.register_forward_pre_hook(self._layer_hook(i), with_kwargs=True))
         self.calls.__enter__()
         return self
@@ -281,10 +302,13 @@ def head_weight_norms(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tenso
     """Frobenius norms (layers, heads) float32 of each query head's slice of W_O (its Dh input
     columns of ``o_proj``) and of W_V (the Dh output rows of ``v_proj`` of the kv head it reads),
     over the softmax-attention layers; None for a family whose attention has no separate
-    ``o_proj`` and ``v_proj`` of those shapes (fused or latent projections)."""
+    ``o_proj`` and ``v_proj`` of those shapes (fused or latent projections), or whose layers
+    are no modules of their own (a looped stack's)."""
     geo = head_geometry(model)
     group = geo.n_heads // geo.n_kv_heads
-    blocks = decoder_layers(model)
+    blocks = layer_list(model)
+    if blocks is None:
+        return None
     wo, wv = [], []
     with torch.no_grad():
         for layer in geo.layers:

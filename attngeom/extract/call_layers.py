@@ -1,11 +1,14 @@
-"""The decoder layer each attention call belongs to.
+"""The layer of the model each attention call belongs to: the index of the cache layer the
+call writes, which the model's own code names.
 
 A module's ``layer_idx`` names its layer in most families. A block shared by several depths
 (Zamba's, Zamba 2's: one attention block, its weights tied, applied by several hybrid
 layers) is called with the index of the decoder layer applying it, passed to its forward as
-``layer_idx``, as its cache update takes it: that index is the call's layer. A
-:class:`CallLayers` follows a model's forward and answers, for each attention call, that
-layer (docs/models.md#shared-blocks).
+``layer_idx``. A looped stack (HRM's) runs its modules several times per forward and counts
+each run as a layer of its own (its config's ``num_hidden_layers``), each run passing its
+module the offset of its cycle (``cycle_offset``): the run's layer is the module's
+``layer_idx`` plus that offset. A :class:`CallLayers` follows a model's forward and answers,
+for each attention call, that layer (docs/models.md#shared-blocks, #looped-stacks).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ __all__ = ["CallLayers", "shared_by_depths"]
 
 # The argument through which a shared block is told the depth that applies it.
 DEPTH_ARGUMENT = "layer_idx"
+# The argument through which a looped stack tells each run of a module the offset of its
+# layer from the module's own ``layer_idx`` (HRM's cycles).
+OFFSET_ARGUMENT = "cycle_offset"
 
 
 def shared_by_depths(module: torch.nn.Module) -> bool:
@@ -27,10 +33,16 @@ def shared_by_depths(module: torch.nn.Module) -> bool:
     return DEPTH_ARGUMENT in inspect.signature(module.forward).parameters
 
 
+def _told_its_layer(module: torch.nn.Module) -> bool:
+    parameters = inspect.signature(module.forward).parameters
+    return hasattr(module, "layer_idx") and (DEPTH_ARGUMENT in parameters or OFFSET_ARGUMENT in parameters)
+
+
 class CallLayers:
     """Within the block, the layer of each call of ``model``'s attention modules: its own
-    ``layer_idx``, or for a block shared by several depths the ``layer_idx`` its current call
-    was given (read by a forward pre-hook)."""
+    ``layer_idx``; for a block shared by several depths, the ``layer_idx`` its current call
+    was given; for a module of a looped stack, its own plus its current call's
+    ``cycle_offset`` (both read by a forward pre-hook)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
@@ -47,10 +59,12 @@ class CallLayers:
         bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
         if bound.get(DEPTH_ARGUMENT) is not None:
             self._current[module] = int(bound[DEPTH_ARGUMENT])
+        elif OFFSET_ARGUMENT in inspect.signature(module.forward).parameters and module.layer_idx is not None:
+            self._current[module] = module.layer_idx + int(bound.get(OFFSET_ARGUMENT) or 0)
 
     def __enter__(self) -> CallLayers:
         self._handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self._model.modules()
-                         if hasattr(m, "layer_idx") and shared_by_depths(m)]
+                         if _told_its_layer(m)]
         return self
 
     def __exit__(self, *_: object) -> None:

@@ -32,7 +32,7 @@ VERIFIED_TYPES = frozenset({
     "olmo3", "phi", "phi3", "stablelm", "falcon", "mixtral", "qwen3_moe", "starcoder2", "glm4", "ministral",
     "cohere2", "smollm3", "llama4_text", "gpt_oss", "deepseek_v3", "qwen3_next", "granite", "exaone4", "jetmoe",
     "modernbert-decoder", "mimo_v2_flash", "gpt_neo", "openai-gpt", "bloom", "mpt", "gpt_neox_japanese", "zamba",
-    "zamba2",
+    "zamba2", "hrm_text",
 })
 
 # Families whose attention is not one softmax over keys, as transformers implements them.
