@@ -303,10 +303,10 @@ def test_a_layer_that_calls_attention_twice_is_refused(ids, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED_AT_FORWARD))
-def test_looped_and_shared_layers_are_refused_with_their_reason(model_type, ids, tmp_path):
-    """A looped layer (Dory, HRM), a block shared by several depths (Zamba, Zamba 2) and keys
-    beyond the text's tokens (DeepSeek-V4's compressed entries) are refused in one line saying
-    so, and no store is left behind."""
+def test_refused_at_the_first_forward_with_their_reason(model_type, ids, tmp_path):
+    """A looped layer its config counts once (Dory) and keys beyond the text's tokens
+    (DeepSeek-V4's compressed entries) are refused in one line saying so, and no store is
+    left behind."""
     with pytest.raises(UnsupportedModelError, match=REFUSED_AT_FORWARD[model_type][0]):
         ag.extract(refused_model(model_type), store=tmp_path / "s.zarr", token_ids=ids, run_id="r", progress=False)
     assert not (tmp_path / "s.zarr").exists()
