@@ -68,7 +68,6 @@ class CallLayers:
         return self
 
     def __exit__(self, *_: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        while self._handles:
+            self._handles.pop().remove()
         self._current.clear()
