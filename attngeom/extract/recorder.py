@@ -36,8 +36,9 @@ class Recorder:
     # (:mod:`attngeom.extract.conformance`); () checks nothing.
     check_queries: tuple[int, ...] = ()
     compare: Callable[..., None] | None = field(default=None, repr=False)
-    # The layer of a module's current attention call (its own ``layer_idx``, or the depth a
-    # shared block is applied at: :class:`~attngeom.extract.call_layers.CallLayers`).
+    # The layer of a module's current attention call (its own ``layer_idx``, the depth a
+    # shared block is applied at, the layer a looped stack's run names:
+    # :class:`~attngeom.extract.call_layers.CallLayers`).
     layer_of: Callable[[torch.nn.Module], int | None] = field(
         default=lambda module: getattr(module, "layer_idx", None), repr=False)
     layers: dict[int, LayerCapture] = field(default_factory=dict)
