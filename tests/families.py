@@ -1,8 +1,7 @@
 """Tiny random configs of every family the capture is verified on, from transformers' own
 config classes (nothing downloaded): three to six layers of 64 dimensions (HRM's 4 attention
-modules run at its 12), 4 heads reading
-2 kv heads where the family has grouped queries, a window or chunk of 6 keys where it slides
-or chunks, so that a test of L = 16 crosses it."""
+modules run at its 12), 4 heads reading 2 kv heads where the family has grouped queries, a
+window or chunk of 6 keys where it slides or chunks, so that a test of L = 16 crosses it."""
 
 from __future__ import annotations
 
