@@ -18,7 +18,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import attngeom as ag
 from attngeom.errors import UnsupportedModelError
-from attngeom.extract.call_layers import CallLayers
 from attngeom.extract.capture import decoder
 from attngeom.extract.families import VERIFIED_TYPES, attention_layers, supported_config
 from attngeom.extract.own_code import FAMILIES as OWN_FAMILIES
@@ -38,18 +37,21 @@ def eager64(model: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.nda
     if model.config.model_type in OWN_CODE_TYPES:
         return own_code64(reference, ids)
     seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    calls = CallLayers(reference)
+    # The k-th attention call of the forward is the k-th of the layers the config declares
+    # (a shared block's calls at its depths, a looped stack's runs): the reference names them
+    # by their order, not by the capture's reading of the calls.
+    layers = attention_layers(model.config)
 
     def recording(module, query, key, value, attention_mask, **kwargs):
         eager = sys.modules[type(module).__module__].eager_attention_forward
         out, weights = eager(module, query, key, value, attention_mask, **kwargs)
-        seen[calls.layer(module)] = (weights.numpy(), value.numpy())
+        seen[layers[len(seen)]] = (weights.numpy(), value.numpy())
         return out, weights
 
     AttentionInterface.register("eager_recording", recording)
     AttentionMaskInterface.register("eager_recording", eager_mask)
     reference.set_attn_implementation("eager_recording")
-    with torch.no_grad(), calls:
+    with torch.no_grad():
         decoder(reference)(input_ids=ids, use_cache=False)
     return seen
 
