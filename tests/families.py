@@ -88,6 +88,10 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "hrm_text": ("looped stacks: two stacks of 2 layers run in 2 high cycles of 2 low cycles each, every run a "
                  "layer of its own (12)", dict(
         num_hidden_layers=2, H_cycles=2, L_cycles=2, L_bp_cycles=[1], num_key_value_heads=None)),
+    "dory": ("a looped layer: its full-attention layer 1 run in 2 loops, the second stored as layer 3, between "
+             "sliding-window layers", dict(
+        n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2, sliding_window=6,
+        layer_types=SLIDING)),
 }
 
 
@@ -169,10 +173,6 @@ def checked_model(model_type: str):
 # Families refused at their first forward, each with the words of its true reason and its
 # config's arguments beyond COMMON.
 REFUSED_AT_FORWARD: dict[str, tuple[str, dict]] = {
-    "dory": ("layer 1 runs its attention 2 times in one forward \\(a looped layer\\) and the model's config "
-             "counts it once", dict(
-        n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2, sliding_window=6,
-        layer_types=SLIDING)),
     # Its compressed sparse layer (1) attends, beside its window's tokens, one entry pooled
     # from every 4 tokens; its heavily compressed layers pool 128, none in 16 tokens.
     "deepseek_v4": (r"\(layer 1\) attends 4 keys beyond the text's 16 tokens", dict(

@@ -37,10 +37,9 @@ def eager64(model: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.nda
     if model.config.model_type in OWN_CODE_TYPES:
         return own_code64(reference, ids)
     seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    # The k-th attention call of the forward is the k-th of the layers the config declares
-    # (a shared block's calls at its depths, a looped stack's runs): the reference names them
-    # by their order, not by the capture's reading of the calls.
-    layers = attention_layers(model.config)
+    # The reference names each call by its place in the forward, not by the capture's reading
+    # of the calls (a shared block's depth, a looped stack's run).
+    layers = forward_order(model.config)
 
     def recording(module, query, key, value, attention_mask, **kwargs):
         eager = sys.modules[type(module).__module__].eager_attention_forward
@@ -54,6 +53,17 @@ def eager64(model: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.nda
     with torch.no_grad():
         decoder(reference)(input_ids=ids, use_cache=False)
     return seen
+
+
+def forward_order(config) -> list[int]:
+    """The model's attention layers in the order its forward runs them: as they are numbered,
+    but in Dory, whose later loops (numbered after its declared layers) run before its output
+    layers. Spelled out from the config, apart from extract's reading."""
+    if config.model_type != "dory":
+        return list(attention_layers(config))
+    n, looped = config.num_hidden_layers, config.n_input_layers + config.n_recurrent_layers
+    later = range(n, n + (config.n_recurrent_loops - 1) * config.n_recurrent_layers)
+    return [*range(looped), *later, *range(looped, n)]
 
 
 def own_code64(reference: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -304,6 +314,40 @@ def test_a_layer_that_calls_attention_twice_is_refused(ids, tmp_path, monkeypatc
     assert not (tmp_path / "s.zarr").exists()
 
 
+def test_a_looped_stack_is_found_again_from_its_files(tmp_path):
+    """The model's files name the layers its run stores: Dory's config.json, which lists each
+    layer as an attention and an mlp block (as its released checkpoints do), declares its 3
+    layers and the one its second loop adds; HRM's, every run of its stacks' layers."""
+    import json
+
+    from attngeom.extract.runcheck import layer_differences, model_shapes
+
+    for model_type, layers in (("dory", [0, 1, 2, 3]), ("hrm_text", list(range(12)))):
+        family_config(model_type).save_pretrained(tmp_path / model_type)
+        shapes = model_shapes(json.loads((tmp_path / model_type / "config.json").read_text()))
+        assert layer_differences(shapes, {"layers": layers}) == [], model_type
+        assert layer_differences(shapes, {"layers": layers[:-1]}), model_type
+
+
+def test_a_looped_layer_without_a_layer_for_each_run_is_refused(ids, tmp_path, monkeypatch):
+    """A looped layer whose runs the model names no layer of their own: Dory read without its
+    loops' offsets (each run then names its module's layer) is refused at the forward in one
+    line, no store left behind; in its 'last_loop' cache mode, whose loops before the last
+    share one cache layer, it is refused from the config."""
+    from attngeom.extract import call_layers
+
+    monkeypatch.setattr(call_layers, "OFFSET_ARGUMENTS", ("cycle_offset",))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("dory"), dtype=torch.float32).eval()
+    with pytest.raises(UnsupportedModelError, match=r"layer 1 runs its attention 2 times in one forward \(a looped "
+                                                    r"layer\) and the model names no layer of its own for each run"):
+        ag.extract(model, store=tmp_path / "s.zarr", token_ids=ids, run_id="r", progress=False)
+    assert not (tmp_path / "s.zarr").exists()
+    config = AutoConfig.for_model("dory", recurrent_kv_cache_mode="last_loop", n_recurrent_loops=3)
+    with pytest.raises(UnsupportedModelError, match="loops before the last share one cache layer"):
+        supported_config(config)
+
+
 @pytest.mark.parametrize("model_type", sorted(REFUSED_AT_FORWARD))
 def test_refused_at_the_first_forward_with_their_reason(model_type, ids, tmp_path):
     """A looped layer its config counts once (Dory) and keys beyond the text's tokens
@@ -416,14 +460,16 @@ def test_ablating_a_head_of_an_own_code_family(model_type):
         torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["zamba", "zamba2", "hrm_text"])
+@pytest.mark.parametrize("model_type", ["zamba", "zamba2", "hrm_text", "dory"])
 def test_ablating_a_head_at_one_call_of_a_module_called_at_several_layers(model_type):
     """A block shared by several depths (Zamba, Zamba 2) and a module of a looped stack (HRM,
-    run at several of its layers) are ablated at the layer a mask names only. The k-th
-    attention call of a forward is the run's k-th layer: with head 0 masked at a layer p
-    whose module ran before, every call before p gives its output projection what it gives
-    unmasked, and call p the same but head 0's zeros; the batched masks equal a forward
-    that zeroes the head in the call of the layer named."""
+    Dory: run at several of its layers) are ablated at the layer a mask names only. With head
+    0 masked at the layer of the forward's middle call (in a looped stack, of a module that
+    ran before), every call
+    before it gives its output (before the output projection and any norm) what it gives
+    unmasked, and that call the same but head 0's zeros; the batched masks equal a forward
+    that zeroes the head in the call of the layer named, the calls named by their place in
+    the forward (:func:`forward_order`)."""
     from attngeom.ablate.masking import HeadMasker, head_geometry
 
     torch.manual_seed(0)
@@ -433,16 +479,20 @@ def test_ablating_a_head_at_one_call_of_a_module_called_at_several_layers(model_
             if ".shared_transf" in name or ".linear." in name:
                 parameter.mul_(3)
     geo = head_geometry(model)
-    assert geo.layers == attention_layers(model.config)
+    order = forward_order(model.config)
+    assert sorted(order) == list(geo.layers)
     modules = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
-    if model_type == "hrm_text":
-        assert len(modules) == 4 and geo.n_layers == 12  # each module runs at 3 layers
+    if model_type in ("hrm_text", "dory"):
+        assert len(modules) < geo.n_layers  # HRM's 4 modules run at 12 layers, Dory's 3 at 4
     tokens, masks, nll = three_masks(model, geo)
-    p = geo.n_layers // 2
+    middle = geo.n_layers // 2
+    named = geo.layers.index(order[middle])
 
-    def projected(masker_masks=None):
+    def outputs(masker_masks=None):
         inputs: list[torch.Tensor] = []
-        hooks = [m.o_proj.register_forward_pre_hook(lambda _, args: inputs.append(args[0])) for m in modules]
+        # Dory normalises all heads' outputs together before its projection: its norm's input.
+        hooks = [getattr(m, "attn_sub_norm", m.o_proj).register_forward_pre_hook(
+            lambda _, args: inputs.append(args[0])) for m in modules]
         with torch.no_grad(), HeadMasker(model) as masker:
             masker.set(masker_masks)
             model(input_ids=tokens[:, :-1], use_cache=False)
@@ -451,13 +501,13 @@ def test_ablating_a_head_at_one_call_of_a_module_called_at_several_layers(model_
         return [x.view(*x.shape[:2], geo.n_heads, -1) for x in inputs]
 
     one = torch.ones(len(tokens), geo.n_layers, geo.n_heads)
-    one[:, p, 0] = 0
-    plain, masked = projected(), projected(one)
+    one[:, named, 0] = 0
+    plain, masked = outputs(), outputs(one)
     assert len(plain) == len(masked) == geo.n_layers
-    for k in range(p):
+    for k in range(middle):
         torch.testing.assert_close(masked[k], plain[k], rtol=0, atol=0)
-    assert (masked[p][:, :, 0] == 0).all() and (plain[p][:, :, 0] != 0).any()
-    torch.testing.assert_close(masked[p][:, :, 1:], plain[p][:, :, 1:], rtol=0, atol=0)
+    assert (masked[middle][:, :, 0] == 0).all() and (plain[middle][:, :, 0] != 0).any()
+    torch.testing.assert_close(masked[middle][:, :, 1:], plain[middle][:, :, 1:], rtol=0, atol=0)
     previous = model.config._attn_implementation
     for m in range(3):
         calls = []
@@ -465,7 +515,8 @@ def test_ablating_a_head_at_one_call_of_a_module_called_at_several_layers(model_
         def zeroing(module, query, key, value, attention_mask, m=m, **kwargs):
             out, weights = ALL_ATTENTION_FUNCTIONS[previous](module, query, key, value, attention_mask, **kwargs)
             calls.append(module)
-            return out * masks[m, len(calls) - 1][None, None, :, None], weights
+            keep = masks[m, geo.layers.index(order[len(calls) - 1])]
+            return out * keep[None, None, :, None], weights
 
         AttentionInterface.register("zeroing", zeroing)
         AttentionMaskInterface.register("zeroing", sdpa_mask)
@@ -474,6 +525,8 @@ def test_ablating_a_head_at_one_call_of_a_module_called_at_several_layers(model_
             logits = model(input_ids=tokens[:, :-1], use_cache=False).logits[:, -1]
         model.set_attn_implementation(previous)
         assert len(calls) == geo.n_layers
+        # A looped stack's middle call runs a module that ran before; a shared block's, a module of its own.
+        assert (calls[middle] in calls[:middle]) == (model_type in ("hrm_text", "dory"))
         expected = -torch.log_softmax(logits, -1).gather(1, tokens[:, -1:])[:, 0]
         torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)
 
@@ -493,12 +546,12 @@ def analyzed(model_type: str, folder) -> tuple[torch.nn.Module, str]:
 
 
 @pytest.mark.parametrize("model_type, layers", [("qwen3_next", [1, 3]), ("zamba2", [1, 3]),
-                                                ("hrm_text", list(range(12)))])
+                                                ("hrm_text", list(range(12))), ("dory", [0, 1, 2, 3])])
 def test_every_stage_on_a_hybrid_keeps_its_layer_indices(model_type, layers, tmp_path):
     """A Qwen3-Next of 4 layers (linear, softmax, linear, softmax), a Zamba 2 whose shared
-    block runs at its hybrid layers 1 and 3, and an HRM whose 4 modules run at its 12 layers,
-    through every stage: the run, its analysis, detect and ablation groups all name the
-    model's layers."""
+    block runs at its hybrid layers 1 and 3, an HRM whose 4 modules run at its 12 layers and a
+    Dory whose second loop is its layer 3, through every stage: the run, its analysis, detect
+    and ablation groups all name the model's layers."""
     from conftest import tiny_tokenizer
 
     model, store = analyzed(model_type, tmp_path)

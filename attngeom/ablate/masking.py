@@ -37,7 +37,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from attngeom.extract.call_layers import CallLayers
 from attngeom.extract.capture import decoder
-from attngeom.extract.families import attention_layers
+from attngeom.extract.families import attention_layers, loop_layers
 from attngeom.extract.own_code import OWN_CODE_TYPES, own_code_attention, plain_attention
 
 MASKED_IMPLEMENTATION = "attngeom_masked"
@@ -61,8 +61,11 @@ def layer_list(model: torch.nn.Module) -> list[torch.nn.Module] | None:
     """The decoder layers of a causal LM, in order, attention or not: the module list of its
     decoder that holds one module per layer (``layers``, GPT-2's ``h``, ...; a BERT-like
     decoder's ``encoder.layer``, one level down); None for a looped stack, whose modules run
-    once per layer of several (HRM's)."""
-    n_layers = model.config.get_text_config().num_hidden_layers
+    once per layer of several (HRM's, Dory's)."""
+    config = model.config.get_text_config()
+    if loop_layers(config):
+        return None
+    n_layers = config.num_hidden_layers
     stack = decoder(model)
     for child in (*stack.children(), *stack.modules()):
         if isinstance(child, torch.nn.ModuleList) and len(child) == n_layers:

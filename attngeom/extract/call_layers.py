@@ -22,9 +22,9 @@ __all__ = ["CallLayers", "shared_by_depths"]
 
 # The argument through which a shared block is told the depth that applies it.
 DEPTH_ARGUMENT = "layer_idx"
-# The argument through which a looped stack tells each run of a module the offset of its
-# layer from the module's own ``layer_idx`` (HRM's cycles).
-OFFSET_ARGUMENT = "cycle_offset"
+# The arguments through which a looped stack tells each run of a module the offset of its
+# layer from the module's own ``layer_idx``: HRM's cycles, Dory's loops.
+OFFSET_ARGUMENTS = ("cycle_offset", "cache_offset")
 
 
 def shared_by_depths(module: torch.nn.Module) -> bool:
@@ -35,7 +35,7 @@ def shared_by_depths(module: torch.nn.Module) -> bool:
 
 def _told_its_layer(module: torch.nn.Module) -> bool:
     parameters = inspect.signature(module.forward).parameters
-    return hasattr(module, "layer_idx") and (DEPTH_ARGUMENT in parameters or OFFSET_ARGUMENT in parameters)
+    return hasattr(module, "layer_idx") and any(a in parameters for a in (DEPTH_ARGUMENT, *OFFSET_ARGUMENTS))
 
 
 class CallLayers:
@@ -59,8 +59,8 @@ class CallLayers:
         bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
         if bound.get(DEPTH_ARGUMENT) is not None:
             self._current[module] = int(bound[DEPTH_ARGUMENT])
-        elif OFFSET_ARGUMENT in inspect.signature(module.forward).parameters and module.layer_idx is not None:
-            self._current[module] = module.layer_idx + int(bound.get(OFFSET_ARGUMENT) or 0)
+        elif module.layer_idx is not None:
+            self._current[module] = module.layer_idx + sum(int(bound.get(a) or 0) for a in OFFSET_ARGUMENTS)
 
     def __enter__(self) -> CallLayers:
         self._handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self._model.modules()

@@ -18,7 +18,7 @@ from attngeom.errors import UnsupportedModelError
 from attngeom.extract.model_files import check_config_sizes
 from attngeom.extract.sources import cache_dir
 
-__all__ = ["OWN_CODE_TYPES", "VERIFIED_TYPES", "attention_layers", "layer_kind", "supported_config"]
+__all__ = ["OWN_CODE_TYPES", "VERIFIED_TYPES", "attention_layers", "layer_kind", "loop_layers", "supported_config"]
 
 # The families whose attention is their own code and which `own_code.py` captures (one
 # adapter each in its FAMILIES): named here, where the config is judged before torch loads.
@@ -32,7 +32,7 @@ VERIFIED_TYPES = frozenset({
     "olmo3", "phi", "phi3", "stablelm", "falcon", "mixtral", "qwen3_moe", "starcoder2", "glm4", "ministral",
     "cohere2", "smollm3", "llama4_text", "gpt_oss", "deepseek_v3", "qwen3_next", "granite", "exaone4", "jetmoe",
     "modernbert-decoder", "mimo_v2_flash", "gpt_neo", "openai-gpt", "bloom", "mpt", "gpt_neox_japanese", "zamba",
-    "zamba2", "hrm_text",
+    "zamba2", "hrm_text", "dory",
 })
 
 # Families whose attention is not one softmax over keys, as transformers implements them.
@@ -77,18 +77,35 @@ def _class_routes_attention(cls: type) -> bool:
     return bool(cls._can_set_attn_implementation())
 
 
+def loop_layers(config: Any) -> tuple[int, ...]:
+    """The declared layer run by each layer a looped stack adds after those its config declares,
+    in order: Dory runs its recurrent layers once per loop and, in its per-loop cache mode,
+    writes each loop after the first to cache layers of its own, appended after the declared
+    ones, loop by loop (docs/models.md#looped-stacks); () for any other model."""
+    loops = getattr(config, "n_recurrent_loops", None)
+    if not loops or getattr(config, "recurrent_kv_cache_mode", None) != "per_loop":
+        return ()
+    first, count = int(config.n_input_layers), int(config.n_recurrent_layers)
+    return tuple(first + j for _ in range(int(loops) - 1) for j in range(count))
+
+
 def layer_kind(config: Any, layer: int) -> str:
-    """The kind of the model's layer ``layer``: its ``layer_types`` entry, or "attention"."""
+    """The kind of the model's layer ``layer``: its ``layer_types`` entry (for a layer a looped
+    stack adds, that of the declared layer it runs), or "attention"."""
+    n_layers = int(config.num_hidden_layers)
+    if layer >= n_layers:
+        layer = loop_layers(config)[layer - n_layers]
     kinds = getattr(config, "layer_types", None)
     return str(kinds[layer]) if kinds else "attention"
 
 
 def attention_layers(config: Any) -> tuple[int, ...]:
     """The model's own indices of its softmax-attention layers, as its config declares them
-    (every layer when it declares no layer types). Layers of an unknown kind count: the
-    forward then tells whether they call the attention interface. Cross-attention layers
-    (Mllama's) attend an image's states, not the text's keys: they run no attention on text."""
-    n_layers = int(config.num_hidden_layers)
+    (every layer when it declares no layer types), then those a looped stack adds
+    (:func:`loop_layers`). Layers of an unknown kind count: the forward then tells whether
+    they call the attention interface. Cross-attention layers (Mllama's) attend an image's
+    states, not the text's keys: they run no attention on text."""
+    n_layers = int(config.num_hidden_layers) + len(loop_layers(config))
     cross = set(getattr(config, "cross_attention_layers", None) or ())
     return tuple(i for i in range(n_layers) if layer_kind(config, i) not in OTHER_KINDS and i not in cross)
 
@@ -120,6 +137,11 @@ def supported_config(config: Any, model_class: type | None = None) -> Any:
             f"model type '{model_type}' is not supported: its layers sit in {len(stacks)} stacks "
             f"({', '.join(stacks)}) over different sequences (as BLT's bytes and patches), and a run stores one "
             "attention over the text's tokens per layer")
+    if getattr(config, "recurrent_kv_cache_mode", None) == "last_loop":
+        raise UnsupportedModelError(
+            f"model type '{model_type}' in its 'last_loop' cache mode is not supported: its loops before the last "
+            "share one cache layer, so their runs are no layers of their own, and a run stores one attention per "
+            "layer")
     if not getattr(config, "num_hidden_layers", None) or not attention_layers(config):
         raise UnsupportedModelError(f"model type '{model_type}' has no softmax-attention layer to capture")
     return config

@@ -64,14 +64,13 @@ class Recorder:
     def record(self, layer: int, capture: LayerCapture, runs: int = 1) -> None:
         """Keep ``capture`` as layer ``layer``'s (on its way to host memory with ``to_host``).
         A layer that calls the attention function twice in one forward is refused: its module
-        run ``runs`` times while the model counts it once (a looped layer whose runs are no
-        layers of the model's config, as Dory's: each call is a softmax, but the run stores one
-        per layer the model declares), or calls it twice in one run (differential attention:
-        its output is not one softmax over keys)."""
+        run ``runs`` times, the model naming no layer of its own for each run (a looped layer:
+        each call is a softmax, but the run stores one per layer and query), or calls it twice
+        in one run (differential attention: its output is not one softmax over keys)."""
         if layer in self.layers:
             raise UnsupportedModelError(
-                f"layer {layer} runs its attention {runs} times in one forward (a looped layer) and the model's "
-                "config counts it once: a run stores one attention per layer the model declares"
+                f"layer {layer} runs its attention {runs} times in one forward (a looped layer) and the model "
+                "names no layer of its own for each run: a run stores one attention per layer and query"
                 if runs > 1 else
                 f"layer {layer} calls the attention function twice in one run of its attention (as differential "
                 "attention does): its output is not one softmax over keys"

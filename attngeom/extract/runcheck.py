@@ -84,6 +84,21 @@ _NAMES = {
 }
 
 
+# The counts of layers a file that lists each layer as two blocks doubles.
+_BLOCK_COUNTS = ("num_hidden_layers", "n_input_layers", "n_recurrent_layers", "n_output_layers")
+
+
+def _paired_blocks(text: dict[str, Any]) -> dict[str, Any]:
+    """A text config that lists each layer as an attention block and an mlp block (Dory's
+    files, as its released checkpoints are written) as its config class reads it: one kind per
+    layer, the counts of layers halved; any other as it is."""
+    kinds = text["layer_types"]
+    if len(kinds) % 2 or kinds[1::2] != ["mlp"] * (len(kinds) // 2):
+        return text
+    return {**text, "layer_types": kinds[::2],
+            **{k: text[k] // 2 for k in _BLOCK_COUNTS if isinstance(text.get(k), int)}}
+
+
 def model_shapes(config: dict[str, Any]) -> dict[str, Any]:
     """What a run records of a model, from its ``config.json`` mapping (the text config of a
     multimodal one): architecture, all its layers, the indices of its softmax-attention
@@ -100,7 +115,9 @@ def model_shapes(config: dict[str, Any]) -> dict[str, Any]:
     kinds = text.get("layer_types")
     attention = None
     if n_layers is not None and isinstance(kinds, list) and len(kinds) == n_layers:
-        attention = attention_layers(SimpleNamespace(num_hidden_layers=n_layers, layer_types=kinds))
+        # The whole text config: a looped stack's fields tell the layers its loops add.
+        declared = _paired_blocks({**text, "num_hidden_layers": n_layers})
+        n_layers, attention = declared["num_hidden_layers"], attention_layers(SimpleNamespace(**declared))
     return {
         "model_type": text.get("model_type"),
         "n_layers": n_layers,
