@@ -248,9 +248,14 @@ def float64_error(model: Any, ids: Any, store: str) -> float | None:
             attentions = reference(input_ids=ids, output_attentions=True, use_cache=False).attentions
     except Exception:  # noqa: BLE001 - a family whose eager forward returns no weights has no such reference
         return None
+    from attngeom.extract.families import loop_layers
+
     ds = xr.open_zarr(store, group="runs/r", consolidated=False)
     n_layers = model.config.get_text_config().num_hidden_layers
-    if attentions is None or len(attentions) not in (n_layers, ds.sizes["layer"]):
+    # A looped stack's added layers (Dory's later loops) are numbered after the declared ones
+    # but run before its last layers: the returned weights, in the forward's order, name none.
+    if attentions is None or len(attentions) not in (n_layers, ds.sizes["layer"]) or loop_layers(
+            model.config.get_text_config()):
         return None
     errors = []
     for i, layer in enumerate(ds["layer"].values):

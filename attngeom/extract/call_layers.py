@@ -4,11 +4,13 @@ call writes, which the model's own code names.
 A module's ``layer_idx`` names its layer in most families. A block shared by several depths
 (Zamba's, Zamba 2's: one attention block, its weights tied, applied by several hybrid
 layers) is called with the index of the decoder layer applying it, passed to its forward as
-``layer_idx``. A looped stack (HRM's) runs its modules several times per forward and counts
-each run as a layer of its own (its config's ``num_hidden_layers``), each run passing its
-module the offset of its cycle (``cycle_offset``): the run's layer is the module's
-``layer_idx`` plus that offset. A :class:`CallLayers` follows a model's forward and answers,
-for each attention call, that layer (docs/models.md#shared-blocks, #looped-stacks).
+``layer_idx``. A looped stack runs its modules several times per forward, each run passing
+its module the offset of its layer: HRM counts each run as a layer of its own (its config's
+``num_hidden_layers``) and passes its cycle's (``cycle_offset``); Dory writes each loop after
+the first to cache layers appended after its declared ones (``cache_offset``). The run's
+layer is the module's ``layer_idx`` plus that offset. A :class:`CallLayers` follows a model's
+forward and answers, for each attention call, that layer (docs/models.md#shared-blocks,
+#looped-stacks).
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ def _told_its_layer(module: torch.nn.Module) -> bool:
 class CallLayers:
     """Within the block, the layer of each call of ``model``'s attention modules: its own
     ``layer_idx``; for a block shared by several depths, the ``layer_idx`` its current call
-    was given; for a module of a looped stack, its own plus its current call's
-    ``cycle_offset`` (both read by a forward pre-hook)."""
+    was given; for a module of a looped stack, its own plus its current call's offset (both
+    read by a forward pre-hook)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
