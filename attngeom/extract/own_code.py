@@ -1,21 +1,25 @@
 """Capture of the families whose attention transformers computes in the model's own code.
 
 GPT-Neo, GPT-1 (openai-gpt), GPT-NeoX-Japanese, BLOOM, MPT, XGLM, TrOCR, Megatron-BERT,
-RemBERT, RoFormer, BigBird and Git's text stack never call the attention interface: each attention module computes its
-probabilities itself, the first three in an inner ``_attn`` from the queries, keys and values
-their forward split into heads, BLOOM's and MPT's inside their forward with an ALiBi bias, the
-others inside their forward (RoFormer's with its rotary). For the duration of a capture, that method of each of the
-model's attention modules is replaced, on the instance only, by one that takes the same
-q, k, v, the family's mask (its causal or windowed ``bias`` buffer, its ALiBi bias and the
-model's padding mask, as one additive mask) and its scale to the capture's path, layer by
-layer as the forward runs, and returns what the method returns. The model's own method stays
-the reference: with queries to check, it runs on the same arguments in float32 and its
-weights are what the conformance check compares the rows with.
+RemBERT, RoFormer, BigBird, Git's text stack, XLM, MVP, XLNet and ProphetNet never call the
+attention interface: each attention module computes its probabilities itself, the first
+three in an inner ``_attn`` from the queries, keys and values their forward split into heads,
+XLNet in an inner ``rel_attn_core`` (its content stream, with relative position terms),
+BLOOM's and MPT's inside their forward with an ALiBi bias, ProphetNet's main stream inside
+its forward beside its n-gram streams, the others inside their forward (RoFormer's with its
+rotary). For the duration of a capture, that method of each of the model's attention modules
+is replaced, on the instance only, by one that takes the same q, k, v, the family's mask (its
+causal or windowed ``bias`` buffer, its ALiBi bias or relative position terms and the model's
+padding mask, as one additive mask) and its scale to the capture's path, layer by layer as
+the forward runs, and returns what the method returns. The model's own method stays the
+reference: with queries to check, it runs on the same arguments in float32 and its weights
+are what the conformance check compares the rows with.
 
 This is the one module that reaches into those modules' internals (``_attn``, ``bias``,
-``scale``, the projections and ALiBi arguments of the others): transformers exposes no
-interface for them. tests/test_families.py compares each family's stored rows with the
-model's own float64 forward, so a change in transformers shows there.
+``scale``, the projections, ALiBi and relative position arguments of the others):
+transformers exposes no interface for them. tests/test_families.py compares each family's
+stored rows with the model's own float64 forward, or its own float32 code where it does not
+run in float64, so a change in transformers shows there.
 """
 
 from __future__ import annotations
