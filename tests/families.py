@@ -139,6 +139,9 @@ CHECKED: dict[str, tuple[str, dict]] = {
     # the model's dtype).
     "xlnet": ("relative attention in the model's own code (attn_type 'uni'), sequence-first states", dict(
         attn_type="uni", d_head=16, d_inner=96, max_position_embeddings=None, num_key_value_heads=None)),
+    "reformer": ("local attention in the model's own code: chunks of 4 and the one before, reversible layers", dict(
+        is_decoder=True, attn_layers=["local"] * 3, local_attn_chunk_length=4, attention_head_size=16,
+        feed_forward_size=96, axial_pos_shape=[16, 16], axial_pos_embds_dim=[32, 32], num_key_value_heads=None)),
     "git": ("attention in the model's own code; a vision tower beside it, which a text alone does not run", dict(
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
                            image_size=32, patch_size=16))),

@@ -415,6 +415,8 @@ def test_ablating_a_head_of_an_own_code_family(model_type):
              and (family.name is None or path.endswith(f".{family.name}"))]
     if family.name == "attention.self":  # a BERT-like self-attention's heads are projected by its sibling
         projections = [modules[path.removesuffix(".self") + ".output.dense"] for path in paths]
+    elif model_type == "reformer":  # as a ReformerAttention's
+        projections = [modules[path.removesuffix(".self_attention") + ".output.dense"] for path in paths]
     elif model_type != "xlnet":
         projections = [getattr(modules[path], name) for path in paths]
     for m in range(3):
@@ -583,3 +585,27 @@ def test_a_bert_built_without_is_decoder_is_refused_as_not_causal(model_type, id
     with pytest.raises(UnsupportedModelError, match="is not causal"):
         ag.extract(model, store=tmp_path / "s.zarr", token_ids=ids, run_id="r", progress=False)
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_reformer_local_chunks_and_their_refusals(ids, tmp_path):
+    """Reformer's local layers attend their chunk and the one before it (of 4 chunks of 4, the
+    last query keys 8 to 15), as the model's own code does; chunks before that reach a chunk
+    twice round the text (2 before, of 2 chunks) and an L its model would pad are refused."""
+    from families import CHECKED, COMMON
+
+    def reformer(**arguments):
+        config = AutoConfig.for_model("reformer", **{k: v for k, v in {**COMMON, **CHECKED["reformer"][1],
+                                                                        **arguments}.items() if v is not None})
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+    model = reformer()
+    ag.extract(model, store=tmp_path / "s.zarr", token_ids=ids, run_id="r", progress=False)
+    ds = xr.open_zarr(str(tmp_path / "s.zarr"), group="runs/r", consolidated=False)
+    assert np.flatnonzero(ds["attendable"].isel(layer=0).values).tolist() == list(range(8, 16))
+    assert (ds["attn_last"].isel(key=slice(0, 8)).values == 0).all()
+    with pytest.raises(UnsupportedModelError, match="reaches some chunks twice"):
+        ag.extract(reformer(local_num_chunks_before=2), store=tmp_path / "t.zarr", token_ids=ids[:, :8],
+                   run_id="r", progress=False)
+    with pytest.raises(UnsupportedModelError, match="pads a text of L = 15 tokens to a multiple of its chunk length"):
+        ag.extract(model, store=tmp_path / "u.zarr", token_ids=ids[:, :15], run_id="r", progress=False)

@@ -25,17 +25,18 @@ __all__ = ["OWN_CODE_TYPES", "VERIFIED_TYPES", "attention_layers", "layer_kind",
 # adapter each in its FAMILIES): named here, where the config is judged before torch loads.
 OWN_CODE_TYPES = frozenset({"gpt_neo", "openai-gpt", "gpt_neox_japanese", "bloom", "mpt", "xglm", "trocr",
                             "megatron-bert", "rembert", "roformer", "git", "big_bird", "xlm", "mvp", "xlnet",
-                            "prophetnet"})
+                            "prophetnet", "reformer"})
 
 # Families whose own code computes an attention no run can store as one softmax over the
 # text's keys per layer, with why.
 OWN_CODE_REFUSED = {
     "cpmant": "its model marks every token as context, so each layer's softmax attends every key, the text's later "
               "tokens and the prompt tokens it puts before the text included: its attention is not causal",
-    "reformer": "its LSH attention layers (and ReformerModelWithLMHead's default config holds some) hash queries and "
-                "keys into buckets and mix the softmaxes of several hashing rounds, each over its own bucket's keys, "
-                "so a row is no one softmax over the text's keys",
 }
+
+# Reformer's LSH layers (its local layers are read from its own code).
+LSH_REASON = ("its LSH attention layers hash queries and keys into buckets and mix the softmaxes of several hashing "
+              "rounds, each over its own bucket's keys, so a row is no one softmax over the text's keys")
 
 # Own-code families that are causal only where their config says so: model_type -> (the
 # config's setting, the value that makes the attention causal).
@@ -151,9 +152,12 @@ def supported_config(config: Any, model_class: type | None = None) -> Any:
 
 
 def _check_own_code_config(config: Any) -> None:
-    """Refuse an own-code family's config whose attention is not causal, or whose layer and
-    head counts are not those its causal LM runs."""
+    """Refuse an own-code family's config whose attention is not causal or not one softmax
+    over the text's keys, or whose layer and head counts are not those its causal LM runs."""
     model_type = config.model_type
+    if model_type == "reformer" and "lsh" in config.attn_layers:
+        raise UnsupportedModelError(f"model type 'reformer' is not supported with attn_layers = "
+                                    f"{list(config.attn_layers)}: {LSH_REASON}")
     if model_type in CAUSAL_SETTING:
         setting, causal = CAUSAL_SETTING[model_type]
         if getattr(config, setting) != causal:

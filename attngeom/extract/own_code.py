@@ -1,13 +1,13 @@
 """Capture of the families whose attention transformers computes in the model's own code.
 
 GPT-Neo, GPT-1 (openai-gpt), GPT-NeoX-Japanese, BLOOM, MPT, XGLM, TrOCR, Megatron-BERT,
-RemBERT, RoFormer, BigBird, Git's text stack, XLM, MVP, XLNet and ProphetNet never call the
-attention interface: each attention module computes its probabilities itself, the first
+RemBERT, RoFormer, BigBird, Git's text stack, XLM, MVP, XLNet, ProphetNet and Reformer (its
+local layers) never call the attention interface: each attention module computes its probabilities itself, the first
 three in an inner ``_attn`` from the queries, keys and values their forward split into heads,
 XLNet in an inner ``rel_attn_core`` (its content stream, with relative position terms),
 BLOOM's and MPT's inside their forward with an ALiBi bias, ProphetNet's main stream inside
-its forward beside its n-gram streams, the others inside their forward (RoFormer's with its
-rotary). For the duration of a capture, that method of each of the model's attention modules
+its forward beside its n-gram streams, Reformer's over chunks, the others inside their forward
+(RoFormer's with its rotary). For the duration of a capture, that method of each of the model's attention modules
 is replaced, on the instance only, by one that takes the same q, k, v, the family's mask (its
 causal or windowed ``bias`` buffer, its ALiBi bias or relative position terms and the model's
 padding mask, as one additive mask) and its scale to the capture's path, layer by layer as
@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -55,9 +56,9 @@ class Family:
     weights (B, H, L, L) second (when asked, by ``output_attentions``), and first its attention
     output (B, H, L, Dv) where ``method`` is the inner ``_attn``, or the layer's output where
     it is the module's ``forward``. ``name``: how the self-attention's module path ends, where
-    a layer holds a cross-attention of the same class beside it. ``own``: (what ``method``
-    returns with its weights) -> (output (B, H, L, Dv), weights (B, H, L, L)), for a method
-    that lays them out otherwise. ``repeats_layers``: whether ablation may repeat a decoder
+    a layer holds a cross-attention of the same class beside it. ``own``: (module, what
+    ``method`` returns with its weights) -> (output (B, H, L, Dv), or None where ``method`` is
+    ``forward``, weights (B, H, L, L)), for a method that lays them out otherwise. ``repeats_layers``: whether ablation may repeat a decoder
     layer's inputs once per head mask (a layer module that takes batch-first states and adds
     its own residual); else each sequence runs whole once per mask. ``ablation``: why ablation
     cannot zero this family's heads, where it cannot."""
@@ -67,7 +68,7 @@ class Family:
     read: Callable[..., tuple]
     returns: Callable[..., object]
     name: str | None = None
-    own: Callable[[tuple], tuple[torch.Tensor, torch.Tensor]] | None = None
+    own: Callable[[torch.nn.Module, tuple], tuple[torch.Tensor | None, torch.Tensor]] | None = None
     repeats_layers: bool = True
     ablation: str | None = None
 
@@ -297,6 +298,57 @@ def _read_prophetnet(module, a):
     return query, key, value, bias.clamp(min=LOW), 1.0
 
 
+def _read_reformer_local(module, a):
+    """Reformer's local attention: each query attends, causally, the keys of its chunk and of
+    the ``num_chunks_before`` chunks before it, counted round the text as its own code gathers
+    them (the first chunk's previous is the last, whose keys the causal mask hides)."""
+    hidden = a["hidden_states"]
+    length = hidden.shape[1]
+
+    def heads(t):
+        return module._split_hidden_size_dim(t, module.num_attention_heads, module.attention_head_size)
+
+    # Reformer scales its keys before the product: the capture's scale is then 1, the same bits.
+    query, value = heads(module.query(hidden)), heads(module.value(hidden))
+    key = heads(module.key(hidden)) / math.sqrt(module.attention_head_size)
+    position = torch.arange(length, device=hidden.device)
+    allowed = position[None, :] <= position[:, None]
+    if module.chunk_length is not None and length > module.chunk_length:
+        chunks, chunk = length // module.chunk_length, position // module.chunk_length
+        offsets = range(-module.num_chunks_before, module.num_chunks_after + 1)
+        times = sum((chunk[None, :] == (chunk[:, None] + k) % chunks).int() for k in offsets)
+        if bool((times[allowed] > 1).any()):
+            raise UnsupportedModelError(
+                f"Reformer's local attention over {chunks} chunks of {module.chunk_length} tokens reaches some chunks "
+                f"twice (its chunk and the {module.num_chunks_before} before it, counted round the text): its "
+                "softmax weighs their keys twice, which no row over the text's keys holds")
+        allowed = allowed & (times > 0)
+    # The padding its model adds to reach a multiple of the chunk length hides its keys.
+    padding = a["attention_mask"]
+    allowed = allowed[None, None] if padding is None else allowed & padding.bool()[:, None, None, :]
+    return query, key, value, _additive(allowed, None), 1.0
+
+
+def _reformer_returns(module, output, a):
+    outputs = sys.modules[type(module).__module__].LocalSelfAttentionOutput
+    return outputs(hidden_states=output.reshape(*output.shape[:2], -1), attention_probs=())
+
+
+def _reformer_rows(module, result) -> tuple[None, torch.Tensor]:
+    """Reformer's local weights, (B, H, chunks, chunk, window) where the text is longer than a
+    chunk, laid over the text's keys (B, H, L, L)."""
+    weights = result.attention_probs
+    if weights.dim() == 4:
+        return None, weights
+    bsz, n_heads, chunks, size, width = weights.shape
+    offsets = torch.arange(-module.num_chunks_before, module.num_chunks_after + 1, device=weights.device)
+    chunk = (torch.arange(chunks, device=weights.device)[:, None] + offsets) % chunks
+    keys = (chunk[:, :, None] * size + torch.arange(size, device=weights.device)).reshape(chunks, 1, width)
+    rows = weights.new_zeros(bsz, n_heads, chunks, size, chunks * size)
+    rows.scatter_add_(-1, keys.expand(bsz, n_heads, chunks, size, width), weights)
+    return None, rows.reshape(bsz, n_heads, chunks * size, chunks * size)
+
+
 def _prophetnet_returns(module, output, a):
     """The main stream's output from the capture, the n-gram streams' from the model's own
     code (which reads the main stream's keys and values, not its output)."""
@@ -334,8 +386,11 @@ FAMILIES: dict[str, Family] = {
     "mvp": Family("MvpAttention", "forward", _read_scaled_queries, _out_proj_returns, name="self_attn"),
     # Its layers take their states sequence-first (L, B, D).
     "xlnet": Family("XLNetRelativeAttention", "rel_attn_core", _read_xlnet, _xlnet_returns,
-                    own=lambda result: (result[0].permute(1, 2, 0, 3), result[1].permute(2, 3, 0, 1)),
+                    own=lambda module, result: (result[0].permute(1, 2, 0, 3), result[1].permute(2, 3, 0, 1)),
                     repeats_layers=False),
+    # Its local layers' (an LSH layer's config is refused): the self-attention of a
+    # ReformerAttention, whose output projection is its sibling.
+    "reformer": Family("LocalSelfAttention", "forward", _read_reformer_local, _reformer_returns, own=_reformer_rows),
     "prophetnet": Family(
         "ProphetNetNgramSelfAttention", "forward", _read_prophetnet, _prophetnet_returns,
         ablation="ProphetNet predicts the next token from its first n-gram stream, whose attention runs in its "
@@ -365,7 +420,7 @@ def _own_reference(family: Family, original: Callable, signature: inspect.Signat
         if "output_attentions" in signature.parameters:
             call.arguments["output_attentions"] = True
         result = original(*call.args, **call.kwargs)
-        out, weights = family.own(result) if family.own is not None else result[:2]
+        out, weights = family.own(module, result) if family.own is not None else result[:2]
         weights = weights[:, :, list(positions)].float()
         if family.method != "forward":
             return out[:, :, list(positions)].transpose(1, 2), weights
