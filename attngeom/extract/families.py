@@ -27,8 +27,8 @@ OWN_CODE_TYPES = frozenset({"gpt_neo", "openai-gpt", "gpt_neox_japanese", "bloom
                             "megatron-bert", "rembert", "roformer", "git", "big_bird", "xlm", "mvp", "xlnet",
                             "prophetnet", "reformer"})
 
-# Families whose own code computes an attention no run can store as one softmax over the
-# text's keys per layer, with why.
+# Families whose own code computes an attention no run can store as one causal softmax over
+# the text's keys per layer, with why.
 OWN_CODE_REFUSED = {
     "cpmant": "its model marks every token as context, so each layer's softmax attends every key, the text's later "
               "tokens and the prompt tokens it puts before the text included: its attention is not causal",
