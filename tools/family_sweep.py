@@ -279,7 +279,7 @@ def verdict(model_type: str) -> dict[str, Any]:
 
     import attngeom as ag
     from attngeom.errors import AttngeomError
-    from attngeom.extract import pipeline
+    from attngeom.extract import writing
     from attngeom.extract.conformance import check_capture, check_positions, refuse_disagreement
 
     if model_type in DRAFTERS:
@@ -305,7 +305,7 @@ def verdict(model_type: str) -> dict[str, Any]:
         checks = check_capture(model, ids[:1], check_positions(LENGTH))
         rows, outputs = max(c.row_error for c in checks), max(c.output_error for c in checks)
         refuse_disagreement(checks, model.config.model_type)  # as extract refuses it
-        pipeline.VERIFIED_TYPES = pipeline.VERIFIED_TYPES | {model.config.model_type}
+        writing.VERIFIED_TYPES = writing.VERIFIED_TYPES | {model.config.model_type}
         with tempfile.TemporaryDirectory() as folder:
             ag.extract(model, store=f"{folder}/s.zarr", token_ids=ids, run_id="r", progress=False)
             float64 = float64_error(model, ids, f"{folder}/s.zarr")

@@ -38,6 +38,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from attngeom.errors import UnsupportedModelError
 from attngeom.extract.capture import decoder
 from attngeom.extract.families import attention_layers
+from attngeom.extract.own_code import FAMILIES as OWN_FAMILIES
 from attngeom.extract.own_code import OWN_CODE_TYPES, own_code_attention, plain_attention
 
 MASKED_IMPLEMENTATION = "attngeom_masked"
@@ -106,6 +107,12 @@ class HeadMasker:
     the masks' layer axis (default: its softmax-attention layers)."""
 
     def __init__(self, model: torch.nn.Module, layers: tuple[int, ...] | None = None) -> None:
+        own = OWN_FAMILIES.get(model.config.get_text_config().model_type)
+        if own is not None and own.ablation is not None:
+            raise UnsupportedModelError(f"ablate cannot mask the heads of {type(model).__name__}: {own.ablation}")
+        # Layers whose inputs cannot be repeated per mask (XLM's, XLNet's): every sequence runs
+        # whole once per mask, each row its own mask.
+        self.repeats_layers = own is None or own.repeats_layers
         self.model = model
         self.blocks = decoder_layers(model)
         self.layers = tuple(layers if layers is not None else head_geometry(model).layers)
@@ -263,10 +270,14 @@ def masked_nll(
                     # No mask of this chunk ablates anything: one plain forward per sequence.
                     masker.set(None)
                     nll = _last_token_nll(model, ids[seq], targets[seq])[:, None].expand(n, len(chunk))
-                else:
+                elif masker.repeats_layers:
                     masker.set(chunk_masks.repeat(n, 1, 1), start=start, repeat=len(chunk))
                     nll = _last_token_nll(model, ids[seq], targets[seq].repeat_interleave(len(chunk)))
                     nll = nll.view(n, len(chunk))
+                else:
+                    masker.set(chunk_masks.repeat(n, 1, 1), start=start)
+                    nll = _last_token_nll(model, ids[seq].repeat_interleave(len(chunk), dim=0),
+                                          targets[seq].repeat_interleave(len(chunk))).view(n, len(chunk))
                 out[seq, chunk] = nll.cpu()
                 bar.update(1)
     return out
