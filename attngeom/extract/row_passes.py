@@ -221,13 +221,6 @@ def _ordered(bits):
 
 
 @_loop
-def _ordered(bits):
-    """An int32 that orders as the float32 whose bits it holds (NaN aside), and its own inverse:
-    integer maxima run in SIMD lanes, numba's float ones (IEEE's NaN rules) do not."""
-    return bits ^ ((bits >> np.int32(31)) & np.int32(0x7FFFFFFF))
-
-
-@_loop
 def _rows(scores, v_norm, sinks, with_sinks, item0, q0, group, windows,
           top1, entropy, winner, sink_attn, diag_attn, prev_attn, recent_attn, learned_sink):
     """softmax_rows on CPU: scores (N, R, K) become probabilities; row r of item a is written at
