@@ -43,6 +43,17 @@ def compiled_kernels(tmp_path_factory):
         compile_kernels(progress=False)
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def row_passes(request, monkeypatch):
+    """The capture's rows as CPU computes them (one compiled pass per row) and as CUDA does
+    (torch's passes over the tile, here on CPU): one contract, each checked against the twins."""
+    if request.param == "torch":
+        from attngeom.extract import row_passes, tiles
+
+        monkeypatch.setattr(tiles, "softmax_rows", row_passes.torch_rows)
+    return request.param
+
+
 # A test needs the model stack (torch, transformers, datasets, the offline model and corpus
 # packages) when it uses `tiny_model_dir`, directly or through another fixture, or is marked
 # `needs_model`. Where torch is not installed those tests are skipped and the rest (store,

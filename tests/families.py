@@ -77,6 +77,13 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "bloom": ("ALiBi in the model's own code", dict(n_layer=3, n_head=4)),
     "mpt": ("ALiBi in the model's own code, clipped qkv", dict(
         d_model=64, n_heads=4, n_layers=3, max_seq_len=256, attn_config=dict(alibi=True, clip_qkv=8.0))),
+    "xlm": ("attention in the model's own code, causal as configured, no layer modules", dict(
+        causal=True, num_key_value_heads=None)),
+    "mvp": ("attention in the model's own code, the decoder of an encoder-decoder config", dict(
+        decoder_layers=3, decoder_attention_heads=4, decoder_ffn_dim=96, encoder_ffn_dim=96, num_key_value_heads=None)),
+    "prophetnet": ("the main stream of n-gram attention, relative position bias in the model's own code", dict(
+        num_hidden_layers=None, num_encoder_layers=3, num_decoder_layers=3, num_decoder_attention_heads=4,
+        decoder_ffn_dim=96, encoder_ffn_dim=96, num_buckets=8, relative_max_distance=16, num_key_value_heads=None)),
     "zamba": ("hybrid: one attention block, its weights tied, applied at depths 2 and 4 beside Mamba layers",
               dict(num_hidden_layers=6, attn_layer_period=2, attn_layer_offset=1, attention_hidden_size=128,
                    attention_head_dim=32, num_key_value_heads=4, mamba_dt_rank=8, use_mamba_kernels=False,
@@ -143,6 +150,13 @@ CHECKED: dict[str, tuple[str, dict]] = {
     "roformer": ("attention in the model's own code, rotary", dict(is_decoder=True)),
     "big_bird": ("attention in the model's own code, its full attention as a decoder", dict(
         is_decoder=True, attention_type="original_full")),
+    # XLNet's own code does not run in float64 (its projections are float32 tensors whatever
+    # the model's dtype).
+    "xlnet": ("relative attention in the model's own code (attn_type 'uni'), sequence-first states", dict(
+        attn_type="uni", d_head=16, d_inner=96, max_position_embeddings=None, num_key_value_heads=None)),
+    "reformer": ("local attention in the model's own code: chunks of 4 and the one before, reversible layers", dict(
+        is_decoder=True, attn_layers=["local"] * 3, local_attn_chunk_length=4, attention_head_size=16,
+        feed_forward_size=96, axial_pos_shape=[16, 16], axial_pos_embds_dim=[32, 32], num_key_value_heads=None)),
     "git": ("attention in the model's own code; a vision tower beside it, which a text alone does not run", dict(
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
                            image_size=32, patch_size=16))),
@@ -167,7 +181,7 @@ def checked_model(model_type: str):
             hidden_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=64, patch_size=16, mlp_dim=48,
             output_channels=16, global_attn_indexes=[1], window_size=2))
     else:
-        config = AutoConfig.for_model(model_type, **arguments)
+        config = AutoConfig.for_model(model_type, **{k: v for k, v in arguments.items() if v is not None})
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 # Families refused at their first forward, each with the words of its true reason and its

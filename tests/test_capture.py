@@ -96,7 +96,7 @@ def brute_force_row(q, k, v, scaling, allowed):
 
 @pytest.mark.parametrize("tile", [(1, 1), (1, 4), (2, 3), (2, 9)])
 @pytest.mark.parametrize("kind", ["causal", "sliding", "prefix"])
-def test_summaries_match_brute_force_any_tile(tile, kind):
+def test_summaries_match_brute_force_any_tile(tile, kind, row_passes):
     """Every tile (kv heads, queries) and mask: plain causal (None), a sliding window, and a
     bidirectional prefix, where early queries see keys after their block (no causal truncation
     allowed)."""
@@ -149,7 +149,7 @@ def brute_force_variant(q, k, v, scaling, bias, softcap, sink):
 
 @pytest.mark.parametrize("tile", [(1, 1), (1, 4), (2, 3), (2, 9)])
 @pytest.mark.parametrize("variant", ["alibi", "sinks", "sinks+softcap", "chunks+sinks", "latent"])
-def test_variants_match_brute_force_any_tile(tile, variant):
+def test_variants_match_brute_force_any_tile(tile, variant, row_passes):
     """The attention variants of today's models against their definitions, at every tile:
     per-head additive biases in the mask (ALiBi), learned sinks (gpt-oss), softcapped logits
     with sinks, chunked masks (Llama 4) and values narrower than the keys (latent attention)."""
@@ -363,7 +363,7 @@ assert ATTN_IMPLEMENTATION in AttentionInterface() and ATTN_IMPLEMENTATION in At
 def test_first_argmax_is_torch_argmax(seed):
     """Known answers where ties are the rule: small integers (many equal maxima), all-zero rows,
     subnormal values one ulp apart, and a single column."""
-    from attngeom.extract.tiles import first_argmax
+    from attngeom.extract.row_passes import first_argmax
 
     g = torch.Generator().manual_seed(seed)
     cases = [

@@ -69,37 +69,49 @@ def forward_order(config) -> list[int]:
 def own_code64(reference: torch.nn.Module, ids: torch.Tensor) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """eager64 of a float64 model whose attention modules compute their weights in their own
     code: each layer's weights, as its method returns them, and values (B, H, L, Dh), as its
-    ``_attn`` is given them or its fused qkv projection computes them."""
-    family = OWN_FAMILIES[reference.config.model_type]
+    inner method is given them or its value projection computes them."""
+    model_type = reference.config.model_type
+    family = OWN_FAMILIES[model_type]
     seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     values: dict[int, np.ndarray] = {}
-    modules = [m for m in reference.modules() if type(m).__name__ == family.attention]
+    modules = [m for name, m in reference.named_modules() if type(m).__name__ == family.attention
+               and (family.name is None or name.endswith(f".{family.name}"))]
     for layer, module in enumerate(modules):
-        if family.method == "_attn":
+        if family.method != "forward":
             def recording(*args, module=module, layer=layer, **kwargs):
-                result = type(module)._attn(module, *args, **kwargs)
-                seen[layer] = (result[1].numpy(), args[2].numpy())
+                result = getattr(type(module), family.method)(module, *args, **kwargs)
+                weights, value = result[1], args[2]
+                if model_type == "xlnet":  # laid out (L, L, B, H) and (L, B, H, D)
+                    weights, value = weights.permute(2, 3, 0, 1), value.permute(1, 2, 0, 3)
+                seen[layer] = (weights.numpy(), value.numpy())
                 return result
-            module._attn = recording
+            setattr(module, family.method, recording)
             continue
         module.register_forward_hook(lambda m, a, r, layer=layer: seen.__setitem__(layer, (r[1].numpy(), values[layer])))
-        projection = getattr(module, "query_key_value", None) or module.Wqkv
-        heads = getattr(module, "n_heads", None) or module.num_heads
+        projection = getattr(module, VALUE_PROJECTIONS[model_type])
+        heads = next(getattr(module, n) for n in ("n_heads", "num_heads", "num_attn_heads") if hasattr(module, n))
         projection.register_forward_hook(lambda m, a, r, layer=layer, heads=heads: values.__setitem__(
-            layer, own_values(r, heads, reference.config.model_type)))
+            layer, own_values(r, heads, model_type, ids.shape[1])))
     with torch.no_grad():
         decoder(reference)(input_ids=ids, use_cache=False, output_attentions=True)
     return seen
 
 
-def own_values(projected: torch.Tensor, heads: int, model_type: str) -> np.ndarray:
-    """Values (B, H, L, Dh) of a projection's output: BLOOM's fused qkv (B, L, 3 H Dh),
-    interleaved per head; MPT's, in three blocks."""
-    bsz, length, width = projected.shape
-    dh = width // (3 * heads)
+# The module of each own-code family's attention that projects its values.
+VALUE_PROJECTIONS = {"bloom": "query_key_value", "mpt": "Wqkv", "xlm": "v_lin", "mvp": "v_proj",
+                     "prophetnet": "value_proj"}
+
+
+def own_values(projected: torch.Tensor, heads: int, model_type: str, length: int) -> np.ndarray:
+    """Values (B, H, L, Dh) of the text's L tokens from a projection's output: BLOOM's fused
+    qkv (B, L, 3 H Dh), interleaved per head; MPT's, in three blocks; the others' (B, L', H Dh),
+    ProphetNet's L' holding its n-gram streams after the text."""
+    bsz, width = projected.shape[0], projected.shape[-1]
     if model_type == "bloom":
-        return projected.view(bsz, length, heads, 3, dh)[..., 2, :].transpose(1, 2).numpy()
-    return projected.chunk(3, dim=2)[2].reshape(bsz, length, heads, dh).transpose(1, 2).numpy()
+        return projected.view(bsz, length, heads, 3, width // (3 * heads))[..., 2, :].transpose(1, 2).numpy()
+    if model_type == "mpt":
+        return projected.chunk(3, dim=2)[2].reshape(bsz, length, heads, -1).transpose(1, 2).numpy()
+    return projected[:, :length].reshape(bsz, length, heads, -1).transpose(1, 2).numpy()
 
 
 @pytest.fixture(scope="module")
@@ -286,15 +298,23 @@ def test_every_verified_type_is_tested():
     assert set(FAMILIES) == set(VERIFIED_TYPES)
 
 
-@pytest.mark.parametrize("model_type, reason", [
-    ("diffllama", "differential attention"),
-    ("rwkv", "linear recurrence"),
-    ("mamba", "no softmax-attention layer"),
-    ("blt", r"its layers sit in 4 stacks \(patcher_config, encoder_config, decoder_config, global_config\)"),
-    ("xlnet", "not through its attention interface"),
+@pytest.mark.parametrize("model_type, reason, arguments", [
+    ("diffllama", "differential attention", {}),
+    ("rwkv", "linear recurrence", {}),
+    ("mamba", "no softmax-attention layer", {}),
+    ("blt", r"its layers sit in 4 stacks \(patcher_config, encoder_config, decoder_config, global_config\)", {}),
+    ("xlnet", r"with attn_type = 'bi': its attention is not causal \(only attn_type = 'uni' is\)", {}),
+    ("xlm", r"with causal = False: its attention is not causal", {}),
+    ("cpmant", "marks every token as context, so each layer's softmax attends every key", {}),
+    ("reformer", "mix the softmaxes of several hashing rounds", dict(is_decoder=True)),
+    ("mvp", r"a decoder of 2 layers and 16 heads beside an encoder of 12 and 16", dict(decoder_layers=2)),
+    ("prophetnet", r"a decoder of 12 layers and 4 heads beside an encoder of 12 and 16",
+     dict(num_decoder_attention_heads=4)),
 ])
-def test_refused_from_the_config_before_weights(model_type, reason):
-    config = AutoConfig.for_model(model_type)
+def test_refused_from_the_config_before_weights(model_type, reason, arguments):
+    """Families whose attention is no one causal softmax over the text's keys as configured
+    (own code included), and encoder-decoder configs whose counts are not their decoder's."""
+    config = AutoConfig.for_model(model_type, **arguments)
     with pytest.raises(UnsupportedModelError, match=reason):
         supported_config(config)
 
@@ -426,23 +446,27 @@ def test_ablating_a_head_zeroes_its_attention_output(model_type):
         torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", sorted(OWN_CODE_TYPES))
+@pytest.mark.parametrize("model_type", sorted(t for t in OWN_CODE_TYPES if OWN_FAMILIES[t].ablation is None))
 def test_ablating_a_head_of_an_own_code_family(model_type):
     """In a family that computes attention in its own code, the batched masks equal the
-    model's own forward with that head's output zeroed at the input of its output projection."""
+    model's own forward with that head's output zeroed at the input of its output projection
+    (XLM's and XLNet's sequences run whole once per mask)."""
     from attngeom.ablate.masking import head_geometry
 
     model = own_code_model(model_type)
     geo = head_geometry(model)
     tokens, masks, nll = three_masks(model, geo)
-    name = {"openai-gpt": "c_proj", "bloom": "dense", "gpt_neox_japanese": "dense"}.get(model_type, "out_proj")
+    name = {"openai-gpt": "c_proj", "bloom": "dense", "gpt_neox_japanese": "dense", "xlm": "out_lin"}.get(
+        model_type, "out_proj")
     family = OWN_FAMILIES[model_type]
     modules = dict(model.named_modules())
     paths = [path for path, m in modules.items() if type(m).__name__ == family.attention
              and (family.name is None or path.endswith(f".{family.name}"))]
     if family.name == "attention.self":  # a BERT-like self-attention's heads are projected by its sibling
         projections = [modules[path.removesuffix(".self") + ".output.dense"] for path in paths]
-    else:
+    elif model_type == "reformer":  # as a ReformerAttention's
+        projections = [modules[path.removesuffix(".self_attention") + ".output.dense"] for path in paths]
+    elif model_type != "xlnet":
         projections = [getattr(modules[path], name) for path in paths]
     for m in range(3):
         def zeroing(module, args, keep):
@@ -450,14 +474,34 @@ def test_ablating_a_head_of_an_own_code_family(model_type):
             heads = context.view(*context.shape[:2], geo.n_heads, -1) * keep[None, None, :, None]
             return (heads.view(context.shape),)
 
-        hooks = [p.register_forward_pre_hook(lambda module, args, keep=masks[m, i]: zeroing(module, args, keep))
-                 for i, p in enumerate(projections)]
+        if model_type == "xlnet":  # its heads (L, B, H, D) meet its output weights in post_attention
+            for i, path in enumerate(paths):
+                attention = modules[path]
+                attention.post_attention = lambda h, vector, residual=True, a=attention, keep=masks[m, i]: type(
+                    a).post_attention(a, h, vector * keep[None, None, :, None], residual)
+            hooks = []
+        else:
+            hooks = [p.register_forward_pre_hook(lambda module, args, keep=masks[m, i]: zeroing(module, args, keep))
+                     for i, p in enumerate(projections)]
         with torch.no_grad():
             logits = model(input_ids=tokens[:, :-1], use_cache=False).logits[:, -1]
         for hook in hooks:
             hook.remove()
+        for path in paths:
+            vars(modules[path]).pop("post_attention", None)
         expected = -torch.log_softmax(logits, -1).gather(1, tokens[:, -1:])[:, 0]
         torch.testing.assert_close(nll[:, m], expected, rtol=0, atol=1e-5)
+
+
+def test_ablate_refuses_the_heads_of_prophetnet():
+    """ProphetNet's next token comes from its first n-gram stream, whose attention the capture
+    does not store: ablate refuses in one line rather than zero a head in one stream only."""
+    from attngeom.ablate.masking import head_geometry, masked_nll
+
+    model = own_code_model("prophetnet")
+    geo = head_geometry(model)
+    with pytest.raises(UnsupportedModelError, match="predicts the next token from its first n-gram stream"):
+        masked_nll(model, torch.ones(1, L, dtype=torch.long), torch.ones(1, geo.n_layers, geo.n_heads))
 
 
 @pytest.mark.parametrize("model_type", ["zamba", "zamba2", "hrm_text", "dory"])
@@ -465,11 +509,10 @@ def test_ablating_a_head_at_one_call_of_a_module_called_at_several_layers(model_
     """A block shared by several depths (Zamba, Zamba 2) and a module of a looped stack (HRM,
     Dory: run at several of its layers) are ablated at the layer a mask names only. With head
     0 masked at the layer of the forward's middle call (in a looped stack, of a module that
-    ran before), every call
-    before it gives its output (before the output projection and any norm) what it gives
-    unmasked, and that call the same but head 0's zeros; the batched masks equal a forward
-    that zeroes the head in the call of the layer named, the calls named by their place in
-    the forward (:func:`forward_order`)."""
+    ran before), every call before it gives its output (before the output projection and any
+    norm) what it gives unmasked, and that call the same but head 0's zeros; the batched masks
+    equal a forward that zeroes the head in the call of the layer named, the calls named by
+    their place in the forward (:func:`forward_order`)."""
     from attngeom.ablate.masking import HeadMasker, head_geometry
 
     torch.manual_seed(0)
@@ -665,3 +708,27 @@ def test_a_bert_built_without_is_decoder_is_refused_as_not_causal(model_type, id
     with pytest.raises(UnsupportedModelError, match="is not causal"):
         ag.extract(model, store=tmp_path / "s.zarr", token_ids=ids, run_id="r", progress=False)
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_reformer_local_chunks_and_their_refusals(ids, tmp_path):
+    """Reformer's local layers attend their chunk and the one before it (of 4 chunks of 4, the
+    last query keys 8 to 15), as the model's own code does; chunks before that reach a chunk
+    twice round the text (2 before, of 2 chunks) and an L its model would pad are refused."""
+    from families import CHECKED, COMMON
+
+    def reformer(**arguments):
+        config = AutoConfig.for_model("reformer", **{k: v for k, v in {**COMMON, **CHECKED["reformer"][1],
+                                                                        **arguments}.items() if v is not None})
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+    model = reformer()
+    ag.extract(model, store=tmp_path / "s.zarr", token_ids=ids, run_id="r", progress=False)
+    ds = xr.open_zarr(str(tmp_path / "s.zarr"), group="runs/r", consolidated=False)
+    assert np.flatnonzero(ds["attendable"].isel(layer=0).values).tolist() == list(range(8, 16))
+    assert (ds["attn_last"].isel(key=slice(0, 8)).values == 0).all()
+    with pytest.raises(UnsupportedModelError, match="reaches some chunks twice"):
+        ag.extract(reformer(local_num_chunks_before=2), store=tmp_path / "t.zarr", token_ids=ids[:, :8],
+                   run_id="r", progress=False)
+    with pytest.raises(UnsupportedModelError, match="pads a text of L = 15 tokens to a multiple of its chunk length"):
+        ag.extract(model, store=tmp_path / "u.zarr", token_ids=ids[:, :15], run_id="r", progress=False)

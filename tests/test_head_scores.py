@@ -105,7 +105,7 @@ def _brute_window(row: torch.Tensor, query: int, window: int) -> float:
 
 @pytest.mark.parametrize("tile", [(1, 1), (1, 4), (2, 3), (2, 23)])
 @pytest.mark.parametrize("kind", ["causal", "sliding", "prefix"])
-def test_prev_and_recent_match_brute_force_any_tile(tile, kind):
+def test_prev_and_recent_match_brute_force_any_tile(tile, kind, row_passes):
     """Every tile (kv heads, queries) and mask, windows shorter and longer than the sliding
     one and than L: the capture's prev_attn and recent_attn equal sums over its own rows."""
     torch.manual_seed(3)

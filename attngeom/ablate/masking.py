@@ -35,9 +35,11 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from attngeom.errors import UnsupportedModelError
 from attngeom.extract.call_layers import CallLayers
 from attngeom.extract.capture import decoder
 from attngeom.extract.families import attention_layers, loop_layers
+from attngeom.extract.own_code import FAMILIES as OWN_FAMILIES
 from attngeom.extract.own_code import OWN_CODE_TYPES, own_code_attention, plain_attention
 
 MASKED_IMPLEMENTATION = "attngeom_masked"
@@ -110,10 +112,15 @@ class HeadMasker:
     the masks' layer axis (default: its softmax-attention layers)."""
 
     def __init__(self, model: torch.nn.Module, layers: tuple[int, ...] | None = None) -> None:
+        own = OWN_FAMILIES.get(model.config.get_text_config().model_type)
+        if own is not None and own.ablation is not None:
+            raise UnsupportedModelError(f"ablate cannot mask the heads of {type(model).__name__}: {own.ablation}")
         self.model = model
-        # A looped stack has no module per layer to start the masks' repeats at: its input
-        # is repeated instead, and every layer runs once per mask.
         self.blocks = layer_list(model)
+        # Layers whose inputs cannot be repeated per mask (XLM's, XLNet's), and a looped stack,
+        # which has no module per layer to start the repeats at: every sequence runs whole once
+        # per mask, each row its own mask.
+        self.repeats_layers = (own is None or own.repeats_layers) and self.blocks is not None
         # A block shared by several depths is masked at the depth of each call only.
         self.calls = CallLayers(model)
         self.layers = tuple(layers if layers is not None else head_geometry(model).layers)
@@ -157,19 +164,6 @@ class HeadMasker:
     def _model_start(self) -> int:
         """The model's index of the first decoder layer the masks may change."""
         return self.layers[self._start] if self._start < len(self.layers) else len(self.blocks)
-
-    def _stack_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-        """The decoder's inputs repeated once per mask (a looped stack's)."""
-        if self._masks is None or self._repeat == 1:
-            return None
-        name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
-        first = args[0] if args else kwargs[name]
-        batch = first.shape[0]
-        first = first.repeat_interleave(self._repeat, dim=0)
-        kwargs = {k: self._repeated(v, batch) for k, v in kwargs.items() if args or k != name}
-        if args:
-            return (first, *self._repeated(args[1:], batch)), kwargs
-        return (), {**kwargs, name: first}
 
     def _repeated(self, value: Any, batch: int, state: tuple[int, ...] = ()) -> Any:
         """``value`` with every tensor of two or more dims whose leading dim is the input batch
@@ -218,8 +212,6 @@ class HeadMasker:
             self._own_code.enter_context(own_code_attention(self.model, model_type, self._own_code_output))
         else:
             self.model.set_attn_implementation(MASKED_IMPLEMENTATION)
-        if self.blocks is None:
-            self._handles.append(decoder(self.model).register_forward_pre_hook(self._stack_hook, with_kwargs=True))
         for i, block in enumerate(self.blocks or ()):
             self._handles.append(block.register_forward_pre_hook(self._layer_hook(i), with_kwargs=True))
         self.calls.__enter__()
@@ -292,10 +284,14 @@ def masked_nll(
                     # No mask of this chunk ablates anything: one plain forward per sequence.
                     masker.set(None)
                     nll = _last_token_nll(model, ids[seq], targets[seq])[:, None].expand(n, len(chunk))
-                else:
+                elif masker.repeats_layers:
                     masker.set(chunk_masks.repeat(n, 1, 1), start=start, repeat=len(chunk))
                     nll = _last_token_nll(model, ids[seq], targets[seq].repeat_interleave(len(chunk)))
                     nll = nll.view(n, len(chunk))
+                else:
+                    masker.set(chunk_masks.repeat(n, 1, 1), start=start)
+                    nll = _last_token_nll(model, ids[seq].repeat_interleave(len(chunk), dim=0),
+                                          targets[seq].repeat_interleave(len(chunk))).view(n, len(chunk))
                 out[seq, chunk] = nll.cpu()
                 bar.update(1)
     return out

@@ -3,11 +3,12 @@
 The capture reads every model whose attention layers call transformers' attention interface
 (docs/models.md): it follows the arguments of that call, not a list of model types. What the
 config already tells is refused here, in one line: a model class that computes attention in
-its own code, a family whose attention is not one softmax over keys, a model with no
-softmax-attention layer at all. What only a forward tells (an argument the capture does not
-know, a layer that calls attention twice) is refused by the capture itself, and a family the
-test suite does not cover is compared with its own eager attention first
-(:mod:`attngeom.extract.conformance`).
+its own code where attngeom reads none of it (:mod:`attngeom.extract.own_code` reads
+``OWN_CODE_TYPES``), or where that attention is not causal as configured, a family whose
+attention is not one softmax over keys, a model with no softmax-attention layer at all. What
+only a forward tells (an argument the capture does not know, a layer that calls attention
+twice) is refused by the capture itself, and a family the test suite does not cover is
+compared with its own eager attention first (:mod:`attngeom.extract.conformance`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,29 @@ __all__ = ["OWN_CODE_TYPES", "VERIFIED_TYPES", "attention_layers", "layer_kind",
 # The families whose attention is their own code and which `own_code.py` captures (one
 # adapter each in its FAMILIES): named here, where the config is judged before torch loads.
 OWN_CODE_TYPES = frozenset({"gpt_neo", "openai-gpt", "gpt_neox_japanese", "bloom", "mpt", "xglm", "trocr",
-                            "megatron-bert", "rembert", "roformer", "git", "big_bird"})
+                            "megatron-bert", "rembert", "roformer", "git", "big_bird", "xlm", "mvp", "xlnet",
+                            "prophetnet", "reformer"})
+
+# Families whose own code computes an attention no run can store as one causal softmax over
+# the text's keys per layer, with why.
+OWN_CODE_REFUSED = {
+    "cpmant": "its model marks every token as context, so each layer's softmax attends every key, the text's later "
+              "tokens and the prompt tokens it puts before the text included: its attention is not causal",
+}
+
+# Reformer's LSH layers (its local layers are read from its own code).
+LSH_REASON = ("its LSH attention layers hash queries and keys into buckets and mix the softmaxes of several hashing "
+              "rounds, each over its own bucket's keys, so a row is no one softmax over the text's keys")
+
+# Own-code families that are causal only where their config says so: model_type -> (the
+# config's setting, the value that makes the attention causal).
+CAUSAL_SETTING = {"xlm": ("causal", True), "xlnet": ("attn_type", "uni")}
+
+# Encoder-decoder configs whose causal LM runs the decoder alone, while num_hidden_layers
+# and num_attention_heads (which a run's layout reads) answer the encoder's: model_type ->
+# the decoder's layers and heads.
+DECODER_SIZES = {"mvp": ("decoder_layers", "decoder_attention_heads"),
+                 "prophetnet": ("num_decoder_layers", "num_decoder_attention_heads")}
 
 # The families whose capture the test suite compares with an eager float64 forward
 # (tests/test_families.py); extract checks any other against its eager attention first.
@@ -31,8 +54,8 @@ VERIFIED_TYPES = frozenset({
     "llama", "mistral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3", "gpt2", "gpt_neox", "olmo", "olmo2",
     "olmo3", "phi", "phi3", "stablelm", "falcon", "mixtral", "qwen3_moe", "starcoder2", "glm4", "ministral",
     "cohere2", "smollm3", "llama4_text", "gpt_oss", "deepseek_v3", "qwen3_next", "granite", "exaone4", "jetmoe",
-    "modernbert-decoder", "mimo_v2_flash", "gpt_neo", "openai-gpt", "bloom", "mpt", "gpt_neox_japanese", "zamba",
-    "zamba2", "hrm_text", "dory",
+    "modernbert-decoder", "mimo_v2_flash", "gpt_neo", "openai-gpt", "bloom", "mpt", "gpt_neox_japanese", "xlm", "mvp",
+    "prophetnet", "zamba", "zamba2", "hrm_text", "dory",
 })
 
 # Families whose attention is not one softmax over keys, as transformers implements them.
@@ -122,13 +145,16 @@ def supported_config(config: Any, model_class: type | None = None) -> Any:
     check_config_sizes(given, getattr(given, "name_or_path", None) or f"model type '{model_type}'", cache_dir())
     if model_type in NOT_SOFTMAX:
         raise UnsupportedModelError(f"model type '{model_type}' is not supported: {NOT_SOFTMAX[model_type]}")
+    if model_type in OWN_CODE_REFUSED:
+        raise UnsupportedModelError(f"model type '{model_type}' is not supported: {OWN_CODE_REFUSED[model_type]}")
+    _check_own_code_config(config)
     stack = _text_stack_class(given, config, model_class)
     if stack is None:
         raise UnsupportedModelError(f"model type '{model_type}' has no causal language model class in transformers")
     if not _class_routes_attention(stack) and model_type not in OWN_CODE_TYPES:
         raise UnsupportedModelError(
             f"model type '{model_type}' is not supported: transformers computes its attention inside the model's "
-            "own code, not through its attention interface, so attngeom cannot read the rows"
+            "own code, not through its attention interface, and attngeom has no reader of that code for this family"
         )
     stacks = [name for name in getattr(config, "sub_configs", {})
               if getattr(getattr(config, name, None), "num_hidden_layers", None)]
@@ -145,6 +171,28 @@ def supported_config(config: Any, model_class: type | None = None) -> Any:
     if not getattr(config, "num_hidden_layers", None) or not attention_layers(config):
         raise UnsupportedModelError(f"model type '{model_type}' has no softmax-attention layer to capture")
     return config
+
+
+def _check_own_code_config(config: Any) -> None:
+    """Refuse an own-code family's config whose attention is not causal or not one softmax
+    over the text's keys, or whose layer and head counts are not those its causal LM runs."""
+    model_type = config.model_type
+    if model_type == "reformer" and "lsh" in config.attn_layers:
+        raise UnsupportedModelError(f"model type 'reformer' is not supported with attn_layers = "
+                                    f"{list(config.attn_layers)}: {LSH_REASON}")
+    if model_type in CAUSAL_SETTING:
+        setting, causal = CAUSAL_SETTING[model_type]
+        if getattr(config, setting) != causal:
+            raise UnsupportedModelError(
+                f"model type '{model_type}' is not supported with {setting} = {getattr(config, setting)!r}: its "
+                f"attention is not causal (only {setting} = {causal!r} is): every query attends every key")
+    if model_type in DECODER_SIZES:
+        layers, heads = (getattr(config, name) for name in DECODER_SIZES[model_type])
+        if (layers, heads) != (config.num_hidden_layers, config.num_attention_heads):
+            raise UnsupportedModelError(
+                f"model type '{model_type}' is not supported with a decoder of {layers} layers and {heads} heads "
+                f"beside an encoder of {config.num_hidden_layers} and {config.num_attention_heads}: its config "
+                "answers the encoder's counts, and its causal LM runs the decoder")
 
 
 def check_recorded(config: Any, recorded: list[int]) -> tuple[int, ...]:

@@ -114,8 +114,16 @@ def _stored_values(values: torch.Tensor, values_dtype: str) -> np.ndarray:
 def check_chunks(config: Any, queries: tuple[int, ...], length: int) -> None:
     """Refuse rows at earlier queries in a model whose attention works in chunks shorter than
     L (Llama 4): the analysis at any query takes each query's keys as the last ones of the
-    final query's (docs/method.md#any-query), which holds for causal and sliding masks only."""
+    final query's (docs/method.md#any-query), which holds for causal and sliding masks only.
+    Reformer's local layers attend their chunk and those before it, and its model pads a text
+    to a multiple of its chunk length: a run holds no padding's rows, so L must be one."""
     chunk = getattr(config, "attention_chunk_size", None)
+    if config.model_type == "reformer":
+        chunk = config.local_attn_chunk_length
+        if length > chunk and length % chunk:
+            raise UnsupportedModelError(
+                f"Reformer pads a text of L = {length} tokens to a multiple of its chunk length ({chunk}), and a run "
+                f"holds no padding's rows: use an L that is a multiple of {chunk}")
     if chunk and chunk < length and any(q < length - 1 for q in queries):
         raise UnsupportedModelError(
             f"--queries keeps rows at earlier queries, which the analysis reads with causal or sliding masks; "

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from attngeom.extract.phases import phase
+from attngeom.extract.row_passes import RowOutputs, TilePlace, softmax_rows
 from attngeom.extract.threads import share_out
 from attngeom.store.objects.schema import RECENT_WINDOWS
 
-__all__ = ["MASKED", "LayerCapture", "allowed_keys", "attention_summaries", "first_argmax", "key_floor",
-           "masked_floor", "recent_mass", "score_tile"]
+__all__ = ["MASKED", "LayerCapture", "allowed_keys", "attention_summaries", "key_floor", "masked_floor",
+           "score_tile"]
 # Bytes of float32 scores one tile (a block of queries of some kv heads) may take on CPU; a
 # handful of tile-sized temporaries live at once. 2 MiB tiles ran 1.9-4.7x faster than 64 MiB
 # ones (smollm2-135m and gemma3-270m layer shapes, L=512-1024) and no slower than 0.5-4 MiB
@@ -119,23 +120,6 @@ def masked_floor(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(allowed, 0.0, MASKED).float()
 
 
-def first_argmax(x: torch.Tensor, descending: torch.Tensor | None = None) -> torch.Tensor:
-    """``x.argmax(-1)`` for finite ``x``: int64 index of each row's first maximum. Overwrites x.
-    ``descending``: the weights n, n-1, ..., 1 (n = x's last dimension) in x's dtype, where the
-    caller keeps them.
-
-    On CPU ``argmax`` over the last dimension is a scalar loop, about 10x slower than ``amax``
-    on attention-row shapes. With m the row maximum, [x_j >= m] is 1 exactly where x_j == m
-    and 0 elsewhere; weighted by n - j its maximum is n - j* for the smallest such j. Every
-    step is a vectorized pass, on CPU and CUDA alike; the in-place comparison makes them four
-    (max, compare, weight, max), where ``1 + sign(x_j - m)`` took six.
-    """
-    n = x.shape[-1]
-    weight = torch.arange(n, 0, -1, dtype=x.dtype, device=x.device) if descending is None else descending
-    x.ge_(x.amax(dim=-1, keepdim=True)).mul_(weight)
-    return n - x.amax(dim=-1).long()
-
-
 def score_tile(
     bsz: int, n_heads: int, n_kv: int, length: int, device: torch.device, tile_bytes: int | None = None
 ) -> tuple[int, int]:
@@ -179,32 +163,6 @@ def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return scores
 
 
-def recent_mass(tile_probs: torch.Tensor, q0: int, window: int, out: torch.Tensor) -> None:
-    """The mass on the last ``window`` keys but the sink of each query of a tile:
-    sum of A_ij over j in max(1, i-W+1)..i (docs/method.md#the-fields-head-scores).
-
-    tile_probs (kv, B, Q, g, K), contiguous, holds the rows of queries q0..q0+Q-1 over keys
-    0..K-1 (K > q0+Q-1); the sums are written into ``out`` (kv, B, Q, g), which may be a
-    strided view. A query's last W keys lie at a fixed offset from its
-    own position, so for the queries whose window starts after the sink they are one strided
-    view (a row step of one row plus one key), summed over W keys and no more; the earlier
-    queries (i < W, only when q0 < W) sum keys 1..i of their rows.
-    """
-    kv, bsz, block, group, keys = tile_probs.shape
-    first = min(block, max(0, window - q0))  # the tile's first query whose window starts after the sink
-    if first:
-        key = torch.arange(1, q0 + first, device=tile_probs.device)
-        early = (key <= torch.arange(q0, q0 + first, device=tile_probs.device)[:, None]).float()[:, None]
-        out[:, :, :first] = (tile_probs[:, :, :first, :, 1 : q0 + first] * early).sum(dim=-1)
-    if first < block:
-        stride = tile_probs.stride()
-        band = tile_probs.as_strided(
-            (kv, bsz, block - first, group, window), (*stride[:2], stride[2] + 1, stride[3], 1),
-            tile_probs.storage_offset() + first * stride[2] + q0 + first - window + 1,
-        )
-        torch.sum(band, dim=-1, out=out[:, :, first:])
-
-
 def attention_summaries(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -230,22 +188,20 @@ def attention_summaries(
     head's and query's) learned sink logit, a key with no value in the softmax, whose weight is ``learned_sink`` and which the rows exclude (they
     sum to 1 - s_i; docs/method.md#learned-sinks). Scores are computed in float32 one ``tile`` at a time: (kv heads, queries),
     default :func:`score_tile` (memory bounded at any L). ``winner`` is argmax_j A_ij ||v_j|| with ties to the smaller
-    j (:func:`first_argmax`). ``queries`` (ascending positions) have their float32 rows
+    j. ``queries`` (ascending positions) have their float32 rows
     kept, the same numbers as ``attn_last`` at L-1. With ``need_output`` (a float32 model, or a softcapped one SDPA
     cannot run) the attention output (B, L, H, Dh) is returned too. ``prev_attn`` is
     A_i,i-1 (0 at i = 0) and ``recent_attn`` the sum of A_ij over j in max(1, i-W+1)..i for
     each W of ``recent``: masked keys have probability 0, so only attendable keys count
     (docs/method.md#the-fields-head-scores).
 
-    Each tile of scores takes a handful of vectorized passes (mask, max, softmax, the
-    reductions). On a GPU they belong in one fused kernel beside the flash pass: given the
-    row's log-normaliser log Z, which the SDPA/flash forward already computes, p_j =
-    exp(s_j - log Z), and sink, diag, top-1, entropy and winner are each a running reduction
-    of one more pass over the scores, with no block of probabilities written. Not written here:
-    there is no GPU to prove it on, and the passes below run unchanged on CUDA. On CPU,
-    ``torch.compile`` of the block (its code generator fuses the passes) was no faster: 41
-    against 35 ms per smollm2-135m layer at L=1024, one thread, after 21 s (cache warm) to
-    93 s (cold) of compiling.
+    Each tile of scores is one product, the mask's add, and the rows' softmax and summaries
+    (:func:`~attngeom.extract.row_passes.softmax_rows`: one compiled pass per row on CPU,
+    torch's vectorized passes on CUDA). On a GPU those passes belong in one fused kernel beside
+    the flash pass: given the row's log-normaliser log Z, which the SDPA/flash forward already
+    computes, p_j = exp(s_j - log Z), and sink, diag, top-1, entropy and winner are each a
+    running reduction of one more pass over the scores, with no block of probabilities
+    written. Not written here: there is no GPU to prove it on.
     """
     bsz, n_heads, length, head_dim = query.shape
     n_kv = key.shape[1]
@@ -271,24 +227,24 @@ def attention_summaries(
         v[h].copy_(value[:, h])
 
     share_out(lay_out, range(n_kv), copy_threads)
-    # (KV, 1, 1, g, 1), or (KV, B, L, g, 1) per query: each tile's sink logits beside the
-    # per-query view of its scores.
-    sink_logits = None
+    # Each row's sink logit, laid out as the rows are (KV B, L g): a head's for all its queries,
+    # or each query's own.
+    sink_rows = None
     if sinks is not None:
-        sink_logits = (sinks.float().view(n_kv, 1, 1, group, 1) if sinks.numel() == n_heads else
-                       sinks.float().view(bsz, n_kv, group, length).permute(1, 0, 3, 2)[..., None].contiguous())
-    learned_sink = torch.empty(n_kv, bsz, length, group, device=device) if sinks is not None else None
-    v_norm = v.norm(dim=-1)[:, :, None, :]
+        per_head = sinks.numel() == n_heads
+        sink_rows = (sinks.float().view(n_kv, 1, 1, group) if per_head else
+                     sinks.float().view(bsz, n_kv, group, length).permute(1, 0, 3, 2)
+                     ).expand(n_kv, bsz, length, group).reshape(n_kv * bsz, length * group)
+    v_norm = v.norm(dim=-1).flatten(0, 1)
     kv_tile, block = tile or score_tile(bsz, n_heads, n_kv, length, device)
-    # Per-query results in kv-head-major, query-major order (KV, B, L, g); (B, H, L) at the end.
-    out = {
-        name: torch.empty(n_kv, bsz, length, group, device=device, dtype=torch.float32)
-        for name in ("sink_attn", "diag_attn", "top1_attn", "entropy")
-    }
-    # Query 0 has no previous key: its prev_attn is the 0 here, the only entry no tile writes.
-    out["prev_attn"] = torch.zeros(n_kv, bsz, length, group, device=device)
-    recent_attn = torch.empty(n_kv, bsz, length, group, len(recent), device=device)
-    winner = torch.empty(n_kv, bsz, length, group, device=device, dtype=torch.int64)
+
+    # Per-query results, row by row as the tiles' scores lay them out: (KV B, L g), (B, H, L) at the end.
+    def per_row(*more: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(n_kv * bsz, length * group, *more, device=device, dtype=dtype)
+
+    out = RowOutputs(top1=per_row(), entropy=per_row(), winner=per_row(dtype=torch.int64), sink_attn=per_row(),
+                     diag_attn=per_row(), prev_attn=per_row(), recent_attn=per_row(len(recent)),
+                     learned_sink=per_row() if sinks is not None else None)
     rows = (
         torch.zeros(n_kv, bsz, group, length, length, device=device, dtype=torch.float16)
         if keep_rows
@@ -308,7 +264,6 @@ def attention_summaries(
         else None
     )
     attn_last = torch.empty(n_kv, bsz, group, length, device=device)
-    descending = torch.arange(length, 0, -1, dtype=torch.float32, device=device)  # first_argmax's weights
 
     def run_tile(tile: tuple[int, int]) -> None:
         q0, h0 = tile
@@ -323,7 +278,6 @@ def attention_summaries(
         # The kept queries inside the block: a slice of the ascending positions.
         lo, hi = bisect.bisect_left(queries, q0), bisect.bisect_left(queries, q1)
         inside = torch.tensor(queries[lo:hi], device=device) - q0 if query_rows is not None and hi > lo else None
-        first_prev = max(q0, 1)
         with phase("attngeom.rows"):
             scores = _scores(q[h0:h1, :, q0 * group : q1 * group].flatten(0, 1),
                              k[h0:h1, :, :n_keys].flatten(0, 1))
@@ -339,48 +293,9 @@ def attention_summaries(
                 per_query[..., q0:q1].add_(above_diagonal[: q1 - q0, :, : q1 - q0])
             else:
                 per_query.add_(_tile_floor(floor, h0, h1, group))
-            if sink_logits is None:
-                scores.sub_(scores.amax(dim=-1, keepdim=True))
-                probs = torch.softmax(scores, dim=-1)
-            else:
-                # The sink's logit joins the row's maximum and its normaliser Z; its weight
-                # e^(sink - m) / Z is the part of the row no key receives.
-                sink = sink_logits[h0:h1, :, q0:q1] if sink_logits.shape[2] > 1 else sink_logits[h0:h1]
-                top = torch.maximum(per_query.amax(dim=-1, keepdim=True), sink)
-                per_query.sub_(top)
-                sink = (sink - top).squeeze(-1)
-                probs = torch.exp(scores)
-                z = probs.sum(dim=-1) + torch.exp(sink).view(scores.shape[:-1])
-                probs.div_(z[..., None])
-        top1 = probs.amax(dim=-1)
-        if sink_logits is None:
-            log_z = -torch.log(top1)
-        else:
-            log_z = torch.log(z)
-            sink_weight = torch.exp(sink.view(scores.shape[:-1]) - log_z)
-            learned_sink[h0:h1, :, q0:q1] = sink_weight.view(h1 - h0, bsz, q1 - q0, group)
+            sink = None if sink_rows is None else sink_rows[h0 * bsz: h1 * bsz, q0 * group: q1 * group].contiguous()
+            probs = softmax_rows(scores, v_norm[h0 * bsz: h1 * bsz], sink, TilePlace(h0 * bsz, q0, group, recent), out)
         tile_probs = probs.view(h1 - h0, bsz, q1 - q0, group, n_keys)
-        at = (slice(h0, h1), slice(None), slice(q0, q1))
-        out["sink_attn"][at] = tile_probs[..., 0]
-        out["diag_attn"][at] = tile_probs[..., q0:q1].diagonal(dim1=2, dim2=4).permute(0, 1, 3, 2)
-        out["prev_attn"][h0:h1, :, first_prev:q1] = tile_probs[:, :, first_prev - q0 :, :, first_prev - 1 : q1 - 1
-                                                              ].diagonal(dim1=2, dim2=4).permute(0, 1, 3, 2)
-        out["top1_attn"][at] = top1.view(h1 - h0, bsz, q1 - q0, group)
-        # With s the scores less their maximum, log p_j = s_j - log Z (and 1/Z = max_j p_j
-        # without a learned sink), so H = -sum_j p_j log p_j = log Z - sum_j p_j s_j: no log
-        # per key. A learned sink is one more term of the distribution, - p_s (s_sink).
-        # The product takes the scores' buffer (``vecdot`` is the same product and sum, with
-        # a block-sized temporary), and so does A_ij ||v_j|| after it.
-        entropy = log_z - scores.mul_(probs).sum(dim=-1)
-        if sink_logits is not None:
-            entropy -= sink_weight * sink.view(scores.shape[:-1])
-        out["entropy"][at] = entropy.view(h1 - h0, bsz, q1 - q0, group)
-        weighted = torch.mul(probs, v_norm[h0:h1, :, :, :n_keys].flatten(0, 1), out=scores)
-        winner[at] = first_argmax(weighted, descending[length - n_keys :]).view(h1 - h0, bsz, q1 - q0, group)
-        # Summed over each window's keys, not as a difference of running sums over the
-        # row, which would lose the window's few digits beside the mass before it.
-        for r, w in enumerate(recent):
-            recent_mass(tile_probs, q0, w, recent_attn[h0:h1, :, q0:q1, :, r])
         if rows is not None:
             rows.transpose(2, 3)[h0:h1, :, q0:q1, :, :n_keys] = tile_probs
         if inside is not None:
@@ -397,18 +312,19 @@ def attention_summaries(
     last_allowed = allowed_keys(attention_mask, length - 1, length, length, device)[0, :, -1].all(dim=0)
 
     def heads(t: torch.Tensor) -> torch.Tensor:
-        return t.permute(1, 0, 3, 2).reshape(bsz, n_heads, length)
+        return t.view(n_kv, bsz, length, group).permute(1, 0, 3, 2).reshape(bsz, n_heads, length)
 
     capture = LayerCapture(
         values=value,
         attn_last=attn_last.transpose(0, 1).reshape(bsz, n_heads, length),
-        winner=heads(winner),
-        sink_attn=heads(out["sink_attn"]),
-        diag_attn=heads(out["diag_attn"]),
-        top1_attn=heads(out["top1_attn"]),
-        entropy=heads(out["entropy"]),
-        prev_attn=heads(out["prev_attn"]),
-        recent_attn=recent_attn.permute(1, 0, 3, 2, 4).reshape(bsz, n_heads, length, len(recent)),
+        winner=heads(out.winner),
+        sink_attn=heads(out.sink_attn),
+        diag_attn=heads(out.diag_attn),
+        top1_attn=heads(out.top1),
+        entropy=heads(out.entropy),
+        prev_attn=heads(out.prev_attn),
+        recent_attn=out.recent_attn.view(n_kv, bsz, length, group, len(recent)).permute(1, 0, 3, 2, 4).reshape(
+            bsz, n_heads, length, len(recent)),
         attendable=last_allowed,
         rows=rows.transpose(0, 1).reshape(bsz, n_heads, length, length) if rows is not None else None,
         query_rows=(
@@ -416,7 +332,7 @@ def attention_summaries(
             if query_rows is not None
             else None
         ),
-        learned_sink=heads(learned_sink) if learned_sink is not None else None,
+        learned_sink=heads(out.learned_sink) if sinks is not None else None,
     )
     attn_output = None
     if output is not None:
