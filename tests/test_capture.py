@@ -389,19 +389,15 @@ def test_additive_floor_equals_filling_the_mask():
 
 
 def test_cpu_scores_are_the_batched_product():
-    """On CPU the scores are one mm per kv head and sequence (bmm left a core idle), the keys
-    multiplied where they lie, strided as a model's (B, L, KV, D) projection leaves them:
-    bmm's bits on contiguous copies at the block shapes of smollm2-135m and gemma3-270m, and
-    bmm's values to rounding at tiny ones, where the two take different kernels."""
+    """On CPU the scores are one mm per kv head (bmm left a core idle): bmm's bits at the block
+    shapes of smollm2-135m and gemma3-270m, and bmm's values to rounding at tiny ones, where
+    the two take different kernels."""
     from attngeom.extract.tiles import _scores
 
     torch.manual_seed(4)
-    for kv, bsz, rows, keys, dim in [(1, 1, 512, 300, 256), (3, 1, 168, 1024, 64), (3, 2, 168, 56, 64),
-                                     (2, 2, 7, 9, 5)]:
-        q = torch.randn(kv, bsz, rows, dim)
-        k = torch.randn(bsz, keys, kv, dim).permute(2, 0, 1, 3)
-        scores = _scores(q, k)
-        batched = torch.bmm(q.flatten(0, 1), k.contiguous().flatten(0, 1).transpose(1, 2))
+    for n, rows, keys, dim in [(1, 512, 300, 256), (3, 168, 1024, 64), (3, 168, 56, 64), (4, 7, 9, 5)]:
+        q, k = torch.randn(n, rows, dim), torch.randn(n, keys, dim)
+        scores, batched = _scores(q, k), torch.bmm(q, k.transpose(1, 2))
         if rows * keys > 1000:
             assert torch.equal(scores, batched)
         torch.testing.assert_close(scores, batched, rtol=1e-6, atol=1e-6)

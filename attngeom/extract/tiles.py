@@ -150,30 +150,17 @@ def _tile_bytes(device: torch.device) -> int:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q k^T for each (kv head, sequence): q (kv, B, rows, Dh), k (kv, B, keys, Dh) -> (kv B, rows, keys)."""
+    """q k^T for each of the batch's matrices: q (N, rows, Dh), k (N, keys, Dh) -> (N, rows, keys)."""
     if q.device.type != "cpu":
-        return torch.bmm(q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2))
+        return torch.bmm(q, k.transpose(1, 2))
     # On CPU bmm shares out whole matrices among the threads: 3 kv heads on 2 cores left one
     # core idle a third of the time. mm splits each product: bmm's bits at the real models'
     # block shapes (tiny ones differ by an ulp), and the scores of a smollm2-135m layer took
-    # 1.15 against 1.35-1.6 ms at L=512, 3.9 against 4.6-5.4 ms at L=1024. One at a time, each
-    # matrix keeps its own strides.
-    kv, bsz, rows, keys = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    scores = torch.empty(kv * bsz, rows, keys, device=q.device)
-    for i in range(kv * bsz):
-        torch.mm(q[i // bsz, i % bsz], k[i // bsz, i % bsz].T, out=scores[i])
+    # 1.15 against 1.35-1.6 ms at L=512, 3.9 against 4.6-5.4 ms at L=1024.
+    scores = torch.empty(q.shape[0], q.shape[1], k.shape[1], device=q.device)
+    for i in range(q.shape[0]):
+        torch.mm(q[i], k[i].T, out=scores[i])
     return scores
-
-
-def _products(probs: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-    """out = probs @ v for each (kv head, sequence): probs (kv B, rows, keys), v (kv, B, keys, Dv),
-    out (kv, B, rows, Dv)."""
-    if probs.device.type != "cpu":
-        torch.bmm(probs, v.flatten(0, 1), out=out.flatten(0, 1))
-        return
-    bsz = v.shape[1]
-    for i in range(probs.shape[0]):
-        torch.mm(probs[i], v[i // bsz, i % bsz], out=out[i // bsz, i % bsz])
 
 
 def attention_summaries(
@@ -230,20 +217,14 @@ def attention_summaries(
     value_dim = value.shape[-1]
     copy_threads = threads if query.numel() * 4 >= LAYOUT_SHARE_BYTES else 1
     q = torch.empty(n_kv, bsz, length * group, head_dim, device=device)
+    k = torch.empty(n_kv, bsz, length, head_dim, device=device)
+    v = torch.empty(n_kv, bsz, length, value_dim, device=device)
     grouped = query.reshape(bsz, n_kv, group, length, head_dim)
-    # On CPU float32 keys and values are multiplied where they lie, each (L, D) matrix with its
-    # own row stride (BLAS's leading dimension): copying them cost a tenth of a thin layer's
-    # capture (32/32/128, L = 1024).
-    copied = [x for x in (key, value)
-              if device.type != "cpu" or x.dtype != torch.float32 or x.stride(-1) != 1]
-    k, v = (torch.empty(n_kv, bsz, length, x.shape[-1], device=device) if any(x is c for c in copied) else
-            x.transpose(0, 1) for x in (key, value))
 
     def lay_out(h: int) -> None:
         q[h].view(bsz, length, group, head_dim).copy_(grouped[:, h].transpose(1, 2)).mul_(scaling)
-        for given, laid in zip((key, value), (k, v)):
-            if any(given is c for c in copied):
-                laid[h].copy_(given[:, h])
+        k[h].copy_(key[:, h])
+        v[h].copy_(value[:, h])
 
     share_out(lay_out, range(n_kv), copy_threads)
     # Each row's sink logit, laid out as the rows are (KV B, L g): a head's for all its queries,
@@ -254,7 +235,7 @@ def attention_summaries(
         sink_rows = (sinks.float().view(n_kv, 1, 1, group) if per_head else
                      sinks.float().view(bsz, n_kv, group, length).permute(1, 0, 3, 2)
                      ).expand(n_kv, bsz, length, group).reshape(n_kv * bsz, length * group)
-    v_norm = v.norm(dim=-1).reshape(n_kv * bsz, length)
+    v_norm = v.norm(dim=-1).flatten(0, 1)
     kv_tile, block = tile or score_tile(bsz, n_heads, n_kv, length, device)
 
     # Per-query results, row by row as the tiles' scores lay them out: (KV B, L g), (B, H, L) at the end.
@@ -298,7 +279,8 @@ def attention_summaries(
         lo, hi = bisect.bisect_left(queries, q0), bisect.bisect_left(queries, q1)
         inside = torch.tensor(queries[lo:hi], device=device) - q0 if query_rows is not None and hi > lo else None
         with phase("attngeom.rows"):
-            scores = _scores(q[h0:h1, :, q0 * group : q1 * group], k[h0:h1, :, :n_keys])
+            scores = _scores(q[h0:h1, :, q0 * group : q1 * group].flatten(0, 1),
+                             k[h0:h1, :, :n_keys].flatten(0, 1))
             if softcap is not None:
                 scores = softcap * torch.tanh(scores / softcap)
             # (kv, B, block, g, keys): the per-query view of the same scores.
@@ -320,7 +302,8 @@ def attention_summaries(
             query_rows[h0:h1, :, lo:hi, :, :n_keys] = tile_probs[:, :, inside]
         if output is not None:
             with phase("attngeom.output"):
-                _products(probs, v[h0:h1, :, :n_keys], output[h0:h1, :, q0 * group : q1 * group])
+                torch.bmm(probs, v[h0:h1, :, :n_keys].flatten(0, 1),
+                          out=output[h0:h1, :, q0 * group : q1 * group].flatten(0, 1))
         if q1 == length:
             attn_last[h0:h1] = tile_probs[:, :, -1]
 
