@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_shape_args(p)
     p.set_defaults(shapes=CASES)
     p.add_argument("--states", default="quiet,busy", help="comma-separated: quiet, busy")
-    p.add_argument("--num-sequences", type=int, default=1)
+    p.add_argument("--num-sequences", type=int, default=2,
+                   help="sequences per extract (default 2: the second one's forward runs beside the first's write, "
+                        "as every sequence but the last does in a longer run)")
     p.add_argument("--dataset", default="python-docs")
     return run_shapes(p.parse_args(argv), bench, report, "attngeom-pace-")
 
