@@ -277,6 +277,13 @@ class DerivedWrite:
         for name, data in datasets.items():
             if tuple(int(s) for s in data["seq"].values) != sequences:
                 raise ValueError(f"{name}: sequences {data['seq'].values.tolist()} are not the next {list(sequences)}")
+        missing = [f"{name}/{var}" for name, data in datasets.items() for var in (*data.data_vars, "seq")
+                   if var not in update.arrays[name]]
+        if missing:
+            # A fenced writer's generation is removed only by a writer that took the run over.
+            if self.fence is not None:
+                self.fence.require_unchanged()
+            raise ValueError(f"no array {', '.join(missing)} in the groups written")
         parts = [(update.arrays[name][var], data[var].values) for name, data in datasets.items()
                  for var in (*data.data_vars, "seq")]
         set_regions(self.url, self.zstore, parts, start)

@@ -294,6 +294,13 @@ class HeldObject:
         except FileNotFoundError:
             return self._seen is None
 
+    def require_unchanged(self) -> None:
+        """:class:`StoreWriteError` (the writer lost its hold) unless the object is still the
+        version last read or written: for a writer that finds what it wrote gone, which only a
+        writer that took the run over removes."""
+        if not self.unchanged():
+            raise self._lost()
+
     def _lost(self) -> StoreWriteError:
         return StoreWriteError(
             f"the {self.lease.holder['command']} of run {self.lease.run_id} lost its hold: another writer took "
