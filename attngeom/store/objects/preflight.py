@@ -96,8 +96,9 @@ def require_writable(url: str) -> None:
         return
     if path.exists() and not path.is_dir():
         raise StoreWriteError(f"store path {path} exists and is not a folder")
-    # A probe (below) is another creator's of the same new store, a moment before its root.
-    if (path.is_dir() and any(not entry.name.startswith(_PROBE) for entry in path.iterdir())
+    # A probe (below) or the root's metadata half written (zarr writes ``zarr.json.<id>.partial``
+    # and renames it) is another creator's of the same new store, a moment before its root.
+    if (path.is_dir() and any(not _creating(entry.name) for entry in path.iterdir())
             and not (path / "zarr.json").exists()):
         raise StoreWriteError(f"{path} is a non-empty folder that is not a Zarr store")
     probe = path if path.exists() else path.parent
@@ -112,6 +113,11 @@ def require_writable(url: str) -> None:
         os.unlink(name)
     except OSError as exc:
         raise StoreWriteError(f"store path {path} is not writable ({exc.strerror} in {probe})") from exc
+
+
+def _creating(name: str) -> bool:
+    """Whether a file in a store's folder is a creator's before the root exists."""
+    return name.startswith(_PROBE) or (name.startswith("zarr.json.") and name.endswith(".partial"))
 
 
 def run_record(url: str, run_id: str) -> dict[str, Any] | None:
