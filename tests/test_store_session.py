@@ -113,3 +113,45 @@ def test_a_write_the_store_refuses_in_a_writing_session_is_one_line(tmp_path):
         assert session.root is None and session.run_write("r").recorded() is None
         raise OSError(errno.ENOSPC, "No space left on device")
     assert raised.type is OSError and not new.exists()
+
+
+def test_a_second_creator_meets_the_first_ones_root_in_flight(tmp_path):
+    """Two writers creating one local store: the second may look while zarr writes the
+    first one's root metadata (``zarr.json.<id>.partial``, then renamed). That folder is a
+    store being created, adopted; a folder holding anything else is refused."""
+    from attngeom.errors import StoreWriteError
+    from attngeom.store.holds.access import open_or_create_root
+
+    path = tmp_path / "s.zarr"
+    path.mkdir()
+    (path / "zarr.json.0123abcd.partial").write_bytes(b"{")
+    root = open_or_create_root(str(path))
+    assert root.attrs["attngeom"]["schema_version"] >= 1
+    del root
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(StoreWriteError, match="non-empty folder that is not a Zarr store"):
+        open_or_create_root(str(other))
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+
+
+def test_a_second_writer_in_one_process_leaves_the_first_ones_writes_in_flight(tmp_path):
+    """A store opened for writing clears the leftovers of killed writes only when nothing
+    else holds it, this process's other threads included: a ``*.partial`` object beside a
+    live root is that writer's write in flight, renamed in a moment."""
+    import gc
+
+    from attngeom.store.holds.access import open_or_create_root, open_root
+
+    url = str(tmp_path / "s.zarr")
+    first = open_or_create_root(url)
+    in_flight = tmp_path / "s.zarr" / "zarr.json.0123abcd.partial"
+    in_flight.write_bytes(b"{}")
+    second = open_root(url, mode="a")
+    assert in_flight.exists()
+    del first, second
+    gc.collect()  # a root's hold ends with the root
+    third = open_root(url, mode="a")
+    assert not in_flight.exists()  # no writer left: a leftover, cleared
+    del third

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import os
 import shutil
+import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -114,6 +115,9 @@ def open_root(url: str, *, mode: str = "r") -> zarr.Group:
 # opened for writing through it that are still alive. The descriptor closes, and the lock
 # goes, with the last of them.
 _HOLDS: dict[tuple[int, int], list[Any]] = {}
+# Threads of one process write one store too (two extracts from a notebook). Reentrant: a root's
+# finalizer may run, in the thread holding it, during a garbage collection inside a hold.
+_HOLDS_LOCK = threading.RLock()
 
 
 class WriterHold:
@@ -136,17 +140,21 @@ class WriterHold:
         path.mkdir(parents=True, exist_ok=True)
         st = path.stat()
         key = (st.st_dev, st.st_ino)
-        if key not in _HOLDS:
-            _HOLDS[key] = [os.open(path, os.O_RDONLY), 0]
-        _HOLDS[key][1] += 1
-        self.key = key  # counted: from here on, released by the root or by __del__
-        fd = _HOLDS[key][0]
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # this process's own hold converts
-            remove_partials(url)
-        except BlockingIOError:
-            pass
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        with _HOLDS_LOCK:
+            if key not in _HOLDS:
+                _HOLDS[key] = [os.open(path, os.O_RDONLY), 0]
+            _HOLDS[key][1] += 1
+            self.key = key  # counted: from here on, released by the root or by __del__
+            fd = _HOLDS[key][0]
+            # Only the process's first hold clears leftovers: a later one's would be this
+            # process's own writes in flight, from another thread.
+            if _HOLDS[key][1] == 1:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    remove_partials(url)
+                except BlockingIOError:
+                    pass
+            fcntl.flock(fd, fcntl.LOCK_SH)
 
     def bind(self, root: zarr.Group) -> None:
         """Keep the store held while ``root`` lives."""
@@ -166,11 +174,12 @@ class WriterHold:
 
 
 def _release(key: tuple[int, int]) -> None:
-    hold = _HOLDS[key]
-    hold[1] -= 1
-    if not hold[1]:
-        os.close(hold[0])
-        del _HOLDS[key]
+    with _HOLDS_LOCK:
+        hold = _HOLDS[key]
+        hold[1] -= 1
+        if not hold[1]:
+            os.close(hold[0])
+            del _HOLDS[key]
 
 
 def partials(url: str) -> list[str]:
