@@ -372,13 +372,16 @@ def test_regions_read_as_zarr_reads_them(local, tmp_path):
             read_regions(url, [(arrays["i"], slice(0, 7)), (arrays["f"], slice(1, 2))])
 
 
+@pytest.mark.parametrize("given", ["whole", "layers"])
 @pytest.mark.parametrize("values_dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("local", [False, True], ids=["fsspec", "local"])
-def test_a_sequence_is_stored_as_zarr_stores_it(local, values_dtype, tmp_path):
+def test_a_sequence_is_stored_as_zarr_stores_it(local, values_dtype, given, tmp_path):
     """The writer encodes a sequence's chunks and shards itself: every object equals zarr's
     own write of the same values with write_empty_chunks=True, an inner chunk all fill value
     (a layer of zero values) and a chunk all fill value (window_start 0) stored too; every
-    run array, attention rows of every query and of chosen queries included."""
+    run array, attention rows of every query and of chosen queries included. Handed whole, or
+    one part per layer as extract hands them (float values in float32, the capture's dtype,
+    converted by the writer)."""
     from attngeom.store import RunLayout, create_run, open_or_create_root, write_sequence
     from attngeom.extract.synthetic import synthetic_sequence
 
@@ -395,7 +398,7 @@ def test_a_sequence_is_stored_as_zarr_stores_it(local, values_dtype, tmp_path):
         run = create_run(open_or_create_root(url) if isinstance(url, str) else zarr.open_group(url, mode="w"),
                          "r", layout, {"model": {"id": "m"}}, 2)
         if url is ours:
-            write_sequence(run, 1, arrays)
+            write_sequence(run, 1, arrays if given == "whole" else in_layers(arrays, layout.n_layers))
             continue
         with zarr.config.set({"array.write_empty_chunks": True}):  # read when an array is opened
             reopened = zarr.open_group(theirs, path="runs/r", mode="r+", use_consolidated=False)
@@ -406,6 +409,15 @@ def test_a_sequence_is_stored_as_zarr_stores_it(local, values_dtype, tmp_path):
     assert sorted(got) == sorted(want)
     assert {"runs/r/values/c/1/0/0/0/0", "runs/r/window_start/c/1", "runs/r/attn/c/1/0/0/0/0"} <= set(got)
     assert all(got[key] == want[key] for key in want)
+
+
+def in_layers(arrays: dict, n_layers: int) -> dict:
+    """A sequence's arrays with a layer axis as one part per layer, float ones in float32."""
+    def part(layer):
+        return layer.astype(np.float32) if layer.dtype == np.float16 else layer
+
+    return {name: [part(layer) for layer in value] if value.ndim > 1 and value.shape[0] == n_layers else value
+            for name, value in arrays.items()}
 
 
 def test_a_local_store_lists_the_metadata_a_store_lists(tmp_path):
@@ -435,22 +447,23 @@ def test_a_failed_local_write_leaves_no_partial_object(tmp_path, monkeypatch):
     """A local object whose write fails half way (a full disk) leaves neither the object nor
     its ``.partial`` file, and the error goes up."""
     import errno
-    from pathlib import Path
+    import os
 
     from attngeom.store.objects.storage import put_objects
 
     url = tmp_path / "s.zarr"
     zstore = zarr_store(str(url), read_only=False)
-    written = Path.write_bytes
+    writev = os.writev
 
-    def full(self, data):
-        written(self, data[:3])
+    def full(fd, buffers):
+        writev(fd, [bytes(buffers[0])[:3]])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Path, "write_bytes", full)
+    monkeypatch.setattr(os, "writev", full)
     with pytest.raises(OSError, match="No space"):
         put_objects(zstore, {"g/x/c.0": b"0123456789"})
     assert [p.name for p in url.rglob("*") if p.is_file()] == []
+    monkeypatch.undo()
 
     def parts():  # an object written part by part, whose second part cannot be had
         yield b"01234"

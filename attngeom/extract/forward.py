@@ -73,7 +73,7 @@ def sequence_parts(captures: dict[int, LayerCapture], b: int, window: Window,
                    layout: RunLayout) -> dict[str, SequenceValue]:
     """Sequence ``b`` of a batch's ``captures`` as the writer takes it: each per-layer array as
     one part per stored layer, views of the captures' host memory where their dtype allows
-    (the writer stacks and converts them: :func:`attngeom.store.extracted.runs.sequence_values`)."""
+    (the writer's encoders read each as one chunk of its shard, converted to the stored dtype)."""
     layers = layout.layer_indices
 
     def parts(name: str) -> list[np.ndarray]:

@@ -281,16 +281,9 @@ def completed(run: zarr.Group) -> np.ndarray:
     return np.flatnonzero(flags[:] == 1)
 
 
-# A sequence's array as a writer is handed it: whole, or one part per stored layer.
+# A sequence's array as a writer is handed it: whole, or one part per stored layer (views of a
+# capture's buffers, read by the encoders: no copy of the whole is made).
 SequenceValue = np.ndarray | Sequence[np.ndarray]
-
-
-def sequence_values(arrays: Mapping[str, SequenceValue], dtypes: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
-    """A sequence's arrays whole: those given as one part per stored layer stacked along the
-    layer axis and converted to their stored dtype (``dtypes``), the others as given. The
-    parts may view a capture's buffers: the stack is the one copy, made in the writer's thread."""
-    return {name: np.stack(value).astype(dtypes[name], copy=False) if isinstance(value, list | tuple) else value
-            for name, value in arrays.items()}
 
 
 # Sequences a SequenceWriter holds between submit and commit: one written while the next waits,
@@ -301,10 +294,10 @@ IN_FLIGHT = 2
 class SequenceWriter:
     """Writes sequences of one run beside the caller, each committed when all of it is stored.
 
-    The run's arrays are opened once. ``submit(seq, arrays)`` hands over a sequence: one
-    background thread stacks the arrays given as one part per stored layer and converts
-    them to their stored dtype (:func:`sequence_values`), writes every array at once (their
-    chunks compressed on a thread per core) and then sets the sequence's ``complete`` flag,
+    The run's arrays are opened once. ``submit(seq, arrays)`` hands over a sequence (each
+    array whole, or one part per stored layer): one background thread writes every array
+    at once (their chunks converted to the stored dtype and compressed on a thread per core)
+    and then sets the sequence's ``complete`` flag,
     in the order submitted. At most ``in_flight`` sequences are between submit and commit
     (``submit`` waits for room), so memory holds at most that many sequences' arrays (and
     the buffers their parts view) beside the caller's. With ``in_flight=0`` ``submit``
@@ -338,18 +331,20 @@ class SequenceWriter:
         self._stopped = False
         self.committed: list[int] = []  # by this writer, in order: counted also where the store no longer answers
 
-    def write(self, seq: int, arrays: Mapping[str, np.ndarray]) -> None:
+    def write(self, seq: int, arrays: Mapping[str, SequenceValue]) -> None:
         """Write sequence ``seq`` and commit it, in the calling thread: every chunk of every
         array stored (also one all fill value: validate tells a written sequence from an
-        unwritten one by its chunk objects), then the ``complete`` flag."""
+        unwritten one by its chunk objects), then the ``complete`` flag. ``arrays``: each
+        whole, or one part per stored layer."""
+        given = {name: [np.asarray(part) for part in arrays[name]] if isinstance(arrays[name], list | tuple)
+                 else np.asarray(arrays[name])[None] for name in SEQUENCE_ARRAYS if name in self._arrays}
         objects = {}
         # The largest first: its object is written while the others are still compressed.
-        names = sorted((n for n in SEQUENCE_ARRAYS if n in self._arrays), key=lambda n: -np.asarray(arrays[n]).nbytes)
+        names = sorted(given, key=lambda n: -_nbytes(given[n]))
         for name in names:
             arr = self._arrays[name]
-            values = np.asarray(arrays[name])[None]
-            encode, chunks, sharded = object_chunks(arr.metadata.to_dict(), values)
-            key = f"{arr.path}/{arr.metadata.encode_chunk_key((seq,) + (0,) * (values.ndim - 1))}"
+            encode, chunks, sharded = object_chunks(arr.metadata.to_dict(), given[name])
+            key = f"{arr.path}/{arr.metadata.encode_chunk_key((seq,) + (0,) * (arr.ndim - 1))}"
             objects[key] = _stored_parts(deque(self._encoders.submit(encode, chunk) for chunk in chunks), sharded)
         if self._fence is None:
             put_objects(self._store, objects)
@@ -368,13 +363,13 @@ class SequenceWriter:
 
     def submit(self, seq: int, arrays: Mapping[str, SequenceValue]) -> None:
         """Queue sequence ``seq``, its ``arrays`` (each whole, or its parts along the layer axis:
-        :func:`sequence_values`), for the background thread; raises the error of an earlier write."""
+        the stored layers), for the background thread; raises the error of an earlier write."""
         if not self._in_flight:
-            self._convert_and_write(seq, arrays)
+            self._write_unless_stopped(seq, arrays)
             return
         while self._pending and (len(self._pending) >= self._in_flight or self._pending[0].done()):
             self._pending.popleft().result()
-        self._pending.append(self._pool.submit(self._convert_and_write, seq, arrays))
+        self._pending.append(self._pool.submit(self._write_unless_stopped, seq, arrays))
 
     def close(self) -> None:
         """Wait until every submitted sequence is committed; raises the first write's error."""
@@ -384,11 +379,11 @@ class SequenceWriter:
         finally:
             self._stop()
 
-    def _convert_and_write(self, seq: int, arrays: Mapping[str, SequenceValue]) -> None:
+    def _write_unless_stopped(self, seq: int, arrays: Mapping[str, SequenceValue]) -> None:
         if self._stopped:
             return
         try:
-            self.write(seq, sequence_values(arrays, {name: arr.dtype for name, arr in self._arrays.items()}))
+            self.write(seq, arrays)
         except BaseException:
             self._stopped = True
             raise
@@ -414,6 +409,10 @@ def write_sequence(run: zarr.Group, seq: int, arrays: Mapping[str, np.ndarray]) 
     flag (the commit)."""
     with SequenceWriter(run, in_flight=0) as writer:
         writer.write(seq, arrays)
+
+
+def _nbytes(value: np.ndarray | list[np.ndarray]) -> int:
+    return sum(part.nbytes for part in value) if isinstance(value, list) else value.nbytes
 
 
 def _stored_parts(chunks: deque[Future[tuple[bytes, bytes]]], sharded: bool) -> Iterator[Part]:

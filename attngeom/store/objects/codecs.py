@@ -136,18 +136,25 @@ def decoded(x: np.ndarray, encoding: str | None) -> np.ndarray:
     return bfloat16_values(x)
 
 
-def object_chunks(metadata: Mapping[str, Any],
-                  values: np.ndarray) -> tuple[Callable[[np.ndarray], tuple[bytes, bytes]], list[np.ndarray], bool]:
+def object_chunks(metadata: Mapping[str, Any], values: np.ndarray | Sequence[np.ndarray],
+                  ) -> tuple[Callable[[np.ndarray], tuple[bytes, bytes]], list[np.ndarray], bool]:
     """How the stored object of one whole chunk of the array of this ``zarr.json`` holds
-    ``values`` (the chunk's full shape, or the shard's for a sharded array): the encoder of
-    its chunks (:func:`chunk_encoder`), those chunks in their stored order, and whether they
-    are a shard's inner chunks, to be followed by :func:`shard_index`. Every chunk is stored,
-    also one all fill value. The bytes are zarr-python's own: a shard is the layout its
-    sharding codec writes (inner chunks in Morton order, index at the end, crc32c over the
-    index), for shards whose inner chunks split one dimension only, where Morton order is
-    their order along it (a run's arrays: an inner chunk per layer)."""
+    ``values`` (the chunk's full shape, or the shard's for a sharded array; or its parts
+    along the second axis, a run's layer axis, each without the first two axes): the encoder
+    of its chunks (:func:`chunk_encoder`, which also converts them to the stored dtype),
+    those chunks in their stored order, and whether they are a shard's inner chunks, to be
+    followed by :func:`shard_index`. Every chunk is stored, also one all fill value. The
+    bytes are zarr-python's own: a shard is the layout its sharding codec writes (inner
+    chunks in Morton order, index at the end, crc32c over the index), for shards whose inner
+    chunks split one dimension only, where Morton order is their order along it (a run's
+    arrays: an inner chunk per layer)."""
     codecs = metadata["codecs"]
     shape = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    if isinstance(values, list | tuple):
+        parts = _layer_chunks(codecs, shape, values)
+        if parts is not None:  # one inner chunk per part: no copy of the whole
+            return chunk_encoder({**metadata, "codecs": codecs[0]["configuration"]["codecs"]}), parts, True
+        values = np.stack(values)[None]
     if values.shape != shape:
         raise ValueError(f"a chunk of shape {shape} cannot hold values of shape {values.shape}")
     if codecs[0]["name"] != "sharding_indexed":
@@ -164,6 +171,21 @@ def object_chunks(metadata: Mapping[str, Any],
     chunks = [values[(slice(None),) * axis + (slice(i, i + inner[axis]),)]
               for i in range(0, shape[axis], inner[axis])]
     return chunk_encoder({**metadata, "codecs": config["codecs"], "data_type": metadata["data_type"]}), chunks, True
+
+
+def _layer_chunks(codecs: Sequence[Mapping[str, Any]], shape: tuple[int, ...],
+                  parts: Sequence[np.ndarray]) -> list[np.ndarray] | None:
+    """``parts`` as the inner chunks of a shard of ``shape`` (1, n_layers, ...) holding one
+    layer each, with the leading axes added (views); None where the shard is split otherwise."""
+    if codecs[0]["name"] != "sharding_indexed" or len(shape) < 2 or len(parts) != shape[1]:
+        return None
+    config = codecs[0]["configuration"]
+    if (tuple(config["chunk_shape"]) != (1, 1) + shape[2:] or config.get("index_location", "end") != "end"
+            or [c["name"] for c in config["index_codecs"]] != ["bytes", "crc32c"]):
+        return None
+    if any(part.shape != shape[2:] for part in parts):
+        raise ValueError(f"a shard of shape {shape} cannot hold layers of shapes {[p.shape for p in parts]}")
+    return [part[None, None] for part in parts]
 
 
 def shard_index(sizes: Sequence[int]) -> bytes:
