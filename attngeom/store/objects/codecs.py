@@ -25,8 +25,10 @@ DEFAULT_CODEC = ("zstd", BLOSC_LEVEL)
 # Value vectors are noise to a compressor: per sequence at L=1024, float32, zstd level 3 stores
 # them 1.15x (smollm2-135m) and 1.12x (gemma3-270m), lz4 level 9 1.15x and 1.13x, at a quarter
 # of the CPU time (0.015 against 0.057 s). They are most of a run's bytes, and on a GPU their
-# encoding is the largest CPU cost of extract.
-VALUES_CODEC = ("lz4", 9)
+# encoding is the largest CPU cost of extract. lz4 level 5 (Blosc's smaller blocks) stores them
+# 1% larger than level 9 at 1.07-1.12x its speed on those models, and 1.6x on a random-weight
+# model whose values compress more (docs/design-notes.md#writer).
+VALUES_CODEC = ("lz4", 5)
 
 
 def compressor(typesize: int, codec: tuple[str, int] = DEFAULT_CODEC) -> BloscCodec:
@@ -177,7 +179,7 @@ def _layer_chunks(codecs: Sequence[Mapping[str, Any]], shape: tuple[int, ...],
                   parts: Sequence[np.ndarray]) -> list[np.ndarray] | None:
     """``parts`` as the inner chunks of a shard of ``shape`` (1, n_layers, ...) holding one
     layer each, with the leading axes added (views); None where the shard is split otherwise."""
-    if codecs[0]["name"] != "sharding_indexed" or len(shape) < 2 or len(parts) != shape[1]:
+    if codecs[0]["name"] != "sharding_indexed" or len(shape) < 2 or shape[0] != 1 or len(parts) != shape[1]:
         return None
     config = codecs[0]["configuration"]
     if (tuple(config["chunk_shape"]) != (1, 1) + shape[2:] or config.get("index_location", "end") != "end"
