@@ -2,7 +2,7 @@
 """extract's loop against the SDPA forward, on the machine as it is and beside a CPU-bound
 process: the real offline models and the thin paper shapes in one command (run by hand).
 
-    python benchmarks/extract_pace.py                       # every case, quiet then busy: about 6-8 minutes
+    python benchmarks/extract_pace.py                       # every case, quiet then busy: about 12 minutes
     python benchmarks/extract_pace.py --shapes 32/32/128@1024:256 --states busy --reps 5
 
 Cases (``--shapes``) are offline model names at a context length (``smollm2-135m@1024``: windows of the
@@ -129,9 +129,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_shape_args(p)
     p.set_defaults(shapes=CASES)
     p.add_argument("--states", default="quiet,busy", help="comma-separated: quiet, busy")
-    p.add_argument("--num-sequences", type=int, default=2,
-                   help="sequences per extract (default 2: the second one's forward runs beside the first's write, "
-                        "as every sequence but the last does in a longer run)")
+    p.add_argument("--num-sequences", type=int, default=4,
+                   help="sequences per extract (default 4: the run's creation and commit, paid once a run, "
+                        "weigh on the ratio as on a short run)")
     p.add_argument("--dataset", default="python-docs")
     return run_shapes(p.parse_args(argv), bench, report, "attngeom-pace-")
 
