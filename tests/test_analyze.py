@@ -324,9 +324,9 @@ KILLER = textwrap.dedent("""
         write()
         await set_(self, key, value)
 
-    def killing_local(path, value):  # an object attngeom writes to a local folder itself
+    def killing_local(path, value, folders):  # an object attngeom writes to a local folder itself
         write()
-        put_local(path, value)
+        put_local(path, value, folders)
 
     zarr.storage.LocalStore.set = killing
     storage._put_local = killing_local
@@ -575,9 +575,9 @@ def test_interrupted_ablation_write_is_reported_and_earlier_kept(tmp_path, monke
         write(key)
         await set_(self, key, value)
 
-    def crashing_local(path, value):  # an object attngeom writes to a local folder itself
+    def crashing_local(path, value, folders):  # an object attngeom writes to a local folder itself
         write(str(path.relative_to(tmp_path / "s.zarr")))
-        put_local(path, value)
+        put_local(path, value, folders)
 
     monkeypatch.setattr(zarr.storage.LocalStore, "set", crashing)
     monkeypatch.setattr(storage, "_put_local", crashing_local)

@@ -152,42 +152,31 @@ def object_chunks(metadata: Mapping[str, Any], values: np.ndarray | Sequence[np.
     arrays: an inner chunk per layer)."""
     codecs = metadata["codecs"]
     shape = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    sharded = codecs[0]["name"] == "sharding_indexed"
+    if sharded:
+        config = codecs[0]["configuration"]
+        index_codecs = [c["name"] for c in config["index_codecs"]]
+        if config.get("index_location", "end") != "end" or index_codecs != ["bytes", "crc32c"]:
+            raise ValueError(f"no encoder for a shard index {index_codecs} at the {config.get('index_location')}")
+        inner = tuple(config["chunk_shape"])
+        split = [axis for axis, (s, c) in enumerate(zip(shape, inner)) if s != c]
+        if len(split) > 1 or any(s % c for s, c in zip(shape, inner)):
+            raise ValueError(f"no encoder for shards of {shape} in inner chunks of {inner}")
+        encode = chunk_encoder({**metadata, "codecs": config["codecs"]})
+    else:
+        encode = chunk_encoder(metadata)
     if isinstance(values, list | tuple):
-        parts = _layer_chunks(codecs, shape, values)
-        if parts is not None:  # one inner chunk per part: no copy of the whole
-            return chunk_encoder({**metadata, "codecs": codecs[0]["configuration"]["codecs"]}), parts, True
+        if (sharded and inner == (1, 1) + shape[2:] and shape[:2] == (1, len(values))
+                and all(part.shape == shape[2:] for part in values)):
+            return encode, [part[None, None] for part in values], True  # an inner chunk per part: no copy
         values = np.stack(values)[None]
     if values.shape != shape:
         raise ValueError(f"a chunk of shape {shape} cannot hold values of shape {values.shape}")
-    if codecs[0]["name"] != "sharding_indexed":
-        return chunk_encoder(metadata), [values], False
-    config = codecs[0]["configuration"]
-    index_codecs = [c["name"] for c in config["index_codecs"]]
-    if config.get("index_location", "end") != "end" or index_codecs != ["bytes", "crc32c"]:
-        raise ValueError(f"no encoder for a shard index {index_codecs} at the {config.get('index_location')}")
-    inner = tuple(config["chunk_shape"])
-    split = [axis for axis, (s, c) in enumerate(zip(shape, inner)) if s != c]
-    if len(split) > 1 or any(s % c for s, c in zip(shape, inner)):
-        raise ValueError(f"no encoder for shards of {shape} in inner chunks of {inner}")
+    if not sharded:
+        return encode, [values], False
     axis = split[0] if split else 0
-    chunks = [values[(slice(None),) * axis + (slice(i, i + inner[axis]),)]
-              for i in range(0, shape[axis], inner[axis])]
-    return chunk_encoder({**metadata, "codecs": config["codecs"], "data_type": metadata["data_type"]}), chunks, True
-
-
-def _layer_chunks(codecs: Sequence[Mapping[str, Any]], shape: tuple[int, ...],
-                  parts: Sequence[np.ndarray]) -> list[np.ndarray] | None:
-    """``parts`` as the inner chunks of a shard of ``shape`` (1, n_layers, ...) holding one
-    layer each, with the leading axes added (views); None where the shard is split otherwise."""
-    if codecs[0]["name"] != "sharding_indexed" or len(shape) < 2 or shape[0] != 1 or len(parts) != shape[1]:
-        return None
-    config = codecs[0]["configuration"]
-    if (tuple(config["chunk_shape"]) != (1, 1) + shape[2:] or config.get("index_location", "end") != "end"
-            or [c["name"] for c in config["index_codecs"]] != ["bytes", "crc32c"]):
-        return None
-    if any(part.shape != shape[2:] for part in parts):
-        raise ValueError(f"a shard of shape {shape} cannot hold layers of shapes {[p.shape for p in parts]}")
-    return [part[None, None] for part in parts]
+    return encode, [values[(slice(None),) * axis + (slice(i, i + inner[axis]),)]
+                    for i in range(0, shape[axis], inner[axis])], True
 
 
 def shard_index(sizes: Sequence[int]) -> bytes:

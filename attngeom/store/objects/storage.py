@@ -269,9 +269,9 @@ def put_objects(zstore: Any, objects: Mapping[str, bytes | Iterable[Part]], *, o
     if isinstance(zstore, zarr.storage.LocalStore):
         # Written here: through the store, each object takes a hop to zarr's thread and one
         # to a file thread (an analysis writes some 350).
-        root = Path(str(zstore.root))
+        root, folders = Path(str(zstore.root)), set()
         for key, value in objects.items():
-            _put_local(root / key, value)
+            _put_local(root / key, value, folders)
         return {}
     prototype = default_buffer_prototype()
     data = {key: value if isinstance(value, bytes) else b"".join(b for part in value for b in _buffers(part))
@@ -320,25 +320,25 @@ def gather(coroutines: Iterable[Any]) -> None:
     sync(run())
 
 
-def _put_local(path: Path, value: bytes | Iterable[Part]) -> None:
+def _put_local(path: Path, value: bytes | Iterable[Part], folders: set[Path]) -> None:
     """Write a local store's object (its bytes, or its parts in order) as zarr-python does:
     into ``<name>.<uuid>.partial``, then renamed, so that a killed write leaves no truncated
-    object (and a failed one, no partial object)."""
+    object (and a failed one, no partial object). ``folders``: those made already."""
+    if path.parent not in folders:
+        os.makedirs(path.parent, exist_ok=True)
+        folders.add(path.parent)
     partial = path.with_name(f"{path.name}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}")
     try:
-        try:
+        if isinstance(value, bytes):
+            partial.write_bytes(value)
+        else:
             fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileNotFoundError:
-            # Its folder is made only when missing: a sequence's objects go to folders that
-            # exist but for the first, and asking costs as much as a small write.
-            os.makedirs(path.parent, exist_ok=True)
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            for part in (value,) if isinstance(value, bytes) else value:
-                _write_all(fd, _buffers(part))
-                del part  # not held while the next part is made: its memory can be reused
-        finally:
-            os.close(fd)
+            try:
+                for part in value:
+                    _write_all(fd, _buffers(part))
+                    del part  # not held while the next part is made: its memory can be reused
+            finally:
+                os.close(fd)
         os.replace(partial, path)
     except BaseException:  # a full disk: no partial object left behind
         partial.unlink(missing_ok=True)
